@@ -1,0 +1,111 @@
+"""Pure signal arithmetic: counter increases, histogram quantiles, ratios.
+
+Counter resets (a restarted pod) are handled as Prometheus' `increase()` handles them: a value
+lower than the previous one means the counter restarted from zero, so the increase is the new
+value itself. Rates are the increase between two consecutive scrapes divided by the time
+between them; unlike `rate()` over a range there is no extrapolation to the window edges,
+because consecutive scrapes already bound the interval exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Histogram", "counter_increase", "histogram_increase", "histogram_quantile", "ratio"]
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Cumulative bucket counts keyed by upper bound (`+Inf` included), plus sum and count."""
+
+    buckets: tuple[tuple[float, float], ...]  # (le, cumulative count), sorted by le
+    sum: float
+    count: float
+
+    def __add__(self, other: Histogram) -> Histogram:
+        if not self.buckets:
+            return other
+        if not other.buckets:
+            return self
+        mine = dict(self.buckets)
+        theirs = dict(other.buckets)
+        les = sorted(set(mine) | set(theirs))
+        merged = tuple((le, mine.get(le, 0.0) + theirs.get(le, 0.0)) for le in les)
+        return Histogram(merged, self.sum + other.sum, self.count + other.count)
+
+
+EMPTY_HISTOGRAM = Histogram((), 0.0, 0.0)
+
+
+def counter_increase(prev: float | None, cur: float) -> float | None:
+    """Increase of a counter between two readings; None without a previous reading."""
+    if prev is None:
+        return None
+    if cur < prev:  # reset: the counter restarted from zero
+        return cur
+    return cur - prev
+
+
+def histogram_increase(prev: Histogram | None, cur: Histogram) -> Histogram | None:
+    """Bucket-wise increase of a cumulative histogram, treating any decrease as a reset."""
+    if prev is None:
+        return None
+    before = dict(prev.buckets)
+    if cur.count < prev.count or any(c < before.get(le, 0.0) for le, c in cur.buckets):
+        return cur
+    if set(before) != {le for le, _ in cur.buckets}:
+        # Bucket layout changed (e.g. new --custom-histogram-buckets after a restart).
+        return cur
+    deltas = tuple((le, c - before[le]) for le, c in cur.buckets)
+    return Histogram(deltas, cur.sum - prev.sum, cur.count - prev.count)
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The q-quantile of cumulative buckets, as PromQL's `histogram_quantile` computes it.
+
+    Linear interpolation inside the bucket holding the rank; the lowest bucket starts at 0
+    when its bound is positive; a rank in the `+Inf` bucket returns the highest finite bound.
+    NaN when there are no observations.
+    """
+    if not buckets or math.isnan(q):
+        return math.nan
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    ordered = sorted(buckets)
+    if ordered[-1][0] != math.inf:
+        return math.nan
+    # Cumulative counts must not decrease; PromQL repairs small non-monotonicity the same way.
+    fixed: list[tuple[float, float]] = []
+    running = 0.0
+    for le, c in ordered:
+        running = max(running, c)
+        fixed.append((le, running))
+    total = fixed[-1][1]
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    idx = next(i for i, (_, c) in enumerate(fixed) if c >= rank)
+    if idx == len(fixed) - 1:
+        return fixed[-2][0] if len(fixed) >= 2 else math.nan
+    upper, count = fixed[idx]
+    if idx == 0:
+        if upper <= 0:
+            return upper
+        lower, below = 0.0, 0.0
+    else:
+        lower, below = fixed[idx - 1]
+    in_bucket = count - below
+    if in_bucket <= 0:
+        return upper
+    return lower + (upper - lower) * (rank - below) / in_bucket
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator/denominator, or None when either is missing or the denominator is not positive."""
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator

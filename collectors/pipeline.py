@@ -1,0 +1,94 @@
+"""From scrape results to signals: parse, read engines, diff against the previous reading.
+
+`SignalDeriver` keeps the previous reading of every engine in memory (a restart of the control
+plane only costs one interval of rates). It performs no I/O and reads no clock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from collectors import vllm
+from collectors.exposition import ExpositionError, parse
+from collectors.types import ScrapeResult, Signal, engine_subject, pod_subject, pool_subject
+
+__all__ = ["DeriveOutput", "SignalDeriver"]
+
+
+@dataclass(slots=True)
+class DeriveOutput:
+    """Signals of one round, plus what went wrong per target (key -> messages)."""
+
+    signals: list[Signal] = field(default_factory=list)
+    parse_errors: dict[str, list[str]] = field(default_factory=dict)
+    missing_families: dict[str, list[str]] = field(default_factory=dict)
+
+
+class SignalDeriver:
+    """Turns rounds of scrape results into engine, pod and pool signals."""
+
+    def __init__(self) -> None:
+        self._prev: dict[tuple[str, str], tuple[float, vllm.EngineReading]] = {}
+
+    def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
+        """Derive signals for one round; `ts` stamps the pool-level signals."""
+        out = DeriveOutput()
+        pool_deltas: dict[str, list[vllm.EngineDelta]] = defaultdict(list)
+        pool_up: dict[str, list[float]] = defaultdict(list)
+        seen: set[tuple[str, str]] = set()
+        for res in results:
+            t = res.target
+            pool_up[t.pool].append(1.0 if res.ok else 0.0)
+            pod = pod_subject(t.pool, t.pod)
+            out.signals.append(Signal(res.ts, pod, "up", 1.0 if res.ok else 0.0))
+            if not res.ok:
+                # Keep the previous readings: the next good scrape spans the gap correctly.
+                seen.update(k for k in self._prev if k[0] == t.key)
+                continue
+            errors: list[ExpositionError] = []
+            samples = list(parse(res.body, errors=errors))
+            if errors:
+                out.parse_errors[t.key] = [str(e) for e in errors[:20]]
+            out.signals.append(Signal(res.ts, pod, "scrape_duration_seconds", res.duration_s))
+            out.signals.append(Signal(res.ts, pod, "scrape_samples", float(len(samples))))
+            readings = vllm.read_engines(samples)
+            missing = vllm.missing_families(readings)
+            if missing:
+                out.missing_families[t.key] = missing
+            pod_deltas: list[vllm.EngineDelta] = []
+            for engine, reading in readings.items():
+                slot = (t.key, engine)
+                seen.add(slot)
+                prev = self._prev.get(slot)
+                self._prev[slot] = (res.ts, reading)
+                if prev is None:
+                    continue
+                d = vllm.delta(prev[1], reading, res.ts - prev[0])
+                if d is None:
+                    continue
+                out.signals.extend(vllm.signals(d, res.ts, engine_subject(t.pool, t.pod, engine)))
+                pod_deltas.append(d)
+                pool_deltas[t.pool].append(d)
+            if len(pod_deltas) > 1:
+                out.signals.extend(vllm.signals(_merge(pod_deltas), res.ts, pod))
+        for slot in list(self._prev):
+            if slot not in seen:
+                del self._prev[slot]  # target gone from the fleet
+        for pool, ups in pool_up.items():
+            subject = pool_subject(pool)
+            out.signals.append(Signal(ts, subject, "targets_up", sum(ups)))
+            out.signals.append(Signal(ts, subject, "targets", float(len(ups))))
+            deltas = pool_deltas.get(pool)
+            if deltas:
+                out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
+                out.signals.extend(vllm.signals(_merge(deltas), ts, subject))
+        return out
+
+
+def _merge(deltas: list[vllm.EngineDelta]) -> vllm.EngineDelta:
+    total = deltas[0]
+    for d in deltas[1:]:
+        total = total.merge(d)
+    return total

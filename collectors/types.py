@@ -1,0 +1,89 @@
+"""Values that flow out of the collectors: targets, samples, signals and scrape results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    """What an engine pool does in a disaggregated fleet."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One scrape endpoint and the pod, pool and role it belongs to."""
+
+    url: str
+    pool: str
+    pod: str
+    role: Role = Role.UNIFIED
+    source: str = "vllm"
+
+    @property
+    def key(self) -> str:
+        """Stable identity used for per-target state (backoff, previous readings)."""
+        return f"{self.pool}/{self.pod}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One parsed series value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+    timestamp: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """A derived number for one subject at one time; stored narrow."""
+
+    ts: float
+    subject: str
+    name: str
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeResult:
+    """What one scrape of one target produced, successful or not."""
+
+    target: Target
+    ts: float
+    ok: bool
+    body: str = ""
+    duration_s: float = 0.0
+    size_bytes: int = 0
+    error: str | None = None
+    skipped: bool = False  # in backoff: not attempted this round
+
+
+@dataclass(slots=True)
+class TargetHealth:
+    """Per-target scrape bookkeeping for backoff and reporting."""
+
+    consecutive_failures: int = 0
+    next_attempt_at: float = 0.0
+    last_error: str | None = None
+    missing_families: list[str] = field(default_factory=list)
+
+
+def engine_subject(pool: str, pod: str, engine: str) -> str:
+    """Subject naming: engines are `engine/<pool>/<pod>/<rank>`."""
+    return f"engine/{pool}/{pod}/{engine}"
+
+
+def pod_subject(pool: str, pod: str) -> str:
+    """Subject naming: pods are `pod/<pool>/<pod>`."""
+    return f"pod/{pool}/{pod}"
+
+
+def pool_subject(pool: str) -> str:
+    """Subject naming: pools are `pool/<pool>`."""
+    return f"pool/{pool}"

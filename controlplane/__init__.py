@@ -1,0 +1,1 @@
+"""Connecting and acting: configuration, the store, the control loop, actuators, rails, CLI."""

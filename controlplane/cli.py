@@ -1,0 +1,344 @@
+"""`fleetctl`: one entry point, subcommands grouped by noun.
+
+Exit codes: 0 success; 1 a negative result the command exists to report; 2 inconclusive;
+3 and above errors (3 bad input or configuration, 4 store unavailable, 5 actuation failed).
+Commands that report take `--json`: one JSON object on stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from controlplane.errors import FleetError
+
+__all__ = ["main"]
+
+DEFAULT_DB = "sqlite:///fleet.db"
+# Tables keep their columns when piped (a CI log is not an 80-column terminal).
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def _emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _db_option(f: Any) -> Any:
+    return click.option(
+        "--db", "db", envvar="FLEETCTL_STORE_URL", default=DEFAULT_DB, show_default=True,
+        help="Store URL (sqlite:///PATH or postgresql://...); env FLEETCTL_STORE_URL.",
+    )(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """Observability and autotuning control plane for LLM inference fleets."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# config -------------------------------------------------------------------------------------
+
+@cli.group()
+def config() -> None:
+    """Validate fleet files."""
+
+
+@config.command("check")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def config_check(file: Path, as_json: bool) -> None:
+    """Validate FILE; exit 0 when valid, 1 when not."""
+    from controlplane.config import load_config
+    from controlplane.errors import ConfigError
+
+    try:
+        cfg = load_config(file)
+    except ConfigError as exc:
+        if as_json:
+            _emit_json({"file": str(file), "valid": False, "problems": exc.problems})
+        else:
+            err.print(f"[red]{exc}[/]", highlight=False)
+        sys.exit(1)
+    if as_json:
+        _emit_json({"file": str(file), "valid": True, "mode": str(cfg.mode), "pools": [p.name for p in cfg.pools],
+                    "targets": len(cfg.targets)})
+    else:
+        out.print(f"{file}: valid ({len(cfg.pools)} pools, {len(cfg.targets)} targets, mode {cfg.mode})")
+
+
+# db -----------------------------------------------------------------------------------------
+
+@cli.group()
+def db() -> None:
+    """Schema migrations of the store."""
+
+
+@db.command("upgrade")
+@_db_option
+@click.option("--revision", default="head", show_default=True)
+def db_upgrade(db: str, revision: str) -> None:
+    """Apply migrations up to REVISION."""
+    from controlplane.store import migrate
+    from controlplane.store.db import redact
+
+    migrate.upgrade(db, revision)
+    err.print(f"{redact(db)}: at revision {migrate.current(db)}")
+
+
+@db.command("downgrade")
+@_db_option
+@click.option("--revision", required=True, help="Target revision; 'base' removes every table.")
+def db_downgrade(db: str, revision: str) -> None:
+    """Revert migrations down to REVISION."""
+    from controlplane.store import migrate
+    from controlplane.store.db import redact
+
+    migrate.downgrade(db, revision)
+    err.print(f"{redact(db)}: at revision {migrate.current(db) or 'base'}")
+
+
+@db.command("current")
+@_db_option
+@click.option("--json", "as_json", is_flag=True)
+def db_current(db: str, as_json: bool) -> None:
+    """Print the store's revision; exit 1 when it is not the shipped head."""
+    from controlplane.store import migrate
+
+    rev, head = migrate.current(db), migrate.head()
+    if as_json:
+        _emit_json({"current": rev, "head": head, "up_to_date": rev == head})
+    else:
+        out.print(f"current {rev or 'none'} (head {head})")
+    sys.exit(0 if rev == head else 1)
+
+
+# run and demo -------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--db", default=None, help="Override the fleet file's store URL.")
+@click.option("--once", is_flag=True, help="Run one tick and exit (for checks).")
+def run(config_file: Path, db: str | None, once: bool) -> None:
+    """Run the control plane: the loop plus /metrics, /healthz and /readyz."""
+    from controlplane.config import load_config
+    from controlplane.runtime import run_forever
+    from controlplane.store.writer import SqlStore
+
+    cfg = load_config(config_file)
+    store = SqlStore.open(db or cfg.store.url)
+    try:
+        asyncio.run(run_forever(cfg, store, once=once))
+    finally:
+        store.close()
+
+
+@cli.command()
+@click.option("--minutes", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="Wall-clock minutes; each shows an hour of fleet time.")
+@click.option("--db", default="sqlite:///demo.db", show_default=True)
+@click.option("--no-pace", is_flag=True, help="Run as fast as possible instead of pacing to --minutes.")
+@click.option("--json", "as_json", is_flag=True)
+def demo(minutes: float, db: str, no_pace: bool, as_json: bool) -> None:
+    """Simulated fleet, injected prefix-cache fault, the loop finding it and acting."""
+    from controlplane.demo import run_demo
+
+    summary = asyncio.run(run_demo(minutes, db, err, pace=not no_pace))
+    if as_json:
+        _emit_json({"ok": summary.ok, "db": db, "ticks": summary.ticks, "sim_seconds": summary.sim_seconds,
+                    "wall_seconds": round(summary.wall_seconds, 1), "findings": summary.findings,
+                    "actions": summary.actions})
+    else:
+        t = Table(title=f"Findings ({summary.ticks} ticks, {summary.sim_seconds / 60:.0f} fleet minutes, "
+                        f"fault at {summary.fault_at / 60:.0f} min, repaired at {summary.repaired_at / 60:.0f} min)")
+        for col in ("id", "kind", "subject", "severity", "state", "opened (min)", "resolved (min)", "cause"):
+            t.add_column(col)
+        for f in summary.findings:
+            t.add_row(str(f["id"]), f["kind"], f["subject"], f["severity"], f["state"], f"{f['opened_at_s'] / 60:.1f}",
+                      "-" if f["resolved_at_s"] is None else f"{f['resolved_at_s'] / 60:.1f}", str(f["cause"]))
+        out.print(t)
+        a = Table(title="Actions (audit log)")
+        for col in ("id", "finding", "kind", "pool", "replicas", "state", "at (min)", "outcome"):
+            a.add_column(col)
+        for x in summary.actions:
+            a.add_row(str(x["id"]), str(x["finding_id"]), x["kind"], x["pool"],
+                      f"{x['from_replicas']} -> {x['replicas']}", x["state"], f"{x['at_s'] / 60:.1f}",
+                      str(x["outcome"] or "pending"))
+        out.print(a)
+        out.print(f"Open the dashboard: [bold]fleetctl dashboard --db {db}[/]")
+    sys.exit(0 if summary.ok else 1)
+
+
+# findings, actions, runbooks ----------------------------------------------------------------
+
+@cli.command()
+@_db_option
+@click.option("--all", "show_all", is_flag=True, help="Include resolved findings.")
+@click.option("--json", "as_json", is_flag=True)
+def findings(db: str, show_all: bool, as_json: bool) -> None:
+    """List open (or all) findings with their evidence."""
+    from controlplane.store.queries import ReadStore
+
+    rows = ReadStore.open(db).findings(include_resolved=show_all)
+    if as_json:
+        _emit_json({"findings": rows})
+        return
+    t = Table(title="Findings")
+    for col in ("id", "kind", "subject", "severity", "state", "summary"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(str(r["id"]), r["kind"], r["subject"], r["severity"], r["state"], r["summary"])
+    out.print(t)
+
+
+@cli.group(invoke_without_command=True)
+@_db_option
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def actions(ctx: click.Context, db: str, as_json: bool) -> None:
+    """List the audit log; `approve` or `reject` proposals."""
+    ctx.obj = db
+    if ctx.invoked_subcommand is not None:
+        return
+    from controlplane.store.queries import ReadStore
+
+    rows = ReadStore.open(db).actions()
+    if as_json:
+        _emit_json({"actions": rows})
+        return
+    t = Table(title="Actions")
+    for col in ("id", "finding", "kind", "pool", "state", "reason", "outcome"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(str(r["id"]), str(r["finding_id"]), r["kind"], r["pool"], r["state"], r["reason"], str(r["outcome"]))
+    out.print(t)
+
+
+def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
+    import time
+
+    from controlplane.store.writer import SqlStore
+
+    store = SqlStore.open(db)
+    try:
+        found = [a for a in store.actions(states=["proposed"]) if a.id == action_id]
+        if not found:
+            raise click.UsageError(f"action {action_id} is not awaiting approval")
+        state = "approved" if approve else "rejected"
+        store.transition(action_id, state, time.time(), {"by": by}, approved_by=by)
+        out.print(f"action {action_id} {state} by {by}")
+    finally:
+        store.close()
+
+
+@actions.command("approve")
+@click.argument("action_id", type=int)
+@click.option("--by", default=lambda: os.environ.get("USER", "operator"), help="Who approves (audit log).")
+@click.pass_obj
+def actions_approve(db: str, action_id: int, by: str) -> None:
+    """Approve a proposed action; the loop runs it on its next tick."""
+    _decide(db, action_id, True, by)
+
+
+@actions.command("reject")
+@click.argument("action_id", type=int)
+@click.option("--by", default=lambda: os.environ.get("USER", "operator"))
+@click.pass_obj
+def actions_reject(db: str, action_id: int, by: str) -> None:
+    """Reject a proposed action."""
+    _decide(db, action_id, False, by)
+
+
+@cli.command()
+@click.argument("kind", required=False)
+def runbook(kind: str | None) -> None:
+    """Print the runbook for a finding KIND (without KIND: list them)."""
+    from controlplane import runbooks
+
+    if kind is None:
+        for k in runbooks.available():
+            click.echo(k)
+        return
+    try:
+        click.echo(runbooks.load(kind))
+    except KeyError:
+        raise click.UsageError(f"no runbook for {kind!r}; known: {', '.join(runbooks.available())}") from None
+
+
+# bench and dashboard ------------------------------------------------------------------------
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks (printed tables; --json for machines)."""
+
+
+@bench.command("ingest")
+@click.option("--rows", default=200_000, show_default=True, type=click.IntRange(min=1000))
+@click.option("--batch", default=5_000, show_default=True, type=click.IntRange(min=1))
+@click.option("--postgres", default="postgresql://127.0.0.1:5432/test", show_default=True,
+              help="PostgreSQL to measure ('' to skip); env FLEETCTL_BENCH_PG.", envvar="FLEETCTL_BENCH_PG")
+@click.option("--json", "as_json", is_flag=True)
+def bench_ingest(rows: int, batch: int, postgres: str, as_json: bool) -> None:
+    """Signal ingest into the store, rows per second, SQLite and PostgreSQL."""
+    from bench.ingest import run_ingest_bench
+
+    results = run_ingest_bench(rows=rows, batch=batch, postgres_url=postgres or None, progress=err)
+    if as_json:
+        _emit_json({"rows": rows, "batch": batch, "results": results})
+        return
+    t = Table(title=f"Signal ingest ({rows:,} rows, batches of {batch:,})")
+    for col in ("store", "rows/s", "seconds", "bytes/row"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r["store"], f"{r['rows_per_s']:,.0f}", f"{r['seconds']:.2f}",
+                  "-" if r.get("bytes_per_row") is None else f"{r['bytes_per_row']:.0f}")
+    out.print(t)
+
+
+@cli.command()
+@_db_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; localhost unless told otherwise.")
+@click.option("--port", default=8501, show_default=True, type=int)
+def dashboard(db: str, host: str, port: int) -> None:
+    """Open the Streamlit operations dashboard on the store."""
+    from importlib import resources
+
+    app = resources.files("dashboard").joinpath("app.py")
+    env = {**os.environ, "FLEETCTL_STORE_URL": db}
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host, "--server.port", str(port),
+           "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    err.print(f"dashboard on http://{host}:{port} (store {db})")
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+def main() -> NoReturn:
+    """Console entry point with the project's exit codes."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.UsageError as exc:
+        exc.show()
+        sys.exit(3)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(3)
+    except FleetError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        sys.exit(exc.exit_code)
+    except SystemExit:
+        raise
+    sys.exit(0)

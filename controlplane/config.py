@@ -1,0 +1,297 @@
+"""The fleet file: one YAML document validated by pydantic.
+
+Errors name the file, the field path, the line, the value and what is expected, and all
+problems are reported at once. Durations accept seconds or `30s`, `5m`, `48h`, `7d`.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from collectors.types import Role
+from controlplane.errors import ConfigError
+
+__all__ = ["FleetConfig", "Mode", "load_config", "parse_config"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def _duration(value: Any) -> Any:
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if not m:
+            raise ValueError(f"expected a duration such as 15s, 5m, 48h or 7d, got {value!r}")
+        return float(m.group(1)) * _UNITS[m.group(2)]
+    return value
+
+
+Seconds = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
+
+
+class Mode(StrEnum):
+    """How far the control plane may go: detect only, propose for approval, or act."""
+
+    OBSERVE = "observe"
+    PROPOSE = "propose"
+    ACT = "act"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Workload(_Strict):
+    """The Kubernetes workload a pool maps to (scaled through its scale subresource)."""
+
+    kind: str = Field("Deployment", pattern=r"^(Deployment|StatefulSet|LeaderWorkerSet)$")
+    namespace: str = Field("default", min_length=1)
+    name: str = Field(min_length=1)
+
+
+class Replicas(_Strict):
+    """Bounds the rails keep a pool within."""
+
+    min: int = Field(1, ge=0)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Replicas:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class Slo(_Strict):
+    """Latency objectives of a pool, in seconds at the 95th percentile."""
+
+    ttft_p95: Seconds | None = None
+    tpot_p95: Seconds | None = None
+
+
+class Pool(_Strict):
+    """A set of identical engines with one role."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    role: Role
+    model: str = Field(min_length=1)
+    workload: Workload | None = None
+    replicas: Replicas
+    slo: Slo = Slo()
+
+
+class StaticTarget(_Strict):
+    """One scrape endpoint listed by hand."""
+
+    url: str = Field(pattern=r"^https?://")
+    pool: str
+    pod: str = Field(min_length=1)
+    source: str = Field("vllm", pattern=r"^(vllm)$")
+
+
+class Store(_Strict):
+    """Where signals, findings and the audit log live, and how long raw data is kept."""
+
+    url: str = "sqlite:///fleet.db"
+    raw_retention: Seconds = 48 * 3600.0  # raw signals: two days answer "what changed since yesterday"
+    minute_retention: Seconds = 14 * 86400.0  # 1-minute rollups: two weeks of incident review
+    hour_retention: Seconds = 400 * 86400.0  # 1-hour rollups: a year of capacity planning
+    compact_every: Seconds = 300.0  # how often rollups and retention run
+
+    @model_validator(mode="after")
+    def _retention_grows(self) -> Store:
+        if not self.raw_retention <= self.minute_retention <= self.hour_retention:
+            raise ValueError("retention must grow with coarseness: raw <= minute <= hour")
+        return self
+
+
+class Scrape(_Strict):
+    """How targets are scraped."""
+
+    interval: Seconds = 15.0  # vLLM's own dashboards assume 15 s
+    timeout: Seconds = 5.0
+    concurrency: int = Field(64, ge=1, le=4096)
+    backoff_max: Seconds = 300.0
+
+    @model_validator(mode="after")
+    def _timeout_fits(self) -> Scrape:
+        if self.timeout >= self.interval:
+            raise ValueError(f"timeout ({self.timeout:g}s) must be shorter than interval ({self.interval:g}s)")
+        return self
+
+
+class PrefixCachePolicy(_Strict):
+    """Settings of the prefix-cache hit-drop detector (fractions from 0 to 1)."""
+
+    enabled: bool = True
+    baseline: Seconds = 1800.0
+    min_abs_drop: float = Field(0.10, gt=0, lt=1)
+    min_rel_drop: float = Field(0.20, gt=0, lt=1)
+    kv_pressure_usage: float = Field(0.85, gt=0, le=1)
+
+
+class Policies(_Strict):
+    """Per-policy settings."""
+
+    prefix_cache_hit_drop: PrefixCachePolicy = PrefixCachePolicy()
+
+
+class Rails(_Strict):
+    """Safety rails every action passes through."""
+
+    cooldown: Seconds = 300.0  # per pool, after an action finishes
+    max_step: int = Field(1, ge=1)  # replicas changed by one action at most
+    max_actions_per_hour: int = Field(6, ge=1)  # fleet-wide rate limit
+    verify_after: Seconds = 600.0  # when an action's outcome is judged
+
+
+class Tracing(StrEnum):
+    """Where OpenTelemetry spans go."""
+
+    OFF = "off"
+    CONSOLE = "console"
+    OTLP = "otlp"
+
+
+class Telemetry(_Strict):
+    """The control plane's own observability."""
+
+    tracing: Tracing = Tracing.OFF
+    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4318/v1/traces
+
+
+class Server(_Strict):
+    """The control plane's HTTP server (/metrics, /healthz, /readyz)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(9464, ge=0, le=65535)
+
+
+class FleetConfig(_Strict):
+    """The whole fleet file."""
+
+    mode: Mode = Mode.OBSERVE
+    store: Store = Store()
+    scrape: Scrape = Scrape()
+    pools: list[Pool] = Field(min_length=1)
+    targets: list[StaticTarget] = []
+    policies: Policies = Policies()
+    rails: Rails = Rails()
+    telemetry: Telemetry = Telemetry()
+    server: Server = Server()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> FleetConfig:
+        names = [p.name for p in self.pools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        problems = [f"pool name {n!r} is used more than once" for n in dupes]
+        for i, t in enumerate(self.targets):
+            if t.pool not in names:
+                problems.append(f"targets[{i}].pool {t.pool!r} names no pool (pools: {', '.join(names)})")
+        urls = [t.url for t in self.targets]
+        problems += [f"target url {u!r} is listed more than once" for u in sorted({u for u in urls if urls.count(u) > 1})]
+        if self.telemetry.tracing is Tracing.OTLP and not self.telemetry.otlp_endpoint:
+            problems.append("telemetry.otlp_endpoint is required when telemetry.tracing is 'otlp'")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def pool(self, name: str) -> Pool:
+        """The pool called `name`; KeyError if there is none."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+class EnvOverrides(BaseSettings):
+    """Settings a deployment may override from the environment (FLEETCTL_STORE_URL, FLEETCTL_MODE)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETCTL_", extra="ignore")
+
+    store_url: str | None = None
+    mode: Mode | None = None
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
+    """The 1-based YAML line of the node at a pydantic error location, as far as it resolves."""
+    node = root
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            nxt = node.value[part]
+        else:
+            nxt = None
+        if nxt is None:
+            break
+        node = nxt
+        line = node.start_mark.line + 1
+    return line
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "function_")):
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def parse_config(text: str, source: str = "<string>") -> FleetConfig:
+    """Validate a fleet document; raises ConfigError listing every problem."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(source, [f"{where}not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"expected a mapping at the top level, got {type(data).__name__}"])
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            loc = tuple(err["loc"])
+            line = _line_of(root, loc)
+            where = f" (line {line})" if line else ""
+            msg = err["msg"].removeprefix("Value error, ")
+            given = f": got {err['input']!r}" if err["type"] not in ("missing",) and not isinstance(err["input"], dict | list) else ""
+            problems.append(f"{_path(loc)}{where}: {msg}{given}")
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path, env: EnvOverrides | None = None) -> FleetConfig:
+    """Read and validate a fleet file, then apply FLEETCTL_* environment overrides."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), [f"cannot read the file: {exc.strerror or exc}"]) from None
+    cfg = parse_config(text, str(p))
+    env = env or EnvOverrides()
+    updates: dict[str, Any] = {}
+    if env.store_url:
+        updates["store"] = cfg.store.model_copy(update={"url": env.store_url})
+    if env.mode:
+        updates["mode"] = env.mode
+    return cfg.model_copy(update=updates) if updates else cfg

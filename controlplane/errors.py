@@ -1,0 +1,33 @@
+"""One error type per failure a caller can handle; the CLI maps them to exit codes."""
+
+from __future__ import annotations
+
+
+class FleetError(Exception):
+    """Base of the control plane's own errors."""
+
+    exit_code = 3
+
+
+class ConfigError(FleetError):
+    """The fleet file is missing, not YAML, or not a valid fleet description."""
+
+    exit_code = 3
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: invalid fleet configuration ({len(problems)} problem(s)):\n{lines}")
+
+
+class StoreUnavailable(FleetError):
+    """The store cannot be reached or opened."""
+
+    exit_code = 4
+
+
+class ActuationError(FleetError):
+    """The actuator could not carry out an action."""
+
+    exit_code = 5

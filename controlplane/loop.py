@@ -1,0 +1,302 @@
+"""The control loop: one tick scrapes, derives, stores, detects, and acts through the rails.
+
+The same tick serves the live fleet, the simulator, replays and tests; only the target source,
+the actuator and the clock differ. Every action is written to the audit log before and after
+it runs, so a killed process leaves an action either finished or visibly `started`, which the
+next start marks `unknown` instead of retrying it blindly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from collectors.pipeline import SignalDeriver
+from collectors.scraper import Scraper
+from collectors.types import Signal, TargetHealth
+from controlplane.actuators.base import Actuator, TargetSource
+from controlplane.clock import Clock
+from controlplane.config import FleetConfig, Mode
+from controlplane.errors import ActuationError, FleetError
+from controlplane.rails import RailsReason, check
+from controlplane.store.compaction import Retention
+from controlplane.store.writer import ActionRecord, FindingRecord, SqlStore
+from controlplane.telemetry import Telemetry
+from policies.types import FindingKey, OpenFinding, Policy, PolicyInput, PoolState, Proposal
+from policies.windows import SignalWindows
+
+__all__ = ["ControlLoop", "TickReport"]
+
+log = logging.getLogger(__name__)
+
+# Policies look back at most this far; also what is reloaded from the store on start.
+WINDOW_S = 3 * 3600.0
+# An action improved things when its verify signal moved at least this much the right way.
+IMPROVEMENT = 0.10
+
+
+@dataclass(slots=True)
+class TickReport:
+    """What one tick did, for progress displays and tests."""
+
+    ts: float
+    targets: int = 0
+    targets_up: int = 0
+    signals: int = 0
+    opened: list[FindingRecord] = field(default_factory=list)
+    resolved: list[FindingRecord] = field(default_factory=list)
+    actions: list[ActionRecord] = field(default_factory=list)
+    held: list[tuple[Proposal, RailsReason, str]] = field(default_factory=list)
+    outcomes: list[tuple[int, str]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+
+class ControlLoop:
+    """Connects a target source, the collectors, the store, the policies and an actuator."""
+
+    def __init__(
+        self,
+        *,
+        config: FleetConfig,
+        targets: TargetSource,
+        scraper: Scraper,
+        store: SqlStore,
+        policies: Sequence[Policy],
+        actuator: Actuator,
+        clock: Clock,
+        telemetry: Telemetry,
+    ) -> None:
+        self.config = config
+        self.targets = targets
+        self.scraper = scraper
+        self.store = store
+        self.policies = list(policies)
+        self.actuator = actuator
+        self.clock = clock
+        self.telemetry = telemetry
+        self.windows = SignalWindows(WINDOW_S)
+        self.deriver = SignalDeriver()
+        self.last_tick_at: float | None = None
+        self._last_compaction: float | None = None
+        self._target_state: dict[str, tuple[bool, str | None]] = {}
+
+    async def start(self) -> None:
+        """Recover after a restart: mark interrupted actions unknown, reload policy windows."""
+        now = self.clock.now()
+        for action in self.store.actions(states=["started"]):
+            self.store.transition(action.id, "unknown", now, {"why": "control plane stopped while it ran"})
+            self.telemetry.actions.labels(action.kind, "unknown").inc()
+        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in self.store.load_signals(now - WINDOW_S))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every scrape interval until `stop` is set; the current tick always finishes."""
+        interval = self.config.scrape.interval
+        while not stop.is_set():
+            started = self.clock.now()
+            try:
+                await self.tick()
+            except FleetError as exc:
+                # A store outage or similar: report, keep the loop alive, try again next tick.
+                log.error("tick failed: %s", exc)
+            wait = max(0.0, interval - (self.clock.now() - started))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=wait) if wait else None
+            except asyncio.TimeoutError:
+                pass
+
+    async def tick(self) -> TickReport:
+        """One full pass of the data flow at the clock's current time."""
+        wall = time.perf_counter()
+        now = self.clock.now()
+        report = TickReport(ts=now)
+        with self.telemetry.span("tick", ts=now):
+            await self._observe(now, report)
+            pools = await self._pools()
+            proposals = self._detect(now, pools, report)
+            await self._act(now, pools, proposals, report)
+            self._judge_outcomes(now, report)
+            self._compact(now)
+        report.duration_s = time.perf_counter() - wall
+        self.telemetry.tick_duration.observe(report.duration_s)
+        self.telemetry.ticks.inc()
+        self.telemetry.last_tick.set(now)
+        self.last_tick_at = now
+        return report
+
+    # observe ----------------------------------------------------------------------------------
+
+    async def _observe(self, now: float, report: TickReport) -> None:
+        targets = list(await self.targets.targets())
+        with self.telemetry.span("scrape", targets=len(targets)):
+            results = await self.scraper.scrape(targets, now)
+        out = self.deriver.derive(results, now)
+        report.targets = len(results)
+        report.targets_up = sum(1 for r in results if r.ok)
+        for r in results:
+            if not r.ok and not r.skipped:
+                self.telemetry.scrape_errors.labels(r.target.key).inc()
+                report.errors[r.target.key] = r.error or "scrape failed"
+        for key, errs in out.parse_errors.items():
+            self.telemetry.parse_errors.labels(key).inc(len(errs))
+            report.errors[key] = f"{len(errs)} malformed line(s), first: {errs[0]}"
+        self.telemetry.targets.labels("up").set(report.targets_up)
+        self.telemetry.targets.labels("down").set(report.targets - report.targets_up)
+        with self.telemetry.span("store.signals", signals=len(out.signals)):
+            report.signals = self.store.write_signals(out.signals)
+        self.telemetry.signals_written.inc(report.signals)
+        self._record_targets(results, out.missing_families, now)
+        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in out.signals)
+        self.windows.trim(now)
+
+    def _record_targets(self, results: Sequence, missing: dict[str, list[str]], now: float) -> None:
+        changed = []
+        for r in results:
+            health = self.scraper.health.get(r.target.key, TargetHealth())
+            health.missing_families = missing.get(r.target.key, [])
+            state = (r.ok, health.last_error if not r.ok else ",".join(health.missing_families) or None)
+            if self._target_state.get(r.target.key) != state:
+                # Only changes are written: thousands of unchanged targets cost nothing per tick.
+                self._target_state[r.target.key] = state
+                changed.append((r.target, health, r.ok, now))
+                if health.missing_families:
+                    log.warning("%s exposes none of %s", r.target.key, ", ".join(health.missing_families))
+        if changed:
+            self.store.record_targets(changed)
+
+    async def _pools(self) -> dict[str, PoolState]:
+        observed = await self.actuator.observe()
+        out = {}
+        for pool in self.config.pools:
+            rep = observed.get(pool.name)
+            out[pool.name] = PoolState(
+                name=pool.name, role=str(pool.role),
+                desired=rep.desired if rep else 0, ready=rep.ready if rep else 0,
+                min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
+                ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
+            )
+        return out
+
+    # detect -----------------------------------------------------------------------------------
+
+    def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport) -> list[tuple[int, Proposal]]:
+        open_rows = {FindingKey(f.kind, f.subject): f for f in self.store.open_findings()}
+        open_view = {k: OpenFinding(k, f.opened_at, f.evidence) for k, f in open_rows.items()}
+        inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view)
+        proposals: list[tuple[int, Proposal]] = []
+        for policy in self.policies:
+            with self.telemetry.span(f"policy.{policy.kind}"):
+                result = policy.evaluate(inp)
+            for key, reason in result.resolved:
+                row = open_rows.pop(key, None)
+                if row is None:
+                    continue
+                self.store.resolve_finding(row.id, reason, now)
+                for action in self.store.actions(states=["proposed"]):
+                    if action.finding_id == row.id:
+                        self.store.transition(action.id, "expired", now, {"why": "finding resolved first"})
+                report.resolved.append(row)
+            for finding in result.findings:
+                row = open_rows.get(finding.key)
+                if row is None:
+                    row = self.store.open_finding(finding, now)
+                    open_rows[finding.key] = row
+                    report.opened.append(row)
+                else:
+                    self.store.update_finding(row.id, finding, now)
+                proposals.extend((row.id, p) for p in finding.proposals)
+        self.telemetry.open_findings.clear()
+        for f in open_rows.values():
+            self.telemetry.open_findings.labels(f.kind, f.severity).inc()
+        return proposals
+
+    # act --------------------------------------------------------------------------------------
+
+    async def _act(
+        self, now: float, pools: dict[str, PoolState], proposals: list[tuple[int, Proposal]], report: TickReport
+    ) -> None:
+        """The single audited path from proposals (and approvals) to the actuator."""
+        mode = self.config.mode
+        history: list[ActionRecord] = self.store.recent_actions(since=now - max(3600.0, self.config.rails.cooldown))
+        for finding_id, proposal in proposals:
+            decision = check(proposal, pools.get(proposal.pool), mode=mode, rails=self.config.rails,
+                             history=history, now=now)
+            if not decision.may_record:
+                # Held-back proposals are counted, not written: a cooldown would repeat them every tick.
+                self.telemetry.actions.labels(str(proposal.kind), f"held_{decision.reason}").inc()
+                report.held.append((proposal, decision.reason, decision.note))
+                continue
+            params = {
+                "from_replicas": pools[proposal.pool].desired,
+                "replicas": decision.target_replicas,
+                "verify_signal": proposal.verify_signal,
+                "verify_lower_is_better": proposal.verify_lower_is_better,
+                "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, now, points=2),
+            }
+            state = "approved" if decision.reason is RailsReason.ALLOWED else "proposed"
+            action = self.store.create_action(
+                finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params,
+                mode=str(mode), state="proposed", reason=f"{proposal.reason}; rails: {decision.note}", now=now,
+            )
+            if state == "approved":
+                self.store.transition(action.id, "approved", now, {"by": "rails", "mode": str(mode)},
+                                      approved_by="rails")
+            history.append(action)
+            report.actions.append(action)
+            self.telemetry.actions.labels(action.kind, state).inc()
+        if mode is not Mode.OBSERVE:
+            for action in self.store.actions(states=["approved"]):
+                await self._execute(action, now, report)
+
+    async def _execute(self, action: ActionRecord, now: float, report: TickReport) -> None:
+        self.store.transition(action.id, "started", now)
+        with self.telemetry.span("action", kind=action.kind, pool=action.pool):
+            try:
+                await self.actuator.scale(action.pool, int(action.params["replicas"]))
+            except ActuationError as exc:
+                self.store.transition(action.id, "failed", self.clock.now(), {"error": str(exc)}, error=str(exc))
+                self.telemetry.actions.labels(action.kind, "failed").inc()
+                report.errors[f"action {action.id}"] = str(exc)
+                return
+        self.store.transition(action.id, "succeeded", self.clock.now(), {"replicas": action.params["replicas"]})
+        self.telemetry.actions.labels(action.kind, "succeeded").inc()
+
+    # verify -----------------------------------------------------------------------------------
+
+    def _recent_mean(self, pool: str, signal: str | None, now: float, points: int = 5) -> float | None:
+        """Mean of a pool signal over its last `points` intervals: before an action, the degraded
+        state that prompted it; at verification, the settled state after it."""
+        if signal is None:
+            return None
+        window = self.windows.series(f"pool/{pool}", signal, since=now - WINDOW_S)[-points:]
+        return statistics.fmean(v for _, v in window) if window else None
+
+    def _judge_outcomes(self, now: float, report: TickReport) -> None:
+        """Did the signal recover after the action? Recorded once, never retried blindly."""
+        for action in self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
+            p = action.params
+            before = p.get("verify_before")
+            after = self._recent_mean(action.pool, p.get("verify_signal"), now)
+            finding = self.store.finding(action.finding_id) if action.finding_id else None
+            resolved = finding is not None and finding.state == "resolved"
+            if before is None or after is None:
+                outcome = "recovered" if resolved else "unmeasured"
+            else:
+                change = (before - after) / before if p.get("verify_lower_is_better", True) else (after - before) / max(before, 1e-9)
+                outcome = "recovered" if resolved or change >= IMPROVEMENT else "not_recovered"
+            detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
+            self.store.record_outcome(action.id, outcome, now, detail)
+            report.outcomes.append((action.id, outcome))
+
+    def _compact(self, now: float) -> None:
+        every = self.config.store.compact_every
+        if self._last_compaction is not None and now - self._last_compaction < every:
+            return
+        self._last_compaction = now
+        s = self.config.store
+        with self.telemetry.span("store.compact"):
+            self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))

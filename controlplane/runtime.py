@@ -1,0 +1,100 @@
+"""Composition root: build a control loop from a fleet file and its collaborators."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+import httpx
+
+from collectors.scraper import Scraper
+from collectors.types import Target
+from controlplane.actuators.base import Actuator, StaticTargets, TargetSource
+from controlplane.actuators.dryrun import DryRunActuator
+from controlplane.clock import Clock, WallClock
+from controlplane.config import FleetConfig
+from controlplane.loop import ControlLoop
+from controlplane.server import start_server
+from controlplane.store.writer import SqlStore
+from controlplane.telemetry import Telemetry
+from policies.prefix_cache import PrefixCacheHitDrop, PrefixCacheSettings
+from policies.types import Policy
+
+__all__ = ["build_loop", "build_policies", "run_forever", "static_targets"]
+
+log = logging.getLogger(__name__)
+
+
+def build_policies(config: FleetConfig) -> list[Policy]:
+    """The enabled policies with the fleet file's settings."""
+    policies: list[Policy] = []
+    pc = config.policies.prefix_cache_hit_drop
+    if pc.enabled:
+        policies.append(
+            PrefixCacheHitDrop(
+                PrefixCacheSettings(
+                    baseline_s=pc.baseline, min_abs_drop=pc.min_abs_drop, min_rel_drop=pc.min_rel_drop,
+                    kv_pressure_usage=pc.kv_pressure_usage,
+                )
+            )
+        )
+    return policies
+
+
+def static_targets(config: FleetConfig) -> list[Target]:
+    """Targets listed in the fleet file, with their pool's role."""
+    return [Target(url=t.url, pool=t.pool, pod=t.pod, role=config.pool(t.pool).role, source=t.source)
+            for t in config.targets]
+
+
+def build_loop(
+    config: FleetConfig,
+    store: SqlStore,
+    client: httpx.AsyncClient,
+    *,
+    targets: TargetSource | None = None,
+    actuator: Actuator | None = None,
+    clock: Clock | None = None,
+    telemetry: Telemetry | None = None,
+    policies: Sequence[Policy] | None = None,
+) -> ControlLoop:
+    """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock)."""
+    targets = targets or StaticTargets(static_targets(config))
+    scraper = Scraper(
+        client, concurrency=config.scrape.concurrency, timeout_s=config.scrape.timeout,
+        backoff_base_s=config.scrape.interval, backoff_max_s=config.scrape.backoff_max,
+    )
+    return ControlLoop(
+        config=config,
+        targets=targets,
+        scraper=scraper,
+        store=store,
+        policies=list(policies) if policies is not None else build_policies(config),
+        actuator=actuator or DryRunActuator(targets, [p.name for p in config.pools]),
+        clock=clock or WallClock(),
+        telemetry=telemetry or Telemetry(config.telemetry),
+    )
+
+
+async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = False) -> None:
+    """`fleetctl run`: the loop plus its HTTP server until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio.add_signal_handler(sig, stop.set)
+    async with httpx.AsyncClient(timeout=config.scrape.timeout) as client:
+        loop = build_loop(config, store, client)
+        server = start_server(loop, config.server.host, config.server.port)
+        log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
+        try:
+            await loop.start()
+            if once:
+                await loop.tick()
+            else:
+                await loop.run(stop)
+        finally:
+            server.stop()
+            loop.telemetry.shutdown()
+            log.info("stopped cleanly")

@@ -1,0 +1,118 @@
+"""Rollups and retention: raw signals become 1-minute and 1-hour aggregates, old rows go.
+
+Watermarks in `store_meta` make each rollup run idempotent: a bucket is aggregated once, when
+it is complete, and the watermark moves in the same transaction as the rows it covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, Float, delete, func, insert, literal, select
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import ColumnElement, FunctionElement
+
+from controlplane.store.models import MetaRow, SignalRollupRow, SignalRow
+
+__all__ = ["CompactionReport", "Retention", "compact"]
+
+MINUTE = 60
+HOUR = 3600
+
+
+class bucket_start(FunctionElement[float]):
+    """floor(ts / width) * width, spelled per dialect (SQLite may lack floor())."""
+
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(bucket_start)
+def _bucket_default(element: Any, compiler: Any, **kw: Any) -> str:
+    ts, width = list(element.clauses)
+    return f"(floor({compiler.process(ts, **kw)} / {compiler.process(width, **kw)}) * {compiler.process(width, **kw)})"
+
+
+@compiles(bucket_start, "sqlite")
+def _bucket_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
+    ts, width = list(element.clauses)
+    # CAST truncates toward zero, which is floor for the positive epoch times stored here.
+    return f"(CAST({compiler.process(ts, **kw)} / {compiler.process(width, **kw)} AS INTEGER) * {compiler.process(width, **kw)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How long each resolution is kept, in seconds."""
+
+    raw_s: float
+    minute_s: float
+    hour_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionReport:
+    """Rows written and deleted by one compaction run."""
+
+    minute_rows: int
+    hour_rows: int
+    raw_deleted: int
+    rollups_deleted: int
+
+
+def _watermark(conn: Any, key: str) -> float:
+    value = conn.execute(select(MetaRow.value).where(MetaRow.key == key)).scalar_one_or_none()
+    return float(value) if value is not None else 0.0
+
+
+def _set_watermark(conn: Any, key: str, value: float) -> None:
+    if conn.execute(select(MetaRow.key).where(MetaRow.key == key)).first() is None:
+        conn.execute(insert(MetaRow).values(key=key, value=repr(value)))
+    else:
+        conn.execute(MetaRow.__table__.update().where(MetaRow.key == key).values(value=repr(value)))
+
+
+def compact(engine: Engine, now: float, retention: Retention) -> CompactionReport:
+    """Roll up complete minutes and hours, then drop what is past its retention."""
+    minute_end = (now // MINUTE) * MINUTE - MINUTE  # one minute of grace for late points
+    with engine.begin() as conn:
+        start = _watermark(conn, "rollup_60")
+        minute_rows = 0
+        if minute_end > start:
+            b = bucket_start(SignalRow.ts, literal(MINUTE))
+            src = (
+                select(literal(MINUTE), SignalRow.name, SignalRow.subject, b, func.count(), func.sum(SignalRow.value),
+                       func.min(SignalRow.value), func.max(SignalRow.value))
+                .where(SignalRow.ts >= start, SignalRow.ts < minute_end)
+                .group_by(SignalRow.name, SignalRow.subject, b)
+            )
+            minute_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src)).rowcount or 0
+            _set_watermark(conn, "rollup_60", minute_end)
+
+        hour_end = (minute_end // HOUR) * HOUR
+        hstart = _watermark(conn, "rollup_3600")
+        hour_rows = 0
+        if hour_end > hstart:
+            r = SignalRollupRow
+            hb = bucket_start(r.bucket, literal(HOUR))
+            src = (
+                select(literal(HOUR), r.name, r.subject, hb, func.sum(r.count), func.sum(r.sum), func.min(r.min),
+                       func.max(r.max))
+                .where(r.resolution == MINUTE, r.bucket >= hstart, r.bucket < hour_end)
+                .group_by(r.name, r.subject, hb)
+            )
+            hour_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src)).rowcount or 0
+            _set_watermark(conn, "rollup_3600", hour_end)
+
+        raw_deleted = conn.execute(delete(SignalRow).where(SignalRow.ts < now - retention.raw_s)).rowcount or 0
+        rollups_deleted = 0
+        for resolution, keep in ((MINUTE, retention.minute_s), (HOUR, retention.hour_s)):
+            rollups_deleted += conn.execute(
+                delete(SignalRollupRow).where(
+                    SignalRollupRow.resolution == resolution, SignalRollupRow.bucket < now - keep
+                )
+            ).rowcount or 0
+    return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted)
+
+
+_ROLLUP_COLS = ["resolution", "name", "subject", "bucket", "count", "sum", "min", "max"]

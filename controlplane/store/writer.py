@@ -1,0 +1,294 @@
+"""The store as the control loop uses it: write signals, manage findings and the audit log.
+
+Every method commits its own transaction, so a process killed at any point leaves only whole
+ticks, whole findings and whole audit entries behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, and_, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from collectors.types import Signal, Target, TargetHealth
+from controlplane.actions import ACTIVE_STATES
+from controlplane.errors import StoreUnavailable
+from controlplane.store import migrate
+from controlplane.store.compaction import CompactionReport, Retention, compact
+from controlplane.store.db import make_engine, redact
+from controlplane.store.models import ActionEventRow, ActionRow, FindingRow, SignalRow, TargetRow
+from policies.types import FindingReport
+
+__all__ = ["ActionRecord", "FindingRecord", "SqlStore"]
+
+
+
+@dataclass(frozen=True, slots=True)
+class FindingRecord:
+    """A stored finding, detached from the session."""
+
+    id: int
+    kind: str
+    subject: str
+    state: str
+    severity: str
+    summary: str
+    cause: str
+    evidence: dict[str, Any]
+    runbook: str
+    opened_at: float
+    updated_at: float
+    resolved_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRecord:
+    """A stored action, detached from the session."""
+
+    id: int
+    finding_id: int | None
+    kind: str
+    pool: str
+    params: dict[str, Any]
+    mode: str
+    state: str
+    reason: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    outcome: str | None
+
+
+def _finding(row: FindingRow) -> FindingRecord:
+    return FindingRecord(
+        row.id, row.kind, row.subject, row.state, row.severity, row.summary, row.cause,
+        dict(row.evidence), row.runbook, row.opened_at, row.updated_at, row.resolved_at,
+    )
+
+
+def _action(row: ActionRow) -> ActionRecord:
+    return ActionRecord(
+        row.id, row.finding_id, row.kind, row.pool, dict(row.params), row.mode, row.state,
+        row.reason, row.created_at, row.started_at, row.finished_at, row.outcome,
+    )
+
+
+class SqlStore:
+    """SQLAlchemy-backed store for SQLite and PostgreSQL."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._session = sessionmaker(engine, expire_on_commit=False)
+        dialect = engine.dialect.name
+        self._insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(dialect)
+
+    @classmethod
+    def open(cls, url: str, *, require_current: bool = True) -> SqlStore:
+        """Connect to `url`; refuse a database that is not at the shipped schema revision."""
+        engine = make_engine(url)
+        if require_current:
+            at = migrate.current(engine)
+            if at != migrate.head():
+                raise StoreUnavailable(
+                    f"store {redact(url)} is at schema revision {at or 'none'}, this version needs "
+                    f"{migrate.head()}: run `fleetctl db upgrade --db URL`"
+                )
+        return cls(engine)
+
+    def close(self) -> None:
+        """Release connections."""
+        self.engine.dispose()
+
+    def _write(self) -> Session:
+        return self._session.begin()  # type: ignore[return-value]
+
+    # signals ---------------------------------------------------------------------------------
+
+    def write_signals(self, signals: Sequence[Signal]) -> int:
+        """Insert signals in one transaction; a repeat of an existing point is ignored."""
+        if not signals:
+            return 0
+        # One row per key: a replayed or duplicated point must not abort the whole batch.
+        rows = list({(s.name, s.subject, s.ts): s for s in signals}.values())
+        payload = [{"name": s.name, "subject": s.subject, "ts": s.ts, "value": s.value} for s in rows]
+        table = SignalRow.__table__
+        stmt = self._insert(table).on_conflict_do_nothing() if self._insert else insert(table)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(stmt, payload)
+        except SQLAlchemyError as exc:
+            raise StoreUnavailable(f"writing {len(payload)} signals failed: {str(exc.orig or exc)[:300]}") from exc
+        return len(payload)
+
+    def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
+        """Raw signals at or after `since` (to prime the policies' windows after a restart)."""
+        q = select(SignalRow.ts, SignalRow.subject, SignalRow.name, SignalRow.value).where(SignalRow.ts >= since)
+        if names is not None:
+            q = q.where(SignalRow.name.in_(list(names)))
+        with self.engine.connect() as conn:
+            return [Signal(r.ts, r.subject, r.name, r.value) for r in conn.execute(q.order_by(SignalRow.ts))]
+
+    def count_signals(self) -> int:
+        """How many raw signal rows are stored."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(SignalRow)).scalar_one())
+
+    # targets ---------------------------------------------------------------------------------
+
+    def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
+        """Upsert each target's latest health: (target, health, up, scraped_at)."""
+        with self._write() as s:
+            existing = {t.key: t for t in s.scalars(select(TargetRow))}
+            for target, health, up, at in results:
+                row = existing.get(target.key)
+                if row is None:
+                    row = TargetRow(key=target.key, url=target.url, pool=target.pool, pod=target.pod,
+                                    role=str(target.role), source=target.source)
+                    s.add(row)
+                row.url = target.url
+                row.up = up
+                row.last_scrape_at = at
+                row.last_error = health.last_error
+                row.consecutive_failures = health.consecutive_failures
+                row.missing_families = {"families": list(health.missing_families)}
+
+    # findings --------------------------------------------------------------------------------
+
+    def open_findings(self) -> list[FindingRecord]:
+        """Every finding that is open now."""
+        with self._session() as s:
+            return [_finding(r) for r in s.scalars(select(FindingRow).where(FindingRow.state == "open"))]
+
+    def open_finding(self, report: FindingReport, now: float) -> FindingRecord:
+        """Open a new finding from a policy report."""
+        with self._write() as s:
+            row = FindingRow(
+                kind=report.key.kind, subject=report.key.subject, state="open",
+                severity=str(report.severity), summary=report.summary, cause=report.cause,
+                evidence=_jsonable(report.evidence), runbook=report.runbook,
+                opened_at=now, updated_at=now,
+            )
+            s.add(row)
+            s.flush()
+            return _finding(row)
+
+    def update_finding(self, finding_id: int, report: FindingReport, now: float) -> None:
+        """Refresh an open finding's severity, summary and evidence (policies keep its baseline)."""
+        with self._write() as s:
+            row = s.get_one(FindingRow, finding_id)
+            row.severity = str(report.severity)
+            row.summary = report.summary
+            row.cause = report.cause
+            row.evidence = _jsonable(report.evidence)
+            row.updated_at = now
+
+    def resolve_finding(self, finding_id: int, reason: str, now: float) -> None:
+        """Close a finding; its incident ends."""
+        with self._write() as s:
+            s.execute(
+                update(FindingRow)
+                .where(FindingRow.id == finding_id, FindingRow.state == "open")
+                .values(state="resolved", resolved_at=now, updated_at=now, resolve_reason=reason)
+            )
+
+    def findings_since(self, since: float) -> list[FindingRecord]:
+        """Findings opened at or after `since`, oldest first."""
+        with self._session() as s:
+            q = select(FindingRow).where(FindingRow.opened_at >= since).order_by(FindingRow.id)
+            return [_finding(r) for r in s.scalars(q)]
+
+    def finding(self, finding_id: int) -> FindingRecord | None:
+        """One finding by id."""
+        with self._session() as s:
+            row = s.get(FindingRow, finding_id)
+            return _finding(row) if row else None
+
+    # actions and the audit log ---------------------------------------------------------------
+
+    def create_action(
+        self, *, finding_id: int | None, kind: str, pool: str, params: dict[str, Any], mode: str,
+        state: str, reason: str, now: float,
+    ) -> ActionRecord:
+        """Record a new action and its first audit event in one transaction."""
+        with self._write() as s:
+            row = ActionRow(finding_id=finding_id, kind=kind, pool=pool, params=_jsonable(params), mode=mode,
+                            state=state, reason=reason, created_at=now)
+            s.add(row)
+            s.flush()
+            s.add(ActionEventRow(action_id=row.id, ts=now, event=state, detail={"reason": reason, **_jsonable(params)}))
+            return _action(row)
+
+    def transition(self, action_id: int, state: str, now: float, detail: dict[str, Any] | None = None,
+                   **fields: Any) -> None:
+        """Move an action to `state`, writing the audit event in the same transaction."""
+        stamp = {"approved": "approved_at", "started": "started_at", "succeeded": "finished_at",
+                 "failed": "finished_at", "unknown": "finished_at", "rejected": "finished_at"}.get(state)
+        values: dict[str, Any] = {"state": state, **fields}
+        if stamp:
+            values[stamp] = now
+        with self._write() as s:
+            s.execute(update(ActionRow).where(ActionRow.id == action_id).values(**values))
+            s.add(ActionEventRow(action_id=action_id, ts=now, event=state, detail=_jsonable(detail or {})))
+
+    def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
+        """Write the measured outcome of a finished action."""
+        with self._write() as s:
+            s.execute(update(ActionRow).where(ActionRow.id == action_id).values(outcome=outcome, outcome_at=now))
+            s.add(ActionEventRow(action_id=action_id, ts=now, event=f"outcome:{outcome}", detail=_jsonable(detail)))
+
+    def actions(self, *, states: Sequence[str] | None = None, since: float | None = None,
+                pool: str | None = None) -> list[ActionRecord]:
+        """Actions filtered by state, creation time and pool, oldest first."""
+        q = select(ActionRow)
+        conds = []
+        if states is not None:
+            conds.append(ActionRow.state.in_(list(states)))
+        if since is not None:
+            conds.append(ActionRow.created_at >= since)
+        if pool is not None:
+            conds.append(ActionRow.pool == pool)
+        if conds:
+            q = q.where(and_(*conds))
+        with self._session() as s:
+            return [_action(r) for r in s.scalars(q.order_by(ActionRow.id))]
+
+    def recent_actions(self, since: float) -> list[ActionRecord]:
+        """Actions created since `since`, plus any older one that has not finished."""
+        q = select(ActionRow).where((ActionRow.created_at >= since) | ActionRow.state.in_([str(a) for a in ACTIVE_STATES]))
+        with self._session() as s:
+            return [_action(r) for r in s.scalars(q.order_by(ActionRow.id))]
+
+    def compact(self, now: float, retention: Retention) -> CompactionReport:
+        """Roll up and expire signals (see `compaction`)."""
+        return compact(self.engine, now, retention)
+
+    def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
+        """Succeeded actions whose outcome is not judged yet and whose verify time has come."""
+        q = select(ActionRow).where(
+            ActionRow.state == "succeeded", ActionRow.outcome.is_(None), ActionRow.finished_at <= finished_before
+        )
+        with self._session() as s:
+            return [_action(r) for r in s.scalars(q)]
+
+    def delete_signals_before(self, cutoff: float) -> int:
+        """Drop raw signals older than `cutoff`."""
+        with self.engine.begin() as conn:
+            return conn.execute(delete(SignalRow).where(SignalRow.ts < cutoff)).rowcount or 0
+
+
+def _jsonable(value: Any) -> Any:
+    """Evidence as plain JSON types (tuples to lists, enums to strings)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bool | int | float) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,1 @@
+"""The Streamlit operations dashboard; reads the store, never writes it."""

@@ -1,0 +1,195 @@
+"""Prefix-cache hit-rate drop: a pool's hit rate falls well below its own recent baseline.
+
+Hit rates differ a lot by workload, so the threshold is relative to the pool's baseline
+(median and MAD over the baseline window), never a fixed number. The baseline is frozen in the
+finding's evidence when it opens, so a long incident cannot become its own new normal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from policies.stats import median_mad
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    Severity,
+)
+
+__all__ = ["Cause", "PrefixCacheHitDrop", "PrefixCacheSettings"]
+
+KIND = "prefix_cache_hit_drop"
+SIGNAL = "prefix_cache_hit_rate"
+
+
+class Cause(StrEnum):
+    """The likely cause the evidence points at."""
+
+    KV_PRESSURE = "kv_pressure"
+    ROUTING_OR_PROMPTS = "routing_or_prompts"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheSettings:
+    """Thresholds of the detector; hit rates are fractions from 0 to 1."""
+
+    baseline_s: float = 1800.0  # how far back the baseline looks
+    min_baseline_points: int = 8  # fewer points than this: no judgement yet
+    recent_points: int = 2  # consecutive low points needed to open (the detection delay)
+    min_abs_drop: float = 0.10  # a drop smaller than 10 points is noise for any workload
+    min_rel_drop: float = 0.20  # ... and so is one smaller than 20 % of the baseline
+    mad_k: float = 4.0  # ... and one within 4 robust sigmas of the baseline's own jitter
+    min_query_rate: float = 1.0  # tokens/s looked up; an idle pool has no meaningful hit rate
+    resolve_points: int = 3  # consecutive recovered points needed to resolve (hysteresis)
+    recover_fraction: float = 0.5  # recovered: back above baseline - 0.5 * threshold
+    kv_pressure_usage: float = 0.85  # KV usage at or above which the cache is squeezed
+    saturated_waiting_per_engine: float = 2.0  # queued requests per engine that mean "out of compute"
+
+
+class PrefixCacheHitDrop:
+    """Detects pool-level prefix-cache hit-rate drops and proposes a fix by cause."""
+
+    kind = KIND
+
+    def __init__(self, settings: PrefixCacheSettings | None = None) -> None:
+        self.settings = settings or PrefixCacheSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        """One evaluation over every pool that reports a hit rate."""
+        result = PolicyResult()
+        for subject in sorted(inp.windows.subjects(SIGNAL, prefix="pool/")):
+            key = FindingKey(KIND, subject)
+            open_finding = inp.open_findings.get(key)
+            if open_finding is not None:
+                baseline = float(open_finding.evidence["baseline"])
+                threshold = float(open_finding.evidence["threshold"])
+                if self._recovered(inp, subject, baseline, threshold):
+                    result.resolved.append((key, "hit rate back near its baseline"))
+                    continue
+                report = self._report(inp, subject, baseline, threshold)
+                if report is not None:
+                    result.findings.append(report)
+                continue
+            judged = self._baseline(inp, subject)
+            if judged is None:
+                continue
+            baseline, threshold = judged
+            if self._dropped(inp, subject, baseline, threshold):
+                report = self._report(inp, subject, baseline, threshold)
+                if report is not None:
+                    result.findings.append(report)
+        return result
+
+    def _baseline(self, inp: PolicyInput, subject: str) -> tuple[float, float] | None:
+        s = self.settings
+        points = inp.windows.series(subject, SIGNAL, since=inp.now - s.baseline_s)
+        history = [v for _, v in points[: -s.recent_points]]
+        if len(history) < s.min_baseline_points:
+            return None
+        med, sigma = median_mad(history)
+        threshold = max(s.min_abs_drop, s.min_rel_drop * med, s.mad_k * sigma)
+        return med, threshold
+
+    def _dropped(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> bool:
+        s = self.settings
+        recent = inp.windows.series(subject, SIGNAL)[-s.recent_points :]
+        if len(recent) < s.recent_points:
+            return False
+        if (inp.windows.latest(subject, "prefix_cache_query_rate") or 0.0) < s.min_query_rate:
+            return False
+        return all(v < baseline - threshold for _, v in recent)
+
+    def _recovered(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> bool:
+        s = self.settings
+        recent = inp.windows.series(subject, SIGNAL)[-s.resolve_points :]
+        bar = baseline - s.recover_fraction * threshold
+        return len(recent) == s.resolve_points and all(v >= bar for _, v in recent)
+
+    def _report(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> FindingReport | None:
+        s = self.settings
+        current = inp.windows.latest(subject, SIGNAL)
+        if current is None:
+            return None
+        pool = subject.removeprefix("pool/")
+        kv_max = inp.windows.latest(subject, "kv_cache_usage_max") or 0.0
+        preemptions = inp.windows.latest(subject, "preemption_rate") or 0.0
+        engine_rates = {
+            e.removeprefix(f"engine/{pool}/"): v
+            for e in inp.windows.subjects(SIGNAL, prefix=f"engine/{pool}/")
+            if (v := inp.windows.latest(e, SIGNAL)) is not None
+        }
+        spread = max(engine_rates.values()) - min(engine_rates.values()) if engine_rates else 0.0
+        drop = baseline - current
+        evidence = {
+            "signal": SIGNAL,
+            "value": round(current, 4),
+            "baseline": round(baseline, 4),
+            "threshold": round(threshold, 4),
+            "drop": round(drop, 4),
+            "kv_cache_usage_max": round(kv_max, 4),
+            "preemption_rate": round(preemptions, 4),
+            "engine_hit_rates": {k: round(v, 4) for k, v in sorted(engine_rates.items())},
+            "engine_spread": round(spread, 4),
+        }
+        severity = Severity.CRITICAL if baseline > 0 and drop / baseline >= 0.5 else Severity.WARNING
+        state = inp.pools.get(pool)
+        # Saturation is judged on a short mean so one noisy scrape neither triggers nor hides it.
+        waiting = _recent_mean(inp, subject, "requests_waiting", s.recent_points + 1) or 0.0
+        ttft = _recent_mean(inp, subject, "ttft_p95", s.recent_points + 1)
+        engines = max(1, state.ready if state else len(engine_rates))
+        evidence["requests_waiting_per_engine"] = round(waiting / engines, 3)
+        evidence["ttft_p95"] = None if ttft is None else round(ttft, 4)
+        slo = state.ttft_p95_slo if state else None
+        saturated = waiting / engines >= s.saturated_waiting_per_engine or (
+            slo is not None and ttft is not None and ttft > slo
+        )
+        evidence["saturated"] = saturated
+        proposals: tuple[Proposal, ...] = ()
+        if kv_max >= s.kv_pressure_usage or preemptions > 0:
+            cause = Cause.KV_PRESSURE
+            text = (
+                f"KV usage peaks at {kv_max:.0%} with {preemptions:.2f} preemptions/s: the prefix working set "
+                "no longer fits in the KV cache left free by running requests."
+            )
+            proposals = (
+                Proposal(ActionKind.SCALE_POOL, pool, +1, f"add KV capacity to {pool}: usage {kv_max:.0%}",
+                         verify_signal=SIGNAL, verify_lower_is_better=False),
+            )
+        else:
+            cause = Cause.ROUTING_OR_PROMPTS
+            text = (
+                f"KV usage is {kv_max:.0%} with no preemptions, so cache capacity is not the problem: the router "
+                "stopped sending shared prefixes to the same engines, or the prompt population changed. "
+                "Follow the routing runbook."
+            )
+            if saturated:
+                text += (
+                    f" The misses now cost prefill compute ({waiting / engines:.1f} waiting per engine, "
+                    f"TTFT p95 {ttft or 0:.2f}s): add capacity as a stopgap while routing is fixed."
+                )
+                proposals = (
+                    Proposal(ActionKind.SCALE_POOL, pool, +1,
+                             f"absorb the extra prefill work of the cache misses in {pool}",
+                             verify_signal="ttft_p95", verify_lower_is_better=True),
+                )
+        evidence["cause"] = cause.value
+        summary = f"prefix-cache hit rate of {pool} fell to {current:.0%} from a baseline of {baseline:.0%}"
+        return FindingReport(
+            key=FindingKey(KIND, subject),
+            severity=severity,
+            summary=summary,
+            cause=text,
+            evidence=evidence,
+            runbook=KIND,
+            proposals=proposals,
+        )
+
+
+def _recent_mean(inp: PolicyInput, subject: str, name: str, points: int) -> float | None:
+    values = [v for _, v in inp.windows.series(subject, name)[-points:]]
+    return sum(values) / len(values) if values else None

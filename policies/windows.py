@@ -1,0 +1,65 @@
+"""Sliding windows of recent signal values, keyed by (subject, name)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+__all__ = ["SignalWindows"]
+
+
+class SignalWindows:
+    """Recent (ts, value) points per (subject, name), trimmed to a horizon in seconds."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._series: dict[tuple[str, str], deque[tuple[float, float]]] = {}
+
+    def add(self, ts: float, subject: str, name: str, value: float) -> None:
+        """Append a point; out-of-order points older than the newest are ignored."""
+        series = self._series.get((subject, name))
+        if series is None:
+            series = self._series[(subject, name)] = deque()
+        if series and ts <= series[-1][0]:
+            return
+        series.append((ts, value))
+
+    def extend(self, points: Iterable[tuple[float, str, str, float]]) -> None:
+        """Add many (ts, subject, name, value) points."""
+        for ts, subject, name, value in points:
+            self.add(ts, subject, name, value)
+
+    def trim(self, now: float) -> None:
+        """Drop points older than the horizon, and series that became empty."""
+        cutoff = now - self.horizon_s
+        for key in list(self._series):
+            series = self._series[key]
+            while series and series[0][0] < cutoff:
+                series.popleft()
+            if not series:
+                del self._series[key]
+
+    def series(self, subject: str, name: str, since: float | None = None) -> list[tuple[float, float]]:
+        """Points of one series, oldest first, optionally only those at or after `since`."""
+        series = self._series.get((subject, name))
+        if not series:
+            return []
+        points = list(series)
+        if since is None:
+            return points
+        return points[bisect_left(points, (since, float("-inf"))) :]
+
+    def latest(self, subject: str, name: str) -> float | None:
+        """The newest value of a series, if any."""
+        series = self._series.get((subject, name))
+        return series[-1][1] if series else None
+
+    def subjects(self, name: str, prefix: str = "") -> Iterator[str]:
+        """Subjects that have a series called `name`, filtered by subject prefix."""
+        for subject, n in self._series:
+            if n == name and subject.startswith(prefix):
+                yield subject
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._series.values())
