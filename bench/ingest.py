@@ -83,7 +83,7 @@ def _postgres(url: str, data: list[list[Signal]], rows: int, batch: int, progres
         admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # noqa: BLE001 - any failure here means "no PostgreSQL to measure"
+    except Exception as exc:
         raise StoreUnavailable(f"PostgreSQL at {redact(url)} is unavailable for the benchmark: {exc}") from None
     db_url = admin.url.set(database=name).render_as_string(hide_password=False)
     try:

@@ -101,7 +101,8 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     in_bucket = count - below
     if in_bucket <= 0:
         return upper
-    return lower + (upper - lower) * (rank - below) / in_bucket
+    # min(): float rounding must not push the result past the bucket's own bound.
+    return min(upper, lower + (upper - lower) * (rank - below) / in_bucket)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

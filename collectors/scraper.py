@@ -60,7 +60,7 @@ class Scraper:
             try:
                 body, size = await asyncio.wait_for(self._fetch(target.url), self._timeout)
                 error = _looks_wrong(body)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 body, size, error = "", 0, f"timed out after {self._timeout:g}s"
             except httpx.HTTPError as exc:
                 body, size, error = "", 0, f"{type(exc).__name__}: {str(exc)[:200] or 'connection failed'}"

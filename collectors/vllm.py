@@ -20,7 +20,7 @@ from collectors.derive import (
 )
 from collectors.types import Sample, Signal
 
-__all__ = ["EngineDelta", "EngineReading", "delta", "read_engines", "signals", "EXPECTED_FAMILIES"]
+__all__ = ["EXPECTED_FAMILIES", "EngineDelta", "EngineReading", "delta", "read_engines", "signals"]
 
 # reading key -> exposed family names, preferred first (older spellings after).
 COUNTERS: dict[str, tuple[str, ...]] = {
@@ -105,7 +105,7 @@ class EngineDelta:
 
 
 class _HistogramBuilder:
-    __slots__ = ("buckets", "sum", "count")
+    __slots__ = ("buckets", "count", "sum")
 
     def __init__(self) -> None:
         self.buckets: dict[float, float] = {}

@@ -342,3 +342,7 @@ def main() -> NoReturn:
     except SystemExit:
         raise
     sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

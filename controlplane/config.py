@@ -167,10 +167,15 @@ class Tracing(StrEnum):
     OTLP = "otlp"
 
 
+def _yaml_off(value: Any) -> Any:
+    # YAML 1.1 reads a bare `off` as false; the user meant the string.
+    return "off" if value is False else value
+
+
 class Telemetry(_Strict):
     """The control plane's own observability."""
 
-    tracing: Tracing = Tracing.OFF
+    tracing: Annotated[Tracing, BeforeValidator(_yaml_off)] = Tracing.OFF
     otlp_endpoint: str | None = None  # e.g. http://otel-collector:4318/v1/traces
 
 
@@ -275,7 +280,8 @@ def parse_config(text: str, source: str = "<string>") -> FleetConfig:
             line = _line_of(root, loc)
             where = f" (line {line})" if line else ""
             msg = err["msg"].removeprefix("Value error, ")
-            given = f": got {err['input']!r}" if err["type"] not in ("missing",) and not isinstance(err["input"], dict | list) else ""
+            shown = err["type"] != "missing" and not isinstance(err["input"], dict | list)
+            given = f": got {err['input']!r}" if shown else ""
             problems.append(f"{_path(loc)}{where}: {msg}{given}")
         raise ConfigError(source, problems) from None
 

@@ -81,7 +81,7 @@ async def run_demo(minutes: float, db_url: str, console: Console, *, pace: bool 
                 TimeElapsedColumn(), console=console, transient=True,
             ) as progress:
                 task = progress.add_task("demo", total=ticks, sim="00:00", status="")
-                for i in range(ticks):
+                for _ in range(ticks):
                     tick_wall = time.perf_counter()
                     clock.advance(interval)
                     now = clock.now()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from collectors.pipeline import SignalDeriver
 from collectors.scraper import Scraper
-from collectors.types import Signal, TargetHealth
+from collectors.types import TargetHealth
 from controlplane.actuators.base import Actuator, TargetSource
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode
@@ -106,7 +106,7 @@ class ControlLoop:
             wait = max(0.0, interval - (self.clock.now() - started))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=wait) if wait else None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def tick(self) -> TickReport:
@@ -286,7 +286,8 @@ class ControlLoop:
             if before is None or after is None:
                 outcome = "recovered" if resolved else "unmeasured"
             else:
-                change = (before - after) / before if p.get("verify_lower_is_better", True) else (after - before) / max(before, 1e-9)
+                gain = before - after if p.get("verify_lower_is_better", True) else after - before
+                change = gain / max(abs(before), 1e-9)
                 outcome = "recovered" if resolved or change >= IMPROVEMENT else "not_recovered"
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
             self.store.record_outcome(action.id, outcome, now, detail)

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from controlplane.sim.fleet import SimEngine
 
-__all__ = ["TTFT_BUCKETS", "ITL_BUCKETS", "LATENCY_BUCKETS", "render"]
+__all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "TTFT_BUCKETS", "render"]
 
 # Bucket boundaries exactly as vLLM's defaults (vllm/v1/metrics/buckets.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -19,7 +19,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _Handler(BaseHTTPRequestHandler):
     server: _EngineServer
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         if self.path.split("?")[0] != "/metrics":
             self.send_error(404)
             return
@@ -30,7 +30,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass  # scrapes every tick would flood stderr
 
 

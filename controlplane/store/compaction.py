@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Float, delete, func, insert, literal, select
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import ColumnElement, FunctionElement
+from sqlalchemy.sql.expression import FunctionElement
 
 from controlplane.store.models import MetaRow, SignalRollupRow, SignalRow
 
@@ -21,7 +21,7 @@ MINUTE = 60
 HOUR = 3600
 
 
-class bucket_start(FunctionElement[float]):
+class bucket_start(FunctionElement[float]):  # noqa: N801 (SQL functions are lower case)
     """floor(ts / width) * width, spelled per dialect (SQLite may lack floor())."""
 
     type = Float()
@@ -86,7 +86,7 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
                 .where(SignalRow.ts >= start, SignalRow.ts < minute_end)
                 .group_by(SignalRow.name, SignalRow.subject, b)
             )
-            minute_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src)).rowcount or 0
+            minute_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src), execution_options=_COUNT).rowcount
             _set_watermark(conn, "rollup_60", minute_end)
 
         hour_end = (minute_end // HOUR) * HOUR
@@ -101,7 +101,7 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
                 .where(r.resolution == MINUTE, r.bucket >= hstart, r.bucket < hour_end)
                 .group_by(r.name, r.subject, hb)
             )
-            hour_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src)).rowcount or 0
+            hour_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src), execution_options=_COUNT).rowcount
             _set_watermark(conn, "rollup_3600", hour_end)
 
         raw_deleted = conn.execute(delete(SignalRow).where(SignalRow.ts < now - retention.raw_s)).rowcount or 0
@@ -116,3 +116,5 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
 
 
 _ROLLUP_COLS = ["resolution", "name", "subject", "bucket", "count", "sum", "min", "max"]
+# psycopg reports -1 rows for INSERT ... SELECT unless SQLAlchemy is asked to keep the count.
+_COUNT = {"preserve_rowcount": True}

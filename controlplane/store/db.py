@@ -55,6 +55,7 @@ def make_engine(url: str, *, check: bool = True) -> Engine:
             with engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
         except SQLAlchemyError as exc:
+            engine.dispose()
             raise StoreUnavailable(f"store {redact(url)} is unreachable: {str(exc.orig or exc).strip()[:300]}") from None
     return engine
 

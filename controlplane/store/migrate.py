@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -13,7 +15,7 @@ from sqlalchemy import Engine
 import migrations
 from controlplane.store.db import make_engine, normalize_url
 
-__all__ = ["current", "downgrade", "head", "is_current", "upgrade"]
+__all__ = ["current", "downgrade", "head", "upgrade"]
 
 
 def _config(engine: Engine) -> Config:
@@ -26,37 +28,39 @@ def _config(engine: Engine) -> Config:
 
 def head() -> str:
     """The newest revision shipped with this version."""
-    script = ScriptDirectory.from_config(_config(make_engine("sqlite://", check=False)))
-    rev = script.get_current_head()
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    rev = ScriptDirectory.from_config(cfg).get_current_head()
     assert rev is not None
     return rev
 
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     """Apply migrations up to `revision`."""
-    engine = _engine(url_or_engine)
-    command.upgrade(_config(engine), revision)
+    with _engine(url_or_engine) as engine:
+        command.upgrade(_config(engine), revision)
 
 
 def downgrade(url_or_engine: str | Engine, revision: str) -> None:
     """Revert migrations down to `revision` ('base' removes every table)."""
-    engine = _engine(url_or_engine)
-    command.downgrade(_config(engine), revision)
+    with _engine(url_or_engine) as engine:
+        command.downgrade(_config(engine), revision)
 
 
 def current(url_or_engine: str | Engine) -> str | None:
     """The revision the database is at, or None when it was never migrated."""
-    engine = _engine(url_or_engine)
-    with engine.connect() as conn:
+    with _engine(url_or_engine) as engine, engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def is_current(engine: Engine) -> bool:
-    """True when the database is at the shipped head revision."""
-    return current(engine) == head()
-
-
-def _engine(url_or_engine: str | Engine) -> Engine:
+@contextmanager
+def _engine(url_or_engine: str | Engine) -> Iterator[Engine]:
+    """The given engine, or one made from a URL and disposed afterwards."""
     if isinstance(url_or_engine, Engine):
-        return url_or_engine
-    return make_engine(normalize_url(url_or_engine))
+        yield url_or_engine
+        return
+    engine = make_engine(normalize_url(url_or_engine))
+    try:
+        yield engine
+    finally:
+        engine.dispose()

@@ -33,7 +33,7 @@ NAMING = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
-    type_annotation_map = {dict[str, Any]: JSON}
+    type_annotation_map = {dict[str, Any]: JSON}  # noqa: RUF012 (read by SQLAlchemy at class creation)
 
 
 class TargetRow(Base):

@@ -11,7 +11,9 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from controlplane.store.db import make_engine
+from controlplane.errors import StoreUnavailable
+from controlplane.store import migrate
+from controlplane.store.db import make_engine, redact
 from controlplane.store.models import ActionEventRow, ActionRow, FindingRow, SignalRollupRow, SignalRow, TargetRow
 
 __all__ = ["ReadStore", "SeriesPoint"]
@@ -38,8 +40,16 @@ class ReadStore:
 
     @classmethod
     def open(cls, url: str) -> ReadStore:
-        """Connect to the store at `url` (raises StoreUnavailable when unreachable)."""
-        return cls(make_engine(url))
+        """Connect to the store at `url`; StoreUnavailable when unreachable or not migrated."""
+        engine = make_engine(url)
+        at = migrate.current(engine)
+        if at != migrate.head():
+            engine.dispose()
+            raise StoreUnavailable(
+                f"store {redact(url)} is at schema revision {at or 'none'}, not {migrate.head()}: "
+                "run `fleetctl db upgrade --db URL`"
+            )
+        return cls(engine)
 
     def latest_ts(self) -> float | None:
         """Time of the newest raw signal, or None for an empty store."""

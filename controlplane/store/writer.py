@@ -94,6 +94,7 @@ class SqlStore:
         if require_current:
             at = migrate.current(engine)
             if at != migrate.head():
+                engine.dispose()
                 raise StoreUnavailable(
                     f"store {redact(url)} is at schema revision {at or 'none'}, this version needs "
                     f"{migrate.head()}: run `fleetctl db upgrade --db URL`"

@@ -1,0 +1,37 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench dashboard clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/fleetctl demo --minutes 1 --db sqlite:///demo.db
+
+test: $(VENV)/.installed-test
+	scripts/ensure-postgres.sh
+	$(MAKE) lint
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+bench: $(VENV)/.installed
+	$(BIN)/fleetctl bench ingest
+
+dashboard: $(VENV)/.installed
+	$(BIN)/fleetctl dashboard --db sqlite:///demo.db
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo.db demo.db-wal demo.db-shm .pytest_cache .hypothesis

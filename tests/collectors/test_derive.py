@@ -1,0 +1,96 @@
+"""Signal arithmetic: counter resets, histogram quantiles as PromQL computes them, ratios.
+
+Property tests check the quantile stays inside the bucket holding the rank and never
+decreases with q; example tests pin PromQL's edge cases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from collectors.derive import Histogram, counter_increase, histogram_increase, histogram_quantile, ratio
+
+INF = math.inf
+
+
+@pytest.mark.parametrize(
+    ("prev", "cur", "expected"),
+    [
+        pytest.param(None, 10.0, None, id="first-reading"),
+        pytest.param(10.0, 15.0, 5.0, id="increase"),
+        pytest.param(10.0, 10.0, 0.0, id="flat"),
+        pytest.param(100.0, 7.0, 7.0, id="reset-counts-from-zero"),
+    ],
+)
+def test_counter_increase(prev: float | None, cur: float, expected: float | None) -> None:
+    assert counter_increase(prev, cur) == expected
+
+
+def test_histogram_increase_and_reset() -> None:
+    before = Histogram(((0.1, 5.0), (1.0, 8.0), (INF, 10.0)), 4.0, 10.0)
+    after = Histogram(((0.1, 6.0), (1.0, 12.0), (INF, 15.0)), 6.5, 15.0)
+    inc = histogram_increase(before, after)
+    assert inc == Histogram(((0.1, 1.0), (1.0, 4.0), (INF, 5.0)), 2.5, 5.0)
+    restarted = Histogram(((0.1, 1.0), (1.0, 1.0), (INF, 2.0)), 0.3, 2.0)
+    assert histogram_increase(before, restarted) == restarted
+
+
+@pytest.mark.parametrize(
+    ("q", "buckets", "expected"),
+    [
+        pytest.param(0.5, [(1.0, 0.0), (2.0, 10.0), (INF, 10.0)], 1.5, id="interpolate-in-bucket"),
+        pytest.param(0.5, [(1.0, 10.0), (INF, 10.0)], 0.5, id="first-bucket-starts-at-zero"),
+        pytest.param(0.99, [(1.0, 5.0), (2.0, 5.0), (INF, 10.0)], 2.0, id="rank-in-inf-returns-highest-bound"),
+        pytest.param(0.5, [(1.0, 0.0), (INF, 0.0)], math.nan, id="no-observations"),
+        pytest.param(0.5, [(1.0, 3.0)], math.nan, id="no-inf-bucket"),
+        pytest.param(1.5, [(1.0, 3.0), (INF, 3.0)], INF, id="q-above-one"),
+        pytest.param(-0.1, [(1.0, 3.0), (INF, 3.0)], -INF, id="q-below-zero"),
+    ],
+)
+def test_histogram_quantile_matches_promql(q: float, buckets: list, expected: float) -> None:
+    got = histogram_quantile(q, buckets)
+    assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
+
+
+bounds = st.lists(st.floats(0.001, 1000.0), min_size=1, max_size=12, unique=True).map(sorted)
+
+
+@st.composite
+def histograms(draw: st.DrawFn) -> list[tuple[float, float]]:
+    les = draw(bounds)
+    counts = draw(st.lists(st.integers(0, 1000), min_size=len(les) + 1, max_size=len(les) + 1))
+    cumulative, total = [], 0
+    for le, c in zip([*les, INF], counts, strict=True):
+        total += c
+        cumulative.append((le, float(total)))
+    return cumulative
+
+
+@settings(max_examples=300, deadline=None)
+@given(histograms(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_quantile_is_monotone_and_within_bounds(buckets: list, q1: float, q2: float) -> None:
+    lo, hi = sorted((q1, q2))
+    a, b = histogram_quantile(lo, buckets), histogram_quantile(hi, buckets)
+    if buckets[-1][1] == 0:
+        assert math.isnan(a) and math.isnan(b)
+        return
+    assert a <= b + 1e-9
+    finite = [le for le, _ in buckets if le != INF]
+    assert 0.0 <= a <= max(finite) and 0.0 <= b <= max(finite)
+
+
+@settings(max_examples=200, deadline=None)
+@given(histograms(), histograms())
+def test_merged_histogram_counts_add(a: list, b: list) -> None:
+    ha, hb = Histogram(tuple(a), 1.0, a[-1][1]), Histogram(tuple(b), 2.0, b[-1][1])
+    merged = ha + hb
+    assert merged.count == ha.count + hb.count
+    assert dict(merged.buckets)[INF] == a[-1][1] + b[-1][1]
+
+
+def test_ratio_guards_empty_denominator() -> None:
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None and ratio(1.0, 4.0) == 0.25

@@ -1,0 +1,80 @@
+"""The scraper: concurrency, errors recorded per target, backoff driven by the given time.
+
+HTTP is faked with httpx.MockTransport; a hanging target is a handler that never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from collectors.scraper import Scraper
+from collectors.types import Target
+
+GOOD = 'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+
+
+def handler(request: httpx.Request) -> httpx.Response:
+    host = request.url.host
+    if host == "good":
+        return httpx.Response(200, text=GOOD, headers={"content-type": "text/plain; version=0.0.4"})
+    if host == "html":
+        return httpx.Response(200, text="<html><body>login</body></html>", headers={"content-type": "text/html"})
+    if host == "error":
+        return httpx.Response(503, text="unavailable")
+    if host == "dead":
+        raise httpx.ConnectError("connection refused", request=request)
+    raise AssertionError(host)
+
+
+async def hanging(request: httpx.Request) -> httpx.Response:
+    if request.url.host == "slow":
+        await asyncio.sleep(3600)
+    return handler(request)
+
+
+def t(host: str) -> Target:
+    return Target(f"http://{host}/metrics", "pool", host)
+
+
+async def test_each_failure_is_recorded_and_the_rest_succeed() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hanging)) as client:
+        scraper = Scraper(client, timeout_s=0.2)
+        results = await scraper.scrape([t("good"), t("html"), t("error"), t("dead"), t("slow")], now=100.0)
+    by = {r.target.pod: r for r in results}
+    assert by["good"].ok and by["good"].body == GOOD and by["good"].size_bytes == len(GOOD)
+    assert "HTML" in (by["html"].error or "") or "text/html" in (by["html"].error or "")
+    assert by["error"].error == "HTTP 503 from http://error/metrics"
+    assert "ConnectError" in (by["dead"].error or "")
+    assert by["slow"].error == "timed out after 0.2s"
+
+
+async def test_backoff_skips_a_failing_target_until_its_time() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        scraper = Scraper(client, backoff_base_s=15.0, backoff_max_s=60.0)
+        first = await scraper.scrape([t("dead")], now=0.0)
+        second = await scraper.scrape([t("dead")], now=15.0)  # first failure retries next tick
+        third = await scraper.scrape([t("dead")], now=20.0)
+        assert not first[0].skipped and not second[0].skipped
+        assert third[0].skipped and third[0].error and "ConnectError" in third[0].error
+        health = scraper.health["pool/dead"]
+        assert health.consecutive_failures == 2
+        assert 15.0 + 15.0 * 0.8 <= health.next_attempt_at <= 15.0 + 15.0 * 1.2
+        later = await scraper.scrape([t("dead")], now=health.next_attempt_at)
+        assert not later[0].skipped and scraper.health["pool/dead"].consecutive_failures == 3
+
+
+async def test_body_size_limit() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        scraper = Scraper(client, max_body_bytes=10)
+        [res] = await scraper.scrape([t("good")], now=0.0)
+    assert not res.ok and "exceeds 10 bytes" in (res.error or "")
+
+
+async def test_removed_targets_forget_their_health() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        scraper = Scraper(client)
+        await scraper.scrape([t("dead"), t("good")], now=0.0)
+        await scraper.scrape([t("good")], now=15.0)
+    assert list(scraper.health) == ["pool/good"]

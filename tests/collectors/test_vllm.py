@@ -1,0 +1,105 @@
+"""vLLM family mapping: engines by the `engine` label, old names, pool aggregation, missing families."""
+
+from __future__ import annotations
+
+import pytest
+
+from collectors import vllm
+from collectors.exposition import parse
+from collectors.pipeline import SignalDeriver
+from collectors.types import ScrapeResult, Target
+
+MODEL = 'model_name="m"'
+
+
+def exposition(queries: float, hits: float, *, engine: str = "0", ttft: tuple[float, float, float] = (0, 0, 0),
+               old_names: bool = False) -> str:
+    prefix = "vllm:gpu_prefix_cache" if old_names else "vllm:prefix_cache"
+    usage = "vllm:gpu_cache_usage_perc" if old_names else "vllm:kv_cache_usage_perc"
+    lab = f'engine="{engine}",{MODEL}'
+    b1, b2, binf = ttft
+    return "\n".join([
+        f"{prefix}_queries_total{{{lab}}} {queries}",
+        f"{prefix}_hits_total{{{lab}}} {hits}",
+        f"{usage}{{{lab}}} 0.5",
+        f"vllm:num_requests_running{{{lab}}} 3",
+        f"vllm:num_requests_waiting{{{lab}}} 1",
+        f'vllm:request_success_total{{engine="{engine}",finished_reason="stop",{MODEL}}} {binf}',
+        f'vllm:request_success_total{{engine="{engine}",finished_reason="error",{MODEL}}} 1',
+        f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",le="0.1",{MODEL}}} {b1}',
+        f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",le="1.0",{MODEL}}} {b2}',
+        f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",le="+Inf",{MODEL}}} {binf}',
+        f"vllm:time_to_first_token_seconds_sum{{{lab}}} {binf * 0.3}",
+        f"vllm:time_to_first_token_seconds_count{{{lab}}} {binf}",
+    ]) + "\n"
+
+
+def test_reading_groups_by_engine_and_sums_extra_labels() -> None:
+    text = exposition(100, 80, engine="0") + exposition(50, 10, engine="1")
+    readings = vllm.read_engines(parse(text))
+    assert set(readings) == {"0", "1"}
+    assert readings["0"].counters["prefix_hits"] == 80
+    assert readings["0"].counters["requests"] == 1  # stop (0) + error (1)
+    assert readings["0"].counters["request_errors"] == 1
+    assert readings["1"].gauges["kv_cache_usage"] == 0.5
+
+
+def test_old_family_names_are_read() -> None:
+    r = vllm.read_engines(parse(exposition(10, 5, old_names=True)))["0"]
+    assert r.counters["prefix_queries"] == 10 and r.gauges["kv_cache_usage"] == 0.5
+
+
+def test_current_name_wins_over_old_name() -> None:
+    text = exposition(10, 5) + 'vllm:gpu_prefix_cache_hits_total{engine="0",model_name="m"} 999\n'
+    assert vllm.read_engines(parse(text))["0"].counters["prefix_hits"] == 5
+
+
+def test_missing_families_are_reported() -> None:
+    readings = vllm.read_engines(parse('vllm:num_requests_running{engine="0"} 1\n'))
+    missing = vllm.missing_families(readings)
+    assert "vllm:prefix_cache_hits_total" in missing and "vllm:num_requests_running" not in missing
+
+
+def _result(text: str, ts: float, pod: str = "p0") -> ScrapeResult:
+    return ScrapeResult(Target("http://x", "prefill", pod), ts, ok=True, body=text)
+
+
+def test_deriver_rates_quantiles_and_pool_rollup() -> None:
+    d = SignalDeriver()
+    d.derive([_result(exposition(1000, 800, ttft=(10, 20, 20)), 0.0),
+              _result(exposition(1000, 100, ttft=(0, 10, 10)), 0.0, "p1")], 0.0)
+    out = d.derive([_result(exposition(2000, 1700, ttft=(20, 40, 40)), 15.0),
+                    _result(exposition(2000, 200, ttft=(0, 20, 20)), 15.0, "p1")], 15.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals}
+    assert sig[("engine/prefill/p0/0", "prefix_cache_hit_rate")] == pytest.approx(0.9)
+    assert sig[("engine/prefill/p1/0", "prefix_cache_hit_rate")] == pytest.approx(0.1)
+    # Pool = sum of increases over sum of increases, as sum(rate(hits))/sum(rate(queries)).
+    assert sig[("pool/prefill", "prefix_cache_hit_rate")] == pytest.approx(0.5)
+    assert sig[("pool/prefill", "prefix_cache_query_rate")] == pytest.approx(2000 / 15)
+    # p0: 20 new observations, 10 of them under 0.1 s: rank 10 ends the first bucket -> 0.1.
+    # p1: 10 new observations in (0.1, 1]: rank 5 is halfway through that bucket -> 0.55.
+    assert sig[("engine/prefill/p0/0", "ttft_p50")] == pytest.approx(0.1)
+    assert sig[("engine/prefill/p1/0", "ttft_p50")] == pytest.approx(0.55)
+    assert sig[("pool/prefill", "targets_up")] == 2
+
+
+def test_deriver_handles_counter_reset_and_failed_scrape() -> None:
+    d = SignalDeriver()
+    d.derive([_result(exposition(1000, 800), 0.0)], 0.0)
+    failed = ScrapeResult(Target("http://x", "prefill", "p0"), 15.0, ok=False, error="timed out")
+    out = d.derive([failed], 15.0)
+    assert ("pod/prefill/p0", "up", 0.0) in {(s.subject, s.name, s.value) for s in out.signals}
+    # The pod restarted: counters start again from zero; the gap spans two intervals.
+    out = d.derive([_result(exposition(100, 30), 30.0)], 30.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals}
+    assert sig[("engine/prefill/p0/0", "prefix_cache_hit_rate")] == pytest.approx(0.3)
+    assert sig[("engine/prefill/p0/0", "prefix_cache_query_rate")] == pytest.approx(100 / 30)
+
+
+def test_deriver_records_malformed_lines_and_keeps_the_rest() -> None:
+    d = SignalDeriver()
+    body = exposition(1000, 800) + "vllm:broken{engine=0} 1\n"
+    out = d.derive([_result(body, 0.0)], 0.0)
+    assert "prefill/p0" in out.parse_errors and "line 13" in out.parse_errors["prefill/p0"][0]
+    out = d.derive([_result(exposition(2000, 1600), 15.0)], 15.0)
+    assert any(s.name == "prefix_cache_hit_rate" for s in out.signals)

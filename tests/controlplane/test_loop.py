@@ -1,0 +1,154 @@
+"""The control loop end to end on the simulated fleet, in virtual time, over loopback HTTP.
+
+Covers: detection and action in `act` mode with the audit log and outcome; `observe` never
+acts; `propose` waits for approval; interrupted actions become `unknown` on restart; a dead
+target and a malformed exposition are recorded while the loop goes on; self-metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+
+from collectors.types import Target
+from controlplane.actuators.base import StaticTargets
+from controlplane.clock import VirtualClock
+from controlplane.config import Mode
+from controlplane.demo import demo_config
+from controlplane.loop import ControlLoop
+from controlplane.runtime import build_loop
+from controlplane.sim.fleet import FleetSpec, Router, SimFleet
+from controlplane.sim.server import SimActuator, SimServer, SimTargets
+from controlplane.store.writer import SqlStore
+
+
+@dataclass
+class Harness:
+    loop: ControlLoop
+    fleet: SimFleet
+    server: SimServer
+    clock: VirtualClock
+    store: SqlStore
+
+    async def ticks(self, n: int) -> list:
+        reports = []
+        for _ in range(n):
+            self.clock.advance(self.loop.config.scrape.interval)
+            self.fleet.advance_to(self.clock.now())
+            self.server.sync()
+            reports.append(await self.loop.tick())
+        return reports
+
+
+@pytest.fixture
+def sim() -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
+    clock = VirtualClock()
+    fleet = SimFleet(FleetSpec(), now=clock.now())
+    server = SimServer(fleet)
+    server.sync()
+    yield fleet, server, clock
+    server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=2.0) as c:
+        yield c
+
+
+def harness(mode: Mode, sim: tuple, store: SqlStore, client: httpx.AsyncClient) -> Harness:
+    fleet, server, clock = sim
+    cfg = demo_config(str(store.engine.url))
+    cfg = cfg.model_copy(update={"mode": mode})
+    loop = build_loop(cfg, store, client, targets=SimTargets(server), actuator=SimActuator(fleet), clock=clock)
+    return Harness(loop, fleet, server, clock, store)
+
+
+async def test_act_mode_detects_acts_and_judges_the_outcome(sim: tuple, sqlite_store: SqlStore,
+                                                            client: httpx.AsyncClient) -> None:
+    h = harness(Mode.ACT, sim, sqlite_store, client)
+    await h.loop.start()
+    baseline = await h.ticks(20)
+    assert all(r.targets == r.targets_up == 6 for r in baseline)
+    assert not any(r.opened for r in baseline)
+    h.fleet.set_router(Router.ROUND_ROBIN)
+    reports = await h.ticks(4)
+    opened = [f for r in reports for f in r.opened]
+    assert [f.kind for f in opened] == ["prefix_cache_hit_drop"]
+    delay = next(i for i, r in enumerate(reports) if r.opened) + 1
+    assert delay <= 2, "detected within two scrape intervals"
+    actions = [a for r in reports for a in r.actions]
+    assert [(a.kind, a.pool, a.params["replicas"]) for a in actions] == [("scale_pool", "prefill", 4)]
+    assert h.fleet.desired["prefill"] == 4
+    # Ten minutes later the outcome is judged from the verify signal.
+    later = await h.ticks(41)
+    outcomes = [o for r in later for o in r.outcomes]
+    assert outcomes == [(actions[0].id, "recovered")]
+    h.fleet.set_router(Router.CACHE_AWARE)
+    resolved = [f for r in await h.ticks(6) for f in r.resolved]
+    assert [f.id for f in resolved] == [opened[0].id]
+    assert h.store.open_findings() == []
+    [action] = h.store.actions()
+    assert (action.state, action.outcome) == ("succeeded", "recovered")
+
+
+async def test_observe_mode_never_acts(sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+    h = harness(Mode.OBSERVE, sim, sqlite_store, client)
+    await h.ticks(20)
+    h.fleet.set_router(Router.ROUND_ROBIN)
+    reports = await h.ticks(4)
+    assert any(r.opened for r in reports)
+    assert h.store.actions() == [] and h.fleet.desired["prefill"] == 3
+    assert any(reason == "observe_mode" for r in reports for _, reason, _ in r.held)
+
+
+async def test_propose_mode_waits_for_approval(sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+    h = harness(Mode.PROPOSE, sim, sqlite_store, client)
+    await h.ticks(20)
+    h.fleet.set_router(Router.ROUND_ROBIN)
+    await h.ticks(4)
+    [proposal] = h.store.actions()
+    assert proposal.state == "proposed" and h.fleet.desired["prefill"] == 3
+    await h.ticks(2)
+    assert len(h.store.actions()) == 1, "an awaiting proposal blocks new ones for the pool"
+    h.store.transition(proposal.id, "approved", h.clock.now(), {"by": "alice"}, approved_by="alice")
+    await h.ticks(1)
+    assert h.fleet.desired["prefill"] == 4
+    assert h.store.actions()[0].state == "succeeded"
+
+
+async def test_interrupted_action_becomes_unknown_on_restart(sim: tuple, sqlite_store: SqlStore,
+                                                             client: httpx.AsyncClient) -> None:
+    h = harness(Mode.ACT, sim, sqlite_store, client)
+    a = h.store.create_action(finding_id=None, kind="scale_pool", pool="prefill", params={"replicas": 4}, mode="act",
+                              state="proposed", reason="x", now=h.clock.now())
+    h.store.transition(a.id, "started", h.clock.now())
+    await h.loop.start()
+    [after] = h.store.actions()
+    assert after.state == "unknown"
+    assert h.fleet.desired["prefill"] == 3  # never retried blindly
+
+
+async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: SqlStore,
+                                                                 client: httpx.AsyncClient) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "bad":
+            return httpx.Response(200, text="vllm:num_requests_running{engine=0} 1\nok_metric 1\n")
+        raise httpx.ConnectError("refused", request=request)
+
+    cfg = demo_config(str(sqlite_store.engine.url))
+    targets = StaticTargets([Target("http://dead/metrics", "prefill", "dead"), Target("http://bad/metrics", "prefill", "bad")])
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
+        loop = build_loop(cfg, sqlite_store, mock, targets=targets, clock=VirtualClock())
+        report = await loop.tick()
+    assert report.targets == 2 and report.targets_up == 1
+    assert "ConnectError" in report.errors["prefill/dead"]
+    assert "line 1" in report.errors["prefill/bad"]
+    metrics = generate_latest(loop.telemetry.registry).decode()
+    assert 'fleet_controlplane_scrape_errors_total{target="prefill/dead"} 1.0' in metrics
+    assert 'fleet_controlplane_parse_errors_total{target="prefill/bad"} 1.0' in metrics
+    assert "fleet_controlplane_ticks_total 1.0" in metrics

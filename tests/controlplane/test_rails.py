@@ -1,0 +1,67 @@
+"""Safety rails: mode, bounds, step, in-flight, cooldown, settle and rate limit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from controlplane.config import Mode, Rails
+from controlplane.rails import RailsReason, check
+from policies.types import ActionKind, PoolState, Proposal
+
+NOW = 10_000.0
+RAILS = Rails(cooldown=300, max_step=1, max_actions_per_hour=3, verify_after=600)
+
+
+@dataclass
+class Past:
+    pool: str
+    state: str
+    created_at: float
+    finished_at: float | None
+
+
+def pool(desired: int = 3, ready: int | None = None, lo: int = 2, hi: int = 6) -> PoolState:
+    return PoolState("prefill", "prefill", desired, desired if ready is None else ready, lo, hi)
+
+
+def up(delta: int = 1) -> Proposal:
+    return Proposal(ActionKind.SCALE_POOL, "prefill", delta, "test")
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "history", "proposal", "reason", "target"),
+    [
+        pytest.param(Mode.ACT, pool(), [], up(), RailsReason.ALLOWED, 4, id="act-allows"),
+        pytest.param(Mode.PROPOSE, pool(), [], up(), RailsReason.NEEDS_APPROVAL, 4, id="propose-waits"),
+        pytest.param(Mode.OBSERVE, pool(), [], up(), RailsReason.OBSERVE_MODE, None, id="observe-never-acts"),
+        pytest.param(Mode.ACT, None, [], up(), RailsReason.UNKNOWN_POOL, None, id="unknown-pool"),
+        pytest.param(Mode.ACT, pool(desired=6), [], up(), RailsReason.AT_LIMIT, None, id="at-max"),
+        pytest.param(Mode.ACT, pool(desired=2), [], up(-1), RailsReason.AT_LIMIT, None, id="at-min"),
+        pytest.param(Mode.ACT, pool(), [], up(5), RailsReason.ALLOWED, 4, id="step-clamped"),
+        pytest.param(Mode.ACT, pool(ready=2), [], up(), RailsReason.POOL_NOT_SETTLED, None, id="not-settled"),
+        pytest.param(Mode.ACT, pool(), [Past("prefill", "started", NOW - 10, None)], up(), RailsReason.IN_FLIGHT,
+                     None, id="in-flight"),
+        pytest.param(Mode.ACT, pool(), [Past("prefill", "succeeded", NOW - 200, NOW - 100)], up(),
+                     RailsReason.COOLDOWN, None, id="cooldown"),
+        pytest.param(Mode.ACT, pool(), [Past("prefill", "succeeded", NOW - 900, NOW - 800)], up(),
+                     RailsReason.ALLOWED, 4, id="cooldown-over"),
+        pytest.param(Mode.ACT, pool(), [Past("decode", "succeeded", NOW - 60 * i, NOW - 60 * i) for i in range(1, 4)],
+                     up(), RailsReason.RATE_LIMITED, None, id="rate-limited"),
+        pytest.param(Mode.ACT, pool(), [Past("decode", "rejected", NOW - 60 * i, NOW - 60 * i) for i in range(1, 4)],
+                     up(), RailsReason.ALLOWED, 4, id="rejected-do-not-count"),
+    ],
+)
+def test_rails(mode: Mode, state: PoolState | None, history: list, proposal: Proposal, reason: RailsReason,
+               target: int | None) -> None:
+    decision = check(proposal, state, mode=mode, rails=RAILS, history=history, now=NOW)
+    assert (decision.reason, decision.target_replicas) == (reason, target)
+
+
+def test_reason_spellings_are_stable() -> None:
+    # They are metric label values; dashboards and alerts depend on them.
+    assert [r.value for r in RailsReason] == [
+        "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
+        "rate_limited", "pool_not_settled",
+    ]

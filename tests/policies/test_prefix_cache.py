@@ -1,0 +1,108 @@
+"""Prefix-cache hit-drop policy: when it opens, what cause and proposal it gives, when it resolves.
+
+Pure: windows are built by hand, time is an argument, no mocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.prefix_cache import PrefixCacheHitDrop
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
+from policies.windows import SignalWindows
+
+POOL = "pool/prefill"
+KEY = FindingKey("prefix_cache_hit_drop", POOL)
+STEP = 15.0
+
+
+def windows(hits: list[float], *, kv: float = 0.3, preempt: float = 0.0, waiting: float = 0.0,
+            ttft: float = 0.1, query_rate: float = 1000.0) -> SignalWindows:
+    w = SignalWindows(horizon_s=7200)
+    for i, h in enumerate(hits):
+        ts = i * STEP
+        for name, value in (("prefix_cache_hit_rate", h), ("kv_cache_usage_max", kv), ("preemption_rate", preempt),
+                            ("requests_waiting", waiting), ("ttft_p95", ttft), ("prefix_cache_query_rate", query_rate)):
+            w.add(ts, POOL, name, value)
+        w.add(ts, "engine/prefill/p0/0", "prefix_cache_hit_rate", h)
+        w.add(ts, "engine/prefill/p1/0", "prefix_cache_hit_rate", h * 0.9)
+    return w
+
+
+def run(w: SignalWindows, open_findings: dict | None = None, slo: float | None = 0.5):
+    now = max(ts for ts, _ in w.series(POOL, "prefix_cache_hit_rate"))
+    pools = {"prefill": PoolState("prefill", "prefill", 3, 3, 2, 6, ttft_p95_slo=slo)}
+    return PrefixCacheHitDrop().evaluate(PolicyInput(now, w, pools, open_findings or {}))
+
+
+STABLE = [0.80, 0.79, 0.81, 0.80, 0.78, 0.80, 0.82, 0.79, 0.80, 0.81]
+
+
+@pytest.mark.parametrize(
+    ("hits", "opens"),
+    [
+        pytest.param(STABLE, False, id="stable"),
+        pytest.param(STABLE + [0.40], False, id="one-low-point-is-not-enough"),
+        pytest.param(STABLE + [0.40, 0.42], True, id="two-low-points-open"),
+        pytest.param(STABLE + [0.72, 0.71], False, id="small-dip-below-threshold"),
+        pytest.param(STABLE[:5] + [0.40, 0.42], False, id="too-little-baseline"),
+        pytest.param([0.10, 0.11, 0.09, 0.10, 0.10, 0.12, 0.10, 0.11, 0.10, 0.09, 0.01, 0.0], False,
+                     id="low-baseline-needs-absolute-drop"),
+    ],
+)
+def test_when_a_drop_opens(hits: list[float], opens: bool) -> None:
+    result = run(windows(hits))
+    assert bool(result.findings) is opens
+
+
+def test_idle_pool_is_not_judged() -> None:
+    assert not run(windows(STABLE + [0.1, 0.1], query_rate=0.0)).findings
+
+
+def test_kv_pressure_proposes_scaling_verified_by_hit_rate() -> None:
+    [finding] = run(windows(STABLE + [0.4, 0.4], kv=0.95, preempt=0.5)).findings
+    assert finding.evidence["cause"] == "kv_pressure"
+    [p] = finding.proposals
+    assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.SCALE_POOL, "prefill", 1, "prefix_cache_hit_rate", False)
+
+
+def test_routing_without_saturation_only_pages() -> None:
+    [finding] = run(windows(STABLE + [0.4, 0.4])).findings
+    assert finding.evidence["cause"] == "routing_or_prompts"
+    assert finding.proposals == ()
+    assert finding.runbook == "prefix_cache_hit_drop"
+    assert finding.evidence["engine_hit_rates"] == {"p0/0": 0.4, "p1/0": 0.36}
+
+
+@pytest.mark.parametrize(
+    ("waiting", "ttft", "slo"),
+    [pytest.param(9.0, 0.1, None, id="queue"), pytest.param(0.0, 0.9, 0.5, id="ttft-above-slo")],
+)
+def test_routing_with_saturation_proposes_a_stopgap(waiting: float, ttft: float, slo: float | None) -> None:
+    [finding] = run(windows(STABLE + [0.4, 0.4], waiting=waiting, ttft=ttft), slo=slo).findings
+    [p] = finding.proposals
+    assert p.verify_signal == "ttft_p95" and p.verify_lower_is_better
+
+
+def _open(hits: list[float]) -> dict:
+    [finding] = run(windows(hits)).findings
+    return {KEY: OpenFinding(KEY, 0.0, finding.evidence)}
+
+
+def test_open_finding_keeps_its_baseline_and_resolves_with_hysteresis() -> None:
+    opened = _open(STABLE + [0.4, 0.4])
+    baseline = opened[KEY].evidence["baseline"]
+    # A long incident: the window's own median is now the low value, but the frozen baseline holds.
+    long_low = STABLE + [0.4] * 30
+    result = run(windows(long_low), opened)
+    assert result.findings and result.findings[0].evidence["baseline"] == baseline
+    # Two good points are not enough to resolve; three are.
+    assert not run(windows(long_low + [0.8, 0.8]), opened).resolved
+    assert run(windows(long_low + [0.8, 0.8, 0.8]), opened).resolved == [(KEY, "hit rate back near its baseline")]
+
+
+def test_a_noisy_recovery_does_not_resolve() -> None:
+    opened = _open(STABLE + [0.4, 0.4])
+    result = run(windows(STABLE + [0.4, 0.4, 0.8, 0.45, 0.8]), opened)
+    assert not result.resolved and result.findings

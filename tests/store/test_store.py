@@ -1,0 +1,169 @@
+"""The SQL store on SQLite and on a real PostgreSQL.
+
+Covers: migrations up, down and up again; models agree with migrations; signals (dedupe,
+replays); the finding lifecycle and its one-open-per-key constraint; actions and the audit
+log; rollups and retention; an unreachable or unmigrated store; and durability across kill -9.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, select
+from sqlalchemy.exc import IntegrityError
+
+from collectors.types import Signal
+from controlplane.errors import StoreUnavailable
+from controlplane.store import migrate
+from controlplane.store.compaction import Retention
+from controlplane.store.db import make_engine
+from controlplane.store.models import Base, FindingRow, SignalRollupRow
+from controlplane.store.queries import ReadStore
+from controlplane.store.writer import SqlStore
+from policies.types import FindingKey, FindingReport, Severity
+
+TABLES = {"targets", "signals", "signal_rollups", "findings", "actions", "action_events", "verdicts", "store_meta"}
+
+
+def test_migrations_upgrade_downgrade_upgrade(db_url: str) -> None:
+    assert migrate.current(db_url) is None
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        assert TABLES <= set(inspect(engine).get_table_names())
+        assert migrate.current(db_url) == migrate.head()
+        migrate.downgrade(db_url, "base")
+        assert not TABLES & set(inspect(engine).get_table_names())
+        migrate.upgrade(db_url)
+        assert migrate.current(db_url) == migrate.head()
+    finally:
+        engine.dispose()
+
+
+def test_models_match_the_migrations(store: SqlStore) -> None:
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    assert diff == []
+
+
+def test_unmigrated_and_unreachable_stores_are_named(db_url: str) -> None:
+    with pytest.raises(StoreUnavailable, match="schema revision none.*fleetctl db upgrade"):
+        SqlStore.open(db_url)
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        make_engine("postgresql://nobody@127.0.0.1:1/none")
+
+
+def _signals(ts: float, n: int = 10) -> list[Signal]:
+    return [Signal(ts, f"engine/p/pod-{i}/0", "prefix_cache_hit_rate", i / n) for i in range(n)]
+
+
+def test_signals_write_and_ignore_repeats(store: SqlStore) -> None:
+    batch = _signals(100.0)
+    assert store.write_signals(batch + batch[:3]) == 10  # duplicates inside a batch collapse
+    store.write_signals(batch)  # a replay of stored points is ignored, not an error
+    assert store.count_signals() == 10
+    assert [s.value for s in store.load_signals(0.0)] == [s.value for s in batch]
+
+
+def report(subject: str = "pool/prefill", value: float = 0.4) -> FindingReport:
+    return FindingReport(FindingKey("prefix_cache_hit_drop", subject), Severity.WARNING, "hit rate fell", "routing",
+                         {"value": value, "baseline": 0.8, "engines": ("a", "b")}, "prefix_cache_hit_drop")
+
+
+def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
+    f = store.open_finding(report(), now=10.0)
+    store.update_finding(f.id, report(value=0.3), now=25.0)
+    [again] = store.open_findings()
+    assert again.evidence["value"] == 0.3 and again.evidence["engines"] == ["a", "b"] and again.updated_at == 25.0
+    with pytest.raises(IntegrityError):
+        store.open_finding(report(), now=30.0)  # the database refuses a second open finding
+    store.resolve_finding(f.id, "recovered", now=40.0)
+    assert store.open_findings() == []
+    second = store.open_finding(report(), now=50.0)  # a new incident on the same subject
+    assert second.id != f.id
+    with store.engine.connect() as conn:
+        states = conn.execute(select(FindingRow.state).order_by(FindingRow.id)).scalars().all()
+    assert states == ["resolved", "open"]
+
+
+def test_actions_and_audit_log(store: SqlStore) -> None:
+    f = store.open_finding(report(), now=10.0)
+    a = store.create_action(finding_id=f.id, kind="scale_pool", pool="prefill", params={"replicas": 4}, mode="act",
+                            state="proposed", reason="test", now=10.0)
+    store.transition(a.id, "approved", 11.0, {"by": "alice"}, approved_by="alice")
+    store.transition(a.id, "started", 12.0)
+    store.transition(a.id, "succeeded", 13.0)
+    store.record_outcome(a.id, "recovered", 700.0, {"before": 0.9, "after": 0.4})
+    [done] = store.actions()
+    assert (done.state, done.started_at, done.finished_at, done.outcome) == ("succeeded", 12.0, 13.0, "recovered")
+    events = ReadStore(store.engine).action_events(a.id)  # shares the store's engine
+    assert [e["event"] for e in events] == ["proposed", "approved", "started", "succeeded", "outcome:recovered"]
+    assert store.awaiting_outcome(finished_before=1000.0) == []
+    assert [x.id for x in store.recent_actions(since=5000.0)] == []
+
+
+def test_rollups_and_retention(store: SqlStore) -> None:
+    t0 = 1_767_225_600.0  # an hour boundary
+    points = [Signal(t0 + 15 * i, "pool/p", "ttft_p95", float(i % 4)) for i in range(4 * 60 * 3)]  # three hours
+    store.write_signals(points)
+    now = t0 + 3 * 3600 + 120
+    first = store.compact(now, Retention(raw_s=3600, minute_s=2 * 3600, hour_s=30 * 86400))
+    assert first.minute_rows == 180 and first.hour_rows == 3
+    with store.engine.connect() as conn:
+        hours = conn.execute(select(SignalRollupRow).where(SignalRollupRow.resolution == 3600)
+                             .order_by(SignalRollupRow.bucket)).all()
+    assert [(h.bucket - t0, h.count, h.sum, h.min, h.max) for h in hours] == [
+        (0.0, 240, 360.0, 0.0, 3.0), (3600.0, 240, 360.0, 0.0, 3.0), (7200.0, 240, 360.0, 0.0, 3.0)]
+    # Raw points older than an hour are gone; minute rollups older than two hours too.
+    assert store.count_signals() == sum(1 for p in points if p.ts >= now - 3600)
+    again = store.compact(now, Retention(raw_s=3600, minute_s=2 * 3600, hour_s=30 * 86400))
+    assert (again.minute_rows, again.hour_rows) == (0, 0)  # watermarks make reruns idempotent
+    series = ReadStore(store.engine).series("ttft_p95", "pool/", now - 8 * 3600, now)  # long range: rollups
+    assert series and all(p.value == pytest.approx(1.5) for p in series)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from collectors.types import Signal
+    from controlplane.store.writer import SqlStore
+    store = SqlStore.open(sys.argv[1])
+    tick = 0
+    while True:
+        store.write_signals([Signal(1000.0 + tick, f"engine/p/pod-{i}/0", "x", float(tick)) for i in range(500)])
+        tick += 1
+        print(tick, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_9_during_ingest_loses_nothing_committed(db_url: str) -> None:
+    migrate.upgrade(db_url)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, db_url], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.stdout is not None
+    committed = 0
+    for line in proc.stdout:
+        committed = int(line)
+        if committed >= 40:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    store = SqlStore.open(db_url)
+    try:
+        stored = store.count_signals()
+        assert stored >= committed * 500 and stored % 500 == 0  # whole ticks only
+        if store.engine.dialect.name == "sqlite":
+            with store.engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
+    finally:
+        store.close()

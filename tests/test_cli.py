@@ -1,0 +1,173 @@
+"""`fleetctl` as users and CI call it: exit codes, --json, and the long-running commands.
+
+Covers: config check, db upgrade/current/downgrade, runbook, findings/actions listing with
+approval, the demo (exit 0 and a finding plus an action in the database), `run` serving
+/metrics, /healthz and /readyz and stopping cleanly on SIGTERM, and the ingest benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controlplane.sim.fleet import FleetSpec, SimFleet
+from controlplane.sim.server import SimServer
+from controlplane.store.writer import SqlStore
+from tests.conftest import PG_ADMIN_URL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fleetctl(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def test_config_check(tmp_path: Path) -> None:
+    ok = fleetctl("config", "check", "deploy/fleet.example.yaml", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["valid"] is True
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  - name: Prefill\n    role: prefill\n    model: m\n    replicas: {max: 2}\n")
+    res = fleetctl("config", "check", str(bad), "--json")
+    assert res.returncode == 1
+    [problem] = json.loads(res.stdout)["problems"]
+    assert problem.startswith("pools[0].name (line 2)") and "'Prefill'" in problem
+    assert fleetctl("config", "check", str(tmp_path / "missing.yaml")).returncode == 1
+
+
+def test_usage_errors_exit_3() -> None:
+    res = fleetctl("runbook", "no_such_kind")
+    assert res.returncode == 3 and "no runbook for 'no_such_kind'" in res.stderr
+    assert fleetctl("config", "check").returncode == 3
+
+
+def test_runbook_lists_and_prints() -> None:
+    assert "prefix_cache_hit_drop" in fleetctl("runbook").stdout
+    text = fleetctl("runbook", "prefix_cache_hit_drop").stdout
+    for section in ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation", "## What the control plane does"):
+        assert section in text
+
+
+def test_db_commands(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    assert fleetctl("db", "current", "--db", db).returncode == 1  # not migrated: a negative result
+    assert fleetctl("db", "upgrade", "--db", db).returncode == 0
+    cur = fleetctl("db", "current", "--db", db, "--json")
+    assert cur.returncode == 0 and json.loads(cur.stdout)["up_to_date"] is True
+    assert fleetctl("db", "downgrade", "--db", db, "--revision", "base").returncode == 0
+    res = fleetctl("findings", "--db", db)
+    assert res.returncode == 4 and "fleetctl db upgrade" in res.stderr
+
+
+def test_unreachable_store_exits_4() -> None:
+    res = fleetctl("run", "--config", "deploy/fleet.example.yaml", "--db", "postgresql://x@127.0.0.1:1/none", "--once")
+    assert res.returncode == 4 and "unreachable" in res.stderr
+
+
+@pytest.mark.slow
+def test_demo_leaves_a_finding_and_an_action(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'demo.db'}"
+    res = fleetctl("demo", "--minutes", "0.5", "--no-pace", "--db", db, "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["ok"] and summary["findings"] and summary["actions"]
+    assert "finding opened" in res.stderr and "action #1 scale_pool prefill 3 -> 4" in res.stderr
+    store = SqlStore.open(db)
+    try:
+        assert store.findings_since(0) and store.actions()
+    finally:
+        store.close()
+    listing = fleetctl("findings", "--db", db, "--all", "--json")
+    assert json.loads(listing.stdout)["findings"][0]["kind"] == "prefix_cache_hit_drop"
+
+
+def test_approve_and_reject(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    fleetctl("db", "upgrade", "--db", db)
+    store = SqlStore.open(db)
+    ids = [store.create_action(finding_id=None, kind="scale_pool", pool="p", params={}, mode="propose",
+                               state="proposed", reason="r", now=1.0).id for _ in range(2)]
+    store.close()
+    assert fleetctl("actions", "--db", db, "approve", str(ids[0]), "--by", "alice").returncode == 0
+    assert fleetctl("actions", "--db", db, "reject", str(ids[1]), "--by", "bob").returncode == 0
+    again = fleetctl("actions", "--db", db, "approve", str(ids[1]))
+    assert again.returncode == 3 and "not awaiting approval" in again.stderr
+    rows = {a["id"]: a for a in json.loads(fleetctl("actions", "--db", db, "--json").stdout)["actions"]}
+    assert (rows[ids[0]]["state"], rows[ids[0]]["approved_by"]) == ("approved", "alice")
+    assert rows[ids[1]]["state"] == "rejected"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_run_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path) -> None:
+    fleet = SimFleet(FleetSpec(), now=time.time())
+    server = SimServer(fleet)
+    server.sync()
+    port = _free_port()
+    db = f"sqlite:///{tmp_path / 'run.db'}"
+    targets = "\n".join(f'  - {{url: "{t.url}", pool: {t.pool}, pod: {t.pod}}}' for t in server.targets())
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(
+        f"store: {{url: '{db}'}}\nscrape: {{interval: 1s, timeout: 500ms}}\nserver: {{port: {port}}}\n"
+        "pools:\n  - {name: prefill, role: prefill, model: m, replicas: {min: 1, max: 4}}\n"
+        "  - {name: decode, role: decode, model: m, replicas: {min: 1, max: 4}}\n"
+        f"targets:\n{targets}\n"
+    )
+    assert fleetctl("db", "upgrade", "--db", db).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "run", "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        ready = None
+        while time.monotonic() < deadline:
+            try:
+                ready = httpx.get(f"{base}/readyz", timeout=1)
+                if ready.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert ready is not None and ready.status_code == 200, "never became ready"
+        assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
+        time.sleep(2.5)
+        metrics = httpx.get(f"{base}/metrics").text
+        assert "fleet_controlplane_tick_duration_seconds_bucket" in metrics
+        assert 'fleet_controlplane_targets{state="up"} 6.0' in metrics
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        server.close()
+    store = SqlStore.open(db)
+    try:
+        assert store.count_signals() > 0
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_bench_ingest_reports_both_stores(pg_admin: str) -> None:
+    res = fleetctl("bench", "ingest", "--rows", "20000", "--json", "--postgres", PG_ADMIN_URL, timeout=300)
+    assert res.returncode == 0, res.stderr
+    results = {r["store"]: r for r in json.loads(res.stdout)["results"]}
+    assert set(results) == {"sqlite", "postgresql"}
+    assert all(r["rows_per_s"] > 0 for r in results.values())
