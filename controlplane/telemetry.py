@@ -14,7 +14,12 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane.config import Telemetry as TelemetryConfig
@@ -26,7 +31,8 @@ __all__ = ["Telemetry"]
 class Telemetry:
     """Metrics registry and tracer for one control-plane process."""
 
-    def __init__(self, config: TelemetryConfig | None = None) -> None:
+    def __init__(self, config: TelemetryConfig | None = None, *, span_exporter: SpanExporter | None = None) -> None:
+        """Metrics always; spans per `config.tracing`, or to `span_exporter` when one is given."""
         self.registry = CollectorRegistry(auto_describe=True)
         ns = "fleet_controlplane"
         self.tick_duration = Histogram(
@@ -52,7 +58,7 @@ class Telemetry:
         self.last_tick = Gauge(
             f"{ns}_last_tick_timestamp_seconds", "Loop time of the last completed tick.", registry=self.registry
         )
-        self._provider = _provider(config or TelemetryConfig())
+        self._provider = _provider(config or TelemetryConfig(), span_exporter)
         self.tracer = self._provider.get_tracer("fleet-controlplane") if self._provider else trace.NoOpTracer()
 
     @contextmanager
@@ -67,11 +73,13 @@ class Telemetry:
             self._provider.shutdown()
 
 
-def _provider(config: TelemetryConfig) -> TracerProvider | None:
-    if config.tracing is Tracing.OFF:
+def _provider(config: TelemetryConfig, exporter: SpanExporter | None) -> TracerProvider | None:
+    if config.tracing is Tracing.OFF and exporter is None:
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": "fleet-controlplane"}))
-    if config.tracing is Tracing.CONSOLE:
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif config.tracing is Tracing.CONSOLE:
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
 
 from collectors.types import Target
@@ -24,6 +25,7 @@ from controlplane.runtime import build_loop
 from controlplane.sim.fleet import FleetSpec, Router, SimFleet
 from controlplane.sim.server import SimActuator, SimServer, SimTargets
 from controlplane.store.writer import SqlStore
+from controlplane.telemetry import Telemetry
 
 
 @dataclass
@@ -60,17 +62,20 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-def harness(mode: Mode, sim: tuple, store: SqlStore, client: httpx.AsyncClient) -> Harness:
+def harness(mode: Mode, sim: tuple, store: SqlStore, client: httpx.AsyncClient,
+            telemetry: Telemetry | None = None) -> Harness:
     fleet, server, clock = sim
     cfg = demo_config(str(store.engine.url))
     cfg = cfg.model_copy(update={"mode": mode})
-    loop = build_loop(cfg, store, client, targets=SimTargets(server), actuator=SimActuator(fleet), clock=clock)
+    loop = build_loop(cfg, store, client, targets=SimTargets(server), actuator=SimActuator(fleet), clock=clock,
+                      telemetry=telemetry)
     return Harness(loop, fleet, server, clock, store)
 
 
 async def test_act_mode_detects_acts_and_judges_the_outcome(sim: tuple, sqlite_store: SqlStore,
                                                             client: httpx.AsyncClient) -> None:
-    h = harness(Mode.ACT, sim, sqlite_store, client)
+    spans = InMemorySpanExporter()
+    h = harness(Mode.ACT, sim, sqlite_store, client, Telemetry(span_exporter=spans))
     await h.loop.start()
     baseline = await h.ticks(20)
     assert all(r.targets == r.targets_up == 6 for r in baseline)
@@ -94,6 +99,8 @@ async def test_act_mode_detects_acts_and_judges_the_outcome(sim: tuple, sqlite_s
     assert h.store.open_findings() == []
     [action] = h.store.actions()
     assert (action.state, action.outcome) == ("succeeded", "recovered")
+    names = {span.name for span in spans.get_finished_spans()}
+    assert {"tick", "scrape", "store.signals", "policy.prefix_cache_hit_drop", "action"} <= names
 
 
 async def test_observe_mode_never_acts(sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
