@@ -21,7 +21,8 @@ from controlplane.store.db import normalize_url
 from controlplane.store.writer import SqlStore
 
 PG_ADMIN_URL = normalize_url(os.environ.get("FLEET_TEST_PG_URL", "postgresql://127.0.0.1:5432/test"))
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# The project's shared material (fixtures, traces) lives beside the checkout.
+SHARED = Path(os.environ.get("FLEET_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,10 @@ def same(a: list, b: list) -> bool:
     return True
 
 
+def test_recorded_fixtures_are_present() -> None:
+    assert FIXTURES, f"no fixtures under {SHARED / 'data' / 'fixtures'}; set FLEET_SHARED_DIR"
+
+
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.name for p in FIXTURES])
 def test_recorded_fixtures_parse_like_prometheus_client(path: Path) -> None:
     text = path.read_text()
