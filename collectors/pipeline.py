@@ -1,6 +1,6 @@
-"""From scrape results to signals: parse, read engines, diff against the previous reading.
+"""From scrape results to signals: parse, read entities, diff against the previous reading.
 
-`SignalDeriver` keeps the previous reading of every engine in memory (a restart of the control
+`SignalDeriver` keeps the previous reading of every entity in memory (a restart of the control
 plane only costs one interval of rates). It performs no I/O and reads no clock.
 """
 
@@ -10,9 +10,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from collectors import vllm
+from collectors import families, sources
 from collectors.exposition import ExpositionError, parse
-from collectors.types import ScrapeResult, Signal, engine_subject, pod_subject, pool_subject
+from collectors.types import ScrapeResult, Signal, pod_subject, pool_subject
 
 __all__ = ["DeriveOutput", "SignalDeriver"]
 
@@ -27,15 +27,15 @@ class DeriveOutput:
 
 
 class SignalDeriver:
-    """Turns rounds of scrape results into engine, pod and pool signals."""
+    """Turns rounds of scrape results into entity, pod and pool signals."""
 
     def __init__(self) -> None:
-        self._prev: dict[tuple[str, str], tuple[float, vllm.EngineReading]] = {}
+        self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
         out = DeriveOutput()
-        pool_deltas: dict[str, list[vllm.EngineDelta]] = defaultdict(list)
+        pool_deltas: dict[tuple[str, str], list[families.Delta]] = defaultdict(list)
         pool_up: dict[str, list[float]] = defaultdict(list)
         seen: set[tuple[str, str]] = set()
         for res in results:
@@ -47,32 +47,34 @@ class SignalDeriver:
                 # Keep the previous readings: the next good scrape spans the gap correctly.
                 seen.update(k for k in self._prev if k[0] == t.key)
                 continue
+            source = sources.get(t.source)
             errors: list[ExpositionError] = []
             samples = list(parse(res.body, errors=errors))
             if errors:
                 out.parse_errors[t.key] = [str(e) for e in errors[:20]]
             out.signals.append(Signal(res.ts, pod, "scrape_duration_seconds", res.duration_s))
             out.signals.append(Signal(res.ts, pod, "scrape_samples", float(len(samples))))
-            readings = vllm.read_engines(samples)
-            missing = vllm.missing_families(readings)
+            readings = source.read(samples)
+            missing = families.missing_families(readings, source.families)
             if missing:
                 out.missing_families[t.key] = missing
-            pod_deltas: list[vllm.EngineDelta] = []
-            for engine, reading in readings.items():
-                slot = (t.key, engine)
+            pod_deltas: list[families.Delta] = []
+            for entity, reading in readings.items():
+                slot = (t.key, entity)
                 seen.add(slot)
                 prev = self._prev.get(slot)
                 self._prev[slot] = (res.ts, reading)
                 if prev is None:
                     continue
-                d = vllm.delta(prev[1], reading, res.ts - prev[0])
+                d = families.delta(prev[1], reading, res.ts - prev[0])
                 if d is None:
                     continue
-                out.signals.extend(vllm.signals(d, res.ts, engine_subject(t.pool, t.pod, engine)))
-                pod_deltas.append(d)
-                pool_deltas[t.pool].append(d)
+                out.signals.extend(source.signals(d, res.ts, source.subject(t, entity, reading)))
+                if source.aggregate:
+                    pod_deltas.append(d)
+                    pool_deltas[(t.pool, t.source)].append(d)
             if len(pod_deltas) > 1:
-                out.signals.extend(vllm.signals(_merge(pod_deltas), res.ts, pod))
+                out.signals.extend(source.signals(families.merge_all(pod_deltas), res.ts, pod))
         for slot in list(self._prev):
             if slot not in seen:
                 del self._prev[slot]  # target gone from the fleet
@@ -80,15 +82,8 @@ class SignalDeriver:
             subject = pool_subject(pool)
             out.signals.append(Signal(ts, subject, "targets_up", sum(ups)))
             out.signals.append(Signal(ts, subject, "targets", float(len(ups))))
-            deltas = pool_deltas.get(pool)
-            if deltas:
-                out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
-                out.signals.extend(vllm.signals(_merge(deltas), ts, subject))
+        for (pool, source_name), deltas in pool_deltas.items():
+            subject = pool_subject(pool)
+            out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
+            out.signals.extend(sources.get(source_name).signals(families.merge_all(deltas), ts, subject))
         return out
-
-
-def _merge(deltas: list[vllm.EngineDelta]) -> vllm.EngineDelta:
-    total = deltas[0]
-    for d in deltas[1:]:
-        total = total.merge(d)
-    return total

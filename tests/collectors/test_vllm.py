@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors import vllm
+from collectors import families, vllm
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
 from collectors.types import ScrapeResult, Target
@@ -39,8 +39,8 @@ def test_reading_groups_by_engine_and_sums_extra_labels() -> None:
     readings = vllm.read_engines(parse(text))
     assert set(readings) == {"0", "1"}
     assert readings["0"].counters["prefix_hits"] == 80
-    assert readings["0"].counters["requests"] == 1  # stop (0) + error (1)
-    assert readings["0"].counters["request_errors"] == 1
+    assert readings["0"].counters["finished:error"] == 1  # split by finished_reason
+    assert readings["0"].counters["finished:stop"] == 0
     assert readings["1"].gauges["kv_cache_usage"] == 0.5
 
 
@@ -56,7 +56,7 @@ def test_current_name_wins_over_old_name() -> None:
 
 def test_missing_families_are_reported() -> None:
     readings = vllm.read_engines(parse('vllm:num_requests_running{engine="0"} 1\n'))
-    missing = vllm.missing_families(readings)
+    missing = families.missing_families(readings, vllm.FAMILIES)
     assert "vllm:prefix_cache_hits_total" in missing and "vllm:num_requests_running" not in missing
 
 

@@ -1,0 +1,209 @@
+"""Generic machinery every source module shares: map metric families to per-entity readings,
+diff two readings, aggregate deltas.
+
+A source declares a `FamilyMap` (reading key -> exposed family names, preferred spelling first)
+and how an entity is named from a sample's labels; `read` does the rest. Pure, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from collectors.derive import Histogram, counter_increase, histogram_increase
+from collectors.types import Sample
+
+__all__ = ["Delta", "FamilyMap", "Reading", "delta", "merge_all", "missing_families", "read"]
+
+EntityOf = Callable[[Mapping[str, str]], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyMap:
+    """What a source reads. Keys are the source's own names; values list the exposed family
+    names (counters with their `_total`), the current spelling first, older ones after.
+
+    `split_by` names extra labels whose values become part of the key (`key:value`), e.g. a
+    per-position counter or a waiting-by-reason gauge; otherwise extra labels are summed.
+    """
+
+    counters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    gauges: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    histograms: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    split_by: Mapping[str, str] = field(default_factory=dict)  # reading key -> label
+    expected: tuple[str, ...] = ()  # families whose absence would blind a policy
+
+    def index(self) -> dict[str, tuple[str, str, int, str]]:
+        """exposed sample name -> (kind, key, spelling rank, histogram suffix or '')."""
+        idx: dict[str, tuple[str, str, int, str]] = {}
+        for kind, table in (("counter", self.counters), ("gauge", self.gauges)):
+            for key, fams in table.items():
+                for rank, fam in enumerate(fams):
+                    idx[fam] = (kind, key, rank, "")
+        for key, fams in self.histograms.items():
+            for rank, fam in enumerate(fams):
+                for suffix in ("_bucket", "_sum", "_count"):
+                    idx[fam + suffix] = ("histogram", key, rank, suffix)
+        return idx
+
+
+@dataclass(slots=True)
+class Reading:
+    """One entity's cumulative counters, gauges and histograms at one scrape, plus the
+    attribution labels the source chose to keep (pod, namespace, hostname, ...)."""
+
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    families: set[str] = field(default_factory=set)
+    attrs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Delta:
+    """What happened on an entity (or an aggregate of entities) between two scrapes."""
+
+    seconds: float
+    increases: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    gauges: dict[str, list[float]] = field(default_factory=dict)
+
+    def merge(self, other: Delta) -> Delta:
+        """Aggregate: sum increases and buckets (as `sum by (le)`), collect gauge values."""
+        out = Delta(max(self.seconds, other.seconds))
+        for key in self.increases.keys() | other.increases.keys():
+            out.increases[key] = self.increases.get(key, 0.0) + other.increases.get(key, 0.0)
+        for key in self.histograms.keys() | other.histograms.keys():
+            a, b = self.histograms.get(key), other.histograms.get(key)
+            out.histograms[key] = a + b if a is not None and b is not None else (a or b)  # type: ignore[assignment]
+        for key in self.gauges.keys() | other.gauges.keys():
+            out.gauges[key] = self.gauges.get(key, []) + other.gauges.get(key, [])
+        return out
+
+
+def merge_all(deltas: list[Delta]) -> Delta:
+    """Aggregate a non-empty list of deltas."""
+    total = deltas[0]
+    for d in deltas[1:]:
+        total = total.merge(d)
+    return total
+
+
+class _HistogramBuilder:
+    __slots__ = ("buckets", "count", "sum")
+
+    def __init__(self) -> None:
+        self.buckets: dict[float, float] = {}
+        self.sum = 0.0
+        self.count = 0.0
+
+    def build(self) -> Histogram:
+        return Histogram(tuple(sorted(self.buckets.items())), self.sum, self.count)
+
+
+def _le(value: str) -> float:
+    return math.inf if value in ("+Inf", "Inf", "inf") else float(value)
+
+
+def read(
+    samples: Iterable[Sample],
+    fmap: FamilyMap,
+    entity_of: EntityOf,
+    attrs_of: Callable[[Mapping[str, str]], dict[str, str]] | None = None,
+    index: dict[str, tuple[str, str, int, str]] | None = None,
+) -> dict[str, Reading]:
+    """Group samples into per-entity readings; a current family spelling wins over an old one.
+
+    `entity_of` returns None for samples that belong to no entity (they are ignored).
+    """
+    idx = index if index is not None else fmap.index()
+    entities: dict[str, Reading] = {}
+    # (entity, key, rank) -> partial values, so spellings never mix.
+    counters: dict[tuple[str, str, int], float] = {}
+    gauges: dict[tuple[str, str, int], float] = {}
+    hists: dict[tuple[str, str, int], _HistogramBuilder] = {}
+    split = fmap.split_by
+    for s in samples:
+        hit = idx.get(s.name)
+        if hit is None:
+            continue
+        entity = entity_of(s.labels)
+        if entity is None:
+            continue
+        kind, key, rank, suffix = hit
+        if key in split:
+            key = f"{key}:{s.labels.get(split[key], '')}"
+        if kind == "counter":
+            counters[(entity, key, rank)] = counters.get((entity, key, rank), 0.0) + s.value
+        elif kind == "gauge":
+            gauges[(entity, key, rank)] = gauges.get((entity, key, rank), 0.0) + s.value
+        else:
+            b = hists.get((entity, key, rank))
+            if b is None:
+                b = hists[(entity, key, rank)] = _HistogramBuilder()
+            if suffix == "_bucket":
+                le = s.labels.get("le")
+                if le is None:
+                    continue
+                bound = _le(le)
+                b.buckets[bound] = b.buckets.get(bound, 0.0) + s.value
+            elif suffix == "_sum":
+                b.sum += s.value
+            else:
+                b.count += s.value
+        r = entities.get(entity)
+        if r is None:
+            r = entities[entity] = Reading(attrs=attrs_of(s.labels) if attrs_of else {})
+        r.families.add(s.name[: -len(suffix)] if suffix else s.name)
+
+    for parts, attr in ((counters, "counters"), (gauges, "gauges")):
+        best = _preferred(parts)
+        for (entity, key, rank), value in parts.items():
+            if best[(entity, key)] == rank:
+                getattr(entities[entity], attr)[key] = value
+    best = _preferred(hists)
+    for (entity, key, rank), builder in hists.items():
+        if best[(entity, key)] == rank and builder.buckets:
+            entities[entity].histograms[key] = builder.build()
+    return entities
+
+
+def _preferred(parts: Mapping[tuple[str, str, int], object]) -> dict[tuple[str, str], int]:
+    best: dict[tuple[str, str], int] = {}
+    for entity, key, rank in parts:
+        if rank < best.get((entity, key), rank + 1):
+            best[(entity, key)] = rank
+    return best
+
+
+def missing_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[str]:
+    """Expected families that no entity of a target exposed (older spellings count)."""
+    present: set[str] = set()
+    for r in readings.values():
+        present |= r.families
+    groups = [*fmap.counters.values(), *fmap.gauges.values(), *fmap.histograms.values()]
+    missing = []
+    for fam in fmap.expected:
+        group = next((g for g in groups if fam in g), (fam,))
+        if not present.intersection(group):
+            missing.append(fam)
+    return missing
+
+
+def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
+    """The change between two readings of one entity; None without a previous one."""
+    if prev is None or seconds <= 0:
+        return None
+    out = Delta(seconds)
+    for key, value in cur.counters.items():
+        inc = counter_increase(prev.counters.get(key), value)
+        if inc is not None:
+            out.increases[key] = inc
+    for key, hist in cur.histograms.items():
+        inc_h = histogram_increase(prev.histograms.get(key), hist)
+        if inc_h is not None:
+            out.histograms[key] = inc_h
+    for key, value in cur.gauges.items():
+        out.gauges[key] = [value]
+    return out
