@@ -1,20 +1,32 @@
-"""Prometheus text exposition (format 0.0.4) parser.
+"""Prometheus text exposition (format 0.0.4) and OpenMetrics text parser.
 
 `parse(text)` yields `Sample`s in input order. In strict mode a malformed line raises
 `ExpositionError` naming its line number; in lenient mode (`errors=[...]`) the error is
 recorded there and the rest of the scrape survives.
+
+`Parser` adds a series cache, as Prometheus' own scrape loop keeps one: a target exposes the
+same series every scrape, so the text before the value (`name{labels}`) is parsed once and
+looked up afterwards. Samples from the cache share their `labels` dict: treat it as read-only.
+
+Samples are those `prometheus_client`'s parsers yield, with one deliberate difference: a
+counter sample exposed without `_total` keeps its exposed name here (prometheus_client renames
+it to `<name>_total`; Prometheus itself stores it as exposed).
 """
 
 from __future__ import annotations
 
-import math
+import re
 from collections.abc import Iterator
 
 from collectors.types import Sample
 
-__all__ = ["ExpositionError", "parse"]
+__all__ = ["ExpositionError", "Parser", "parse"]
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+_NAME_START = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
+_NAME_CHARS = _NAME_START | set("0123456789")
+_LABEL_START = _NAME_START - {":"}
+_LABEL_CHARS = _LABEL_START | set("0123456789")
 
 
 class ExpositionError(ValueError):
@@ -28,15 +40,18 @@ class ExpositionError(ValueError):
 
 
 def _parse_float(token: str) -> float:
-    # float() accepts 'nan', 'inf', '+Inf', 'Infinity' case-insensitively, and also '1_0';
-    # the underscore form is not valid exposition, so reject it explicitly.
-    if "_" in token:
+    # float() also accepts '1_0' and 'infinity'; neither is valid exposition.
+    if "_" in token or "y" in token or "Y" in token:
         raise ValueError(token)
     return float(token)
 
 
+def _valid_name(name: str) -> bool:
+    return bool(name) and name[0] in _NAME_START and all(c in _NAME_CHARS for c in name)
+
+
 def _parse_labels(text: str, start: int, line_no: int, line: str) -> tuple[dict[str, str], int]:
-    """Parse `{a="b",...}` starting after '{'; return labels and the index after '}'."""
+    """Parse `a="b",...}` starting after '{'; return labels and the index after '}'."""
     labels: dict[str, str] = {}
     i = start
     n = len(text)
@@ -49,7 +64,7 @@ def _parse_labels(text: str, start: int, line_no: int, line: str) -> tuple[dict[
         if eq < 0:
             raise ExpositionError(line_no, "label without '='", line)
         name = text[i:eq].strip()
-        if not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
+        if not name or name[0] not in _LABEL_START or any(c not in _LABEL_CHARS for c in name):
             raise ExpositionError(line_no, f"invalid label name {name!r}", line)
         i = eq + 1
         while i < n and text[i] in " \t":
@@ -57,7 +72,6 @@ def _parse_labels(text: str, start: int, line_no: int, line: str) -> tuple[dict[
         if i >= n or text[i] != '"':
             raise ExpositionError(line_no, f"label {name!r} value is not quoted", line)
         i += 1
-        # Fast path: no escapes before the closing quote.
         close = text.find('"', i)
         bslash = text.find("\\", i)
         if close < 0:
@@ -98,54 +112,126 @@ def _parse_labels(text: str, start: int, line_no: int, line: str) -> tuple[dict[
         raise ExpositionError(line_no, "expected ',' or '}' after a label", line)
 
 
-def _parse_line(line: str, line_no: int) -> Sample:
+# The common shape, matched in C: a name and labels without escapes or odd spacing.
+_FAST_SERIES = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*",?)*)\}')
+_FAST_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*)"')
+
+
+def _parse_series(line: str, line_no: int) -> tuple[str, dict[str, str], int]:
+    """The metric name and labels at the start of a sample line, and where they end."""
+    m = _FAST_SERIES.match(line)
+    if m is not None:
+        body = m.group(2)
+        labels = dict(_FAST_LABEL.findall(body))
+        if len(labels) == body.count('="') and not body.endswith(",,"):
+            return m.group(1), labels, m.end()
     brace = line.find("{")
-    if brace < 0:
-        parts = line.split()
-        name = parts[0]
-        labels: dict[str, str] = {}
-        rest = parts[1:]
+    head = line[:brace] if brace >= 0 else ""
+    if brace < 0 or " " in head.strip() or "\t" in head.strip():
+        parts = line.split(None, 1)
+        name, labels, end = parts[0], {}, len(parts[0])
     else:
-        name = line[:brace].strip()
+        name = head.rstrip()
         labels, end = _parse_labels(line, brace + 1, line_no, line)
-        rest = line[end:].split()
-    if not name or not (name[0].isalpha() or name[0] in "_:"):
+    if not _valid_name(name):
         raise ExpositionError(line_no, f"invalid metric name {name!r}", line)
-    if not rest:
+    return name, labels, end
+
+
+class Parser:
+    """An exposition parser that remembers the series it has seen (bounded by `max_series`)."""
+
+    def __init__(self, max_series: int = 200_000) -> None:
+        self._series: dict[str, tuple[str, dict[str, str]]] = {}
+        self._max = max_series
+
+    def parse(self, text: str, *, errors: list[ExpositionError] | None = None,
+              openmetrics: bool | None = None) -> Iterator[Sample]:
+        """Yield the samples of `text`; OpenMetrics is detected from its `# EOF` unless given."""
+        if openmetrics is None:
+            tail = text.rstrip()
+            openmetrics = tail.endswith("# EOF")
+        cache = self._series
+        if len(cache) > self._max:
+            cache.clear()  # a target whose series churn without end must not grow us forever
+        ended = False
+        for line_no, raw in enumerate(text.split("\n"), start=1):
+            line = raw.strip() if openmetrics is False else raw
+            if not line:
+                continue
+            if ended:
+                if _record(errors, ExpositionError(line_no, "content after '# EOF'", line)):
+                    continue
+                return
+            if line[0] == "#":
+                if openmetrics and line == "# EOF":
+                    ended = True
+                continue
+            try:
+                # The series text ends at the first '} ' (or the first blank without labels); a
+                # '} ' inside a quoted label value only causes a cache miss, never a wrong hit,
+                # because the cache holds complete, valid series texts only.
+                close = line.find("} ")
+                if close < 0:
+                    close = line.find("}\t")
+                key = line[: close + 1] if close >= 0 else line.split(None, 1)[0]
+                hit = cache.get(key)
+                if hit is not None:
+                    name, labels = hit
+                    rest = line[len(key):]
+                else:
+                    name, labels, end = _parse_series(line, line_no)
+                    cache[line[:end]] = (name, labels)
+                    rest = line[end:]
+                parts = rest.split()
+                if len(parts) == 1 and not openmetrics:
+                    # The hot path: a plain value. '_' and 'y' would pass float() but are invalid.
+                    token = parts[0]
+                    try:
+                        if "_" in token or "y" in token:
+                            raise ValueError(token)
+                        yield Sample(name, labels, float(token), None)
+                    except ValueError:
+                        raise ExpositionError(line_no, f"value {token!r} is not a number", line) from None
+                    continue
+                yield _sample(name, labels, rest, openmetrics, line_no, line)
+            except ExpositionError as exc:
+                if not _record(errors, exc):
+                    raise
+
+
+def _record(errors: list[ExpositionError] | None, exc: ExpositionError) -> bool:
+    if errors is None:
+        raise exc
+    errors.append(exc)
+    return True
+
+
+def _sample(name: str, labels: dict[str, str], rest: str, openmetrics: bool, line_no: int, line: str) -> Sample:
+    if openmetrics:
+        hash_at = rest.find(" # ")
+        if hash_at >= 0:
+            rest = rest[:hash_at]  # exemplar: kept out of the sample, as prometheus_client does
+    parts = rest.split()
+    if not parts:
         raise ExpositionError(line_no, "sample has no value", line)
-    if len(rest) > 2:
+    if len(parts) > 2:
         raise ExpositionError(line_no, "trailing text after value and timestamp", line)
     try:
-        value = _parse_float(rest[0])
+        value = _parse_float(parts[0])
     except ValueError:
-        raise ExpositionError(line_no, f"value {rest[0]!r} is not a number", line) from None
-    timestamp = None
-    if len(rest) == 2:
-        try:
-            timestamp = int(rest[1]) / 1000.0
-        except ValueError:
-            raise ExpositionError(line_no, f"timestamp {rest[1]!r} is not an integer (ms)", line) from None
-    return Sample(name, labels, value, timestamp)
+        raise ExpositionError(line_no, f"value {parts[0]!r} is not a number", line) from None
+    if len(parts) == 1:
+        return Sample(name, labels, value, None)
+    try:
+        # Text format timestamps are integer milliseconds; OpenMetrics uses seconds.
+        ts = float(parts[1]) if openmetrics else int(parts[1]) / 1000.0
+    except ValueError:
+        unit = "seconds" if openmetrics else "an integer (ms)"
+        raise ExpositionError(line_no, f"timestamp {parts[1]!r} is not {unit}", line) from None
+    return Sample(name, labels, value, ts)
 
 
-def parse(text: str, *, errors: list[ExpositionError] | None = None) -> Iterator[Sample]:
-    """Yield the samples of a text exposition.
-
-    With `errors` given, malformed lines are appended to it and skipped; otherwise the first
-    malformed line raises `ExpositionError`.
-    """
-    for line_no, raw in enumerate(text.split("\n"), start=1):
-        line = raw.strip()
-        if not line or line[0] == "#":
-            continue
-        try:
-            yield _parse_line(line, line_no)
-        except ExpositionError as exc:
-            if errors is None:
-                raise
-            errors.append(exc)
-
-
-def is_finite(value: float) -> bool:
-    """True for values a signal may carry (no NaN or infinities)."""
-    return not (math.isnan(value) or math.isinf(value))
+def parse(text: str, *, errors: list[ExpositionError] | None = None, openmetrics: bool | None = None) -> Iterator[Sample]:
+    """Yield the samples of an exposition (no series cache; see `Parser` for repeated scrapes)."""
+    return Parser().parse(text, errors=errors, openmetrics=openmetrics)

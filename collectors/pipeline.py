@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from collectors import families, sources
-from collectors.exposition import ExpositionError, parse
+from collectors.exposition import ExpositionError, Parser
 from collectors.types import ScrapeResult, Signal, pod_subject, pool_subject
 
 __all__ = ["DeriveOutput", "SignalDeriver"]
@@ -31,6 +31,9 @@ class SignalDeriver:
 
     def __init__(self) -> None:
         self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}
+        # One series cache for all targets: engines of a fleet expose the same series texts
+        # (the pod is not a label of its own exposition), so the cache stays small and hot.
+        self._parser = Parser(max_series=500_000)
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
@@ -49,7 +52,7 @@ class SignalDeriver:
                 continue
             source = sources.get(t.source)
             errors: list[ExpositionError] = []
-            samples = list(parse(res.body, errors=errors))
+            samples = list(self._parser.parse(res.body, errors=errors))
             if errors:
                 out.parse_errors[t.key] = [str(e) for e in errors[:20]]
             out.signals.append(Signal(res.ts, pod, "scrape_duration_seconds", res.duration_s))

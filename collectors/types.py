@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class Role(StrEnum):
@@ -30,9 +31,8 @@ class Target:
         return f"{self.pool}/{self.pod}"
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One parsed series value."""
+class Sample(NamedTuple):
+    """One parsed series value (a tuple: millions are made per second on the hot path)."""
 
     name: str
     labels: dict[str, str]
@@ -40,8 +40,7 @@ class Sample:
     timestamp: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Signal:
+class Signal(NamedTuple):
     """A derived number for one subject at one time; stored narrow."""
 
     ts: float

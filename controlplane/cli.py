@@ -307,6 +307,52 @@ def bench_ingest(rows: int, batch: int, postgres: str, as_json: bool) -> None:
     out.print(t)
 
 
+@bench.command("parse")
+@click.option("--seconds", default=0.5, show_default=True, type=click.FloatRange(min=0.05),
+              help="Minimum time per timed batch (three batches per figure).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_parse(seconds: float, as_json: bool) -> None:
+    """Exposition parsing: ours (cold and warm) against prometheus_client, same input, same run."""
+    from bench.parse import run_parse_bench
+
+    result = run_parse_bench(seconds)
+    if as_json:
+        _emit_json(result)
+    else:
+        t = Table(title="Exposition parsing (real vLLM CPU exposition), samples per second")
+        for col in ("input", "samples", "prometheus_client", "ours cold", "ours warm", "warm ratio", "cold ratio",
+                    "identical"):
+            t.add_column(col, justify="right")
+        for r in result["inputs"]:
+            t.add_row(r["input"], str(r["samples"]), f"{r['reference_samples_per_s']:,.0f}",
+                      f"{r['cold_samples_per_s']:,.0f}", f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.1f}x",
+                      f"{r['cold_ratio']:.1f}x", str(r["identical"]))
+        out.print(t)
+    sys.exit(0 if result["identical"] else 1)
+
+
+@bench.command("scrape")
+@click.option("--pods", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--ticks", default=3, show_default=True, type=click.IntRange(min=1), help="Measured intervals.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_scrape(pods: int, ticks: int, as_json: bool) -> None:
+    """The whole path (scrape, parse, derive, store) for N simulated pods: CPU per 15 s interval, peak memory."""
+    from bench.scrape import run_scrape_bench
+
+    result = run_scrape_bench(pods=pods, ticks=ticks, progress=err)
+    if as_json:
+        _emit_json(result)
+    else:
+        t = Table(title=f"Scrape path, {pods:,} single-engine pods, one process")
+        for col in ("CPU s / 15 s", "scrape", "derive", "store", "wall s", "signals", "core share", "peak RSS"):
+            t.add_column(col, justify="right")
+        t.add_row(f"{result['cpu_s_per_interval']:.2f}", f"{result['scrape_cpu_s']:.2f}", f"{result['derive_cpu_s']:.2f}",
+                  f"{result['store_cpu_s']:.2f}", f"{result['wall_s_per_interval']:.2f}",
+                  f"{result['signals_per_interval']:,.0f}", f"{result['core_share']:.0%}",
+                  f"{result['peak_rss_bytes'] / 2**20:,.0f} MiB")
+        out.print(t)
+
+
 @cli.command()
 @_db_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; localhost unless told otherwise.")

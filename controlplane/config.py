@@ -124,7 +124,9 @@ class Scrape(_Strict):
 
     interval: Seconds = 15.0  # vLLM's own dashboards assume 15 s
     timeout: Seconds = 5.0
-    concurrency: int = Field(64, ge=1, le=4096)
+    # Scrapes in flight. httpx's connection pool costs more CPU per request as it grows: 16
+    # measured cheapest per scrape (bench scrape: 1,000 pods, 1.0 CPU-s at 16, 2.4 CPU-s at 64).
+    concurrency: int = Field(16, ge=1, le=4096)
     backoff_max: Seconds = 300.0
 
     @model_validator(mode="after")

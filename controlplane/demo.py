@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from controlplane.clock import VirtualClock
 from controlplane.config import FleetConfig, parse_config
-from controlplane.runtime import build_loop
+from controlplane.runtime import build_loop, scrape_client
 from controlplane.sim.fleet import FleetSpec, Router, SimFleet
 from controlplane.sim.server import SimActuator, SimServer, SimTargets
 from controlplane.store import migrate
@@ -72,7 +71,7 @@ async def run_demo(minutes: float, db_url: str, console: Console, *, pace: bool 
     server = SimServer(fleet)
     wall0 = time.perf_counter()
     try:
-        async with httpx.AsyncClient(timeout=config.scrape.timeout) as client:
+        async with scrape_client(config) as client:
             loop = build_loop(config, store, client, targets=SimTargets(server), actuator=SimActuator(fleet),
                               clock=clock)
             await loop.start()

@@ -22,9 +22,16 @@ from controlplane.telemetry import Telemetry
 from policies.prefix_cache import PrefixCacheHitDrop, PrefixCacheSettings
 from policies.types import Policy
 
-__all__ = ["build_loop", "build_policies", "run_forever", "static_targets"]
+__all__ = ["build_loop", "build_policies", "run_forever", "scrape_client", "static_targets"]
 
 log = logging.getLogger(__name__)
+
+
+def scrape_client(config: FleetConfig) -> httpx.AsyncClient:
+    """The HTTP client the scraper uses: pool sized to the scrape concurrency."""
+    n = config.scrape.concurrency
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    return httpx.AsyncClient(timeout=config.scrape.timeout, limits=limits)
 
 
 def build_policies(config: FleetConfig) -> list[Policy]:
@@ -84,7 +91,7 @@ async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = Fals
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio.add_signal_handler(sig, stop.set)
-    async with httpx.AsyncClient(timeout=config.scrape.timeout) as client:
+    async with scrape_client(config) as client:
         loop = build_loop(config, store, client)
         server = start_server(loop, config.server.host, config.server.port)
         log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)

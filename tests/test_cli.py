@@ -171,3 +171,23 @@ def test_bench_ingest_reports_both_stores(pg_admin: str) -> None:
     results = {r["store"]: r for r in json.loads(res.stdout)["results"]}
     assert set(results) == {"sqlite", "postgresql"}
     assert all(r["rows_per_s"] > 0 for r in results.values())
+
+
+@pytest.mark.slow
+def test_bench_parse_reports_ratio_and_identity() -> None:
+    res = fleetctl("bench", "parse", "--seconds", "0.05", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["identical"] is True
+    assert {r["input"] for r in result["inputs"]} == {"1 engine", "8 engines"}
+    assert result["ratio"] == pytest.approx(result["samples_per_s"] / result["reference_samples_per_s"])
+    assert result["inputs"][1]["samples"] > 7 * result["inputs"][0]["samples"]
+
+
+@pytest.mark.slow
+def test_bench_scrape_measures_the_whole_path() -> None:
+    res = fleetctl("bench", "scrape", "--pods", "40", "--ticks", "1", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["targets_up"] == 40 and result["signals_per_interval"] > 40 * 10
+    assert result["cpu_s_per_interval"] > 0 and result["peak_rss_bytes"] > 0

@@ -159,3 +159,104 @@ def test_arbitrary_text_never_crashes_in_lenient_mode(text: str) -> None:
     errors: list[ExpositionError] = []
     for s in parse(text, errors=errors):
         assert isinstance(s.value, float)
+
+
+def om_reference(text: str) -> list[tuple[str, dict[str, str], float, float | None]]:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
+
+    out = []
+    for family in om_families(text):
+        for s in family.samples:
+            ts = None if s.timestamp is None else float(s.timestamp)
+            out.append((s.name, dict(s.labels), s.value, ts))
+    return out
+
+
+@st.composite
+def openmetrics(draw: st.DrawFn) -> str:
+    lines = []
+    for i in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(["gauge", "counter"]))
+        name = f"om_{i}"
+        lines.append(f"# HELP {name} family {i}")
+        lines.append(f"# TYPE {name} {kind}")
+        seen: set[tuple] = set()
+        for _ in range(draw(st.integers(1, 3))):
+            labels = draw(st.dictionaries(label_names, label_values, max_size=3))
+            key = tuple(sorted(labels.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            body = "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}" if labels else ""
+            value = draw(st.floats(min_value=0, max_value=1e12, allow_nan=False))
+            ts = draw(st.one_of(st.none(), st.integers(0, 2**31).map(lambda t: f"{t}.5")))
+            sample = f"{name}_total{body} {value!r}" if kind == "counter" else f"{name}{body} {value!r}"
+            if ts is not None:
+                sample += f" {ts}"
+            if kind == "counter" and draw(st.booleans()):
+                sample += ' # {trace_id="abc"} 1.0'
+            lines.append(sample)
+            if kind == "counter" and draw(st.booleans()):
+                # OpenMetrics: within a group, all samples have a timestamp or none does.
+                lines.append(f"{name}_created{body} 1700000000.0" + (f" {ts}" if ts is not None else ""))
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(openmetrics())
+def test_generated_openmetrics_match_prometheus_client(text: str) -> None:
+    assert same(ours(text), om_reference(text))
+
+
+def test_openmetrics_exemplars_eof_and_float_timestamps() -> None:
+    text = (
+        "# TYPE req counter\n# UNIT req requests\n"
+        'req_total{path="/"} 7 1700000000.250 # {trace_id="t1"} 1.0 1700000000.1\n'
+        'req_created{path="/"} 1600000000\n# EOF\n'
+    )
+    got = list(parse(text))
+    assert [(s.name, s.value, s.timestamp) for s in got] == [("req_total", 7.0, 1_700_000_000.25),
+                                                             ("req_created", 1_600_000_000.0, None)]
+    errors: list[ExpositionError] = []
+    list(parse(text + "late 1\n", errors=errors, openmetrics=True))
+    assert errors and "after '# EOF'" in str(errors[0])
+
+
+def test_series_cache_gives_identical_samples_on_repeat_scrapes() -> None:
+    from collectors.exposition import Parser
+
+    fleet = SimFleet(FleetSpec(), now=1000.0)
+    parser = Parser()
+    for t in (1060.0, 1120.0, 1180.0):
+        fleet.advance_to(t)
+        text = render(fleet.engines["decode"][0]).decode()
+        assert list(parser.parse(text)) == list(parse(text))
+
+
+def test_cache_never_confuses_a_brace_inside_a_label_value() -> None:
+    from collectors.exposition import Parser
+
+    parser = Parser()
+    text = 'm{a="x"} 1\nm{a="x} y"} 2\nm{re="a} b",z="1"} 3\n'
+    for _ in range(2):
+        got = [(s.labels, s.value) for s in parser.parse(text)]
+        assert got == [({"a": "x"}, 1.0), ({"a": "x} y"}, 2.0), ({"re": "a} b", "z": "1"}, 3.0)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param("vllm:num_requests_running{engine=\"0\",model_na", id="truncated-mid-label"),
+        pytest.param("vllm:num_requests_running{engine=\"0\"} ", id="truncated-before-value"),
+        pytest.param("<!DOCTYPE html><html><body>Login</body></html>", id="html"),
+        pytest.param("m{" + ",".join(f'l{i}="{i}"' for i in range(2000)) + "} 1", id="huge-label-set"),
+        pytest.param("m 1\nm 2\n", id="duplicate-series"),
+    ],
+)
+def test_bad_bodies_are_recorded_not_fatal(body: str) -> None:
+    errors: list[ExpositionError] = []
+    samples = list(parse("ok 1\n" + body + "\nok 2\n", errors=errors))
+    assert samples[0].name == "ok" and samples[-1].name == "ok"
+    # Either the line is rejected with its number, or it is a valid (if odd) sample.
+    assert all(e.line_no == 2 for e in errors)
