@@ -27,6 +27,12 @@ class StoreUnavailable(FleetError):
     exit_code = 4
 
 
+class StoreConflict(FleetError):
+    """A write the database refused as inconsistent (e.g. a second open finding for one key)."""
+
+    exit_code = 4
+
+
 class ActuationError(FleetError):
     """The actuator could not carry out an action."""
 

@@ -102,12 +102,18 @@ class ControlLoop:
                 await self.tick()
             except FleetError as exc:
                 # A store outage or similar: report, keep the loop alive, try again next tick.
+                self.telemetry.tick_failures.inc()
                 log.error("tick failed: %s", exc)
-            wait = max(0.0, interval - (self.clock.now() - started))
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=wait) if wait else None
-            except TimeoutError:
-                pass
+            await self._wait(stop, interval - (self.clock.now() - started))
+
+    async def _wait(self, stop: asyncio.Event, seconds: float) -> None:
+        """Sleep on the loop's clock, cut short when `stop` is set."""
+        sleeper = asyncio.ensure_future(self.clock.sleep(max(0.0, seconds)))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (sleeper, stopper):
+            task.cancel()
+        await asyncio.gather(sleeper, stopper, return_exceptions=True)
 
     async def tick(self) -> TickReport:
         """One full pass of the data flow at the clock's current time."""

@@ -40,6 +40,9 @@ class Telemetry:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry,
         )
         self.ticks = Counter(f"{ns}_ticks", "Control-loop ticks completed.", registry=self.registry)
+        self.tick_failures = Counter(
+            f"{ns}_tick_failures", "Ticks abandoned on an error (store outage, ...).", registry=self.registry
+        )
         self.scrape_errors = Counter(
             f"{ns}_scrape_errors", "Failed scrapes by target.", ["target"], registry=self.registry
         )

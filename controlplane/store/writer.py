@@ -6,18 +6,19 @@ ticks, whole findings and whole audit entries behind.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, and_, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES
-from controlplane.errors import StoreUnavailable
+from controlplane.errors import StoreConflict, StoreUnavailable
 from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
@@ -25,6 +26,9 @@ from controlplane.store.models import ActionEventRow, ActionRow, FindingRow, Sig
 from policies.types import FindingReport
 
 __all__ = ["ActionRecord", "FindingRecord", "SqlStore"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 
@@ -78,8 +82,33 @@ def _action(row: ActionRow) -> ActionRecord:
     )
 
 
-class SqlStore:
-    """SQLAlchemy-backed store for SQLite and PostgreSQL."""
+def _translated(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn SQLAlchemy's errors into the store's own, so callers need not know SQLAlchemy."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except IntegrityError as exc:
+            raise StoreConflict(f"{fn.__name__}: {str(exc.orig or exc).strip()[:300]}") from exc
+        except SQLAlchemyError as exc:
+            raise StoreUnavailable(f"{fn.__name__}: {str(getattr(exc, 'orig', None) or exc).strip()[:300]}") from exc
+
+    return wrapper
+
+
+class _Translating(type):
+    """Wraps every public method of the class in `_translated`."""
+
+    def __new__(mcs, name: str, bases: tuple[type, ...], ns: dict[str, Any]) -> type:
+        for attr, value in list(ns.items()):
+            if callable(value) and not attr.startswith("_") and not isinstance(value, classmethod | staticmethod):
+                ns[attr] = _translated(value)
+        return super().__new__(mcs, name, bases, ns)
+
+
+class SqlStore(metaclass=_Translating):
+    """SQLAlchemy-backed store for SQLite and PostgreSQL; raises StoreUnavailable or StoreConflict."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -119,11 +148,8 @@ class SqlStore:
         payload = [{"name": s.name, "subject": s.subject, "ts": s.ts, "value": s.value} for s in rows]
         table = SignalRow.__table__
         stmt = self._insert(table).on_conflict_do_nothing() if self._insert else insert(table)
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(stmt, payload)
-        except SQLAlchemyError as exc:
-            raise StoreUnavailable(f"writing {len(payload)} signals failed: {str(exc.orig or exc)[:300]}") from exc
+        with self.engine.begin() as conn:
+            conn.execute(stmt, payload)
         return len(payload)
 
     def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:

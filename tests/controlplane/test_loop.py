@@ -20,6 +20,7 @@ from controlplane.actuators.base import StaticTargets
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
 from controlplane.demo import demo_config
+from controlplane.errors import StoreUnavailable
 from controlplane.loop import ControlLoop
 from controlplane.runtime import build_loop
 from controlplane.sim.fleet import FleetSpec, Router, SimFleet
@@ -159,3 +160,57 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     assert 'fleet_controlplane_scrape_errors_total{target="prefill/dead"} 1.0' in metrics
     assert 'fleet_controlplane_parse_errors_total{target="prefill/bad"} 1.0' in metrics
     assert "fleet_controlplane_ticks_total 1.0" in metrics
+
+
+class FlakyStore(SqlStore):
+    """The real store, except that writing signals fails while `down` is set (an outage)."""
+
+    down = False
+
+    def write_signals(self, signals):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise StoreUnavailable("write_signals: connection refused")
+        return super().write_signals(signals)
+
+
+async def test_a_store_outage_skips_ticks_and_the_loop_goes_on(sim: tuple, sqlite_url: str,
+                                                               client: httpx.AsyncClient) -> None:
+    from controlplane.store import migrate
+
+    migrate.upgrade(sqlite_url)
+    store = FlakyStore.open(sqlite_url)
+    h = harness(Mode.OBSERVE, sim, store, client)
+    await h.ticks(2)
+    store.down = True
+    with pytest.raises(StoreUnavailable):
+        await h.ticks(1)
+    store.down = False
+    before = store.count_signals()
+    await h.ticks(1)
+    assert store.count_signals() > before
+    store.close()
+
+
+async def test_run_survives_a_failing_tick_and_stops_on_request(sim: tuple, sqlite_url: str,
+                                                                client: httpx.AsyncClient) -> None:
+    import asyncio
+
+    from controlplane.store import migrate
+
+    migrate.upgrade(sqlite_url)
+    store = FlakyStore.open(sqlite_url)
+    store.down = True
+    h = harness(Mode.OBSERVE, sim, store, client)
+    registry = h.loop.telemetry.registry
+    stop = asyncio.Event()
+    runner = asyncio.create_task(h.loop.run(stop))  # virtual clock: intervals pass at once
+    while (registry.get_sample_value("fleet_controlplane_tick_failures_total") or 0) < 2:
+        await asyncio.sleep(0.01)
+    assert h.loop.last_tick_at is None
+    store.down = False
+    while h.loop.last_tick_at is None:
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(runner, timeout=5)
+    assert store.count_signals() > 0
+    store.close()

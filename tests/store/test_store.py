@@ -17,10 +17,9 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
-from sqlalchemy.exc import IntegrityError
 
 from collectors.types import Signal
-from controlplane.errors import StoreUnavailable
+from controlplane.errors import StoreConflict, StoreUnavailable
 from controlplane.store import migrate
 from controlplane.store.compaction import Retention
 from controlplane.store.db import make_engine
@@ -82,7 +81,7 @@ def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
     store.update_finding(f.id, report(value=0.3), now=25.0)
     [again] = store.open_findings()
     assert again.evidence["value"] == 0.3 and again.evidence["engines"] == ["a", "b"] and again.updated_at == 25.0
-    with pytest.raises(IntegrityError):
+    with pytest.raises(StoreConflict, match="open_finding"):
         store.open_finding(report(), now=30.0)  # the database refuses a second open finding
     store.resolve_finding(f.id, "recovered", now=40.0)
     assert store.open_findings() == []
