@@ -57,6 +57,7 @@ class SignalDeriver:
                 out.parse_errors[t.key] = [str(e) for e in errors[:20]]
             out.signals.append(Signal(res.ts, pod, "scrape_duration_seconds", res.duration_s))
             out.signals.append(Signal(res.ts, pod, "scrape_samples", float(len(samples))))
+            out.signals.append(Signal(res.ts, pod, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
             missing = families.missing_families(readings, source.families)
             if missing:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 
@@ -33,6 +34,8 @@ class Scraper:
         backoff_max_s: float = 300.0,
         max_body_bytes: int = 32 * 1024 * 1024,
         rng: random.Random | None = None,
+        spread_s: float = 0.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._client = client
         self._sem = asyncio.Semaphore(concurrency)
@@ -41,6 +44,10 @@ class Scraper:
         self._backoff_max = backoff_max_s
         self._max_body = max_body_bytes
         self._rng = rng or random.Random()
+        # Each target is scraped at a fixed offset within the first `spread_s` of a round, so a
+        # fleet is not hit all at once; the offset comes from the target, so its interval stays exact.
+        self._spread = spread_s
+        self._sleep = sleep
         self.health: dict[str, TargetHealth] = {}
 
     async def scrape(self, targets: Sequence[Target], now: float) -> list[ScrapeResult]:
@@ -51,8 +58,19 @@ class Scraper:
                 del self.health[key]
         return list(await asyncio.gather(*(self._one(t, now) for t in targets)))
 
+    def offset(self, target: Target) -> float:
+        """The target's fixed scrape offset within a round, in seconds."""
+        if self._spread <= 0:
+            return 0.0
+        digest = zlib.crc32(target.key.encode())
+        return self._spread * (digest / 0xFFFFFFFF)
+
     async def _one(self, target: Target, now: float) -> ScrapeResult:
         health = self.health.setdefault(target.key, TargetHealth())
+        offset = self.offset(target)
+        if offset:
+            await self._sleep(offset)
+            now += offset
         if now < health.next_attempt_at:
             return ScrapeResult(target, now, ok=False, error=health.last_error, skipped=True)
         async with self._sem:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from collectors import vllm
+from collectors import dcgm, vllm
 from collectors.families import Delta, FamilyMap, Reading
 from collectors.types import Sample, Signal, Target
 
@@ -32,7 +32,7 @@ class Source(Protocol):
         ...
 
 
-SOURCES: dict[str, Source] = {vllm.SOURCE.name: vllm.SOURCE}
+SOURCES: dict[str, Source] = {s.name: s for s in (vllm.SOURCE, dcgm.SOURCE)}
 
 
 class UnknownSource(KeyError):

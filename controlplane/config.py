@@ -18,10 +18,12 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from collectors.sources import SOURCES
 from collectors.types import Role
 from controlplane.errors import ConfigError
 
@@ -100,7 +102,14 @@ class StaticTarget(_Strict):
     url: str = Field(pattern=r"^https?://")
     pool: str
     pod: str = Field(min_length=1)
-    source: str = Field("vllm", pattern=r"^(vllm)$")
+    source: str = "vllm"  # which collector reads it: one of collectors.sources.SOURCES
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value not in SOURCES:
+            raise ValueError(f"unknown source {value!r}; expected one of {', '.join(sorted(SOURCES))}")
+        return value
 
 
 class Store(_Strict):
@@ -128,11 +137,19 @@ class Scrape(_Strict):
     # measured cheapest per scrape (bench scrape: 1,000 pods, 1.0 CPU-s at 16, 2.4 CPU-s at 64).
     concurrency: int = Field(16, ge=1, le=4096)
     backoff_max: Seconds = 300.0
+    # Targets are scraped at fixed offsets within this part of each interval so a large fleet is
+    # not hit at one instant (Prometheus spreads its targets the same way).
+    spread: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 3.0
 
     @model_validator(mode="after")
     def _timeout_fits(self) -> Scrape:
         if self.timeout >= self.interval:
             raise ValueError(f"timeout ({self.timeout:g}s) must be shorter than interval ({self.interval:g}s)")
+        if self.spread + self.timeout >= self.interval:
+            raise ValueError(
+                f"spread ({self.spread:g}s) plus timeout ({self.timeout:g}s) must be shorter than interval "
+                f"({self.interval:g}s)"
+            )
         return self
 
 

@@ -69,9 +69,11 @@ def build_loop(
 ) -> ControlLoop:
     """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock)."""
     targets = targets or StaticTargets(static_targets(config))
+    clock = clock or WallClock()
     scraper = Scraper(
         client, concurrency=config.scrape.concurrency, timeout_s=config.scrape.timeout,
         backoff_base_s=config.scrape.interval, backoff_max_s=config.scrape.backoff_max,
+        spread_s=config.scrape.spread, sleep=clock.sleep,
     )
     return ControlLoop(
         config=config,
@@ -80,7 +82,7 @@ def build_loop(
         store=store,
         policies=list(policies) if policies is not None else build_policies(config),
         actuator=actuator or DryRunActuator(targets, [p.name for p in config.pools]),
-        clock=clock or WallClock(),
+        clock=clock,
         telemetry=telemetry or Telemetry(config.telemetry),
     )
 

@@ -122,7 +122,7 @@ def test_run_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path) -> N
     targets = "\n".join(f'  - {{url: "{t.url}", pool: {t.pool}, pod: {t.pod}}}' for t in server.targets())
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text(
-        f"store: {{url: '{db}'}}\nscrape: {{interval: 1s, timeout: 500ms}}\nserver: {{port: {port}}}\n"
+        f"store: {{url: '{db}'}}\nscrape: {{interval: 1s, timeout: 500ms, spread: 200ms}}\nserver: {{port: {port}}}\n"
         "pools:\n  - {name: prefill, role: prefill, model: m, replicas: {min: 1, max: 4}}\n"
         "  - {name: decode, role: decode, model: m, replicas: {min: 1, max: 4}}\n"
         f"targets:\n{targets}\n"

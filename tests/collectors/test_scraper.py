@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from collectors.scraper import Scraper
 from collectors.types import Target
@@ -78,3 +79,32 @@ async def test_removed_targets_forget_their_health() -> None:
         await scraper.scrape([t("dead"), t("good")], now=0.0)
         await scraper.scrape([t("good")], now=15.0)
     assert list(scraper.health) == ["pool/good"]
+
+
+async def test_gzip_bodies_are_decoded() -> None:
+    import gzip
+
+    def gz(request: httpx.Request) -> httpx.Response:
+        assert "gzip" in request.headers.get("accept-encoding", "")
+        return httpx.Response(200, content=gzip.compress(GOOD.encode()), headers={"content-encoding": "gzip"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(gz)) as client:
+        [res] = await Scraper(client).scrape([t("good")], now=0.0)
+    assert res.ok and res.body == GOOD
+
+
+async def test_spread_scrapes_each_target_at_its_own_fixed_offset() -> None:
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        scraper = Scraper(client, spread_s=3.0, sleep=fake_sleep)
+        targets = [Target(f"http://good/metrics?{i}", "pool", f"pod-{i}") for i in range(50)]
+        first = await scraper.scrape(targets, now=100.0)
+        second = await scraper.scrape(targets, now=115.0)
+    offsets = [r.ts - 100.0 for r in first]
+    assert all(0.0 <= o <= 3.0 for o in offsets) and len(set(offsets)) > 40
+    assert [b.ts - a.ts for a, b in zip(first, second, strict=True)] == [15.0] * 50  # intervals stay exact
+    assert sorted(slept[:50]) == pytest.approx(sorted(offsets))
