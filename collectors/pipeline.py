@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from collectors import families, sources
 from collectors.exposition import ExpositionError, Parser
-from collectors.types import ScrapeResult, Signal, pod_subject, pool_subject
+from collectors.types import ScrapeResult, Signal, pod_subject, pool_subject, target_subject
 
 __all__ = ["DeriveOutput", "SignalDeriver"]
 
@@ -44,8 +44,8 @@ class SignalDeriver:
         for res in results:
             t = res.target
             pool_up[t.pool].append(1.0 if res.ok else 0.0)
-            pod = pod_subject(t.pool, t.pod)
-            out.signals.append(Signal(res.ts, pod, "up", 1.0 if res.ok else 0.0))
+            health = target_subject(t)
+            out.signals.append(Signal(res.ts, health, "up", 1.0 if res.ok else 0.0))
             if not res.ok:
                 # Keep the previous readings: the next good scrape spans the gap correctly.
                 seen.update(k for k in self._prev if k[0] == t.key)
@@ -55,9 +55,9 @@ class SignalDeriver:
             samples = list(self._parser.parse(res.body, errors=errors))
             if errors:
                 out.parse_errors[t.key] = [str(e) for e in errors[:20]]
-            out.signals.append(Signal(res.ts, pod, "scrape_duration_seconds", res.duration_s))
-            out.signals.append(Signal(res.ts, pod, "scrape_samples", float(len(samples))))
-            out.signals.append(Signal(res.ts, pod, "scrape_body_bytes", float(res.size_bytes)))
+            out.signals.append(Signal(res.ts, health, "scrape_duration_seconds", res.duration_s))
+            out.signals.append(Signal(res.ts, health, "scrape_samples", float(len(samples))))
+            out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
             missing = families.missing_families(readings, source.families)
             if missing:
@@ -78,6 +78,7 @@ class SignalDeriver:
                     pod_deltas.append(d)
                     pool_deltas[(t.pool, t.source)].append(d)
             if len(pod_deltas) > 1:
+                pod = pod_subject(t.pool, t.pod)
                 out.signals.extend(source.signals(families.merge_all(pod_deltas), res.ts, pod))
         for slot in list(self._prev):
             if slot not in seen:

@@ -27,8 +27,9 @@ class Target:
 
     @property
     def key(self) -> str:
-        """Stable identity used for per-target state (backoff, previous readings)."""
-        return f"{self.pool}/{self.pod}"
+        """Stable identity for per-target state (backoff, previous readings, health rows): a pod
+        may expose several endpoints (vLLM and LMCache), told apart by their source."""
+        return f"{self.pool}/{self.pod}/{self.source}"
 
 
 class Sample(NamedTuple):
@@ -76,6 +77,11 @@ class TargetHealth:
 def engine_subject(pool: str, pod: str, engine: str) -> str:
     """Subject naming: engines are `engine/<pool>/<pod>/<rank>`."""
     return f"engine/{pool}/{pod}/{engine}"
+
+
+def target_subject(target: Target) -> str:
+    """Subject naming: a scrape endpoint's own health is `target/<pool>/<pod>/<source>`."""
+    return f"target/{target.key}"
 
 
 def pod_subject(pool: str, pod: str) -> str:

@@ -163,10 +163,20 @@ class PrefixCachePolicy(_Strict):
     kv_pressure_usage: float = Field(0.85, gt=0, le=1)
 
 
+class KvTransferPolicy(_Strict):
+    """Settings of the KV-transfer lag detector (times in seconds)."""
+
+    enabled: bool = True
+    baseline: Seconds = 1800.0
+    tail_ratio: float = Field(2.0, gt=1)
+    min_abs: Seconds = 0.002
+
+
 class Policies(_Strict):
     """Per-policy settings."""
 
     prefix_cache_hit_drop: PrefixCachePolicy = PrefixCachePolicy()
+    kv_transfer_lag: KvTransferPolicy = KvTransferPolicy()
 
 
 class Rails(_Strict):

@@ -30,6 +30,7 @@ class RailsReason(StrEnum):
     COOLDOWN = "cooldown"
     RATE_LIMITED = "rate_limited"
     POOL_NOT_SETTLED = "pool_not_settled"
+    NOT_SUPPORTED = "not_supported"  # no actuator can carry out this kind of action yet
 
 
 class PastAction(Protocol):
@@ -67,10 +68,10 @@ def check(
     """Decide what may happen to `proposal`; `history` holds recent actions, any pool."""
     if mode is Mode.OBSERVE:
         return RailsDecision(RailsReason.OBSERVE_MODE, None, "observe mode never acts")
+    if proposal.kind is not ActionKind.SCALE_POOL:
+        return RailsDecision(RailsReason.NOT_SUPPORTED, None, f"no actuator carries out {proposal.kind} yet")
     if pool is None:
         return RailsDecision(RailsReason.UNKNOWN_POOL, None, f"pool {proposal.pool!r} is not in the fleet file")
-    if proposal.kind is not ActionKind.SCALE_POOL:
-        return RailsDecision(RailsReason.UNKNOWN_POOL, None, f"no rails for action kind {proposal.kind}")
     mine = [a for a in history if a.pool == pool.name]
     if any(a.state in ACTIVE_STATES for a in mine):
         return RailsDecision(RailsReason.IN_FLIGHT, None, f"an action on {pool.name} is already in flight")

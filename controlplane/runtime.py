@@ -19,6 +19,7 @@ from controlplane.loop import ControlLoop
 from controlplane.server import start_server
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
+from policies.kv_transfer import KvTransferLag, KvTransferSettings
 from policies.prefix_cache import PrefixCacheHitDrop, PrefixCacheSettings
 from policies.types import Policy
 
@@ -46,6 +47,11 @@ def build_policies(config: FleetConfig) -> list[Policy]:
                     kv_pressure_usage=pc.kv_pressure_usage,
                 )
             )
+        )
+    kv = config.policies.kv_transfer_lag
+    if kv.enabled:
+        policies.append(
+            KvTransferLag(KvTransferSettings(baseline_s=kv.baseline, tail_ratio=kv.tail_ratio, min_abs_s=kv.min_abs))
         )
     return policies
 

@@ -35,6 +35,8 @@ class ActionKind(StrEnum):
     """Changes the control plane knows how to make to a fleet."""
 
     SCALE_POOL = "scale_pool"
+    DRAIN_ENGINE = "drain_engine"  # stop routing to one engine and let it finish its requests
+    ADMISSION_CONTROL = "admission_control"  # limit new requests towards a pool or worker
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,9 +50,10 @@ def test_usage_errors_exit_3() -> None:
     assert fleetctl("config", "check").returncode == 3
 
 
-def test_runbook_lists_and_prints() -> None:
-    assert "prefix_cache_hit_drop" in fleetctl("runbook").stdout
-    text = fleetctl("runbook", "prefix_cache_hit_drop").stdout
+@pytest.mark.parametrize("kind", ["prefix_cache_hit_drop", "kv_transfer_lag"])
+def test_runbook_lists_and_prints(kind: str) -> None:
+    assert kind in fleetctl("runbook").stdout.split()
+    text = fleetctl("runbook", kind).stdout
     for section in ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation", "## What the control plane does"):
         assert section in text
 

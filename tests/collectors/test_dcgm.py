@@ -447,6 +447,6 @@ def test_pipeline_derives_per_gpu_signals_without_pool_rollup(monkeypatch: pytes
     assert ("pool/gpus", "engines_reporting") not in sig  # GPUs are not engines: nothing to aggregate
     assert not [s for s in out.signals if s.subject.startswith("pod/") and s.name.startswith("gpu_")]
     # This exposition lacks three expected families; the target reports them.
-    assert out.missing_families["gpus/dcgm-exporter-x"] == ["DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_TEMP",
+    assert out.missing_families["gpus/dcgm-exporter-x/dcgm"] == ["DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_TEMP",
                                                             "DCGM_FI_DEV_POWER_USAGE"]
     assert all(isinstance(s, Signal) for s in out.signals)

@@ -59,11 +59,11 @@ async def test_backoff_skips_a_failing_target_until_its_time() -> None:
         third = await scraper.scrape([t("dead")], now=20.0)
         assert not first[0].skipped and not second[0].skipped
         assert third[0].skipped and third[0].error and "ConnectError" in third[0].error
-        health = scraper.health["pool/dead"]
+        health = scraper.health["pool/dead/vllm"]
         assert health.consecutive_failures == 2
         assert 15.0 + 15.0 * 0.8 <= health.next_attempt_at <= 15.0 + 15.0 * 1.2
         later = await scraper.scrape([t("dead")], now=health.next_attempt_at)
-        assert not later[0].skipped and scraper.health["pool/dead"].consecutive_failures == 3
+        assert not later[0].skipped and scraper.health["pool/dead/vllm"].consecutive_failures == 3
 
 
 async def test_body_size_limit() -> None:
@@ -78,7 +78,7 @@ async def test_removed_targets_forget_their_health() -> None:
         scraper = Scraper(client)
         await scraper.scrape([t("dead"), t("good")], now=0.0)
         await scraper.scrape([t("good")], now=15.0)
-    assert list(scraper.health) == ["pool/good"]
+    assert list(scraper.health) == ["pool/good/vllm"]
 
 
 async def test_gzip_bodies_are_decoded() -> None:

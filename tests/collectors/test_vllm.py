@@ -88,7 +88,7 @@ def test_deriver_handles_counter_reset_and_failed_scrape() -> None:
     d.derive([_result(exposition(1000, 800), 0.0)], 0.0)
     failed = ScrapeResult(Target("http://x", "prefill", "p0"), 15.0, ok=False, error="timed out")
     out = d.derive([failed], 15.0)
-    assert ("pod/prefill/p0", "up", 0.0) in {(s.subject, s.name, s.value) for s in out.signals}
+    assert ("target/prefill/p0/vllm", "up", 0.0) in {(s.subject, s.name, s.value) for s in out.signals}
     # The pod restarted: counters start again from zero; the gap spans two intervals.
     out = d.derive([_result(exposition(100, 30), 30.0)], 30.0)
     sig = {(s.subject, s.name): s.value for s in out.signals}
@@ -100,6 +100,6 @@ def test_deriver_records_malformed_lines_and_keeps_the_rest() -> None:
     d = SignalDeriver()
     body = exposition(1000, 800) + "vllm:broken{engine=0} 1\n"
     out = d.derive([_result(body, 0.0)], 0.0)
-    assert "prefill/p0" in out.parse_errors and "line 13" in out.parse_errors["prefill/p0"][0]
+    assert "prefill/p0/vllm" in out.parse_errors and "line 13" in out.parse_errors["prefill/p0/vllm"][0]
     out = d.derive([_result(exposition(2000, 1600), 15.0)], 15.0)
     assert any(s.name == "prefix_cache_hit_rate" for s in out.signals)

@@ -154,11 +154,11 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
         loop = build_loop(cfg, sqlite_store, mock, targets=targets, clock=VirtualClock())
         report = await loop.tick()
     assert report.targets == 2 and report.targets_up == 1
-    assert "ConnectError" in report.errors["prefill/dead"]
-    assert "line 1" in report.errors["prefill/bad"]
+    assert "ConnectError" in report.errors["prefill/dead/vllm"]
+    assert "line 1" in report.errors["prefill/bad/vllm"]
     metrics = generate_latest(loop.telemetry.registry).decode()
-    assert 'fleet_controlplane_scrape_errors_total{target="prefill/dead"} 1.0' in metrics
-    assert 'fleet_controlplane_parse_errors_total{target="prefill/bad"} 1.0' in metrics
+    assert 'fleet_controlplane_scrape_errors_total{target="prefill/dead/vllm"} 1.0' in metrics
+    assert 'fleet_controlplane_parse_errors_total{target="prefill/bad/vllm"} 1.0' in metrics
     assert "fleet_controlplane_ticks_total 1.0" in metrics
 
 

@@ -37,6 +37,8 @@ def up(delta: int = 1) -> Proposal:
         pytest.param(Mode.PROPOSE, pool(), [], up(), RailsReason.NEEDS_APPROVAL, 4, id="propose-waits"),
         pytest.param(Mode.OBSERVE, pool(), [], up(), RailsReason.OBSERVE_MODE, None, id="observe-never-acts"),
         pytest.param(Mode.ACT, None, [], up(), RailsReason.UNKNOWN_POOL, None, id="unknown-pool"),
+        pytest.param(Mode.ACT, pool(), [], Proposal(ActionKind.DRAIN_ENGINE, "prefill", 0, "x"),
+                     RailsReason.NOT_SUPPORTED, None, id="no-actuator-for-drain"),
         pytest.param(Mode.ACT, pool(desired=6), [], up(), RailsReason.AT_LIMIT, None, id="at-max"),
         pytest.param(Mode.ACT, pool(desired=2), [], up(-1), RailsReason.AT_LIMIT, None, id="at-min"),
         pytest.param(Mode.ACT, pool(), [], up(5), RailsReason.ALLOWED, 4, id="step-clamped"),
@@ -63,5 +65,5 @@ def test_reason_spellings_are_stable() -> None:
     # They are metric label values; dashboards and alerts depend on them.
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
-        "rate_limited", "pool_not_settled",
+        "rate_limited", "pool_not_settled", "not_supported",
     ]

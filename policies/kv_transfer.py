@@ -1,0 +1,176 @@
+"""KV-transfer lag: the prefill->decode KV path gets slow in its tail, or starts failing.
+
+Watches every subject that reports a transfer-time p99 (the synthetic KV-path probe per
+prefill->decode pair, vLLM's NIXL connector per decode engine, NIXL's exporter per agent) against
+its own baseline and against its peers, and counts failed transfers. Alerts on the tail, never the
+mean. Names the lagging path or worker; proposes draining it or admission control (the actions
+run once the Kubernetes actuator exists; until then the rails hold them back).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from policies.stats import median_mad
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    Severity,
+)
+
+__all__ = ["KIND", "KvTransferLag", "KvTransferSettings", "PATHS"]
+
+KIND = "kv_transfer_lag"
+
+
+@dataclass(frozen=True, slots=True)
+class PathSignals:
+    """Where one kind of KV-path measurement lives: subject prefix, p99 and failure signals."""
+
+    prefix: str
+    p99: str
+    failures: str
+    rate: str | None  # transfers per second, to express failures as a share
+
+
+PATHS: tuple[PathSignals, ...] = (
+    PathSignals("kvpath/", "kv_transfer_p99", "kv_failure_rate", "kv_transfer_rate"),
+    PathSignals("engine/", "nixl_xfer_time_p99", "nixl_failed_transfer_rate", "nixl_transfer_rate"),
+    PathSignals("nixl/", "nixl_xfer_time_p99", "nixl_error_rate", "nixl_tx_request_rate"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferSettings:
+    """Thresholds; times in seconds."""
+
+    baseline_s: float = 1800.0
+    min_baseline_points: int = 8
+    recent_points: int = 2  # consecutive bad points to open: the detection delay
+    resolve_points: int = 3  # consecutive good points to resolve (hysteresis)
+    tail_ratio: float = 2.0  # p99 at least twice its baseline ...
+    mad_k: float = 4.0  # ... and above 4 robust sigmas of its jitter ...
+    min_abs_s: float = 0.002  # ... and at least 2 ms worse: sub-ms jitter is not lag
+    peer_ratio: float = 3.0  # without history: 3x the median of its peers
+    min_peers: int = 2
+    failure_share_critical: float = 0.05  # failed share of transfers that makes it critical
+
+
+class KvTransferLag:
+    """Detects tail-latency growth and failures on the KV transfer path."""
+
+    kind = KIND
+
+    def __init__(self, settings: KvTransferSettings | None = None) -> None:
+        self.settings = settings or KvTransferSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        """One evaluation over every KV-path subject."""
+        result = PolicyResult()
+        for path in PATHS:
+            subjects = sorted(set(inp.windows.subjects(path.p99, prefix=path.prefix))
+                              | set(inp.windows.subjects(path.failures, prefix=path.prefix)))
+            for subject in subjects:
+                key = FindingKey(KIND, subject)
+                report = self._judge(inp, path, subject, subjects, key in inp.open_findings)
+                if report is not None:
+                    result.findings.append(report)
+                elif key in inp.open_findings and self._healthy(inp, path, subject, inp.open_findings[key].evidence):
+                    result.resolved.append((key, "transfer tail and failures back to normal"))
+        return result
+
+    def _recent(self, inp: PolicyInput, subject: str, name: str, n: int) -> list[float]:
+        return [v for _, v in inp.windows.series(subject, name)[-n:]]
+
+    def _baseline(self, inp: PolicyInput, path: PathSignals, subject: str) -> tuple[float, float] | None:
+        s = self.settings
+        points = inp.windows.series(subject, path.p99, since=inp.now - s.baseline_s)[: -s.recent_points]
+        if len(points) < s.min_baseline_points:
+            return None
+        return median_mad([v for _, v in points])
+
+    def _peers(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str]) -> float | None:
+        group = subject.rsplit("/", 2)[0] if path.prefix == "engine/" else path.prefix
+        values = [v for other in subjects if other != subject and other.startswith(group)
+                  if (v := inp.windows.latest(other, path.p99)) is not None]
+        return statistics.median(values) if len(values) >= self.settings.min_peers else None
+
+    def _threshold(self, baseline: tuple[float, float] | None, peers: float | None) -> float | None:
+        s = self.settings
+        if baseline is not None:
+            med, sigma = baseline
+            return max(med * s.tail_ratio, med + s.mad_k * sigma, med + s.min_abs_s)
+        if peers is not None:
+            return max(peers * s.peer_ratio, peers + s.min_abs_s)
+        return None
+
+    def _judge(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str],
+               is_open: bool) -> FindingReport | None:
+        s = self.settings
+        open_evidence = inp.open_findings[FindingKey(KIND, subject)].evidence if is_open else None
+        baseline = self._baseline(inp, path, subject)
+        if open_evidence is not None and open_evidence.get("baseline_p99") is not None:
+            baseline = (float(open_evidence["baseline_p99"]), float(open_evidence.get("baseline_sigma", 0.0)))
+        peers = self._peers(inp, path, subject, subjects)
+        threshold = self._threshold(baseline, peers)
+        recent = self._recent(inp, subject, path.p99, s.recent_points)
+        failures = self._recent(inp, subject, path.failures, s.recent_points)
+        slow = threshold is not None and len(recent) == s.recent_points and all(v > threshold for v in recent)
+        failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
+        if not (slow or failing) and not (is_open and not self._healthy(inp, path, subject, open_evidence or {})):
+            return None
+        p99 = inp.windows.latest(subject, path.p99)
+        fail_rate = inp.windows.latest(subject, path.failures) or 0.0
+        rate = inp.windows.latest(subject, path.rate) if path.rate else None
+        share = fail_rate / rate if rate else (1.0 if fail_rate > 0 else 0.0)
+        evidence = {
+            "signal": path.p99,
+            "p99_s": None if p99 is None else round(p99, 6),
+            "baseline_p99": None if baseline is None else round(baseline[0], 6),
+            "baseline_sigma": None if baseline is None else round(baseline[1], 6),
+            "peers_median_p99": None if peers is None else round(peers, 6),
+            "threshold_s": None if threshold is None else round(threshold, 6),
+            "failures_per_s": round(fail_rate, 4),
+            "failed_share": round(share, 4),
+            "slow": slow,
+            "failing": failing,
+        }
+        where = subject.split("/", 1)[1]
+        if failing:
+            cause = (f"{where}: {fail_rate:.2f} failed transfers/s ({share:.0%} of transfers). Check the decode "
+                     "worker's health, the transport (UCX) and whether the metadata server failed over.")
+        else:
+            ref = f"baseline {baseline[0] * 1000:.1f} ms" if baseline else f"peers {(peers or 0) * 1000:.1f} ms"
+            cause = (f"{where}: KV transfer p99 {(p99 or 0) * 1000:.1f} ms against {ref}: the decode side is "
+                     "slow to take the KV (CPU or NIC contention, a lagging worker) or the link is congested.")
+        severity = Severity.CRITICAL if failing and share >= s.failure_share_critical else Severity.WARNING
+        proposals = self._proposals(subject, where)
+        evidence["suggested_actions"] = [p.reason for p in proposals]
+        return FindingReport(FindingKey(KIND, subject), severity, f"KV transfer lag on {where}", cause, evidence,
+                             KIND, proposals)
+
+    def _proposals(self, subject: str, where: str) -> tuple[Proposal, ...]:
+        if subject.startswith("engine/"):
+            pool = subject.split("/")[1]
+            return (Proposal(ActionKind.DRAIN_ENGINE, pool, 0, f"drain the lagging decode worker {where}",
+                             verify_signal="nixl_xfer_time_p99"),)
+        target = where.split("->")[-1]
+        return (Proposal(ActionKind.ADMISSION_CONTROL, target, 0,
+                         f"limit admissions that hand KV to {target} until its path recovers"),)
+
+    def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: dict) -> bool:
+        s = self.settings
+        recent = self._recent(inp, subject, path.p99, s.resolve_points)
+        failures = self._recent(inp, subject, path.failures, s.resolve_points)
+        threshold = evidence.get("threshold_s")
+        baseline = evidence.get("baseline_p99")
+        # Recovered: back under the midpoint between baseline and threshold, with no failures.
+        bar = (baseline + threshold) / 2 if baseline is not None and threshold is not None else threshold
+        tail_ok = bar is None or (len(recent) == s.resolve_points and all(v <= bar for v in recent))
+        fail_ok = len(failures) == s.resolve_points and all(v == 0 for v in failures) if failures else True
+        return tail_ok and fail_ok

@@ -1,0 +1,75 @@
+"""KV-transfer lag policy: tail growth against its own baseline or its peers, failures, hysteresis."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.kv_transfer import KIND, KvTransferLag
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
+from policies.windows import SignalWindows
+
+STEP = 15.0
+PATH = "kvpath/prefill-0->decode-1"
+BASE = [0.004, 0.0042, 0.0039, 0.0041, 0.004, 0.0043, 0.0038, 0.004, 0.0041, 0.004]
+
+
+def windows(series: dict[str, list[float]], failures: dict[str, list[float]] | None = None,
+            name: str = "kv_transfer_p99", fail_name: str = "kv_failure_rate") -> SignalWindows:
+    w = SignalWindows(horizon_s=7200)
+    for subject, values in series.items():
+        for i, v in enumerate(values):
+            w.add(i * STEP, subject, name, v)
+            w.add(i * STEP, subject, fail_name, (failures or {}).get(subject, [0.0] * len(values))[i])
+            w.add(i * STEP, subject, "kv_transfer_rate", 10.0)
+    return w
+
+
+def run(w: SignalWindows, open_findings: dict | None = None):
+    now = max(ts for s in w.subjects("kv_transfer_p99") for ts, _ in w.series(s, "kv_transfer_p99"))
+    return KvTransferLag().evaluate(PolicyInput(now, w, {}, open_findings or {}))
+
+
+@pytest.mark.parametrize(
+    ("values", "opens"),
+    [
+        pytest.param(BASE, False, id="steady"),
+        pytest.param(BASE + [0.02], False, id="one-slow-point"),
+        pytest.param(BASE + [0.02, 0.025], True, id="tail-grows"),
+        pytest.param(BASE + [0.0055, 0.0056], False, id="within-2ms"),
+    ],
+)
+def test_tail_against_own_baseline(values: list[float], opens: bool) -> None:
+    result = run(windows({PATH: values}))
+    assert bool(result.findings) is opens
+    if opens:
+        [f] = result.findings
+        assert f.key == FindingKey(KIND, PATH) and "prefill-0->decode-1" in f.summary
+        assert f.evidence["baseline_p99"] == pytest.approx(0.004, abs=2e-4)
+        assert [p.kind for p in f.proposals] == [ActionKind.ADMISSION_CONTROL]
+
+
+def test_one_lagging_path_among_peers_without_history() -> None:
+    series = {f"kvpath/prefill-0->decode-{i}": [0.004, 0.0041, 0.0039] for i in range(4)}
+    series["kvpath/prefill-0->decode-3"] = [0.004, 0.03, 0.035]
+    [f] = run(windows(series)).findings
+    assert f.key.subject == "kvpath/prefill-0->decode-3" and f.evidence["peers_median_p99"] == pytest.approx(0.0039)
+
+
+def test_failures_open_a_critical_finding_and_name_the_worker() -> None:
+    w = windows({"engine/decode/decode-2/0": BASE + [0.004, 0.004]},
+                {"engine/decode/decode-2/0": [0.0] * 10 + [2.0, 3.0]},
+                name="nixl_xfer_time_p99", fail_name="nixl_failed_transfer_rate")
+    for i in range(12):
+        w.add(i * STEP, "engine/decode/decode-2/0", "nixl_transfer_rate", 10.0)
+    [f] = KvTransferLag().evaluate(PolicyInput(11 * STEP, w, {}, {})).findings
+    assert f.severity == "critical" and f.evidence["failing"] is True
+    assert [(p.kind, p.pool) for p in f.proposals] == [(ActionKind.DRAIN_ENGINE, "decode")]
+
+
+def test_resolves_only_after_three_good_points() -> None:
+    [f] = run(windows({PATH: BASE + [0.02, 0.025]})).findings
+    opened = {f.key: OpenFinding(f.key, 0.0, f.evidence)}
+    still = run(windows({PATH: BASE + [0.02, 0.025, 0.004, 0.004]}), opened)
+    assert not still.resolved and still.findings
+    done = run(windows({PATH: BASE + [0.02, 0.025, 0.004, 0.004, 0.0041]}), opened)
+    assert done.resolved == [(f.key, "transfer tail and failures back to normal")]
