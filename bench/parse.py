@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,7 +27,7 @@ Row = tuple[str, dict[str, str], float, float | None]
 
 def load_real() -> str:
     """The captured real vLLM exposition shipped with the benchmarks."""
-    return resources.files("bench").joinpath("data", REAL_EXPOSITION).read_text(encoding="utf-8")
+    return (Path(__file__).parent / "data" / REAL_EXPOSITION).read_text(encoding="utf-8")
 
 
 def multi_engine(text: str, engines: int) -> str:

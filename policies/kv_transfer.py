@@ -23,7 +23,7 @@ from policies.types import (
     Severity,
 )
 
-__all__ = ["KIND", "KvTransferLag", "KvTransferSettings", "PATHS"]
+__all__ = ["KIND", "PATHS", "KvTransferLag", "KvTransferSettings"]
 
 KIND = "kv_transfer_lag"
 

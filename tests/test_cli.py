@@ -182,7 +182,7 @@ def test_bench_parse_reports_ratio_and_identity() -> None:
     assert result["identical"] is True
     assert {r["input"] for r in result["inputs"]} == {"1 engine", "8 engines"}
     assert result["ratio"] == pytest.approx(result["samples_per_s"] / result["reference_samples_per_s"])
-    assert result["inputs"][1]["samples"] > 7 * result["inputs"][0]["samples"]
+    assert result["inputs"][1]["samples"] > 6 * result["inputs"][0]["samples"]  # process_* series are not per engine
 
 
 @pytest.mark.slow
