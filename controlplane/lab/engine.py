@@ -197,7 +197,6 @@ class VllmEngine:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
-                cwd=self.model_dir,
                 start_new_session=True,  # own process group: stop() reaches the engine core too
             )
         deadline = started + timeout_s
@@ -206,7 +205,9 @@ class VllmEngine:
                 code = self._proc.poll()
                 if code is not None:
                     self._proc = None
-                    raise EngineStartError(f"vLLM exited with code {code} during startup; log {self.log_path}:\n{self.log_tail()}")
+                    raise EngineStartError(
+                        f"vLLM exited with code {code} during startup; log {self.log_path}:\n{self.log_tail()}"
+                    )
                 try:
                     if client.get(self.health_url).status_code == 200:
                         break
