@@ -96,6 +96,12 @@ class Pool(_Strict):
     slo: Slo = Slo()
 
 
+def _check_source(value: str) -> str:
+    if value not in SOURCES:
+        raise ValueError(f"unknown source {value!r}; expected one of {', '.join(sorted(SOURCES))}")
+    return value
+
+
 class StaticTarget(_Strict):
     """One scrape endpoint listed by hand."""
 
@@ -107,8 +113,34 @@ class StaticTarget(_Strict):
     @field_validator("source")
     @classmethod
     def _known_source(cls, value: str) -> str:
-        if value not in SOURCES:
-            raise ValueError(f"unknown source {value!r}; expected one of {', '.join(sorted(SOURCES))}")
+        return _check_source(value)
+
+
+class Discovery(_Strict):
+    """Targets found in Kubernetes: the Running, Ready pods matching a label selector in one namespace."""
+
+    namespace: str = Field(min_length=1)
+    selector: str = Field(min_length=1)  # e.g. "app.kubernetes.io/name=vllm"
+    pool_label: str = "llm-d.ai/pool"  # the pod label naming its pool (our convention)
+    role_label: str | None = "llm-d.ai/role"  # prefill | decode | both, as llm-d deployments label pods
+    port: int | str = "metrics"  # a number, or a named container port
+    path: str = Field("/metrics", pattern=r"^/")
+    source: str = "vllm"
+    max_stale_failures: int = Field(3, ge=0)  # API failures during which the last list is kept
+    timeout: Seconds = 10.0
+    kubeconfig: str | None = None  # None: the in-cluster service account
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        return _check_source(value)
+
+    @field_validator("selector")
+    @classmethod
+    def _parses(cls, value: str) -> str:
+        from controlplane.discovery import LabelSelector  # imports the kubernetes client: keep it lazy
+
+        LabelSelector.parse(value)
         return value
 
 
@@ -223,6 +255,7 @@ class FleetConfig(_Strict):
     scrape: Scrape = Scrape()
     pools: list[Pool] = Field(min_length=1)
     targets: list[StaticTarget] = []
+    discovery: Discovery | None = None
     policies: Policies = Policies()
     rails: Rails = Rails()
     telemetry: Telemetry = Telemetry()
@@ -238,6 +271,13 @@ class FleetConfig(_Strict):
                 problems.append(f"targets[{i}].pool {t.pool!r} names no pool (pools: {', '.join(names)})")
         urls = [t.url for t in self.targets]
         problems += [f"target url {u!r} is listed more than once" for u in sorted({u for u in urls if urls.count(u) > 1})]
+        if self.discovery is not None and self.targets:
+            problems.append("use either a static `targets` list or `discovery`, not both")
+        if self.discovery is not None and self.discovery.timeout >= self.scrape.interval:
+            problems.append(f"discovery.timeout ({self.discovery.timeout:g}s) must be shorter than scrape.interval")
+        pods = [(t.pool, t.pod, t.source) for t in self.targets]
+        problems += [f"target {p}/{q} ({src}) is listed more than once"
+                     for p, q, src in sorted({k for k in pods if pods.count(k) > 1})]
         if self.telemetry.tracing is Tracing.OTLP and not self.telemetry.otlp_endpoint:
             problems.append("telemetry.otlp_endpoint is required when telemetry.tracing is 'otlp'")
         if problems:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from controlplane.actuators.base import Actuator, StaticTargets, TargetSource
 from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
+from controlplane.errors import ConfigError
 from controlplane.loop import ControlLoop
 from controlplane.server import start_server
 from controlplane.store.writer import SqlStore
@@ -93,23 +95,59 @@ def build_loop(
     )
 
 
+def discovered_targets(config: FleetConfig, stack: contextlib.ExitStack) -> TargetSource | None:
+    """The Kubernetes pod target source when the fleet file has `discovery`, else None."""
+    d = config.discovery
+    if d is None:
+        return None
+    from kubernetes import client as kclient
+    from kubernetes import config as kconfig
+
+    from controlplane.discovery import KubernetesPodTargets
+
+    cfg = kclient.Configuration()
+    try:
+        if d.kubeconfig:
+            kconfig.load_kube_config(config_file=d.kubeconfig, client_configuration=cfg)
+        else:
+            kconfig.load_incluster_config(client_configuration=cfg)
+    except (kconfig.ConfigException, OSError) as exc:
+        where = d.kubeconfig or "the in-cluster service account"
+        raise ConfigError("discovery", [f"cannot load Kubernetes credentials from {where}: {exc}"]) from None
+    cfg.retries = 0  # the loop retries next tick; client retries would only multiply the timeout
+    api = stack.enter_context(kclient.ApiClient(cfg))
+    return KubernetesPodTargets(
+        kclient.CoreV1Api(api), namespace=d.namespace, selector=d.selector, pool_label=d.pool_label,
+        role_label=d.role_label, port=d.port, path=d.path, source=d.source,
+        pool_roles={p.name: p.role for p in config.pools}, max_stale_failures=d.max_stale_failures,
+        timeout_s=d.timeout, reuse_s=1.0,
+    )
+
+
 async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = False) -> None:
     """`fleetctl run`: the loop plus its HTTP server until SIGTERM or SIGINT."""
     stop = asyncio.Event()
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio.add_signal_handler(sig, stop.set)
-    async with scrape_client(config) as client:
-        loop = build_loop(config, store, client)
-        server = start_server(loop, config.server.host, config.server.port)
-        log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
-        try:
-            await loop.start()
-            if once:
-                await loop.tick()
-            else:
-                await loop.run(stop)
-        finally:
-            server.stop()
-            loop.telemetry.shutdown()
-            log.info("stopped cleanly")
+    with contextlib.ExitStack() as stack:
+        targets = discovered_targets(config, stack)
+        async with scrape_client(config) as client:
+            await _serve(config, store, client, targets, stop, once)
+
+
+async def _serve(config: FleetConfig, store: SqlStore, client: httpx.AsyncClient, targets: TargetSource | None,
+                 stop: asyncio.Event, once: bool) -> None:
+    loop = build_loop(config, store, client, targets=targets)
+    server = start_server(loop, config.server.host, config.server.port)
+    log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
+    try:
+        await loop.start()
+        if once:
+            await loop.tick()
+        else:
+            await loop.run(stop)
+    finally:
+        server.stop()
+        loop.telemetry.shutdown()
+        log.info("stopped cleanly")

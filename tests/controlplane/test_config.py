@@ -90,3 +90,23 @@ def test_environment_overrides(tmp_path: Path) -> None:
     path.write_text(VALID)
     cfg = load_config(path, EnvOverrides(store_url="postgresql://db/fleet", mode=Mode.OBSERVE))
     assert cfg.store.url == "postgresql://db/fleet" and cfg.mode is Mode.OBSERVE
+
+
+def test_discovery_section() -> None:
+    text = VALID.split("targets:")[0] + "discovery: {namespace: llm, selector: 'app=vllm,tier in (prefill,decode)'}\n"
+    cfg = parse_config(text)
+    assert cfg.discovery is not None and cfg.discovery.port == "metrics"
+    found = problems(text.replace("tier in (prefill,decode)", "tier in (prefill"))
+    assert any(p.startswith("discovery.selector (line") and "unbalanced" in p for p in found), found
+    both = problems(VALID + "discovery: {namespace: llm, selector: app=vllm}\n")
+    assert any("either a static `targets` list or `discovery`" in p for p in both), both
+
+
+def test_kubernetes_credentials_missing_is_a_config_error(tmp_path: Path) -> None:
+    import contextlib
+
+    from controlplane.runtime import discovered_targets
+
+    text = VALID.split("targets:")[0] + f"discovery: {{namespace: llm, selector: app=vllm, kubeconfig: {tmp_path}/none}}\n"
+    with contextlib.ExitStack() as stack, pytest.raises(ConfigError, match="cannot load Kubernetes credentials"):
+        discovered_targets(parse_config(text), stack)

@@ -185,7 +185,8 @@ def test_label_selector_parses_and_prints_canonically() -> None:
                      [SkippedPod("vllm-0", f"pool 'batch' (label {POOL}) is not in the fleet file")], id="pool-not-configured"),
     ],
 )
-def test_targets_from_pods_filters(p: dict[str, Any], options: dict[str, Any], urls: list[str], skipped: list[SkippedPod]) -> None:
+def test_targets_from_pods_filters(p: dict[str, Any], options: dict[str, Any], urls: list[str],
+                                   skipped: list[SkippedPod]) -> None:
     targets, skips = targets_from_pods([p], **options)
     assert [t.url for t in targets] == urls
     assert skips == skipped
@@ -196,6 +197,7 @@ def test_targets_from_pods_filters(p: dict[str, Any], options: dict[str, Any], u
     [
         pytest.param("decode", {"prefill": Role.PREFILL}, Role.DECODE, id="label-wins"),
         pytest.param("both", None, Role.UNIFIED, id="llm-d-both-is-unified"),
+        pytest.param("prefill-decode", None, Role.UNIFIED, id="prefill-decode-is-unified"),
         pytest.param(None, {"prefill": Role.PREFILL}, Role.PREFILL, id="pool-role-without-label"),
         pytest.param(None, None, Role.UNIFIED, id="unified-without-label-or-pool"),
     ],
@@ -208,14 +210,15 @@ def test_targets_from_pods_maps_role(role_label_value: str | None, pool_roles: d
 def test_targets_from_pods_skips_an_unknown_role() -> None:
     targets, skipped = targets_from_pods([pod(role="router")], role_label=ROLE)
     assert targets == []
-    assert skipped == [SkippedPod("vllm-0", f"label {ROLE}='router' is not prefill, decode, unified or both")]
+    reason = f"label {ROLE}='router' is not a role (prefill, decode, unified, both, prefill-decode)"
+    assert skipped == [SkippedPod("vllm-0", reason)]
 
 
 def test_targets_from_pods_sorts_and_sets_source() -> None:
     pods = [pod("d-1", pool="decode", status=ready_status("10.0.0.4")), pod("p-1", status=ready_status("10.0.0.2")),
             pod("d-0", pool="decode", status=ready_status("10.0.0.3")), pod("p-0", status=ready_status("10.0.0.1"))]
     targets, _ = targets_from_pods(pods, source="vllm")
-    assert [t.key for t in targets] == ["decode/d-0", "decode/d-1", "prefill/p-0", "prefill/p-1"]
+    assert [(t.pool, t.pod) for t in targets] == [("decode", "d-0"), ("decode", "d-1"), ("prefill", "p-0"), ("prefill", "p-1")]
     assert {t.source for t in targets} == {"vllm"}
 
 
