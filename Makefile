@@ -20,6 +20,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	scripts/ensure-postgres.sh
+	scripts/ensure-prometheus.sh
 	scripts/setup-vllm-lab.sh
 	$(MAKE) lint
 	$(BIN)/python -m pytest

@@ -144,6 +144,18 @@ class Discovery(_Strict):
         return value
 
 
+class PrometheusApi(_Strict):
+    """Read the fleet's signals from a Prometheus that already scrapes it, instead of scraping."""
+
+    url: str = Field(pattern=r"^https?://")
+    window: Seconds = 60.0  # the range of rate()/increase(): a few scrape intervals of Prometheus
+    mode: str = Field("rate", pattern=r"^(rate|delta)$")  # delta: two-point differences, as our scraper
+    selector: dict[str, str] = {}  # equality matchers added to every query, e.g. {job: vllm}
+    pool_label: str = "pool"
+    pod_label: str = "pod"
+    timeout: Seconds = 10.0
+
+
 class Store(_Strict):
     """Where signals, findings and the audit log live, and how long raw data is kept."""
 
@@ -256,6 +268,7 @@ class FleetConfig(_Strict):
     pools: list[Pool] = Field(min_length=1)
     targets: list[StaticTarget] = []
     discovery: Discovery | None = None
+    prometheus: PrometheusApi | None = None
     policies: Policies = Policies()
     rails: Rails = Rails()
     telemetry: Telemetry = Telemetry()
@@ -271,8 +284,11 @@ class FleetConfig(_Strict):
                 problems.append(f"targets[{i}].pool {t.pool!r} names no pool (pools: {', '.join(names)})")
         urls = [t.url for t in self.targets]
         problems += [f"target url {u!r} is listed more than once" for u in sorted({u for u in urls if urls.count(u) > 1})]
-        if self.discovery is not None and self.targets:
-            problems.append("use either a static `targets` list or `discovery`, not both")
+        given = [name for name, on in (("targets", bool(self.targets)), ("discovery", self.discovery is not None),
+                                        ("prometheus", self.prometheus is not None)) if on]
+        if len(given) > 1:
+            problems.append(f"use one source of targets, not {' and '.join(given)}: either a static `targets` list "
+                            "or `discovery`, or `prometheus`")
         if self.discovery is not None and self.discovery.timeout >= self.scrape.interval:
             problems.append(f"discovery.timeout ({self.discovery.timeout:g}s) must be shorter than scrape.interval")
         pods = [(t.pool, t.pod, t.source) for t in self.targets]

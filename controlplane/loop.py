@@ -15,13 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from collectors.pipeline import SignalDeriver
-from collectors.scraper import Scraper
 from collectors.types import TargetHealth
-from controlplane.actuators.base import Actuator, TargetSource
+from controlplane.actuators.base import Actuator
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode
 from controlplane.errors import ActuationError, FleetError
+from controlplane.observe import MetricSource, Observation
 from controlplane.rails import RailsReason, check
 from controlplane.store.compaction import Retention
 from controlplane.store.writer import ActionRecord, FindingRecord, SqlStore
@@ -57,14 +56,13 @@ class TickReport:
 
 
 class ControlLoop:
-    """Connects a target source, the collectors, the store, the policies and an actuator."""
+    """Connects a metric source, the store, the policies and an actuator."""
 
     def __init__(
         self,
         *,
         config: FleetConfig,
-        targets: TargetSource,
-        scraper: Scraper,
+        source: MetricSource,
         store: SqlStore,
         policies: Sequence[Policy],
         actuator: Actuator,
@@ -72,18 +70,17 @@ class ControlLoop:
         telemetry: Telemetry,
     ) -> None:
         self.config = config
-        self.targets = targets
-        self.scraper = scraper
+        self.source = source
         self.store = store
         self.policies = list(policies)
         self.actuator = actuator
         self.clock = clock
         self.telemetry = telemetry
         self.windows = SignalWindows(WINDOW_S)
-        self.deriver = SignalDeriver()
         self.last_tick_at: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
+        self._missing: dict[str, list[str]] = {}
 
     async def start(self) -> None:
         """Recover after a restart: mark interrupted actions unknown, reload policy windows."""
@@ -137,40 +134,39 @@ class ControlLoop:
     # observe ----------------------------------------------------------------------------------
 
     async def _observe(self, now: float, report: TickReport) -> None:
-        targets = list(await self.targets.targets())
-        with self.telemetry.span("scrape", targets=len(targets)):
-            results = await self.scraper.scrape(targets, now)
-        out = self.deriver.derive(results, now)
-        report.targets = len(results)
-        report.targets_up = sum(1 for r in results if r.ok)
-        for r in results:
+        with self.telemetry.span("observe"):
+            obs = await self.source.observe(now)
+        report.targets = len(obs.results)
+        report.targets_up = sum(1 for r in obs.results if r.ok)
+        report.errors.update(obs.errors)
+        for r in obs.results:
             if not r.ok and not r.skipped:
                 self.telemetry.scrape_errors.labels(r.target.key).inc()
-                report.errors[r.target.key] = r.error or "scrape failed"
-        for key, errs in out.parse_errors.items():
+        for key, errs in obs.parse_errors.items():
             self.telemetry.parse_errors.labels(key).inc(len(errs))
-            report.errors[key] = f"{len(errs)} malformed line(s), first: {errs[0]}"
         self.telemetry.targets.labels("up").set(report.targets_up)
         self.telemetry.targets.labels("down").set(report.targets - report.targets_up)
-        with self.telemetry.span("store.signals", signals=len(out.signals)):
-            report.signals = self.store.write_signals(out.signals)
+        with self.telemetry.span("store.signals", signals=len(obs.signals)):
+            report.signals = self.store.write_signals(obs.signals)
         self.telemetry.signals_written.inc(report.signals)
-        self._record_targets(results, out.missing_families, now)
-        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in out.signals)
+        self._record_targets(obs, now)
+        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in obs.signals)
         self.windows.trim(now)
 
-    def _record_targets(self, results: Sequence, missing: dict[str, list[str]], now: float) -> None:
+    def _record_targets(self, obs: Observation, now: float) -> None:
         changed = []
-        for r in results:
-            health = self.scraper.health.get(r.target.key, TargetHealth())
-            health.missing_families = missing.get(r.target.key, [])
+        for key, families in obs.missing.items():
+            if self._missing.get(key) != families:
+                self._missing[key] = families
+                log.warning("%s: expected but absent: %s", key, ", ".join(families))
+        for r in obs.results:
+            health = obs.health.get(r.target.key, TargetHealth())
+            health.missing_families = obs.missing.get(r.target.key, [])
             state = (r.ok, health.last_error if not r.ok else ",".join(health.missing_families) or None)
             if self._target_state.get(r.target.key) != state:
                 # Only changes are written: thousands of unchanged targets cost nothing per tick.
                 self._target_state[r.target.key] = state
                 changed.append((r.target, health, r.ok, now))
-                if health.missing_families:
-                    log.warning("%s exposes none of %s", r.target.key, ", ".join(health.missing_families))
         if changed:
             self.store.record_targets(changed)
 

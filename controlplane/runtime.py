@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from collectors.prometheus_api import Labels, PrometheusSource
 from collectors.scraper import Scraper
 from collectors.types import Target
 from controlplane.actuators.base import Actuator, StaticTargets, TargetSource
@@ -18,6 +19,7 @@ from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
 from controlplane.errors import ConfigError
 from controlplane.loop import ControlLoop
+from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTargets, ScrapeSource
 from controlplane.server import start_server
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
@@ -35,6 +37,14 @@ def scrape_client(config: FleetConfig) -> httpx.AsyncClient:
     n = config.scrape.concurrency
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     return httpx.AsyncClient(timeout=config.scrape.timeout, limits=limits)
+
+
+def prometheus_source(config: FleetConfig) -> PrometheusSource:
+    """The Prometheus API client described by the fleet file's `prometheus` section."""
+    p = config.prometheus
+    assert p is not None
+    return PrometheusSource(p.url, timeout=p.timeout, selector=p.selector, mode=p.mode,
+                            labels=Labels(pool=p.pool_label, pod=p.pod_label))
 
 
 def build_policies(config: FleetConfig) -> list[Policy]:
@@ -75,18 +85,27 @@ def build_loop(
     telemetry: Telemetry | None = None,
     policies: Sequence[Policy] | None = None,
 ) -> ControlLoop:
-    """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock)."""
-    targets = targets or StaticTargets(static_targets(config))
+    """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock).
+
+    With `prometheus` in the fleet file the loop reads Prometheus' HTTP API instead of scraping.
+    """
     clock = clock or WallClock()
-    scraper = Scraper(
-        client, concurrency=config.scrape.concurrency, timeout_s=config.scrape.timeout,
-        backoff_base_s=config.scrape.interval, backoff_max_s=config.scrape.backoff_max,
-        spread_s=config.scrape.spread, sleep=clock.sleep,
-    )
+    source: MetricSource
+    if config.prometheus is not None and targets is None:
+        api = prometheus_source(config)
+        source = PrometheusApiSource(api, config.prometheus.window)
+        targets = PrometheusTargets(api, clock.now, {p.name: p.role for p in config.pools})
+    else:
+        targets = targets or StaticTargets(static_targets(config))
+        scraper = Scraper(
+            client, concurrency=config.scrape.concurrency, timeout_s=config.scrape.timeout,
+            backoff_base_s=config.scrape.interval, backoff_max_s=config.scrape.backoff_max,
+            spread_s=config.scrape.spread, sleep=clock.sleep,
+        )
+        source = ScrapeSource(targets, scraper)
     return ControlLoop(
         config=config,
-        targets=targets,
-        scraper=scraper,
+        source=source,
         store=store,
         policies=list(policies) if policies is not None else build_policies(config),
         actuator=actuator or DryRunActuator(targets, [p.name for p in config.pools]),

@@ -1,26 +1,72 @@
 """Read-only queries for the dashboard and the CLI; nothing here writes.
 
 Series come from raw signals for short ranges and from rollups for long ones, so a page's
-query cost stays bounded however long the store has been running.
+query cost stays bounded however long the store has been running. Bucketed reads choose the
+finest resolution whose scan fits a row budget and stitch the coarse level to the finer ones
+past its rollup watermark, so the newest minutes are never missing from a long range.
+
+The dashboard's pages each load their data through one function of `PAGES`; the dashboard
+benchmark times the same functions.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, Select, and_, func, literal, or_, select, text, union_all
+from sqlalchemy.engine import Connection
 
 from controlplane.errors import StoreUnavailable
 from controlplane.store import migrate
+from controlplane.store.compaction import bucket_start
 from controlplane.store.db import make_engine, redact
-from controlplane.store.models import ActionEventRow, ActionRow, FindingRow, SignalRollupRow, SignalRow, TargetRow
+from controlplane.store.models import (
+    ActionEventRow,
+    ActionRow,
+    FindingRow,
+    MetaRow,
+    SignalRollupRow,
+    SignalRow,
+    TargetRow,
+    VerdictRow,
+)
 
-__all__ = ["ReadStore", "SeriesPoint"]
+__all__ = [
+    "PAGES",
+    "Plan",
+    "Point",
+    "ReadStore",
+    "SeriesPoint",
+    "Spread",
+    "actions_page",
+    "canary_page",
+    "ep_page",
+    "fleet_page",
+    "gpu_page",
+    "incidents_page",
+    "kv_page",
+    "plan",
+    "pool_page",
+]
 
 # Up to this range raw points are read; beyond it 1-minute rollups, beyond a day hourly ones.
 RAW_MAX_S = 6 * 3600.0
 MINUTE_MAX_S = 7 * 86400.0
+# Bucketed reads: the scrape interval assumed when estimating raw rows, the most rows one read
+# may scan (which keeps each page's queries within its time goal), and the points per series.
+RAW_INTERVAL_S = 15.0
+ROW_BUDGET = 80_000
+MAX_POINTS = 240
+STEPS = (15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+# How far back "the latest value" may lie before a series counts as silent.
+LATEST_LOOKBACK_S = 300.0
+# Upper bounds on lists a page reads, so a churning fleet cannot make a page unbounded.
+MAX_SUBJECTS = 2000
+MAX_NAMES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +76,93 @@ class SeriesPoint:
     ts: float
     subject: str
     value: float
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One bucket of one series: mean, min and max of the values that fell in it."""
+
+    ts: float
+    name: str
+    subject: str
+    mean: float
+    min: float
+    max: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """One bucket across many subjects: the mean, min, max and sum of their bucket means."""
+
+    ts: float
+    name: str
+    mean: float
+    min: float
+    max: float
+    total: float
+    subjects: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a bucketed read runs: the stored level (0 raw, 60 or 3600) and the bucket width."""
+
+    resolution: int
+    step: float
+
+
+def plan(start: float, end: float, series: int = 1, budget: int = ROW_BUDGET) -> Plan:
+    """The finest level whose scan of `series` series over [start, end] fits `budget` rows."""
+    span = max(end - start, 1.0)
+    resolution, width = 3600, 3600.0
+    for level, level_width, max_span in ((0, RAW_INTERVAL_S, RAW_MAX_S), (60, 60.0, MINUTE_MAX_S)):
+        if span <= max_span and max(1, series) * span / level_width <= budget:
+            resolution, width = level, level_width
+            break
+    want = max(width, span / MAX_POINTS)
+    step = next((s for s in STEPS if s >= want), math.ceil(want / 86400) * 86400)
+    return Plan(resolution, float(step))
+
+
+def _levels(p: Plan, start: float, end: float, wm60: float, wm3600: float) -> list[tuple[int, float, float]]:
+    """[lo, hi) time ranges per stored level: the planned level up to its watermark, finer ones after."""
+    stop = math.nextafter(end, math.inf)
+    if p.resolution == 0:
+        cuts = [(0, start, stop)]
+    elif p.resolution == 60:
+        cuts = [(60, start, wm60), (0, max(start, wm60), stop)]
+    else:
+        cuts = [(3600, start, wm3600), (60, max(start, wm3600), wm60), (0, max(start, wm60, wm3600), stop)]
+    return [(level, lo, min(hi, stop)) for level, lo, hi in cuts if min(hi, stop) > lo]
+
+
+def _part(level: int, names: list[str], subjects: list[str], lo: float, hi: float, step: float | None) -> Select:
+    """Per (name, subject, bucket) count/sum/min/max from one stored level; no bucket when `step` is None."""
+    if level == 0:
+        t = SignalRow
+        b = bucket_start(t.ts, literal(step)) if step else literal(0.0)
+        q = (select(t.name, t.subject, b.label("b"), func.count().label("n"), func.sum(t.value).label("s"),
+                    func.min(t.value).label("lo"), func.max(t.value).label("hi"))
+             .where(t.name.in_(names), t.subject.in_(subjects), t.ts >= lo, t.ts < hi))
+        return q.group_by(t.name, t.subject, b) if step else q.group_by(t.name, t.subject)
+    r = SignalRollupRow
+    b = bucket_start(r.bucket, literal(step)) if step else literal(0.0)
+    q = (select(r.name, r.subject, b.label("b"), func.sum(r.count).label("n"), func.sum(r.sum).label("s"),
+                func.min(r.min).label("lo"), func.max(r.max).label("hi"))
+         .where(r.resolution == level, r.name.in_(names), r.subject.in_(subjects), r.bucket >= lo, r.bucket < hi))
+    return q.group_by(r.name, r.subject, b) if step else q.group_by(r.name, r.subject)
+
+
+_WALK = """
+WITH RECURSIVE walk(item, n) AS (
+  SELECT (SELECT min({col}) FROM {table} WHERE {cond} {col} >= :lo), 0
+  UNION ALL
+  SELECT (SELECT min({col}) FROM {table} WHERE {cond} {col} > walk.item), walk.n + 1
+  FROM walk WHERE walk.item IS NOT NULL AND walk.n < :limit AND substr(walk.item, 1, :plen) = :lo
+)
+SELECT item FROM walk WHERE item IS NOT NULL AND substr(item, 1, :plen) = :lo
+"""
 
 
 class ReadStore:
@@ -74,11 +207,153 @@ class ReadStore:
                  .order_by(r.bucket))
             return [SeriesPoint(row.bucket, row.subject, row.mean) for row in conn.execute(q)]
 
+    # bucketed signal reads ---------------------------------------------------------------------
+
+    def _watermarks(self, conn: Connection) -> tuple[float, float]:
+        rows = dict(conn.execute(select(MetaRow.key, MetaRow.value)
+                                 .where(MetaRow.key.in_(["rollup_60", "rollup_3600"]))).tuples().all())
+        return float(rows.get("rollup_60", 0.0)), float(rows.get("rollup_3600", 0.0))
+
+    def _grouped(self, conn: Connection, names: list[str], subjects: list[str], start: float, end: float,
+                 p: Plan, step: float | None) -> Select | None:
+        wm60, wm3600 = self._watermarks(conn)
+        parts = [_part(level, names, subjects, lo, hi, step) for level, lo, hi in _levels(p, start, end, wm60, wm3600)]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        u = union_all(*parts).subquery()
+        return (select(u.c.name, u.c.subject, u.c.b, func.sum(u.c.n).label("n"), func.sum(u.c.s).label("s"),
+                       func.min(u.c.lo).label("lo"), func.max(u.c.hi).label("hi"))
+                .group_by(u.c.name, u.c.subject, u.c.b))
+
+    def buckets(self, names: Iterable[str], subjects: Iterable[str], start: float, end: float, *,
+                plan_: Plan | None = None, positive: bool = False) -> list[Point]:
+        """Every (name, subject) series in [start, end] as buckets with mean, min and max, oldest first.
+
+        `positive` keeps only buckets whose max is above zero (event counters: XIDs, ECC errors).
+        """
+        names, subjects = sorted(set(names)), sorted(set(subjects))
+        if not names or not subjects or end < start:
+            return []
+        p = plan_ or plan(start, end, len(names) * len(subjects))
+        with self.engine.connect() as conn:
+            q = self._grouped(conn, names, subjects, start, end, p, p.step)
+            if q is None:
+                return []
+            sq = q.subquery()
+            outer = select(sq.c.name, sq.c.subject, sq.c.b, sq.c.n, sq.c.s, sq.c.lo, sq.c.hi)
+            if positive:
+                outer = outer.where(sq.c.hi > 0)
+            rows = conn.execute(outer.order_by(sq.c.b)).tuples().all()
+        return [Point(float(b), name, subject, s / n, lo, hi, int(n)) for name, subject, b, n, s, lo, hi in rows if n]
+
+    def spread(self, names: Iterable[str], subjects: Iterable[str], start: float, end: float, *,
+               plan_: Plan | None = None) -> list[Spread]:
+        """Per bucket, how the subjects' means spread: mean, min, max and sum across subjects."""
+        names, subjects = sorted(set(names)), sorted(set(subjects))
+        if not names or not subjects or end < start:
+            return []
+        p = plan_ or plan(start, end, len(names) * len(subjects))
+        with self.engine.connect() as conn:
+            q = self._grouped(conn, names, subjects, start, end, p, p.step)
+            if q is None:
+                return []
+            inner = q.subquery()
+            mean = (inner.c.s / inner.c.n).label("mean")
+            per = select(inner.c.name, inner.c.b, mean).where(inner.c.n > 0).subquery()
+            outer = (select(per.c.name, per.c.b, func.avg(per.c.mean), func.min(per.c.mean), func.max(per.c.mean),
+                            func.sum(per.c.mean), func.count())
+                     .group_by(per.c.name, per.c.b).order_by(per.c.b))
+            rows = conn.execute(outer).tuples().all()
+        return [Spread(float(b), name, avg, lo, hi, total, int(n)) for name, b, avg, lo, hi, total, n in rows]
+
+    def totals(self, names: Iterable[str], subjects: Iterable[str], start: float, end: float) -> dict[tuple[str, str], Point]:
+        """One aggregate per (name, subject) over the whole of [start, end]: mean, min, max and count."""
+        names, subjects = sorted(set(names)), sorted(set(subjects))
+        if not names or not subjects or end < start:
+            return {}
+        # A whole-window aggregate needs no fine buckets: a quarter of the budget picks a coarser level.
+        p = plan(start, end, len(names) * len(subjects), budget=ROW_BUDGET // 4)
+        with self.engine.connect() as conn:
+            q = self._grouped(conn, names, subjects, start, end, p, None)
+            if q is None:
+                return {}
+            rows = conn.execute(q).tuples().all()
+        return {(name, subject): Point(start, name, subject, s / n, lo, hi, int(n))
+                for name, subject, _b, n, s, lo, hi in rows if n}
+
+    def latest(self, names: Iterable[str], subjects: Iterable[str], at: float,
+               lookback: float = LATEST_LOOKBACK_S) -> dict[tuple[str, str], tuple[float, float]]:
+        """The newest raw (ts, value) per (name, subject) within `lookback` seconds before `at`."""
+        names, subjects = sorted(set(names)), sorted(set(subjects))
+        if not names or not subjects:
+            return {}
+        s = SignalRow
+        newest = (select(s.name, s.subject, func.max(s.ts).label("ts"))
+                  .where(s.name.in_(names), s.subject.in_(subjects), s.ts >= at - lookback, s.ts <= at)
+                  .group_by(s.name, s.subject).subquery())
+        q = select(s.name, s.subject, s.ts, s.value).join(
+            newest, and_(s.name == newest.c.name, s.subject == newest.c.subject, s.ts == newest.c.ts))
+        with self.engine.connect() as conn:
+            return {(name, subject): (ts, value) for name, subject, ts, value in conn.execute(q).tuples()}
+
+    def subjects(self, name: str, prefix: str = "", *, resolution: int = 0, limit: int = MAX_SUBJECTS) -> list[str]:
+        """Subjects under `prefix` that have signal `name` at a stored level (0 raw, 60, 3600), sorted.
+
+        Walks the primary key one subject at a time, so the cost grows with the number of
+        subjects, not with the number of stored points.
+        """
+        if resolution:
+            table, cond, params = "signal_rollups", "resolution = :res AND name = :name AND", {"res": resolution}
+        else:
+            table, cond, params = "signals", "name = :name AND", {}
+        sql = text(_WALK.format(col="subject", table=table, cond=cond))
+        with self.engine.connect() as conn:
+            return list(conn.execute(sql, {"name": name, "lo": prefix, "plen": len(prefix), "limit": limit, **params})
+                        .scalars())
+
+    def names(self, prefix: str, *, limit: int = MAX_NAMES) -> list[str]:
+        """Signal names starting with `prefix` among the raw signals, sorted."""
+        sql = text(_WALK.format(col="name", table="signals", cond=""))
+        with self.engine.connect() as conn:
+            return list(conn.execute(sql, {"lo": prefix, "plen": len(prefix), "limit": limit}).scalars())
+
+    def subjects_for(self, name: str, prefix: str, start: float, end: float, *, limit: int = MAX_SUBJECTS) -> list[str]:
+        """Subjects under `prefix` with signal `name`, read at the level a range this long is read at."""
+        current = self.subjects(name, prefix, limit=limit)
+        level = plan(start, end, max(1, len(current))).resolution
+        if level == 0:
+            return current
+        return sorted(set(current) | set(self.subjects(name, prefix, resolution=level, limit=limit)))[:limit]
+
+    # fleet structure ---------------------------------------------------------------------------
+
     def targets(self) -> list[dict[str, Any]]:
         """Every known target with its health."""
         with self.engine.connect() as conn:
             rows = conn.execute(select(TargetRow).order_by(TargetRow.pool, TargetRow.pod)).mappings().all()
         return [dict(r) for r in rows]
+
+    def target_counts(self) -> list[dict[str, Any]]:
+        """Targets per pool, role, source and health: pool, role, source, up, count."""
+        t = TargetRow
+        q = (select(t.pool, t.role, t.source, t.up, func.count().label("count"))
+             .group_by(t.pool, t.role, t.source, t.up).order_by(t.pool))
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def pools(self) -> dict[str, str]:
+        """Pool name to role, from the targets table and the pool-level signals."""
+        out: dict[str, str] = {}
+        for row in self.target_counts():
+            out.setdefault(row["pool"], row["role"])
+        for name in ("targets", "engines_reporting"):
+            for subject in self.subjects(name, "pool/", limit=500):
+                out.setdefault(subject.removeprefix("pool/"), "")
+        return dict(sorted(out.items()))
+
+    # findings, actions, verdicts ---------------------------------------------------------------
 
     def findings(self, include_resolved: bool = False, limit: int = 500) -> list[dict[str, Any]]:
         """Findings, newest first."""
@@ -88,9 +363,49 @@ class ReadStore:
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
 
+    def findings_between(self, start: float, end: float, limit: int = 500) -> list[dict[str, Any]]:
+        """Findings open at some time in [start, end], newest opened first."""
+        f = FindingRow
+        q = (select(f).where(f.opened_at <= end, or_(f.resolved_at.is_(None), f.resolved_at >= start))
+             .order_by(f.opened_at.desc()).limit(limit))
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def finding(self, finding_id: int) -> dict[str, Any] | None:
+        """One finding by id."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(FindingRow).where(FindingRow.id == finding_id)).mappings().first()
+        return None if row is None else dict(row)
+
+    def open_counts(self) -> dict[str, int]:
+        """Open findings per severity."""
+        q = select(FindingRow.severity, func.count()).where(FindingRow.state == "open").group_by(FindingRow.severity)
+        with self.engine.connect() as conn:
+            return {sev: int(n) for sev, n in conn.execute(q).tuples()}
+
     def actions(self, limit: int = 500) -> list[dict[str, Any]]:
         """The audit log's actions, newest first."""
         q = select(ActionRow).order_by(ActionRow.id.desc()).limit(limit)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def action(self, action_id: int) -> dict[str, Any] | None:
+        """One action by id."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(ActionRow).where(ActionRow.id == action_id)).mappings().first()
+        return None if row is None else dict(row)
+
+    def actions_where(self, *, finding_id: int | None = None, pool: str | None = None, states: Sequence[str] | None = None,
+                      limit: int = 100) -> list[dict[str, Any]]:
+        """Actions of one finding, pool and/or states, newest first."""
+        a = ActionRow
+        q = select(a).order_by(a.id.desc()).limit(limit)
+        if finding_id is not None:
+            q = q.where(a.finding_id == finding_id)
+        if pool is not None:
+            q = q.where(a.pool == pool)
+        if states is not None:
+            q = q.where(a.state.in_(list(states)))
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
 
@@ -99,3 +414,202 @@ class ReadStore:
         q = select(ActionEventRow).where(ActionEventRow.action_id == action_id).order_by(ActionEventRow.id)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def verdicts(self, limit: int = 200) -> list[dict[str, Any]]:
+        """Canary gate verdicts, newest first."""
+        q = select(VerdictRow).order_by(VerdictRow.id.desc()).limit(limit)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings().all()]
+
+
+# The dashboard's pages: each loads everything it shows through one of these --------------------
+
+FLEET_NOW = ("targets", "targets_up", "engines_reporting", "request_rate", "request_error_rate", "ttft_p95", "tpot_p95",
+             "kv_cache_usage_max", "requests_waiting", "prefix_cache_hit_rate", "preemption_rate")
+FLEET_SERIES = ("request_rate", "ttft_p95", "tpot_p95")
+POOL_SERIES = ("request_rate", "request_error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95", "tpot_p99",
+               "queue_time_p95", "requests_running", "requests_waiting", "kv_cache_usage", "kv_cache_usage_max",
+               "preemption_rate", "prefix_cache_hit_rate", "external_prefix_cache_hit_rate", "spec_acceptance_rate",
+               "spec_mean_acceptance_length", "spec_yield", "engines_reporting", "targets", "targets_up")
+SPEC_POSITION = "spec_acceptance_pos_"
+EP_LOAD = ("requests_running", "generation_tokens_rate", "prompt_tokens_rate", "requests_waiting", "kv_cache_usage")
+EP_STEP = ("itl_mean", "itl_p50", "tpot_mean", "itl_p95")
+EPLB_PREFIX = "eplb_"
+GPU_NOW = ("gpu_utilization", "gpu_memory_used_bytes", "gpu_memory_free_bytes", "gpu_tensor_active",
+           "gpu_temperature_celsius", "gpu_power_watts")
+GPU_DETAIL = ("gpu_utilization", "gpu_memory_used_bytes", "gpu_tensor_active", "gpu_temperature_celsius")
+GPU_EVENTS = ("gpu_xid_errors", "gpu_xid_last", "gpu_ecc_dbe_rate", "gpu_ecc_sbe_rate")
+TOP_PATHS = 8
+
+
+def _pool_of(subject: str) -> str | None:
+    """The pool a subject belongs to: `pool/<pool>`, `engine/<pool>/...`, `pod/<pool>/...`, `target/<pool>/...`."""
+    kind, _, rest = subject.partition("/")
+    if kind in ("pool", "engine", "pod", "target") and rest:
+        return rest.split("/", 1)[0]
+    return None
+
+
+def fleet_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
+    """Pools with their latest values, pool series, targets up/down, open incidents and recent actions."""
+    pools = store.pools()
+    subjects = [f"pool/{p}" for p in pools]
+    now: dict[str, dict[str, float]] = defaultdict(dict)
+    for (name, subject), (_ts, value) in store.latest(FLEET_NOW, subjects, at=end).items():
+        now[subject.removeprefix("pool/")][name] = value
+    return {
+        "pools": pools,
+        "now": dict(now),
+        "series": store.buckets(FLEET_SERIES, subjects, start, end),
+        "targets": store.target_counts(),
+        "open_counts": store.open_counts(),
+        "open_findings": store.findings(limit=20),
+        "actions": store.actions(limit=10),
+    }
+
+
+def pool_page(store: ReadStore, start: float, end: float, pool: str | None = None) -> dict[str, Any]:
+    """One pool: its series with bands, per-engine hit-rate spread, speculative decoding, replicas and the P:D ratio."""
+    pools = store.pools()
+    if pool not in pools:
+        pool = next(iter(pools), None)
+    if pool is None:
+        return {"pools": pools, "pool": None}
+    subject = f"pool/{pool}"
+    positions = store.names(SPEC_POSITION)
+    engines = store.subjects_for("prefix_cache_hit_rate", f"engine/{pool}/", start, end)
+    return {
+        "pools": pools,
+        "pool": pool,
+        "series": store.buckets(POOL_SERIES, [subject], start, end),
+        "positions": store.buckets(positions, [subject], start, end),
+        "engine_spread": store.spread(["prefix_cache_hit_rate"], engines, start, end),
+        "engine_now": {s: v for (_n, s), (_t, v) in store.latest(["prefix_cache_hit_rate"], engines, at=end).items()},
+        "engines": len(engines),
+        "scale_actions": [a for a in store.actions_where(pool=pool) if a["kind"] == "scale_pool"],
+        "reporting": store.buckets(["engines_reporting"], [f"pool/{p}" for p in pools], start, end),
+    }
+
+
+def _ep_groups(store: ReadStore, start: float, end: float) -> dict[str, list[str]]:
+    """Engine subjects per pool, for pools whose engines carry data-parallel ranks above 0."""
+    by_pool: dict[str, list[str]] = defaultdict(list)
+    for subject in store.subjects_for("requests_running", "engine/", start, end):
+        parts = subject.split("/")
+        if len(parts) == 4:
+            by_pool[parts[1]].append(subject)
+    return {p: subs for p, subs in sorted(by_pool.items()) if any(s.rsplit("/", 1)[1] != "0" for s in subs)}
+
+
+def ep_page(store: ReadStore, start: float, end: float, pool: str | None = None, load: str = EP_LOAD[0],
+            step: str = EP_STEP[0]) -> dict[str, Any]:
+    """Expert parallelism: per-rank load and step time for one EP pool, EPLB signals and actions."""
+    groups = _ep_groups(store, start, end)
+    eplb_names = store.names(EPLB_PREFIX)
+    if pool not in groups:
+        pool = next(iter(groups), None)
+    out: dict[str, Any] = {"pools": list(groups), "pool": pool, "eplb_names": eplb_names, "load": load, "step": step}
+    if pool is None:
+        return out
+    engines = groups[pool]
+    out["engines"] = engines
+    out["load_series"] = store.buckets([load], engines, start, end)
+    out["step_series"] = store.buckets([step], engines, start, end)
+    out["eplb_series"] = store.buckets(eplb_names, [f"pool/{pool}", *engines], start, end) if eplb_names else []
+    out["eplb_actions"] = [a for a in store.actions_where(pool=pool) if "eplb" in a["kind"]]
+    return out
+
+
+def kv_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
+    """KV transfer per source (probe paths, vLLM's NIXL connector, NIXL agents): distribution, tail, failures."""
+    from policies.kv_transfer import PATHS  # the same subjects and signals the detector reads
+
+    sources = []
+    for path in PATHS:
+        subjects = store.subjects_for(path.p99, path.prefix, start, end)
+        if not subjects:
+            continue
+        p50 = path.p99.replace("p99", "p50")
+        names = [path.p99, path.failures] + ([path.rate] if path.rate else [])
+        totals = store.totals(names, subjects, start, end)
+        ranked = sorted(subjects, key=lambda s: -(totals[(path.p99, s)].mean if (path.p99, s) in totals else 0.0))
+        sources.append({
+            "prefix": path.prefix, "p50": p50, "p99": path.p99, "failures": path.failures, "rate": path.rate,
+            "subjects": len(subjects),
+            "distribution": store.spread([p50, path.p99], subjects, start, end),
+            "failure_series": store.spread([path.failures], subjects, start, end),
+            "totals": list(totals.values()),
+            "tail": store.buckets([path.p99], ranked[:TOP_PATHS], start, end),
+        })
+    return {"sources": sources}
+
+
+def gpu_page(store: ReadStore, start: float, end: float, host: str | None = None) -> dict[str, Any]:
+    """GPUs by node: latest values, utilization over time per GPU, XID/ECC events, one node's detail."""
+    gpus = store.subjects_for("gpu_utilization", "gpu/", start, end)
+    hosts = sorted({g.split("/")[1] for g in gpus})
+    if host not in hosts:
+        host = next(iter(hosts), None)
+    detail = [g for g in gpus if g.split("/")[1] == host]
+    now: dict[str, dict[str, float]] = defaultdict(dict)
+    for (name, subject), (_ts, value) in store.latest(GPU_NOW, gpus, at=end).items():
+        now[subject][name] = value
+    return {
+        "gpus": gpus,
+        "hosts": hosts,
+        "host": host,
+        "now": dict(now),
+        "utilization": store.buckets(["gpu_utilization"], gpus, start, end),
+        "events": store.buckets(GPU_EVENTS, gpus, start, end, positive=True),
+        "detail": store.buckets(GPU_DETAIL, detail, start, end),
+    }
+
+
+def incidents_page(store: ReadStore, start: float, end: float, finding_id: int | None = None) -> dict[str, Any]:
+    """Findings in the range for the timeline; one finding with its evidence series and the actions it caused."""
+    findings = store.findings_between(start, end)
+    selected = store.finding(finding_id) if finding_id is not None else None
+    if selected is None and findings:
+        selected = findings[0]
+    out: dict[str, Any] = {"findings": findings, "open_counts": store.open_counts(), "selected": selected,
+                           "evidence": [], "actions": []}
+    if selected is None:
+        return out
+    signal = (selected["evidence"] or {}).get("signal")
+    # The baseline window before the incident and a little after it resolved.
+    lo = selected["opened_at"] - 2400.0
+    hi = min(max(selected["resolved_at"] or end, selected["updated_at"]) + 900.0, max(end, selected["updated_at"]))
+    out["window"] = (lo, hi)
+    if isinstance(signal, str):
+        out["evidence"] = store.buckets([signal], [selected["subject"]], lo, hi)
+    out["actions"] = store.actions_where(finding_id=selected["id"])
+    return out
+
+
+def actions_page(store: ReadStore, start: float, end: float, action_id: int | None = None) -> dict[str, Any]:
+    """The audit log (newest 200), proposals awaiting approval, and one action's events."""
+    actions = store.actions(limit=200)
+    proposed = store.actions_where(states=["proposed"])
+    selected = store.action(action_id) if action_id is not None else None
+    if selected is None and actions:
+        selected = proposed[0] if proposed else actions[0]
+    return {"actions": actions, "proposed": proposed, "selected": selected,
+            "events": store.action_events(selected["id"]) if selected else []}
+
+
+def canary_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
+    """Canary gate verdicts, newest first."""
+    return {"verdicts": store.verdicts()}
+
+
+PAGES: dict[str, Callable[..., dict[str, Any]]] = {
+    "fleet": fleet_page,
+    "pool": pool_page,
+    "ep": ep_page,
+    "kv": kv_page,
+    "gpus": gpu_page,
+    "incidents": incidents_page,
+    "actions": actions_page,
+    "canary": canary_page,
+}
+"""Page key to the function that loads that page's data: (store, start, end, **selection) -> data."""

@@ -101,7 +101,7 @@ async def test_act_mode_detects_acts_and_judges_the_outcome(sim: tuple, sqlite_s
     [action] = h.store.actions()
     assert (action.state, action.outcome) == ("succeeded", "recovered")
     names = {span.name for span in spans.get_finished_spans()}
-    assert {"tick", "scrape", "store.signals", "policy.prefix_cache_hit_drop", "action"} <= names
+    assert {"tick", "observe", "store.signals", "policy.prefix_cache_hit_drop", "action"} <= names
 
 
 async def test_observe_mode_never_acts(sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
@@ -214,3 +214,38 @@ async def test_run_survives_a_failing_tick_and_stops_on_request(sim: tuple, sqli
     await asyncio.wait_for(runner, timeout=5)
     assert store.count_signals() > 0
     store.close()
+
+
+async def test_prometheus_api_mode_feeds_the_same_loop(sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+    """With `prometheus` in the fleet file the loop reads the API; its failures are failed ticks."""
+    from collectors.prometheus_api import PrometheusSource, PrometheusUnavailable
+    from controlplane.observe import MetricSourceUnavailable, PrometheusApiSource
+    from tests.collectors.test_prometheus_api import FakeClient, _answer
+
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
+    api = PrometheusSource("http://prometheus:9090", client=FakeClient(_answer))
+    loop = build_loop(cfg, sqlite_store, client, clock=VirtualClock())
+    loop.source = PrometheusApiSource(api, window_s=60.0)
+    report = await loop.tick()
+    assert report.signals > 0 and report.targets == 0
+    assert loop.windows.latest("pool/prefill", "request_rate") is not None
+
+    def refuse(query: str) -> None:
+        raise PrometheusUnavailable("connection refused", query=query)
+
+    loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(refuse)), 60.0)
+    with pytest.raises(MetricSourceUnavailable, match="prometheus:9090"):
+        await loop.tick()
+
+
+async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: SqlStore,
+                                                                 client: httpx.AsyncClient) -> None:
+    from controlplane.config import parse_config
+    from controlplane.observe import PrometheusApiSource
+
+    cfg = parse_config(
+        "prometheus: {url: 'http://prometheus:9090', window: 1m, selector: {job: vllm}}\n"
+        "pools: [{name: prefill, role: prefill, model: m, replicas: {min: 1, max: 2}}]\n"
+    )
+    loop = build_loop(cfg, sqlite_store, client, clock=VirtualClock())
+    assert isinstance(loop.source, PrometheusApiSource) and loop.source.window_s == 60.0

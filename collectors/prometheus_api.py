@@ -1,0 +1,505 @@
+"""Signals and targets read from a Prometheus that already scrapes the fleet, over its HTTP API.
+
+For fleets too large for one process to scrape: Prometheus (or several, behind a query frontend)
+does the scraping, and each tick issues PromQL instant queries for the signals our vLLM
+collector derives (`collectors/vllm.py`), per engine and per pool, with the same names and
+subjects (`engine/<pool>/<pod>/<engine>`, `pool/<pool>`). Prometheus does the arithmetic, so a
+tick moves one number per engine and signal instead of every engine's exposition.
+
+This module owns the PromQL (query building and the escaping of every configured label value),
+the mapping of series labels to subjects, and the translation of API failures into
+`PrometheusUnavailable` and `QueryFailed`. A signal whose metric families exist nowhere under the
+selector is reported in `ApiOutput.missing`, never dropped silently.
+
+Counter windows, two modes:
+
+* `rate` (default): `rate()` and `increase()` over `[window]`, as dashboards compute them.
+  Prometheus extrapolates them to the window edges, so they differ from our scraper's rates by up
+  to one scrape interval's worth of increase at each edge.
+* `delta`: the two-point difference `x - x offset window`, a decrease counted as a restart from
+  zero (`x` itself), exactly as our scraper diffs two scrapes. Evaluated at a scrape-aligned time
+  it agrees with our collectors to float rounding (`tests/real/test_prometheus_api_source.py`).
+
+In both modes a reset is detected per series, so per histogram bucket; our collector treats a
+whole histogram as restarted when any bucket or its count fell. They differ only for a bucket
+that did not fall across a restart (one that was empty, or nearly so, before it).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, Protocol
+
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+from collectors.types import Role, Signal, Target, engine_subject, pool_subject
+
+__all__ = [
+    "SIGNALS",
+    "ApiOutput",
+    "CounterMode",
+    "Labels",
+    "Missing",
+    "PrometheusClient",
+    "PrometheusError",
+    "PrometheusSource",
+    "PrometheusUnavailable",
+    "QueryFailed",
+    "SignalSpec",
+    "build_query",
+    "escape_label_value",
+    "escape_regex",
+    "selector",
+    "shorten",
+]
+
+log = logging.getLogger(__name__)
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+_REGEX_META = frozenset("\\.+*?()|[]{}^$")
+_STATUS = re.compile(r"HTTP Status Code (\d{3})")
+_BODY = re.compile(r"\((b'.*'|b\".*\")\)\Z", re.DOTALL)
+QUERY_SHOWN = 200
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+class PrometheusError(Exception):
+    """A Prometheus API call failed; `query` is the PromQL, shortened, `status` the HTTP status."""
+
+    def __init__(self, message: str, *, query: str = "", status: int | None = None) -> None:
+        self.query = shorten(query)
+        self.status = status
+        super().__init__(f"{message}; query: {self.query}" if query else message)
+
+
+class PrometheusUnavailable(PrometheusError):
+    """Prometheus could not answer: connection refused, timeout, HTTP 429 or 5xx."""
+
+
+class QueryFailed(PrometheusError):
+    """Prometheus answered but not with a result: HTTP 4xx (bad query), an error status, a malformed body."""
+
+
+def shorten(query: str, limit: int = QUERY_SHOWN) -> str:
+    """The query on one line, cut to `limit` characters with its full length noted."""
+    flat = " ".join(query.split())
+    return flat if len(flat) <= limit else f"{flat[: limit - 1]}… ({len(flat)} chars)"
+
+
+# --- PromQL building ------------------------------------------------------------------------------
+
+
+def escape_label_value(value: str) -> str:
+    """`value` as the inside of a double-quoted PromQL string: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_regex(value: str) -> str:
+    """`value` as an RE2 regular expression that matches exactly it (before string escaping)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in value)
+
+
+def _label_name(name: str) -> str:
+    if not _LABEL_NAME.match(name):
+        raise ValueError(f"not a Prometheus label name: {name!r}")
+    return name
+
+
+def selector(matchers: Sequence[tuple[str, str, str]]) -> str:
+    """`{name op "value", ...}` from (label, operator, raw value) triples; values are escaped here."""
+    parts = []
+    for name, op, value in matchers:
+        if op not in ("=", "!=", "=~", "!~"):
+            raise ValueError(f"not a label matcher operator: {op!r}")
+        parts.append(f'{_label_name(name)}{op}"{escape_label_value(value)}"')
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+class CounterMode(StrEnum):
+    """How counter windows are computed: Prometheus' extrapolating `rate()` or a two-point delta."""
+
+    RATE = "rate"
+    DELTA = "delta"
+
+
+@dataclass(frozen=True, slots=True)
+class Labels:
+    """Which series labels name the pool, the pod, the engine (data-parallel rank) and the target.
+
+    Fleets without a pod label can use `Labels(pod="instance")`.
+    """
+
+    pool: str = "pool"
+    pod: str = "pod"
+    engine: str = "engine"
+    instance: str = "instance"
+
+    def __post_init__(self) -> None:
+        for name in (self.pool, self.pod, self.engine, self.instance):
+            _label_name(name)
+
+    def engine_grouping(self) -> tuple[str, ...]:
+        """Labels that tell engines apart, without duplicates."""
+        return tuple(dict.fromkeys((self.pool, self.pod, self.instance, self.engine)))
+
+
+@dataclass(frozen=True, slots=True)
+class SignalSpec:
+    """One signal: how to compute it, from which metric families (alternative spellings, current first)."""
+
+    name: str
+    kind: Literal["rate", "ratio", "one_plus_ratio", "quantile", "sum", "avg", "max"]
+    families: tuple[tuple[str, ...], ...]  # each alternative: the families it needs, in order
+    q: float = 0.0
+
+
+_PREFIX = (("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+           ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"))
+_ITL = (("vllm:inter_token_latency_seconds",), ("vllm:time_per_output_token_seconds",))
+_KV = (("vllm:kv_cache_usage_perc",), ("vllm:gpu_cache_usage_perc",))
+_SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+SIGNALS: tuple[SignalSpec, ...] = (
+    SignalSpec("request_rate", "rate", (("vllm:request_success_total",),)),
+    SignalSpec("prompt_tokens_rate", "rate", (("vllm:prompt_tokens_total",),)),
+    SignalSpec("generation_tokens_rate", "rate", (("vllm:generation_tokens_total",),)),
+    SignalSpec("preemption_rate", "rate", (("vllm:num_preemptions_total",),)),
+    SignalSpec("prefix_cache_query_rate", "rate", tuple((queries,) for _, queries in _PREFIX)),
+    SignalSpec("prefix_cache_hit_rate", "ratio", _PREFIX),
+    SignalSpec("spec_acceptance_rate", "ratio", ((_SPEC_ACCEPTED, "vllm:spec_decode_num_draft_tokens_total"),)),
+    SignalSpec("spec_mean_acceptance_length", "one_plus_ratio", ((_SPEC_ACCEPTED, "vllm:spec_decode_num_drafts_total"),)),
+    SignalSpec("ttft_p50", "quantile", (("vllm:time_to_first_token_seconds",),), 0.5),
+    SignalSpec("ttft_p95", "quantile", (("vllm:time_to_first_token_seconds",),), 0.95),
+    SignalSpec("ttft_p99", "quantile", (("vllm:time_to_first_token_seconds",),), 0.99),
+    # Older engines have no per-request TPOT; the collector falls back to the inter-token latency.
+    SignalSpec("tpot_p95", "quantile", (("vllm:request_time_per_output_token_seconds",), *_ITL), 0.95),
+    SignalSpec("itl_p95", "quantile", _ITL, 0.95),
+    SignalSpec("e2e_p95", "quantile", (("vllm:e2e_request_latency_seconds",),), 0.95),
+    SignalSpec("queue_time_p95", "quantile", (("vllm:request_queue_time_seconds",),), 0.95),
+    SignalSpec("kv_cache_usage", "avg", _KV),
+    SignalSpec("kv_cache_usage_max", "max", _KV),
+    SignalSpec("requests_running", "sum", (("vllm:num_requests_running",),)),
+    SignalSpec("requests_waiting", "sum", (("vllm:num_requests_waiting",),)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    mode: CounterMode
+    seconds: float
+
+    @property
+    def duration(self) -> str:
+        return f"{max(1, round(self.seconds * 1000))}ms"
+
+    def increase(self, series: str) -> str:
+        """Per-series increase of a counter (or bucket) selector over the window."""
+        if self.mode is CounterMode.RATE:
+            return f"increase({series}[{self.duration}])"
+        d = f"({series} - {series} offset {self.duration})"
+        return f"(({d} >= 0) or ({series} and ({d} < 0)))"
+
+    def rate(self, series: str) -> str:
+        """Per-series per-second rate of a counter selector over the window."""
+        if self.mode is CounterMode.RATE:
+            return f"rate({series}[{self.duration}])"
+        return f"({self.increase(series)} / {self.seconds!r})"
+
+
+def _expression(spec: SignalSpec, families: tuple[str, ...], sel: str, by: tuple[str, ...], window: _Window) -> str:
+    grouping = ", ".join(by)
+    if spec.kind == "rate":
+        return f"sum by ({grouping}) ({window.rate(families[0] + sel)})"
+    if spec.kind in ("ratio", "one_plus_ratio"):
+        num, den = (f"sum by ({grouping}) ({window.increase(f + sel)})" for f in families)
+        ratio = f"{num} / ({den} > 0)"
+        return ratio if spec.kind == "ratio" else f"1 + ({ratio})"
+    if spec.kind == "quantile":
+        inner = window.increase(f"{families[0]}_bucket{sel}")
+        return f"histogram_quantile({spec.q!r}, sum by ({', '.join((*by, 'le'))}) ({inner}))"
+    return f"{spec.kind} by ({grouping}) ({families[0]}{sel})"
+
+
+def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window) -> str:
+    """The PromQL of one signal; alternative family spellings are tried per group with `or`."""
+    alternatives = [_expression(spec, fams, sel, by, window) for fams in spec.families]
+    return alternatives[0] if len(alternatives) == 1 else " or ".join(f"({a})" for a in alternatives)
+
+
+# --- results --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Missing:
+    """A signal none of whose metric families exist under the selector; `scope` is engine or a pool."""
+
+    signal: str
+    scope: str
+    query: str
+
+
+@dataclass(slots=True)
+class ApiOutput:
+    """Signals of one evaluation, what could not be computed, and series no pool could be given to."""
+
+    signals: list[Signal] = field(default_factory=list)
+    missing: list[Missing] = field(default_factory=list)
+    unattributed: list[str] = field(default_factory=list)
+    queries: int = 0
+
+
+Row = tuple[dict[str, str], float]
+
+
+def _parse_result(result: Any, query: str) -> list[Row]:
+    if not isinstance(result, list):
+        raise QueryFailed(f"expected a vector result, got {type(result).__name__}", query=query)
+    rows: list[Row] = []
+    for item in result:
+        try:
+            metric, (_, value) = item["metric"], item["value"]
+            if not isinstance(metric, dict):
+                raise TypeError("metric is not an object")
+            rows.append(({str(k): str(v) for k, v in metric.items()}, float(value)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise QueryFailed(f"malformed vector sample {shorten(repr(item), 120)}: {exc}", query=query) from None
+    return rows
+
+
+def _http_status(exc: PrometheusApiClientException) -> int | None:
+    found = _STATUS.search(str(exc))
+    return int(found.group(1)) if found else None
+
+
+def _api_error(exc: PrometheusApiClientException) -> str:
+    """Prometheus' own `error` field from the body the client library quotes as a bytes repr."""
+    text = str(exc)
+    found = _BODY.search(text)
+    if found:
+        try:
+            body = ast.literal_eval(found.group(1)).decode("utf-8", errors="replace")
+        except (ValueError, SyntaxError, AttributeError):
+            body = found.group(1)
+        try:
+            text = str(json.loads(body).get("error") or body)
+        except (ValueError, AttributeError):
+            text = body
+    return shorten(text, 300)
+
+
+# --- the source -----------------------------------------------------------------------------------
+
+
+class PrometheusClient(Protocol):
+    """What the source needs of `prometheus_api_client.PrometheusConnect`."""
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+        """The `data.result` of an instant query."""
+        ...
+
+    def close(self) -> None:
+        """Release the HTTP session."""
+        ...
+
+
+class PrometheusSource:
+    """vLLM signals and scrape targets from a Prometheus HTTP API.
+
+    `selector` adds equality matchers to every query (e.g. `{"job": "vllm", "namespace": "llm"}`).
+    `client` replaces the `PrometheusConnect` built from `url`, `headers`, `timeout` and `retries`
+    (retries apply to refused connections and HTTP 502/503/504, with a short backoff). Calls block:
+    from an event loop, run them with `asyncio.to_thread`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        client: PrometheusClient | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 10.0,
+        labels: Labels | None = None,
+        selector: Mapping[str, str] | None = None,
+        mode: CounterMode | str = CounterMode.RATE,
+        retries: int = 1,
+    ) -> None:
+        self.url = url
+        self.labels = labels or Labels()
+        self.mode = CounterMode(mode)
+        self._matchers = [(_label_name(k), "=", v) for k, v in sorted((selector or {}).items())]
+        if client is None:
+            retry = Retry(total=retries, read=0, backoff_factor=0.1, status_forcelist=(502, 503, 504), raise_on_status=False)
+            client = PrometheusConnect(url, headers=dict(headers) if headers else None, timeout=timeout, retry=retry)
+        self._client: PrometheusClient = client
+
+    def close(self) -> None:
+        """Release the HTTP session."""
+        self._client.close()
+
+    def query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
+        """One instant query at `ts`: (labels, value) per series; failures as PrometheusError."""
+        try:
+            result = self._client.custom_query(expr, params={"time": f"{ts:.3f}"})
+        except PrometheusApiClientException as exc:
+            status = _http_status(exc)
+            kind = QueryFailed if status is not None and 400 <= status < 500 and status != 429 else PrometheusUnavailable
+            raise kind(f"Prometheus at {self.url} answered HTTP {status}: {_api_error(exc)}", query=expr,
+                       status=status) from None
+        except requests.exceptions.JSONDecodeError as exc:
+            raise QueryFailed(f"Prometheus at {self.url} answered a body that is not JSON: {exc}", query=expr) from None
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError) as exc:
+            raise PrometheusUnavailable(f"Prometheus at {self.url} unreachable: {type(exc).__name__}: {shorten(str(exc), 200)}",
+                                        query=expr) from None
+        except requests.RequestException as exc:
+            raise PrometheusUnavailable(f"request to Prometheus at {self.url} failed: {type(exc).__name__}: {exc}",
+                                        query=expr) from None
+        except (KeyError, TypeError) as exc:
+            raise QueryFailed(f"Prometheus at {self.url} answered without data.result ({exc!r})", query=expr) from None
+        return _parse_result(result, expr)
+
+    # signals ----------------------------------------------------------------------------------
+
+    def signals(self, ts: float, window_s: float, pools: Mapping[str, str] | None = None) -> ApiOutput:
+        """Every signal in `SIGNALS` per engine and per pool, evaluated at `ts` over `window_s`.
+
+        A series' pool is its pool label; series without one take `pools[<pod label value>]`, and
+        those with neither are listed in `unattributed`. Signals are stamped `ts`.
+        """
+        if window_s <= 0:
+            raise ValueError(f"window must be positive, got {window_s!r}")
+        window = _Window(self.mode, window_s)
+        lb = self.labels
+        pools = dict(pools or {})
+        out = ApiOutput()
+        present: dict[str, bool] = {}  # "family{selector}" -> has series
+        by_engine = lb.engine_grouping()
+        engine_sel = selector(self._matchers)
+        scopes: list[tuple[str, str, tuple[str, ...], str | None]] = [
+            ("engine", engine_sel, by_engine, None),
+            ("pool", selector([*self._matchers, (lb.pool, "!=", "")]), (lb.pool,), None),
+        ]
+        by_pool: dict[str, list[str]] = {}
+        for pod, pool in sorted(pools.items()):
+            by_pool.setdefault(pool, []).append(pod)
+        for pool, pods in sorted(by_pool.items()):
+            regex = "|".join(escape_regex(p) for p in pods)
+            sel = selector([*self._matchers, (lb.pool, "=", ""), (lb.pod, "=~", regex)])
+            scopes.append((f"pool/{pool}", sel, (), pool))
+
+        seen_engines: dict[str, str] = {}
+        seen_pools: set[tuple[str, str]] = set()
+        for spec in SIGNALS:
+            for scope, sel, by, fixed_pool in scopes:
+                expr = build_query(spec, sel, by, window)
+                rows = self.query(expr, ts)
+                out.queries += 1
+                if not rows:
+                    # The label-based pool scope is empty whenever the engine scope is, or no series has the label.
+                    if scope != "pool" and not self._families_exist(spec, sel, ts, present, out):
+                        out.missing.append(Missing(spec.name, scope, shorten(expr)))
+                    continue
+                for labels, value in rows:
+                    if not math.isfinite(value):
+                        continue  # no observations in the window, as the scraper emits nothing then
+                    if scope == "engine":
+                        subject = self._engine_subject(labels, pools, seen_engines, out)
+                    else:
+                        subject = pool_subject(fixed_pool if fixed_pool is not None else labels.get(lb.pool, ""))
+                        if (subject, spec.name) in seen_pools:
+                            # A mapped pool that also has labelled series: the labelled aggregate stands.
+                            note = f"{subject}: some series carry the {lb.pool} label and some are only mapped; kept the labelled"
+                            if note not in out.unattributed:
+                                out.unattributed.append(note)
+                            subject = None
+                        else:
+                            seen_pools.add((subject, spec.name))
+                    if subject is not None:
+                        out.signals.append(Signal(ts, subject, spec.name, value))
+        return out
+
+    def _engine_subject(self, labels: Mapping[str, str], pools: Mapping[str, str], seen: dict[str, str],
+                        out: ApiOutput) -> str | None:
+        lb = self.labels
+        instance = labels.get(lb.instance, "")
+        pod = labels.get(lb.pod) or instance
+        pool = labels.get(lb.pool) or pools.get(pod)
+        engine = labels.get(lb.engine) or "0"
+        if not pool:
+            note = f"{pod or '?'}: no {lb.pool} label and not in the pool mapping"
+            if note not in out.unattributed:
+                out.unattributed.append(note)
+            return None
+        subject = engine_subject(pool, pod, engine)
+        owner = seen.setdefault(subject, instance)
+        if owner != instance:
+            note = f"{subject}: served by both {owner} and {instance}; kept {owner}"
+            if note not in out.unattributed:
+                out.unattributed.append(note)
+            return None
+        return subject
+
+    def _families_exist(self, spec: SignalSpec, sel: str, ts: float, present: dict[str, bool], out: ApiOutput) -> bool:
+        """Whether any spelling of the signal's families has series under the selector (cached per call)."""
+        for fams in spec.families:
+            names = [f"{fam}_count{sel}" if spec.kind == "quantile" else f"{fam}{sel}" for fam in fams]
+            for name in names:
+                if name not in present:
+                    present[name] = bool(self.query(f"count({name})", ts))
+                    out.queries += 1
+            if all(present[name] for name in names):
+                return True
+        return False
+
+    # targets ----------------------------------------------------------------------------------
+
+    def discover_targets(
+        self,
+        ts: float,
+        *,
+        pools: Mapping[str, str] | None = None,
+        roles: Mapping[str, Role] | None = None,
+        metric: str = "vllm:num_requests_running",
+        include_down: bool = False,
+        scheme: str = "http",
+        metrics_path: str = "/metrics",
+    ) -> list[Target]:
+        """Scrape targets from the labels of `metric` series (one per instance) at `ts`.
+
+        With `include_down`, targets whose `up` is 0 under the selector join them: set it only
+        when the selector picks vLLM jobs alone. URLs are `<scheme>://<instance><metrics_path>`;
+        the pool comes from the pool label or `pools[pod]`; the role from `roles[pool]`.
+        Targets without a pool are left out and logged.
+        """
+        lb = self.labels
+        if not _LABEL_NAME.match(metric.replace(":", "_")):
+            raise ValueError(f"not a metric name: {metric!r}")
+        sel = selector(self._matchers)
+        grouping = ", ".join(dict.fromkeys((lb.instance, lb.pod, lb.pool)))
+        expr = f"group by ({grouping}) ({metric}{sel})"
+        if include_down:
+            expr += f" or group by ({grouping}) (up{sel} == 0)"
+        pools = dict(pools or {})
+        found: dict[str, Target] = {}
+        for labels, _ in self.query(expr, ts):
+            instance = labels.get(lb.instance, "")
+            if not instance or instance in found:
+                continue
+            pod = labels.get(lb.pod) or instance
+            pool = labels.get(lb.pool) or pools.get(pod)
+            if not pool:
+                log.warning("prometheus discovery: %s has no %s label and is not in the pool mapping", instance, lb.pool)
+                continue
+            role = (roles or {}).get(pool, Role.UNIFIED)
+            found[instance] = Target(f"{scheme}://{instance}{metrics_path}", pool, pod, role)
+        return sorted(found.values(), key=lambda t: (t.pool, t.pod, t.url))

@@ -1,0 +1,105 @@
+"""Where a tick's numbers come from: scraping the targets ourselves, or a Prometheus that does.
+
+Both return an `Observation`; the loop does not know which one it has. Errors of the Prometheus
+API are turned into `MetricSourceUnavailable` here, at the boundary, so the loop handles them as
+any other failed tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from collectors.pipeline import SignalDeriver
+from collectors.prometheus_api import PrometheusError, PrometheusSource
+from collectors.scraper import Scraper
+from collectors.types import Role, ScrapeResult, Signal, Target, TargetHealth
+from controlplane.actuators.base import TargetSource
+from controlplane.errors import FleetError
+
+__all__ = ["MetricSource", "MetricSourceUnavailable", "Observation", "PrometheusApiSource", "PrometheusTargets",
+           "ScrapeSource"]
+
+
+class MetricSourceUnavailable(FleetError):
+    """The source of numbers (a Prometheus API) could not answer this tick."""
+
+    exit_code = 4
+
+
+@dataclass(slots=True)
+class Observation:
+    """One tick's signals, plus per-target outcomes where the control plane scraped itself."""
+
+    signals: list[Signal] = field(default_factory=list)
+    results: list[ScrapeResult] = field(default_factory=list)
+    health: dict[str, TargetHealth] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    parse_errors: dict[str, list[str]] = field(default_factory=dict)
+    missing: dict[str, list[str]] = field(default_factory=dict)
+
+
+class MetricSource(Protocol):
+    """Produces the signals of one tick at time `now`."""
+
+    async def observe(self, now: float) -> Observation:
+        """Collect and derive; raise a FleetError when nothing could be observed."""
+        ...
+
+
+class ScrapeSource:
+    """The control plane scrapes every target itself and derives the signals."""
+
+    def __init__(self, targets: TargetSource, scraper: Scraper) -> None:
+        self.targets = targets
+        self.scraper = scraper
+        self.deriver = SignalDeriver()
+
+    async def observe(self, now: float) -> Observation:
+        results = await self.scraper.scrape(list(await self.targets.targets()), now)
+        out = self.deriver.derive(results, now)
+        errors = {r.target.key: r.error or "scrape failed" for r in results if not r.ok and not r.skipped}
+        for key, errs in out.parse_errors.items():
+            errors[key] = f"{len(errs)} malformed line(s), first: {errs[0]}"
+        return Observation(out.signals, results, dict(self.scraper.health), errors, out.parse_errors,
+                           out.missing_families)
+
+
+class PrometheusApiSource:
+    """Prometheus scrapes the fleet; each tick asks it for the same signals over `window_s`."""
+
+    def __init__(self, source: PrometheusSource, window_s: float, pools: dict[str, str] | None = None) -> None:
+        self.source = source
+        self.window_s = window_s
+        self.pools = pools
+
+    async def observe(self, now: float) -> Observation:
+        try:
+            out = await asyncio.to_thread(self.source.signals, now, self.window_s, self.pools)
+        except PrometheusError as exc:
+            raise MetricSourceUnavailable(f"Prometheus at {self.source.url}: {exc}") from exc
+        missing: dict[str, list[str]] = {}
+        for m in out.missing:
+            missing.setdefault(f"prometheus/{m.scope}", []).append(m.signal)
+        return Observation(out.signals, missing=missing)
+
+
+class PrometheusTargets:
+    """Targets as Prometheus sees them (for the dry-run actuator's replica counts)."""
+
+    def __init__(self, source: PrometheusSource, clock_now: ClockNow, roles: dict[str, Role]) -> None:
+        self.source = source
+        self.now = clock_now
+        self.roles = roles
+
+    async def targets(self) -> Sequence[Target]:
+        try:
+            return await asyncio.to_thread(self.source.discover_targets, self.now(), roles=self.roles)
+        except PrometheusError as exc:
+            raise MetricSourceUnavailable(f"Prometheus at {self.source.url}: {exc}") from exc
+
+
+class ClockNow(Protocol):
+    def __call__(self) -> float: ...

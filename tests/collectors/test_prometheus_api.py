@@ -1,0 +1,446 @@
+"""The Prometheus API source without a Prometheus: PromQL building and escaping, canned API answers.
+
+Escaping is checked against a PromQL string-literal parser written here from the PromQL lexer's
+rules (Go escapes; a raw newline or an unescaped quote ends or breaks the literal). Canned
+answers go through the real `PrometheusConnect` and `requests`, with a transport adapter in place
+of the network, so error translation sees exactly what the client library raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import socket
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import requests
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_api_client import PrometheusConnect
+from requests.adapters import BaseAdapter
+
+from collectors.prometheus_api import (
+    SIGNALS,
+    CounterMode,
+    Labels,
+    PrometheusSource,
+    PrometheusUnavailable,
+    QueryFailed,
+    build_query,
+    escape_label_value,
+    escape_regex,
+    selector,
+    shorten,
+)
+from collectors.prometheus_api import _Window as Window
+from collectors.types import Role, Signal, Target
+
+URL = "http://prometheus.test:9090"
+SPECS = {spec.name: spec for spec in SIGNALS}
+
+# --- a PromQL string literal parser (double-quoted, as the PromQL lexer reads it) ----------------------
+
+_SIMPLE = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\", '"': '"'}
+
+
+def parse_string(text: str, start: int = 0) -> tuple[str, int]:
+    """The value of the double-quoted literal at `text[start]` and the index after its closing quote."""
+    if text[start:start + 1] != '"':
+        raise ValueError("not a string literal")
+    out: list[str] = []
+    i = start + 1
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            return "".join(out), i + 1
+        if c == "\n":
+            raise ValueError("unterminated quoted string")
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        e = text[i + 1:i + 2]
+        if e in _SIMPLE:
+            out.append(_SIMPLE[e])
+            i += 2
+        elif e in ("x", "u", "U"):
+            width = {"x": 2, "u": 4, "U": 8}[e]
+            digits = text[i + 2:i + 2 + width]
+            if len(digits) != width or not re.fullmatch(r"[0-9a-fA-F]+", digits):
+                raise ValueError("bad hex escape")
+            out.append(chr(int(digits, 16)))
+            i += 2 + width
+        elif re.fullmatch(r"[0-7]{3}", text[i + 1:i + 4]):
+            out.append(chr(int(text[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            raise ValueError(f"unknown escape sequence {e!r}")
+    raise ValueError("unterminated quoted string")
+
+
+def parse_selector(text: str) -> list[tuple[str, str, str]]:
+    """`{name op "value", ...}` back into (name, op, value) triples."""
+    assert text.startswith("{") and text.endswith("}")
+    out = []
+    i = 1
+    while text[i] != "}":
+        name = re.match(r"[a-zA-Z_][a-zA-Z0-9_]*", text[i:])
+        assert name is not None
+        i += name.end()
+        op = re.match(r"=~|!~|!=|=", text[i:])
+        assert op is not None
+        i += op.end()
+        value, i = parse_string(text, i)
+        out.append((name.group(), op.group(), value))
+        if text[i] == ",":
+            i += 1
+    assert i == len(text) - 1, "text after the closing brace"
+    return out
+
+
+def test_the_parser_reads_go_escapes() -> None:
+    literal = r'"a\"b\\c\nd\x41\u00e9\101"'
+    assert parse_string(literal + " x") == ('a"b\\c\ndAé' + "A", len(literal))
+    for bad in ('"open', '"new\nline"', r'"\q"', "'single'"):
+        with pytest.raises(ValueError):
+            parse_string(bad)
+
+
+# --- escaping ---------------------------------------------------------------------------------------
+
+
+def test_escape_label_value_examples() -> None:
+    assert escape_label_value('pre"fill') == 'pre\\"fill'
+    assert escape_label_value("a\\b") == "a\\\\b"
+    assert escape_label_value("two\nlines") == "two\\nlines"
+    assert escape_label_value('\\"') == '\\\\\\"'  # backslash first, so the quote's escape is not doubled
+    assert escape_label_value("plain-value_1") == "plain-value_1"
+
+
+@given(st.text())
+def test_escaped_values_round_trip_through_a_promql_literal(value: str) -> None:
+    literal = f'"{escape_label_value(value)}"'
+    assert parse_string(literal + ' or x{a="b"}') == (value, len(literal))
+
+
+@given(st.text())
+def test_escaped_values_hold_no_raw_newline_and_no_unescaped_quote(value: str) -> None:
+    escaped = escape_label_value(value)
+    assert "\n" not in escaped
+    # Every quote is preceded by an odd number of backslashes.
+    for m in re.finditer('"', escaped):
+        run = len(escaped[: m.start()]) - len(escaped[: m.start()].rstrip("\\"))
+        assert run % 2 == 1
+
+
+@given(st.lists(st.tuples(st.sampled_from(["job", "pool", "pod", "_x1"]), st.sampled_from(["=", "!=", "=~", "!~"]),
+                          st.text()), max_size=4))
+def test_selectors_parse_back_to_their_matchers(matchers: list[tuple[str, str, str]]) -> None:
+    text = selector(matchers)
+    assert (parse_selector(text) if text else []) == matchers
+
+
+@given(st.lists(st.text(min_size=1), min_size=1, max_size=4, unique=True), st.text())
+def test_escaped_regex_alternatives_match_exactly_the_listed_values(values: list[str], other: str) -> None:
+    pattern = "|".join(escape_regex(v) for v in values)
+    assert all(re.fullmatch(pattern, v, flags=re.DOTALL) for v in values)
+    assert bool(re.fullmatch(pattern, other, flags=re.DOTALL)) == (other in values)
+
+
+def test_configured_label_names_are_validated() -> None:
+    with pytest.raises(ValueError, match="label name"):
+        Labels(pool="pool-name")
+    with pytest.raises(ValueError, match="label name"):
+        selector([('job"}', "=", "x")])
+    with pytest.raises(ValueError, match="operator"):
+        selector([("job", "==", "x")])
+    with pytest.raises(ValueError, match="label name"):
+        PrometheusSource(URL, client=FakeClient(lambda q: []), selector={"bad label": "x"})
+    assert Labels(pod="instance").engine_grouping() == ("pool", "instance", "engine")
+
+
+def test_shorten_keeps_short_queries_and_notes_the_length_of_long_ones() -> None:
+    assert shorten("sum(\n  x)") == "sum( x)"
+    long = "x" * 500
+    assert shorten(long) == "x" * 199 + "… (500 chars)"
+
+
+# --- query building -------------------------------------------------------------------------------
+
+ENGINE = ("pool", "pod", "instance", "engine")
+SEL = '{job="vllm"}'
+
+
+def test_rate_mode_queries() -> None:
+    w = Window(CounterMode.RATE, 15.0)
+    assert build_query(SPECS["request_rate"], SEL, ENGINE, w) == (
+        'sum by (pool, pod, instance, engine) (rate(vllm:request_success_total{job="vllm"}[15000ms]))'
+    )
+    assert build_query(SPECS["ttft_p95"], SEL, ("pool",), w) == (
+        'histogram_quantile(0.95, sum by (pool, le) (increase(vllm:time_to_first_token_seconds_bucket{job="vllm"}[15000ms])))'
+    )
+    assert build_query(SPECS["kv_cache_usage_max"], SEL, ("pool",), w) == (
+        '(max by (pool) (vllm:kv_cache_usage_perc{job="vllm"})) or (max by (pool) (vllm:gpu_cache_usage_perc{job="vllm"}))'
+    )
+    assert build_query(SPECS["spec_mean_acceptance_length"], "", ("pool",), w) == (
+        "1 + (sum by (pool) (increase(vllm:spec_decode_num_accepted_tokens_total[15000ms]))"
+        " / (sum by (pool) (increase(vllm:spec_decode_num_drafts_total[15000ms])) > 0))"
+    )
+    # Older spellings are tried per group, as a pair, after the current one.
+    hit = build_query(SPECS["prefix_cache_hit_rate"], "", ("pool",), w)
+    assert hit.count(" or ") == 1 and "gpu_prefix_cache_hits_total" in hit.split(" or ")[1]
+
+
+def test_delta_mode_is_a_two_point_difference_with_resets() -> None:
+    w = Window(CounterMode.DELTA, 2.5)
+    x = 'vllm:prompt_tokens_total{job="vllm"}'
+    d = f"({x} - {x} offset 2500ms)"
+    assert build_query(SPECS["prompt_tokens_rate"], SEL, ("pool",), w) == (
+        f"sum by (pool) (((({d} >= 0) or ({x} and ({d} < 0))) / 2.5))"
+    )
+    quantile = build_query(SPECS["ttft_p50"], SEL, (), w)
+    assert quantile.startswith("histogram_quantile(0.5, sum by (le) ((((vllm:time_to_first_token_seconds_bucket{")
+    assert "offset 2500ms" in quantile
+
+
+def test_configured_values_are_escaped_in_every_query() -> None:
+    seen: list[str] = []
+    source = PrometheusSource(URL, client=FakeClient(lambda q: seen.append(q) or []), selector={"job": 'v"llm\n'})
+    source.signals(100.0, 15.0, pools={'pod"1': 'po\\ol'})
+    assert seen
+    for q in seen:
+        assert "\n" not in q
+        for m in re.finditer(r'job="', q):
+            assert parse_string(q, m.end() - 1)[0] == 'v"llm\n'
+    mapped = [q for q in seen if "pod=~" in q]
+    assert mapped and all(parse_string(q, q.index("pod=~") + 5)[0] == 'pod"1' for q in mapped)
+
+
+# --- canned answers -------------------------------------------------------------------------------
+
+
+class FakeClient:
+    """Stands in for PrometheusConnect: answers `custom_query` from a function of the query."""
+
+    def __init__(self, answer: Callable[[str], Any]) -> None:
+        self.answer = answer
+        self.params: list[dict[str, Any]] = []
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+        self.params.append(params or {})
+        return self.answer(query)
+
+    def close(self) -> None:
+        pass
+
+
+def _row(value: float | str, **labels: str) -> dict[str, Any]:
+    return {"metric": labels, "value": [100.0, str(value)]}
+
+
+def _answer(query: str) -> list[dict[str, Any]]:
+    """A fleet of two labelled engines and one without a pool label; no speculative decoding."""
+    if query.startswith("count("):
+        return [] if "spec_decode" in query else [_row(1)]
+    if "spec_decode" in query:
+        return []
+    if "by (pool, pod, instance, engine" in query:
+        nan_for_b = "histogram_quantile" in query
+        return [
+            _row(2.0, pool="prefill", pod="p-0", instance="10.0.0.1:8000", engine="0"),
+            _row("NaN" if nan_for_b else 3.0, pool="prefill", pod="p-0", instance="10.0.0.1:8000", engine="1"),
+            _row(4.0, pod="orphan", instance="10.0.0.9:8000", engine="0"),
+        ]
+    if "by (pool" in query:
+        return [_row(5.0, pool="prefill")]
+    return []
+
+
+def test_signals_from_canned_results() -> None:
+    client = FakeClient(_answer)
+    out = PrometheusSource(URL, client=client).signals(1234.5, 30.0)
+    assert {p["time"] for p in client.params} == {"1234.500"}
+    by_key = {(s.subject, s.name): s for s in out.signals}
+    assert by_key[("engine/prefill/p-0/0", "request_rate")] == Signal(1234.5, "engine/prefill/p-0/0", "request_rate", 2.0)
+    assert by_key[("engine/prefill/p-0/1", "request_rate")].value == 3.0
+    assert ("engine/prefill/p-0/1", "ttft_p95") not in by_key  # NaN: no observations in the window
+    assert by_key[("pool/prefill", "ttft_p95")].value == 5.0
+    spec_decode = {"spec_acceptance_rate", "spec_mean_acceptance_length"}
+    assert {name for _, name in by_key} == {spec.name for spec in SIGNALS} - spec_decode
+    assert [(m.signal, m.scope) for m in out.missing] == [("spec_acceptance_rate", "engine"),
+                                                          ("spec_mean_acceptance_length", "engine")]
+    assert "spec_decode_num_accepted_tokens_total" in out.missing[0].query
+    assert out.unattributed == ["orphan: no pool label and not in the pool mapping"]
+    assert not any(s.subject.startswith("engine/") and "orphan" in s.subject for s in out.signals)
+
+
+def test_a_pool_mapping_attributes_series_without_a_pool_label() -> None:
+    out = PrometheusSource(URL, client=FakeClient(_answer)).signals(1.0, 30.0, pools={"orphan": "decode"})
+    subjects = {s.subject for s in out.signals}
+    assert "engine/decode/orphan/0" in subjects and out.unattributed == []
+
+
+def test_a_family_present_without_data_is_not_missing() -> None:
+    # An idle fleet: the counters exist, the ratios have nothing to divide.
+    def answer(q: str) -> list[dict[str, Any]]:
+        return [_row(1)] if q.startswith("count(") else []
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
+    assert out.signals == [] and out.missing == []
+
+
+def test_an_engine_seen_on_two_instances_is_kept_once() -> None:
+    def answer(q: str) -> list[dict[str, Any]]:
+        if "by (pool, pod, instance, engine" not in q:
+            return [_row(1)] if q.startswith("count(") else []
+        same = {"pool": "a", "pod": "p", "engine": "0"}
+        return [_row(1.0, instance="h1:1", **same), _row(2.0, instance="h2:1", **same)]
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
+    assert {s.value for s in out.signals if s.name == "request_rate"} == {1.0}
+    assert out.unattributed == ["engine/a/p/0: served by both h1:1 and h2:1; kept h1:1"]
+
+
+def test_window_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        PrometheusSource(URL, client=FakeClient(_answer)).signals(1.0, 0.0)
+
+
+def test_discover_targets_from_series_labels(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+
+    def answer(q: str) -> list[dict[str, Any]]:
+        seen.append(q)
+        return [
+            _row(1, instance="10.0.0.2:8000", pod="d-0", pool="decode"),
+            _row(1, instance="10.0.0.1:8000", pod="p-0", pool="prefill"),
+            _row(1, instance="10.0.0.1:8000", pod="p-0", pool="prefill"),
+            _row(1, instance="10.0.0.3:8000"),
+            _row(1, instance="10.0.0.4:8000", pod="x-0"),
+        ]
+
+    source = PrometheusSource(URL, client=FakeClient(answer), selector={"job": "vllm"})
+    with caplog.at_level(logging.WARNING):
+        found = source.discover_targets(50.0, pools={"x-0": "decode"}, roles={"prefill": Role.PREFILL}, include_down=True)
+    assert seen == ['group by (instance, pod, pool) (vllm:num_requests_running{job="vllm"})'
+                    ' or group by (instance, pod, pool) (up{job="vllm"} == 0)']
+    assert found == [
+        Target("http://10.0.0.2:8000/metrics", "decode", "d-0", Role.UNIFIED),
+        Target("http://10.0.0.4:8000/metrics", "decode", "x-0", Role.UNIFIED),
+        Target("http://10.0.0.1:8000/metrics", "prefill", "p-0", Role.PREFILL),
+    ]
+    assert "10.0.0.3:8000 has no pool label" in caplog.text
+    with pytest.raises(ValueError, match="metric name"):
+        source.discover_targets(50.0, metric='up{job="x"}')
+
+
+# --- errors, through the real client library ----------------------------------------------------------
+
+
+class CannedAdapter(BaseAdapter):
+    """A requests transport that answers from a function of the PromQL query, or raises."""
+
+    def __init__(self, respond: Callable[[str], tuple[int, str | bytes] | BaseException]) -> None:
+        super().__init__()
+        self.respond = respond
+
+    def send(self, request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:
+        query = parse_qs(urlparse(request.url or "").query).get("query", [""])[0]
+        answer = self.respond(query)
+        if isinstance(answer, BaseException):
+            raise answer
+        status, body = answer
+        resp = requests.Response()
+        resp.status_code = status
+        resp._content = body.encode() if isinstance(body, str) else body
+        resp.headers["Content-Type"] = "application/json"
+        resp.url = request.url or ""
+        resp.request = request
+        return resp
+
+    def close(self) -> None:
+        pass
+
+
+def canned(respond: Callable[[str], tuple[int, str | bytes] | BaseException]) -> PrometheusSource:
+    session = requests.Session()
+    client = PrometheusConnect(URL, session=session)
+    session.mount(URL, CannedAdapter(respond))  # replaces the retrying adapter the client mounted
+    return PrometheusSource(URL, client=client)
+
+
+def _ok(result: list[dict[str, Any]]) -> tuple[int, str]:
+    return 200, json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+def test_a_vector_answer_is_parsed() -> None:
+    source = canned(lambda q: _ok([_row("+Inf", pool="a"), _row("0.25", pool="b")]))
+    assert source.query("x", 1.0) == [({"pool": "a"}, math.inf), ({"pool": "b"}, 0.25)]
+
+
+LONG_QUERY = "sum by (pool) (rate(vllm:request_success_total[15000ms])) " * 10
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "status", "text"),
+    [
+        ((400, '{"status":"error","errorType":"bad_data","error":"1:5: parse error: unexpected \\"}\\""}'),
+         QueryFailed, 400, 'answered HTTP 400: 1:5: parse error: unexpected "}"; query: '),
+        ((422, '{"status":"error","errorType":"execution","error":"many-to-many matching not allowed"}'),
+         QueryFailed, 422, "many-to-many matching"),
+        ((503, "service unavailable"), PrometheusUnavailable, 503, "HTTP 503"),
+        ((429, "slow down"), PrometheusUnavailable, 429, "HTTP 429"),
+        ((200, "<html>proxy login</html>"), QueryFailed, None, "not JSON"),
+        ((200, ""), QueryFailed, None, "not JSON"),
+        ((200, '{"status":"success"}'), QueryFailed, None, "without data.result"),
+        ((200, '{"status":"success","data":{"resultType":"vector","result":[{"metric":{},"value":[1]}]}}'),
+         QueryFailed, None, "malformed vector sample"),
+        ((200, '{"status":"success","data":{"resultType":"scalar","result":[1, "2"]}}'),
+         QueryFailed, None, "malformed vector sample"),
+        (requests.ConnectTimeout("connect timed out"), PrometheusUnavailable, None, "ConnectTimeout"),
+        (requests.ConnectionError("Connection refused"), PrometheusUnavailable, None, "unreachable"),
+    ],
+)
+def test_api_failures_become_our_errors(answer: Any, error: type[Exception], status: int | None, text: str) -> None:
+    source = canned(lambda q: answer)
+    with pytest.raises(error) as caught:
+        source.query(LONG_QUERY, 1.0)
+    exc = caught.value
+    assert text in str(exc)
+    assert getattr(exc, "status", None) == status
+    assert getattr(exc, "query", "").endswith(f"({len(' '.join(LONG_QUERY.split()))} chars)")
+    assert len(getattr(exc, "query", "")) < 230
+
+
+def test_signals_raise_on_the_first_failing_query() -> None:
+    source = canned(lambda q: (503, "down"))
+    with pytest.raises(PrometheusUnavailable):
+        source.signals(1.0, 15.0)
+
+
+def test_connection_refused_is_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        source = PrometheusSource(f"http://127.0.0.1:{port}", retries=0, timeout=2.0)
+        with pytest.raises(PrometheusUnavailable, match="unreachable"):
+            source.query("up", 1.0)
+        source.close()
+
+
+def test_a_pool_both_labelled_and_mapped_keeps_the_labelled_aggregate() -> None:
+    def answer(q: str) -> list[dict[str, Any]]:
+        if q.startswith("count("):
+            return [_row(1)]
+        if 'pool=""' in q:  # the mapped pods of pool "prefill"
+            return [_row(9.0)]
+        return [_row(5.0, pool="prefill")] if 'pool!=""' in q else []
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, pools={"p-9": "prefill"})
+    assert {s.value for s in out.signals if s.subject == "pool/prefill"} == {5.0}
+    assert out.unattributed == ["pool/prefill: some series carry the pool label and some are only mapped; kept the labelled"]
