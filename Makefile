@@ -21,6 +21,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	scripts/ensure-postgres.sh
 	scripts/ensure-prometheus.sh
+	scripts/ensure-nixl.sh $(VENV)
 	scripts/setup-vllm-lab.sh
 	$(MAKE) lint
 	$(BIN)/python -m pytest

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from collectors import dcgm, llmd, lmcache, nixl, vllm
+from collectors import dcgm, kvprobe, llmd, lmcache, nixl, vllm
 from collectors.families import Delta, FamilyMap, Reading
 from collectors.types import Sample, Signal, Target
 
@@ -33,7 +33,7 @@ class Source(Protocol):
 
 
 SOURCES: dict[str, Source] = {
-    s.name: s for s in (vllm.SOURCE, dcgm.SOURCE, nixl.SOURCE, llmd.SOURCE, lmcache.SOURCE)
+    s.name: s for s in (vllm.SOURCE, dcgm.SOURCE, nixl.SOURCE, llmd.SOURCE, lmcache.SOURCE, kvprobe.SOURCE)
 }
 
 

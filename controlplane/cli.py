@@ -277,6 +277,35 @@ def runbook(kind: str | None) -> None:
         raise click.UsageError(f"no runbook for {kind!r}; known: {', '.join(runbooks.available())}") from None
 
 
+# probes -------------------------------------------------------------------------------------
+
+@cli.group()
+def probe() -> None:
+    """Synthetic probes of the fleet's data paths."""
+
+
+@probe.command("kv")
+@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0.5), help="Seconds to probe.")
+@click.option("--block-size", "block_sizes", multiple=True, default=("256KiB", "1MiB", "4MiB"), show_default=True,
+              help="KV block size to write (repeatable; bytes or a KiB/MiB suffix).")
+@click.option("--interval", default=0.25, show_default=True, type=click.FloatRange(min=0.01),
+              help="Seconds between probe rounds.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def probe_kv(duration: float, block_sizes: tuple[str, ...], interval: float, as_json: bool) -> None:
+    """WRITE KV-block-sized buffers over real NIXL into a decode-side agent process; exit 1 when any failed."""
+    from controlplane.kvprobe.cli import run_probe
+    from controlplane.kvprobe.stats import parse_block_size
+
+    try:
+        sizes = [parse_block_size(s) for s in block_sizes]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--block-size") from None
+    report = run_probe(duration, sizes, interval, as_json)
+    if as_json:
+        _emit_json(report)
+    sys.exit(0 if report["ok"] else 1)
+
+
 # bench and dashboard ------------------------------------------------------------------------
 
 @cli.group()

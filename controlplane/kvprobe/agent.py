@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # or version skew); absent: the service is up but has nothing published (404), as before registration.
 METADATA_MODES = ("serve", "garbage", "absent")
 DEFAULT_BLOCK_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+# A probe WRITE carries a notification, and the initiator sees it DONE only once this side has progressed
+# that notification (a stopped decode process stalls the WRITE; at 50 ms between polls a 1 MiB WRITE took
+# 50 ms). The cadence stands in for an engine's step loop and bounds what the probe can measure below it.
+PROGRESS_INTERVAL_S = 0.002
 
 
 class TargetAgent:
@@ -100,7 +104,7 @@ class TargetAgent:
                 self.notifications += n
         return n
 
-    def run(self, stop: threading.Event, interval_s: float = 0.005) -> None:
+    def run(self, stop: threading.Event, interval_s: float = PROGRESS_INTERVAL_S) -> None:
         """Poll until `stop` is set."""
         while not stop.wait(interval_s):
             self.poll()
@@ -175,7 +179,7 @@ class AgentProcess:
 
     @classmethod
     def target(cls, block_sizes: Sequence[int], log_path: Path, *, name: str = "decode-0", metadata_mode: str = "serve",
-               port: int = 0, slots: int = 4, progress_interval_s: float = 0.002,
+               port: int = 0, slots: int = 4, progress_interval_s: float = PROGRESS_INTERVAL_S,
                ready_timeout_s: float = 60.0) -> AgentProcess:
         """Start a decode-side target agent process."""
         argv = ["--role", "target", "--name", name, "--block-sizes", ",".join(str(s) for s in block_sizes),
@@ -261,7 +265,8 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--metadata-port", type=int, default=0)
     target.add_argument("--metadata-mode", choices=METADATA_MODES, default="serve")
     target.add_argument("--slots", type=int, default=4, help="blocks registered per block size")
-    target.add_argument("--progress-interval", type=float, default=0.002, help="seconds between progress polls")
+    target.add_argument("--progress-interval", type=float, default=PROGRESS_INTERVAL_S,
+                        help="seconds between progress polls")
     init = p.add_argument_group("initiator")
     init.add_argument("--peer", type=_peer, action="append", default=[], help="NAME=METADATA_URL (repeatable)")
     init.add_argument("--interval", type=float, default=0.25, help="seconds between probe rounds")

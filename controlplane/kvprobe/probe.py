@@ -215,19 +215,12 @@ class Prober:
                 raise MetadataExchangeError(f"NIXL could not load the metadata of {doc.agent}: "
                                             f"{type(exc).__name__}: {exc}") from None
             st.remote = remote.decode() if isinstance(remote, bytes) else str(remote)
-            try:
-                # Connection setup belongs to the exchange, not to the first transfer's latency.
-                self._agent.make_connection(st.remote)
-            except Exception as exc:
-                self._forget(st)
-                raise MetadataExchangeError(f"NIXL could not connect to {doc.agent}: {type(exc).__name__}: {exc}",
-                                            unreachable=True) from None
             st.descs = {}
             for size in self.block_sizes:
-                buf = doc.buffer(size)
-                assert buf is not None
-                st.descs[size] = [self._agent.get_xfer_descs([(buf.slot_addr(i), size, buf.dev)], "DRAM")
-                                  for i in range(buf.slots)]
+                region = doc.buffer(size)
+                if region is not None:
+                    st.descs[size] = [self._agent.get_xfer_descs([(region.slot_addr(i), size, region.dev)], "DRAM")
+                                      for i in range(region.slots)]
             st.doc = doc
         except MetadataExchangeError as exc:
             elapsed = time.monotonic() - started
@@ -239,8 +232,8 @@ class Prober:
         stats.instance = doc.instance
         st.ever_connected = True
         log.info("kvprobe: loaded metadata of %s (instance %s) in %.1f ms", st.remote, doc.instance, elapsed * 1e3)
-        # The first WRITE on a new connection pays for the lazy transport setup (10-20 ms on loopback); it
-        # belongs to connecting, not to the path's steady-state latency, so it is not a probe slot.
+        # The first WRITE on a new connection pays for the lazy transport setup (10-20 ms on loopback, with or
+        # without make_connection); it belongs to connecting, not to the path's steady state: not a probe slot.
         warm = self._transfer(st, self.block_sizes[0])
         if not warm.ok:
             log.info("kvprobe: warm-up transfer to %s failed: %s %s", st.peer.name, warm.reason, warm.detail)
@@ -285,8 +278,8 @@ class Prober:
         state = "ERR"
         checks = 0
         sleep_s = 0.00002
+        posted = time.monotonic()
         try:
-            posted = time.monotonic()
             state = self._agent.transfer(handle, notif)
             while state == "PROC":
                 if time.monotonic() - posted >= self.deadline_s:
@@ -299,13 +292,13 @@ class Prober:
             done = time.monotonic()
         except Exception as exc:
             self._release(handle, "ERR")
-            return TransferRecord(dst, size, started, False, failure_reason(exc), detail=f"transfer: {exc!r}")
+            return TransferRecord(dst, size, started, False, failure_reason(exc), posted, detail=f"transfer: {exc!r}")
         if state != "DONE":
             self._release(handle, state)
             if state == "PROC":
-                return TransferRecord(dst, size, started, False, "timeout",
+                return TransferRecord(dst, size, started, False, "timeout", posted,
                                       detail=f"not DONE within {self.deadline_s:g} s")
-            return TransferRecord(dst, size, started, False, "error", detail="transfer state ERR")
+            return TransferRecord(dst, size, started, False, "error", posted, detail="transfer state ERR")
         wall = done - posted
         post_s: float | None = None
         xfer_s: float | None = wall
@@ -317,7 +310,8 @@ class Prober:
         except Exception as exc:
             log.debug("kvprobe: no telemetry for a transfer to %s: %s", dst, exc)
         self._release(handle, state)
-        return TransferRecord(dst, size, started, True, post_s=post_s, xfer_s=xfer_s, wall_s=wall, bytes=moved)
+        return TransferRecord(dst, size, started, True, posted_at=posted, post_s=post_s, xfer_s=xfer_s, wall_s=wall,
+                              bytes=moved)
 
     def _release(self, handle: Any, state: str) -> None:
         try:

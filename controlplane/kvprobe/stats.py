@@ -34,8 +34,9 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$")
 class TransferRecord:
     """One probe slot: a WRITE of one block to one peer, or the reason it could not happen.
 
-    Times are seconds. `post_s` and `xfer_s` come from NIXL's per-transfer telemetry; `wall_s` is the wall
-    clock from posting to seeing DONE, polling included. A failed slot has only `reason` and `started_at`.
+    Times are seconds; `started_at` (the slot began) and `posted_at` (the WRITE was posted) are on the monotonic
+    clock. `post_s` and `xfer_s` come from NIXL's per-transfer telemetry; `wall_s` is the wall clock from posting
+    to seeing DONE, polling included. A slot that failed before posting has no `posted_at`.
     """
 
     dst: str
@@ -43,6 +44,7 @@ class TransferRecord:
     started_at: float
     ok: bool
     reason: str | None = None
+    posted_at: float | None = None
     post_s: float | None = None
     xfer_s: float | None = None
     wall_s: float | None = None

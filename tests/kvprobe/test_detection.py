@@ -1,0 +1,130 @@
+"""End to end on the KV path: real NIXL transfers, the control loop scraping the probe, the
+KV-transfer lag policy opening a finding when the decode side stops and resolving it after.
+
+The loop runs on a virtual clock (15 s per tick) while the probe runs in real time between
+ticks, so rates are scaled but quantiles, failure counts and the finding's lifecycle are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controlplane.clock import VirtualClock
+from controlplane.config import parse_config
+from controlplane.kvprobe.probe import Peer
+from controlplane.loop import TickReport
+from controlplane.runtime import build_loop
+from controlplane.store.writer import SqlStore
+from tests.kvprobe.test_probe import KIB, run_in_thread, start_target
+
+pytestmark = pytest.mark.slow
+
+SUBJECT = "kvpath/prefill-0->decode-0"
+
+
+def fleet_file(metrics_url: str, db: str) -> str:
+    return (
+        f"mode: observe\nstore: {{url: '{db}'}}\nscrape: {{interval: 15s, timeout: 2s, spread: 0s}}\n"
+        "pools: [{name: decode, role: decode, model: m, replicas: {min: 1, max: 4}}]\n"
+        f"targets: [{{url: '{metrics_url}', pool: decode, pod: prefill-0, source: kvprobe}}]\n"
+    )
+
+
+async def test_decode_side_stop_opens_and_recovery_resolves_the_finding(
+    tmp_path: Path, sqlite_store: SqlStore
+) -> None:
+    with ExitStack() as stack:
+        target = start_target(stack, tmp_path, [256 * KIB])
+        probe = run_in_thread(stack, [Peer("decode-0", target.metadata_url)], [256 * KIB], interval_s=0.05,
+                              deadline_s=0.3)
+        config = parse_config(fleet_file(probe.url, str(sqlite_store.engine.url)))
+        clock = VirtualClock()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            loop = build_loop(config, sqlite_store, client, clock=clock)
+
+            async def tick(real_seconds: float = 0.4) -> TickReport:
+                await asyncio.sleep(real_seconds)  # the probe works in real time between two scrapes
+                clock.advance(config.scrape.interval)
+                return await loop.tick()
+
+            for _ in range(12):  # a healthy baseline
+                report = await tick()
+                assert not report.opened and report.targets_up == 1
+            assert loop.windows.latest(SUBJECT, "kv_transfer_p99") is not None
+
+            os.kill(target.pid, signal.SIGSTOP)
+            try:
+                opened = []
+                for _ in range(4):
+                    opened += (await tick(0.8)).opened
+                    if opened:
+                        break
+            finally:
+                os.kill(target.pid, signal.SIGCONT)
+            [finding] = opened
+            assert finding.kind == "kv_transfer_lag" and finding.subject == SUBJECT
+            assert finding.evidence["failing"] is True and finding.evidence["failures_per_s"] > 0
+            assert "prefill-0->decode-0" in finding.cause
+
+            resolved = []
+            for _ in range(12):
+                resolved += (await tick()).resolved
+                if resolved:
+                    break
+            assert [f.id for f in resolved] == [finding.id]
+            assert sqlite_store.open_findings() == []
+
+
+async def test_decode_side_cpu_contention_opens_a_tail_finding(tmp_path: Path, sqlite_store: SqlStore) -> None:
+    import subprocess
+    import sys
+
+    from tests.kvprobe.test_probe import DECODE_NICE, HOGS, _pin_process
+
+    cpus = sorted(os.sched_getaffinity(0))
+    decode_cpu, prefill_cpu = {cpus[-1]}, {cpus[0]}
+    with ExitStack() as stack:
+        target = start_target(stack, tmp_path, [256 * KIB])
+        _pin_process(target.pid, decode_cpu, DECODE_NICE)
+        probe = run_in_thread(stack, [Peer("decode-0", target.metadata_url)], [256 * KIB], interval_s=0.05,
+                              deadline_s=2.0, cpus=prefill_cpu)
+        config = parse_config(fleet_file(probe.url, str(sqlite_store.engine.url)))
+        clock = VirtualClock()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            loop = build_loop(config, sqlite_store, client, clock=clock)
+
+            async def tick(real_seconds: float = 1.0) -> TickReport:
+                await asyncio.sleep(real_seconds)
+                clock.advance(config.scrape.interval)
+                return await loop.tick()
+
+            for _ in range(11):
+                assert not (await tick()).opened
+            code = f"import os\nos.sched_setaffinity(0, {decode_cpu})\nwhile True:\n    pass\n"
+            hogs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(HOGS)]  # noqa: ASYNC220 (busy loops)
+            try:
+                opened = []
+                for _ in range(5):
+                    opened += (await tick()).opened
+                    if opened:
+                        break
+            finally:
+                for hog in hogs:
+                    hog.kill()
+                    hog.wait()
+            [finding] = opened
+            assert finding.subject == SUBJECT and finding.evidence["slow"] is True
+            assert finding.evidence["p99_s"] > 2 * finding.evidence["baseline_p99"]
+            resolved = []
+            for _ in range(10):
+                resolved += (await tick()).resolved
+                if resolved:
+                    break
+            assert [f.id for f in resolved] == [finding.id]
