@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -159,11 +159,15 @@ class AgentProcess:
 
     @classmethod
     def spawn(cls, argv: Sequence[str], log_path: Path, *, ready_timeout_s: float = 60.0,
-              python: str = sys.executable) -> AgentProcess:
-        """Start `python -m controlplane.kvprobe.agent ARGV` (stderr to `log_path`) and wait until it is ready."""
+              python: str = sys.executable, env: Mapping[str, str] | None = None) -> AgentProcess:
+        """Start `python -m controlplane.kvprobe.agent ARGV` (stderr to `log_path`) and wait until it is ready.
+
+        `env` adds variables, e.g. NIXL's own telemetry exporter (NIXL_TELEMETRY_ENABLE, ..._EXPORTER).
+        """
         cmd = [python, "-m", "controlplane.kvprobe.agent", *argv]
         log_file = log_path.open("ab")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
         try:
             ready = _read_ready(proc, ready_timeout_s)
         except BaseException:

@@ -128,3 +128,42 @@ async def test_decode_side_cpu_contention_opens_a_tail_finding(tmp_path: Path, s
                 if resolved:
                     break
             assert [f.id for f in resolved] == [finding.id]
+
+
+async def test_collectors_read_nixl_own_exporter_and_the_probe_side_by_side(tmp_path: Path) -> None:
+    """NIXL's Prometheus exporter in the initiator process, and the probe's endpoint, in one scrape round."""
+    import socket
+
+    from collectors.pipeline import SignalDeriver
+    from collectors.scraper import Scraper
+    from collectors.types import Target
+    from controlplane.kvprobe.agent import AgentProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nixl_port = s.getsockname()[1]
+    telemetry = {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus",
+                 "NIXL_TELEMETRY_PROMETHEUS_PORT": str(nixl_port), "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y"}
+    with ExitStack() as stack:
+        target = start_target(stack, tmp_path, [256 * KIB])
+        initiator = AgentProcess.spawn(
+            ["--role", "initiator", "--peer", f"decode-0={target.metadata_url}", "--block-sizes", "256KiB",
+             "--interval", "0.05", "--deadline", "1"], tmp_path / "initiator.log", env=telemetry)
+        stack.callback(initiator.stop)
+        targets = [Target(f"http://127.0.0.1:{nixl_port}/metrics", "prefill", "prefill-0", source="nixl"),
+                   Target(initiator.metrics_url, "prefill", "prefill-0", source="kvprobe")]
+        deriver = SignalDeriver()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            scraper = Scraper(client)
+            await asyncio.sleep(1.0)
+            deriver.derive(await scraper.scrape(targets, 0.0), 0.0)
+            await asyncio.sleep(2.0)
+            out = deriver.derive(await scraper.scrape(targets, 2.0), 2.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals}
+    nixl = {name: v for (subject, name), v in sig.items() if subject.startswith("nixl/") and subject.endswith("/prefill-0")}
+    assert nixl["nixl_tx_bytes_rate"] > 0 and nixl["nixl_tx_request_rate"] > 0
+    assert 0 < nixl["nixl_xfer_time_p99"] < 1.0
+    assert sig[(SUBJECT, "kv_transfer_rate")] > 0 and sig[(SUBJECT, "kv_failure_rate")] == 0
+    # Both count the same WRITEs: NIXL's own request counter and the probe's transfers agree closely.
+    assert abs(nixl["nixl_tx_request_rate"] - sig[(SUBJECT, "kv_transfer_rate")]) <= 0.2 * sig[(SUBJECT, "kv_transfer_rate")]
+    assert out.missing_families == {} and out.parse_errors == {}
