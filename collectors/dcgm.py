@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from collectors.families import Delta, FamilyMap, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
 from collectors.types import Sample, Signal, Target
 
-__all__ = ["FAMILIES", "SIGNALS", "SOURCE", "DcgmSource", "gpu_subject", "is_blank", "read_gpus", "signals"]
+__all__ = ["FAMILIES", "SIGNALS", "SOURCE", "gpu_subject", "is_blank", "read_gpus", "signals"]
 
 MIB = 1048576.0
 
@@ -216,25 +216,11 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
-class DcgmSource:
-    """The dcgm-exporter source: entities are GPUs and MIG instances, never aggregated."""
-
-    name = "dcgm"
-    families = FAMILIES
-    aggregate = False
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        """Readings per GPU or MIG instance."""
-        return read_gpus(samples)
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        """`gpu/<hostname>/<gpu>[/<GPU_I_ID>]`; the target's pod names a host without a hostname label."""
-        host, _, device = entity.partition("/")
-        return gpu_subject(host or target.pod, device)
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        """The shared GPU signals of one GPU's delta."""
-        return signals(d, ts, subject)
+def _subject(target: Target, entity: str) -> str:
+    """`gpu/<hostname>/<gpu>[/<GPU_I_ID>]`; the target's pod names a host without a hostname label."""
+    host, _, device = entity.partition("/")
+    return gpu_subject(host or target.pod, device)
 
 
-SOURCE = DcgmSource()
+# The dcgm-exporter source: entities are GPUs and MIG instances, never aggregated.
+SOURCE = FamilySource("dcgm", FAMILIES, aggregate=False, read=read_gpus, signals=signals, subject_of=_subject)

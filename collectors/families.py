@@ -10,13 +10,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from collectors.derive import Histogram, counter_increase, histogram_increase
 from collectors.types import Sample
 
-__all__ = ["Delta", "FamilyMap", "Reading", "delta", "merge_all", "missing_families", "read"]
+__all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "delta", "merge_all", "missing_families", "read"]
 
 EntityOf = Callable[[Mapping[str, str]], str | None]
+
+if TYPE_CHECKING:
+    from collectors.types import Signal, Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,3 +211,22 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
     for key, value in cur.gauges.items():
         out.gauges[key] = [value]
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySource:
+    """A source module assembled from its parts: how it reads entities, names them, and derives signals.
+
+    `aggregate` is True when a pool's signals are the merge of its entities' deltas (engines).
+    """
+
+    name: str
+    families: FamilyMap
+    aggregate: bool
+    read: Callable[[Iterable[Sample]], dict[str, Reading]]
+    signals: Callable[[Delta, float, str], list[Signal]]
+    subject_of: Callable[[Target, str], str]
+
+    def subject(self, target: Target, entity: str, reading: Reading) -> str:
+        """The signal subject of one entity of one target."""
+        return self.subject_of(target, entity)

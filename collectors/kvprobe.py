@@ -12,10 +12,10 @@ import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import Histogram, histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
 from collectors.types import Sample, Signal, Target
 
-__all__ = ["FAMILIES", "REASONS", "SOURCE", "KvProbeSource", "path_entity", "read_paths", "signals", "size_label"]
+__all__ = ["FAMILIES", "REASONS", "SOURCE", "path_entity", "read_paths", "signals", "size_label"]
 
 REASONS: tuple[str, ...] = ("timeout", "error", "metadata_exchange_failed", "peer_unreachable")
 
@@ -124,24 +124,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
-class KvProbeSource:
-    """The KV-path probe source: entities are probed paths; there is no pool aggregate."""
-
-    name = "kvprobe"
-    families = FAMILIES
-    aggregate = False
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        """Readings per `<src>-><dst>` path."""
-        return read_paths(samples)
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        """`kvpath/<src>-><dst>`."""
-        return f"kvpath/{entity}"
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        """Signals of one path's delta."""
-        return signals(d, ts, subject)
+def _subject(target: Target, entity: str) -> str:
+    """`kvpath/<src>-><dst>`."""
+    return f"kvpath/{entity}"
 
 
-SOURCE = KvProbeSource()
+# The KV-path probe source: entities are probed paths; there is no pool aggregate.
+SOURCE = FamilySource("kvprobe", FAMILIES, aggregate=False, read=read_paths, signals=signals, subject_of=_subject)

@@ -15,10 +15,10 @@ import re
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
 from collectors.types import Sample, Signal, Target
 
-__all__ = ["DEFAULT_POOL", "FAMILIES", "POOL_LABELS", "SOURCE", "LlmdSource", "read_entities", "signals", "slug"]
+__all__ = ["DEFAULT_POOL", "FAMILIES", "POOL_LABELS", "SOURCE", "read_entities", "signals", "slug"]
 
 FAMILIES = FamilyMap(
     counters={
@@ -336,24 +336,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
-class LlmdSource:
-    """The llm-d EPP source: entities are the pool and its models; there is no pool aggregate."""
-
-    name = "llmd"
-    families = FAMILIES
-    aggregate = False
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        """Readings per pool and per `<pool>/<model>`."""
-        return read_entities(samples)
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        """`router/<pool>` or `router/<pool>/<model>`."""
-        return f"router/{entity}"
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        """Signals of one pool or model delta."""
-        return signals(d, ts, subject)
+def _subject(target: Target, entity: str) -> str:
+    """`router/<pool>` or `router/<pool>/<model>`."""
+    return f"router/{entity}"
 
 
-SOURCE = LlmdSource()
+# The llm-d EPP source: entities are the pool and its models; there is no pool aggregate.
+SOURCE = FamilySource("llmd", FAMILIES, aggregate=False, read=read_entities, signals=signals, subject_of=_subject)

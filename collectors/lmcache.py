@@ -14,10 +14,10 @@ import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import Histogram, histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
 from collectors.types import Sample, Signal, Target
 
-__all__ = ["FAMILIES", "SOURCE", "LmcacheSource", "read_workers", "signals", "worker_entity"]
+__all__ = ["FAMILIES", "SOURCE", "read_workers", "signals", "worker_entity"]
 
 
 def _counter(name: str) -> tuple[str, str]:
@@ -156,24 +156,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
-class LmcacheSource:
-    """The LMCache source: entities are workers; there is no pool aggregate."""
-
-    name = "lmcache"
-    families = FAMILIES
-    aggregate = False
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        """Readings per worker."""
-        return read_workers(samples)
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        """`lmcache/<pool>/<pod>/<worker>`: worker ids restart at 0 in every pod."""
-        return f"lmcache/{target.pool}/{target.pod}/{entity}"
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        """Signals of one worker's delta."""
-        return signals(d, ts, subject)
+def _subject(target: Target, entity: str) -> str:
+    """`lmcache/<pool>/<pod>/<worker>`: worker ids restart at 0 in every pod."""
+    return f"lmcache/{target.pool}/{target.pod}/{entity}"
 
 
-SOURCE = LmcacheSource()
+# The LMCache source: entities are workers; there is no pool aggregate.
+SOURCE = FamilySource("lmcache", FAMILIES, aggregate=False, read=read_workers, signals=signals, subject_of=_subject)

@@ -15,10 +15,10 @@ import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import Histogram, histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
 from collectors.types import Sample, Signal, Target
 
-__all__ = ["FAMILIES", "SOURCE", "NixlSource", "agent_entity", "read_agents", "signals"]
+__all__ = ["FAMILIES", "SOURCE", "agent_entity", "read_agents", "signals"]
 
 US_PER_S = 1e6
 
@@ -155,24 +155,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
-class NixlSource:
-    """The NIXL exporter source: entities are agents; there is no pool aggregate."""
-
-    name = "nixl"
-    families = FAMILIES
-    aggregate = False
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        """Readings per agent."""
-        return read_agents(samples)
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        """`nixl/<hostname>/<agent_name>[/<rank or pid>]`."""
-        return f"nixl/{entity}"
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        """Signals of one agent's delta."""
-        return signals(d, ts, subject)
+def _subject(target: Target, entity: str) -> str:
+    """`nixl/<hostname>/<agent_name>[/<rank or pid>]`."""
+    return f"nixl/{entity}"
 
 
-SOURCE = NixlSource()
+# The NIXL exporter source: entities are agents; there is no pool aggregate.
+SOURCE = FamilySource("nixl", FAMILIES, aggregate=False, read=read_agents, signals=signals, subject_of=_subject)

@@ -1,38 +1,17 @@
-"""The source interface and the registry of source modules, keyed by `Target.source`."""
+"""The registry of source modules, keyed by `Target.source`.
+
+Each module (vLLM, dcgm-exporter, NIXL, llm-d, LMCache, the KV probe) exposes a `SOURCE`: a
+`FamilySource` saying how it reads entities from samples, names their subjects and derives signals.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
-
 from collectors import dcgm, kvprobe, llmd, lmcache, nixl, vllm
-from collectors.families import Delta, FamilyMap, Reading
-from collectors.types import Sample, Signal, Target
+from collectors.families import FamilySource
 
-__all__ = ["SOURCES", "Source", "UnknownSource", "get"]
+__all__ = ["SOURCES", "UnknownSource", "get"]
 
-
-class Source(Protocol):
-    """Maps one kind of exposition (vLLM, dcgm-exporter, NIXL, ...) to entity signals."""
-
-    name: str
-    families: FamilyMap
-    aggregate: bool  # True when pool-level signals are the merge of entity deltas
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        """Readings per entity (engine, GPU, agent, ...)."""
-        ...
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        """The signal subject of one entity of one target."""
-        ...
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        """Signals from the change of one entity (or of a pool aggregate)."""
-        ...
-
-
-SOURCES: dict[str, Source] = {
+SOURCES: dict[str, FamilySource] = {
     s.name: s for s in (vllm.SOURCE, dcgm.SOURCE, nixl.SOURCE, llmd.SOURCE, lmcache.SOURCE, kvprobe.SOURCE)
 }
 
@@ -41,7 +20,7 @@ class UnknownSource(KeyError):
     """A target names a source no module handles."""
 
 
-def get(name: str) -> Source:
+def get(name: str) -> FamilySource:
     """The source module called `name`."""
     try:
         return SOURCES[name]

@@ -11,10 +11,10 @@ import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
 from collectors.types import Sample, Signal, Target, engine_subject
 
-__all__ = ["FAMILIES", "SOURCE", "VllmSource", "read_engines", "signals"]
+__all__ = ["FAMILIES", "SOURCE", "read_engines", "signals"]
 
 FAMILIES = FamilyMap(
     counters={
@@ -144,21 +144,9 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
-class VllmSource:
-    """The vLLM engine source: entities are engines, pools aggregate their deltas."""
-
-    name = "vllm"
-    families = FAMILIES
-    aggregate = True
-
-    def read(self, samples: Iterable[Sample]) -> dict[str, Reading]:
-        return read_engines(samples)
-
-    def subject(self, target: Target, entity: str, reading: Reading) -> str:
-        return engine_subject(target.pool, target.pod, entity)
-
-    def signals(self, d: Delta, ts: float, subject: str) -> list[Signal]:
-        return signals(d, ts, subject)
+def _subject(target: Target, entity: str) -> str:
+    return engine_subject(target.pool, target.pod, entity)
 
 
-SOURCE = VllmSource()
+# The vLLM engine source: entities are engines, pools aggregate their deltas.
+SOURCE = FamilySource("vllm", FAMILIES, aggregate=True, read=read_engines, signals=signals, subject_of=_subject)
