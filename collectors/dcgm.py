@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Sample, Signal, Target
 
 __all__ = ["FAMILIES", "SIGNALS", "SOURCE", "gpu_subject", "is_blank", "read_gpus", "signals"]
@@ -169,11 +169,8 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
 
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn one GPU's delta into the shared GPU signals for `subject` at time `ts`."""
-    out: list[Signal] = []
-
-    def emit(name: str, value: float | None) -> None:
-        if value is not None and math.isfinite(value):
-            out.append(Signal(ts, subject, name, value))
+    out = SignalList(ts, subject)
+    emit = out.emit
 
     def gauge(key: str, scale: float = 1.0) -> float | None:
         values = d.gauges.get(key)

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from collectors.derive import Histogram, counter_increase, histogram_increase
-from collectors.types import Sample
+from collectors.types import Sample, Signal
 
-__all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "delta", "merge_all", "missing_families", "read"]
+__all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "delta", "merge_all", "missing_families", "read"]
 
 EntityOf = Callable[[Mapping[str, str]], str | None]
 
 if TYPE_CHECKING:
-    from collectors.types import Signal, Target
+    from collectors.types import Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,3 +230,24 @@ class FamilySource:
     def subject(self, target: Target, entity: str, reading: Reading) -> str:
         """The signal subject of one entity of one target."""
         return self.subject_of(target, entity)
+
+
+class SignalList(list[Signal]):
+    """The signals of one subject at one time, built by a source's `signals()`; skips missing values."""
+
+    def __init__(self, ts: float, subject: str) -> None:
+        super().__init__()
+        self.ts = ts
+        self.subject = subject
+
+    def emit(self, name: str, value: float | None) -> None:
+        """Add a signal unless the value is missing, NaN or infinite."""
+        if value is not None and math.isfinite(value):
+            self.append(Signal(self.ts, self.subject, name, value))
+
+    def rates(self, pairs: Iterable[tuple[str, str]], d: Delta) -> None:
+        """Per-second rates of counter increases: (increase key, signal name) pairs present in `d`."""
+        per_s = 1.0 / d.seconds
+        for key, name in pairs:
+            if key in d.increases:
+                self.emit(name, d.increases[key] * per_s)

@@ -8,11 +8,10 @@ overall ones; failures are split by `reason` (timeout, error, metadata_exchange_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import Histogram, histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Sample, Signal, Target
 
 __all__ = ["FAMILIES", "REASONS", "SOURCE", "path_entity", "read_paths", "signals", "size_label"]
@@ -70,11 +69,8 @@ def _quantiles(hist: Histogram) -> tuple[float, float]:
 
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn one path's delta into named signals for `subject` at time `ts`."""
-    out: list[Signal] = []
-
-    def emit(name: str, value: float | None) -> None:
-        if value is not None and math.isfinite(value):
-            out.append(Signal(ts, subject, name, value))
+    out = SignalList(ts, subject)
+    emit = out.emit
 
     inc = d.increases
     per_s = 1.0 / d.seconds

@@ -10,12 +10,11 @@ series carry no pool label, so they are attributed to the pool the same expositi
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Sample, Signal, Target
 
 __all__ = ["DEFAULT_POOL", "FAMILIES", "POOL_LABELS", "SOURCE", "read_entities", "signals", "slug"]
@@ -250,17 +249,12 @@ def read_entities(samples: Iterable[Sample]) -> dict[str, Reading]:
 
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn a pool or per-model delta into named `epp_*` signals for `subject` at time `ts`."""
-    out: list[Signal] = []
-
-    def emit(name: str, value: float | None) -> None:
-        if value is not None and math.isfinite(value):
-            out.append(Signal(ts, subject, name, value))
+    out = SignalList(ts, subject)
+    emit = out.emit
 
     inc = d.increases
     per_s = 1.0 / d.seconds
-    for key, name in _RATES:
-        if key in inc:
-            emit(name, inc[key] * per_s)
+    out.rates(_RATES, d)
 
     split: dict[str, dict[str, float]] = {}
     for key, value in inc.items():

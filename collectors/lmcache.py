@@ -10,11 +10,10 @@ Remote-backend times are exposed in milliseconds; every time signal here is in s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import Histogram, histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Sample, Signal, Target
 
 __all__ = ["FAMILIES", "SOURCE", "read_workers", "signals", "worker_entity"]
@@ -121,17 +120,11 @@ def _scaled(hist: Histogram, factor: float) -> Histogram:
 
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn one worker's delta into named `lmcache_*` signals for `subject` at time `ts`."""
-    out: list[Signal] = []
-
-    def emit(name: str, value: float | None) -> None:
-        if value is not None and math.isfinite(value):
-            out.append(Signal(ts, subject, name, value))
+    out = SignalList(ts, subject)
+    emit = out.emit
 
     inc = d.increases
-    per_s = 1.0 / d.seconds
-    for key, name in _RATES:
-        if key in inc:
-            emit(name, inc[key] * per_s)
+    out.rates(_RATES, d)
     for name, hits, total, gauge in _HIT_RATES:
         if hits in inc and total in inc:
             # An interval without requests has no hit rate; the gauge would only repeat a stale one.

@@ -11,11 +11,10 @@ every signal here is in seconds. An entity is one agent: `<hostname>/<agent_name
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import Histogram, histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Sample, Signal, Target
 
 __all__ = ["FAMILIES", "SOURCE", "agent_entity", "read_agents", "signals"]
@@ -106,17 +105,12 @@ def _seconds(hist: Histogram) -> Histogram:
 
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn one agent's delta into named signals for `subject` at time `ts`."""
-    out: list[Signal] = []
-
-    def emit(name: str, value: float | None) -> None:
-        if value is not None and math.isfinite(value):
-            out.append(Signal(ts, subject, name, value))
+    out = SignalList(ts, subject)
+    emit = out.emit
 
     inc = d.increases
     per_s = 1.0 / d.seconds
-    for key, name in _RATES:
-        if key in inc:
-            emit(name, inc[key] * per_s)
+    out.rates(_RATES, d)
 
     requests = [inc[k] for k in ("tx_requests", "rx_requests") if k in inc]
     for hist_key, total_key, prefix in _TIMES:

@@ -7,11 +7,10 @@ An entity is one engine: the `engine` label, i.e. the data-parallel rank.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 from collectors.derive import histogram_quantile, ratio
-from collectors.families import Delta, FamilyMap, FamilySource, Reading, read
+from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Sample, Signal, Target, engine_subject
 
 __all__ = ["FAMILIES", "SOURCE", "read_engines", "signals"]
@@ -79,11 +78,8 @@ def read_engines(samples: Iterable[Sample]) -> dict[str, Reading]:
 
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn an engine or pool delta into named signals for `subject` at time `ts`."""
-    out: list[Signal] = []
-
-    def emit(name: str, value: float | None) -> None:
-        if value is not None and math.isfinite(value):
-            out.append(Signal(ts, subject, name, value))
+    out = SignalList(ts, subject)
+    emit = out.emit
 
     inc = d.increases
     per_s = 1.0 / d.seconds
