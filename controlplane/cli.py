@@ -277,6 +277,27 @@ def runbook(kind: str | None) -> None:
         raise click.UsageError(f"no runbook for {kind!r}; known: {', '.join(runbooks.available())}") from None
 
 
+# simulator ----------------------------------------------------------------------------------
+
+@cli.group()
+def sim() -> None:
+    """The trace-driven simulator."""
+
+
+@sim.command("validate")
+@click.option("--json", "as_json", is_flag=True)
+def sim_validate(as_json: bool) -> None:
+    """Check the performance model against its profiles and the Mooncake prefix-cache hit ratios; exit 1 on a miss."""
+    from controlplane.sim.validate import render, validate
+
+    result = validate(progress=lambda msg: err.print(msg, highlight=False))
+    if as_json:
+        _emit_json(result)
+    else:
+        click.echo(render(result))
+    sys.exit(0 if result["ok"] else 1)
+
+
 # probes -------------------------------------------------------------------------------------
 
 @cli.group()
@@ -358,6 +379,26 @@ def bench_parse(seconds: float, as_json: bool) -> None:
                       f"{r['cold_ratio']:.1f}x", str(r["identical"]))
         out.print(t)
     sys.exit(0 if result["identical"] else 1)
+
+
+@bench.command("sim")
+@click.option("--trace", default="mooncake/conversation", show_default=True)
+@click.option("--capacity", default=20_000, show_default=True, type=click.IntRange(min=1), help="Cache blocks in all.")
+@click.option("--caches", default=1, show_default=True, type=click.IntRange(min=1), help="Cache-aware routed engines.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_sim(trace: str, capacity: int, caches: int, as_json: bool) -> None:
+    """Trace replay through prefix caches: requests and simulated seconds per wall second."""
+    from bench.sim import run_sim_bench
+
+    result = run_sim_bench(trace, capacity, caches)
+    if as_json:
+        _emit_json(result)
+    else:
+        t = Table(title=f"Replay of {trace} ({capacity:,} blocks over {caches} cache(s))")
+        for key, value in result.items():
+            if not isinstance(value, dict | list):
+                t.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+        out.print(t)
 
 
 @bench.command("scrape")

@@ -192,3 +192,13 @@ def test_bench_scrape_measures_the_whole_path() -> None:
     result = json.loads(res.stdout)
     assert result["targets_up"] == 40 and result["signals_per_interval"] > 40 * 10
     assert result["cpu_s_per_interval"] > 0 and result["peak_rss_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_sim_validate_and_bench_sim() -> None:
+    res = fleetctl("sim", "validate", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["ok"] is True
+    bench = fleetctl("bench", "sim", "--json", timeout=300)
+    assert bench.returncode == 0 and json.loads(bench.stdout)["replay_requests_per_s"] > 0
