@@ -20,6 +20,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	scripts/ensure-postgres.sh
+	scripts/ensure-chromium.sh
 	scripts/ensure-prometheus.sh
 	scripts/ensure-nixl.sh $(VENV)
 	scripts/setup-vllm-lab.sh

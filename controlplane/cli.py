@@ -381,6 +381,30 @@ def bench_parse(seconds: float, as_json: bool) -> None:
     sys.exit(0 if result["identical"] else 1)
 
 
+@bench.command("dashboard")
+@click.option("--engines", default=200, show_default=True, type=click.IntRange(min=8))
+@click.option("--days", default=7.0, show_default=True, type=click.FloatRange(min=1))
+@click.option("--minute-hours", type=click.FloatRange(min=0), default=None,
+              help="1-minute rollups for the last N hours only (default: all days; 24 seeds in ~90 s).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True)
+def bench_dashboard(engines: int, days: float, minute_hours: float | None, repeats: int, as_json: bool) -> None:
+    """Per-page dashboard query time on a seeded store (a week of 200 engines by default)."""
+    from bench.dashboard import run_dashboard_bench
+
+    result = run_dashboard_bench(engines=engines, days=days, minute_hours=minute_hours, repeats=repeats, progress=err)
+    if as_json:
+        _emit_json(result)
+    else:
+        t = Table(title=f"Dashboard queries, {result['engines']} engines over {days:g} days (goal {result['goal_ms']:.0f} ms)")
+        for col in ("page", "worst ms", *next(iter(result["pages"].values()))["by_range_ms"]):
+            t.add_column(col, justify="right")
+        for page, r in result["pages"].items():
+            t.add_row(page, f"{r['ms']:.0f}", *(f"{v:.0f}" for v in r["by_range_ms"].values()))
+        out.print(t)
+    sys.exit(0 if result["ok"] else 1)
+
+
 @bench.command("sim")
 @click.option("--trace", default="mooncake/conversation", show_default=True)
 @click.option("--capacity", default=20_000, show_default=True, type=click.IntRange(min=1), help="Cache blocks in all.")
@@ -434,7 +458,7 @@ def dashboard(db: str, host: str, port: int) -> None:
     app = resources.files("dashboard").joinpath("app.py")
     env = {**os.environ, "FLEETCTL_STORE_URL": db}
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host, "--server.port", str(port),
-           "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+           "--server.headless", "true", "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"]
     err.print(f"dashboard on http://{host}:{port} (store {db})")
     sys.exit(subprocess.call(cmd, env=env))
 

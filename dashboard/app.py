@@ -1,102 +1,76 @@
-"""Operations dashboard: fleet signals, findings with runbooks, and the audit log.
+"""Operations dashboard entry: page navigation, the time range, auto-refresh and the store check.
 
-Run with `fleetctl dashboard --db URL`. Reads only, through `controlplane.store.queries`.
+Run with `fleetctl dashboard --db URL`. Reads the store only, through `controlplane.store.queries`;
+approvals go to the control plane's HTTP API. Each page lives in `dashboard/views/`.
 """
 
 from __future__ import annotations
 
-import os
-from datetime import UTC, datetime
+import time
 
-import pandas as pd
 import streamlit as st
 
-from controlplane import runbooks
-from controlplane.errors import StoreUnavailable
-from controlplane.store.queries import ReadStore
+from controlplane.store.db import redact
+from dashboard import common as c
 
-st.set_page_config(page_title="fleet-controlplane", layout="wide")
+st.set_page_config(page_title="fleet-controlplane", page_icon=":material/monitoring:", layout="wide")
 
-DB = os.environ.get("FLEETCTL_STORE_URL", "sqlite:///fleet.db")
-CHARTS = (
-    ("prefix_cache_hit_rate", "Prefix-cache hit rate"),
-    ("ttft_p95", "TTFT p95 (s)"),
-    ("tpot_p95", "TPOT p95 (s)"),
-    ("request_rate", "Requests/s"),
-    ("kv_cache_usage_max", "KV-cache usage (max)"),
-    ("requests_waiting", "Waiting requests"),
-)
+PAGES = [
+    st.Page(c.PAGE_FILES["fleet"], title="Fleet", icon=":material/dashboard:", url_path="fleet", default=True),
+    st.Page(c.PAGE_FILES["pool"], title="Pool", icon=":material/stacks:", url_path="pool"),
+    st.Page(c.PAGE_FILES["ep"], title="Expert parallelism", icon=":material/grid_view:", url_path="ep"),
+    st.Page(c.PAGE_FILES["kv"], title="KV transfer", icon=":material/swap_horiz:", url_path="kv"),
+    st.Page(c.PAGE_FILES["gpus"], title="GPUs", icon=":material/memory:", url_path="gpus"),
+    st.Page(c.PAGE_FILES["incidents"], title="Incidents", icon=":material/warning:", url_path="incidents"),
+    st.Page(c.PAGE_FILES["actions"], title="Actions", icon=":material/fact_check:", url_path="actions"),
+    st.Page(c.PAGE_FILES["canary"], title="Canary gates", icon=":material/rule:", url_path="canary"),
+]
+page = st.navigation(PAGES)
 
+latest = c.latest_ts()
+url = c.store_url()
 
-@st.cache_resource
-def store(url: str) -> ReadStore:
-    return ReadStore.open(url)
+with st.sidebar:
+    # A link may carry ?range= and ?end= (an incident's time); apply a new one once, then let the widget rule.
+    wanted = st.query_params.get("range")
+    if wanted in c.RANGES and st.session_state.get("_range_from_link") != wanted:
+        st.session_state["range"] = wanted
+        st.session_state["_range_from_link"] = wanted
+    label = st.selectbox("Time range", list(c.RANGES), index=list(c.RANGES).index(c.DEFAULT_RANGE), key="range")
+    pinned = st.query_params.get("end")
+    try:
+        end = float(pinned) if pinned else None
+    except ValueError:
+        end = None
+    live = end is None
+    if live:
+        end = latest if latest is not None else time.time()
+        st.caption(f"Live, up to the newest signal: {c.when(latest)} UTC" if latest else "Live")
+    else:
+        st.caption(f"Pinned to {c.when(end)} UTC")
+        if st.button("Back to live", icon=":material/replay:"):
+            del st.query_params["end"]
+            st.rerun()
+    refresh = st.toggle("Auto-refresh", value=True, key="auto_refresh", disabled=not live,
+                        help="Reload the page when new signals arrive (checked every 15 s).")
+    st.caption(f"Store: `{redact(url)}`")
 
+st.session_state["window"] = c.Window(end - c.RANGES[label], end, label, live, latest)
 
-@st.cache_data(ttl=10)
-def load_series(url: str, name: str, prefix: str, start: float, end: float) -> pd.DataFrame:
-    points = store(url).series(name, prefix, start, end)
-    df = pd.DataFrame([(p.ts, p.subject.removeprefix("pool/"), p.value) for p in points],
-                      columns=["ts", "pool", "value"])
-    df["time"] = pd.to_datetime(df["ts"], unit="s", utc=True)
-    return df
-
-
-def _when(ts: float | None) -> str:
-    return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
-
-
-try:
-    reader = store(DB)
-    latest = reader.latest_ts()
-except StoreUnavailable as exc:
-    st.error(f"The store is unreachable: {exc}")
-    st.stop()
-
-st.title("Fleet")
 if latest is None:
-    st.info(f"The store {DB.split('@')[-1]} holds no signals yet: start `fleetctl run` or `fleetctl demo`.")
-    st.stop()
+    st.info(f"The store {redact(url)} holds no signals yet: start the control plane (`fleetctl run --config FLEET.yaml`) "
+            "or fill it with `fleetctl demo --db URL`. Pages show what the store has.")
 
-hours = st.sidebar.select_slider("Time range (hours)", options=[1, 3, 6, 24, 72, 168], value=3)
-start = latest - hours * 3600
 
-findings = reader.findings(include_resolved=True)
-open_findings = [f for f in findings if f["state"] == "open"]
-cols = st.columns(3)
-cols[0].metric("Open findings", len(open_findings))
-cols[1].metric("Targets up", sum(1 for t in reader.targets() if t["up"]))
-cols[2].metric("Last signal", _when(latest))
+@st.fragment(run_every=15)
+def _watch(seen: float | None) -> None:
+    """Rerun the whole app when the store has a newer signal than the one shown."""
+    if c.latest_ts() != seen:
+        st.rerun()
 
-chart_cols = st.columns(2)
-for i, (name, title) in enumerate(CHARTS):
-    df = load_series(DB, name, "pool/", start, latest)
-    with chart_cols[i % 2]:
-        st.subheader(title)
-        if df.empty:
-            st.caption("no data in range")
-        else:
-            st.line_chart(df, x="time", y="value", color="pool")
 
-st.header("Incidents")
-for f in findings[:50]:
-    label = f"#{f['id']} [{f['severity']}] {f['summary']} ({f['state']}, opened {_when(f['opened_at'])})"
-    with st.expander(label, expanded=f["state"] == "open"):
-        st.write(f["cause"])
-        st.json(f["evidence"], expanded=False)
-        try:
-            st.markdown(runbooks.load(f["runbook"]))
-        except KeyError:
-            st.caption(f"no runbook named {f['runbook']}")
+if live and refresh:
+    with st.sidebar:
+        _watch(latest)
 
-st.header("Actions")
-actions = reader.actions()
-if actions:
-    st.dataframe(pd.DataFrame([
-        {"id": a["id"], "finding": a["finding_id"], "kind": a["kind"], "pool": a["pool"], "state": a["state"],
-         "replicas": f"{a['params'].get('from_replicas')} -> {a['params'].get('replicas')}",
-         "created": _when(a["created_at"]), "outcome": a["outcome"], "reason": a["reason"]}
-        for a in actions
-    ]), hide_index=True)
-else:
-    st.caption("no actions yet")
+page.run()

@@ -11,6 +11,7 @@ benchmark times the same functions.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Select, and_, func, literal, or_, select, text, union_all
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
 from controlplane.errors import StoreUnavailable
 from controlplane.store import migrate
@@ -56,14 +58,17 @@ __all__ = [
 # Up to this range raw points are read; beyond it 1-minute rollups, beyond a day hourly ones.
 RAW_MAX_S = 6 * 3600.0
 MINUTE_MAX_S = 7 * 86400.0
-# Bucketed reads: the scrape interval assumed when estimating raw rows, the most rows one read
-# may scan (which keeps each page's queries within its time goal), and the points per series.
+# Bucketed reads: the scrape interval assumed when estimating raw rows, how many stored rows one
+# read may scan and how many buckets it may return (SQLite groups and returns about a million rows
+# a second, so these keep a page of a few reads well inside its time goal), and the most points
+# a series gets on a chart.
 RAW_INTERVAL_S = 15.0
-ROW_BUDGET = 80_000
+SCAN_BUDGET = 40_000
+RETURN_BUDGET = 4_000
 MAX_POINTS = 240
 STEPS = (15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
 # How far back "the latest value" may lie before a series counts as silent.
-LATEST_LOOKBACK_S = 300.0
+LATEST_LOOKBACK_S = 180.0
 # Upper bounds on lists a page reads, so a churning fleet cannot make a page unbounded.
 MAX_SUBJECTS = 2000
 MAX_NAMES = 64
@@ -112,15 +117,17 @@ class Plan:
     step: float
 
 
-def plan(start: float, end: float, series: int = 1, budget: int = ROW_BUDGET) -> Plan:
-    """The finest level whose scan of `series` series over [start, end] fits `budget` rows."""
+def plan(start: float, end: float, series: int = 1, budget: int = SCAN_BUDGET) -> Plan:
+    """How to read `series` series over [start, end]: the finest level whose scan fits `budget`
+    rows, and a bucket width that keeps each series within MAX_POINTS and the read within RETURN_BUDGET."""
     span = max(end - start, 1.0)
+    n = max(1, series)
     resolution, width = 3600, 3600.0
     for level, level_width, max_span in ((0, RAW_INTERVAL_S, RAW_MAX_S), (60, 60.0, MINUTE_MAX_S)):
-        if span <= max_span and max(1, series) * span / level_width <= budget:
+        if span <= max_span and n * span / level_width <= budget:
             resolution, width = level, level_width
             break
-    want = max(width, span / MAX_POINTS)
+    want = max(width, span / MAX_POINTS, span * n / RETURN_BUDGET)
     step = next((s for s in STEPS if s >= want), math.ceil(want / 86400) * 86400)
     return Plan(resolution, float(step))
 
@@ -137,21 +144,34 @@ def _levels(p: Plan, start: float, end: float, wm60: float, wm3600: float) -> li
     return [(level, lo, min(hi, stop)) for level, lo, hi in cuts if min(hi, stop) > lo]
 
 
-def _part(level: int, names: list[str], subjects: list[str], lo: float, hi: float, step: float | None) -> Select:
-    """Per (name, subject, bucket) count/sum/min/max from one stored level; no bucket when `step` is None."""
+def _part(level: int, names: list[str], subjects: list[str], lo: float, hi: float, step: float | None,
+          positive: bool = False) -> Select:
+    """Per (name, subject, bucket) count/sum/min/max from one stored level; no bucket when `step` is None.
+
+    `positive` reads only stored rows above zero, so a scan for rare events groups only the events.
+    """
     if level == 0:
         t = SignalRow
         b = bucket_start(t.ts, literal(step)) if step else literal(0.0)
         q = (select(t.name, t.subject, b.label("b"), func.count().label("n"), func.sum(t.value).label("s"),
                     func.min(t.value).label("lo"), func.max(t.value).label("hi"))
              .where(t.name.in_(names), t.subject.in_(subjects), t.ts >= lo, t.ts < hi))
+        if positive:
+            q = q.where(t.value > 0)
         return q.group_by(t.name, t.subject, b) if step else q.group_by(t.name, t.subject)
     r = SignalRollupRow
     b = bucket_start(r.bucket, literal(step)) if step else literal(0.0)
     q = (select(r.name, r.subject, b.label("b"), func.sum(r.count).label("n"), func.sum(r.sum).label("s"),
                 func.min(r.min).label("lo"), func.max(r.max).label("hi"))
          .where(r.resolution == level, r.name.in_(names), r.subject.in_(subjects), r.bucket >= lo, r.bucket < hi))
+    if positive:
+        q = q.where(r.max > 0)
     return q.group_by(r.name, r.subject, b) if step else q.group_by(r.name, r.subject)
+
+
+def _point(b: Any, name: str, subject: str, n: Any, s: Any, lo: Any, hi: Any) -> Point:
+    """A Point from aggregate columns (PostgreSQL sums integers to Decimal)."""
+    return Point(float(b), name, subject, float(s) / float(n), float(lo), float(hi), int(n))
 
 
 _WALK = """
@@ -165,6 +185,26 @@ SELECT item FROM walk WHERE item IS NOT NULL AND substr(item, 1, :plen) = :lo
 """
 
 
+def _reads(cls: type[ReadStore]) -> type[ReadStore]:
+    """Every public query raises StoreUnavailable, not SQLAlchemy's errors, when the store fails."""
+
+    def translated(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except SQLAlchemyError as exc:
+                raise StoreUnavailable(f"{fn.__name__}: {str(getattr(exc, 'orig', None) or exc).strip()[:300]}") from exc
+
+        return wrapper
+
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("_") and not isinstance(value, classmethod | staticmethod):
+            setattr(cls, name, translated(value))
+    return cls
+
+
+@_reads
 class ReadStore:
     """Query methods over an engine; returns plain dicts and dataclasses."""
 
@@ -215,9 +255,10 @@ class ReadStore:
         return float(rows.get("rollup_60", 0.0)), float(rows.get("rollup_3600", 0.0))
 
     def _grouped(self, conn: Connection, names: list[str], subjects: list[str], start: float, end: float,
-                 p: Plan, step: float | None) -> Select | None:
+                 p: Plan, step: float | None, positive: bool = False) -> Select | None:
         wm60, wm3600 = self._watermarks(conn)
-        parts = [_part(level, names, subjects, lo, hi, step) for level, lo, hi in _levels(p, start, end, wm60, wm3600)]
+        parts = [_part(level, names, subjects, lo, hi, step, positive)
+                 for level, lo, hi in _levels(p, start, end, wm60, wm3600)]
         if not parts:
             return None
         if len(parts) == 1:
@@ -231,22 +272,20 @@ class ReadStore:
                 plan_: Plan | None = None, positive: bool = False) -> list[Point]:
         """Every (name, subject) series in [start, end] as buckets with mean, min and max, oldest first.
 
-        `positive` keeps only buckets whose max is above zero (event counters: XIDs, ECC errors).
+        `positive` reads only values above zero (event counters: XIDs, ECC errors).
         """
         names, subjects = sorted(set(names)), sorted(set(subjects))
         if not names or not subjects or end < start:
             return []
         p = plan_ or plan(start, end, len(names) * len(subjects))
         with self.engine.connect() as conn:
-            q = self._grouped(conn, names, subjects, start, end, p, p.step)
+            q = self._grouped(conn, names, subjects, start, end, p, p.step, positive)
             if q is None:
                 return []
-            sq = q.subquery()
-            outer = select(sq.c.name, sq.c.subject, sq.c.b, sq.c.n, sq.c.s, sq.c.lo, sq.c.hi)
-            if positive:
-                outer = outer.where(sq.c.hi > 0)
-            rows = conn.execute(outer.order_by(sq.c.b)).tuples().all()
-        return [Point(float(b), name, subject, s / n, lo, hi, int(n)) for name, subject, b, n, s, lo, hi in rows if n]
+            rows = conn.execute(q).tuples().all()
+        points = [_point(b, name, subject, n, s, lo, hi) for name, subject, b, n, s, lo, hi in rows if n]
+        points.sort(key=lambda pt: pt.ts)
+        return points
 
     def spread(self, names: Iterable[str], subjects: Iterable[str], start: float, end: float, *,
                plan_: Plan | None = None) -> list[Spread]:
@@ -264,9 +303,11 @@ class ReadStore:
             per = select(inner.c.name, inner.c.b, mean).where(inner.c.n > 0).subquery()
             outer = (select(per.c.name, per.c.b, func.avg(per.c.mean), func.min(per.c.mean), func.max(per.c.mean),
                             func.sum(per.c.mean), func.count())
-                     .group_by(per.c.name, per.c.b).order_by(per.c.b))
+                     .group_by(per.c.name, per.c.b))
             rows = conn.execute(outer).tuples().all()
-        return [Spread(float(b), name, avg, lo, hi, total, int(n)) for name, b, avg, lo, hi, total, n in rows]
+        spreads = [Spread(float(b), name, float(avg), float(lo), float(hi), float(total), int(n))
+                   for name, b, avg, lo, hi, total, n in rows]
+        return sorted(spreads, key=lambda sp: sp.ts)
 
     def totals(self, names: Iterable[str], subjects: Iterable[str], start: float, end: float) -> dict[tuple[str, str], Point]:
         """One aggregate per (name, subject) over the whole of [start, end]: mean, min, max and count."""
@@ -274,14 +315,13 @@ class ReadStore:
         if not names or not subjects or end < start:
             return {}
         # A whole-window aggregate needs no fine buckets: a quarter of the budget picks a coarser level.
-        p = plan(start, end, len(names) * len(subjects), budget=ROW_BUDGET // 4)
+        p = plan(start, end, len(names) * len(subjects), budget=SCAN_BUDGET // 4)
         with self.engine.connect() as conn:
             q = self._grouped(conn, names, subjects, start, end, p, None)
             if q is None:
                 return {}
             rows = conn.execute(q).tuples().all()
-        return {(name, subject): Point(start, name, subject, s / n, lo, hi, int(n))
-                for name, subject, _b, n, s, lo, hi in rows if n}
+        return {(name, subject): _point(start, name, subject, n, s, lo, hi) for name, subject, _b, n, s, lo, hi in rows if n}
 
     def latest(self, names: Iterable[str], subjects: Iterable[str], at: float,
                lookback: float = LATEST_LOOKBACK_S) -> dict[tuple[str, str], tuple[float, float]]:
@@ -438,20 +478,13 @@ EPLB_PREFIX = "eplb_"
 GPU_NOW = ("gpu_utilization", "gpu_memory_used_bytes", "gpu_memory_free_bytes", "gpu_tensor_active",
            "gpu_temperature_celsius", "gpu_power_watts")
 GPU_DETAIL = ("gpu_utilization", "gpu_memory_used_bytes", "gpu_tensor_active", "gpu_temperature_celsius")
-GPU_EVENTS = ("gpu_xid_errors", "gpu_xid_last", "gpu_ecc_dbe_rate", "gpu_ecc_sbe_rate")
+# XID counts and codes (the code is only stored when an XID was seen) and uncorrectable ECC errors.
+GPU_EVENTS = ("gpu_xid_errors", "gpu_xid_last", "gpu_ecc_dbe_rate")
 TOP_PATHS = 8
 
 
-def _pool_of(subject: str) -> str | None:
-    """The pool a subject belongs to: `pool/<pool>`, `engine/<pool>/...`, `pod/<pool>/...`, `target/<pool>/...`."""
-    kind, _, rest = subject.partition("/")
-    if kind in ("pool", "engine", "pod", "target") and rest:
-        return rest.split("/", 1)[0]
-    return None
-
-
 def fleet_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
-    """Pools with their latest values, pool series, targets up/down, open incidents and recent actions."""
+    """Pools with their latest values, pool series, targets up/down, incidents and recent actions."""
     pools = store.pools()
     subjects = [f"pool/{p}" for p in pools]
     now: dict[str, dict[str, float]] = defaultdict(dict)
@@ -464,6 +497,7 @@ def fleet_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
         "targets": store.target_counts(),
         "open_counts": store.open_counts(),
         "open_findings": store.findings(limit=20),
+        "recent_findings": store.findings_between(start, end, limit=10),
         "actions": store.actions(limit=10),
     }
 
@@ -521,7 +555,12 @@ def ep_page(store: ReadStore, start: float, end: float, pool: str | None = None,
 
 
 def kv_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
-    """KV transfer per source (probe paths, vLLM's NIXL connector, NIXL agents): distribution, tail, failures."""
+    """KV transfer per source (probe paths, vLLM's NIXL connector, NIXL agents): distribution, tail, failures.
+
+    vLLM pools aggregate their engines' transfer histograms, so for that source the distribution
+    over time is the pools' own quantiles; the probe paths and NIXL agents have no aggregate, so
+    theirs is the spread across subjects.
+    """
     from policies.kv_transfer import PATHS  # the same subjects and signals the detector reads
 
     sources = []
@@ -530,17 +569,22 @@ def kv_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
         if not subjects:
             continue
         p50 = path.p99.replace("p99", "p50")
-        names = [path.p99, path.failures] + ([path.rate] if path.rate else [])
-        totals = store.totals(names, subjects, start, end)
+        rate = [path.rate] if path.rate else []
+        totals = store.totals([path.p99, path.failures, *rate], subjects, start, end)
         ranked = sorted(subjects, key=lambda s: -(totals[(path.p99, s)].mean if (path.p99, s) in totals else 0.0))
-        sources.append({
+        source: dict[str, Any] = {
             "prefix": path.prefix, "p50": p50, "p99": path.p99, "failures": path.failures, "rate": path.rate,
-            "subjects": len(subjects),
-            "distribution": store.spread([p50, path.p99], subjects, start, end),
-            "failure_series": store.spread([path.failures], subjects, start, end),
-            "totals": list(totals.values()),
+            "subjects": len(subjects), "totals": list(totals.values()),
             "tail": store.buckets([path.p99], ranked[:TOP_PATHS], start, end),
-        })
+            "pools": [], "spread": [],
+        }
+        if path.prefix == "engine/":
+            pools = sorted({f"pool/{s.split('/')[1]}" for s in subjects})
+            source["pools"] = store.buckets([p50, path.p99.replace("p99", "p95"), path.p99, path.failures, *rate],
+                                            pools, start, end)
+        else:
+            source["spread"] = store.spread([path.p99, path.failures], subjects, start, end)
+        sources.append(source)
     return {"sources": sources}
 
 

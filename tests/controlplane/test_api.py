@@ -1,0 +1,181 @@
+"""The control plane's JSON API over real HTTP: status, and approving or rejecting proposals.
+
+The loop runs in `propose` mode against the simulated fleet in virtual time until the prefix-cache
+policy proposes scaling prefill; the proposal is then decided through the API, and the next tick
+acts on an approval. Writes need the bearer token and are refused without one configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from controlplane.clock import VirtualClock
+from controlplane.config import Mode
+from controlplane.demo import demo_config
+from controlplane.loop import ControlLoop
+from controlplane.runtime import build_loop
+from controlplane.server import start_server
+from controlplane.sim.fleet import FleetSpec, Router, SimFleet
+from controlplane.sim.server import SimActuator, SimServer, SimTargets
+from controlplane.store.queries import ReadStore
+from controlplane.store.writer import SqlStore
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def sim() -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
+    clock = VirtualClock()
+    fleet = SimFleet(FleetSpec(), now=clock.now())
+    server = SimServer(fleet)
+    server.sync()
+    yield fleet, server, clock
+    server.close()
+
+
+class Api:
+    """A propose-mode loop with its HTTP server on a free port."""
+
+    def __init__(self, loop: ControlLoop, fleet: SimFleet, server: SimServer, clock: VirtualClock, base: str) -> None:
+        self.loop, self.fleet, self.server, self.clock, self.base = loop, fleet, server, clock, base
+
+    async def ticks(self, n: int) -> None:
+        for _ in range(n):
+            self.clock.advance(self.loop.config.scrape.interval)
+            self.fleet.advance_to(self.clock.now())
+            self.server.sync()
+            await self.loop.tick()
+
+    async def proposal(self) -> int:
+        """Break the router until the policy proposes; the proposal's id."""
+        await self.ticks(20)
+        self.fleet.set_router(Router.ROUND_ROBIN)
+        await self.ticks(4)
+        [proposal] = self.loop.store.actions(states=["proposed"])
+        return proposal.id
+
+
+async def _api(sim: tuple, store: SqlStore, token: str | None) -> AsyncIterator[Api]:
+    fleet, sim_server, clock = sim
+    cfg = demo_config(str(store.engine.url)).model_copy(update={"mode": Mode.PROPOSE})
+    async with httpx.AsyncClient(timeout=2.0) as scrape:
+        loop = build_loop(cfg, store, scrape, targets=SimTargets(sim_server), actuator=SimActuator(fleet), clock=clock)
+        await loop.start()
+        port = free_port()
+        http = start_server(loop, "127.0.0.1", port, token=token)
+        try:
+            yield Api(loop, fleet, sim_server, clock, f"http://127.0.0.1:{port}")
+        finally:
+            http.stop()
+
+
+@pytest.fixture
+async def api(sim: tuple, sqlite_store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Api]:
+    monkeypatch.delenv("FLEETCTL_API_TOKEN", raising=False)
+    async for a in _api(sim, sqlite_store, TOKEN):
+        yield a
+
+
+@pytest.fixture
+async def readonly_api(sim: tuple, sqlite_store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Api]:
+    monkeypatch.delenv("FLEETCTL_API_TOKEN", raising=False)
+    async for a in _api(sim, sqlite_store, None):
+        yield a
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_status_reports_mode_health_and_whether_writes_are_enabled(api: Api) -> None:
+    async with httpx.AsyncClient(base_url=api.base) as c:
+        before = (await c.get("/api/status")).json()
+        await api.ticks(1)
+        after = (await c.get("/api/status")).json()
+    assert before["mode"] == "propose" and before["ready"] is False and before["status"] == "starting"
+    assert after["ready"] is True and after["status"] == "ready" and after["writes_enabled"] is True
+    assert after["pools"] == ["prefill", "decode"]
+
+
+async def test_approve_through_the_api_and_the_loop_acts(api: Api, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    aid = await api.proposal()
+    assert api.fleet.desired["prefill"] == 3
+    async with httpx.AsyncClient(base_url=api.base) as c:
+        r = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
+        assert r.status_code == 200, r.text
+        assert r.json() == {"id": aid, "state": "approved", "by": "alice"}
+        again = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
+        assert again.status_code == 409 and "not awaiting approval (it is approved)" in again.json()["error"]
+    [action] = api.loop.store.actions()
+    assert action.state == "approved"
+    await api.ticks(1)
+    assert api.fleet.desired["prefill"] == 4
+    assert api.loop.store.actions()[0].state == "succeeded"
+    # The audit log names who approved, and that it came through the API.
+    approved = [e for e in ReadStore(api.loop.store.engine).action_events(aid) if e["event"] == "approved"]
+    assert approved[0]["detail"] == {"by": "alice", "via": "api"}
+    assert TOKEN not in caplog.text
+
+
+async def test_reject_through_the_api(api: Api) -> None:
+    aid = await api.proposal()
+    async with httpx.AsyncClient(base_url=api.base) as c:
+        r = await c.post(f"/api/actions/{aid}/reject", json={"by": "bob"}, headers=auth())
+    assert r.status_code == 200 and r.json()["state"] == "rejected"
+    await api.ticks(1)
+    assert api.fleet.desired["prefill"] == 3
+    [action] = api.loop.store.actions()
+    assert action.state == "rejected"
+
+
+async def test_writes_need_the_right_token_and_a_name(api: Api) -> None:
+    aid = await api.proposal()
+    async with httpx.AsyncClient(base_url=api.base) as c:
+        missing = await c.post(f"/api/actions/{aid}/approve", json={"by": "eve"})
+        wrong = await c.post(f"/api/actions/{aid}/approve", json={"by": "eve"}, headers=auth("guess"))
+        basic = await c.post(f"/api/actions/{aid}/approve", json={"by": "eve"}, headers={"Authorization": f"Basic {TOKEN}"})
+        no_name = await c.post(f"/api/actions/{aid}/approve", json={}, headers=auth())
+        not_json = await c.post(f"/api/actions/{aid}/approve", content=b"by=eve", headers=auth())
+        unknown = await c.post("/api/actions/999/approve", json={"by": "eve"}, headers=auth())
+        bad_verb = await c.post(f"/api/actions/{aid}/delete", json={"by": "eve"}, headers=auth())
+    assert missing.status_code == wrong.status_code == basic.status_code == 401
+    assert missing.headers["WWW-Authenticate"].startswith("Bearer")
+    assert no_name.status_code == not_json.status_code == 400
+    assert unknown.status_code == 404
+    assert bad_verb.status_code == 404
+    assert TOKEN not in missing.text + wrong.text + no_name.text
+    [action] = api.loop.store.actions()
+    assert action.state == "proposed"
+
+
+async def test_without_a_configured_token_every_write_is_refused(readonly_api: Api) -> None:
+    aid = await readonly_api.proposal()
+    async with httpx.AsyncClient(base_url=readonly_api.base) as c:
+        status = (await c.get("/api/status")).json()
+        r = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
+    assert status["writes_enabled"] is False
+    assert r.status_code == 403 and "FLEETCTL_API_TOKEN" in r.json()["error"]
+    [action] = readonly_api.loop.store.actions()
+    assert action.state == "proposed"
+
+
+async def test_the_token_comes_from_the_environment(sim: tuple, sqlite_store: SqlStore,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETCTL_API_TOKEN", TOKEN)
+    async for a in _api(sim, sqlite_store, None):
+        aid = await a.proposal()
+        async with httpx.AsyncClient(base_url=a.base) as c:
+            r = await c.post(f"/api/actions/{aid}/approve", json={"by": "carol"}, headers=auth())
+        assert r.status_code == 200
