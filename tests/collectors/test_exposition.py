@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.parse import identical, reference_samples
 from collectors.exposition import ExpositionError, parse
 from controlplane.sim.fleet import FleetSpec, SimFleet
 from controlplane.sim.metrics import render
@@ -22,35 +22,13 @@ from tests.conftest import SHARED
 FIXTURES = sorted((SHARED / "data" / "fixtures").glob("*.txt"))
 
 
-def reference(text: str) -> list[tuple[str, dict[str, str], float, float | None]]:
-    """prometheus_client's samples, less one documented difference: it renames a counter
-    sample exposed without `_total` to `<name>_total`; Prometheus itself, and we, keep the
-    name as exposed (dcgm-exporter's DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION is one)."""
-    exposed = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-    out = []
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = s.name
-            if family.type == "counter" and name not in exposed and name.removesuffix("_total") in exposed:
-                name = name.removesuffix("_total")
-            ts = None if s.timestamp is None else float(s.timestamp)
-            out.append((name, dict(s.labels), s.value, ts))
-    return out
+# The reference with its one documented difference, and the comparison, are the benchmark's own.
+reference = reference_samples
+same = identical
 
 
 def ours(text: str) -> list[tuple[str, dict[str, str], float, float | None]]:
     return [(s.name, s.labels, s.value, s.timestamp) for s in parse(text)]
-
-
-def same(a: list, b: list) -> bool:
-    if len(a) != len(b):
-        return False
-    for (n1, l1, v1, t1), (n2, l2, v2, t2) in zip(a, b, strict=True):
-        if n1 != n2 or l1 != l2 or t1 != t2:
-            return False
-        if not (v1 == v2 or (math.isnan(v1) and math.isnan(v2))):
-            return False
-    return True
 
 
 def test_recorded_fixtures_are_present() -> None:
