@@ -459,7 +459,9 @@ def dashboard(db: str, host: str, port: int) -> None:
     env = {**os.environ, "FLEETCTL_STORE_URL": db}
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host, "--server.port", str(port),
            "--server.headless", "true", "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"]
-    err.print(f"dashboard on http://{host}:{port} (store {db})")
+    from controlplane.store.db import redact
+
+    err.print(f"dashboard on http://{host}:{port} (store {redact(db)})")
     sys.exit(subprocess.call(cmd, env=env))
 
 
