@@ -237,7 +237,7 @@ class ControlLoop:
                 "replicas": decision.target_replicas,
                 "verify_signal": proposal.verify_signal,
                 "verify_lower_is_better": proposal.verify_lower_is_better,
-                "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, now, points=2),
+                "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
             }
             state = "approved" if decision.reason is RailsReason.ALLOWED else "proposed"
             action = self.store.create_action(
@@ -269,20 +269,20 @@ class ControlLoop:
 
     # verify -----------------------------------------------------------------------------------
 
-    def _recent_mean(self, pool: str, signal: str | None, now: float, points: int = 5) -> float | None:
+    def _recent_mean(self, pool: str, signal: str | None, points: int = 5) -> float | None:
         """Mean of a pool signal over its last `points` intervals: before an action, the degraded
         state that prompted it; at verification, the settled state after it."""
         if signal is None:
             return None
-        window = self.windows.series(f"pool/{pool}", signal, since=now - WINDOW_S)[-points:]
-        return statistics.fmean(v for _, v in window) if window else None
+        window = self.windows.last(f"pool/{pool}", signal, points)
+        return statistics.fmean(window) if window else None
 
     def _judge_outcomes(self, now: float, report: TickReport) -> None:
         """Did the signal recover after the action? Recorded once, never retried blindly."""
         for action in self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
             p = action.params
             before = p.get("verify_before")
-            after = self._recent_mean(action.pool, p.get("verify_signal"), now)
+            after = self._recent_mean(action.pool, p.get("verify_signal"))
             finding = self.store.finding(action.finding_id) if action.finding_id else None
             resolved = finding is not None and finding.state == "resolved"
             if before is None or after is None:

@@ -84,9 +84,6 @@ class KvTransferLag:
                     result.resolved.append((key, "transfer tail and failures back to normal"))
         return result
 
-    def _recent(self, inp: PolicyInput, subject: str, name: str, n: int) -> list[float]:
-        return [v for _, v in inp.windows.series(subject, name)[-n:]]
-
     def _baseline(self, inp: PolicyInput, path: PathSignals, subject: str) -> tuple[float, float] | None:
         s = self.settings
         points = inp.windows.series(subject, path.p99, since=inp.now - s.baseline_s)[: -s.recent_points]
@@ -118,8 +115,8 @@ class KvTransferLag:
             baseline = (float(open_evidence["baseline_p99"]), float(open_evidence.get("baseline_sigma", 0.0)))
         peers = self._peers(inp, path, subject, subjects)
         threshold = self._threshold(baseline, peers)
-        recent = self._recent(inp, subject, path.p99, s.recent_points)
-        failures = self._recent(inp, subject, path.failures, s.recent_points)
+        recent = inp.windows.last(subject, path.p99, s.recent_points)
+        failures = inp.windows.last(subject, path.failures, s.recent_points)
         slow = threshold is not None and len(recent) == s.recent_points and all(v > threshold for v in recent)
         failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
         if not (slow or failing) and not (is_open and not self._healthy(inp, path, subject, open_evidence or {})):
@@ -165,8 +162,8 @@ class KvTransferLag:
 
     def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: dict) -> bool:
         s = self.settings
-        recent = self._recent(inp, subject, path.p99, s.resolve_points)
-        failures = self._recent(inp, subject, path.failures, s.resolve_points)
+        recent = inp.windows.last(subject, path.p99, s.resolve_points)
+        failures = inp.windows.last(subject, path.failures, s.resolve_points)
         threshold = evidence.get("threshold_s")
         baseline = evidence.get("baseline_p99")
         # Recovered: back under the midpoint between baseline and threshold, with no failures.

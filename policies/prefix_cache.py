@@ -97,18 +97,18 @@ class PrefixCacheHitDrop:
 
     def _dropped(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> bool:
         s = self.settings
-        recent = inp.windows.series(subject, SIGNAL)[-s.recent_points :]
+        recent = inp.windows.last(subject, SIGNAL, s.recent_points)
         if len(recent) < s.recent_points:
             return False
         if (inp.windows.latest(subject, "prefix_cache_query_rate") or 0.0) < s.min_query_rate:
             return False
-        return all(v < baseline - threshold for _, v in recent)
+        return all(v < baseline - threshold for v in recent)
 
     def _recovered(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> bool:
         s = self.settings
-        recent = inp.windows.series(subject, SIGNAL)[-s.resolve_points :]
+        recent = inp.windows.last(subject, SIGNAL, s.resolve_points)
         bar = baseline - s.recover_fraction * threshold
-        return len(recent) == s.resolve_points and all(v >= bar for _, v in recent)
+        return len(recent) == s.resolve_points and all(v >= bar for v in recent)
 
     def _report(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> FindingReport | None:
         s = self.settings
@@ -191,5 +191,5 @@ class PrefixCacheHitDrop:
 
 
 def _recent_mean(inp: PolicyInput, subject: str, name: str, points: int) -> float | None:
-    values = [v for _, v in inp.windows.series(subject, name)[-points:]]
+    values = inp.windows.last(subject, name, points)
     return sum(values) / len(values) if values else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 __all__ = ["SignalWindows"]
 
@@ -49,6 +50,13 @@ class SignalWindows:
         if since is None:
             return points
         return points[bisect_left(points, (since, float("-inf"))) :]
+
+    def last(self, subject: str, name: str, n: int) -> list[float]:
+        """The newest `n` values of a series (fewer if it is shorter), oldest first."""
+        series = self._series.get((subject, name))
+        if not series or n <= 0:
+            return []
+        return [v for _, v in islice(reversed(series), n)][::-1]
 
     def latest(self, subject: str, name: str) -> float | None:
         """The newest value of a series, if any."""
