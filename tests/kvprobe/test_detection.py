@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from contextlib import ExitStack
+from collections.abc import AsyncIterator
+from contextlib import ExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,8 +20,9 @@ import pytest
 
 from controlplane.clock import VirtualClock
 from controlplane.config import parse_config
+from controlplane.kvprobe.agent import AgentProcess
 from controlplane.kvprobe.probe import Peer
-from controlplane.loop import TickReport
+from controlplane.loop import ControlLoop, TickReport
 from controlplane.runtime import build_loop
 from controlplane.store.writer import SqlStore
 from tests.kvprobe.test_probe import KIB, run_in_thread, start_target
@@ -37,85 +40,86 @@ def fleet_file(metrics_url: str, db: str) -> str:
     )
 
 
-async def test_decode_side_stop_opens_and_recovery_resolves_the_finding(
-    tmp_path: Path, sqlite_store: SqlStore
-) -> None:
+@dataclass
+class ProbedLoop:
+    """A decode-side target, a probe thread and the control loop scraping it on a virtual clock."""
+
+    target: AgentProcess
+    loop: ControlLoop
+    clock: VirtualClock
+    interval: float
+
+    async def tick(self, real_seconds: float) -> TickReport:
+        await asyncio.sleep(real_seconds)  # the probe works in real time between two scrapes
+        self.clock.advance(self.interval)
+        return await self.loop.tick()
+
+
+@asynccontextmanager
+async def probed_loop(tmp_path: Path, store: SqlStore, deadline_s: float) -> AsyncIterator[ProbedLoop]:
     with ExitStack() as stack:
         target = start_target(stack, tmp_path, [256 * KIB])
         probe = run_in_thread(stack, [Peer("decode-0", target.metadata_url)], [256 * KIB], interval_s=0.05,
-                              deadline_s=0.3)
-        config = parse_config(fleet_file(probe.url, str(sqlite_store.engine.url)))
-        clock = VirtualClock()
+                              deadline_s=deadline_s)
+        config = parse_config(fleet_file(probe.url, str(store.engine.url)))
         async with httpx.AsyncClient(timeout=2.0) as client:
-            loop = build_loop(config, sqlite_store, client, clock=clock)
+            clock = VirtualClock()
+            yield ProbedLoop(target, build_loop(config, store, client, clock=clock), clock, config.scrape.interval)
 
-            async def tick(real_seconds: float = 0.4) -> TickReport:
-                await asyncio.sleep(real_seconds)  # the probe works in real time between two scrapes
-                clock.advance(config.scrape.interval)
-                return await loop.tick()
 
-            for _ in range(12):  # a healthy baseline
-                report = await tick()
-                assert not report.opened and report.targets_up == 1
-            assert loop.windows.latest(SUBJECT, "kv_transfer_p99") is not None
+async def test_decode_side_stop_opens_and_recovery_resolves_the_finding(
+    tmp_path: Path, sqlite_store: SqlStore
+) -> None:
+    async with probed_loop(tmp_path, sqlite_store, deadline_s=0.3) as p:
+        for _ in range(12):  # a healthy baseline
+            report = await p.tick(0.4)
+            assert not report.opened and report.targets_up == 1
+        assert p.loop.windows.latest(SUBJECT, "kv_transfer_p99") is not None
 
-            os.kill(target.pid, signal.SIGSTOP)
-            try:
-                opened = []
-                for _ in range(4):
-                    opened += (await tick(0.8)).opened
-                    if opened:
-                        break
-            finally:
-                os.kill(target.pid, signal.SIGCONT)
-            [finding] = opened
-            assert finding.kind == "kv_transfer_lag" and finding.subject == SUBJECT
-            assert finding.evidence["failing"] is True and finding.evidence["failures_per_s"] > 0
-            assert "prefill-0->decode-0" in finding.cause
-
-            resolved = []
-            for _ in range(12):
-                resolved += (await tick()).resolved
-                if resolved:
+        os.kill(p.target.pid, signal.SIGSTOP)
+        try:
+            opened = []
+            for _ in range(4):
+                opened += (await p.tick(0.8)).opened
+                if opened:
                     break
-            assert [f.id for f in resolved] == [finding.id]
-            assert sqlite_store.open_findings() == []
+        finally:
+            os.kill(p.target.pid, signal.SIGCONT)
+        [finding] = opened
+        assert finding.kind == "kv_transfer_lag" and finding.subject == SUBJECT
+        assert finding.evidence["failing"] is True and finding.evidence["failures_per_s"] > 0
+        assert "prefill-0->decode-0" in finding.cause
+
+        resolved = []
+        for _ in range(12):
+            resolved += (await p.tick(0.4)).resolved
+            if resolved:
+                break
+        assert [f.id for f in resolved] == [finding.id]
+        assert sqlite_store.open_findings() == []
 
 
 async def test_decode_side_cpu_throttling_opens_a_tail_finding(tmp_path: Path, sqlite_store: SqlStore) -> None:
     from tests.kvprobe.test_probe import Throttle
 
-    with ExitStack() as stack:
-        target = start_target(stack, tmp_path, [256 * KIB])
-        probe = run_in_thread(stack, [Peer("decode-0", target.metadata_url)], [256 * KIB], interval_s=0.05,
-                              deadline_s=2.0)
-        config = parse_config(fleet_file(probe.url, str(sqlite_store.engine.url)))
-        clock = VirtualClock()
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            loop = build_loop(config, sqlite_store, client, clock=clock)
-
-            async def tick(real_seconds: float = 1.0) -> TickReport:
-                await asyncio.sleep(real_seconds)
-                clock.advance(config.scrape.interval)
-                return await loop.tick()
-
-            for _ in range(11):
-                assert not (await tick()).opened
-            opened = []
-            with Throttle(target.pid):
-                for _ in range(5):
-                    opened += (await tick()).opened
-                    if opened:
-                        break
-            [finding] = opened
-            assert finding.subject == SUBJECT and finding.evidence["slow"] is True
-            assert finding.evidence["p99_s"] > 2 * finding.evidence["baseline_p99"]
-            resolved = []
-            for _ in range(10):
-                resolved += (await tick()).resolved
-                if resolved:
+    async with probed_loop(tmp_path, sqlite_store, deadline_s=2.0) as p:
+        for _ in range(11):
+            assert not (await p.tick(1.0)).opened
+        opened = []
+        with Throttle(p.target.pid):
+            for _ in range(5):
+                opened += (await p.tick(1.0)).opened
+                if opened:
                     break
-            assert [f.id for f in resolved] == [finding.id]
+        [finding] = opened
+        assert finding.subject == SUBJECT and finding.evidence["slow"] is True
+        assert finding.evidence["p99_s"] > 2 * finding.evidence["baseline_p99"]
+        resolved = []
+        for _ in range(10):
+            resolved += (await p.tick(1.0)).resolved
+            if resolved:
+                break
+        assert [f.id for f in resolved] == [finding.id]
 
 
 async def test_collectors_read_nixl_own_exporter_and_the_probe_side_by_side(tmp_path: Path) -> None:
