@@ -12,6 +12,7 @@ from collectors import families, llmd, sources
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
 from collectors.types import ScrapeResult, Target
+from tests.collectors.expositions import fmt, histogram
 
 POOL = "pool-a"
 MODEL = "llama"
@@ -65,20 +66,6 @@ class Epp:
     scheduler: tuple[float, ...] = ()
     prefix_size: int = 0
     prefix_ratios: tuple[float, ...] = ()
-
-
-def fmt(labels: Mapping[str, str]) -> str:
-    return ",".join(f'{k}="{v}"' for k, v in labels.items())
-
-
-def histogram(name: str, labels: Mapping[str, str], bounds: tuple[str, ...], observations: tuple[float, ...]) -> str:
-    out = [f"# TYPE {name} histogram"]
-    for le in (*bounds, "+Inf"):
-        limit = float(le)
-        out.append(f"{name}_bucket{{{fmt({**labels, 'le': le})}}} {sum(1 for o in observations if o <= limit)}")
-    out.append(f"{name}_sum{{{fmt(labels)}}} {sum(observations)}")
-    out.append(f"{name}_count{{{fmt(labels)}}} {len(observations)}")
-    return "\n".join(out) + "\n"
 
 
 def exposition(e: Epp, era: str = "llm-d-router-v0.10", pool: str | None = POOL) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +11,7 @@ from collectors import families, lmcache, sources
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
 from collectors.types import ScrapeResult, Target
+from tests.collectors.expositions import fmt, histogram
 
 GIB = 1 << 30
 TIME_BOUNDS = ("0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "1.0", "10.0")
@@ -36,20 +36,6 @@ class Worker:
     retrieve_s: tuple[float, ...] = ()
     store_s: tuple[float, ...] = ()
     remote_get_ms: tuple[float, ...] = ()
-
-
-def fmt(labels: Mapping[str, str]) -> str:
-    return ",".join(f'{k}="{v}"' for k, v in labels.items())
-
-
-def histogram(name: str, labels: Mapping[str, str], bounds: tuple[str, ...], observations: tuple[float, ...]) -> str:
-    out = [f"# TYPE {name} histogram"]
-    for le in (*bounds, "+Inf"):
-        limit = float(le)
-        out.append(f"{name}_bucket{{{fmt({**labels, 'le': le})}}} {sum(1 for o in observations if o <= limit)}")
-    out.append(f"{name}_sum{{{fmt(labels)}}} {sum(observations)}")
-    out.append(f"{name}_count{{{fmt(labels)}}} {len(observations)}")
-    return "\n".join(out) + "\n"
 
 
 def exposition(w: Worker, *, worker_id: str = "0", role: str | None = "worker", counters: bool = True,
