@@ -164,10 +164,11 @@ class KvTransferLag:
         s = self.settings
         recent = inp.windows.last(subject, path.p99, s.resolve_points)
         failures = inp.windows.last(subject, path.failures, s.resolve_points)
-        threshold = evidence.get("threshold_s")
-        baseline = evidence.get("baseline_p99")
-        # Recovered: back under the midpoint between baseline and threshold, with no failures.
-        bar = (baseline + threshold) / 2 if baseline is not None and threshold is not None else threshold
+        bar = evidence.get("threshold_s")
+        # Recovered: resolve_points clean points in a row against two bad ones to open is the
+        # hysteresis. A lower bar than the opening threshold would not be: a p99 read from a
+        # histogram lands on bucket bounds, and one ordinary sample in the next bucket up would
+        # hold a recovered path open for many intervals.
         tail_ok = bar is None or (len(recent) == s.resolve_points and all(v <= bar for v in recent))
         fail_ok = len(failures) == s.resolve_points and all(v == 0 for v in failures) if failures else True
         return tail_ok and fail_ok

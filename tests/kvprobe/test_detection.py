@@ -115,7 +115,7 @@ async def test_decode_side_cpu_throttling_opens_a_tail_finding(tmp_path: Path, s
         assert finding.subject == SUBJECT and finding.evidence["slow"] is True
         assert finding.evidence["p99_s"] > 2 * finding.evidence["baseline_p99"]
         resolved = []
-        for _ in range(10):
+        for _ in range(15):
             resolved += (await p.tick(1.0)).resolved
             if resolved:
                 break

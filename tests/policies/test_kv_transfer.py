@@ -73,3 +73,13 @@ def test_resolves_only_after_three_good_points() -> None:
     assert not still.resolved and still.findings
     done = run(windows({PATH: BASE + [0.02, 0.025, 0.004, 0.004, 0.0041]}), opened)
     assert done.resolved == [(f.key, "transfer tail and failures back to normal")]
+
+
+def test_points_back_under_the_opening_threshold_resolve_even_above_the_baseline() -> None:
+    """A histogram p99 lands on bucket bounds: one ordinary sample a bucket up must not hold it open."""
+    [f] = run(windows({PATH: BASE + [0.02, 0.025]})).findings
+    opened = {f.key: OpenFinding(f.key, 0.0, f.evidence)}
+    near = 0.9 * f.evidence["threshold_s"]
+    assert near > f.evidence["baseline_p99"]
+    done = run(windows({PATH: BASE + [0.02, 0.025, near, near, near]}), opened)
+    assert done.resolved and not done.findings
