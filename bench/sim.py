@@ -60,3 +60,34 @@ def run_sim_bench(trace: str = "mooncake/conversation", capacity_blocks: int = 2
         "sim_s_per_wall_s": sim_s / total_s,
         "repeats": repeats,
     }
+
+
+def run_fleet_bench(trace: str = "mooncake/conversation", prefill: int = 8, decode: int = 24,
+                    base: Path | None = None) -> dict[str, Any]:
+    """The whole trace through the engine-level fleet simulator (batching, caches, handoffs) on one core."""
+    from collectors.types import Role
+    from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet
+
+    requests = list(load_trace(trace, base=base))
+    spec = FleetSpec(pools=(PoolSpec("prefill", Role.PREFILL, prefill), PoolSpec("decode", Role.DECODE, decode)))
+    fleet = SimFleet(spec, requests)
+    sim_s = requests[-1].arrival_s + 60.0  # and a minute to drain
+    started = time.perf_counter()
+    step = 15.0
+    t = 0.0
+    while t < sim_s:
+        t = min(sim_s, t + step)
+        fleet.advance_to(t)
+    wall = time.perf_counter() - started
+    finished = sum(s.finished.get("length", 0.0) + s.finished.get("stop", 0.0)
+                   for m in fleet.members["decode"] for s in m.engine.ranks)
+    return {
+        "trace": trace,
+        "engines": prefill + decode,
+        "requests": len(requests),
+        "finished_on_decode": int(finished),
+        "simulated_s": sim_s,
+        "wall_s": wall,
+        "sim_s_per_wall_s": sim_s / wall,
+        "engine_sim_s_per_wall_s": sim_s * (prefill + decode) / wall,
+    }

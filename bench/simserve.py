@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from itertools import count
 
-from controlplane.sim.fleet import FleetSpec, PoolSpec, Role, SimFleet
-from controlplane.sim.metrics import render
+from collectors.types import Role
+from controlplane.sim.exporters import render_vllm
+from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
+from controlplane.sim.traces import Request
 
 __all__ = ["main"]
 
@@ -21,8 +24,10 @@ class Bodies:
     """Expositions of `distinct` engines, refreshed as fleet time advances."""
 
     def __init__(self, distinct: int) -> None:
-        spec = FleetSpec(pools=(PoolSpec("bench", Role.UNIFIED, distinct),))
-        self.fleet = SimFleet(spec, now=0.0)
+        spec = FleetSpec(pools=(PoolSpec("bench", Role.UNIFIED, distinct),), system_prompts=SystemPrompts())
+        # Steady traffic, 8 requests per second per engine, without end.
+        traffic = (Request(i / (8.0 * distinct), 1500, 200) for i in count())
+        self.fleet = SimFleet(spec, traffic, now=0.0)
         self.now = 0.0
         self.bodies: list[bytes] = []
         self.advance()
@@ -30,7 +35,7 @@ class Bodies:
     def advance(self) -> None:
         self.now += 15.0
         self.fleet.advance_to(self.now)
-        self.bodies = [render(e) for e in self.fleet.engines["bench"]]
+        self.bodies = [render_vllm(m, self.fleet.spec.model) for m in self.fleet.members["bench"]]
 
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bodies: Bodies) -> None:

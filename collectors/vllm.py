@@ -126,6 +126,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     if nixl_bytes is not None and nixl_bytes.count > 0:
         emit("nixl_bytes_rate", nixl_bytes.sum * per_s)
         emit("nixl_transfer_rate", nixl_bytes.count * per_s)
+        xfer = hists.get("nixl_xfer_time")
+        if xfer is not None and xfer.sum > 0:
+            # Bytes per second of transfer time: unlike the time itself, blind to prompt length.
+            emit("nixl_xfer_bandwidth", nixl_bytes.sum / xfer.sum)
 
     for key, values in d.gauges.items():
         if not values:

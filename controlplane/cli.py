@@ -277,6 +277,38 @@ def runbook(kind: str | None) -> None:
         raise click.UsageError(f"no runbook for {kind!r}; known: {', '.join(runbooks.available())}") from None
 
 
+# rules --------------------------------------------------------------------------------------
+
+@cli.group()
+def rules() -> None:
+    """Static alert rules (the baseline the policies are measured against)."""
+
+
+@rules.command("export")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the manifest to FILE instead of standard output.")
+@click.option("--namespace", default=None, help="metadata.namespace of the PrometheusRule.")
+@click.option("--runbook-base-url", default=None,
+              help="Runbook links are URL/<kind>, or URL with {kind} filled in.  [default: a placeholder]")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Fleet file: SLO rules take each pool's configured objective as threshold.")
+def rules_export(out: Path | None, namespace: str | None, runbook_base_url: str | None, config_file: Path | None) -> None:
+    """Write the static alert rules as a PrometheusRule manifest (monitoring.coreos.com/v1)."""
+    from controlplane.config import load_config
+    from controlplane.rules_export import build_manifest, dump_manifest
+
+    cfg = load_config(config_file) if config_file is not None else None
+    text = dump_manifest(build_manifest(namespace=namespace, runbook_base_url=runbook_base_url, config=cfg))
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"{out}: cannot write the manifest: {exc.strerror or exc}") from None
+    err.print(f"{out}: PrometheusRule with {text.count('- alert: ')} rules")
+
+
 # simulator ----------------------------------------------------------------------------------
 
 @cli.group()
@@ -299,6 +331,60 @@ def sim_validate(as_json: bool) -> None:
 
 
 # probes -------------------------------------------------------------------------------------
+
+@sim.command("list")
+def sim_list() -> None:
+    """The shipped scenarios."""
+    from controlplane.sim.scenario import builtin_scenarios, load_scenario
+
+    t = Table(title="Scenarios (fleetctl sim run NAME)")
+    for col in ("name", "trace", "duration", "faults", "description"):
+        t.add_column(col)
+    for name in builtin_scenarios():
+        sc = load_scenario(name)
+        faults = ", ".join(f"{f.kind}@{f.at / 60:g}m" for f in sc.faults) or "none (fault-free replay)"
+        t.add_row(name, sc.trace.name, f"{sc.duration / 60:g} min", faults, " ".join(sc.description.split()))
+    out.print(t)
+
+
+@sim.command("run")
+@click.argument("scenario")
+@click.option("--speed", type=click.FloatRange(min=0.01), default=None,
+              help="Simulated seconds per wall second (default: as fast as possible).")
+@click.option("--db", default="sqlite:///sim.db", show_default=True)
+@click.option("--mode", type=click.Choice(["observe", "propose", "act"]), default="observe", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: bool) -> None:
+    """Serve a scenario's simulated fleet over loopback and run the control loop against it."""
+    from controlplane.sim.run import run_scenario
+    from controlplane.sim.scenario import load_scenario
+
+    sc = load_scenario(scenario)
+    seen: list[str] = []
+
+    def show(run: Any, report: Any) -> None:
+        lines = [f"{_mmss(at)} {what}" for at, what in run.events[len(seen):]]
+        seen.extend(lines)
+        lines += [f"{_mmss(run.elapsed)} finding opened #{f.id} {f.kind} {f.subject}: {f.summary}" for f in report.opened]
+        lines += [f"{_mmss(run.elapsed)} finding resolved #{f.id} {f.kind} {f.subject}" for f in report.resolved]
+        lines += [f"{_mmss(run.elapsed)} action #{a.id} {a.kind} {a.pool}: {a.reason}" for a in report.actions]
+        for line in lines:
+            err.print(line)
+
+    run = asyncio.run(run_scenario(sc, db, mode=mode, speed=speed, on_tick=show))
+    summary = {"scenario": sc.name, "ticks": run.ticks, "simulated_s": run.elapsed, "wall_s": round(run.wall_s, 2),
+               "engines": len(run.fleet.serving()), "requests": run.fleet.arrived, "events": run.events, "db": db}
+    if as_json:
+        _emit_json(summary)
+    else:
+        out.print(f"{sc.name}: {run.ticks} ticks, {run.elapsed / 60:.0f} fleet minutes in {run.wall_s:.1f} s; "
+                  f"findings in {db} (fleetctl findings --all --db {db})")
+
+
+def _mmss(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m:02d}:{s:02d}"
+
 
 @cli.group()
 def probe() -> None:
@@ -411,10 +497,14 @@ def bench_dashboard(engines: int, days: float, minute_hours: float | None, repea
 @click.option("--caches", default=1, show_default=True, type=click.IntRange(min=1), help="Cache-aware routed engines.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_sim(trace: str, capacity: int, caches: int, as_json: bool) -> None:
-    """Trace replay through prefix caches: requests and simulated seconds per wall second."""
-    from bench.sim import run_sim_bench
+    """Trace replay: prefix caches alone, then the engine-level fleet (8 prefill + 24 decode engines)."""
+    from bench.sim import run_fleet_bench, run_sim_bench
 
     result = run_sim_bench(trace, capacity, caches)
+    result["fleet"] = run_fleet_bench(trace)
+    if not as_json:
+        for key, value in result.pop("fleet").items():
+            result[f"fleet.{key}"] = value
     if as_json:
         _emit_json(result)
     else:
@@ -463,6 +553,11 @@ def dashboard(db: str, host: str, port: int) -> None:
 
     err.print(f"dashboard on http://{host}:{port} (store {redact(db)})")
     sys.exit(subprocess.call(cmd, env=env))
+
+
+from controlplane.lab.cli import lab as _lab_command  # noqa: E402  (its heavy imports are lazy)
+
+cli.add_command(_lab_command)
 
 
 def main() -> NoReturn:

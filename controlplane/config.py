@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import (
@@ -27,7 +27,7 @@ from collectors.sources import SOURCES
 from collectors.types import Role
 from controlplane.errors import ConfigError
 
-__all__ = ["FleetConfig", "Mode", "load_config", "parse_config"]
+__all__ = ["FleetConfig", "Mode", "Seconds", "load_config", "parse_config", "parse_yaml"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -216,11 +216,103 @@ class KvTransferPolicy(_Strict):
     min_abs: Seconds = 0.002
 
 
+class SpecDecodePolicy(_Strict):
+    """Settings of the speculative-decoding collapse detector (the yield is accepted per generated token)."""
+
+    enabled: bool = True
+    baseline: Seconds = 1800.0
+    min_abs_drop: float = Field(0.10, gt=0, lt=1)
+    min_rel_drop: float = Field(0.30, gt=0, lt=1)
+    tpot_rise: float = Field(0.10, gt=0)  # TPOT p95 this much above its baseline before a change is proposed
+    min_position_acceptance: float = Field(0.30, gt=0, lt=1)  # positions accepted less often are cut
+
+
+# The control loop keeps this much signal history; longer burn windows would never fill.
+_SIGNAL_HISTORY_S = 3 * 3600.0
+
+
+class SloBurnPolicy(_Strict):
+    """Settings of the multi-window burn-rate alert on each pool's TTFT and TPOT p95 SLO."""
+
+    enabled: bool = True
+    budget: float = Field(0.01, gt=0, lt=1)  # share of scrape intervals whose p95 may exceed the SLO
+    fast_burn: float = Field(14.4, gt=1)  # pages
+    fast_window: Seconds = 3600.0
+    fast_short_window: Seconds = 300.0
+    slow_burn: float = Field(6.0, gt=1)  # warns
+    slow_window: Seconds = 10800.0
+    slow_short_window: Seconds = 900.0
+
+    @model_validator(mode="after")
+    def _windows_fit(self) -> SloBurnPolicy:
+        problems = []
+        for name, long, short, burn in (("fast", self.fast_window, self.fast_short_window, self.fast_burn),
+                                        ("slow", self.slow_window, self.slow_short_window, self.slow_burn)):
+            if short >= long:
+                problems.append(f"{name}_short_window ({short:g}s) must be shorter than {name}_window ({long:g}s)")
+            if long > _SIGNAL_HISTORY_S:
+                problems.append(f"{name}_window ({long:g}s) exceeds the {_SIGNAL_HISTORY_S:g}s of history the loop keeps")
+            if burn * self.budget >= 1:
+                problems.append(f"{name}_burn x budget must stay below 1, or the burn rate can never be reached")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class SaturationPolicy(_Strict):
+    """Settings of the saturation detector (queues in waiting requests per engine)."""
+
+    enabled: bool = True
+    min_waiting_per_engine: float = Field(2.0, gt=0)
+    min_growth_per_engine: float = Field(2.0, gt=0)  # queue growth over the 5-minute trend window
+    kv_full: float = Field(0.90, gt=0, le=1)
+    error_share: float = Field(0.02, gt=0, lt=1)
+
+
+class GpuHealthPolicy(_Strict):
+    """Settings of the GPU health detector (throttling as a share of time)."""
+
+    enabled: bool = True
+    thermal_share: float = Field(0.10, gt=0, le=1)
+    power_share: float = Field(0.50, gt=0, le=1)
+    fault_hold: Seconds = 3600.0  # a fault keeps its finding open this long
+    node_pools: dict[str, str] = {}  # hostname -> pool running there, named by the cordon proposal
+
+
+class EpImbalancePolicy(_Strict):
+    """Settings of the expert-parallel imbalance detector (skews are max/median across ranks)."""
+
+    enabled: bool = True
+    skew_ratio: float = Field(1.5, gt=1)
+    gpu_skew_ratio: float = Field(1.5, gt=1)
+    resolve_ratio: float = Field(1.2, gt=1)
+    persist: Seconds = 600.0  # imbalance lasting this long before EPLB is proposed
+    redundant_experts_per_rank: int = Field(1, ge=0)
+    eplb_enabled: dict[str, float | None] = {}  # pools running EPLB -> unix time it was enabled (null: unknown)
+    pod_hosts: dict[str, str] = {}  # "<pool>/<pod>" -> hostname of the node whose GPUs it uses
+    pod_host: str = "{pod}"  # otherwise the hostname from this pattern, e.g. "node-{pod}"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EpImbalancePolicy:
+        if self.resolve_ratio >= min(self.skew_ratio, self.gpu_skew_ratio):
+            raise ValueError("resolve_ratio must be below skew_ratio and gpu_skew_ratio, or findings flap")
+        try:
+            self.pod_host.format(pool="p", pod="q")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"pod_host may use only {{pool}} and {{pod}}: {exc}") from None
+        return self
+
+
 class Policies(_Strict):
     """Per-policy settings."""
 
     prefix_cache_hit_drop: PrefixCachePolicy = PrefixCachePolicy()
     kv_transfer_lag: KvTransferPolicy = KvTransferPolicy()
+    spec_decode_collapse: SpecDecodePolicy = SpecDecodePolicy()
+    slo_burn: SloBurnPolicy = SloBurnPolicy()
+    saturation: SaturationPolicy = SaturationPolicy()
+    gpu_health: GpuHealthPolicy = GpuHealthPolicy()
+    ep_imbalance: EpImbalancePolicy = EpImbalancePolicy()
 
 
 class Rails(_Strict):
@@ -259,6 +351,51 @@ class Server(_Strict):
     port: int = Field(9464, ge=0, le=65535)
 
 
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class AlertReceiver(_Strict):
+    """One Alertmanager-compatible webhook; secrets come from the environment, never from this file."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    url: str | None = Field(None, pattern=r"^https?://")
+    url_env: str | None = Field(None, pattern=_ENV_NAME)  # for a URL that carries a secret (basic auth, a token path)
+    bearer_token_env: str | None = Field(None, pattern=_ENV_NAME)  # sent as `Authorization: Bearer ...`
+    send_resolved: bool = True
+    timeout: Seconds = 10.0
+    retries: int = Field(2, ge=0, le=10)  # attempts after the first one, with exponential backoff
+    max_alerts: int = Field(0, ge=0)  # alerts per notification, 0 for all (Alertmanager's max_alerts)
+
+    @model_validator(mode="after")
+    def _one_url(self) -> AlertReceiver:
+        if (self.url is None) == (self.url_env is None):
+            raise ValueError("give either url or url_env")
+        if self.url is not None and "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("the url carries credentials: put the whole URL in an environment variable named by "
+                             "url_env, or the token in one named by bearer_token_env")
+        return self
+
+
+class Alerting(_Strict):
+    """Alert delivery to webhook receivers, grouped and timed as Alertmanager does."""
+
+    receivers: list[AlertReceiver] = Field(min_length=1)
+    group_by: list[str] = ["alertname", "pool"]
+    group_wait: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 30.0  # before a new group's first notice
+    group_interval: Seconds = 300.0  # between notices about changes of one group
+    repeat_interval: Seconds = 4 * 3600.0  # before an unchanged firing group is sent again
+    runbook_base_url: str | None = Field(None, pattern=r"^https?://")  # runbook_url = <base>/<kind>
+    external_url: str | None = Field(None, pattern=r"^https?://")  # the dashboard, for externalURL and generatorURL
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Alerting:
+        names = [r.name for r in self.receivers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"receiver name {', '.join(map(repr, dupes))} is used more than once")
+        return self
+
+
 class FleetConfig(_Strict):
     """The whole fleet file."""
 
@@ -273,6 +410,7 @@ class FleetConfig(_Strict):
     rails: Rails = Rails()
     telemetry: Telemetry = Telemetry()
     server: Server = Server()
+    alerting: Alerting | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> FleetConfig:
@@ -317,6 +455,9 @@ class EnvOverrides(BaseSettings):
     mode: Mode | None = None
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
 def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     """The 1-based YAML line of the node at a pydantic error location, as far as it resolves."""
     node = root
@@ -347,6 +488,11 @@ def _path(loc: tuple[int | str, ...]) -> str:
 
 def parse_config(text: str, source: str = "<string>") -> FleetConfig:
     """Validate a fleet document; raises ConfigError listing every problem."""
+    return parse_yaml(text, FleetConfig, source)
+
+
+def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
+    """Validate a YAML document against `model`; ConfigError names the source, field paths and lines."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -357,7 +503,7 @@ def parse_config(text: str, source: str = "<string>") -> FleetConfig:
     if not isinstance(data, dict):
         raise ConfigError(source, [f"expected a mapping at the top level, got {type(data).__name__}"])
     try:
-        return FleetConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors(include_url=False):

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from collectors.types import TargetHealth
 from controlplane.actuators.base import Actuator
@@ -47,6 +47,7 @@ class TickReport:
     targets_up: int = 0
     signals: int = 0
     opened: list[FindingRecord] = field(default_factory=list)
+    updated: list[FindingRecord] = field(default_factory=list)  # as refreshed this tick
     resolved: list[FindingRecord] = field(default_factory=list)
     actions: list[ActionRecord] = field(default_factory=list)
     held: list[tuple[Proposal, RailsReason, str]] = field(default_factory=list)
@@ -81,6 +82,8 @@ class ControlLoop:
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
         self._missing: dict[str, list[str]] = {}
+        # Called with every finished tick's report (alert delivery); its failures never stop the loop.
+        self.on_report: Callable[[TickReport], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         """Recover after a restart: mark interrupted actions unknown, reload policy windows."""
@@ -129,6 +132,11 @@ class ControlLoop:
         self.telemetry.ticks.inc()
         self.telemetry.last_tick.set(now)
         self.last_tick_at = now
+        if self.on_report is not None:
+            try:
+                await self.on_report(report)
+            except Exception:  # a broken hook must not take detection and actions down with it
+                log.exception("tick report hook failed")
         return report
 
     # observe ----------------------------------------------------------------------------------
@@ -210,6 +218,10 @@ class ControlLoop:
                     report.opened.append(row)
                 else:
                     self.store.update_finding(row.id, finding, now)
+                    row = replace(row, severity=str(finding.severity), summary=finding.summary, cause=finding.cause,
+                                  evidence=dict(finding.evidence), updated_at=now)
+                    open_rows[finding.key] = row
+                    report.updated.append(row)
                 proposals.extend((row.id, p) for p in finding.proposals)
         self.telemetry.open_findings.clear()
         for f in open_rows.values():

@@ -15,6 +15,7 @@ from collectors.scraper import Scraper
 from collectors.types import Target
 from controlplane.actuators.base import Actuator, StaticTargets, TargetSource
 from controlplane.actuators.dryrun import DryRunActuator
+from controlplane.alerting import AlertNotifier
 from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
 from controlplane.errors import ConfigError
@@ -23,9 +24,14 @@ from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTa
 from controlplane.server import start_server
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
+from policies.ep_imbalance import EpImbalance, EpImbalanceSettings
+from policies.gpu_health import GpuHealth, GpuHealthSettings
 from policies.kv_transfer import KvTransferLag, KvTransferSettings
 from policies.prefix_cache import PrefixCacheHitDrop, PrefixCacheSettings
-from policies.types import Policy
+from policies.saturation import Saturation, SaturationSettings
+from policies.slo_burn import BurnWindow, SloBurn, SloBurnSettings
+from policies.spec_decode import SpecDecodeCollapse, SpecDecodeSettings
+from policies.types import Policy, Severity
 
 __all__ = ["build_loop", "build_policies", "run_forever", "scrape_client", "static_targets"]
 
@@ -65,6 +71,37 @@ def build_policies(config: FleetConfig) -> list[Policy]:
         policies.append(
             KvTransferLag(KvTransferSettings(baseline_s=kv.baseline, tail_ratio=kv.tail_ratio, min_abs_s=kv.min_abs))
         )
+    sd = config.policies.spec_decode_collapse
+    if sd.enabled:
+        policies.append(SpecDecodeCollapse(SpecDecodeSettings(
+            baseline_s=sd.baseline, min_abs_drop=sd.min_abs_drop, min_rel_drop=sd.min_rel_drop, tpot_rise=sd.tpot_rise,
+            min_position_acceptance=sd.min_position_acceptance,
+        )))
+    sb = config.policies.slo_burn
+    if sb.enabled:
+        policies.append(SloBurn(SloBurnSettings(budget=sb.budget, windows=(
+            BurnWindow("fast", sb.fast_window, sb.fast_short_window, sb.fast_burn, Severity.CRITICAL),
+            BurnWindow("slow", sb.slow_window, sb.slow_short_window, sb.slow_burn, Severity.WARNING),
+        ))))
+    sat = config.policies.saturation
+    if sat.enabled:
+        policies.append(Saturation(SaturationSettings(
+            min_waiting_per_engine=sat.min_waiting_per_engine, min_growth_per_engine=sat.min_growth_per_engine,
+            kv_full=sat.kv_full, error_share=sat.error_share,
+        )))
+    gh = config.policies.gpu_health
+    if gh.enabled:
+        policies.append(GpuHealth(GpuHealthSettings(
+            thermal_share=gh.thermal_share, power_share=gh.power_share, fault_hold_s=gh.fault_hold,
+            node_pools=dict(gh.node_pools),
+        )))
+    ep = config.policies.ep_imbalance
+    if ep.enabled:
+        policies.append(EpImbalance(EpImbalanceSettings(
+            skew_ratio=ep.skew_ratio, gpu_skew_ratio=ep.gpu_skew_ratio, resolve_ratio=ep.resolve_ratio,
+            persist_s=ep.persist, redundant_experts_per_rank=ep.redundant_experts_per_rank,
+            eplb_enabled=dict(ep.eplb_enabled), pod_hosts=dict(ep.pod_hosts), pod_host=ep.pod_host,
+        )))
     return policies
 
 
@@ -158,15 +195,23 @@ async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = Fals
 async def _serve(config: FleetConfig, store: SqlStore, client: httpx.AsyncClient, targets: TargetSource | None,
                  stop: asyncio.Event, once: bool) -> None:
     loop = build_loop(config, store, client, targets=targets)
+    notifier = None
+    if config.alerting is not None:
+        notifier = AlertNotifier(config.alerting, registry=loop.telemetry.registry)
+        loop.on_report = notifier.on_report
     server = start_server(loop, config.server.host, config.server.port)
     log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
     try:
         await loop.start()
+        if notifier is not None:
+            notifier.restore(store.open_findings(), loop.clock.now())
         if once:
             await loop.tick()
         else:
             await loop.run(stop)
     finally:
         server.stop()
+        if notifier is not None:
+            await notifier.aclose()
         loop.telemetry.shutdown()
         log.info("stopped cleanly")

@@ -36,12 +36,14 @@ class PathSignals:
     p99: str
     failures: str
     rate: str | None  # transfers per second, to express failures as a share
+    bandwidth: str | None = None  # bytes per second of transfer time, where transfer sizes vary
 
 
 PATHS: tuple[PathSignals, ...] = (
     PathSignals("kvpath/", "kv_transfer_p99", "kv_failure_rate", "kv_transfer_rate"),
-    PathSignals("engine/", "nixl_xfer_time_p99", "nixl_failed_transfer_rate", "nixl_transfer_rate"),
-    PathSignals("nixl/", "nixl_xfer_time_p99", "nixl_error_rate", "nixl_tx_request_rate"),
+    PathSignals("engine/", "nixl_xfer_time_p99", "nixl_failed_transfer_rate", "nixl_transfer_rate",
+                "nixl_xfer_bandwidth"),
+    PathSignals("nixl/", "nixl_xfer_time_p99", "nixl_error_rate", "nixl_tx_request_rate", "nixl_xfer_bandwidth"),
 )
 
 
@@ -59,6 +61,7 @@ class KvTransferSettings:
     peer_ratio: float = 3.0  # without history: 3x the median of its peers
     min_peers: int = 2
     failure_share_critical: float = 0.05  # failed share of transfers that makes it critical
+    bandwidth_drop: float = 0.5  # with sizes that vary, a slow tail must come with bandwidth at half its baseline
 
 
 class KvTransferLag:
@@ -91,6 +94,23 @@ class KvTransferLag:
             return None
         return median_mad([v for _, v in points])
 
+    def _bandwidth_fell(self, inp: PolicyInput, path: PathSignals, subject: str) -> bool:
+        """True unless the path reports bandwidth that stayed near its baseline.
+
+        Real KV transfers carry whole prompts: one long prompt in a scrape interval lifts the
+        p99 transfer time without anything being wrong. Bytes per second of transfer time does
+        not move with prompt length, so where it is reported a tail alone does not open.
+        """
+        if path.bandwidth is None:
+            return True
+        s = self.settings
+        points = inp.windows.series(subject, path.bandwidth, since=inp.now - s.baseline_s)[: -s.recent_points]
+        recent = inp.windows.last(subject, path.bandwidth, s.recent_points)
+        if len(points) < s.min_baseline_points or len(recent) < s.recent_points:
+            return True
+        med, _ = median_mad([v for _, v in points])
+        return all(v < med * s.bandwidth_drop for v in recent)
+
     def _peers(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str]) -> float | None:
         group = subject.rsplit("/", 2)[0] if path.prefix == "engine/" else path.prefix
         values = [v for other in subjects if other != subject and other.startswith(group)
@@ -118,6 +138,8 @@ class KvTransferLag:
         recent = inp.windows.last(subject, path.p99, s.recent_points)
         failures = inp.windows.last(subject, path.failures, s.recent_points)
         slow = threshold is not None and len(recent) == s.recent_points and all(v > threshold for v in recent)
+        if slow and not is_open:
+            slow = self._bandwidth_fell(inp, path, subject)
         failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
         if not (slow or failing) and not (is_open and not self._healthy(inp, path, subject, open_evidence or {})):
             return None

@@ -37,6 +37,11 @@ class ActionKind(StrEnum):
     SCALE_POOL = "scale_pool"
     DRAIN_ENGINE = "drain_engine"  # stop routing to one engine and let it finish its requests
     ADMISSION_CONTROL = "admission_control"  # limit new requests towards a pool or worker
+    TUNE_SPECULATION = "tune_speculation"  # change num_speculative_tokens of a pool by `delta`
+    DISABLE_SPECULATION = "disable_speculation"  # serve a pool without a speculative config
+    ENABLE_EPLB = "enable_eplb"  # restart a pool's engines with --enable-eplb and an --eplb-config
+    DISABLE_EPLB = "disable_eplb"  # restart a pool's engines without EPLB
+    CORDON_NODE = "cordon_node"  # mark a node unschedulable and drain the engines running on it
 
 
 @dataclass(frozen=True, slots=True)

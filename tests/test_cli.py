@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane.sim.fleet import FleetSpec, SimFleet
+from controlplane.demo import demo_fleet
 from controlplane.sim.server import SimServer
 from controlplane.store.writer import SqlStore
 from tests.conftest import PG_ADMIN_URL
@@ -115,12 +115,13 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_run_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path) -> None:
-    fleet = SimFleet(FleetSpec(), now=time.time())
+    fleet = demo_fleet(now=time.time())
     server = SimServer(fleet)
     server.sync()
     port = _free_port()
     db = f"sqlite:///{tmp_path / 'run.db'}"
-    targets = "\n".join(f'  - {{url: "{t.url}", pool: {t.pool}, pod: {t.pod}}}' for t in server.targets())
+    targets = "\n".join(f'  - {{url: "{t.url}", pool: {t.pool}, pod: {t.pod}, source: {t.source}}}'
+                        for t in server.targets())
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text(
         f"store: {{url: '{db}'}}\nscrape: {{interval: 1s, timeout: 500ms, spread: 200ms}}\nserver: {{port: {port}}}\n"

@@ -138,6 +138,7 @@ class VllmEngine:
         self.env = {**LAB_ENV, **(env or {})}
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._launched_at = 0.0
 
     @property
     def base_url(self) -> str:
@@ -181,15 +182,15 @@ class VllmEngine:
             *self.extra_args,
         ]
 
-    def start(self, timeout_s: float = 180.0) -> VllmEngine:
-        """Start the server and wait until `/health` answers 200 (or raise `EngineStartError`)."""
+    def launch(self) -> None:
+        """Start the server process and return at once; `start()` also waits until it serves."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"engine on port {self.port} is already running (pid {self._proc.pid})")
         python = self.venv / "bin" / "python"
         if not python.exists():
             raise EngineStartError(f"no Python at {python}; run scripts/setup-vllm-lab.sh")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
+        self._launched_at = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 self.command(),
@@ -199,28 +200,44 @@ class VllmEngine:
                 env={**os.environ, **self.env},
                 start_new_session=True,  # own process group: stop() reaches the engine core too
             )
-        deadline = started + timeout_s
+
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited, else None (also when never launched)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def startup_failed(self, why: str) -> EngineStartError:
+        """Stop the server and build the error that names it, `why` it failed and its log tail."""
+        self.stop()
+        return EngineStartError(f"vLLM on port {self.port} {why}; log {self.log_path}:\n{self.log_tail()}")
+
+    def mark_ready(self) -> None:
+        """Record the startup time once `/health` answered 200."""
+        self.startup_s = time.monotonic() - self._launched_at
+
+    def start(self, timeout_s: float = 180.0) -> VllmEngine:
+        """Start the server and wait until `/health` answers 200 (or raise `EngineStartError`)."""
+        self.launch()
+        deadline = self._launched_at + timeout_s
         with httpx.Client(timeout=2.0) as client:
             while True:
-                code = self._proc.poll()
+                code = self.exit_code()
                 if code is not None:
-                    self._proc = None
-                    raise EngineStartError(
-                        f"vLLM exited with code {code} during startup; log {self.log_path}:\n{self.log_tail()}"
-                    )
+                    raise self.startup_failed(f"exited with code {code} during startup")
                 try:
                     if client.get(self.health_url).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise EngineStartError(
-                        f"vLLM did not answer {self.health_url} within {timeout_s:g} s; log {self.log_path}:\n{self.log_tail()}"
-                    )
+                    raise self.startup_failed(f"did not answer {self.health_url} within {timeout_s:g} s")
                 time.sleep(0.5)
-        self.startup_s = time.monotonic() - started
+        self.mark_ready()
         return self
+
+    def terminate(self) -> None:
+        """Send SIGTERM to the server's process group without waiting (to stop several engines at once)."""
+        if self._proc is not None and self._proc.poll() is None:
+            _signal_group(self._proc.pid, signal.SIGTERM)
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         """SIGTERM the server's process group, SIGKILL it after `grace_s`; return the exit code."""

@@ -1,58 +1,58 @@
-"""The simulated fleet: engines with prefix caches, queueing and KV usage, advanced in steps.
+"""The simulated fleet: pools of engines, routers, the prefill->decode KV handoff, faults and actions.
 
-Requests enter the prefill pool through a router (cache-aware or round-robin), hand their KV
-to the decode pool, and every engine keeps vLLM's counters and histograms. Deterministic for
-a given seed. Time is whatever the caller passes to `advance_to`.
+Requests from a trace enter the prefill (or unified) pool through a router; a prefill worker
+computes the prompt and hands its KV to a decode worker over a link of fixed bandwidth, queueing
+behind that worker's other transfers. `advance_to(t)` moves every engine forward; between two
+calls the fleet takes actions (scale, EPLB, speculation, canary rollout, rollback) and faults
+(router flips, new prompts, hot experts, lagging links, GPU errors). Deterministic for a seed.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from bisect import bisect_left
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+import heapq
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from itertools import count
+
+import numpy as np
 
 from collectors.types import Role
-from controlplane.sim.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
+from controlplane.sim.engine import EngineConfig, Hist, SimEngine, SimRequest
+from controlplane.sim.moe import EplbConfig, ExpertParallel, MoeSpec
+from controlplane.sim.perf import DYNAMO_PROFILE, PerfModel, load_model
+from controlplane.sim.routing import ROUTERS, Router
+from controlplane.sim.speculation import SpecConfig
+from controlplane.sim.traces import Request
 
-__all__ = ["FleetSpec", "PoolSpec", "Router", "SimEngine", "SimFleet", "Traffic"]
+__all__ = ["FleetSpec", "GpuState", "Member", "PoolSpec", "SimFleet", "SystemPrompts", "Transfer"]
 
-BLOCK_TOKENS = 16
-
-
-class Router(StrEnum):
-    """How the prefill router picks an engine."""
-
-    CACHE_AWARE = "cache_aware"  # requests sharing a prefix go to the same engine
-    ROUND_ROBIN = "round_robin"
-
-
-@dataclass(frozen=True, slots=True)
-class Traffic:
-    """The workload: Zipf-popular shared prefixes (system prompts, conversations)."""
-
-    rate: float = 24.0  # requests per second into the fleet
-    prefix_groups: int = 96
-    zipf_s: float = 0.6
-    prefix_tokens: int = 2048
-    unique_tokens: int = 512
-    output_tokens: int = 256
+SYSTEM_PROMPT_BASE = 1 << 40  # synthetic block hashes live far above any trace's
 
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    """One simulated pool."""
+    """One pool of identical engines."""
 
     name: str
     role: Role
     replicas: int
-    kv_blocks: int = 4096
-    prefill_tokens_per_s: float = 16_000.0
-    base_tpot_s: float = 0.02
-    startup_s: float = 120.0  # from scale-up to serving, as a pod pulling weights would
+    profile: str = DYNAMO_PROFILE
+    speed: float = 1.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    moe: MoeSpec | None = None
+    eplb: EplbConfig | None = None
+    startup_s: float = 120.0  # from scale-up to serving: pull the image, load weights, warm up
+
+
+@dataclass(frozen=True, slots=True)
+class SystemPrompts:
+    """Shared prompt prefixes for traces that carry no block hashes (Azure, ServeGen)."""
+
+    count: int = 24
+    blocks: int = 4
+    block_tokens: int = 256
+    zipf_s: float = 1.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,273 +60,355 @@ class FleetSpec:
     """The whole simulated fleet."""
 
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
-    pools: tuple[PoolSpec, ...] = (
-        PoolSpec("prefill", Role.PREFILL, 3, kv_blocks=4096),
-        PoolSpec("decode", Role.DECODE, 3, kv_blocks=16_384),
-    )
-    traffic: Traffic = Traffic()
+    pools: tuple[PoolSpec, ...] = ()
+    router: str = "cache_aware"
+    decode_router: str = "least_loaded"
+    link_gbps: float = 200.0  # per decode worker: one 200 Gb/s NIC
+    link_latency_s: float = 0.002
+    system_prompts: SystemPrompts | None = None
     seed: int = 7
 
 
-class _Hist:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0.0] * (len(self.bounds) + 1)  # last slot is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float, n: float = 1.0) -> None:
-        lo, hi = 0, len(self.bounds)
-        while lo < hi:  # first bound >= value
-            mid = (lo + hi) // 2
-            if self.bounds[mid] < value:
-                lo = mid + 1
-            else:
-                hi = mid
-        self.counts[lo] += n
-        self.sum += value * n
-
-
-@dataclass(eq=False)
-class SimEngine:
-    """One simulated vLLM engine (a pod with one data-parallel rank)."""
-
-    pool: str
-    pod: str
-    role: Role
-    model: str
-    kv_blocks: int
-    started_at: float
-    ready_at: float
-    draining: bool = False
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    finished: dict[str, float] = field(default_factory=dict)
-    counters: dict[str, float] = field(default_factory=dict)
-    histograms: dict[str, _Hist] = field(default_factory=dict)
-    cache: OrderedDict[int, int] = field(default_factory=OrderedDict)  # prefix group -> blocks (LRU order)
-    cached_blocks: int = 0
-    url: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
-                     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-                     "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits"):
-            self.counters.setdefault(name, 0.0)
-        self.histograms = {
-            "vllm:time_to_first_token_seconds": _Hist(TTFT_BUCKETS),
-            "vllm:inter_token_latency_seconds": _Hist(ITL_BUCKETS),
-            "vllm:request_time_per_output_token_seconds": _Hist(ITL_BUCKETS),
-            "vllm:e2e_request_latency_seconds": _Hist(LATENCY_BUCKETS),
-            "vllm:request_queue_time_seconds": _Hist(LATENCY_BUCKETS),
-        }
-
-    def lookup(self, group: int, blocks: int) -> bool:
-        """Prefix-cache lookup of a group's blocks; inserts on a miss, evicting LRU groups."""
-        if group in self.cache:
-            self.cache.move_to_end(group)
-            return True
-        self.cache[group] = blocks
-        self.cached_blocks += blocks
-        return False
-
-    def evict_to(self, capacity_blocks: int) -> None:
-        """Evict least-recently-used prefixes until they fit in the free KV blocks."""
-        while self.cached_blocks > capacity_blocks and self.cache:
-            _, blocks = self.cache.popitem(last=False)
-            self.cached_blocks -= blocks
+# vLLM's NIXL connector histograms (seconds) and NIXL's telemetry exporter (microseconds).
+NIXL_SECONDS_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_BYTES_BOUNDS = tuple(float(2**k) for k in range(20, 36, 2))  # 1 MiB .. 32 GiB per transfer
+NIXL_US_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000,
+                  1000000)
 
 
 @dataclass(slots=True)
-class _Request:
-    group: int
-    prompt: int
-    output: int
-    hit_tokens: int = 0
-    ttft: float = 0.0
+class Transfer:
+    """NIXL statistics of one decode worker's incoming KV transfers."""
+
+    count: float = 0.0
+    failed: float = 0.0
+    bytes: float = 0.0
+    xfer: Hist = field(default_factory=lambda: Hist(NIXL_SECONDS_BOUNDS))
+    post: Hist = field(default_factory=lambda: Hist(NIXL_SECONDS_BOUNDS))
+    xfer_us: Hist = field(default_factory=lambda: Hist(NIXL_US_BOUNDS))
+    post_us: Hist = field(default_factory=lambda: Hist(NIXL_US_BOUNDS))
+    sizes: Hist = field(default_factory=lambda: Hist(NIXL_BYTES_BOUNDS))
+    link_free_at: float = 0.0
+    slowdown: float = 1.0  # a lagging worker's NIC or a congested link
+    fail_share: float = 0.0
+
+
+@dataclass(slots=True)
+class GpuState:
+    """What dcgm-exporter reports beyond activity for the GPUs of one engine."""
+
+    xid: int = 0
+    xid_count: float = 0.0
+    ecc_dbe: float = 0.0
+    ecc_sbe: float = 0.0
+    thermal_violation_s: float = 0.0
+    throttled: bool = False
+    energy_j: float = 0.0
+    last_busy_s: float = 0.0
+    last_t: float = 0.0
+    utilization: float = 0.0
+
+
+@dataclass(eq=False)
+class Member:
+    """An engine's place in the fleet: serving state, version and side channels."""
+
+    engine: SimEngine
+    role: Role
+    ready_at: float
+    version: str = "stable"
+    draining: bool = False
+    transfer: Transfer = field(default_factory=Transfer)
+    gpu: GpuState = field(default_factory=GpuState)
+    urls: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pod(self) -> str:
+        """The engine's pod name."""
+        return self.engine.pod
+
+    @property
+    def pool(self) -> str:
+        """The engine's pool."""
+        return self.engine.pool
 
 
 class SimFleet:
-    """Engines grouped in pools; `advance_to(t)` moves the whole fleet forward to time t."""
+    """Engines grouped in pools; `advance_to(t)` moves the whole fleet forward to time `t`."""
 
-    def __init__(self, spec: FleetSpec, now: float) -> None:
+    def __init__(self, spec: FleetSpec, requests: Iterable[Request], *, now: float = 0.0,
+                 refresh_s: float = 1.0) -> None:
+        if not spec.pools:
+            raise ValueError("a fleet needs at least one pool")
         self.spec = spec
-        self.now = now
-        self.rng = random.Random(spec.seed)
-        self.router = Router.CACHE_AWARE
-        self.desired: dict[str, int] = {}
-        self.engines: dict[str, list[SimEngine]] = {}
+        self.now = self.t0 = now
+        self.refresh_s = refresh_s
+        self.rng = np.random.default_rng(spec.seed)
+        self._requests: Iterator[Request] = iter(requests)
+        self._next: Request | None = next(self._requests, None)
+        self._events: list[tuple[float, int, SimRequest, Member]] = []  # KV landing on a decode worker
+        self._handoffs: list[tuple[float, int, SimEngine, SimRequest]] = []
+        self._seq = count()
+        self._rid = count()
         self._serial: dict[str, int] = {}
-        self._rr: dict[str, int] = {}
-        t = spec.traffic
-        weights = [1.0 / (k + 1) ** t.zipf_s for k in range(t.prefix_groups)]
-        total = sum(weights)
-        self._cum: list[float] = []
-        acc = 0.0
-        for w in weights:
-            acc += w / total
-            self._cum.append(acc)
+        self._models: dict[str, PerfModel] = {}
+        self.members: dict[str, list[Member]] = {p.name: [] for p in spec.pools}
+        self.pool_specs = {p.name: p for p in spec.pools}
+        self.desired = {p.name: p.replicas for p in spec.pools}
+        self.routers: dict[str, Router] = {}
+        self.router_kind = spec.router
+        # Traffic knobs the scenarios turn.
+        self.prompt_generation = 0  # bump for a new set of system prompts
+        self.prompt_scale = 1.0  # longer prompts: KV pressure
+        self.class_mix: dict[str, float] = {}  # traffic class -> share of requests forced into it
+        self.rate_scale = 1.0
+        self.unique_prefix = False
+        self.arrived = self.completed = 0
+        self._sp_cum = self._system_prompt_cdf()
         for pool in spec.pools:
-            self.desired[pool.name] = pool.replicas
-            self.engines[pool.name] = []
+            self._set_router(pool.name)
             for _ in range(pool.replicas):
-                self._add_engine(pool, ready_at=now)
+                self._add(pool, ready_at=now)
 
-    # shape ------------------------------------------------------------------------------------
+    # shape -----------------------------------------------------------------------------------
 
-    def pool_spec(self, name: str) -> PoolSpec:
-        """The spec of pool `name`."""
-        return next(p for p in self.spec.pools if p.name == name)
+    def _model(self, pool: PoolSpec) -> PerfModel:
+        key = f"{pool.profile}@{pool.speed}"
+        if key not in self._models:
+            self._models[key] = load_model(pool.profile, pool.speed)
+        return self._models[key]
 
-    def _add_engine(self, pool: PoolSpec, ready_at: float) -> SimEngine:
-        n = self._serial.get(pool.name, 0)
-        self._serial[pool.name] = n + 1
-        engine = SimEngine(pool.name, f"{pool.name}-{n}", pool.role, self.spec.model, pool.kv_blocks,
-                           started_at=self.now, ready_at=ready_at)
-        self.engines[pool.name].append(engine)
-        return engine
+    def _add(self, pool: PoolSpec, ready_at: float, version: str = "stable",
+             slowdown: float = 1.0) -> Member:
+        n = self._serial.get(f"{pool.name}/{version}", 0)
+        self._serial[f"{pool.name}/{version}"] = n + 1
+        pod = f"{pool.name}-{n}" if version == "stable" else f"{pool.name}-{version}-{n}"
+        config = replace(pool.engine, prefill_only=pool.role is Role.PREFILL,
+                         ranks=pool.moe.ranks if pool.moe else pool.engine.ranks)
+        moe = ExpertParallel(pool.moe, pool.eplb) if pool.moe else None
+        engine = SimEngine(pool.name, pod, self._model(pool), config, now=self.now, spec=pool.spec, moe=moe,
+                           on_prefilled=self._handoff)
+        engine.slowdown = slowdown
+        member = Member(engine, pool.role, ready_at, version)
+        member.transfer.link_free_at = self.now
+        member.gpu.last_t = self.now
+        self.members[pool.name].append(member)
+        return member
+
+    def ready(self, pool: str) -> list[Member]:
+        """Engines of a pool that take new requests now."""
+        return [m for m in self.members[pool] if m.ready_at <= self.now and not m.draining]
+
+    def serving(self) -> list[Member]:
+        """Every engine that is up (ready, draining included): what exporters serve."""
+        return [m for ms in self.members.values() for m in ms if m.ready_at <= self.now]
+
+    def engines(self) -> list[SimEngine]:
+        """Every engine that is up."""
+        return [m.engine for m in self.serving()]
+
+    def member(self, pod: str) -> Member:
+        """The engine named `pod`."""
+        for ms in self.members.values():
+            for m in ms:
+                if m.pod == pod:
+                    return m
+        raise KeyError(f"no engine named {pod!r}")
+
+    def _entry_pools(self) -> list[str]:
+        """Where requests enter: the prefill pool if there is one, else the unified pools."""
+        prefill = [p.name for p in self.spec.pools if p.role is Role.PREFILL]
+        return prefill or [p.name for p in self.spec.pools if p.role is Role.UNIFIED]
+
+    def _decode_pools(self) -> list[str]:
+        return [p.name for p in self.spec.pools if p.role is Role.DECODE]
+
+    def _set_router(self, pool: str) -> None:
+        spec = self.pool_specs[pool]
+        kind = self.spec.decode_router if spec.role is Role.DECODE else self.router_kind
+        self.routers[pool] = ROUTERS[kind]()
+
+    # actions --------------------------------------------------------------------------------
 
     def scale(self, pool: str, replicas: int) -> None:
-        """Set a pool's desired replicas: new engines start after the pool's startup time."""
-        spec = self.pool_spec(pool)
+        """Set a pool's stable replicas: new engines serve after the startup time, removed ones drain."""
+        spec = self.pool_specs[pool]
         self.desired[pool] = replicas
-        live = [e for e in self.engines[pool] if not e.draining]
+        live = [m for m in self.members[pool] if not m.draining and m.version == "stable"]
         for _ in range(replicas - len(live)):
-            self._add_engine(spec, ready_at=self.now + spec.startup_s)
-        for engine in live[replicas:] if replicas < len(live) else []:
-            engine.draining = True
+            self._add(spec, ready_at=self.now + spec.startup_s)
+        for m in sorted(live, key=lambda m: m.ready_at, reverse=True)[: max(0, len(live) - replicas)]:
+            m.draining = True
 
-    def ready(self, pool: str) -> list[SimEngine]:
-        """Engines of a pool that serve traffic now."""
-        return [e for e in self.engines[pool] if e.ready_at <= self.now and not e.draining]
+    def set_router(self, kind: str) -> None:
+        """Switch the entry pools' router (a fault when it leaves cache-aware)."""
+        if kind not in ROUTERS:
+            raise ValueError(f"unknown router {kind!r}; known: {', '.join(ROUTERS)}")
+        self.router_kind = kind
+        for pool in self._entry_pools():
+            self._set_router(pool)
 
-    def set_router(self, router: Router) -> None:
-        """Switch the prefill router (a fault when it leaves cache-aware)."""
-        self.router = router
+    def set_eplb(self, pool: str, eplb: EplbConfig | None) -> None:
+        """Enable, retune or disable EPLB on every engine of an MoE pool."""
+        if self.pool_specs[pool].moe is None:
+            raise ValueError(f"pool {pool!r} serves no MoE model: EPLB does not apply")
+        self.pool_specs[pool] = replace(self.pool_specs[pool], eplb=eplb)
+        for m in self.members[pool]:
+            assert m.engine.moe is not None
+            m.engine.moe.set_eplb(eplb)
 
-    # time -------------------------------------------------------------------------------------
+    def set_speculation(self, pool: str, spec: SpecConfig) -> None:
+        """Change a pool's speculative config (engines restart with it in vLLM; here at once)."""
+        self.pool_specs[pool] = replace(self.pool_specs[pool], spec=spec)
+        for m in self.members[pool]:
+            m.engine.spec = spec
+            for stats in m.engine.ranks:
+                if len(stats.per_pos) < spec.num_speculative_tokens:
+                    stats.per_pos += [0.0] * (spec.num_speculative_tokens - len(stats.per_pos))
 
-    def advance_to(self, t: float, step_s: float = 5.0) -> None:
-        """Simulate traffic up to time `t` in steps of at most `step_s`."""
-        while self.now < t - 1e-9:
-            dt = min(step_s, t - self.now)
-            self.now += dt
-            for pool in self.engines:
-                self.engines[pool] = [e for e in self.engines[pool] if not (e.draining and e.running < 0.5)]
-            self._step(dt)
+    def rollout(self, pool: str, version: str, share: float, slowdown: float = 1.0) -> list[str]:
+        """Replace `share` of a pool's engines with `version` (its step times times `slowdown`)."""
+        spec = self.pool_specs[pool]
+        stable = [m for m in self.members[pool] if not m.draining and m.version == "stable"]
+        n = max(1, round(share * len(stable)))
+        pods = []
+        for m in stable[-n:]:
+            m.draining = True
+            pods.append(self._add(spec, ready_at=self.now + spec.startup_s, version=version, slowdown=slowdown).pod)
+        return pods
 
-    def _arrivals(self, dt: float) -> list[_Request]:
-        t = self.spec.traffic
-        n = _poisson(self.rng, t.rate * dt)
+    def rollback(self, pool: str) -> None:
+        """Drain every non-stable engine of a pool and restore the stable replica count."""
+        spec = self.pool_specs[pool]
+        canaries = [m for m in self.members[pool] if m.version != "stable" and not m.draining]
+        for m in canaries:
+            m.draining = True
+        live = [m for m in self.members[pool] if not m.draining and m.version == "stable"]
+        for _ in range(self.desired[pool] - len(live)):
+            self._add(spec, ready_at=self.now + spec.startup_s)
+
+    # time -----------------------------------------------------------------------------------
+
+    def advance_to(self, t: float) -> None:
+        """Simulate every arrival, handoff and engine iteration up to time `t`.
+
+        In windows of `refresh_s`: arrivals are routed and the entry pools run to the window's
+        end; the prompts they finished hand off in time order, so each decode worker's link
+        queues its transfers as they happened; then the decode pools run, taking each KV at
+        the time it lands.
+        """
+        while self.now < t:
+            stop = min(t, self.now + self.refresh_s)
+            self._arrivals_until(stop)
+            decode = set(self._decode_pools())
+            for pool, ms in self.members.items():
+                if pool not in decode:
+                    for m in ms:
+                        if m.ready_at <= stop:
+                            m.engine.run_until(stop)
+            for t_done, _, engine, req in sorted(self._handoffs, key=lambda h: (h[0], h[1])):
+                self._transfer(engine, req, t_done)
+            self._handoffs.clear()
+            while self._events and self._events[0][0] <= stop:
+                te, _, req, member = heapq.heappop(self._events)
+                self._deliver(req, member, te)
+            for pool in decode:
+                for m in self.members[pool]:
+                    if m.ready_at <= stop:
+                        m.engine.run_until(stop)
+            self.now = stop
+            self._reap()
+
+    def _reap(self) -> None:
+        for pool, ms in self.members.items():
+            self.members[pool] = [m for m in ms if not (m.draining and m.engine.idle() and m.transfer.link_free_at <= self.now)]
+
+    def _arrivals_until(self, stop: float) -> None:
+        while self._next is not None and self.t0 + self._next.arrival_s <= stop:
+            te = self.t0 + self._next.arrival_s
+            trace_req = self._next
+            self._next = next(self._requests, None)
+            for req in self._admit(trace_req, te):
+                self._route(req, te)
+
+    def _admit(self, r: Request, t: float) -> list[SimRequest]:
+        """Trace request -> engine requests, with the scenario's traffic knobs applied."""
+        copies = int(self.rate_scale) + (1 if self.rng.random() < self.rate_scale % 1 else 0)
         out = []
-        for _ in range(n):
-            group = min(bisect_left(self._cum, self.rng.random()), len(self._cum) - 1)
-            out.append(_Request(group, t.prefix_tokens + t.unique_tokens, t.output_tokens))
+        for _ in range(copies):
+            rid = next(self._rid)
+            hash_ids, block_tokens, tokens = r.hash_ids, r.block_tokens, r.input_tokens
+            if not hash_ids and self.spec.system_prompts is not None:
+                sp = self.spec.system_prompts
+                k = int(np.searchsorted(self._sp_cum, self.rng.random()))
+                base = SYSTEM_PROMPT_BASE + (self.prompt_generation * sp.count + k) * sp.blocks
+                hash_ids, block_tokens = tuple(range(base, base + sp.blocks)), sp.block_tokens
+                tokens = max(tokens, sp.blocks * sp.block_tokens + 16)
+            if self.unique_prefix and hash_ids:
+                hash_ids = (-1 - rid, *hash_ids)
+            if self.prompt_scale != 1.0:
+                tokens = int(tokens * self.prompt_scale)
+            cls = "code" if r.category == "code" else "text"
+            u = (rid * 0.6180339887) % 1.0  # a low-discrepancy draw keeps class shares steady
+            for name, share in self.class_mix.items():
+                if u < share:
+                    cls = name
+                    break
+                u -= share
+            out.append(SimRequest(rid, t, max(1, tokens), max(1, r.output_tokens), hash_ids, block_tokens, cls))
+            self.arrived += 1
         return out
 
-    def _pick(self, pool: str, engines: list[SimEngine], req: _Request, cache_aware: bool) -> SimEngine:
-        if cache_aware:
-            return engines[req.group % len(engines)]
-        i = self._rr.get(pool, 0)
-        self._rr[pool] = i + 1
-        return engines[i % len(engines)]
+    def _system_prompt_cdf(self) -> np.ndarray:
+        sp = self.spec.system_prompts
+        if sp is None:
+            return np.ones(1)
+        w = 1.0 / np.arange(1, sp.count + 1) ** sp.zipf_s
+        return np.cumsum(w / w.sum())
 
-    def _step(self, dt: float) -> None:
-        requests = self._arrivals(dt)
-        prefill = [p for p in self.spec.pools if p.role is Role.PREFILL]
-        decode = [p for p in self.spec.pools if p.role is Role.DECODE]
-        if prefill:
-            self._prefill(prefill[0], requests, dt)
-        if decode:
-            self._decode(decode[0], requests, dt, kv_from_remote=bool(prefill))
+    def _route(self, req: SimRequest, t: float) -> None:
+        pools = self._entry_pools()
+        candidates = [m for p in pools for m in self.ready(p)]
+        if not candidates:
+            return  # nothing serves: the request fails at the gateway
+        member = self.routers[pools[0]].pick(req, candidates)
+        member.engine.run_until(t)
+        member.engine.submit(req)
 
-    def _prefill(self, spec: PoolSpec, requests: list[_Request], dt: float) -> None:
-        engines = self.ready(spec.name)
-        if not engines:
+    def _handoff(self, engine: SimEngine, req: SimRequest, t: float) -> None:
+        """A prefill finished; its transfer is queued in time order once the window's prefills are known."""
+        self._handoffs.append((t, next(self._seq), engine, req))
+
+    def _transfer(self, engine: SimEngine, req: SimRequest, t: float) -> None:
+        """Pick a decode worker and queue the KV transfer on its link."""
+        decode = [m for p in self._decode_pools() for m in self.ready(p)]
+        if not decode:
             return
-        per_engine: dict[int, list[_Request]] = {id(e): [] for e in engines}
-        prefix_blocks = self.spec.traffic.prefix_tokens // BLOCK_TOKENS
-        for req in requests:
-            e = self._pick(spec.name, engines, req, self.router is Router.CACHE_AWARE)
-            per_engine[id(e)].append(req)
-        for e in engines:
-            batch = per_engine[id(e)]
-            # Prefixes live in KV blocks that running requests do not hold.
-            e.evict_to(max(0, int(e.kv_blocks * (1.0 - e.kv_usage))))
-            computed = 0
-            for req in batch:
-                if e.lookup(req.group, prefix_blocks):
-                    req.hit_tokens = prefix_blocks * BLOCK_TOKENS
-                computed += req.prompt - req.hit_tokens
-            e.evict_to(max(0, int(e.kv_blocks * (1.0 - e.kv_usage))))
-            rho = min(0.98, computed / (spec.prefill_tokens_per_s * dt)) if dt > 0 else 0.0
-            mean_service = computed / max(1, len(batch)) / spec.prefill_tokens_per_s
-            wait = rho / (1.0 - rho) * mean_service  # M/M/1 queueing delay
-            rate = len(batch) / dt
-            e.running = rate * mean_service
-            e.waiting = rate * wait
-            e.kv_usage = min(1.0, e.running * self._req_blocks() / e.kv_blocks)
-            for req in batch:
-                service = (req.prompt - req.hit_tokens) / spec.prefill_tokens_per_s
-                req.ttft = (service + wait) * self.rng.lognormvariate(0.0, 0.15)
-                e.histograms["vllm:time_to_first_token_seconds"].observe(req.ttft)
-                e.histograms["vllm:request_queue_time_seconds"].observe(wait)
-                e.histograms["vllm:e2e_request_latency_seconds"].observe(req.ttft)
-                e.finished["length"] = e.finished.get("length", 0.0) + 1
-                e.counters["vllm:prompt_tokens"] += req.prompt
-                e.counters["vllm:generation_tokens"] += 1
-                e.counters["vllm:prefix_cache_queries"] += req.prompt
-                e.counters["vllm:prefix_cache_hits"] += req.hit_tokens
+        target = self.routers[self._decode_pools()[0]].pick(req, decode)
+        tr = target.transfer
+        size = req.input_tokens * engine.config.kv_bytes_per_token
+        start = max(t, tr.link_free_at)
+        wire = size * 8 / (self.spec.link_gbps * 1e9) * tr.slowdown
+        done = start + self.spec.link_latency_s * tr.slowdown + wire
+        tr.link_free_at = done
+        tr.count += 1
+        tr.bytes += size
+        # NIXL's transfer time runs from the request's post, so it includes the queue behind earlier ones.
+        post = 0.0002 * tr.slowdown
+        for hist, scale in ((tr.xfer, 1.0), (tr.xfer_us, 1e6)):
+            hist.observe((done - t) * scale)
+        for hist, scale in ((tr.post, 1.0), (tr.post_us, 1e6)):
+            hist.observe(post * scale)
+        tr.sizes.observe(size)
+        if tr.fail_share and self.rng.random() < tr.fail_share:
+            tr.failed += 1
+            return  # the request is lost with its KV: vLLM aborts it
+        dreq = SimRequest(req.rid, req.arrival, req.input_tokens, req.output_tokens, req.hash_ids, req.block_tokens,
+                          req.cls, remote_kv=True, handoff_at=done)
+        heapq.heappush(self._events, (done, next(self._seq), dreq, target))
 
-    def _decode(self, spec: PoolSpec, requests: list[_Request], dt: float, kv_from_remote: bool) -> None:
-        engines = self.ready(spec.name)
-        if not engines:
+    def _deliver(self, req: SimRequest, member: Member, t: float) -> None:
+        if member.draining and member.engine.idle():
             return
-        per_engine: dict[int, list[_Request]] = {id(e): [] for e in engines}
-        for req in requests:
-            per_engine[id(self._pick(spec.name, engines, req, cache_aware=False))].append(req)
-        blocks = self._req_blocks() + self.spec.traffic.output_tokens // (2 * BLOCK_TOKENS)
-        for e in engines:
-            batch = per_engine[id(e)]
-            tpot = spec.base_tpot_s * (1.0 + 0.6 * e.kv_usage)
-            rate = len(batch) / dt
-            e.running = rate * tpot * self.spec.traffic.output_tokens
-            demand = e.running * blocks / e.kv_blocks
-            e.kv_usage = min(1.0, demand)
-            e.waiting = max(0.0, (demand - 1.0) * e.kv_blocks / blocks)
-            if demand > 1.0:
-                e.counters["vllm:num_preemptions"] += (demand - 1.0) * e.kv_blocks / blocks * dt / 10.0
-            for req in batch:
-                jitter = self.rng.lognormvariate(0.0, 0.1)
-                per_token = tpot * jitter
-                decode_time = per_token * (req.output - 1)
-                e.histograms["vllm:inter_token_latency_seconds"].observe(per_token, req.output - 1)
-                e.histograms["vllm:request_time_per_output_token_seconds"].observe(per_token)
-                e.histograms["vllm:time_to_first_token_seconds"].observe(req.ttft + 0.005)
-                e.histograms["vllm:e2e_request_latency_seconds"].observe(req.ttft + decode_time)
-                e.histograms["vllm:request_queue_time_seconds"].observe(0.0)
-                e.finished["stop"] = e.finished.get("stop", 0.0) + 1
-                e.counters["vllm:prompt_tokens"] += req.prompt
-                e.counters["vllm:generation_tokens"] += req.output
-                # The prompt's KV arrives from the prefill engine over NIXL; a decode engine
-                # without a prefill pool would look up its local prefix cache instead.
-                if kv_from_remote:
-                    e.counters["vllm:external_prefix_cache_queries"] += req.prompt
-                    e.counters["vllm:external_prefix_cache_hits"] += req.prompt
-
-    def _req_blocks(self) -> int:
-        t = self.spec.traffic
-        return math.ceil((t.prefix_tokens + t.unique_tokens) / BLOCK_TOKENS)
-
-
-def _poisson(rng: random.Random, lam: float) -> int:
-    if lam > 50:  # normal approximation keeps big steps cheap
-        return max(0, round(rng.gauss(lam, math.sqrt(lam))))
-    limit, k, p = math.exp(-lam), 0, 1.0
-    while True:
-        p *= rng.random()
-        if p <= limit:
-            return k
-        k += 1
+        member.engine.run_until(t)
+        member.engine.submit(req)

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from bench.parse import identical, reference_samples
 from collectors.exposition import ExpositionError, parse
-from controlplane.sim.fleet import FleetSpec, SimFleet
-from controlplane.sim.metrics import render
+from controlplane.demo import demo_fleet
+from controlplane.sim.exporters import render_dcgm, render_nixl, render_vllm
 from tests.conftest import SHARED
 
 FIXTURES = sorted((SHARED / "data" / "fixtures").glob("*.txt"))
@@ -42,11 +42,14 @@ def test_recorded_fixtures_parse_like_prometheus_client(path: Path) -> None:
 
 
 def test_simulated_vllm_exposition_parses_like_prometheus_client() -> None:
-    fleet = SimFleet(FleetSpec(), now=1000.0)
+    fleet = demo_fleet(now=1000.0)
     fleet.advance_to(1060.0)
-    text = render(fleet.engines["prefill"][0]).decode()
+    prefill, decode = fleet.members["prefill"][0], fleet.members["decode"][0]
+    text = render_vllm(prefill, "m").decode()
     assert "vllm:prefix_cache_hits_total" in text
     assert same(ours(text), reference(text))
+    for body in (render_vllm(decode, "m"), render_dcgm(decode, 1060.0), render_nixl(decode)):
+        assert same(ours(body.decode()), reference(body.decode()))
 
 
 def test_escapes_special_values_and_timestamps() -> None:
@@ -204,11 +207,11 @@ def test_openmetrics_exemplars_eof_and_float_timestamps() -> None:
 def test_series_cache_gives_identical_samples_on_repeat_scrapes() -> None:
     from collectors.exposition import Parser
 
-    fleet = SimFleet(FleetSpec(), now=1000.0)
+    fleet = demo_fleet(now=1000.0)
     parser = Parser()
     for t in (1060.0, 1120.0, 1180.0):
         fleet.advance_to(t)
-        text = render(fleet.engines["decode"][0]).decode()
+        text = render_vllm(fleet.members["decode"][0], "m").decode()
         assert list(parser.parse(text)) == list(parse(text))
 
 

@@ -16,11 +16,12 @@ import pytest
 
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
-from controlplane.demo import demo_config
+from controlplane.demo import demo_config, demo_fleet
 from controlplane.loop import ControlLoop
 from controlplane.runtime import build_loop
 from controlplane.server import start_server
-from controlplane.sim.fleet import FleetSpec, Router, SimFleet
+from controlplane.sim.fleet import SimFleet
+from controlplane.sim.routing import RouterKind as Router
 from controlplane.sim.server import SimActuator, SimServer, SimTargets
 from controlplane.store.queries import ReadStore
 from controlplane.store.writer import SqlStore
@@ -37,7 +38,7 @@ def free_port() -> int:
 @pytest.fixture
 def sim() -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
     clock = VirtualClock()
-    fleet = SimFleet(FleetSpec(), now=clock.now())
+    fleet = demo_fleet(now=clock.now())
     server = SimServer(fleet)
     server.sync()
     yield fleet, server, clock

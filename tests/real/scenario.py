@@ -31,7 +31,8 @@ from collectors.pipeline import SignalDeriver
 from collectors.scraper import Scraper
 from collectors.types import Target, engine_subject
 from collectors.vllm import read_engines
-from controlplane.sim.fleet import FleetSpec, SimEngine, SimFleet, Traffic
+from controlplane.demo import demo_scenario
+from controlplane.sim.fleet import SimFleet
 from controlplane.sim.server import SimServer
 from tests.real.prometheus import RealPrometheus, ScrapeTarget
 
@@ -91,16 +92,6 @@ def _address(target: Target) -> str:
     return target.url.split("/")[2]
 
 
-def _restart(engine: SimEngine, now: float) -> None:
-    """Counters, histograms and the prefix cache back to zero, as a fresh process on the same port."""
-    engine.counters.clear()
-    engine.finished.clear()
-    engine.cache.clear()
-    engine.cached_blocks = 0
-    engine.started_at = now
-    engine.__post_init__()
-
-
 def _phases(prom: RealPrometheus, instances: list[str]) -> dict[str, float]:
     """Each target's Prometheus scrape phase within the second, from its raw samples."""
     phases: dict[str, float] = {}
@@ -125,7 +116,7 @@ def _best_offset(phases: list[float]) -> tuple[float, float]:
 
 async def _run(prom: RealPrometheus, fleet: SimFleet, server: SimServer, run: Run, u0: float) -> None:
     deriver = SignalDeriver()
-    restarted = fleet.engines["prefill"][1]
+    restarted = fleet.members["prefill"][1]
     async with httpx.AsyncClient(timeout=2.0) as client:
         scraper = Scraper(client, timeout_s=1.0)
         for k in range(WINDOWS + 1):
@@ -133,7 +124,7 @@ async def _run(prom: RealPrometheus, fleet: SimFleet, server: SimServer, run: Ru
             await asyncio.sleep(max(0.0, u_k - time.time()))
             fleet.advance_to(u_k)
             if k == RESTART_AT:
-                _restart(restarted, u_k)
+                restarted.engine.restart(u_k)  # a fresh process on the same port
             server.sync()
             run.sync_lag_s.append(time.time() - u_k)
             s_k = u_k + run.scrape_offset_s
@@ -160,8 +151,10 @@ async def _run(prom: RealPrometheus, fleet: SimFleet, server: SimServer, run: Ru
 def run_scenario(workdir: Path) -> tuple[Run, SimServer]:
     """Start the fleet and Prometheus, run the schedule; the caller closes both."""
     start = time.time()
-    fleet = SimFleet(FleetSpec(traffic=Traffic(rate=96.0)), now=start)
-    server = SimServer(fleet)
+    scenario = demo_scenario()  # fault-free: only its fleet and traffic, 8 times faster than recorded
+    scenario = scenario.model_copy(update={"trace": scenario.trace.model_copy(update={"speedup": 8.0})})
+    fleet = SimFleet(scenario.fleet_spec(), scenario.requests(), now=start)
+    server = SimServer(fleet, gpu=False, nixl=False)
     server.sync()
     targets = server.targets()
     prom = RealPrometheus(

@@ -1,0 +1,118 @@
+"""Run a scenario: the simulated fleet served over loopback, the real control loop on its clock.
+
+Each tick: the simulated clock moves one scrape interval, due faults start or end, the fleet
+advances, every engine's exporters publish, and the loop scrapes, stores, evaluates and acts
+exactly as it does on a live fleet. `speed` paces the run (simulated seconds per wall second);
+without it the run goes as fast as the machine allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.clock import VirtualClock
+from controlplane.config import FleetConfig
+from controlplane.loop import ControlLoop, TickReport
+from controlplane.runtime import build_loop, scrape_client
+from controlplane.sim.fleet import SimFleet
+from controlplane.sim.scenario import Fault, Scenario, apply_fault
+from controlplane.sim.server import SimActuator, SimServer, SimTargets
+from controlplane.store import migrate
+from controlplane.store.writer import SqlStore
+from policies.types import Policy
+
+__all__ = ["ScenarioRun", "TickHook", "run_scenario"]
+
+TickHook = Callable[["ScenarioRun", TickReport], Awaitable[None] | None]
+
+
+@dataclass(slots=True)
+class ScenarioRun:
+    """A scenario in progress: what the hooks may look at."""
+
+    scenario: Scenario
+    fleet: SimFleet
+    loop: ControlLoop
+    start: float
+    ticks: int = 0
+    events: list[tuple[float, str]] = field(default_factory=list)  # (seconds from start, what happened)
+    wall_s: float = 0.0
+
+    @property
+    def elapsed(self) -> float:
+        """Simulated seconds since the start."""
+        return self.fleet.now - self.start
+
+    def engine_hours(self) -> float:
+        """Engine-hours simulated so far (engines counted at their current number)."""
+        return len(self.fleet.serving()) * self.elapsed / 3600.0
+
+
+async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe", speed: float | None = None,
+                       policies: Sequence[Policy] | None = None, on_tick: TickHook | None = None,
+                       start: float | None = None, config: FleetConfig | None = None) -> ScenarioRun:
+    """Replay `scenario` through the full loop, storing into `db_url`; returns the finished run.
+
+    `config` replaces the fleet file derived from the scenario (its store URL is set to `db_url`).
+    """
+    if config is None:
+        config = scenario.controlplane_config(db_url, mode)
+    else:
+        config = config.model_copy(update={"store": config.store.model_copy(update={"url": db_url})})
+    migrate.upgrade(db_url)
+    store = SqlStore.open(db_url)
+    clock = VirtualClock(start=start if start is not None else time.time() // 60 * 60)
+    t0 = clock.now()
+    fleet = SimFleet(scenario.fleet_spec(), scenario.requests(), now=t0)
+    server = SimServer(fleet)
+    interval = scenario.scrape_interval
+    pending: list[Fault] = sorted(scenario.faults, key=lambda f: f.at)
+    undo: list[tuple[float, Fault, Callable[[], Any]]] = []
+    wall0 = time.perf_counter()
+    try:
+        async with scrape_client(config) as client:
+            loop = build_loop(config, store, client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                              clock=clock, policies=policies)
+            run = ScenarioRun(scenario, fleet, loop, t0)
+            await loop.start()
+            for _ in range(int(scenario.duration // interval)):
+                tick_wall = time.perf_counter()
+                clock.advance(interval)
+                now = clock.now()
+                while pending and t0 + pending[0].at <= now:
+                    fault = pending.pop(0)
+                    fleet.advance_to(t0 + fault.at)
+                    end = t0 + (fault.end if fault.end is not None else float("inf"))
+                    undo.append((end, fault, apply_fault(fleet, fault)))
+                    run.events.append((fault.at, f"fault {fault.kind} starts" + _where(fault)))
+                for item in sorted(undo, key=lambda u: u[0]):
+                    if item[0] <= now:
+                        fleet.advance_to(item[0])
+                        item[2]()
+                        undo.remove(item)
+                        run.events.append((item[0] - t0, f"fault {item[1].kind} ends" + _where(item[1])))
+                fleet.advance_to(now)
+                server.sync()
+                report = await loop.tick()
+                run.ticks += 1
+                if on_tick is not None:
+                    maybe = on_tick(run, report)
+                    if maybe is not None:
+                        await maybe
+                if speed:
+                    await asyncio.sleep(max(0.0, interval / speed - (time.perf_counter() - tick_wall)))
+            run.wall_s = time.perf_counter() - wall0
+            return run
+    finally:
+        server.close()
+        store.close()
+
+
+def _where(fault: Fault) -> str:
+    if fault.pod:
+        return f" on {fault.pod}"
+    return f" on pool {fault.pool}" if fault.pool else ""

@@ -1,0 +1,337 @@
+"""Scenarios: a trace, a fleet and a timeline of faults, each fault with its ground truth.
+
+A scenario file is YAML validated like the fleet file (errors name the file, field path and
+line). Faults change the simulated fleet at `at` and undo the change at `end`; their `truth`
+says which finding kind on which pool (and pod) a detector should raise meanwhile. Scenarios
+without faults are fault-free replays: every finding they produce is a false alarm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from collectors.types import Role
+from controlplane.config import FleetConfig, Seconds, parse_config, parse_yaml
+from controlplane.errors import ConfigError
+from controlplane.sim.engine import EngineConfig
+from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
+from controlplane.sim.moe import EplbConfig, MoeSpec
+from controlplane.sim.speculation import SpecConfig
+from controlplane.sim.traces import Request, load_servegen, load_trace, servegen_requests
+
+__all__ = ["FAULT_KINDS", "Fault", "Scenario", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TraceSpec(_Strict):
+    """Which trace, which window of it, how much faster than recorded."""
+
+    name: str
+    start: float = Field(0.0, ge=0)
+    duration: Seconds | None = None
+    speedup: float = Field(1.0, gt=0)
+    clients: list[str] | None = None  # ServeGen: the clients to replay (all by default)
+
+
+class SpecModel(_Strict):
+    method: Literal["none", "ngram", "eagle", "eagle3", "mtp"] = "none"
+    num_speculative_tokens: int = Field(0, ge=0, le=16)
+
+
+class MoeModel(_Strict):
+    experts: int = Field(64, ge=2)
+    ranks: int = Field(4, ge=1, le=64)
+    zipf_s: float = Field(0.4, ge=0)
+    moe_share: float = Field(0.55, ge=0, le=1)
+
+
+class EplbModel(_Strict):
+    window_size: int = Field(1000, gt=0)
+    step_interval: int = Field(3000, gt=0)
+    num_redundant_experts: int = Field(0, ge=0)
+
+
+class SloModel(_Strict):
+    ttft_p95: Seconds | None = None
+    tpot_p95: Seconds | None = None
+
+
+class PoolModel(_Strict):
+    """One simulated pool and the bounds the control plane keeps it in."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    role: Role
+    replicas: int = Field(ge=1)
+    max_replicas: int | None = Field(None, ge=1)
+    speed: float = Field(1.0, gt=0)
+    kv_blocks: int = Field(30_000, ge=64)
+    max_num_seqs: int = Field(256, ge=1)
+    max_batched_tokens: int = Field(8192, ge=64)
+    startup: Seconds = 120.0
+    spec: SpecModel = SpecModel()
+    moe: MoeModel | None = None
+    eplb: EplbModel | None = None
+    slo: SloModel = SloModel()
+
+    @model_validator(mode="after")
+    def _checks(self) -> PoolModel:
+        if self.eplb is not None and self.moe is None:
+            raise ValueError("eplb needs an moe section: EPLB balances experts")
+        if self.spec.method != "none" and self.spec.num_speculative_tokens < 1:
+            raise ValueError("spec.num_speculative_tokens must be >= 1 when a method is set")
+        return self
+
+
+class SystemPromptModel(_Strict):
+    count: int = Field(24, ge=1)
+    blocks: int = Field(4, ge=1)
+    block_tokens: int = Field(256, ge=16)
+    zipf_s: float = Field(1.1, ge=0)
+
+
+class FleetModel(_Strict):
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    router: Literal["cache_aware", "round_robin", "least_loaded"] = "cache_aware"
+    decode_router: Literal["cache_aware", "round_robin", "least_loaded"] = "least_loaded"
+    link_gbps: float = Field(200.0, gt=0)
+    system_prompts: SystemPromptModel | None = None
+    pools: list[PoolModel] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _roles(self) -> FleetModel:
+        roles = [p.role for p in self.pools]
+        if (Role.PREFILL in roles) != (Role.DECODE in roles):
+            raise ValueError("a disaggregated fleet needs both a prefill and a decode pool")
+        if len({p.name for p in self.pools}) != len(self.pools):
+            raise ValueError("pool names must be unique")
+        return self
+
+
+FAULT_KINDS = ("router_flip", "system_prompt", "prompt_scale", "hot_expert", "class_mix", "canary", "kv_lag",
+               "gpu_xid", "gpu_thermal", "burst", "slow_engine")
+
+
+class Truth(_Strict):
+    """What a detector should report while the fault lasts."""
+
+    kind: str
+    pool: str | None = None
+    pod: str | None = None  # a pod name, or a node/agent name containing it
+    required: bool = True  # False: a finding of this kind is no false alarm, its absence no miss
+
+
+class Fault(_Strict):
+    """One change to the fleet from `at` until `end` (or the end of the run)."""
+
+    kind: Literal["router_flip", "system_prompt", "prompt_scale", "hot_expert", "class_mix", "canary", "kv_lag",
+                  "gpu_xid", "gpu_thermal", "burst", "slow_engine"]
+    at: Seconds
+    end: Seconds | None = None
+    pool: str | None = None
+    pod: str | None = None
+    params: dict[str, Any] = {}
+    truth: list[Truth] = []
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Fault:
+        if self.end is not None and self.end <= self.at:
+            raise ValueError(f"end ({self.end}) must come after at ({self.at})")
+        return self
+
+
+class Scenario(_Strict):
+    """A whole scenario file."""
+
+    name: str
+    description: str = ""
+    trace: TraceSpec
+    duration: Seconds
+    seed: int = 7
+    scrape_interval: Seconds = 15.0
+    fleet: FleetModel
+    faults: list[Fault] = []
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> Scenario:
+        pools = {p.name for p in self.fleet.pools}
+        for i, f in enumerate(self.faults):
+            if f.at >= self.duration:
+                raise ValueError(f"faults[{i}] starts at {f.at}s, after the scenario's {self.duration}s")
+            if f.pool is not None and f.pool not in pools:
+                raise ValueError(f"faults[{i}].pool {f.pool!r} is not a pool of the fleet ({', '.join(sorted(pools))})")
+        return self
+
+    # what the run needs ------------------------------------------------------------------------
+
+    def requests(self) -> Iterator[Request]:
+        """The trace window as arrivals from 0, replayed again from its start if the run outlasts it."""
+        t = self.trace
+        duration = t.duration or self.duration * t.speedup
+        if t.name.startswith("servegen/"):
+            model = load_servegen(t.name.removeprefix("servegen/"))
+            window = list(servegen_requests(model, start_s=t.start, duration_s=duration, speedup=t.speedup,
+                                            seed=self.seed, clients=t.clients, default_lengths=(1500, 250)))
+        else:
+            window = list(load_trace(t.name, start_s=t.start, duration_s=duration, speedup=t.speedup))
+        if not window:
+            raise ConfigError(self.source or self.name, [f"trace {t.name!r} has no requests in the chosen window"])
+        span = max(window[-1].arrival_s, 1.0)
+        offset = 0.0
+        while offset < self.duration:
+            for r in window:
+                if offset + r.arrival_s >= self.duration:
+                    return
+                yield replace(r, arrival_s=offset + r.arrival_s) if offset else r
+            offset += span
+
+    def fleet_spec(self) -> FleetSpec:
+        """The simulator's fleet."""
+        f = self.fleet
+        pools = tuple(
+            PoolSpec(
+                p.name, p.role, p.replicas, speed=p.speed,
+                engine=EngineConfig(kv_blocks=p.kv_blocks, max_num_seqs=p.max_num_seqs,
+                                    max_batched_tokens=p.max_batched_tokens),
+                spec=SpecConfig(p.spec.method, p.spec.num_speculative_tokens),
+                moe=MoeSpec(p.moe.experts, p.moe.ranks, p.moe.zipf_s, p.moe.moe_share, seed=self.seed) if p.moe else None,
+                eplb=EplbConfig(p.eplb.window_size, p.eplb.step_interval, p.eplb.num_redundant_experts) if p.eplb else None,
+                startup_s=p.startup,
+            )
+            for p in f.pools
+        )
+        sp = f.system_prompts
+        prompts = SystemPrompts(sp.count, sp.blocks, sp.block_tokens, sp.zipf_s) if sp else None
+        return FleetSpec(f.model, pools, f.router, f.decode_router, f.link_gbps, system_prompts=prompts, seed=self.seed)
+
+    def controlplane_config(self, db_url: str, mode: str = "observe") -> FleetConfig:
+        """The fleet file the control plane runs with against this scenario's fleet."""
+        lines = [f"mode: {mode}", f"store: {{url: '{db_url}'}}",
+                 f"scrape: {{interval: {self.scrape_interval}s, timeout: 2s, spread: 0s}}", "pools:"]
+        for p in self.fleet.pools:
+            slo = {k: f"{v}s" for k, v in (("ttft_p95", p.slo.ttft_p95), ("tpot_p95", p.slo.tpot_p95)) if v}
+            slo_text = ", ".join(f"{k}: {v}" for k, v in slo.items())
+            lines.append(f"  - {{name: {p.name}, role: {p.role}, model: '{self.fleet.model}', "
+                         f"replicas: {{min: 1, max: {p.max_replicas or p.replicas * 2}}}, slo: {{{slo_text}}}}}")
+        lines += ["rails: {cooldown: 10m, max_step: 1, max_actions_per_hour: 6, verify_after: 10m}"]
+        return parse_config("\n".join(lines) + "\n", f"{self.name} (control plane)")
+
+    def truth_windows(self) -> list[tuple[float, float, Truth]]:
+        """(onset, end, truth) for every fault's every truth, times from the start of the run."""
+        return [(f.at, f.end or self.duration, t) for f in self.faults for t in f.truth]
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A shipped scenario by name, or a scenario file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    else:
+        shipped = resources.files("controlplane.sim").joinpath("scenarios", f"{name_or_path}.yaml")
+        if not shipped.is_file():
+            known = ", ".join(sorted(builtin_scenarios()))
+            raise ConfigError(name_or_path, [f"no such scenario file or shipped scenario; shipped: {known}"])
+        text, source = shipped.read_text(encoding="utf-8"), f"scenarios/{name_or_path}.yaml"
+    scenario = parse_yaml(text, Scenario, source)
+    return scenario.model_copy(update={"source": source})
+
+
+def builtin_scenarios() -> list[str]:
+    """Names of the scenarios shipped with the package."""
+    folder = resources.files("controlplane.sim").joinpath("scenarios")
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def apply_fault(fleet: SimFleet, fault: Fault) -> Any:
+    """Make the fault's change; returns a callable that undoes it."""
+    p, kind = fault.params, fault.kind
+    if kind == "router_flip":
+        before = fleet.router_kind
+        fleet.set_router(p.get("router", "round_robin"))
+        return lambda: fleet.set_router(before)
+    if kind == "system_prompt":
+        if p.get("unique", False):
+            # A per-request value (a timestamp, a request id) at the top of the system prompt:
+            # no two prompts share a first block, so nothing after it can hit either.
+            fleet.unique_prefix = True
+            return lambda: setattr(fleet, "unique_prefix", False)
+        fleet.prompt_generation += 1
+        return lambda: None  # new shared prompts: the caches warm up to them
+    if kind == "prompt_scale":
+        fleet.prompt_scale = float(p.get("factor", 3.0))
+        return lambda: setattr(fleet, "prompt_scale", 1.0)
+    if kind == "class_mix":
+        before_mix = dict(fleet.class_mix)
+        fleet.class_mix = {str(k): float(v) for k, v in p.get("mix", {"json": 0.6}).items()}
+        return lambda: setattr(fleet, "class_mix", before_mix)
+    if kind == "burst":
+        fleet.rate_scale = float(p.get("factor", 2.0))
+        return lambda: setattr(fleet, "rate_scale", 1.0)
+    if kind == "canary":
+        assert fault.pool is not None, "a canary names its pool"
+        fleet.rollout(fault.pool, str(p.get("version", "canary")), float(p.get("share", 0.25)),
+                      float(p.get("slowdown", 1.15)))
+        return lambda: fleet.rollback(fault.pool or "")
+    members = _targets(fleet, fault)
+    if kind == "hot_expert":
+        for m in members:
+            assert m.engine.moe is not None, f"{m.pod} serves no MoE model"
+            m.engine.moe.make_hot(float(p.get("share", 0.3)))
+
+        def cool() -> None:
+            for m in members:
+                assert m.engine.moe is not None
+                m.engine.moe.reset_popularity()
+        return cool
+    if kind == "kv_lag":
+        for m in members:
+            m.transfer.slowdown = float(p.get("slowdown", 20.0))
+            m.transfer.fail_share = float(p.get("fail_share", 0.0))
+
+        def heal() -> None:
+            for m in members:
+                m.transfer.slowdown, m.transfer.fail_share = 1.0, 0.0
+        return heal
+    if kind == "slow_engine":
+        for m in members:
+            m.engine.slowdown = float(p.get("slowdown", 2.0))
+        return lambda: [setattr(m.engine, "slowdown", 1.0) for m in members]
+    if kind == "gpu_xid":
+        for m in members:
+            m.gpu.xid = int(p.get("xid", 79))
+            m.gpu.xid_count += 1
+            m.gpu.ecc_dbe += float(p.get("ecc_dbe", 0))
+            m.engine.slowdown = float(p.get("slowdown", 3.0))
+            m.engine.error_share = float(p.get("error_share", 0.2))
+
+        def replace_gpu() -> None:
+            for m in members:
+                m.gpu.xid, m.engine.slowdown, m.engine.error_share = 0, 1.0, 0.0
+        return replace_gpu
+    if kind == "gpu_thermal":
+        for m in members:
+            m.gpu.throttled = True
+            m.engine.slowdown = float(p.get("slowdown", 1.4))
+
+        def cool_down() -> None:
+            for m in members:
+                m.gpu.throttled, m.engine.slowdown = False, 1.0
+        return cool_down
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def _targets(fleet: SimFleet, fault: Fault) -> list[Any]:
+    if fault.pod is not None:
+        return [fleet.member(fault.pod)]
+    if fault.pool is not None:
+        return list(fleet.members[fault.pool])
+    raise ValueError(f"fault {fault.kind} needs a pool or a pod")

@@ -1,0 +1,77 @@
+"""Small helpers the detection policies share: recent aggregates, subject parsing, staleness."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+from policies.types import FindingKey, PolicyInput, PoolState
+from policies.windows import SignalWindows
+
+__all__ = [
+    "engines_of",
+    "gone_findings",
+    "pool_of",
+    "ratio_series",
+    "recent_mean",
+    "recent_median",
+    "reported_since",
+]
+
+
+def recent_mean(windows: SignalWindows, subject: str, name: str, points: int) -> float | None:
+    """Mean of the newest `points` values of a series, None without any."""
+    values = windows.last(subject, name, points)
+    return statistics.fmean(values) if values else None
+
+
+def recent_median(windows: SignalWindows, subject: str, name: str, points: int) -> float | None:
+    """Median of the newest `points` values of a series, None without any."""
+    values = windows.last(subject, name, points)
+    return statistics.median(values) if values else None
+
+
+def pool_of(subject: str) -> str:
+    """The pool named by an `engine/`, `pod/` or `pool/` subject."""
+    parts = subject.split("/")
+    return parts[1] if len(parts) > 1 else subject
+
+
+def engines_of(inp: PolicyInput, pool: str, pool_state: PoolState | None = None) -> int:
+    """How many engines a pool's aggregate signals cover: reported, else ready replicas, at least 1."""
+    reporting = inp.windows.latest(f"pool/{pool}", "engines_reporting")
+    if reporting:
+        return max(1, round(reporting))
+    state = pool_state or inp.pools.get(pool)
+    return max(1, state.ready if state else 1)
+
+
+def ratio_series(windows: SignalWindows, subject: str, numerator: str, denominator: str,
+                 since: float | None = None) -> list[tuple[float, float]]:
+    """numerator/denominator at the timestamps where both series have a point (one scrape)."""
+    den = dict(windows.series(subject, denominator, since=since))
+    return [(ts, v / d) for ts, v in windows.series(subject, numerator, since=since)
+            if (d := den.get(ts)) is not None and d > 0]
+
+
+def reported_since(windows: SignalWindows, subject: str, names: Iterable[str], since: float) -> bool:
+    """True when any of the named series of `subject` has a point at or after `since`."""
+    return any(windows.series(subject, name, since=since) for name in names)
+
+
+def gone_findings(inp: PolicyInput, kind: str, names: Iterable[str], stale_s: float,
+                  skip: Iterable[str] = ()) -> list[tuple[FindingKey, str]]:
+    """Open findings of `kind` whose subject reported none of `names` for `stale_s`.
+
+    A restarted or removed pod never reports again under its old name; without this its finding
+    would stay open forever, since a policy only judges subjects that have data.
+    """
+    names = tuple(names)
+    skipped = set(skip)
+    out = []
+    for key in inp.open_findings:
+        if key.kind != kind or key.subject in skipped:
+            continue
+        if not reported_since(inp.windows, key.subject, names, inp.now - stale_s):
+            out.append((key, f"{key.subject} no longer reports"))
+    return out

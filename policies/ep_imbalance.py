@@ -1,0 +1,367 @@
+"""Expert-parallel imbalance: a few hot experts make one rank of an EP group the tail-latency anchor.
+
+vLLM exports no expert-load metric (EPLB's balancedness is a log line), so the imbalance is read
+from per-rank skew inside one EP group: the data-parallel ranks of one deployment, exposed by one
+pod as `engine/<pool>/<pod>/<rank>`. Per scrape, the skew of a measure is max / median over the
+ranks; the statistic is the median of that skew over a window, so one slow scrape proves nothing:
+- per-rank inter-token latency p50 (`itl_p50`, the step time a rank's requests see);
+- per-GPU activity of the pod's node (`gpu_tensor_active`, else `gpu_utilization`): the rank
+  that hosts the hot experts computes while the others wait for it in the all-to-all. GPUs are
+  found under `gpu/<host>/`, the host being `pod_hosts["<pool>/<pod>"]`, else the `pod_host`
+  pattern, by default the pod's name (what the DCGM collector uses when the exporter gives no
+  hostname).
+Requests running per rank tell the cause: when they are skewed too, the router or the DP load
+balancer sends uneven work and EPLB would not help; when they are even, the experts are.
+
+EPLB is proposed only once the imbalance has lasted `persist_s` (10 min by default), since its
+rearrangements cost step time. Whether a pool runs EPLB cannot be read from metrics: the settings
+map pools that do to the time it was enabled (`eplb_enabled`, None when unknown). For such a pool
+the policy proposes disabling EPLB when every EP group is balanced but the pool's ITL p50 is
+higher than before EPLB was enabled at a comparable load (its overhead exceeds its benefit);
+that judgement needs the enabling time within the signal windows (the last three hours).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from policies.common import gone_findings, reported_since
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    Severity,
+)
+from policies.windows import SignalWindows
+
+__all__ = ["KIND", "Cause", "EpImbalance", "EpImbalanceSettings", "eplb_flags"]
+
+KIND = "ep_imbalance"
+RUNNING = "requests_running"
+WAITING = "requests_waiting"
+
+
+class Cause(StrEnum):
+    """What the skew points at."""
+
+    HOT_EXPERTS = "hot_experts"
+    UNEVEN_REQUEST_LOAD = "uneven_request_load"
+    HOT_EXPERTS_DESPITE_EPLB = "hot_experts_despite_eplb"
+    EPLB_OVERHEAD = "eplb_overhead"
+
+
+@dataclass(frozen=True, slots=True)
+class EpImbalanceSettings:
+    """Thresholds; skews are max/median ratios across ranks, times are seconds."""
+
+    signal: str = "itl_p50"  # per-rank step-time proxy
+    gpu_signals: tuple[str, ...] = ("gpu_tensor_active", "gpu_utilization")  # first one present is used
+    window_points: int = 20  # scrapes the median skew is taken over (5 min at 15 s)
+    min_ticks: int = 10  # scrapes with enough ranks needed to judge
+    skew_ratio: float = 1.5  # ITL skew that opens
+    gpu_skew_ratio: float = 1.5  # GPU activity skew that opens
+    resolve_ratio: float = 1.2  # every skew below this for resolve_points scrapes resolves (hysteresis)
+    resolve_points: int = 8
+    load_skew_ratio: float = 1.5  # running-request skew from which the cause is uneven load, not experts
+    critical_ratio: float = 2.5
+    min_ranks: int = 2
+    min_running: float = 1.0  # requests running in the group: an idle group has no meaningful skew
+    persist_s: float = 600.0  # imbalance must last this long before EPLB is proposed
+    redundant_experts_per_rank: int = 1  # num_redundant_experts = this x ranks (keeps divisibility by EP size)
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
+    eplb_enabled: Mapping[str, float | None] = field(default_factory=dict)  # pool -> when EPLB was enabled
+    pod_hosts: Mapping[str, str] = field(default_factory=dict)  # "<pool>/<pod>" -> node hostname of its GPUs
+    pod_host: str = "{pod}"  # else the hostname from this pattern (`{pool}`, `{pod}`), e.g. "node-{pod}"
+    eplb_overhead: float = 0.10  # pool ITL p50 this much above its pre-EPLB level: EPLB costs more than it saves
+    baseline_s: float = 1800.0  # how far before enabling EPLB the pre-EPLB level is taken
+    min_baseline_points: int = 20
+    load_tolerance: float = 0.25  # running requests within 25 % of the pre-EPLB level: comparable load
+    stale_s: float = 900.0
+
+
+def eplb_flags(window_size: int, step_interval: int, num_redundant_experts: int) -> str:
+    """The vLLM flags that enable EPLB with this configuration."""
+    config = {"window_size": window_size, "step_interval": step_interval, "num_redundant_experts": num_redundant_experts}
+    return f"--enable-eplb --eplb-config '{json.dumps(config, separators=(',', ':'))}'"
+
+
+@dataclass(frozen=True, slots=True)
+class _Skew:
+    """Per-scrape skews of one measure over a group: (ts, max/median, id of the max) oldest first."""
+
+    ticks: list[tuple[float, float, str]]
+    latest: dict[str, float]  # member id -> value at the newest scrape
+
+    def median(self, n: int) -> float | None:
+        values = [r for _, r, _ in self.ticks[-n:]]
+        return statistics.median(values) if values else None
+
+    def hottest(self, n: int) -> str | None:
+        counts = Counter(who for _, _, who in self.ticks[-n:])
+        return counts.most_common(1)[0][0] if counts else None
+
+
+def _skew(w: SignalWindows, members: dict[str, str], name: str, points: int, min_members: int,
+          median_floor: float = 0.0) -> _Skew:
+    """Skew of `name` across `members` (id -> subject) at each scrape they share."""
+    by_ts: dict[float, dict[str, float]] = defaultdict(dict)
+    for who, subject in members.items():
+        for ts, v in w.series(subject, name)[-points:]:
+            by_ts[ts][who] = v
+    ticks = []
+    for ts in sorted(by_ts):
+        values = by_ts[ts]
+        if len(values) < min_members:
+            continue
+        med = max(statistics.median(values.values()), median_floor)
+        if med <= 0:
+            continue
+        who = max(values, key=lambda k: values[k])
+        ticks.append((ts, values[who] / med, who))
+    latest = by_ts[max(by_ts)] if by_ts else {}
+    return _Skew(ticks[-points:], dict(latest))
+
+
+@dataclass(slots=True)
+class _Group:
+    """One EP group judged now."""
+
+    pool: str
+    pod: str
+    ranks: dict[str, str]  # rank -> engine subject
+    itl: _Skew
+    gpu: _Skew | None
+    gpu_signal: str | None
+    load: _Skew
+
+    @property
+    def subject(self) -> str:
+        return f"pod/{self.pool}/{self.pod}"
+
+
+class EpImbalance:
+    """Detects persistent per-rank skew in EP groups; proposes enabling (or disabling) EPLB."""
+
+    kind = KIND
+
+    def __init__(self, settings: EpImbalanceSettings | None = None) -> None:
+        self.settings = settings or EpImbalanceSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        """One evaluation over every multi-rank pod, then over every pool that runs EPLB."""
+        s = self.settings
+        result = PolicyResult()
+        groups, fresh_pods = self._groups(inp)
+        for group in groups:
+            key = FindingKey(KIND, group.subject)
+            open_finding = inp.open_findings.get(key)
+            if open_finding is not None and self._balanced(group, s.resolve_points):
+                result.resolved.append((key, "per-rank skew back under the resolve ratio"))
+                continue
+            if open_finding is None and not self._imbalanced(inp, group):
+                continue
+            result.findings.append(self._report(inp, group, None if open_finding is None else open_finding.opened_at))
+        for pool, enabled_at in sorted(s.eplb_enabled.items()):
+            self._overhead(inp, pool, enabled_at, [g for g in groups if g.pool == pool], result)
+        judged = {g.subject for g in groups}
+        for key in inp.open_findings:
+            if key.kind != KIND or key.subject in judged:
+                continue
+            kind, _, rest = key.subject.partition("/")
+            if kind == "pool" and rest not in s.eplb_enabled:
+                result.resolved.append((key, "the pool no longer runs EPLB"))
+            elif kind == "pod" and rest not in fresh_pods:
+                result.resolved.append((key, f"{key.subject} no longer reports"))
+            elif kind == "pod":
+                result.resolved.append((key, f"{key.subject} has fewer than {s.min_ranks} ranks now"))
+        done = {k for k, _ in result.resolved}
+        pools = [k.subject for k in inp.open_findings if k.kind == KIND and not k.subject.startswith("pool/")]
+        result.resolved += [r for r in gone_findings(inp, KIND, (s.signal, RUNNING), s.stale_s, skip=pools)
+                            if r[0] not in done]
+        return result
+
+    # groups and skews ---------------------------------------------------------------------------
+
+    def _groups(self, inp: PolicyInput) -> tuple[list[_Group], set[str]]:
+        """EP groups with enough ranks, and every "<pool>/<pod>" with a fresh engine."""
+        s = self.settings
+        w = inp.windows
+        members: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
+        fresh = inp.now - s.stale_s
+        for subject in set(w.subjects(s.signal, prefix="engine/")) | set(w.subjects(RUNNING, prefix="engine/")):
+            parts = subject.split("/")
+            if len(parts) != 4 or not reported_since(w, subject, (s.signal, RUNNING), fresh):
+                continue
+            members[(parts[1], parts[2])][parts[3]] = subject
+        groups = []
+        n = s.window_points
+        for (pool, pod), ranks in sorted(members.items()):
+            if len(ranks) < s.min_ranks:
+                continue
+            itl = _skew(w, ranks, s.signal, n, s.min_ranks)
+            load = _skew(w, ranks, RUNNING, n, s.min_ranks, median_floor=0.5)
+            host = s.pod_hosts.get(f"{pool}/{pod}") or s.pod_host.format(pool=pool, pod=pod)
+            gpus = {sub.split("/", 2)[2]: sub for name in s.gpu_signals for sub in w.subjects(name, prefix=f"gpu/{host}/")}
+            gpu_signal = next((name for name in s.gpu_signals
+                               if any(w.latest(sub, name) is not None for sub in gpus.values())), None)
+            gpu = _skew(w, gpus, gpu_signal, n, s.min_ranks) if gpu_signal and len(gpus) >= s.min_ranks else None
+            groups.append(_Group(pool, pod, dict(sorted(ranks.items())), itl, gpu, gpu_signal, load))
+        return groups, {f"{pool}/{pod}" for pool, pod in members}
+
+    def _stat(self, group: _Group) -> tuple[float | None, float | None]:
+        """Median ITL skew and GPU skew over the window, None where too few scrapes."""
+        s = self.settings
+        itl = group.itl.median(s.window_points) if len(group.itl.ticks) >= s.min_ticks else None
+        gpu = None
+        if group.gpu is not None and len(group.gpu.ticks) >= s.min_ticks:
+            gpu = group.gpu.median(s.window_points)
+        return itl, gpu
+
+    def _imbalanced(self, inp: PolicyInput, group: _Group) -> bool:
+        s = self.settings
+        running = sum(inp.windows.latest(sub, RUNNING) or 0.0 for sub in group.ranks.values())
+        if running < s.min_running:
+            return False
+        itl, gpu = self._stat(group)
+        return (itl is not None and itl >= s.skew_ratio) or (gpu is not None and gpu >= s.gpu_skew_ratio)
+
+    def _balanced(self, group: _Group, n: int) -> bool:
+        measures = [sk for sk in (group.itl, group.gpu) if sk is not None and len(sk.ticks) >= n]
+        r = self.settings.resolve_ratio
+        return bool(measures) and all(ratio < r for sk in measures for _, ratio, _ in sk.ticks[-n:])
+
+    # reports ------------------------------------------------------------------------------------
+
+    def _report(self, inp: PolicyInput, group: _Group, opened_at: float | None) -> FindingReport:
+        s = self.settings
+        itl, gpu = self._stat(group)
+        load = group.load.median(s.window_points)
+        statistic = max(x for x in (itl, gpu, 0.0) if x is not None)
+        eplb = group.pool in s.eplb_enabled
+        if load is not None and load >= s.load_skew_ratio:
+            cause = Cause.UNEVEN_REQUEST_LOAD
+        else:
+            cause = Cause.HOT_EXPERTS_DESPITE_EPLB if eplb else Cause.HOT_EXPERTS
+        lasted = 0.0 if opened_at is None else inp.now - opened_at
+        hot = group.itl.hottest(s.window_points)
+        rank_values = {r: round(v, 5) for r, v in sorted(group.itl.latest.items())}
+        med = statistics.median(rank_values.values()) if rank_values else None
+        evidence: dict[str, Any] = {
+            "signal": s.signal,
+            "value": max(rank_values.values()) if rank_values else None,
+            "baseline": None if med is None else round(med, 5),  # the ranks' median: what a balanced rank sees
+            "statistic": round(statistic, 3),
+            "threshold": s.skew_ratio,
+            "itl_skew": _round(itl),
+            "gpu_skew": _round(gpu),
+            "gpu_signal": group.gpu_signal,
+            "gpu_values": {g: round(v, 4) for g, v in sorted(group.gpu.latest.items())} if group.gpu else {},
+            "gpu_hottest": group.gpu.hottest(s.window_points) if group.gpu else None,
+            "load_skew": _round(load),
+            "ranks": len(group.ranks),
+            "hot_rank": hot,
+            "rank_values": rank_values,
+            "rank_running": _latest(inp.windows, group.ranks, RUNNING),
+            "rank_waiting": _latest(inp.windows, group.ranks, WAITING),
+            "eplb_enabled": eplb,
+            "imbalanced_for_s": round(lasted, 1),
+            "cause": cause.value,
+        }
+        where = f"{group.pool}/{group.pod}"
+        if cause is Cause.UNEVEN_REQUEST_LOAD:
+            text = (f"Requests are spread unevenly over the ranks of {where} (running-request skew {load:.2f}): the "
+                    "router or the data-parallel load balancer, not the experts, makes rank "
+                    f"{group.load.hottest(s.window_points)} the slow one. EPLB would not help.")
+        else:
+            text = (f"Rank {hot} of {where} runs {itl or 0:.2f}x the median rank's step time"
+                    + (f" and GPU activity is skewed {gpu:.2f}x" if gpu else "")
+                    + " while requests are spread evenly: hot experts make it the tail-latency anchor of the group.")
+            if eplb:
+                text += " EPLB is on and has not balanced it: raise num_redundant_experts or lower step_interval."
+        proposals: tuple[Proposal, ...] = ()
+        if cause is Cause.HOT_EXPERTS:
+            if lasted >= s.persist_s:
+                n = s.redundant_experts_per_rank * len(group.ranks)
+                flags = eplb_flags(s.eplb_window_size, s.eplb_step_interval, n)
+                proposals = (Proposal(ActionKind.ENABLE_EPLB, group.pool, 0,
+                                      f"enable EPLB on {group.pool}: the imbalance of {where} lasted "
+                                      f"{lasted / 60:.0f} min: {flags}",
+                                      verify_signal=s.signal, verify_lower_is_better=True),)
+            else:
+                text += f" EPLB is proposed if it lasts {s.persist_s / 60:.0f} min."
+        evidence["suggested_actions"] = [p.reason for p in proposals]
+        severity = Severity.CRITICAL if statistic >= s.critical_ratio else Severity.WARNING
+        summary = f"expert-parallel imbalance in {where}: rank {hot} at {statistic:.2f}x the median"
+        return FindingReport(FindingKey(KIND, group.subject), severity, summary, text, evidence, KIND, proposals)
+
+    def _overhead(self, inp: PolicyInput, pool: str, enabled_at: float | None, groups: list[_Group],
+                  result: PolicyResult) -> None:
+        """Propose disabling EPLB where the pool is balanced but slower than before EPLB."""
+        s = self.settings
+        w = inp.windows
+        subject = f"pool/{pool}"
+        key = FindingKey(KIND, subject)
+        if enabled_at is None:
+            return
+        before = [(ts, v) for ts, v in w.series(subject, s.signal, since=enabled_at - s.baseline_s) if ts < enabled_at]
+        after = [(ts, v) for ts, v in w.series(subject, s.signal, since=enabled_at)][-s.window_points:]
+        if len(before) < s.min_baseline_points or len(after) < s.min_ticks:
+            return
+        base_itl = statistics.median(v for _, v in before)
+        bound = base_itl * (1 + s.eplb_overhead)
+        run_before = [v for ts, v in w.series(subject, RUNNING, since=enabled_at - s.baseline_s) if ts < enabled_at]
+        run_after = [v for _, v in w.series(subject, RUNNING, since=enabled_at)][-s.window_points:]
+        base_run = statistics.median(run_before) if run_before else 0.0
+        now_run = statistics.median(run_after) if run_after else 0.0
+        now_itl = statistics.median(v for _, v in after)
+        comparable = base_run > 0 and abs(now_run / base_run - 1) <= s.load_tolerance
+        balanced = bool(groups) and all(self._balanced(g, s.min_ticks) for g in groups)
+        is_open = key in inp.open_findings
+        if is_open:
+            recent = [v for _, v in after[-s.resolve_points:]]
+            if all(v < bound for v in recent) or not balanced:
+                why = "pool step time back at its pre-EPLB level" if balanced else "EP groups are imbalanced again"
+                result.resolved.append((key, why))
+                return
+        elif not (balanced and comparable and now_itl >= bound):
+            return
+        flags = "the same flags without --enable-eplb and --eplb-config"
+        proposal = Proposal(ActionKind.DISABLE_EPLB, pool, 0,
+                            f"disable EPLB on {pool}: balanced, but ITL p50 {now_itl * 1000:.1f} ms against "
+                            f"{base_itl * 1000:.1f} ms before EPLB at a comparable load; restart with {flags}",
+                            verify_signal=s.signal, verify_lower_is_better=True)
+        evidence = {
+            "signal": s.signal,
+            "value": round(now_itl, 5),
+            "baseline": round(base_itl, 5),
+            "statistic": round(now_itl / base_itl, 3) if base_itl > 0 else None,
+            "threshold": 1 + s.eplb_overhead,
+            "requests_running": round(now_run, 2),
+            "baseline_requests_running": round(base_run, 2),
+            "eplb_enabled_at": enabled_at,
+            "groups": [g.subject for g in groups],
+            "cause": Cause.EPLB_OVERHEAD.value,
+            "suggested_actions": [proposal.reason],
+        }
+        text = (f"Every EP group of {pool} is balanced, yet its ITL p50 is {now_itl / base_itl:.2f}x what it was before "
+                "EPLB was enabled, at a comparable load: the rearrangements cost more step time than the balance saves.")
+        result.findings.append(FindingReport(key, Severity.INFO, f"EPLB overhead on {pool}", text, evidence, KIND,
+                                             (proposal,)))
+
+
+def _latest(w: SignalWindows, ranks: dict[str, str], name: str) -> dict[str, float]:
+    return {r: v for r, sub in ranks.items() if (v := w.latest(sub, name)) is not None}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

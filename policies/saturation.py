@@ -1,0 +1,224 @@
+"""Saturation: a pool has more work than capacity.
+
+Three signs, each judged on the pool's aggregate signals:
+- the queue grows: the Theil-Sen slope of waiting requests over the trend window, per engine,
+  while the queue is also long now (a queue that is long but flat stays open, never opens);
+  waiting for capacity (`requests_waiting_capacity`) is used when vLLM reports it, because
+  requests deferred for a KV transfer are waiting on the prefill side, not on this pool;
+- the KV cache is full and requests are preempted (recomputed) to make room;
+- requests fail (`finished_reason="error"`) while the pool is loaded. Errors on an idle pool are
+  a bug or a bad deployment, not saturation, and are left to other alerts. vLLM's frontend
+  queue-limit rejections (`vllm:admission_rejections_total`) carry no engine label and are not
+  collected, so only engine-side errors count here.
+The proposal scales the pool by one replica; its verify signal follows the main sign.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from policies.common import engines_of, gone_findings, ratio_series, recent_mean, reported_since
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    Severity,
+)
+from policies.windows import SignalWindows
+
+__all__ = ["KIND", "Cause", "Saturation", "SaturationSettings", "slope"]
+
+KIND = "saturation"
+WAITING = "requests_waiting"
+WAITING_CAPACITY = "requests_waiting_capacity"
+KV = "kv_cache_usage"
+PREEMPTIONS = "preemption_rate"
+ERRORS = "request_error_rate"
+REQUESTS = "request_rate"
+
+
+class Cause(StrEnum):
+    """Which sign of saturation holds."""
+
+    QUEUE_GROWTH = "queue_growth"
+    KV_EXHAUSTED = "kv_exhausted"
+    ERRORS_UNDER_LOAD = "errors_under_load"
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationSettings:
+    """Thresholds; queues are in requests per engine, KV usage a fraction from 0 to 1."""
+
+    trend_points: int = 20  # the slope is fitted over this many intervals (5 min at 15 s)
+    min_growth_per_engine: float = 2.0  # the fitted queue grew by this much per engine over them
+    min_waiting_per_engine: float = 2.0  # ... and is at least this long now (mean of level_points)
+    level_points: int = 3
+    kv_full: float = 0.90  # mean KV usage of the pool's engines
+    recent_points: int = 3  # consecutive intervals with KV full and preemptions, or with errors
+    error_share: float = 0.02  # failed share of finished requests
+    loaded_waiting_per_engine: float = 2.0  # errors count only while this many wait per engine (or KV is full)
+    critical_waiting_per_engine: float = 10.0
+    resolve_points: int = 4  # consecutive clean intervals to resolve (hysteresis)
+    stale_s: float = 900.0
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Theil-Sen slope (value per second) of (ts, value) points: the median of pairwise slopes; 0 for fewer than two.
+
+    Unlike a least-squares line, a queue that jumped once and then held still has a median slope
+    near 0: only growth that goes on through the window counts.
+    """
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(points) for b in points[i + 1:] if b[0] > a[0]]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+@dataclass(slots=True)
+class _State:
+    """The pool's saturation signs, judged now."""
+
+    queue_signal: str
+    engines: int
+    waiting: float
+    growth: float  # fitted growth over the trend window, per engine
+    kv: float | None
+    preemptions: float | None
+    error_share: float | None
+    causes: list[Cause]
+
+
+class Saturation:
+    """Detects pools whose queue grows, whose KV cache overflows, or that fail under load."""
+
+    kind = KIND
+
+    def __init__(self, settings: SaturationSettings | None = None) -> None:
+        self.settings = settings or SaturationSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        """One evaluation over every pool that reports a queue."""
+        s = self.settings
+        result = PolicyResult()
+        subjects = sorted(inp.windows.subjects(WAITING, prefix="pool/"))
+        for subject in subjects:
+            if not reported_since(inp.windows, subject, (WAITING,), inp.now - s.stale_s):
+                continue  # judged on old data it would reopen what `gone_findings` resolves below
+            key = FindingKey(KIND, subject)
+            is_open = key in inp.open_findings
+            state = self._judge(inp, subject, is_open)
+            if state is None:
+                continue
+            if is_open and not state.causes and self._clean(inp, subject, state):
+                result.resolved.append((key, "queue, KV cache and errors back to normal"))
+                continue
+            if state.causes or is_open:
+                result.findings.append(self._report(subject, state))
+        result.resolved += gone_findings(inp, KIND, (WAITING,), s.stale_s)
+        return result
+
+    def _judge(self, inp: PolicyInput, subject: str, is_open: bool) -> _State | None:
+        s = self.settings
+        w = inp.windows
+        pool = subject.removeprefix("pool/")
+        queue_signal = WAITING_CAPACITY if w.latest(subject, WAITING_CAPACITY) is not None else WAITING
+        level = recent_mean(w, subject, queue_signal, s.level_points)
+        if level is None:
+            return None
+        engines = engines_of(inp, pool)
+        points = w.series(subject, queue_signal)[-s.trend_points:]
+        growth = slope(points) * (points[-1][0] - points[0][0]) / engines if len(points) >= s.trend_points // 2 else 0.0
+        waiting = level / engines
+        causes = []
+        long_queue = waiting >= s.min_waiting_per_engine
+        # Opening needs growth; an open finding stays while the queue is still long.
+        if long_queue and (growth >= s.min_growth_per_engine or is_open):
+            causes.append(Cause.QUEUE_GROWTH)
+        kv_points = _aligned(w, subject, KV, PREEMPTIONS, s.recent_points)
+        if len(kv_points) == s.recent_points and all(k >= s.kv_full and p > 0 for k, p in kv_points):
+            causes.append(Cause.KV_EXHAUSTED)
+        shares = [v for _, v in ratio_series(w, subject, ERRORS, REQUESTS)][-s.recent_points:]
+        kv_now = w.latest(subject, KV)
+        loaded = waiting >= s.loaded_waiting_per_engine or (kv_now is not None and kv_now >= s.kv_full)
+        if len(shares) == s.recent_points and all(v >= s.error_share for v in shares) and loaded:
+            causes.append(Cause.ERRORS_UNDER_LOAD)
+        return _State(queue_signal, engines, waiting, growth, kv_now, w.latest(subject, PREEMPTIONS),
+                      shares[-1] if shares else None, causes)
+
+    def _clean(self, inp: PolicyInput, subject: str, state: _State) -> bool:
+        s = self.settings
+        w = inp.windows
+        n = s.resolve_points
+        queue = w.last(subject, state.queue_signal, n)
+        if len(queue) < n or any(v / state.engines >= s.min_waiting_per_engine for v in queue):
+            return False
+        if any(k >= s.kv_full and p > 0 for k, p in _aligned(w, subject, KV, PREEMPTIONS, n)):
+            return False
+        return all(v < s.error_share for _, v in ratio_series(w, subject, ERRORS, REQUESTS)[-n:])
+
+    def _report(self, subject: str, st: _State) -> FindingReport:
+        s = self.settings
+        pool = subject.removeprefix("pool/")
+        texts = []
+        if Cause.QUEUE_GROWTH in st.causes:
+            texts.append(f"{st.waiting:.1f} requests wait per engine, {st.growth:+.1f} per engine over the last "
+                         f"{s.trend_points} intervals: arrivals outpace what {st.engines} engines serve.")
+        if Cause.KV_EXHAUSTED in st.causes:
+            texts.append(f"KV cache {st.kv:.0%} full with {st.preemptions:.2f} preemptions/s: running requests are "
+                         "evicted and recomputed to make room, so each request costs more compute.")
+        if Cause.ERRORS_UNDER_LOAD in st.causes:
+            texts.append(f"{st.error_share:.1%} of finished requests fail while the pool is loaded.")
+        if not st.causes:
+            texts.append("The signs have eased; waiting for the queue, KV cache and errors to stay normal.")
+        main = st.causes[0] if st.causes else None
+        verify = {Cause.QUEUE_GROWTH: WAITING, Cause.KV_EXHAUSTED: PREEMPTIONS, Cause.ERRORS_UNDER_LOAD: ERRORS}
+        proposals: tuple[Proposal, ...] = ()
+        if main is not None:
+            proposals = (Proposal(ActionKind.SCALE_POOL, pool, +1,
+                                  f"{pool} is saturated ({', '.join(c.value for c in st.causes)}): add a replica",
+                                  verify_signal=verify[main], verify_lower_is_better=True),)
+        if main is Cause.KV_EXHAUSTED:
+            value, baseline, statistic, threshold, signal = st.kv, None, st.kv, s.kv_full, KV
+        elif main is Cause.ERRORS_UNDER_LOAD:
+            value, baseline, statistic, threshold, signal = st.error_share, None, st.error_share, s.error_share, ERRORS
+        else:
+            value, statistic, threshold, signal = st.waiting, st.growth, s.min_growth_per_engine, st.queue_signal
+            baseline = st.waiting - st.growth
+        evidence: dict[str, Any] = {
+            "signal": signal,
+            "value": _round(value),
+            "baseline": _round(baseline),
+            "statistic": _round(statistic),
+            "threshold": threshold,
+            "causes": [c.value for c in st.causes],
+            "cause": None if main is None else main.value,
+            "waiting_per_engine": round(st.waiting, 3),
+            "queue_growth_per_engine": round(st.growth, 3),
+            "queue_signal": st.queue_signal,
+            "engines": st.engines,
+            "kv_cache_usage": _round(st.kv),
+            "preemption_rate": _round(st.preemptions),
+            "error_share": _round(st.error_share),
+            "suggested_actions": [p.reason for p in proposals],
+        }
+        critical = (Cause.ERRORS_UNDER_LOAD in st.causes or len(st.causes) >= 2
+                    or st.waiting >= s.critical_waiting_per_engine)
+        severity = Severity.CRITICAL if critical and st.causes else Severity.WARNING
+        summary = (f"{pool} is saturated: {', '.join(c.value for c in st.causes)}" if st.causes
+                   else f"{pool} is recovering from saturation")
+        return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND, proposals)
+
+
+def _aligned(w: SignalWindows, subject: str, a: str, b: str, n: int) -> list[tuple[float, float]]:
+    """The newest `n` (a, b) pairs taken at the same scrape."""
+    other = dict(w.series(subject, b))
+    pairs = [(v, other[ts]) for ts, v in w.series(subject, a) if ts in other]
+    return pairs[-n:]
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)

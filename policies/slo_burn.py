@@ -1,0 +1,263 @@
+"""SLO burn: a pool spends its latency error budget too fast (multi-window, multi-burn-rate).
+
+The objective of a pool is its TTFT p95 and TPOT p95 SLO from the fleet file. A scrape interval is
+a bad event when the interval's p95 exceeded the SLO; the bad share of intervals over a window
+divided by the error budget (the share of bad intervals the objective allows, e.g. 1 %) is the
+burn rate. As in the SRE workbook's multi-window alerts, a condition fires only when both a long
+and a short window burn faster than its factor: the long window proves the budget is really being
+spent, the short one that it is still being spent now (so the alert stops soon after recovery).
+The workbook pairs are 1 h / 5 m at 14.4 (page) and 6 h / 30 m at 6 (ticket); the policies see
+at most three hours of signals, so the slow pair is 3 h / 15 m here, same factor, same 12:1 ratio.
+
+Attribution: a TTFT breach is queueing when the queue time p95 makes up most of the TTFT or
+requests pile up per engine, else prefill compute (the prefill pool, or the pool itself when it
+is unified); a TPOT breach belongs to the decode pool. The proposal scales the attributed pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from policies.common import engines_of, gone_findings, recent_mean
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    PoolState,
+    Proposal,
+    Severity,
+)
+
+__all__ = ["KIND", "BurnWindow", "Cause", "SloBurn", "SloBurnSettings"]
+
+KIND = "slo_burn"
+# (pool signal, PoolState attribute holding its SLO); the signals are the vLLM collector's names.
+OBJECTIVES: tuple[tuple[str, str], ...] = (("ttft_p95", "ttft_p95_slo"), ("tpot_p95", "tpot_p95_slo"))
+_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
+
+
+class Cause(StrEnum):
+    """Where the latency is lost."""
+
+    QUEUEING = "queueing"  # requests wait to be scheduled: the pool lacks capacity
+    PREFILL = "prefill"  # prompt processing is slow: the prefill pool lacks compute
+    DECODE = "decode"  # token generation is slow: the decode pool is overloaded
+
+
+@dataclass(frozen=True, slots=True)
+class BurnWindow:
+    """One alert condition: the burn rate over both windows is at least `burn`."""
+
+    name: str
+    long_s: float
+    short_s: float
+    burn: float
+    severity: Severity
+
+
+def _default_windows() -> tuple[BurnWindow, ...]:
+    return (BurnWindow("fast", 3600.0, 300.0, 14.4, Severity.CRITICAL),
+            BurnWindow("slow", 10800.0, 900.0, 6.0, Severity.WARNING))
+
+
+@dataclass(frozen=True, slots=True)
+class SloBurnSettings:
+    """Error budget, window pairs and attribution thresholds; times in seconds."""
+
+    budget: float = 0.01  # share of scrape intervals whose p95 may exceed the SLO (a 99 % objective)
+    windows: tuple[BurnWindow, ...] = field(default_factory=_default_windows)
+    min_coverage: float = 0.5  # the data must span half of a long window before it is judged
+    min_short_points: int = 3  # ... and the short window must hold this many intervals
+    resolve_points: int = 4  # consecutive intervals within the SLO to resolve (hysteresis)
+    recent_points: int = 4  # attribution looks at the mean of this many newest intervals
+    queue_share: float = 0.5  # queue time p95 at least half of TTFT p95: queueing
+    waiting_per_engine: float = 2.0  # ... or this many waiting requests per engine
+    stale_s: float = 900.0
+
+
+@dataclass(slots=True)
+class _Burn:
+    """One objective of one pool, judged now."""
+
+    signal: str
+    slo: float
+    value: float
+    bad_share: dict[str, float]
+    burn: dict[str, float]
+    firing: list[BurnWindow]
+    cause: Cause | None = None
+    target: str | None = None
+
+    def statistic(self, window: BurnWindow) -> float:
+        """The pair's burn rate: the smaller of the two, since both must exceed the factor."""
+        return min(self.burn.get(_label(window.long_s), 0.0), self.burn.get(_label(window.short_s), 0.0))
+
+    def evidence(self) -> dict[str, Any]:
+        return {
+            "slo": self.slo,
+            "value": round(self.value, 5),
+            "bad_share": {k: round(v, 4) for k, v in self.bad_share.items()},
+            "burn": {k: round(v, 2) for k, v in self.burn.items()},
+            "firing": [w.name for w in self.firing],
+            "cause": None if self.cause is None else self.cause.value,
+            "attributed_pool": self.target,
+        }
+
+
+class SloBurn:
+    """Multi-window burn-rate alerting on each pool's TTFT and TPOT p95 objectives."""
+
+    kind = KIND
+
+    def __init__(self, settings: SloBurnSettings | None = None) -> None:
+        self.settings = settings or SloBurnSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        """One evaluation over every pool with an SLO."""
+        s = self.settings
+        result = PolicyResult()
+        judged: set[str] = set()
+        for name, state in sorted(inp.pools.items()):
+            subject = f"pool/{name}"
+            objectives = [b for signal, attr in OBJECTIVES
+                          if (slo := getattr(state, attr)) is not None
+                          and (b := self._judge(inp, subject, signal, slo)) is not None]
+            key = FindingKey(KIND, subject)
+            if not any(getattr(state, attr) is not None for _, attr in OBJECTIVES) and key in inp.open_findings:
+                result.resolved.append((key, "the pool no longer has an SLO"))
+                continue
+            if not objectives:
+                continue
+            judged.add(subject)
+            firing = [b for b in objectives if b.firing]
+            if not firing and key not in inp.open_findings:
+                continue
+            if not firing and self._clean(inp, subject, objectives):
+                result.resolved.append((key, "latency back within the SLO and the budget no longer burning"))
+                continue
+            result.findings.append(self._report(inp, state, objectives))
+        for key in inp.open_findings:
+            if key.kind == KIND and key.subject.removeprefix("pool/") not in inp.pools:
+                result.resolved.append((key, "the pool is no longer in the fleet"))
+        done = {k for k, _ in result.resolved}
+        result.resolved += [r for r in gone_findings(inp, KIND, [sig for sig, _ in OBJECTIVES], s.stale_s, skip=judged)
+                            if r[0] not in done]
+        return result
+
+    def _judge(self, inp: PolicyInput, subject: str, signal: str, slo: float) -> _Burn | None:
+        s = self.settings
+        points = inp.windows.series(subject, signal, since=inp.now - s.stale_s)
+        if not points:
+            return None  # no fresh data: judged on old data it would reopen what `gone_findings` resolves
+        value = points[-1][1]
+        bad_share: dict[str, float] = {}
+        burn: dict[str, float] = {}
+        firing = []
+        for window in s.windows:
+            shares = []
+            for length, need in ((window.long_s, None), (window.short_s, s.min_short_points)):
+                points = inp.windows.series(subject, signal, since=inp.now - length)
+                covered = bool(points) and (
+                    len(points) >= need if need is not None else inp.now - points[0][0] >= s.min_coverage * length)
+                share = sum(1 for _, v in points if v > slo) / len(points) if points else 0.0
+                bad_share[_label(length)] = share
+                burn[_label(length)] = share / s.budget
+                shares.append(share if covered else None)
+            if all(x is not None and x / s.budget >= window.burn for x in shares):
+                firing.append(window)
+        return _Burn(signal, slo, value, bad_share, burn, firing)
+
+    def _clean(self, inp: PolicyInput, subject: str, objectives: list[_Burn]) -> bool:
+        n = self.settings.resolve_points
+        recents = [(b, inp.windows.last(subject, b.signal, n)) for b in objectives]
+        full = [(b, r) for b, r in recents if len(r) == n]
+        return bool(full) and all(v <= b.slo for b, r in recents for v in r[-n:])
+
+    def _attribute(self, inp: PolicyInput, state: PoolState, burn: _Burn) -> None:
+        s = self.settings
+        subject = f"pool/{state.name}"
+        if burn.signal == "tpot_p95":
+            burn.cause = Cause.DECODE
+            burn.target = state.name if state.role != "prefill" else _busiest(inp, "decode", "tpot_p95", state.name)
+            return
+        ttft = recent_mean(inp.windows, subject, "ttft_p95", s.recent_points)
+        queue = recent_mean(inp.windows, subject, "queue_time_p95", s.recent_points)
+        waiting = (recent_mean(inp.windows, subject, "requests_waiting", s.recent_points) or 0.0) / engines_of(inp, state.name)
+        if (queue is not None and ttft and queue >= s.queue_share * ttft) or waiting >= s.waiting_per_engine:
+            burn.cause = Cause.QUEUEING
+            burn.target = state.name
+        else:
+            burn.cause = Cause.PREFILL
+            burn.target = state.name if state.role != "decode" else _busiest(inp, "prefill", "ttft_p95", state.name)
+
+    def _report(self, inp: PolicyInput, state: PoolState, objectives: list[_Burn]) -> FindingReport:
+        s = self.settings
+        subject = f"pool/{state.name}"
+        firing = [b for b in objectives if b.firing]
+        for b in firing:
+            self._attribute(inp, state, b)
+        if firing:
+            worst, window = max(((b, w) for b in firing for w in b.firing),
+                                key=lambda bw: (_RANK[bw[1].severity], bw[0].statistic(bw[1])))
+            severity = window.severity
+        else:  # open and no longer burning, but not yet clean: keep it open quietly
+            worst, window = max(((b, w) for b in objectives for w in s.windows), key=lambda bw: bw[0].statistic(bw[1]))
+            severity = Severity.WARNING
+        texts = []
+        proposals: list[Proposal] = []
+        for b in firing:
+            what = "TTFT" if b.signal == "ttft_p95" else "TPOT"
+            long_label = _label(b.firing[0].long_s)
+            texts.append(f"{what} p95 is {b.value:.3g}s against an SLO of {b.slo:.3g}s; "
+                         f"{b.bad_share[long_label]:.0%} of intervals breached it over {long_label}. " + _why(b))
+            if b.target and all(p.pool != b.target for p in proposals):
+                proposals.append(Proposal(ActionKind.SCALE_POOL, b.target, +1,
+                                          f"{what} p95 of {state.name} burns its error budget ({b.cause}): "
+                                          f"add a replica to {b.target}",
+                                          verify_signal=b.signal, verify_lower_is_better=True))
+        if not firing:
+            texts.append("The budget is no longer burning fast; waiting for latency to stay within the SLO.")
+        evidence: dict[str, Any] = {
+            "signal": worst.signal,
+            "value": round(worst.value, 5),
+            "slo": worst.slo,
+            "baseline": s.budget,  # the bad share the objective allows
+            "statistic": round(worst.statistic(window), 2),
+            "threshold": window.burn,
+            "window": f"{window.name}: {_label(window.long_s)} and {_label(window.short_s)}",
+            "objectives": {b.signal: b.evidence() for b in objectives},
+            "cause": None if not firing else worst.cause.value if worst.cause else None,
+            "suggested_actions": [p.reason for p in proposals],
+        }
+        names = " and ".join(("TTFT" if b.signal == "ttft_p95" else "TPOT") for b in firing) or "latency"
+        summary = f"{state.name} burns its {names} p95 error budget at {worst.statistic(window):.1f}x ({window.name})"
+        return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND,
+                             tuple(proposals))
+
+
+def _why(b: _Burn) -> str:
+    if b.cause is Cause.QUEUEING:
+        return f"Requests wait to be scheduled in {b.target}: it lacks capacity."
+    if b.cause is Cause.PREFILL:
+        return f"Queueing is small, so prompt processing itself is slow: {b.target} lacks prefill compute."
+    return f"Token generation is slow: {b.target} is overloaded (batch too large or KV pressure)."
+
+
+def _busiest(inp: PolicyInput, role: str, signal: str, fallback: str) -> str:
+    """The pool of `role` with the highest recent `signal`; `fallback` when there is none."""
+    candidates = [p.name for p in inp.pools.values() if p.role == role]
+    if not candidates:
+        return fallback
+    return max(sorted(candidates), key=lambda n: inp.windows.latest(f"pool/{n}", signal) or 0.0)
+
+
+def _label(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g}m"
+    return f"{seconds:g}s"

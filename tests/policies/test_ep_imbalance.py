@@ -1,0 +1,192 @@
+"""Expert-parallel imbalance: per-rank skew, cause, persistence before EPLB, EPLB overhead, hysteresis."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.ep_imbalance import EpImbalance, EpImbalanceSettings, eplb_flags
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
+from policies.windows import SignalWindows
+
+STEP = 15.0
+RANKS = 4
+POD = "pod/decode/dp0"
+KEY = FindingKey("ep_imbalance", POD)
+
+
+class Group:
+    """One pod `dp0` of pool `decode` with four data-parallel ranks, their GPUs and the pool aggregate."""
+
+    def __init__(self, seed: int = 5) -> None:
+        self.w = SignalWindows(horizon_s=3 * 3600)
+        self.ts = 0.0
+        self.rng = random.Random(seed)
+
+    def tick(self, n: int = 1, *, itl: tuple[float, ...] = (0.03,) * RANKS, running: tuple[float, ...] = (8,) * RANKS,
+             tensor: tuple[float, ...] | None = None, pool_itl: float | None = None) -> Group:
+        for _ in range(n):
+            self.ts += STEP
+            for r in range(RANKS):
+                sub = f"engine/decode/dp0/{r}"
+                self.w.add(self.ts, sub, "itl_p50", itl[r] * (1 + self.rng.gauss(0, 0.05)))
+                jitter = self.rng.choice((-1, 0, 1)) if running[r] else 0
+                self.w.add(self.ts, sub, "requests_running", float(running[r] + jitter))
+                self.w.add(self.ts, sub, "requests_waiting", 0.0)
+                t = (tensor or (0.5,) * RANKS)[r]
+                self.w.add(self.ts + 1.0, f"gpu/dp0/{r}", "gpu_tensor_active", t * (1 + self.rng.gauss(0, 0.04)))
+            self.w.add(self.ts, POD, "itl_p50", max(itl))
+            self.w.add(self.ts, "pool/decode", "itl_p50", (pool_itl or max(itl)) * (1 + self.rng.gauss(0, 0.03)))
+            self.w.add(self.ts, "pool/decode", "requests_running", float(sum(running)))
+        return self
+
+    def run(self, open_findings: dict | None = None, settings: EpImbalanceSettings | None = None):
+        return EpImbalance(settings).evaluate(PolicyInput(self.ts + 1.0, self.w, {}, open_findings or {}))
+
+
+HOT = (0.03, 0.03, 0.06, 0.03)  # rank 2 hosts the hot experts: twice the step time
+
+
+def opening(g: Group, opened_ago: float = 0.0) -> dict:
+    [f] = g.run().findings
+    return {KEY: OpenFinding(KEY, g.ts - opened_ago, f.evidence)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_balanced_noisy_groups_stay_quiet(seed: int) -> None:
+    g = Group(seed)
+    for _ in range(150):
+        assert not g.tick().run().findings
+
+
+def test_a_hot_rank_opens_after_the_window_with_its_evidence() -> None:
+    g = Group().tick(9, itl=HOT)
+    assert not g.run().findings, "fewer scrapes than min_ticks"
+    [f] = g.tick(itl=HOT).run().findings
+    assert f.key == KEY and f.runbook == "ep_imbalance" and f.severity == "warning"
+    ev = f.evidence
+    assert ev["cause"] == "hot_experts" and ev["hot_rank"] == "2" and ev["ranks"] == RANKS
+    assert ev["itl_skew"] == pytest.approx(2.0, rel=0.15) and ev["statistic"] >= ev["threshold"] == 1.5
+    assert ev["baseline"] == pytest.approx(0.03, rel=0.1) and set(ev["rank_values"]) == {"0", "1", "2", "3"}
+    assert f.proposals == (), "EPLB waits until the imbalance has persisted"
+
+
+def test_gpu_activity_skew_alone_is_enough() -> None:
+    # In lockstep EP the ranks' step times match; the hot rank's tensor pipe is what stands out.
+    [f] = Group().tick(20, tensor=(0.3, 0.3, 0.3, 0.75)).run().findings
+    ev = f.evidence
+    assert ev["gpu_signal"] == "gpu_tensor_active" and ev["gpu_skew"] >= 1.5 and ev["gpu_hottest"] == "3"
+    assert ev["itl_skew"] < 1.2
+
+
+def test_gpus_are_found_through_the_host_pattern() -> None:
+    g = Group()
+    for _ in range(20):
+        g.ts += STEP
+        for r in range(RANKS):
+            g.w.add(g.ts, f"engine/decode/dp0/{r}", "itl_p50", 0.03)
+            g.w.add(g.ts, f"engine/decode/dp0/{r}", "requests_running", 8.0)
+            g.w.add(g.ts, f"gpu/node-dp0/{r}", "gpu_tensor_active", 0.8 if r == 1 else 0.3)
+    assert not g.run().findings
+    settings = EpImbalanceSettings(pod_host="node-{pod}")
+    [f] = g.run(settings=settings).findings
+    assert f.evidence["gpu_hottest"] == "1"
+
+
+def test_uneven_request_load_is_not_an_expert_problem() -> None:
+    g = Group().tick(20, itl=HOT, running=(6, 6, 24, 6))
+    [f] = g.run(opening(g, opened_ago=3600)).findings
+    assert f.evidence["cause"] == "uneven_request_load" and f.proposals == ()
+
+
+def test_eplb_is_proposed_once_the_imbalance_persisted() -> None:
+    g = Group().tick(20, itl=HOT)
+    [f] = g.run(opening(g, opened_ago=540)).findings
+    assert f.proposals == () and f.evidence["imbalanced_for_s"] == pytest.approx(541)
+    [f] = g.run(opening(g, opened_ago=600)).findings
+    [p] = f.proposals
+    assert (p.kind, p.pool, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.ENABLE_EPLB, "decode", "itl_p50", True)
+    flags = '--enable-eplb --eplb-config \'{"window_size":1000,"step_interval":3000,"num_redundant_experts":4}\''
+    assert flags in p.reason and flags == eplb_flags(1000, 3000, 4)
+
+
+def test_a_pool_already_running_eplb_gets_no_second_proposal() -> None:
+    g = Group().tick(20, itl=HOT)
+    settings = EpImbalanceSettings(eplb_enabled={"decode": None})
+    [f] = g.run(opening(g, opened_ago=3600), settings).findings
+    assert f.evidence["cause"] == "hot_experts_despite_eplb" and f.evidence["eplb_enabled"] and f.proposals == ()
+
+
+def test_idle_and_single_rank_pods_are_not_judged() -> None:
+    assert not Group().tick(20, itl=HOT, running=(0,) * RANKS).run().findings
+    w = SignalWindows(3600)
+    for i in range(30):
+        w.add(i * STEP, "engine/decode/solo/0", "itl_p50", 0.09)
+        w.add(i * STEP, "engine/decode/solo/0", "requests_running", 8.0)
+    assert not EpImbalance().evaluate(PolicyInput(30 * STEP, w, {}, {})).findings
+
+
+def test_resolves_only_after_enough_balanced_scrapes() -> None:
+    g = Group().tick(20, itl=HOT)
+    opened = opening(g)
+    g.tick(7)
+    result = g.run(opened)
+    assert not result.resolved and result.findings, "still open, and updated"
+    g.tick(itl=HOT).tick(7)
+    assert not g.run(opened).resolved, "one skewed scrape restarts the count"
+    g.tick()
+    assert g.run(opened).resolved == [(KEY, "per-rank skew back under the resolve ratio")]
+
+
+def test_a_pod_that_stops_reporting_resolves() -> None:
+    g = Group().tick(20, itl=HOT)
+    opened = opening(g)
+    g.ts += 1000.0
+    result = g.run(opened)
+    assert result.findings == [] and result.resolved == [(KEY, f"{POD} no longer reports")]
+
+
+def eplb_overhead(after_itl: float, after_running: tuple[float, ...] = (8,) * RANKS):
+    g = Group().tick(120, pool_itl=0.030)
+    enabled_at = g.ts
+    g.tick(20, pool_itl=after_itl, running=after_running)
+    settings = EpImbalanceSettings(eplb_enabled={"decode": enabled_at})
+    return g, settings
+
+
+def test_eplb_that_costs_more_than_it_saves_is_proposed_off() -> None:
+    g, settings = eplb_overhead(0.036)
+    [f] = g.run(settings=settings).findings
+    assert f.key == FindingKey("ep_imbalance", "pool/decode") and f.severity == "info"
+    ev = f.evidence
+    assert ev["cause"] == "eplb_overhead" and ev["statistic"] == pytest.approx(1.2, rel=0.05)
+    assert ev["threshold"] == pytest.approx(1.1) and ev["baseline"] == pytest.approx(0.03, rel=0.03)
+    [p] = f.proposals
+    assert (p.kind, p.pool, p.verify_signal) == (ActionKind.DISABLE_EPLB, "decode", "itl_p50")
+
+
+@pytest.mark.parametrize(
+    ("after_itl", "after_running"),
+    [
+        pytest.param(0.031, (8,) * RANKS, id="step-time-unchanged"),
+        pytest.param(0.036, (16,) * RANKS, id="load-doubled"),
+    ],
+)
+def test_no_eplb_overhead_finding_without_a_comparable_slowdown(after_itl: float, after_running: tuple) -> None:
+    g, settings = eplb_overhead(after_itl, after_running)
+    assert not g.run(settings=settings).findings
+
+
+def test_eplb_overhead_needs_balanced_groups_and_resolves_when_step_time_returns() -> None:
+    g, settings = eplb_overhead(0.036)
+    g.tick(20, itl=HOT, pool_itl=0.036)
+    assert [f.key.subject for f in g.run(settings=settings).findings] == [POD], "imbalanced: EPLB is needed"
+    g, settings = eplb_overhead(0.036)
+    [f] = g.run(settings=settings).findings
+    key = f.key
+    opened = {key: OpenFinding(key, g.ts, f.evidence)}
+    g.tick(8, pool_itl=0.030)
+    assert g.run(opened, settings).resolved == [(key, "pool step time back at its pre-EPLB level")]
+    assert g.run(opened, EpImbalanceSettings()).resolved == [(key, "the pool no longer runs EPLB")]

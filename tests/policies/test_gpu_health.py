@@ -1,0 +1,151 @@
+"""GPU health: XID classification, ECC and row-remap faults, throttling, hold time and hysteresis."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.gpu_health import GpuHealth, GpuHealthSettings
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
+from policies.windows import SignalWindows
+
+GPU = "gpu/node-a/3"
+KEY = FindingKey("gpu_health", GPU)
+STEP = 15.0
+
+
+class Gpu:
+    def __init__(self, seed: int = 4, xid_at_boot: int | None = None) -> None:
+        self.w = SignalWindows(horizon_s=3 * 3600)
+        self.ts = 0.0
+        self.rng = random.Random(seed)
+        self.xid = xid_at_boot  # DCGM keeps the last XID code; None: no XID since the driver loaded
+
+    def tick(self, n: int = 1, *, xid: int | None = None, dbe: float = 0.0, remap_failure: float = 0.0,
+             pending: float = 0.0, thermal: float = 0.0, power: float | None = None) -> Gpu:
+        for _ in range(n):
+            self.ts += STEP
+            add = lambda name, v: self.w.add(self.ts, GPU, name, v)  # noqa: E731
+            add("gpu_utilization", 0.8 + self.rng.gauss(0, 0.05))
+            add("gpu_temperature_celsius", 65 + self.rng.gauss(0, 2))
+            add("gpu_power_watts", 600 + self.rng.gauss(0, 30))
+            window = 0.0
+            if xid is not None:
+                self.xid, window = xid, 1.0
+                xid = None  # one XID per call
+            if self.xid is not None:
+                add("gpu_xid_last", float(self.xid))
+            add("gpu_xid_errors_window", window)
+            add("gpu_ecc_dbe_rate", dbe)
+            add("gpu_row_remap_failure", remap_failure)
+            add("gpu_remapped_rows_uncorrectable", pending)
+            add("gpu_thermal_violation_seconds_rate", thermal)
+            add("gpu_power_violation_seconds_rate",
+                power if power is not None else max(0.0, 0.05 + self.rng.gauss(0, 0.05)))
+        return self
+
+    def run(self, open_findings: dict | None = None, settings: GpuHealthSettings | None = None):
+        settings = settings or GpuHealthSettings(node_pools={"node-a": "decode"})
+        return GpuHealth(settings).evaluate(PolicyInput(self.ts, self.w, {}, open_findings or {}))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_healthy_gpus_are_quiet_even_with_an_old_xid(seed: int) -> None:
+    for gpu in (Gpu(seed), Gpu(seed, xid_at_boot=79)):
+        for _ in range(200):
+            assert not gpu.tick().run().findings
+
+
+def test_hardware_xid_is_critical_and_proposes_a_cordon() -> None:
+    [f] = Gpu().tick(40).tick(xid=79).run().findings
+    assert f.key == KEY and f.severity == "critical" and f.runbook == "gpu_health"
+    ev = f.evidence
+    assert (ev["node"], ev["gpu"], ev["cause"], ev["xid_codes"], ev["xid_events"]) == ("node-a", "3", "xid", [79], 1)
+    [p] = f.proposals
+    assert (p.kind, p.pool) == (ActionKind.CORDON_NODE, "decode")
+    assert "kubectl cordon node-a" in p.reason
+    assert GpuHealth().evaluate(PolicyInput(0.0, SignalWindows(1.0), {}, {})).findings == []
+
+
+def test_a_new_code_after_an_old_one_is_an_event() -> None:
+    [f] = Gpu(xid_at_boot=13).tick(40).tick(xid=48).run().findings
+    assert f.evidence["xid_codes"] == [48] and f.severity == "critical"
+
+
+def test_application_xid_warns_without_cordon() -> None:
+    [f] = Gpu().tick(40).tick(xid=13).run().findings
+    assert f.severity == "warning" and f.evidence["cause"] == "xid_application" and f.proposals == ()
+
+
+def test_unknown_xid_warns_and_proposes_a_cordon_to_be_safe() -> None:
+    [f] = Gpu().tick(40).tick(xid=999).run().findings
+    assert f.severity == "warning" and f.evidence["cause"] == "xid"
+    assert [p.kind for p in f.proposals] == [ActionKind.CORDON_NODE]
+
+
+def test_without_node_pools_the_proposal_names_the_node_only() -> None:
+    [f] = Gpu().tick(40).tick(xid=79).run(settings=GpuHealthSettings()).findings
+    [p] = f.proposals
+    assert p.pool == "" and "node-a" in p.reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cause", "severity"),
+    [
+        pytest.param({"dbe": 0.1}, "ecc_double_bit", "critical", id="double-bit-ecc"),
+        pytest.param({"remap_failure": 1.0}, "row_remap_failure", "critical", id="row-remap-failure"),
+        pytest.param({"pending": 2.0}, "row_remap_pending", "warning", id="row-remap-pending"),
+    ],
+)
+def test_memory_faults(kwargs: dict, cause: str, severity: str) -> None:
+    [f] = Gpu().tick(40).tick(**kwargs).run().findings
+    assert (f.evidence["cause"], f.severity) == (cause, severity)
+    assert [p.kind for p in f.proposals] == [ActionKind.CORDON_NODE]
+
+
+def test_thermal_throttling_must_be_sustained() -> None:
+    gpu = Gpu().tick(40).tick(3, thermal=0.3)
+    assert not gpu.run().findings
+    [f] = gpu.tick(thermal=0.3).run().findings
+    ev = f.evidence
+    assert (ev["cause"], ev["statistic"], ev["threshold"], f.severity) == ("thermal_throttling", 0.3, 0.1, "warning")
+    assert [p.kind for p in f.proposals] == [ActionKind.CORDON_NODE]
+
+
+def test_power_capping_under_load_is_normal_until_it_dominates() -> None:
+    assert not Gpu().tick(40).tick(10, power=0.3).run().findings
+    [f] = Gpu().tick(40).tick(4, power=0.7).run().findings
+    assert f.evidence["cause"] == "power_throttling"
+
+
+def test_a_fault_keeps_the_finding_open_for_the_hold_time() -> None:
+    gpu = Gpu().tick(40).tick(xid=79)
+    [f] = gpu.run().findings
+    opening = {KEY: OpenFinding(KEY, gpu.ts, f.evidence)}
+    gpu.tick(200)  # 50 minutes of a quiet GPU
+    result = gpu.run(opening)
+    assert result.findings and not result.resolved
+    assert result.findings[0].evidence["last_fault_at"] == f.evidence["last_fault_at"]
+    gpu.tick(41)
+    assert gpu.run(opening).resolved == [(KEY, "no fault for 60 min and no throttling")]
+
+
+def test_throttling_resolves_after_enough_clean_intervals() -> None:
+    gpu = Gpu().tick(40).tick(6, thermal=0.3)
+    [f] = gpu.run().findings
+    opening = {KEY: OpenFinding(KEY, gpu.ts, f.evidence)}
+    gpu.tick(7)
+    assert not gpu.run(opening).resolved
+    gpu.tick(thermal=0.2).tick(7)
+    assert not gpu.run(opening).resolved, "a relapse restarts the count"
+    gpu.tick()
+    assert [k for k, _ in gpu.run(opening).resolved] == [KEY]
+
+
+def test_a_gpu_that_stops_reporting_resolves() -> None:
+    gpu = Gpu().tick(40).tick(xid=79)
+    [f] = gpu.run().findings
+    gpu.ts += 1000.0
+    result = gpu.run({KEY: OpenFinding(KEY, 0.0, f.evidence)})
+    assert result.findings == [] and [k for k, _ in result.resolved] == [KEY]

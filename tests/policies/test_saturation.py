@@ -1,0 +1,137 @@
+"""Saturation: queue growth, KV exhaustion with preemptions, errors under load, and hysteresis."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.saturation import Saturation, slope
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
+from policies.windows import SignalWindows
+
+POOL = "pool/decode"
+KEY = FindingKey("saturation", POOL)
+STEP = 15.0
+ENGINES = 3
+
+
+class Pool:
+    def __init__(self, seed: int = 2) -> None:
+        self.w = SignalWindows(horizon_s=3 * 3600)
+        self.ts = 0.0
+        self.rng = random.Random(seed)
+
+    def tick(self, n: int = 1, *, waiting: float | None = None, grow: float = 0.0, kv: float = 0.6,
+             preempt: float = 0.0, errors: float = 0.0, rate: float = 20.0, capacity: float | None = None) -> Pool:
+        for _ in range(n):
+            self.ts += STEP
+            if waiting is None:  # a healthy queue: a few requests come and go
+                q = float(sum(1 for _ in range(ENGINES * 4) if self.rng.random() < 0.25))
+            else:
+                waiting += grow
+                q = waiting
+            self.w.add(self.ts, POOL, "requests_waiting", q)
+            if capacity is not None:
+                self.w.add(self.ts, POOL, "requests_waiting_capacity", capacity)
+            self.w.add(self.ts, POOL, "engines_reporting", float(ENGINES))
+            self.w.add(self.ts, POOL, "kv_cache_usage", min(1.0, kv + self.rng.gauss(0, 0.02)))
+            self.w.add(self.ts, POOL, "preemption_rate", preempt)
+            self.w.add(self.ts, POOL, "request_rate", rate)
+            self.w.add(self.ts, POOL, "request_error_rate", errors)
+        return self
+
+    def run(self, open_findings: dict | None = None):
+        pools = {"decode": PoolState("decode", "decode", ENGINES, ENGINES, 1, 6)}
+        return Saturation().evaluate(PolicyInput(self.ts, self.w, pools, open_findings or {}))
+
+
+def test_slope_of_a_line_and_of_a_step() -> None:
+    assert slope([(0.0, 1.0), (10.0, 3.0), (20.0, 5.0)]) == pytest.approx(0.2)
+    assert slope([(0.0, 1.0)]) == 0.0
+    step = [(float(t), 0.0) for t in range(17)] + [(17.0, 9.0), (18.0, 9.0), (19.0, 9.0)]
+    assert slope(step) == 0.0, "one jump is not a trend"
+
+
+def test_a_queue_that_jumped_once_and_holds_does_not_open() -> None:
+    assert not Pool().tick(40).tick(3, waiting=12.0).run().findings
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_healthy_noisy_pool_is_quiet(seed: int) -> None:
+    pool = Pool(seed).tick(40)
+    for _ in range(200):
+        assert not pool.tick().run().findings
+
+
+def test_a_growing_queue_opens_and_proposes_scaling() -> None:
+    pool = Pool().tick(40)
+    # +1.5 requests per interval across the pool: +10 per engine over five minutes.
+    pool.tick(12, waiting=3.0, grow=1.5)
+    [f] = pool.run().findings
+    assert f.key == KEY and f.runbook == "saturation" and f.evidence["cause"] == "queue_growth"
+    ev = f.evidence
+    assert ev["statistic"] >= ev["threshold"] == 2.0 and ev["waiting_per_engine"] >= 2.0
+    assert ev["signal"] == "requests_waiting" and ev["engines"] == ENGINES
+    [p] = f.proposals
+    assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.SCALE_POOL, "decode", 1, "requests_waiting", True)
+
+
+def test_a_long_but_flat_queue_does_not_open() -> None:
+    assert not Pool().tick(40, waiting=30.0).run().findings
+
+
+def test_a_short_growing_queue_does_not_open() -> None:
+    # Growth from 0 to 4 over the window: 1.3 per engine, below both thresholds.
+    assert not Pool().tick(40).tick(20, waiting=0.0, grow=0.2).run().findings
+
+
+def test_kv_full_with_preemptions_opens_but_kv_full_alone_does_not() -> None:
+    assert not Pool().tick(40).tick(5, kv=0.97).run().findings
+    pool = Pool().tick(40).tick(2, kv=0.97, preempt=0.5)
+    assert not pool.run().findings, "two intervals are not enough"
+    [f] = pool.tick(kv=0.97, preempt=0.5).run().findings
+    assert f.evidence["cause"] == "kv_exhausted" and f.evidence["threshold"] == 0.9
+    assert [p.verify_signal for p in f.proposals] == ["preemption_rate"]
+
+
+def test_errors_count_only_under_load() -> None:
+    assert not Pool().tick(40).tick(5, errors=2.0).run().findings, "errors on a quiet pool are not saturation"
+    [f] = Pool().tick(40, waiting=9.0).tick(5, errors=2.0, waiting=9.0).run().findings
+    assert f.evidence["causes"] == ["errors_under_load"] and f.severity == "critical"
+    assert f.evidence["error_share"] == pytest.approx(0.1)
+    assert [p.verify_signal for p in f.proposals] == ["request_error_rate"]
+
+
+def test_two_signs_at_once_are_critical() -> None:
+    [f] = Pool().tick(40).tick(12, waiting=3.0, grow=1.5, kv=0.97, preempt=0.5).run().findings
+    assert f.evidence["causes"] == ["queue_growth", "kv_exhausted"] and f.severity == "critical"
+
+
+def test_requests_deferred_for_kv_transfers_are_not_a_capacity_queue() -> None:
+    pool = Pool().tick(40, capacity=0.0).tick(12, waiting=3.0, grow=1.5, capacity=0.0)
+    assert not pool.run().findings
+
+
+def test_open_finding_stays_while_the_queue_is_long_and_resolves_after_clean_points() -> None:
+    pool = Pool().tick(40).tick(12, waiting=3.0, grow=1.5)
+    [f] = pool.run().findings
+    opening = {KEY: OpenFinding(KEY, pool.ts, f.evidence)}
+    # The queue stops growing but stays long: still saturated.
+    pool.tick(20, waiting=21.0)
+    [f] = pool.run(opening).findings
+    assert f.evidence["causes"] == ["queue_growth"] and f.proposals
+    pool.tick(3, waiting=1.0)
+    result = pool.run(opening)
+    assert not result.resolved and result.findings[0].proposals == ()
+    pool.tick(waiting=1.0)
+    assert pool.run(opening).resolved == [(KEY, "queue, KV cache and errors back to normal")]
+
+
+def test_a_pool_that_stops_reporting_resolves() -> None:
+    pool = Pool().tick(40).tick(12, waiting=3.0, grow=1.5)
+    [f] = pool.run().findings
+    pool.ts += 1000.0
+    result = pool.run({KEY: OpenFinding(KEY, 0.0, f.evidence)})
+    assert result.findings == [] and [k for k, _ in result.resolved] == [KEY]

@@ -1,0 +1,181 @@
+"""The engine-level simulator: scheduler behaviour, calibration, routing, MoE, speculation, scenarios."""
+
+from __future__ import annotations
+
+import pytest
+
+from collectors.types import Role
+from controlplane.sim.engine import EngineConfig, SimEngine, SimRequest
+from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
+from controlplane.sim.moe import EplbConfig, ExpertParallel, MoeSpec
+from controlplane.sim.perf import load_model
+from controlplane.sim.scenario import FAULT_KINDS, builtin_scenarios, load_scenario
+from controlplane.sim.speculation import SpecConfig, step_gain
+from controlplane.sim.traces import Request
+
+MODEL = load_model()
+
+
+def engine(**kw: object) -> SimEngine:
+    return SimEngine("p", "p-0", MODEL, EngineConfig(**kw), now=0.0)  # type: ignore[arg-type]
+
+
+def ttft_mean(e: SimEngine) -> float:
+    h = e.ranks[0].hists["vllm:time_to_first_token_seconds"]
+    return h.sum / sum(h.counts)
+
+
+def test_a_lone_request_takes_the_calibrated_prefill_and_decode_times() -> None:
+    e = engine()
+    e.submit(SimRequest(0, 0.0, 3000, 101))
+    e.run_until(100.0)
+    assert ttft_mean(e) == pytest.approx(MODEL.prefill_seconds(3000), rel=0.01)
+    itl = e.ranks[0].hists["vllm:inter_token_latency_seconds"]
+    assert sum(itl.counts) == pytest.approx(100)
+    assert itl.sum / 100 == pytest.approx(MODEL.decode_step_seconds(1, 3050), rel=0.05)
+    assert e.ranks[0].finished == {"stop": 1.0} or e.ranks[0].finished == {"length": 1.0}
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_several_iterations() -> None:
+    e = engine(max_batched_tokens=2048)
+    e.submit(SimRequest(0, 0.0, 8192, 2))
+    e.run_until(60.0)
+    assert e.steps >= 4 + 1
+    assert ttft_mean(e) > MODEL.prefill_seconds(8192) * 0.9
+
+
+def test_a_repeated_prefix_hits_the_cache() -> None:
+    e = engine()
+    blocks = tuple(range(8))
+    e.submit(SimRequest(0, 0.0, 4096, 2, blocks, 512))
+    e.run_until(10.0)
+    e.submit(SimRequest(1, 10.0, 4096, 2, blocks, 512))
+    e.run_until(20.0)
+    c = e.ranks[0].counters
+    assert c["vllm:prefix_cache_queries"] == 8192
+    assert c["vllm:prefix_cache_hits"] == 4095  # all but the last token, as vLLM computes it
+
+
+def test_kv_pressure_preempts_and_still_finishes_everything() -> None:
+    e = engine(kv_blocks=400, max_num_seqs=64)
+    for i in range(40):
+        e.submit(SimRequest(i, 0.0, 600, 400))
+    e.run_until(3600.0)
+    stats = e.ranks[0]
+    assert stats.counters["vllm:num_preemptions"] > 0
+    assert sum(stats.finished.values()) == 40
+    assert e.used_blocks == 0 and e.idle()
+
+
+def test_constrained_traffic_collapses_acceptance_and_random_sampling_starves_ngram() -> None:
+    eagle = SpecConfig("eagle", 3)
+    text, json = step_gain(eagle, ["text"] * 4), step_gain(eagle, ["json"] * 4)
+    assert text is not None and json is not None
+    assert json.mean_accepted < 0.5 * text.mean_accepted
+    assert text.per_position[0] > text.per_position[1] > text.per_position[2]
+    ngram = step_gain(SpecConfig("ngram", 4), ["random"] * 4)
+    assert ngram is not None and ngram.draft_share == 0.0 and ngram.mean_accepted == 0.0
+
+
+def test_speculation_shortens_tpot_for_text_and_lengthens_it_for_json() -> None:
+    def tpot(spec: SpecConfig, cls: str) -> float:
+        e = SimEngine("p", "p-0", MODEL, EngineConfig(), now=0.0, spec=spec)
+        for i in range(16):
+            e.submit(SimRequest(i, 0.0, 1000, 300, cls=cls))
+        e.run_until(600.0)
+        h = e.ranks[0].hists["vllm:request_time_per_output_token_seconds"]
+        return h.sum / sum(h.counts)
+
+    plain = tpot(SpecConfig(), "text")
+    assert tpot(SpecConfig("eagle", 3), "text") < 0.75 * plain
+    assert tpot(SpecConfig("eagle", 3), "json") > plain
+
+
+def test_a_hot_expert_slows_the_group_and_eplb_rebalances_it() -> None:
+    ep = ExpertParallel(MoeSpec(experts=64, ranks=4, zipf_s=0.4, seed=1))
+    calm = ep.step_factor()
+    ep.make_hot(0.3)
+    assert ep.imbalance > 1.5 and ep.step_factor() > calm * 1.2
+    ep.set_eplb(EplbConfig(window_size=100, step_interval=300, num_redundant_experts=4))
+    ep.advance(299, 0.0)
+    assert ep.rearrangements == 0
+    ep.advance(1, 0.0)
+    assert ep.rearrangements == 1 and ep.stall_s > 0
+    assert ep.imbalance < 1.2
+    assert max(ep.rank_activity()) == 1.0 and min(ep.rank_activity()) > 0.8
+
+
+def test_cache_aware_routing_keeps_hit_rates_that_round_robin_loses() -> None:
+    def hit_rate(router: str) -> float:
+        spec = FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 3, engine=EngineConfig(kv_blocks=6000), speed=0.5),),
+                         router=router, system_prompts=SystemPrompts(count=120, blocks=8, block_tokens=256, zipf_s=0.6))
+        reqs = [Request(i * 0.1, 2100, 20) for i in range(6000)]
+        fleet = SimFleet(spec, reqs)
+        fleet.advance_to(600.0)
+        c = [s.counters for m in fleet.members["u"] for s in m.engine.ranks]
+        return sum(x["vllm:prefix_cache_hits"] for x in c) / sum(x["vllm:prefix_cache_queries"] for x in c)
+
+    cache_aware, round_robin = hit_rate("cache_aware"), hit_rate("round_robin")
+    assert cache_aware > round_robin + 0.15
+
+
+def test_disaggregated_requests_hand_their_kv_to_decode_and_finish_there() -> None:
+    spec = FleetSpec(pools=(PoolSpec("pre", Role.PREFILL, 2), PoolSpec("dec", Role.DECODE, 2)), link_gbps=100.0)
+    reqs = [Request(i * 0.5, 2000, 50) for i in range(100)]
+    fleet = SimFleet(spec, reqs)
+    fleet.advance_to(120.0)
+    decode = [s for m in fleet.members["dec"] for s in m.engine.ranks]
+    assert sum(sum(s.finished.values()) for s in decode) == 100
+    assert sum(s.counters["vllm:external_prefix_cache_hits"] for s in decode) == 100 * 2000
+    transfers = [m.transfer for m in fleet.members["dec"]]
+    assert sum(t.count for t in transfers) == 100
+    # 2000 tokens * 128 KiB over 100 Gb/s is about 21 ms, plus the link latency.
+    mean = sum(t.xfer.sum for t in transfers) / 100
+    assert 0.02 < mean < 0.05
+
+
+def test_scaling_adds_engines_after_startup_and_drains_removed_ones() -> None:
+    spec = FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 2, startup_s=60.0),))
+    fleet = SimFleet(spec, [Request(i * 0.2, 500, 50) for i in range(3000)])
+    fleet.advance_to(30.0)
+    fleet.scale("u", 3)
+    fleet.advance_to(60.0)
+    assert len(fleet.ready("u")) == 2
+    fleet.advance_to(100.0)
+    assert len(fleet.ready("u")) == 3
+    fleet.scale("u", 1)
+    assert len(fleet.ready("u")) == 1
+    fleet.advance_to(200.0)
+    assert len(fleet.members["u"]) == 1
+
+
+def test_shipped_scenarios_load_and_cover_every_fault_kind_with_ground_truth() -> None:
+    names = builtin_scenarios()
+    assert len(names) >= 10
+    kinds = set()
+    fault_free = 0
+    for name in names:
+        sc = load_scenario(name)
+        sc.fleet_spec()
+        sc.controlplane_config("sqlite://")
+        for f in sc.faults:
+            kinds.add(f.kind)
+            assert f.truth, f"{name}: fault {f.kind} without ground truth"
+        fault_free += not sc.faults
+    assert fault_free >= 4
+    assert {"router_flip", "system_prompt", "prompt_scale", "hot_expert", "class_mix", "canary", "kv_lag",
+            "gpu_xid"} <= kinds <= set(FAULT_KINDS)
+
+
+def test_a_bad_scenario_names_the_field_and_line(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from controlplane.errors import ConfigError
+
+    path = Path(str(tmp_path)) / "bad.yaml"
+    path.write_text("name: x\ntrace: {name: azure/conv}\nduration: 10m\nfleet:\n  pools:\n"
+                    "    - {name: a, role: unified, replicas: 0}\nfaults:\n  - {kind: meteor, at: 1m}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_scenario(str(path))
+    text = str(exc.value)
+    assert "fleet.pools[0].replicas (line 6)" in text and "faults[0].kind (line 8)" in text
