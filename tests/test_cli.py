@@ -149,7 +149,7 @@ def test_run_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path) -> N
         time.sleep(2.5)
         metrics = httpx.get(f"{base}/metrics").text
         assert "fleet_controlplane_tick_duration_seconds_bucket" in metrics
-        assert 'fleet_controlplane_targets{state="up"} 6.0' in metrics
+        assert f'fleet_controlplane_targets{{state="up"}} {len(server.targets())}.0' in metrics
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 0, stderr

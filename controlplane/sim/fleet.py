@@ -63,7 +63,7 @@ class FleetSpec:
     pools: tuple[PoolSpec, ...] = ()
     router: str = "cache_aware"
     decode_router: str = "least_loaded"
-    link_gbps: float = 200.0  # per decode worker: one 200 Gb/s NIC
+    link_gbps: float = 400.0  # per decode worker: one 400 Gb/s NIC per GPU, as H100/H200 nodes have
     link_latency_s: float = 0.002
     system_prompts: SystemPrompts | None = None
     seed: int = 7
@@ -121,6 +121,12 @@ class Member:
     transfer: Transfer = field(default_factory=Transfer)
     gpu: GpuState = field(default_factory=GpuState)
     urls: dict[str, str] = field(default_factory=dict)
+    inflight: int = 0  # KV transfers on their way to this decode worker
+
+    @property
+    def load(self) -> int:
+        """Requests in the engine or on their way to it, as a router that tracks its own sends counts."""
+        return self.engine.load + self.inflight
 
     @property
     def pod(self) -> str:
@@ -306,9 +312,13 @@ class SimFleet:
                     for m in ms:
                         if m.ready_at <= stop:
                             m.engine.run_until(stop)
-            for t_done, _, engine, req in sorted(self._handoffs, key=lambda h: (h[0], h[1])):
+            # An engine's last iteration may end past `stop`; its handoffs wait for their window,
+            # or they would hold a link busy ahead of earlier transfers.
+            self._handoffs.sort(key=lambda h: (h[0], h[1]))
+            due = [h for h in self._handoffs if h[0] <= stop]
+            del self._handoffs[: len(due)]
+            for t_done, _, engine, req in due:
                 self._transfer(engine, req, t_done)
-            self._handoffs.clear()
             while self._events and self._events[0][0] <= stop:
                 te, _, req, member = heapq.heappop(self._events)
                 self._deliver(req, member, te)
@@ -405,9 +415,11 @@ class SimFleet:
             return  # the request is lost with its KV: vLLM aborts it
         dreq = SimRequest(req.rid, req.arrival, req.input_tokens, req.output_tokens, req.hash_ids, req.block_tokens,
                           req.cls, remote_kv=True, handoff_at=done)
+        target.inflight += 1
         heapq.heappush(self._events, (done, next(self._seq), dreq, target))
 
     def _deliver(self, req: SimRequest, member: Member, t: float) -> None:
+        member.inflight -= 1
         if member.draining and member.engine.idle():
             return
         member.engine.run_until(t)

@@ -56,7 +56,7 @@ class LeastLoaded:
     def pick(self, req: SimRequest, members: Sequence[Member]) -> Member:
         self._i += 1
         n = len(members)
-        return min((members[(self._i + j) % n] for j in range(n)), key=lambda m: m.engine.load)
+        return min((members[(self._i + j) % n] for j in range(n)), key=lambda m: m.load)
 
 
 class CacheAware:

@@ -102,7 +102,7 @@ class FleetModel(_Strict):
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     router: Literal["cache_aware", "round_robin", "least_loaded"] = "cache_aware"
     decode_router: Literal["cache_aware", "round_robin", "least_loaded"] = "least_loaded"
-    link_gbps: float = Field(200.0, gt=0)
+    link_gbps: float = Field(400.0, gt=0)
     system_prompts: SystemPromptModel | None = None
     pools: list[PoolModel] = Field(min_length=1)
 

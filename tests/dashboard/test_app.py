@@ -37,8 +37,9 @@ EMPTY = {
 }
 # The fewest charts each page draws on a store that has its data.
 CHARTS = {"fleet": 3, "pool": 10, "ep": 4, "kv": 8, "gpus": 5, "incidents": 2, "actions": 1, "canary": 2}
-# On the demo's own store (no speculative decoding, EP, KV probe, GPUs or gates).
-DEMO_CHARTS = {"fleet": 3, "pool": 7, "incidents": 2, "actions": 1}
+# On the demo's own store: its decode workers' NIXL transfers and every engine's GPU, but no
+# speculative decoding, EP or canary gates.
+DEMO_CHARTS = {"fleet": 3, "pool": 7, "kv": 3, "gpus": 3, "incidents": 2, "actions": 1}
 NOBODY = "http://127.0.0.1:9"  # no control plane answers here
 
 
@@ -109,7 +110,7 @@ def test_every_page_renders_on_an_empty_store(monkeypatch: pytest.MonkeyPatch, s
 def test_every_page_renders_on_the_demo_store(monkeypatch: pytest.MonkeyPatch, demo_db: Path, page: str) -> None:
     at = render(monkeypatch, f"sqlite:///{demo_db}", page)
     assert not at.error
-    if page in ("ep", "kv", "gpus", "canary"):  # the demo simulates none of these
+    if page in ("ep", "canary"):  # the demo simulates neither
         assert EMPTY[page] in texts(at)
     else:
         assert charts(at) >= DEMO_CHARTS[page]
@@ -154,7 +155,8 @@ def test_choosing_a_pool_reloads_the_page_for_it(monkeypatch: pytest.MonkeyPatch
     at.selectbox(key="pool").select("prefill").run()
     assert not at.exception
     assert any(c.value.startswith("prefill (prefill)") for c in at.caption)
-    assert [m.value for m in at.metric if m.label == "Engines reporting"] == ["4"]  # scaled 3 -> 4 by the demo
+    [engines] = [m.value for m in at.metric if m.label == "Engines reporting"]
+    assert int(engines) > 3  # the demo scaled prefill up from 3
 
 
 def test_a_link_can_pin_the_time_range(monkeypatch: pytest.MonkeyPatch, demo_db: Path) -> None:

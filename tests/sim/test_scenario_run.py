@@ -42,6 +42,6 @@ def test_sim_run_cli_replays_a_scenario_and_reports_its_timeline(tmp_path: Path)
                          timeout=280)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["ticks"] == 48 and out["engines"] == 7
+    assert out["ticks"] == 48 and out["engines"] == 6
     assert out["events"] == [[600.0, "fault router_flip starts"]]
     assert "fault router_flip starts" in res.stderr
