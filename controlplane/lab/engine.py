@@ -251,8 +251,12 @@ class VllmEngine:
             except subprocess.TimeoutExpired:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        # Children that outlived the server (the engine core) go too.
+        # Children that outlived the server (the engine core) go too, and are waited for: a caller
+        # that starts the next engine right away must not share the cores with a dying one.
         _signal_group(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while _group_exists(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return proc.returncode
 
     def log_tail(self, lines: int = 40) -> str:
@@ -268,6 +272,16 @@ class VllmEngine:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -176,7 +176,7 @@ class PromptBuilder:
         if words is None:
             rng = random.Random(f"{self.seed}:{block_id}")
             words = [rng.choice(self.words) for _ in range(self.block_tokens)]
-            if len(self._cache) < 50_000:
+            if len(self._cache) < 4096:  # the hot blocks (shared system prompts, templates) come early
                 self._cache[block_id] = words
         return words
 

@@ -311,11 +311,11 @@ async def test_loadgen_bounds_concurrency_counts_errors_and_drains() -> None:
 
 # the real lab ----------------------------------------------------------------------------------
 
-PHASES = "normal:30,unique:20,normal:20,random:20,json:20"
+PHASES = "normal:25,unique:15,normal:15,random:15,json:15"
 
 
 def _group_members(pgid: int) -> list[int]:
-    """Processes still in process group `pgid`."""
+    """Live processes still in process group `pgid`."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -325,7 +325,7 @@ def _group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid:  # after the command: state, ppid, pgrp
+        if int(fields[2]) == pgid and fields[0] != "Z":  # after the command: state, ppid, pgrp; zombies are dead
             out.append(int(entry))
     return out
 
@@ -358,14 +358,14 @@ async def test_lab_faults_move_the_real_signals(tmp_path: Path) -> None:
     # The control loop scraped the engines through the fleet file the lab wrote.
     fleet = seen["fleet"]
     assert [(t.pool, t.pod) for t in fleet.targets] == [("lab", "vllm-0"), ("lab", "vllm-1")]
-    assert len(report.ticks) >= 15
+    assert len(report.ticks) >= 12
     assert sum(t.targets_up == 2 for t in report.ticks) >= len(report.ticks) - 1
     store = SqlStore.open(db)
     try:
         stored = store.load_signals(0.0, names=["prefix_cache_hit_rate", "spec_yield"])
     finally:
         store.close()
-    assert {s.subject for s in stored} >= {"pool/lab", "pod/lab/vllm-0", "engine/lab/vllm-1/0"}
+    assert {s.subject for s in stored} >= {"pool/lab", "engine/lab/vllm-0/0", "engine/lab/vllm-1/0"}
 
     by_name: dict[str, list[Any]] = {}
     for p in report.phases:
