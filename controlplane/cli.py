@@ -1,7 +1,8 @@
 """`fleetctl`: one entry point, subcommands grouped by noun.
 
 Exit codes: 0 success; 1 a negative result the command exists to report; 2 inconclusive;
-3 and above errors (3 bad input or configuration, 4 store unavailable, 5 actuation failed).
+3 and above errors (3 bad input or configuration, 4 store unavailable, 5 actuation failed, 6 the real
+lab could not start); 130 interrupted (Ctrl-C).
 Commands that report take `--json`: one JSON object on stdout; logs go to stderr.
 """
 

@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 def scrape_client(config: FleetConfig) -> httpx.AsyncClient:
     """The HTTP client the scraper uses: pool sized to the scrape concurrency."""
     n = config.scrape.concurrency
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    # vLLM's server drops idle connections after 5 s, httpx's default keep-alive: a scrape every
+    # 5 s could reuse a connection the engine is closing. Expire ours well before.
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0)
     return httpx.AsyncClient(timeout=config.scrape.timeout, limits=limits)
 
 

@@ -178,7 +178,11 @@ class PrefixCacheHitDrop:
                              verify_signal="ttft_p95", verify_lower_is_better=True),
                 )
         evidence["cause"] = cause.value
-        summary = f"prefix-cache hit rate of {pool} fell to {current:.0%} from a baseline of {baseline:.0%}"
+        # While open, the summary names the lowest point: the latest may already be recovering.
+        opened = inp.open_findings.get(FindingKey(KIND, subject))
+        lowest = min(current, float(opened.evidence.get("lowest", current))) if opened else current
+        evidence["lowest"] = round(lowest, 4)
+        summary = f"prefix-cache hit rate of {pool} fell to {lowest:.0%} from a baseline of {baseline:.0%}"
         return FindingReport(
             key=FindingKey(KIND, subject),
             severity=severity,

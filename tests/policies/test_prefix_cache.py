@@ -106,3 +106,19 @@ def test_a_noisy_recovery_does_not_resolve() -> None:
     opened = _open(STABLE + [0.4, 0.4])
     result = run(windows(STABLE + [0.4, 0.4, 0.8, 0.45, 0.8]), opened)
     assert not result.resolved and result.findings
+
+
+def test_an_open_finding_keeps_naming_its_lowest_point_while_it_recovers() -> None:
+    from policies.prefix_cache import KIND, PrefixCacheHitDrop
+    from policies.types import FindingKey, OpenFinding, PolicyInput
+    from policies.windows import SignalWindows
+
+    w = SignalWindows(3600)
+    values = [0.8] * 12 + [0.05, 0.0, 0.5]
+    for i, v in enumerate(values):
+        w.add(i * 15.0, "pool/p", "prefix_cache_hit_rate", v)
+        w.add(i * 15.0, "pool/p", "prefix_cache_query_rate", 100.0)
+    key = FindingKey(KIND, "pool/p")
+    opened = {key: OpenFinding(key, 13 * 15.0, {"baseline": 0.8, "threshold": 0.16, "lowest": 0.0})}
+    [report] = PrefixCacheHitDrop().evaluate(PolicyInput(14 * 15.0, w, {}, opened)).findings
+    assert report.evidence["lowest"] == 0.0 and "fell to 0%" in report.summary
