@@ -485,7 +485,8 @@ class StaticRulePolicy:
         result = PolicyResult()
         for subject, states in sorted(firing.items()):
             result.findings.append(self._report(inp, subject, states))
-        for key in sorted(k for k in inp.open_findings if k.kind == self.kind and k.subject not in firing):
+        stale = [k for k in inp.open_findings if k.kind == self.kind and k.subject not in firing]
+        for key in sorted(stale, key=lambda k: k.subject):
             result.resolved.append((key, "no static rule fires any longer"))
         return result
 

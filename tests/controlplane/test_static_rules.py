@@ -218,3 +218,15 @@ def test_rules_are_checked_when_declared() -> None:
 
 def _fields(r: StaticRule) -> dict:
     return {name: getattr(r, name) for name in StaticRule.__dataclass_fields__}
+
+
+def test_several_open_findings_resolve_together_when_their_rules_stop_firing() -> None:
+    from policies.static_rules import StaticRulePolicy
+
+    w = SignalWindows(7200)
+    now = feed(w, "pool/a", "prefix_cache_hit_rate", [0.9] * 4)
+    feed(w, "pool/b", "prefix_cache_hit_rate", [0.9] * 4)
+    keys = [FindingKey("prefix_cache_hit_drop", s) for s in ("pool/b", "pool/a")]
+    opened = {k: OpenFinding(k, T0, {}) for k in keys}
+    result = StaticRulePolicy("prefix_cache_hit_drop").evaluate(at(w, now, open_findings=opened))
+    assert [k.subject for k, _ in result.resolved] == ["pool/a", "pool/b"]
