@@ -3,7 +3,8 @@
 vLLM exports no expert-load metric (EPLB's balancedness is a log line), so the imbalance is read
 from per-rank skew inside one EP group: the data-parallel ranks of one deployment, exposed by one
 pod as `engine/<pool>/<pod>/<rank>`. Per scrape, the skew of a measure is max / median over the
-ranks; the statistic is the median of that skew over a window, so one slow scrape proves nothing:
+ranks; the statistic is the median of that skew over a window, and the newest scrapes must agree,
+so neither one slow scrape nor an incident that has just ended opens a finding:
 - per-rank inter-token latency p50 (`itl_p50`, the step time a rank's requests see);
 - per-GPU activity of the pod's node (`gpu_tensor_active`, else `gpu_utilization`): the rank
   that hosts the hot experts computes while the others wait for it in the all-to-all. GPUs are
@@ -67,6 +68,7 @@ class EpImbalanceSettings:
     gpu_signals: tuple[str, ...] = ("gpu_tensor_active", "gpu_utilization")  # first one present is used
     window_points: int = 20  # scrapes the median skew is taken over (5 min at 15 s)
     min_ticks: int = 10  # scrapes with enough ranks needed to judge
+    confirm_points: int = 3  # ... and the newest scrapes that must each be skewed too
     skew_ratio: float = 1.5  # ITL skew that opens
     gpu_skew_ratio: float = 1.5  # GPU activity skew that opens
     resolve_ratio: float = 1.2  # every skew below this for resolve_points scrapes resolves (hysteresis)
@@ -106,9 +108,23 @@ class _Skew:
         values = [r for _, r, _ in self.ticks[-n:]]
         return statistics.median(values) if values else None
 
-    def hottest(self, n: int) -> str | None:
-        counts = Counter(who for _, _, who in self.ticks[-n:])
+    def hottest(self, n: int, at_least: float = 0.0) -> str | None:
+        """The member most often at the top among the newest `n` scrapes whose skew reaches `at_least`."""
+        counts = Counter(who for _, r, who in self.ticks[-n:] if r >= at_least)
+        if not counts:
+            counts = Counter(who for _, _, who in self.ticks[-n:])
         return counts.most_common(1)[0][0] if counts else None
+
+    def holds(self, threshold: float, window: int, confirm: int, min_ticks: int) -> bool:
+        """The median skew over `window` and each of the newest `confirm` skews reach `threshold`.
+
+        The newest scrapes must agree: right after a resolve the window still holds the incident's
+        scrapes, and its median alone would reopen the finding at once.
+        """
+        if len(self.ticks) < min_ticks:
+            return False
+        med = self.median(window)
+        return med is not None and med >= threshold and all(r >= threshold for _, r, _ in self.ticks[-confirm:])
 
 
 def _skew(w: SignalWindows, members: dict[str, str], name: str, points: int, min_members: int,
@@ -132,6 +148,20 @@ def _skew(w: SignalWindows, members: dict[str, str], name: str, points: int, min
     return _Skew(ticks[-points:], dict(latest))
 
 
+def _mean_skew(w: SignalWindows, members: dict[str, str], name: str, points: int, floor: float) -> tuple[float, str] | None:
+    """max/median across members of each member's mean over its newest `points` values, and the max member.
+
+    Means over the window, not per-scrape ratios: a few running requests per rank make any single
+    scrape look skewed, while a router that favours one rank shows in its mean.
+    """
+    means = {who: statistics.fmean(vals) for who, sub in members.items() if (vals := w.last(sub, name, points))}
+    if len(means) < 2:
+        return None
+    med = max(statistics.median(means.values()), floor)
+    who = max(means, key=lambda k: means[k])
+    return means[who] / med, who
+
+
 @dataclass(slots=True)
 class _Group:
     """One EP group judged now."""
@@ -142,7 +172,7 @@ class _Group:
     itl: _Skew
     gpu: _Skew | None
     gpu_signal: str | None
-    load: _Skew
+    load: tuple[float, str] | None  # running-request skew of the window means, and the busiest rank
 
     @property
     def subject(self) -> str:
@@ -203,15 +233,21 @@ class EpImbalance:
             if len(parts) != 4 or not reported_since(w, subject, (s.signal, RUNNING), fresh):
                 continue
             members[(parts[1], parts[2])][parts[3]] = subject
+        # One pass over the GPU series for all groups: scanning per group would cost groups x series.
+        gpus_of: dict[str, dict[str, str]] = defaultdict(dict)
+        for name in s.gpu_signals:
+            for sub in w.subjects(name, prefix="gpu/"):
+                _, host, gpu_id = sub.split("/", 2)
+                gpus_of[host][gpu_id] = sub
         groups = []
         n = s.window_points
         for (pool, pod), ranks in sorted(members.items()):
             if len(ranks) < s.min_ranks:
                 continue
             itl = _skew(w, ranks, s.signal, n, s.min_ranks)
-            load = _skew(w, ranks, RUNNING, n, s.min_ranks, median_floor=0.5)
+            load = _mean_skew(w, ranks, RUNNING, n, floor=0.5)
             host = s.pod_hosts.get(f"{pool}/{pod}") or s.pod_host.format(pool=pool, pod=pod)
-            gpus = {sub.split("/", 2)[2]: sub for name in s.gpu_signals for sub in w.subjects(name, prefix=f"gpu/{host}/")}
+            gpus = gpus_of.get(host, {})
             gpu_signal = next((name for name in s.gpu_signals
                                if any(w.latest(sub, name) is not None for sub in gpus.values())), None)
             gpu = _skew(w, gpus, gpu_signal, n, s.min_ranks) if gpu_signal and len(gpus) >= s.min_ranks else None
@@ -232,8 +268,9 @@ class EpImbalance:
         running = sum(inp.windows.latest(sub, RUNNING) or 0.0 for sub in group.ranks.values())
         if running < s.min_running:
             return False
-        itl, gpu = self._stat(group)
-        return (itl is not None and itl >= s.skew_ratio) or (gpu is not None and gpu >= s.gpu_skew_ratio)
+        n, confirm = s.window_points, s.confirm_points
+        return group.itl.holds(s.skew_ratio, n, confirm, s.min_ticks) or (
+            group.gpu is not None and group.gpu.holds(s.gpu_skew_ratio, n, confirm, s.min_ticks))
 
     def _balanced(self, group: _Group, n: int) -> bool:
         measures = [sk for sk in (group.itl, group.gpu) if sk is not None and len(sk.ticks) >= n]
@@ -245,15 +282,20 @@ class EpImbalance:
     def _report(self, inp: PolicyInput, group: _Group, opened_at: float | None) -> FindingReport:
         s = self.settings
         itl, gpu = self._stat(group)
-        load = group.load.median(s.window_points)
-        statistic = max(x for x in (itl, gpu, 0.0) if x is not None)
+        load, busiest = group.load if group.load is not None else (None, None)
         eplb = group.pool in s.eplb_enabled
         if load is not None and load >= s.load_skew_ratio:
             cause = Cause.UNEVEN_REQUEST_LOAD
         else:
             cause = Cause.HOT_EXPERTS_DESPITE_EPLB if eplb else Cause.HOT_EXPERTS
         lasted = 0.0 if opened_at is None else inp.now - opened_at
-        hot = group.itl.hottest(s.window_points)
+        # Name the outlier by the measure that shows it: in lockstep EP only the GPUs do.
+        by_gpu = gpu is not None and group.gpu is not None and (itl is None or gpu / s.gpu_skew_ratio > itl / s.skew_ratio)
+        statistic = (gpu if by_gpu else itl) or 0.0
+        threshold = s.gpu_skew_ratio if by_gpu else s.skew_ratio
+        hot = (group.gpu.hottest(s.window_points, threshold) if by_gpu and group.gpu
+               else group.itl.hottest(s.window_points, threshold))
+        outlier = f"GPU {hot}" if by_gpu else f"rank {hot}"
         rank_values = {r: round(v, 5) for r, v in sorted(group.itl.latest.items())}
         med = statistics.median(rank_values.values()) if rank_values else None
         evidence: dict[str, Any] = {
@@ -261,15 +303,16 @@ class EpImbalance:
             "value": max(rank_values.values()) if rank_values else None,
             "baseline": None if med is None else round(med, 5),  # the ranks' median: what a balanced rank sees
             "statistic": round(statistic, 3),
-            "threshold": s.skew_ratio,
+            "threshold": threshold,
+            "measure": "gpu_skew" if by_gpu else "itl_skew",
             "itl_skew": _round(itl),
             "gpu_skew": _round(gpu),
             "gpu_signal": group.gpu_signal,
             "gpu_values": {g: round(v, 4) for g, v in sorted(group.gpu.latest.items())} if group.gpu else {},
-            "gpu_hottest": group.gpu.hottest(s.window_points) if group.gpu else None,
+            "gpu_hottest": group.gpu.hottest(s.window_points, s.gpu_skew_ratio) if group.gpu else None,
             "load_skew": _round(load),
             "ranks": len(group.ranks),
-            "hot_rank": hot,
+            "hot_rank": group.itl.hottest(s.window_points, s.skew_ratio),
             "rank_values": rank_values,
             "rank_running": _latest(inp.windows, group.ranks, RUNNING),
             "rank_waiting": _latest(inp.windows, group.ranks, WAITING),
@@ -280,12 +323,12 @@ class EpImbalance:
         where = f"{group.pool}/{group.pod}"
         if cause is Cause.UNEVEN_REQUEST_LOAD:
             text = (f"Requests are spread unevenly over the ranks of {where} (running-request skew {load:.2f}): the "
-                    "router or the data-parallel load balancer, not the experts, makes rank "
-                    f"{group.load.hottest(s.window_points)} the slow one. EPLB would not help.")
+                    f"router or the data-parallel load balancer, not the experts, makes rank {busiest} the slow one. "
+                    "EPLB would not help.")
         else:
-            text = (f"Rank {hot} of {where} runs {itl or 0:.2f}x the median rank's step time"
-                    + (f" and GPU activity is skewed {gpu:.2f}x" if gpu else "")
-                    + " while requests are spread evenly: hot experts make it the tail-latency anchor of the group.")
+            text = (f"{outlier.capitalize()} of {where} stands out: step-time skew {itl or 0:.2f}x"
+                    + (f", GPU activity skew {gpu:.2f}x" if gpu is not None else "")
+                    + ", while requests are spread evenly: hot experts make it the tail-latency anchor of the group.")
             if eplb:
                 text += " EPLB is on and has not balanced it: raise num_redundant_experts or lower step_interval."
         proposals: tuple[Proposal, ...] = ()
@@ -301,7 +344,7 @@ class EpImbalance:
                 text += f" EPLB is proposed if it lasts {s.persist_s / 60:.0f} min."
         evidence["suggested_actions"] = [p.reason for p in proposals]
         severity = Severity.CRITICAL if statistic >= s.critical_ratio else Severity.WARNING
-        summary = f"expert-parallel imbalance in {where}: rank {hot} at {statistic:.2f}x the median"
+        summary = f"expert-parallel imbalance in {where}: {outlier} at {statistic:.2f}x the median"
         return FindingReport(FindingKey(KIND, group.subject), severity, summary, text, evidence, KIND, proposals)
 
     def _overhead(self, inp: PolicyInput, pool: str, enabled_at: float | None, groups: list[_Group],

@@ -225,7 +225,7 @@ def _xid_events(w: SignalWindows, subject: str, since: float) -> tuple[list[floa
     for name in (XID_COUNT, XID_WINDOW):
         events.update(ts for ts, v in w.series(subject, name, since=since) if v > 0)
     last = w.series(subject, XID_LAST)
-    alive = [ts for name in ALIVE if (pts := w.series(subject, name)) for ts in (pts[0][0],)]
+    alive = [pts[0][0] for name in ALIVE if (pts := w.series(subject, name))]
     for i, (ts, code) in enumerate(last):
         # A new code, or a first code after readings without one (the gauge is 0, not emitted, until
         # the first XID since the driver loaded).

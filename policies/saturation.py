@@ -1,11 +1,15 @@
 """Saturation: a pool has more work than capacity.
 
 Three signs, each judged on the pool's aggregate signals:
-- the queue grows: the Theil-Sen slope of waiting requests over the trend window, per engine,
-  while the queue is also long now (a queue that is long but flat stays open, never opens);
-  waiting for capacity (`requests_waiting_capacity`) is used when vLLM reports it, because
-  requests deferred for a KV transfer are waiting on the prefill side, not on this pool;
-- the KV cache is full and requests are preempted (recomputed) to make room;
+- the queue grows: over the trend window ending at each of the newest few scrapes, the Theil-Sen
+  line of waiting requests rose by enough per engine and a Mann-Kendall test finds the rise
+  significant, while the queue is also long now and the pool is not already scaling up (more
+  replicas desired than ready: the queue is expected to grow until they serve). A queue that is
+  long but flat keeps an open finding open and never opens one. Waiting for capacity
+  (`requests_waiting_capacity`) is used when vLLM reports it, because requests deferred for a KV
+  transfer are waiting on the prefill side, not on this pool;
+- the KV cache is full (mean usage over a few scrapes) and requests were preempted (recomputed)
+  to make room lately;
 - requests fail (`finished_reason="error"`) while the pool is loaded. Errors on an idle pool are
   a bug or a bad deployment, not saturation, and are left to other alerts. vLLM's frontend
   queue-limit rejections (`vllm:admission_rejections_total`) carry no engine label and are not
@@ -15,7 +19,9 @@ The proposal scales the pool by one replica; its verify signal follows the main 
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -59,8 +65,11 @@ class SaturationSettings:
     min_growth_per_engine: float = 2.0  # the fitted queue grew by this much per engine over them
     min_waiting_per_engine: float = 2.0  # ... and is at least this long now (mean of level_points)
     level_points: int = 3
-    kv_full: float = 0.90  # mean KV usage of the pool's engines
-    recent_points: int = 3  # consecutive intervals with KV full and preemptions, or with errors
+    confirm_points: int = 3  # the growth must show in the trend windows ending at each of this many newest scrapes
+    trend_z: float = 3.5  # ... and significant: a Mann-Kendall z this high (one-sided p ~ 2e-4), so noise is no trend
+    kv_full: float = 0.90  # mean KV usage of the pool's engines, averaged over recent_points
+    recent_points: int = 3  # intervals KV usage is averaged over; consecutive intervals with errors
+    preempt_points: int = 8  # a preemption within this many intervals counts as "preempting" (they come singly)
     error_share: float = 0.02  # failed share of finished requests
     loaded_waiting_per_engine: float = 2.0  # errors count only while this many wait per engine (or KV is full)
     critical_waiting_per_engine: float = 10.0
@@ -90,6 +99,7 @@ class _State:
     preemptions: float | None
     error_share: float | None
     causes: list[Cause]
+    scaling_up: bool  # the pool has more replicas desired than ready
 
 
 class Saturation:
@@ -130,16 +140,23 @@ class Saturation:
         if level is None:
             return None
         engines = engines_of(inp, pool)
-        points = w.series(subject, queue_signal)[-s.trend_points:]
-        growth = slope(points) * (points[-1][0] - points[0][0]) / engines if len(points) >= s.trend_points // 2 else 0.0
+        series = w.series(subject, queue_signal)[-(s.trend_points + s.confirm_points - 1):]
+        # Growth over the trend windows ending at each of the newest scrapes: every one must be
+        # large and significant, so one noisy window of a fluctuating queue does not pass for a trend.
+        fits = [_growth(series[max(0, len(series) - s.trend_points - k): len(series) - k], s.trend_points)
+                for k in range(s.confirm_points)]
+        growth = fits[0][0] / engines
+        growing = all(g / engines >= s.min_growth_per_engine and z >= s.trend_z for g, z in fits)
         waiting = level / engines
         causes = []
         long_queue = waiting >= s.min_waiting_per_engine
-        # Opening needs growth; an open finding stays while the queue is still long.
-        if long_queue and (growth >= s.min_growth_per_engine or is_open):
+        state = inp.pools.get(pool)
+        scaling = state is not None and state.desired > state.ready
+        # Opening needs growth, and not while replicas are being added: the queue is expected to
+        # grow until they serve. An open finding stays while the queue is still long.
+        if long_queue and ((growing and not scaling) or is_open):
             causes.append(Cause.QUEUE_GROWTH)
-        kv_points = _aligned(w, subject, KV, PREEMPTIONS, s.recent_points)
-        if len(kv_points) == s.recent_points and all(k >= s.kv_full and p > 0 for k, p in kv_points):
+        if self._kv_exhausted(w, subject, s.recent_points):
             causes.append(Cause.KV_EXHAUSTED)
         shares = [v for _, v in ratio_series(w, subject, ERRORS, REQUESTS)][-s.recent_points:]
         kv_now = w.latest(subject, KV)
@@ -147,16 +164,24 @@ class Saturation:
         if len(shares) == s.recent_points and all(v >= s.error_share for v in shares) and loaded:
             causes.append(Cause.ERRORS_UNDER_LOAD)
         return _State(queue_signal, engines, waiting, growth, kv_now, w.latest(subject, PREEMPTIONS),
-                      shares[-1] if shares else None, causes)
+                      shares[-1] if shares else None, causes, scaling)
+
+    def _kv_exhausted(self, w: SignalWindows, subject: str, n: int) -> bool:
+        """KV usage averaged over the newest `n` intervals is full, and preemptions happened lately."""
+        s = self.settings
+        kv = w.last(subject, KV, n)
+        if len(kv) < n or statistics.fmean(kv) < s.kv_full:
+            return False
+        return any(v > 0 for v in w.last(subject, PREEMPTIONS, s.preempt_points))
 
     def _clean(self, inp: PolicyInput, subject: str, state: _State) -> bool:
         s = self.settings
         w = inp.windows
         n = s.resolve_points
         queue = w.last(subject, state.queue_signal, n)
-        if len(queue) < n or any(v / state.engines >= s.min_waiting_per_engine for v in queue):
+        if len(queue) < n or statistics.fmean(queue) / state.engines >= s.min_waiting_per_engine:
             return False
-        if any(k >= s.kv_full and p > 0 for k, p in _aligned(w, subject, KV, PREEMPTIONS, n)):
+        if self._kv_exhausted(w, subject, n):
             return False
         return all(v < s.error_share for _, v in ratio_series(w, subject, ERRORS, REQUESTS)[-n:])
 
@@ -200,6 +225,7 @@ class Saturation:
             "queue_growth_per_engine": round(st.growth, 3),
             "queue_signal": st.queue_signal,
             "engines": st.engines,
+            "scaling_up": st.scaling_up,
             "kv_cache_usage": _round(st.kv),
             "preemption_rate": _round(st.preemptions),
             "error_share": _round(st.error_share),
@@ -213,11 +239,22 @@ class Saturation:
         return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND, proposals)
 
 
-def _aligned(w: SignalWindows, subject: str, a: str, b: str, n: int) -> list[tuple[float, float]]:
-    """The newest `n` (a, b) pairs taken at the same scrape."""
-    other = dict(w.series(subject, b))
-    pairs = [(v, other[ts]) for ts, v in w.series(subject, a) if ts in other]
-    return pairs[-n:]
+def _growth(points: list[tuple[float, float]], trend_points: int) -> tuple[float, float]:
+    """How much the queue grew over `points` (Theil-Sen line), and the Mann-Kendall z of that trend.
+
+    The slope gives the size of the growth; the Mann-Kendall statistic, which counts rising minus
+    falling pairs, tells a trend from noise with a null distribution that does not depend on how
+    the queue is distributed. (0, 0) with less than half a trend window.
+    """
+    if len(points) < max(3, trend_points // 2):
+        return 0.0, 0.0
+    values = [v for _, v in points]
+    n = len(values)
+    s = sum((b > a) - (b < a) for i, a in enumerate(values) for b in values[i + 1:])
+    ties = Counter(values).values()
+    var = (n * (n - 1) * (2 * n + 5) - sum(t * (t - 1) * (2 * t + 5) for t in ties)) / 18
+    z = (s - 1) / math.sqrt(var) if s > 0 and var > 0 else 0.0
+    return slope(points) * (points[-1][0] - points[0][0]), z
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:

@@ -8,6 +8,9 @@ and a short window burn faster than its factor: the long window proves the budge
 spent, the short one that it is still being spent now (so the alert stops soon after recovery).
 The workbook pairs are 1 h / 5 m at 14.4 (page) and 6 h / 30 m at 6 (ticket); the policies see
 at most three hours of signals, so the slow pair is 3 h / 15 m here, same factor, same 12:1 ratio.
+Scrape intervals with no data (before the first scrape, or without requests) count as good, so a
+window that is not yet full needs as many bad intervals as a full one: no blind spot after a
+start, and no extra sensitivity either.
 
 Attribution: a TTFT breach is queueing when the queue time p95 makes up most of the TTFT or
 requests pile up per engine, else prefill compute (the prefill pool, or the pool itself when it
@@ -16,8 +19,10 @@ is unified); a TPOT breach belongs to the decode pool. The proposal scales the a
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import pairwise
 from typing import Any
 
 from policies.common import engines_of, gone_findings, recent_mean
@@ -70,8 +75,7 @@ class SloBurnSettings:
 
     budget: float = 0.01  # share of scrape intervals whose p95 may exceed the SLO (a 99 % objective)
     windows: tuple[BurnWindow, ...] = field(default_factory=_default_windows)
-    min_coverage: float = 0.5  # the data must span half of a long window before it is judged
-    min_short_points: int = 3  # ... and the short window must hold this many intervals
+    min_short_points: int = 3  # intervals the short window must hold before it is judged
     resolve_points: int = 4  # consecutive intervals within the SLO to resolve (hysteresis)
     recent_points: int = 4  # attribution looks at the mean of this many newest intervals
     queue_share: float = 0.5  # queue time p95 at least half of TTFT p95: queueing
@@ -157,16 +161,22 @@ class SloBurn:
         bad_share: dict[str, float] = {}
         burn: dict[str, float] = {}
         firing = []
+        longest = inp.windows.series(subject, signal, since=inp.now - max(w.long_s for w in s.windows))
+        gaps = [b[0] - a[0] for a, b in pairwise(longest)]
+        interval = statistics.median(gaps) if gaps else None
         for window in s.windows:
             shares = []
-            for length, need in ((window.long_s, None), (window.short_s, s.min_short_points)):
+            for length, need in ((window.long_s, 2), (window.short_s, s.min_short_points)):
                 points = inp.windows.series(subject, signal, since=inp.now - length)
-                covered = bool(points) and (
-                    len(points) >= need if need is not None else inp.now - points[0][0] >= s.min_coverage * length)
-                share = sum(1 for _, v in points if v > slo) / len(points) if points else 0.0
+                # Intervals without data count as good: right after a start the long window is not
+                # yet full, and dividing by the few points there would page on a short blip that a
+                # full window shrugs off. A breach must fill the same share of the whole window.
+                expected = length / interval if interval else 0.0
+                total = max(float(len(points)), expected)
+                share = sum(1 for _, v in points if v > slo) / total if total else 0.0
                 bad_share[_label(length)] = share
                 burn[_label(length)] = share / s.budget
-                shares.append(share if covered else None)
+                shares.append(share if len(points) >= need else None)
             if all(x is not None and x / s.budget >= window.burn for x in shares):
                 firing.append(window)
         return _Burn(signal, slo, value, bad_share, burn, firing)

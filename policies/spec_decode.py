@@ -25,7 +25,7 @@ from enum import StrEnum
 from typing import Any
 
 from policies.changepoint import Baseline, Cusum, Direction, scan
-from policies.common import recent_mean, reported_since
+from policies.common import ratio_series, recent_mean, reported_since
 from policies.types import (
     ActionKind,
     FindingKey,
@@ -163,12 +163,9 @@ class SpecDecodeCollapse:
         start, end = history[0][0], history[-1][0]
         base = Baseline.robust([v for _, v in history], s.min_sigma)
         min_drop = max(s.min_abs_drop, s.min_rel_drop * base.center)
-        drafts = _between(w, subject, DRAFTS, start, end)
-        generated = _between(w, subject, GENERATION, start, end)
-        share = statistics.median(drafts) / statistics.median(generated) if drafts and generated and \
-            statistics.median(generated) > 0 else None
+        shares = [v for ts, v in ratio_series(w, subject, DRAFTS, GENERATION, since=start) if ts <= end]
         return _Frozen(
-            base, min_drop, _median(_between(w, subject, TPOT, start, end)), share,
+            base, min_drop, _median(_between(w, subject, TPOT, start, end)), _median(shares),
             _median(_between(w, subject, ACCEPTANCE, start, end)), _median(_between(w, subject, LENGTH, start, end)),
             _positions(w, subject, start),
         )

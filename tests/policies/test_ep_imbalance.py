@@ -190,3 +190,24 @@ def test_eplb_overhead_needs_balanced_groups_and_resolves_when_step_time_returns
     g.tick(8, pool_itl=0.030)
     assert g.run(opened, settings).resolved == [(key, "pool step time back at its pre-EPLB level")]
     assert g.run(opened, EpImbalanceSettings()).resolved == [(key, "the pool no longer runs EPLB")]
+
+
+def test_a_resolved_group_is_not_reopened_by_the_incident_still_in_its_window() -> None:
+    g = Group().tick(20, itl=HOT)
+    opened = opening(g)
+    g.tick(8)
+    assert g.run(opened).resolved
+    for _ in range(20):
+        assert not g.tick().run().findings
+
+
+def test_few_running_requests_per_rank_are_noisy_not_uneven() -> None:
+    # Two to nine requests per rank at each scrape: any single scrape looks skewed, the means do not.
+    g = Group()
+    rng = random.Random(9)
+    for _ in range(20):
+        g.tick(itl=HOT)
+        for r in range(RANKS):
+            g.w.add(g.ts + 0.5, f"engine/decode/dp0/{r}", "requests_running", float(rng.randint(2, 9)))
+    [f] = g.run().findings
+    assert f.evidence["cause"] == "hot_experts" and f.evidence["load_skew"] < 1.5

@@ -41,8 +41,8 @@ class Pool:
             self.w.add(self.ts, POOL, "request_error_rate", errors)
         return self
 
-    def run(self, open_findings: dict | None = None):
-        pools = {"decode": PoolState("decode", "decode", ENGINES, ENGINES, 1, 6)}
+    def run(self, open_findings: dict | None = None, desired: int = ENGINES):
+        pools = {"decode": PoolState("decode", "decode", desired, ENGINES, 1, 6)}
         return Saturation().evaluate(PolicyInput(self.ts, self.w, pools, open_findings or {}))
 
 
@@ -76,6 +76,13 @@ def test_a_growing_queue_opens_and_proposes_scaling() -> None:
     [p] = f.proposals
     assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
         ActionKind.SCALE_POOL, "decode", 1, "requests_waiting", True)
+
+
+def test_a_growing_queue_does_not_open_while_replicas_are_being_added() -> None:
+    pool = Pool().tick(40).tick(12, waiting=3.0, grow=1.5)
+    assert not pool.run(desired=ENGINES + 1).findings
+    [f] = pool.tick(kv=0.97, preempt=0.5, n=3).run(desired=ENGINES + 1).findings
+    assert f.evidence["causes"] == ["kv_exhausted"] and f.evidence["scaling_up"]
 
 
 def test_a_long_but_flat_queue_does_not_open() -> None:
@@ -135,3 +142,31 @@ def test_a_pool_that_stops_reporting_resolves() -> None:
     pool.ts += 1000.0
     result = pool.run({KEY: OpenFinding(KEY, 0.0, f.evidence)})
     assert result.findings == [] and [k for k, _ in result.resolved] == [KEY]
+
+
+def test_preemptions_come_singly_and_still_count_with_a_full_cache() -> None:
+    pool = Pool().tick(40).tick(2, kv=0.95).tick(kv=0.95, preempt=0.07).tick(3, kv=0.95)
+    [f] = pool.run().findings
+    assert f.evidence["causes"] == ["kv_exhausted"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_busy_fluctuating_queue_without_a_trend_does_not_open(seed: int) -> None:
+    # 0 to 8 requests per engine at random: long at times, never growing for long.
+    rng = random.Random(seed)
+    pool = Pool(seed)
+    for i in range(240):
+        pool.tick(waiting=float(rng.randint(0, 8 * ENGINES)))
+        assert i < 40 or not pool.run().findings
+
+
+def test_a_noisy_ramp_is_still_a_trend() -> None:
+    rng = random.Random(4)
+    pool = Pool().tick(40)
+    opened = None
+    for i in range(30):
+        pool.tick(waiting=max(0.0, 3 + 1.5 * i + rng.randint(-5, 5)))
+        if pool.run().findings:
+            opened = i + 1
+            break
+    assert opened is not None and opened <= 15
