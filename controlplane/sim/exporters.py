@@ -227,8 +227,9 @@ class _Dcgm(Collector):
              g.energy_j * 1000 / len(rows)),
             ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.", g.ecc_sbe),
             ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors.", g.ecc_dbe),
+            # DCGM counts violation time in nanoseconds, whatever the exporter's help text says.
             ("DCGM_FI_DEV_THERMAL_VIOLATION", "Throttling duration due to thermal constraints (in us).",
-             g.thermal_violation_s * 1e6),
+             g.thermal_violation_s * 1e9),
             ("DCGM_FI_DEV_POWER_VIOLATION", "Throttling duration due to power constraints (in us).", 0.0),
         )
         for name, doc, value in counters:

@@ -40,6 +40,7 @@ class TraceSpec(_Strict):
     duration: Seconds | None = None
     speedup: float = Field(1.0, gt=0)
     clients: list[str] | None = None  # ServeGen: the clients to replay (all by default)
+    sample: float = Field(1.0, gt=0, le=1)  # ServeGen: share of arrivals kept
 
 
 class SpecModel(_Strict):
@@ -180,7 +181,8 @@ class Scenario(_Strict):
         if t.name.startswith("servegen/"):
             model = load_servegen(t.name.removeprefix("servegen/"))
             window = list(servegen_requests(model, start_s=t.start, duration_s=duration, speedup=t.speedup,
-                                            seed=self.seed, clients=t.clients, default_lengths=(1500, 250)))
+                                            seed=self.seed, clients=t.clients, default_lengths=(1500, 250),
+                                            sample=t.sample))
         else:
             window = list(load_trace(t.name, start_s=t.start, duration_s=duration, speedup=t.speedup))
         if not window:
@@ -222,7 +224,9 @@ class Scenario(_Strict):
             slo_text = ", ".join(f"{k}: {v}" for k, v in slo.items())
             lines.append(f"  - {{name: {p.name}, role: {p.role}, model: '{self.fleet.model}', "
                          f"replicas: {{min: 1, max: {p.max_replicas or p.replicas * 2}}}, slo: {{{slo_text}}}}}")
-        lines += ["rails: {cooldown: 10m, max_step: 1, max_actions_per_hour: 6, verify_after: 10m}"]
+        lines += ["rails: {cooldown: 10m, max_step: 1, max_actions_per_hour: 6, verify_after: 10m}",
+                  # Each simulated engine has a node of its own, named after it (see exporters.node_of).
+                  "policies: {ep_imbalance: {pod_host: 'node-{pod}'}}"]
         return parse_config("\n".join(lines) + "\n", f"{self.name} (control plane)")
 
     def truth_windows(self) -> list[tuple[float, float, Truth]]:

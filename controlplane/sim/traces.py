@@ -469,7 +469,7 @@ def _pick_lengths(pmfs: Mapping[float, tuple[_Pmf, _Pmf]], t: float) -> tuple[_P
 
 def servegen_requests(model: ServeGenModel, *, start_s: float = 0.0, duration_s: float | None = None,
                       speedup: float = 1.0, seed: int = 0, clients: Iterable[str] | None = None,
-                      default_lengths: tuple[int, int] = (0, 0)) -> Iterator[Request]:
+                      default_lengths: tuple[int, int] = (0, 0), sample: float = 1.0) -> Iterator[Request]:
     """Arrivals generated from ServeGen's per-client rate windows, in time order, window by window.
 
     Each active (client, window) is a renewal process whose gaps have the window's fitted shape
@@ -477,8 +477,11 @@ def servegen_requests(model: ServeGenModel, *, start_s: float = 0.0, duration_s:
     1/rate: the published scales are not in seconds. Every (client, window) draws from its own
     seeded generator, so a request is the same whatever window is asked for. Input and output
     tokens come from the client's length PMFs where the folder ships them (deepseek-r1), else
-    `default_lengths`. Trace time 0 is local midnight of day 0.
+    `default_lengths`. Trace time 0 is local midnight of day 0. `sample` < 1 keeps that share of
+    arrivals (independently per request): a day compressed into minutes at a load a test fleet takes.
     """
+    if not 0.0 < sample <= 1.0:
+        raise ValueError(f"sample must be in (0, 1], got {sample}")
     win = _window(start_s, duration_s, speedup)
     chosen = list(model.clients) if clients is None else [c for c in clients if c in model.clients]
     cat = _stable(model.category)
@@ -507,6 +510,8 @@ def servegen_requests(model: ServeGenModel, *, start_s: float = 0.0, duration_s:
                 inp = rng.choice(pair[0].values, size=len(t), p=pair[0].probs)
                 out = rng.choice(pair[1].values, size=len(t), p=pair[1].probs)
             keep = (t >= win.start) & (t < win.end)
+            if sample < 1.0:
+                keep &= rng.random(len(t)) < sample
             batch_t.append(t[keep])
             batch_in.append(inp[keep])
             batch_out.append(out[keep])
