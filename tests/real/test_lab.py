@@ -311,7 +311,9 @@ async def test_loadgen_bounds_concurrency_counts_errors_and_drains() -> None:
 
 # the real lab ----------------------------------------------------------------------------------
 
-PHASES = "normal:25,unique:15,normal:15,random:15,json:15"
+# Long enough for the detectors' baselines at a 5 s scrape: the prefix-cache policy judges after 8
+# points, the speculative-decoding one after 20 (unique prefixes leave speculation as it was).
+PHASES = "normal:60,unique:25,normal:35,random:30,normal:35,json:25"
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -404,12 +406,25 @@ async def test_lab_faults_move_the_real_signals(tmp_path: Path) -> None:
     assert yield_(json_) <= 0.5 * yield_(normal), (yield_(json_), yield_(normal))
     assert drafts_per_token(json_) <= 0.5 * drafts_per_token(normal)
     assert json_.traffic_stats.json_valid >= 0.8 * json_.traffic_stats.ok and json_.traffic_stats.json_invalid == 0
-    # The prefix-cache detector saw the collapse in the ticks (it needs 8 baseline points to judge,
-    # so it may or may not open a finding within 30 s of baseline; the signal itself must show it).
     unique_ticks = [t for t in report.ticks if t.phase == "unique" and "prefix_cache_hit_rate" in t.signals]
     assert unique_ticks and min(t.signals["prefix_cache_hit_rate"] for t in unique_ticks) <= 0.02
 
+    # The detectors on the real signals: each opens while its fault runs and resolves once the
+    # traffic is normal again.
+    def lifecycle(kind: str, fault: str) -> tuple[int, int]:
+        name = f"{kind} pool/lab"
+        opened = next((i for i, t in enumerate(report.ticks) if name in t.opened), None)
+        assert opened is not None, (kind, [(t.phase, t.opened) for t in report.ticks if t.opened])
+        assert report.ticks[opened].phase == fault, (kind, report.ticks[opened].phase)
+        resolved = next((i for i, t in enumerate(report.ticks) if i > opened and name in t.resolved), None)
+        assert resolved is not None, (kind, "never resolved")
+        assert report.ticks[resolved].phase == "normal", (kind, report.ticks[resolved].phase)
+        return opened, resolved
+
+    lifecycle("prefix_cache_hit_drop", "unique")
+    lifecycle("spec_decode_collapse", "random")
+
 
 def test_phase_names_round_trip() -> None:
-    assert [p.name for p in parse_phases(PHASES)] == ["normal", "unique", "normal", "random", "json"]
+    assert [p.name for p in parse_phases(PHASES)] == ["normal", "unique", "normal", "random", "normal", "json"]
     assert Phase(Traffic.BURST, 1.0).name == "burst"
