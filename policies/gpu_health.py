@@ -82,7 +82,7 @@ class GpuHealthSettings:
     application_xids: frozenset[int] = APPLICATION_XIDS
     thermal_share: float = 0.10  # throttled for heat 10 % of the time: the cooling cannot keep up
     power_share: float = 0.50  # power capping is normal under load; half the time is not
-    throttle_points: int = 4  # consecutive intervals to open (1 min at 15 s)
+    throttle_points: int = 2  # consecutive intervals to open (30 s at 15 s): sustained heat, not a spike
     resolve_points: int = 8  # consecutive unthrottled intervals to resolve
     fault_hold_s: float = 3600.0  # a fault keeps the finding open this long after it was seen
     node_pools: Mapping[str, str] = field(default_factory=dict)  # hostname -> pool running there
