@@ -276,7 +276,11 @@ class SpecDecodeCollapse:
         proposals = self._proposals(pool, cause, k, per_position) if costs else ()
         evidence["suggested_actions"] = [p.reason for p in proposals]
         severity = Severity.CRITICAL if costs else Severity.WARNING
-        summary = (f"speculative decoding of {pool} stopped paying: yield {current:.0%} of generated tokens "
+        # While open, the summary names the lowest yield seen: the latest may already be recovering.
+        opened = inp.open_findings.get(FindingKey(KIND, subject))
+        lowest = min(current, float(opened.evidence.get("lowest", current))) if opened else current
+        evidence["lowest"] = round(lowest, 4)
+        summary = (f"speculative decoding of {pool} stopped paying: yield {lowest:.0%} of generated tokens "
                    f"against {frozen.yield_.center:.0%}")
         return FindingReport(FindingKey(KIND, subject), severity, summary, text, evidence, KIND, proposals)
 
