@@ -179,3 +179,30 @@ def test_a_bad_scenario_names_the_field_and_line(tmp_path: object) -> None:
         load_scenario(str(path))
     text = str(exc.value)
     assert "fleet.pools[0].replicas (line 6)" in text and "faults[0].kind (line 8)" in text
+
+
+def test_the_fleet_takes_eplb_speculation_canary_and_rollback_actions() -> None:
+    moe = PoolSpec("moe", Role.UNIFIED, 2, moe=MoeSpec(ranks=4, seed=3), startup_s=30.0)
+    fleet = SimFleet(FleetSpec(pools=(moe,)), [Request(i * 0.2, 800, 60) for i in range(6000)])
+    fleet.advance_to(60.0)
+    for m in fleet.members["moe"]:
+        assert m.engine.moe is not None
+        m.engine.moe.make_hot(0.3)
+    skew = [m.engine.moe.imbalance for m in fleet.members["moe"] if m.engine.moe]
+    fleet.set_eplb("moe", EplbConfig(window_size=100, step_interval=200, num_redundant_experts=4))
+    fleet.advance_to(240.0)
+    after = [m.engine.moe.imbalance for m in fleet.members["moe"] if m.engine.moe]
+    assert all(a < 0.8 * s for a, s in zip(after, skew, strict=True))
+    fleet.set_speculation("moe", SpecConfig("mtp", 2))
+    fleet.advance_to(300.0)
+    assert all(s.counters["vllm:spec_decode_num_drafts"] > 0 for m in fleet.members["moe"] for s in m.engine.ranks)
+    pods = fleet.rollout("moe", "v2", share=0.5, slowdown=1.15)
+    assert pods == ["moe-v2-0"]
+    fleet.advance_to(400.0)
+    assert sorted(m.pod for m in fleet.ready("moe")) == ["moe-0", "moe-v2-0"]
+    assert fleet.member("moe-v2-0").engine.slowdown == 1.15
+    fleet.rollback("moe")
+    fleet.advance_to(500.0)
+    assert sorted(m.pod for m in fleet.ready("moe")) == ["moe-0", "moe-2"]
+    with pytest.raises(ValueError, match="serves no MoE model"):
+        SimFleet(FleetSpec(pools=(PoolSpec("d", Role.UNIFIED, 1),)), []).set_eplb("d", None)
