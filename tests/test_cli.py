@@ -88,7 +88,7 @@ def test_demo_leaves_a_finding_and_an_action(tmp_path: Path) -> None:
     finally:
         store.close()
     listing = fleetctl("findings", "--db", db, "--all", "--json")
-    assert json.loads(listing.stdout)["findings"][0]["kind"] == "prefix_cache_hit_drop"
+    assert "prefix_cache_hit_drop" in {f["kind"] for f in json.loads(listing.stdout)["findings"]}
 
 
 def test_approve_and_reject(tmp_path: Path) -> None:

@@ -93,7 +93,9 @@ def test_demo_store_shows_incident_and_action(monkeypatch: pytest.MonkeyPatch, s
     summary = asyncio.run(run_demo(0.4, sqlite_url, Console(quiet=True), pace=False))
     assert summary.ok
     at = render(monkeypatch, sqlite_url)
-    assert at.metric[0].value == "0"  # the demo's incident resolved
+    # The router incident resolved; an SLO-burn finding may stay open while its slow window drains.
+    assert any(f["kind"] == "prefix_cache_hit_drop" and f["state"] == "resolved" for f in summary.findings)
+    assert at.metric[0].value == str(sum(f["state"] == "open" for f in summary.findings))
     assert any("prefix-cache hit rate of prefill" in e.label for e in at.expander)
     assert len(at.dataframe) == 1
 
