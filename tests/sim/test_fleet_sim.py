@@ -206,3 +206,14 @@ def test_the_fleet_takes_eplb_speculation_canary_and_rollback_actions() -> None:
     assert sorted(m.pod for m in fleet.ready("moe")) == ["moe-0", "moe-2"]
     with pytest.raises(ValueError, match="serves no MoE model"):
         SimFleet(FleetSpec(pools=(PoolSpec("d", Role.UNIFIED, 1),)), []).set_eplb("d", None)
+
+
+def test_a_scenario_replays_identically_for_a_seed_and_differently_for_another() -> None:
+    def counters(seed: int) -> list[float]:
+        sc = load_scenario("json-surge").model_copy(update={"seed": seed})
+        fleet = SimFleet(sc.fleet_spec(), sc.requests())
+        fleet.advance_to(300.0)
+        return [v for m in fleet.members["chat"] for s in m.engine.ranks for v in s.counters.values()]
+
+    assert counters(7) == counters(7)
+    assert counters(7) != counters(8)
