@@ -94,8 +94,8 @@ class KvTransferLag:
             return None
         return median_mad([v for _, v in points])
 
-    def _bandwidth_fell(self, inp: PolicyInput, path: PathSignals, subject: str) -> bool:
-        """True unless the path reports bandwidth that stayed near its baseline.
+    def _bandwidth_fell(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str]) -> bool:
+        """True unless the path reports bandwidth that stayed near its baseline (or its peers').
 
         Real KV transfers carry whole prompts: one long prompt in a scrape interval lifts the
         p99 transfer time without anything being wrong. Bytes per second of transfer time does
@@ -104,12 +104,22 @@ class KvTransferLag:
         if path.bandwidth is None:
             return True
         s = self.settings
-        points = inp.windows.series(subject, path.bandwidth, since=inp.now - s.baseline_s)[: -s.recent_points]
         recent = inp.windows.last(subject, path.bandwidth, s.recent_points)
-        if len(points) < s.min_baseline_points or len(recent) < s.recent_points:
-            return True
-        med, _ = median_mad([v for _, v in points])
-        return all(v < med * s.bandwidth_drop for v in recent)
+        if not recent:
+            return True  # this path reports no bandwidth: the tail has to speak alone
+        if len(recent) < s.recent_points:
+            return False
+        points = inp.windows.series(subject, path.bandwidth, since=inp.now - s.baseline_s)[: -s.recent_points]
+        if len(points) >= s.min_baseline_points:
+            ref, _ = median_mad([v for _, v in points])
+        else:
+            # No history yet: its peers' bandwidth, else no judgement until there is a baseline.
+            peers = [v for other in subjects if other != subject
+                     if (v := inp.windows.latest(other, path.bandwidth)) is not None]
+            if len(peers) < s.min_peers:
+                return False
+            ref = statistics.median(peers)
+        return all(v < ref * s.bandwidth_drop for v in recent)
 
     def _peers(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str]) -> float | None:
         group = subject.rsplit("/", 2)[0] if path.prefix == "engine/" else path.prefix
@@ -139,7 +149,7 @@ class KvTransferLag:
         failures = inp.windows.last(subject, path.failures, s.recent_points)
         slow = threshold is not None and len(recent) == s.recent_points and all(v > threshold for v in recent)
         if slow and not is_open:
-            slow = self._bandwidth_fell(inp, path, subject)
+            slow = self._bandwidth_fell(inp, path, subject, subjects)
         failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
         if not (slow or failing) and not (is_open and not self._healthy(inp, path, subject, open_evidence or {})):
             return None

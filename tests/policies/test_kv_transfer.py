@@ -83,3 +83,20 @@ def test_points_back_under_the_opening_threshold_resolve_even_above_the_baseline
     assert near > f.evidence["baseline_p99"]
     done = run(windows({PATH: BASE + [0.02, 0.025, near, near, near]}), opened)
     assert done.resolved and not done.findings
+
+
+def test_a_tail_without_history_needs_its_bandwidth_below_its_peers() -> None:
+    """Early on, one long prompt must not open a finding: bytes per second of transfer time holds."""
+    def early(lagging_bandwidth: float) -> list:
+        w = SignalWindows(3600)
+        for i in range(3):
+            for k in range(4):
+                subject = f"engine/decode/decode-{k}/0"
+                lagging = k == 1 and i >= 1
+                w.add(i * STEP, subject, "nixl_xfer_time_p99", 0.5 if lagging else 0.05)
+                w.add(i * STEP, subject, "nixl_xfer_bandwidth", lagging_bandwidth if lagging else 30e9)
+        return KvTransferLag().evaluate(PolicyInput(2 * STEP, w, {}, {})).findings
+
+    assert not early(30e9)  # a long prompt: slower, at the same bytes per second
+    [f] = early(3e9)  # the link itself slowed down
+    assert f.key.subject == "engine/decode/decode-1/0" and f.evidence["slow"] is True
