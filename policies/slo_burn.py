@@ -77,6 +77,7 @@ class SloBurnSettings:
     windows: tuple[BurnWindow, ...] = field(default_factory=_default_windows)
     min_short_points: int = 3  # intervals the short window must hold before it is judged
     resolve_points: int = 4  # consecutive intervals within the SLO to resolve (hysteresis)
+    resolve_fraction: float = 0.5  # ... and every short window burning under half its alerting rate
     recent_points: int = 4  # attribution looks at the mean of this many newest intervals
     queue_share: float = 0.5  # queue time p95 at least half of TTFT p95: queueing
     waiting_per_engine: float = 2.0  # ... or this many waiting requests per engine
@@ -182,10 +183,16 @@ class SloBurn:
         return _Burn(signal, slo, value, bad_share, burn, firing)
 
     def _clean(self, inp: PolicyInput, subject: str, objectives: list[_Burn]) -> bool:
-        n = self.settings.resolve_points
+        s = self.settings
+        n = s.resolve_points
         recents = [(b, inp.windows.last(subject, b.signal, n)) for b in objectives]
         full = [(b, r) for b, r in recents if len(r) == n]
-        return bool(full) and all(v <= b.slo for b, r in recents for v in r[-n:])
+        # A pool that keeps burning its budget right at the alerting rate would otherwise resolve
+        # and reopen with every single bad interval (seen in a 36 h replay): the short windows
+        # must cool well below the rate that opened it.
+        cooled = all(b.burn[_label(w.short_s)] < s.resolve_fraction * w.burn for b in objectives for w in s.windows
+                     if b.burn[_label(w.long_s)] >= w.burn)
+        return bool(full) and cooled and all(v <= b.slo for b, r in recents for v in r[-n:])
 
     def _attribute(self, inp: PolicyInput, state: PoolState, burn: _Burn) -> None:
         s = self.settings
