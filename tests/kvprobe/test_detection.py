@@ -91,7 +91,9 @@ async def test_decode_side_stop_opens_and_recovery_resolves_the_finding(
         assert "prefill-0->decode-0" in finding.cause
 
         resolved = []
-        for _ in range(12):
+        # Three clean intervals in a row resolve it; on a busy machine the first few after SIGCONT
+        # still carry the stalled transfers and scheduler jitter, so give it room.
+        for _ in range(25):
             resolved += (await p.tick(0.4)).resolved
             if resolved:
                 break
