@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -117,8 +117,9 @@ class FleetModel(_Strict):
         return self
 
 
-FAULT_KINDS = ("router_flip", "system_prompt", "prompt_scale", "hot_expert", "class_mix", "canary", "kv_lag",
-               "gpu_xid", "gpu_thermal", "burst", "slow_engine")
+FaultKind = Literal["router_flip", "system_prompt", "prompt_scale", "hot_expert", "class_mix", "canary", "kv_lag",
+                    "gpu_xid", "gpu_thermal", "burst", "slow_engine"]
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
 class Truth(_Strict):
@@ -133,8 +134,7 @@ class Truth(_Strict):
 class Fault(_Strict):
     """One change to the fleet from `at` until `end` (or the end of the run)."""
 
-    kind: Literal["router_flip", "system_prompt", "prompt_scale", "hot_expert", "class_mix", "canary", "kv_lag",
-                  "gpu_xid", "gpu_thermal", "burst", "slow_engine"]
+    kind: FaultKind
     at: Seconds
     end: Seconds | None = None
     pool: str | None = None

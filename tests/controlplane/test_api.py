@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
-from controlplane.demo import demo_config, demo_fleet
+from controlplane.demo import demo_config
 from controlplane.loop import ControlLoop
 from controlplane.runtime import build_loop
 from controlplane.server import start_server
@@ -34,15 +34,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-
-@pytest.fixture
-def sim() -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
-    clock = VirtualClock()
-    fleet = demo_fleet(now=clock.now())
-    server = SimServer(fleet)
-    server.sync()
-    yield fleet, server, clock
-    server.close()
 
 
 class Api:

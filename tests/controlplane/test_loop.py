@@ -7,7 +7,7 @@ target and a malformed exposition are recorded while the loop goes on; self-metr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -19,7 +19,7 @@ from collectors.types import Target
 from controlplane.actuators.base import StaticTargets
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
-from controlplane.demo import demo_config, demo_fleet
+from controlplane.demo import demo_config
 from controlplane.errors import StoreUnavailable
 from controlplane.loop import ControlLoop
 from controlplane.runtime import build_loop
@@ -47,15 +47,6 @@ class Harness:
             reports.append(await self.loop.tick())
         return reports
 
-
-@pytest.fixture
-def sim() -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
-    clock = VirtualClock()
-    fleet = demo_fleet(now=clock.now())
-    server = SimServer(fleet)
-    server.sync()
-    yield fleet, server, clock
-    server.close()
 
 
 @pytest.fixture
