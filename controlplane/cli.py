@@ -391,8 +391,10 @@ def _mmss(seconds: float) -> str:
 @click.option("--scenario", "scenarios", multiple=True, help="A shipped scenario or a scenario file; repeatable. Default: all.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".eval"), show_default=True,
               help="Where each scenario's database goes.")
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Scenarios run at once, each in its own process.")
 @click.option("--json", "as_json", is_flag=True)
-def eval_(scenarios: tuple[str, ...], workdir: Path, as_json: bool) -> None:
+def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, as_json: bool) -> None:
     """Detection delay, precision, recall and false alarms of the policies against static alert rules."""
     from controlplane.evaluation import evaluate
 
@@ -403,9 +405,10 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, as_json: bool) -> None:
             err.print(f"[bold]{name}[/] ...")
         else:
             found = ", ".join(f"{f.detector}: {f.kind} {f.subject} at {_mmss(f.opened_s)}" for f in result.findings)
-            err.print(f"  {result.engine_hours:.1f} engine-hours in {result.wall_s:.0f} s; {found or 'no findings'}")
+            err.print(f"  {name}: {result.engine_hours:.1f} engine-hours in {result.wall_s:.0f} s; "
+                      f"{found or 'no findings'}")
 
-    report = asyncio.run(evaluate(list(scenarios) or None, workdir, progress))
+    report = evaluate(list(scenarios) or None, workdir, progress, jobs)
     data = report.as_dict()
     if as_json:
         _emit_json(data)

@@ -15,7 +15,11 @@ Scoring, per finding kind:
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
+import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 __all__ = ["EvalReport", "Finding", "KindScore", "ScenarioResult", "evaluate", "score"]
 
 SMART, STATIC = "policies", "static rules"
+_PROGRESS_FROM_S = 2 * 3600.0  # scenarios this long (soaks) report their progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,12 +243,18 @@ class _StaticBook:
                     self.findings[i] = Finding(f.detector, f.kind, f.subject, f.opened_s, now - run.start)
 
 
-async def evaluate_scenario(scenario: Scenario, db_url: str) -> ScenarioResult:
-    """Run one scenario and collect both detectors' findings."""
+async def evaluate_scenario(scenario: Scenario, db_url: str, *, show_progress: bool = False) -> ScenarioResult:
+    """Run one scenario and collect both detectors' findings; long ones report each tenth on stderr."""
     book = _StaticBook(scenario)
+    tenth = scenario.duration / 10
+    shown = [0]
 
     def hook(run: ScenarioRun, report: TickReport) -> None:
         book.tick(run)
+        if show_progress and scenario.duration >= _PROGRESS_FROM_S and run.elapsed >= (shown[0] + 1) * tenth:
+            shown[0] += 1
+            print(f"  {scenario.name}: {shown[0] * 10} % ({run.elapsed / 3600:.1f} of {scenario.duration / 3600:.1f} "
+                  f"fleet hours, {run.engine_hours():.0f} engine-hours)", file=sys.stderr, flush=True)
 
     run = await run_scenario(scenario, db_url, mode="observe", on_tick=hook)
     store = SqlStore.open(db_url)
@@ -257,19 +268,40 @@ async def evaluate_scenario(scenario: Scenario, db_url: str) -> ScenarioResult:
                           scenario.scrape_interval, run.wall_s, not scenario.faults)
 
 
-async def evaluate(names: Sequence[str] | None, workdir: Path,
-                   progress: Callable[[str, ScenarioResult | None], None] | None = None) -> EvalReport:
-    """Evaluate the named scenarios (all shipped ones by default), each into its own database."""
-    results = []
-    for name in names or builtin_scenarios():
-        scenario = load_scenario(name)
-        if progress is not None:
-            progress(scenario.name, None)
-        db = workdir / f"eval-{scenario.name}.db"
-        db.unlink(missing_ok=True)
-        result = await evaluate_scenario(scenario, f"sqlite:///{db}")
-        results.append(result)
-        if progress is not None:
-            progress(scenario.name, result)
-    return EvalReport(results, score(results))
+def _evaluate_file(scenario: Scenario, db: Path) -> ScenarioResult:
+    """One scenario in a fresh database: what each worker process runs."""
+    db.unlink(missing_ok=True)
+    return asyncio.run(evaluate_scenario(scenario, f"sqlite:///{db}", show_progress=True))
 
+
+def evaluate(names: Sequence[str] | None, workdir: Path,
+             progress: Callable[[str, ScenarioResult | None], None] | None = None, jobs: int = 1) -> EvalReport:
+    """Evaluate the named scenarios (all shipped ones by default), each into its own database.
+
+    With `jobs` > 1 the scenarios run in that many processes at once (a soak of 500 engine-hours
+    keeps one core busy for half an hour); the report lists them in the order asked for.
+    """
+    scenarios = [load_scenario(name) for name in names or builtin_scenarios()]  # every file checked first
+    dbs = [workdir / f"eval-{sc.name}.db" for sc in scenarios]
+    results: dict[int, ScenarioResult] = {}
+    if jobs <= 1:
+        for i, (sc, db) in enumerate(zip(scenarios, dbs, strict=True)):
+            if progress is not None:
+                progress(sc.name, None)
+            results[i] = _evaluate_file(sc, db)
+            if progress is not None:
+                progress(sc.name, results[i])
+    else:
+        # spawn: a forked child would inherit the parent's threads and open sockets half-copied.
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_evaluate_file, sc, db): i for i, (sc, db) in enumerate(zip(scenarios, dbs, strict=True))}
+            if progress is not None:
+                for sc in scenarios:
+                    progress(sc.name, None)
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                if progress is not None:
+                    progress(scenarios[i].name, results[i])
+    ordered = [results[i] for i in range(len(scenarios))]
+    return EvalReport(ordered, score(ordered))

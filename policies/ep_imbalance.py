@@ -3,8 +3,8 @@
 vLLM exports no expert-load metric (EPLB's balancedness is a log line), so the imbalance is read
 from per-rank skew inside one EP group: the data-parallel ranks of one deployment, exposed by one
 pod as `engine/<pool>/<pod>/<rank>`. Per scrape, the skew of a measure is max / median over the
-ranks; the statistic is the median of that skew over a window, and the newest scrapes must agree,
-so neither one slow scrape nor an incident that has just ended opens a finding:
+ranks; a finding opens when three consecutive scrapes are skewed (so one slow scrape does not),
+and reports the median skew over the last five minutes:
 - per-rank inter-token latency p50 (`itl_p50`, the step time a rank's requests see);
 - per-GPU activity of the pod's node (`gpu_tensor_active`, else `gpu_utilization`): the rank
   that hosts the hot experts computes while the others wait for it in the all-to-all. GPUs are
@@ -66,9 +66,9 @@ class EpImbalanceSettings:
 
     signal: str = "itl_p50"  # per-rank step-time proxy
     gpu_signals: tuple[str, ...] = ("gpu_tensor_active", "gpu_utilization")  # first one present is used
-    window_points: int = 20  # scrapes the median skew is taken over (5 min at 15 s)
+    window_points: int = 20  # scrapes the reported median skew and the load skew are taken over (5 min at 15 s)
     min_ticks: int = 10  # scrapes with enough ranks needed to judge
-    confirm_points: int = 3  # ... and the newest scrapes that must each be skewed too
+    confirm_points: int = 3  # consecutive newest scrapes that must each be skewed to open
     skew_ratio: float = 1.5  # ITL skew that opens
     gpu_skew_ratio: float = 1.5  # GPU activity skew that opens
     resolve_ratio: float = 1.2  # every skew below this for resolve_points scrapes resolves (hysteresis)
@@ -115,16 +115,15 @@ class _Skew:
             counts = Counter(who for _, _, who in self.ticks[-n:])
         return counts.most_common(1)[0][0] if counts else None
 
-    def holds(self, threshold: float, window: int, confirm: int, min_ticks: int) -> bool:
-        """The median skew over `window` and each of the newest `confirm` skews reach `threshold`.
+    def holds(self, threshold: float, confirm: int, min_ticks: int) -> bool:
+        """Each of the newest `confirm` skews reaches `threshold`, with at least `min_ticks` scrapes seen.
 
-        The newest scrapes must agree: right after a resolve the window still holds the incident's
-        scrapes, and its median alone would reopen the finding at once.
+        Consecutive scrapes, not a window median: a median over 20 scrapes needs 10 skewed ones
+        (150 s) before it moves, while the hot rank of a real shift is the same scrape after scrape.
         """
         if len(self.ticks) < min_ticks:
             return False
-        med = self.median(window)
-        return med is not None and med >= threshold and all(r >= threshold for _, r, _ in self.ticks[-confirm:])
+        return all(r >= threshold for _, r, _ in self.ticks[-confirm:])
 
 
 def _skew(w: SignalWindows, members: dict[str, str], name: str, points: int, min_members: int,
@@ -268,9 +267,9 @@ class EpImbalance:
         running = sum(inp.windows.latest(sub, RUNNING) or 0.0 for sub in group.ranks.values())
         if running < s.min_running:
             return False
-        n, confirm = s.window_points, s.confirm_points
-        return group.itl.holds(s.skew_ratio, n, confirm, s.min_ticks) or (
-            group.gpu is not None and group.gpu.holds(s.gpu_skew_ratio, n, confirm, s.min_ticks))
+        confirm = s.confirm_points
+        return group.itl.holds(s.skew_ratio, confirm, s.min_ticks) or (
+            group.gpu is not None and group.gpu.holds(s.gpu_skew_ratio, confirm, s.min_ticks))
 
     def _balanced(self, group: _Group, n: int) -> bool:
         measures = [sk for sk in (group.itl, group.gpu) if sk is not None and len(sk.ticks) >= n]

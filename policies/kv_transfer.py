@@ -59,6 +59,7 @@ class KvTransferSettings:
     mad_k: float = 4.0  # ... and above 4 robust sigmas of its jitter ...
     min_abs_s: float = 0.002  # ... and at least 2 ms worse: sub-ms jitter is not lag
     peer_ratio: float = 3.0  # without history: 3x the median of its peers
+    stand_out_ratio: float = 1.5  # with history and peers: the tail must also be 1.5x the peers' median
     min_peers: int = 2
     failure_share_critical: float = 0.05  # failed share of transfers that makes it critical
     bandwidth_drop: float = 0.5  # with sizes that vary, a slow tail must come with bandwidth at half its baseline
@@ -121,6 +122,16 @@ class KvTransferLag:
             ref = statistics.median(peers)
         return all(v < ref * s.bandwidth_drop for v in recent)
 
+    def _stands_out(self, recent: list[float], baseline: tuple[float, float] | None, peers: float | None) -> bool:
+        """A tail its peers share is the pool's load (a backlog of prefills flushing), not this path's lag.
+
+        Seen in the demo: while the prefill pool was saturated every decode worker's p99 doubled
+        together, and the one a little above the others crossed its own threshold.
+        """
+        if baseline is None or peers is None:
+            return True  # without history the peer threshold already compares it with its peers
+        return all(v >= peers * self.settings.stand_out_ratio for v in recent)
+
     def _peers(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str]) -> float | None:
         group = subject.rsplit("/", 2)[0] if path.prefix == "engine/" else path.prefix
         values = [v for other in subjects if other != subject and other.startswith(group)
@@ -149,7 +160,7 @@ class KvTransferLag:
         failures = inp.windows.last(subject, path.failures, s.recent_points)
         slow = threshold is not None and len(recent) == s.recent_points and all(v > threshold for v in recent)
         if slow and not is_open:
-            slow = self._bandwidth_fell(inp, path, subject, subjects)
+            slow = self._stands_out(recent, baseline, peers) and self._bandwidth_fell(inp, path, subject, subjects)
         failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
         if not (slow or failing) and not (is_open and not self._healthy(inp, path, subject, open_evidence or {})):
             return None

@@ -72,6 +72,20 @@ def test_a_hot_rank_opens_after_the_window_with_its_evidence() -> None:
     assert f.proposals == (), "EPLB waits until the imbalance has persisted"
 
 
+def test_a_shift_after_a_balanced_history_opens_on_its_third_skewed_scrape() -> None:
+    g = Group().tick(40)
+    for _ in range(2):
+        assert not g.tick(itl=HOT).run().findings
+    assert g.tick(itl=HOT).run().findings
+
+
+def test_single_skewed_scrapes_between_balanced_ones_stay_quiet() -> None:
+    g = Group().tick(20)
+    for _ in range(10):
+        assert not g.tick(itl=HOT).run().findings
+        assert not g.tick(2).run().findings
+
+
 def test_gpu_activity_skew_alone_is_enough() -> None:
     # In lockstep EP the ranks' step times match; the hot rank's tensor pipe is what stands out.
     [f] = Group().tick(20, tensor=(0.3, 0.3, 0.3, 0.75)).run().findings

@@ -55,6 +55,16 @@ def test_one_lagging_path_among_peers_without_history() -> None:
     assert f.key.subject == "kvpath/prefill-0->decode-3" and f.evidence["peers_median_p99"] == pytest.approx(0.0039)
 
 
+@pytest.mark.parametrize(("lagging", "opens"), [pytest.param(1, True, id="one-path"),
+                                                   pytest.param(4, False, id="every-path")])
+def test_a_tail_its_peers_share_is_not_one_paths_lag(lagging: int, opens: bool) -> None:
+    """Every path's p99 doubling together is the pool's load (a prefill backlog flushing), not a lagging worker."""
+    series = {f"kvpath/prefill-0->decode-{i}": BASE + ([0.02, 0.025] if i < lagging else [0.004, 0.0041])
+              for i in range(4)}
+    findings = run(windows(series)).findings
+    assert [f.key.subject for f in findings] == (["kvpath/prefill-0->decode-0"] if opens else [])
+
+
 def test_failures_open_a_critical_finding_and_name_the_worker() -> None:
     w = windows({"engine/decode/decode-2/0": BASE + [0.004, 0.004]},
                 {"engine/decode/decode-2/0": [0.0] * 10 + [2.0, 3.0]},
