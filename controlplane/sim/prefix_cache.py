@@ -5,18 +5,20 @@ Owns the cache semantics the simulator uses: a request hits the longest prefix o
 if absent), and least-recently-used blocks are evicted beyond the capacity. The access sequence
 does not depend on the capacity, so LRU's inclusion (stack) property holds: a larger cache holds
 a superset of a smaller one's blocks, and hit ratios never fall as capacity grows. This is the
-rule the published Mooncake LRU figures use (shared/reference/datasets.md).
+rule the published Mooncake LRU figures use (shared/reference/datasets.md), against which
+`fleetctl sim validate` checks the traces. The engines keep their own cache (`engine.py`): vLLM's,
+where blocks that running requests hold cannot be evicted; routing lives in `routing.py`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from controlplane.sim.traces import Request
 
-__all__ = ["CacheAware", "PrefixCache", "ReplayResult", "RoundRobin", "Router", "replay", "replay_capacities"]
+__all__ = ["PrefixCache", "ReplayResult", "replay", "replay_capacities"]
 
 
 class PrefixCache:
@@ -71,49 +73,6 @@ class PrefixCache:
         return hit
 
 
-Router = Callable[[Request, Sequence[PrefixCache]], int]
-"""Picks the index of the cache (engine) that serves a request."""
-
-
-class RoundRobin:
-    """Requests go to the caches in turn, ignoring their contents."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def __call__(self, request: Request, caches: Sequence[PrefixCache]) -> int:
-        i = self._next % len(caches)
-        self._next += 1
-        return i
-
-
-class CacheAware:
-    """The cache holding the longest prefix of the request, among those not overloaded.
-
-    A cache is a candidate while the requests sent to it exceed the least-loaded cache's by at
-    most `max_imbalance` of the mean (and at least one request); ties go to the least loaded.
-    Without the bound, a prefix every request shares (Mooncake's block 0) sends all to one cache.
-    """
-
-    def __init__(self, max_imbalance: float = 0.1) -> None:
-        if max_imbalance < 0:
-            raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
-        self.max_imbalance = max_imbalance
-        self._load: list[int] = []
-        self._total = 0
-
-    def __call__(self, request: Request, caches: Sequence[PrefixCache]) -> int:
-        if len(self._load) != len(caches):
-            self._load = [0] * len(caches)
-        load = self._load
-        limit = min(load) + max(1.0, self.max_imbalance * self._total / len(caches))
-        best = max((i for i in range(len(caches)) if load[i] <= limit),
-                   key=lambda i: (caches[i].match(request.hash_ids), -load[i], -i))
-        load[best] += 1
-        self._total += 1
-        return best
-
-
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
     """Totals of a replay; hit tokens are hit blocks times the block size, at most the input."""
@@ -123,7 +82,6 @@ class ReplayResult:
     hit_blocks: int
     input_tokens: int
     hit_tokens: int
-    per_cache_requests: tuple[int, ...]
     first_arrival_s: float
     last_arrival_s: float
 
@@ -138,17 +96,9 @@ class ReplayResult:
         return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
-def replay(requests: Iterable[Request], capacity_blocks: int | None, *, caches: int = 1,
-           route: Router | None = None) -> ReplayResult:
-    """Replay requests in order through `caches` LRU caches of `capacity_blocks` each.
-
-    `route` picks a cache per request (default: round robin); with one cache it is not called.
-    """
-    if caches < 1:
-        raise ValueError(f"caches must be >= 1, got {caches}")
-    pool = [PrefixCache(capacity_blocks) for _ in range(caches)]
-    chooser: Router = route if route is not None else RoundRobin()
-    served = [0] * caches
+def replay(requests: Iterable[Request], capacity_blocks: int | None) -> ReplayResult:
+    """Replay requests in order through one LRU cache of `capacity_blocks` (None: unbounded)."""
+    cache = PrefixCache(capacity_blocks)
     n = blocks = hit_blocks = input_tokens = hit_tokens = 0
     first = last = 0.0
     for req in requests:
@@ -156,17 +106,15 @@ def replay(requests: Iterable[Request], capacity_blocks: int | None, *, caches: 
             first = req.arrival_s
         last = req.arrival_s
         n += 1
-        i = 0 if caches == 1 else chooser(req, pool)
-        served[i] += 1
         input_tokens += req.input_tokens
         hashes = req.hash_ids
         if not hashes:
             continue
-        hit = pool[i].access(hashes)
+        hit = cache.access(hashes)
         blocks += len(hashes)
         hit_blocks += hit
         hit_tokens += min(hit * req.block_tokens, req.input_tokens)
-    return ReplayResult(n, blocks, hit_blocks, input_tokens, hit_tokens, tuple(served), first, last)
+    return ReplayResult(n, blocks, hit_blocks, input_tokens, hit_tokens, first, last)
 
 
 def replay_capacities(requests: Iterable[Request], capacities: Sequence[int | None]) -> dict[int | None, ReplayResult]:
@@ -190,4 +138,4 @@ def replay_capacities(requests: Iterable[Request], capacities: Sequence[int | No
             hit = cache.access(hashes)
             hits[cap] += hit
             hit_tokens[cap] += min(hit * req.block_tokens, req.input_tokens)
-    return {cap: ReplayResult(n, blocks, hits[cap], input_tokens, hit_tokens[cap], (n,), first, last) for cap in pool}
+    return {cap: ReplayResult(n, blocks, hits[cap], input_tokens, hit_tokens[cap], first, last) for cap in pool}

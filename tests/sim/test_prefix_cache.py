@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.sim.prefix_cache import CacheAware, PrefixCache, RoundRobin, replay, replay_capacities
+from controlplane.sim.prefix_cache import PrefixCache, replay, replay_capacities
 from controlplane.sim.traces import Request, load_trace
 from tests.conftest import SHARED
 
@@ -70,24 +70,6 @@ def test_replay_counts_blocks_and_caps_tokens_at_the_input() -> None:
 def test_empty_replay() -> None:
     r = replay([], 10)
     assert r.requests == 0 and r.block_hit_ratio == 0.0 and r.token_hit_ratio == 0.0
-
-
-def test_round_robin_spreads_and_cache_aware_follows_prefixes() -> None:
-    requests = [req([g, 100 + i]) for i in range(40) for g in (1, 2, 3)]
-    rr = replay(requests, 100, caches=4, route=RoundRobin())
-    assert rr.per_cache_requests == (30, 30, 30, 30)
-    assert rr.hit_blocks == 120 - 12  # every group misses once on each of the four caches
-    aware = replay(requests, 100, caches=4, route=CacheAware(max_imbalance=10.0))
-    assert aware.hit_blocks == 120 - 3  # each group sticks to the cache that first served it
-    assert sorted(aware.per_cache_requests) == [0, 40, 40, 40]
-    with pytest.raises(ValueError):
-        replay(requests, 10, caches=0)
-
-
-def test_cache_aware_stays_balanced_when_every_request_shares_a_block() -> None:
-    requests = [req([0, i]) for i in range(1, 101)]
-    r = replay(requests, 1000, caches=4, route=CacheAware())
-    assert max(r.per_cache_requests) - min(r.per_cache_requests) <= 3
 
 
 def test_replay_capacities_equals_separate_replays() -> None:
@@ -159,16 +141,6 @@ def test_capacity_of_every_distinct_block_equals_unbounded(requests: list[list[i
     distinct = len({h for hashes in requests for h in hashes})
     wrapped = [req(h) for h in requests]
     assert replay(wrapped, distinct) == replay(wrapped, None)
-
-
-@settings(max_examples=100, deadline=None)
-@given(workloads, st.integers(1, 4), st.integers(0, 10))
-def test_routed_hits_never_exceed_blocks(requests: list[list[int]], caches: int, capacity: int) -> None:
-    wrapped = [req(h) for h in requests]
-    for route in (RoundRobin(), CacheAware()):
-        r = replay(wrapped, capacity, caches=caches, route=route)
-        assert r.hit_blocks <= r.blocks and r.hit_tokens <= r.input_tokens
-        assert sum(r.per_cache_requests) == len(requests)
 
 
 # real data ------------------------------------------------------------------------------------
