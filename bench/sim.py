@@ -1,7 +1,7 @@
 """Trace-replay benchmark: the Mooncake conversation trace through the prefix-cache replay.
 
 Two figures: loading (parsing the JSONL into `Request`s) and replaying the loaded requests
-through LRU prefix caches, each as simulated seconds per wall second and requests per second,
+through a global LRU prefix cache, each as simulated seconds per wall second and requests per second,
 best of `repeats` runs; plus the end-to-end figure (load and replay together).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from controlplane.sim.prefix_cache import CacheAware, ReplayResult, replay
+from controlplane.sim.prefix_cache import ReplayResult, replay
 from controlplane.sim.traces import Request, load_trace
 
 __all__ = ["run_sim_bench"]
@@ -28,16 +28,14 @@ def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, value
 
 
-def run_sim_bench(trace: str = "mooncake/conversation", capacity_blocks: int = 20_000, caches: int = 1,
+def run_sim_bench(trace: str = "mooncake/conversation", capacity_blocks: int = 20_000,
                   repeats: int = 3, base: Path | None = None) -> dict[str, Any]:
-    """Replay throughput on a whole trace; `caches` > 1 splits the capacity over cache-aware routed caches."""
+    """Replay throughput of a whole trace through one global LRU cache (routed engines: `run_fleet_bench`)."""
     load_s, requests = _best(lambda: list(load_trace(trace, base=base)), repeats)
     requests_list: list[Request] = requests
-    per_cache = capacity_blocks // caches
 
     def run() -> ReplayResult:
-        route = CacheAware() if caches > 1 else None
-        return replay(requests_list, per_cache, caches=caches, route=route)
+        return replay(requests_list, capacity_blocks)
 
     replay_s, result = _best(run, repeats)
     sim_s = result.last_arrival_s - result.first_arrival_s
@@ -49,7 +47,6 @@ def run_sim_bench(trace: str = "mooncake/conversation", capacity_blocks: int = 2
         "simulated_s": sim_s,
         "block_refs": result.blocks,
         "capacity_blocks": capacity_blocks,
-        "caches": caches,
         "token_hit_ratio": result.token_hit_ratio,
         "load_s": load_s,
         "replay_s": replay_s,

@@ -546,13 +546,12 @@ def bench_dashboard(engines: int, days: float, minute_hours: float | None, repea
 @bench.command("sim")
 @click.option("--trace", default="mooncake/conversation", show_default=True)
 @click.option("--capacity", default=20_000, show_default=True, type=click.IntRange(min=1), help="Cache blocks in all.")
-@click.option("--caches", default=1, show_default=True, type=click.IntRange(min=1), help="Cache-aware routed engines.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_sim(trace: str, capacity: int, caches: int, as_json: bool) -> None:
-    """Trace replay: prefix caches alone, then the engine-level fleet (8 prefill + 24 decode engines)."""
+def bench_sim(trace: str, capacity: int, as_json: bool) -> None:
+    """Trace replay: one global prefix cache alone, then the engine-level fleet (8 prefill + 24 decode engines)."""
     from bench.sim import run_fleet_bench, run_sim_bench
 
-    result = run_sim_bench(trace, capacity, caches)
+    result = run_sim_bench(trace, capacity)
     result["fleet"] = run_fleet_bench(trace)
     if not as_json:
         for key, value in result.pop("fleet").items():
@@ -560,7 +559,7 @@ def bench_sim(trace: str, capacity: int, caches: int, as_json: bool) -> None:
     if as_json:
         _emit_json(result)
     else:
-        t = Table(title=f"Replay of {trace} ({capacity:,} blocks over {caches} cache(s))")
+        t = Table(title=f"Replay of {trace} ({capacity:,} blocks of global cache)")
         for key, value in result.items():
             if not isinstance(value, dict | list):
                 t.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))

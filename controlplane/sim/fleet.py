@@ -20,7 +20,7 @@ from collectors.types import Role
 from controlplane.sim.engine import EngineConfig, Hist, SimEngine, SimRequest
 from controlplane.sim.moe import EplbConfig, ExpertParallel, MoeSpec
 from controlplane.sim.perf import DYNAMO_PROFILE, PerfModel, load_model
-from controlplane.sim.routing import ROUTERS, Router
+from controlplane.sim.routing import ROUTERS, Router, RouterKind
 from controlplane.sim.speculation import SpecConfig
 from controlplane.sim.traces import Request
 
@@ -61,8 +61,8 @@ class FleetSpec:
 
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     pools: tuple[PoolSpec, ...] = ()
-    router: str = "cache_aware"
-    decode_router: str = "least_loaded"
+    router: RouterKind = RouterKind.CACHE_AWARE
+    decode_router: RouterKind = RouterKind.LEAST_LOADED
     link_gbps: float = 400.0  # per decode worker: one 400 Gb/s NIC per GPU, as H100/H200 nodes have
     link_latency_s: float = 0.002
     system_prompts: SystemPrompts | None = None
@@ -246,11 +246,12 @@ class SimFleet:
         for m in sorted(live, key=lambda m: m.ready_at, reverse=True)[: max(0, len(live) - replicas)]:
             m.draining = True
 
-    def set_router(self, kind: str) -> None:
+    def set_router(self, kind: RouterKind | str) -> None:
         """Switch the entry pools' router (a fault when it leaves cache-aware)."""
-        if kind not in ROUTERS:
-            raise ValueError(f"unknown router {kind!r}; known: {', '.join(ROUTERS)}")
-        self.router_kind = kind
+        try:
+            self.router_kind = RouterKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown router {kind!r}; known: {', '.join(RouterKind)}") from None
         for pool in self._entry_pools():
             self._set_router(pool)
 

@@ -85,8 +85,8 @@ class CacheAware:
         return best
 
 
-ROUTERS: dict[str, Callable[[], Router]] = {
-    "round_robin": RoundRobin,
-    "least_loaded": LeastLoaded,
-    "cache_aware": CacheAware,
+ROUTERS: dict[RouterKind, Callable[[], Router]] = {
+    RouterKind.ROUND_ROBIN: RoundRobin,
+    RouterKind.LEAST_LOADED: LeastLoaded,
+    RouterKind.CACHE_AWARE: CacheAware,
 }

@@ -22,6 +22,7 @@ from controlplane.errors import ConfigError
 from controlplane.sim.engine import EngineConfig
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
 from controlplane.sim.moe import EplbConfig, MoeSpec
+from controlplane.sim.routing import RouterKind
 from controlplane.sim.speculation import SpecConfig
 from controlplane.sim.traces import Request, load_servegen, load_trace, servegen_requests
 
@@ -101,8 +102,8 @@ class SystemPromptModel(_Strict):
 
 class FleetModel(_Strict):
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
-    router: Literal["cache_aware", "round_robin", "least_loaded"] = "cache_aware"
-    decode_router: Literal["cache_aware", "round_robin", "least_loaded"] = "least_loaded"
+    router: RouterKind = RouterKind.CACHE_AWARE
+    decode_router: RouterKind = RouterKind.LEAST_LOADED
     link_gbps: float = Field(400.0, gt=0)
     system_prompts: SystemPromptModel | None = None
     pools: list[PoolModel] = Field(min_length=1)

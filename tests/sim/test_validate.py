@@ -101,5 +101,3 @@ def test_sim_bench_on_the_synthetic_trace() -> None:
     assert out["requests"] == 3993 and out["block_refs"] == 121_877
     assert out["token_hit_ratio"] == pytest.approx(0.582, abs=0.001)
     assert out["replay_requests_per_s"] > 1000 and out["sim_s_per_wall_s"] > 100
-    routed = run_sim_bench("mooncake/synthetic", capacity_blocks=20_000, caches=4, repeats=1, base=SHARED / "data")
-    assert routed["caches"] == 4 and 0.4 < routed["token_hit_ratio"] <= out["token_hit_ratio"] + 0.01
