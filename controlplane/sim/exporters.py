@@ -177,22 +177,13 @@ def node_of(pod: str) -> str:
 class _Dcgm(Collector):
     """dcgm-exporter on the engine's node: one row per GPU (one per EP rank), pod attributed."""
 
-    def __init__(self, m: Member, now: float) -> None:
-        self.m, self.now = m, now
+    def __init__(self, m: Member) -> None:
+        self.m = m
 
     def collect(self) -> Iterator[Metric]:
         m, g, e = self.m, self.m.gpu, self.m.engine
-        dt = self.now - g.last_t
-        if dt > 0:
-            g.utilization = min(1.0, (e.busy_s - g.last_busy_s) / dt)
-            g.last_busy_s, g.last_t = e.busy_s, self.now
         util = g.utilization
-        activity = e.moe.rank_activity() if e.moe is not None else [1.0] * len(e.ranks)
-        power = [120.0 + 530.0 * util * a for a in activity]
-        if dt > 0:
-            g.energy_j += sum(power) * dt
-            if g.throttled:  # clocks held down for most of the interval
-                g.thermal_violation_s += 0.6 * dt
+        activity = m.rank_activity()
         clock = 1980.0 * (0.7 if g.throttled else 1.0)
         host = node_of(m.pod)
         labels = ["gpu", "UUID", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION", "container",
@@ -213,7 +204,7 @@ class _Dcgm(Collector):
              lambda a: round(FB_TOTAL_MIB - WEIGHTS_MIB - kv_mib)),
             ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", lambda a: round(temp)),
             ("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C).", lambda a: round(temp + 6)),
-            ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", lambda a: 120.0 + 530.0 * util * a),
+            ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", g.power_w),
             ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", lambda a: clock),
             ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.", lambda a: g.xid),
         )
@@ -241,6 +232,6 @@ class _Dcgm(Collector):
             yield f
 
 
-def render_dcgm(m: Member, now: float) -> bytes:
-    """dcgm-exporter's `/metrics` for the engine's GPUs at time `now` (activity since the last render)."""
-    return _registry(_Dcgm(m, now))
+def render_dcgm(m: Member) -> bytes:
+    """dcgm-exporter's `/metrics` for the engine's GPUs, as the fleet last sampled them."""
+    return _registry(_Dcgm(m))

@@ -108,6 +108,10 @@ class GpuState:
     last_t: float = 0.0
     utilization: float = 0.0
 
+    def power_w(self, activity: float) -> float:
+        """Power draw of one GPU whose share of the engine's work is `activity` (1.0: an even share)."""
+        return 120.0 + 530.0 * self.utilization * activity
+
 
 @dataclass(eq=False)
 class Member:
@@ -127,6 +131,11 @@ class Member:
     def load(self) -> int:
         """Requests in the engine or on their way to it, as a router that tracks its own sends counts."""
         return self.engine.load + self.inflight
+
+    def rank_activity(self) -> list[float]:
+        """Each GPU's share of the work relative to an even split: the hot experts' rank works more."""
+        e = self.engine
+        return e.moe.rank_activity() if e.moe is not None else [1.0] * len(e.ranks)
 
     @property
     def pod(self) -> str:
@@ -162,7 +171,7 @@ class SimFleet:
         self.pool_specs = {p.name: p for p in spec.pools}
         self.desired = {p.name: p.replicas for p in spec.pools}
         self.routers: dict[str, Router] = {}
-        self.router_kind = spec.router
+        self.router_kind = RouterKind(spec.router)
         # Traffic knobs the scenarios turn.
         self.prompt_generation = 0  # bump for a new set of system prompts
         self.prompt_scale = 1.0  # longer prompts: KV pressure
@@ -328,7 +337,26 @@ class SimFleet:
                     if m.ready_at <= stop:
                         m.engine.run_until(stop)
             self.now = stop
+            self._sample_gpus()
             self._reap()
+
+    def _sample_gpus(self) -> None:
+        """Activity, energy and throttled time of every GPU over the window just simulated.
+
+        Kept here, not in the exporter, so what dcgm-exporter shows does not depend on how often
+        (or by how many scrapers) it is read; a one-second window is DCGM's own sample period.
+        """
+        for ms in self.members.values():
+            for m in ms:
+                g, e = m.gpu, m.engine
+                dt = self.now - g.last_t
+                if dt <= 0:
+                    continue
+                g.utilization = min(1.0, (e.busy_s - g.last_busy_s) / dt)
+                g.last_busy_s, g.last_t = e.busy_s, self.now
+                g.energy_j += sum(g.power_w(a) for a in m.rank_activity()) * dt
+                if g.throttled:  # clocks held down for most of the window
+                    g.thermal_violation_s += 0.6 * dt
 
     def _reap(self) -> None:
         for pool, ms in self.members.items():

@@ -84,7 +84,7 @@ class SimServer:
             endpoints = self._served[key][1]
             endpoints["vllm"].server.body = render_vllm(m, model)
             if "dcgm" in endpoints:
-                endpoints["dcgm"].server.body = render_dcgm(m, self.fleet.now)
+                endpoints["dcgm"].server.body = render_dcgm(m)
             if "nixl" in endpoints:
                 endpoints["nixl"].server.body = render_nixl(m)
 

@@ -6,6 +6,7 @@ import pytest
 
 from collectors.types import Role
 from controlplane.sim.engine import EngineConfig, SimEngine, SimRequest
+from controlplane.sim.exporters import render_dcgm
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
 from controlplane.sim.moe import EplbConfig, ExpertParallel, MoeSpec
 from controlplane.sim.perf import load_model
@@ -117,6 +118,19 @@ def test_cache_aware_routing_keeps_hit_rates_that_round_robin_loses() -> None:
 
     cache_aware, round_robin = hit_rate("cache_aware"), hit_rate("round_robin")
     assert cache_aware > round_robin + 0.15
+
+
+def test_gpus_are_sampled_by_the_fleet_not_by_whoever_reads_the_exporter() -> None:
+    fleet = SimFleet(FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 1),)), [Request(i * 0.05, 2000, 200) for i in range(2000)])
+    fleet.advance_to(30.0)
+    m = fleet.members["u"][0]
+    body = render_dcgm(m)
+    assert render_dcgm(m) == body, "a second scraper must read what the first one read"
+    assert 0.5 < m.gpu.utilization <= 1.0
+    assert 30 * 120.0 < m.gpu.energy_j <= 30 * 650.0  # between idle and full power for 30 s
+    fleet.members["u"][0].gpu.throttled = True
+    fleet.advance_to(40.0)
+    assert m.gpu.thermal_violation_s == pytest.approx(6.0)
 
 
 def test_disaggregated_requests_hand_their_kv_to_decode_and_finish_there() -> None:
