@@ -357,20 +357,15 @@ def sim_list() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: bool) -> None:
     """Serve a scenario's simulated fleet over loopback and run the control loop against it."""
-    from controlplane.sim.run import run_scenario
+    from controlplane.sim.run import Timeline, run_scenario
     from controlplane.sim.scenario import load_scenario
 
     sc = load_scenario(scenario)
-    seen: list[str] = []
+    timeline = Timeline()
 
     def show(run: Any, report: Any) -> None:
-        lines = [f"{_mmss(at)} {what}" for at, what in run.events[len(seen):]]
-        seen.extend(lines)
-        lines += [f"{_mmss(run.elapsed)} finding opened #{f.id} {f.kind} {f.subject}: {f.summary}" for f in report.opened]
-        lines += [f"{_mmss(run.elapsed)} finding resolved #{f.id} {f.kind} {f.subject}" for f in report.resolved]
-        lines += [f"{_mmss(run.elapsed)} action #{a.id} {a.kind} {a.pool}: {a.reason}" for a in report.actions]
-        for line in lines:
-            err.print(line)
+        for line in timeline.lines(run, report):
+            err.print(line, highlight=False)
 
     run = asyncio.run(run_scenario(sc, db, mode=mode, speed=speed, on_tick=show))
     summary = {"scenario": sc.name, "ticks": run.ticks, "simulated_s": run.elapsed, "wall_s": round(run.wall_s, 2),
@@ -380,11 +375,6 @@ def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: boo
     else:
         out.print(f"{sc.name}: {run.ticks} ticks, {run.elapsed / 60:.0f} fleet minutes in {run.wall_s:.1f} s; "
                   f"findings in {db} (fleetctl findings --all --db {db})")
-
-
-def _mmss(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m:02d}:{s:02d}"
 
 
 @cli.command("eval")
@@ -397,6 +387,7 @@ def _mmss(seconds: float) -> str:
 def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, as_json: bool) -> None:
     """Detection delay, precision, recall and false alarms of the policies against static alert rules."""
     from controlplane.evaluation import evaluate
+    from controlplane.sim.run import mmss
 
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -404,7 +395,7 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, as_json: bool) -
         if result is None:
             err.print(f"[bold]{name}[/] ...")
         else:
-            found = ", ".join(f"{f.detector}: {f.kind} {f.subject} at {_mmss(f.opened_s)}" for f in result.findings)
+            found = ", ".join(f"{f.detector}: {f.kind} {f.subject} at {mmss(f.opened_s)}" for f in result.findings)
             err.print(f"  {name}: {result.engine_hours:.1f} engine-hours in {result.wall_s:.0f} s; "
                       f"{found or 'no findings'}")
 

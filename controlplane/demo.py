@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from controlplane.config import FleetConfig, parse_config
 from controlplane.loop import TickReport
 from controlplane.sim.fleet import SimFleet
-from controlplane.sim.run import ScenarioRun, run_scenario
+from controlplane.sim.run import ScenarioRun, Timeline, mmss, run_scenario
 from controlplane.sim.scenario import Scenario, load_scenario
 from controlplane.store.writer import SqlStore
 
@@ -83,25 +83,12 @@ async def run_demo(minutes: float, db_url: str, console: Console, *, pace: bool 
         TimeElapsedColumn(), console=console, transient=True,
     ) as progress:
         task = progress.add_task("demo", total=ticks, sim="00:00", status="")
-        shown = 0
+        timeline = Timeline()
 
         def show(run: ScenarioRun, report: TickReport) -> None:
-            nonlocal shown
-            say = progress.console.print
-            for at, what in run.events[shown:]:
-                say(f"[yellow]{_t(at)} {what}")
-            shown = len(run.events)
-            now = _t(run.elapsed)
-            for f in report.opened:
-                say(f"[red]{now} finding opened[/] #{f.id} {f.kind} {f.subject} ({f.severity}): {f.summary}")
-                say(f"           cause: {f.cause}")
-            for a in report.actions:
-                say(f"[cyan]{now} action[/] #{a.id} {a.kind} {a.pool} "
-                    f"{a.params.get('from_replicas')} -> {a.params.get('replicas')}: {a.reason}")
-            for action_id, outcome in report.outcomes:
-                say(f"[cyan]{now} outcome[/] of action #{action_id}: {outcome}")
-            for f in report.resolved:
-                say(f"[green]{now} finding resolved[/] #{f.id} {f.kind} {f.subject}")
+            for line in timeline.lines(run, report):
+                progress.console.print(line, highlight=False)
+            now = mmss(run.elapsed)
             hit = run.loop.windows.latest("pool/prefill", "prefix_cache_hit_rate")
             ttft = run.loop.windows.latest("pool/prefill", "ttft_p95")
             status = (f"targets {report.targets_up}/{report.targets}  prefill hit "
@@ -130,7 +117,3 @@ async def run_demo(minutes: float, db_url: str, console: Console, *, pace: bool 
         store.close()
     return summary
 
-
-def _t(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m:02d}:{s:02d}"

@@ -25,7 +25,7 @@ from controlplane.store import migrate
 from controlplane.store.writer import SqlStore
 from policies.types import Policy
 
-__all__ = ["ScenarioRun", "TickHook", "run_scenario"]
+__all__ = ["ScenarioRun", "TickHook", "Timeline", "mmss", "run_scenario"]
 
 TickHook = Callable[["ScenarioRun", TickReport], Awaitable[None] | None]
 
@@ -50,6 +50,35 @@ class ScenarioRun:
     def engine_hours(self) -> float:
         """Engine-hours simulated so far (engines counted at their current number)."""
         return len(self.fleet.serving()) * self.elapsed / 3600.0
+
+
+def mmss(seconds: float) -> str:
+    """Seconds of fleet time as MM:SS (minutes grow past 59)."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m:02d}:{s:02d}"
+
+
+class Timeline:
+    """A run told tick by tick for a console, in rich markup: faults, findings, actions and outcomes."""
+
+    def __init__(self) -> None:
+        self._events = 0
+
+    def lines(self, run: ScenarioRun, report: TickReport) -> list[str]:
+        """What happened since the last call."""
+        out = [f"[yellow]{mmss(at)} {what}[/]" for at, what in run.events[self._events:]]
+        self._events = len(run.events)
+        now = mmss(run.elapsed)
+        for f in report.opened:
+            out.append(f"[red]{now} finding opened[/] #{f.id} {f.kind} {f.subject} ({f.severity}): {f.summary}")
+            out.append(f"           cause: {f.cause}")
+        for a in report.actions:
+            change = (f" {a.params['from_replicas']} -> {a.params['replicas']}"
+                      if "replicas" in a.params and "from_replicas" in a.params else "")
+            out.append(f"[cyan]{now} action[/] #{a.id} {a.kind} {a.pool}{change}: {a.reason}")
+        out += [f"[cyan]{now} outcome[/] of action #{action_id}: {outcome}" for action_id, outcome in report.outcomes]
+        out += [f"[green]{now} finding resolved[/] #{f.id} {f.kind} {f.subject}" for f in report.resolved]
+        return out
 
 
 async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe", speed: float | None = None,
