@@ -406,8 +406,8 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, as_json: bool) -
         return
     t = Table(title=f"Detection over {len(report.scenarios)} scenario(s), {report.engine_hours:.0f} engine-hours "
                     f"({report.fault_free_hours:.0f} fault-free)")
-    for col in ("kind", "detector", "detected", "recall", "precision", "delay p50 (s / intervals)", "delay p90 (s)",
-                "false alarms", "per 1000 engine-h"):
+    for col in ("kind", "detector", "detected", "recall", "precision", "delay p50 (s / intervals)",
+                "delay p90 (s / intervals)", "false alarms", "per 1000 engine-h"):
         t.add_column(col)
 
     def fmt(v: float | None, spec: str = ".2f") -> str:
@@ -416,7 +416,7 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, as_json: bool) -
     for k in data["scores"]:
         t.add_row(k["kind"], k["detector"], f"{k['detected']}/{k['truths']}", fmt(k["recall"]), fmt(k["precision"]),
                   f"{fmt(k['delay_median_s'], '.0f')} / {fmt(k['delay_median_intervals'], '.1f')}",
-                  fmt(k["delay_p90_s"], ".0f"), str(k["false_alarms"]),
+                  f"{fmt(k['delay_p90_s'], '.0f')} / {fmt(k['delay_p90_intervals'], '.1f')}", str(k["false_alarms"]),
                   fmt(k["false_alarms_per_1000_engine_hours"], ".1f"))
     out.print(t)
     summary = data["summary"]
