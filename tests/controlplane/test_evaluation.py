@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.evaluation import EvalReport, Finding, ScenarioResult, score
+from controlplane.evaluation_chart import eval_chart, save_eval_chart
 from controlplane.sim.scenario import Truth
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +57,10 @@ def test_false_alarms_on_fault_free_replays_are_rated_per_engine_hour() -> None:
 @pytest.mark.slow
 def test_eval_finds_both_faults_sooner_than_the_static_rules(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "controlplane.cli", "eval", "--scenario", "gpu-xid", "--scenario",
-                          "system-prompt-change", "--workdir", str(tmp_path), "--json"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=280)
+                          "system-prompt-change", "--workdir", str(tmp_path), "--jobs", "2", "--plot",
+                          str(tmp_path / "eval.png"), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stderr
+    assert (tmp_path / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(res.stdout)
     smart = data["summary"]["policies"]
     assert smart["detected"] == smart["truths"] == 2
@@ -69,3 +71,20 @@ def test_eval_finds_both_faults_sooner_than_the_static_rules(tmp_path: Path) -> 
     assert theirs["delay_median_s"] is None or theirs["delay_median_s"] >= 5 * ours["delay_median_s"]
     # An XID needs no `for`: both see it at the first scrape after it.
     assert scores[("static rules", "gpu_health")]["detected"] == 1
+
+
+def test_the_chart_has_a_delay_and_a_false_alarm_panel_and_names_misses(tmp_path: Path) -> None:
+    truth = Truth(kind="kv_transfer_lag", pool="decode", pod="decode-1")
+    r = result([Finding("policies", "kv_transfer_lag", "engine/decode/decode-1/0", 630.0, None),
+                Finding("static rules", "kv_transfer_lag", "engine/decode/decode-3/0", 700.0, None)],
+               [(600.0, 1200.0, truth)])
+    report = EvalReport([r], score([r])).as_dict()
+    spec = eval_chart(report).to_dict()
+    assert len(spec["vconcat"]) == 2
+    rows = spec["data"]["values"]  # altair lifts the shared data to the top
+    values = {(v["detector"], v["kind"]): v for v in rows}
+    assert values[("policies", "kv_transfer_lag")]["median"] == 2.0
+    assert values[("static rules", "kv_transfer_lag")]["missed"] == "not detected (0/1)"
+    with pytest.raises(ValueError, match="png, .svg or .html"):
+        save_eval_chart(report, tmp_path / "eval.pdf")
+    assert save_eval_chart(report, tmp_path / "eval.svg").read_text().startswith("<svg")

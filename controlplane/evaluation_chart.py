@@ -1,0 +1,62 @@
+"""The evaluation as a picture: detection delay and false alarms per finding kind, policies beside static rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import altair as alt
+
+__all__ = ["eval_chart", "save_eval_chart"]
+
+_COLORS = alt.Scale(domain=["policies", "static rules"], range=["#1f77b4", "#bbbbbb"])
+
+
+def eval_chart(report: dict[str, Any]) -> alt.VConcatChart:
+    """Two panels from `EvalReport.as_dict()`: median delay in intervals (to p90), false alarms per 1,000 engine-hours."""
+    rows = []
+    for k in report["scores"]:
+        if not k["truths"] and not k["findings"]:
+            continue
+        rows.append({
+            "kind": k["kind"], "detector": k["detector"],
+            "median": k["delay_median_intervals"], "p90": k["delay_p90_intervals"],
+            "found": f"{k['detected']}/{k['truths']}",
+            "missed": f"not detected ({k['detected']}/{k['truths']})",
+            "false alarms per 1000 engine-h": k["false_alarms_per_1000_engine_hours"] or 0.0,
+        })
+    data = alt.Data(values=rows)
+    kinds = sorted({r["kind"] for r in rows})
+    y = alt.Y("kind:N", sort=kinds, title=None)
+    y_offset = alt.YOffset("detector:N", sort=["policies", "static rules"])
+    color = alt.Color("detector:N", scale=_COLORS, title=None)
+    delay = alt.Chart(data).mark_bar().encode(
+        x=alt.X("median:Q", title="detection delay, median (scrape intervals; whisker to p90)"), y=y, yOffset=y_offset,
+        color=color, tooltip=["kind:N", "detector:N", "found:N", "median:Q", "p90:Q"],
+    ).transform_filter("datum.median != null")
+    whisker = alt.Chart(data).mark_rule().encode(x="median:Q", x2="p90:Q", y=y, yOffset=y_offset).transform_filter(
+        "datum.median != null")
+    found = alt.Chart(data).mark_text(align="left", dx=4).encode(
+        x=alt.value(0), y=y, yOffset=y_offset, text="missed:N").transform_filter("datum.median == null")
+    alarms = alt.Chart(data).mark_bar().encode(
+        x=alt.X("false alarms per 1000 engine-h:Q", title="false alarms per 1,000 engine-hours"), y=y, yOffset=y_offset,
+        color=color, tooltip=["kind:N", "detector:N", "false alarms per 1000 engine-h:Q"],
+    )
+    summary = report["summary"]
+    title = (f"{len(report['scenarios'])} scenario(s), {report['engine_hours']:.0f} engine-hours; median delay "
+             f"{_fmt(summary['policies']['delay_median_intervals'])} vs {_fmt(summary['static rules']['delay_median_intervals'])}"
+             " intervals (policies vs static rules)")
+    return alt.vconcat((delay + whisker + found).properties(width=520, height=260),
+                       alarms.properties(width=520, height=260), title=title)
+
+
+def save_eval_chart(report: dict[str, Any], path: Path) -> Path:
+    """Write the chart as PNG, SVG or HTML, by the file's suffix."""
+    if path.suffix.lower() not in (".png", ".svg", ".html"):
+        raise ValueError(f"{path}: the chart is written as .png, .svg or .html, not {path.suffix or 'no suffix'}")
+    eval_chart(report).save(str(path), **({"scale_factor": 2} if path.suffix.lower() == ".png" else {}))
+    return path
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
