@@ -247,13 +247,14 @@ async def evaluate_scenario(scenario: Scenario, db_url: str, *, show_progress: b
     """Run one scenario and collect both detectors' findings; long ones report each tenth on stderr."""
     book = _StaticBook(scenario)
     tenth = scenario.duration / 10
-    shown = [0]
+    shown = 0
 
     def hook(run: ScenarioRun, report: TickReport) -> None:
+        nonlocal shown
         book.tick(run)
-        if show_progress and scenario.duration >= _PROGRESS_FROM_S and run.elapsed >= (shown[0] + 1) * tenth:
-            shown[0] += 1
-            print(f"  {scenario.name}: {shown[0] * 10} % ({run.elapsed / 3600:.1f} of {scenario.duration / 3600:.1f} "
+        if show_progress and scenario.duration >= _PROGRESS_FROM_S and run.elapsed >= (shown + 1) * tenth:
+            shown += 1
+            print(f"  {scenario.name}: {shown * 10} % ({run.elapsed / 3600:.1f} of {scenario.duration / 3600:.1f} "
                   f"fleet hours, {run.engine_hours():.0f} engine-hours)", file=sys.stderr, flush=True)
 
     run = await run_scenario(scenario, db_url, mode="observe", on_tick=hook)

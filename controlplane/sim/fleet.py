@@ -344,7 +344,7 @@ class SimFleet:
         """Activity, energy and throttled time of every GPU over the window just simulated.
 
         Kept here, not in the exporter, so what dcgm-exporter shows does not depend on how often
-        (or by how many scrapers) it is read; a one-second window is DCGM's own sample period.
+        (or by how many scrapers) it is read; the default one-second window is DCGM's own sample period.
         """
         for ms in self.members.values():
             for m in ms:
