@@ -73,7 +73,8 @@ class SaturationSettings:
     error_share: float = 0.02  # failed share of finished requests
     loaded_waiting_per_engine: float = 2.0  # errors count only while this many wait per engine (or KV is full)
     critical_waiting_per_engine: float = 10.0
-    resolve_points: int = 4  # consecutive clean intervals to resolve (hysteresis)
+    resolve_points: int = 4  # consecutive clean intervals to resolve (hysteresis), with requests served in each
+    idle_resolve_points: int = 40  # ... or this many intervals (10 min) without a request resolve as idle
     stale_s: float = 900.0
 
 
@@ -123,8 +124,9 @@ class Saturation:
             state = self._judge(inp, subject, is_open)
             if state is None:
                 continue
-            if is_open and not state.causes and self._clean(inp, subject, state):
-                result.resolved.append((key, "queue, KV cache and errors back to normal"))
+            why = self._clean(inp, subject, state) if is_open and not state.causes else None
+            if why is not None:
+                result.resolved.append((key, why))
                 continue
             if state.causes or is_open:
                 result.findings.append(self._report(subject, state))
@@ -174,16 +176,26 @@ class Saturation:
             return False
         return any(v > 0 for v in w.last(subject, PREEMPTIONS, s.preempt_points))
 
-    def _clean(self, inp: PolicyInput, subject: str, state: _State) -> bool:
+    def _clean(self, inp: PolicyInput, subject: str, state: _State) -> str | None:
+        """Why the finding resolves now, or None while it must stay open."""
         s = self.settings
         w = inp.windows
         n = s.resolve_points
         queue = w.last(subject, state.queue_signal, n)
         if len(queue) < n or statistics.fmean(queue) / state.engines >= s.min_waiting_per_engine:
-            return False
+            return None
         if self._kv_exhausted(w, subject, n):
-            return False
-        return all(v < s.error_share for _, v in ratio_series(w, subject, ERRORS, REQUESTS)[-n:])
+            return None
+        if not all(v < s.error_share for _, v in ratio_series(w, subject, ERRORS, REQUESTS)[-n:]):
+            return None
+        # Recovery must be seen under traffic: a lull between bursts empties the queue with nothing
+        # fixed (the Azure code trace pauses for minutes at a time), and the next burst reopens it.
+        served = w.last(subject, REQUESTS, s.idle_resolve_points)
+        if not served or all(v > 0 for v in served[-n:]):
+            return "queue, KV cache and errors back to normal"
+        if len(served) == s.idle_resolve_points and not any(served):
+            return f"no requests for {s.idle_resolve_points} intervals: nothing left to saturate"
+        return None
 
     def _report(self, subject: str, st: _State) -> FindingReport:
         s = self.settings

@@ -136,6 +136,18 @@ def test_open_finding_stays_while_the_queue_is_long_and_resolves_after_clean_poi
     assert pool.run(opening).resolved == [(KEY, "queue, KV cache and errors back to normal")]
 
 
+def test_a_lull_between_bursts_does_not_resolve_but_ten_idle_minutes_do() -> None:
+    """Bursty traffic (the Azure code trace pauses for minutes) empties the queue without fixing anything."""
+    pool = Pool().tick(40).tick(12, waiting=3.0, grow=1.5)
+    [f] = pool.run().findings
+    opening = {KEY: OpenFinding(KEY, pool.ts, f.evidence)}
+    pool.tick(10, waiting=0.0, rate=0.0)
+    result = pool.run(opening)
+    assert not result.resolved and result.findings
+    pool.tick(30, waiting=0.0, rate=0.0)
+    assert pool.run(opening).resolved == [(KEY, "no requests for 40 intervals: nothing left to saturate")]
+
+
 def test_a_pool_that_stops_reporting_resolves() -> None:
     pool = Pool().tick(40).tick(12, waiting=3.0, grow=1.5)
     [f] = pool.run().findings
