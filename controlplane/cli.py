@@ -383,10 +383,13 @@ def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: boo
               help="Where each scenario's database goes.")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
               help="Scenarios run at once, each in its own process.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Runs per scenario: variants with other seeds and trace windows 5 min apart.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw delays and false alarms per kind into this .png, .svg or .html file.")
 @click.option("--json", "as_json", is_flag=True)
-def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, plot: Path | None, as_json: bool) -> None:
+def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, plot: Path | None,
+          as_json: bool) -> None:
     """Detection delay, precision, recall and false alarms of the policies against static alert rules."""
     from controlplane.evaluation import evaluate
     from controlplane.sim.run import mmss
@@ -403,7 +406,7 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, plot: Path | Non
 
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".html"):
         raise click.BadParameter(f"{plot}: write the chart as .png, .svg or .html", param_hint="--plot")
-    report = evaluate(list(scenarios) or None, workdir, progress, jobs)
+    report = evaluate(list(scenarios) or None, workdir, progress, jobs, repeats)
     data = report.as_dict()
     if plot is not None:
         from controlplane.evaluation_chart import save_eval_chart

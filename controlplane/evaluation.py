@@ -31,10 +31,11 @@ from controlplane.store.writer import SqlStore
 from policies.static_rules import static_policies
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 
-__all__ = ["EvalReport", "Finding", "KindScore", "ScenarioResult", "evaluate", "score"]
+__all__ = ["EvalReport", "Finding", "KindScore", "ScenarioResult", "evaluate", "score", "variant"]
 
 SMART, STATIC = "policies", "static rules"
 _PROGRESS_FROM_S = 2 * 3600.0  # scenarios this long (soaks) report their progress
+_VARIANT_SHIFT_S = 300.0  # trace seconds between the windows of a scenario's variants
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,14 +276,29 @@ def _evaluate_file(scenario: Scenario, db: Path) -> ScenarioResult:
     return asyncio.run(evaluate_scenario(scenario, f"sqlite:///{db}", show_progress=True))
 
 
+def variant(scenario: Scenario, k: int) -> Scenario:
+    """The k-th variant of a scenario: another seed, and the trace window five minutes of trace time later per k.
+
+    One run per scenario gives one detection delay per fault; variants give a distribution, on
+    different arrivals, prompts and sampling, with the same faults at the same times.
+    """
+    if k == 0:
+        return scenario
+    trace = scenario.trace.model_copy(update={"start": scenario.trace.start + _VARIANT_SHIFT_S * k})
+    return scenario.model_copy(update={"name": f"{scenario.name}-v{k}", "seed": scenario.seed + k, "trace": trace})
+
+
 def evaluate(names: Sequence[str] | None, workdir: Path,
-             progress: Callable[[str, ScenarioResult | None], None] | None = None, jobs: int = 1) -> EvalReport:
+             progress: Callable[[str, ScenarioResult | None], None] | None = None, jobs: int = 1,
+             repeats: int = 1) -> EvalReport:
     """Evaluate the named scenarios (all shipped ones by default), each into its own database.
 
-    With `jobs` > 1 the scenarios run in that many processes at once (a soak of 500 engine-hours
-    keeps one core busy for half an hour); the report lists them in the order asked for.
+    `repeats` runs each scenario that many times as `variant`s. With `jobs` > 1 the runs go in that
+    many processes at once (a soak of 500 engine-hours keeps one core busy for half an hour); the
+    report lists them in the order asked for.
     """
-    scenarios = [load_scenario(name) for name in names or builtin_scenarios()]  # every file checked first
+    scenarios = [variant(load_scenario(name), k)  # every file is checked before anything runs
+                 for name in names or builtin_scenarios() for k in range(repeats)]
     dbs = [workdir / f"eval-{sc.name}.db" for sc in scenarios]
     results: dict[int, ScenarioResult] = {}
     if jobs <= 1:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.evaluation import EvalReport, Finding, ScenarioResult, score
+from controlplane.evaluation import EvalReport, Finding, ScenarioResult, score, variant
 from controlplane.evaluation_chart import eval_chart, save_eval_chart
-from controlplane.sim.scenario import Truth
+from controlplane.sim.scenario import Truth, load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,3 +88,12 @@ def test_the_chart_has_a_delay_and_a_false_alarm_panel_and_names_misses(tmp_path
     with pytest.raises(ValueError, match="png, .svg or .html"):
         save_eval_chart(report, tmp_path / "eval.pdf")
     assert save_eval_chart(report, tmp_path / "eval.svg").read_text().startswith("<svg")
+
+
+def test_variants_move_the_seed_and_the_trace_window_and_keep_the_faults() -> None:
+    base = load_scenario("hot-expert")
+    assert variant(base, 0) is base
+    v = variant(base, 3)
+    assert (v.name, v.seed, v.trace.start) == ("hot-expert-v3", base.seed + 3, base.trace.start + 900.0)
+    assert v.faults == base.faults and v.fleet == base.fleet
+    assert [r.arrival_s for r in v.requests()][:50] != [r.arrival_s for r in base.requests()][:50]
