@@ -16,6 +16,7 @@ Scoring, per finding kind:
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 from controlplane.loop import TickReport
 from controlplane.sim.run import ScenarioRun, run_scenario
 from controlplane.sim.scenario import Scenario, Truth, builtin_scenarios, load_scenario
+from controlplane.sim.traces import load_trace
 from controlplane.store.writer import SqlStore
 from policies.static_rules import static_policies
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
@@ -284,8 +286,25 @@ def variant(scenario: Scenario, k: int) -> Scenario:
     """
     if k == 0:
         return scenario
-    trace = scenario.trace.model_copy(update={"start": scenario.trace.start + _VARIANT_SHIFT_S * k})
+    t = scenario.trace
+    start = t.start + _VARIANT_SHIFT_S * k
+    span = _trace_span(t.name)
+    if span is not None:
+        # Wrap within the trace, keeping at least half of it (or all the run needs) after the start.
+        start %= max(span - (t.duration or scenario.duration * t.speedup), span / 2)
+    trace = t.model_copy(update={"start": start})
     return scenario.model_copy(update={"name": f"{scenario.name}-v{k}", "seed": scenario.seed + k, "trace": trace})
+
+
+@functools.cache
+def _trace_span(name: str) -> float | None:
+    """Seconds from a recorded trace's first arrival to its last; None for ServeGen's generated days."""
+    if name.startswith("servegen/"):
+        return None
+    last = 0.0
+    for r in load_trace(name):
+        last = r.arrival_s
+    return last
 
 
 def evaluate(names: Sequence[str] | None, workdir: Path,
@@ -297,8 +316,9 @@ def evaluate(names: Sequence[str] | None, workdir: Path,
     many processes at once (a soak of 500 engine-hours keeps one core busy for half an hour); the
     report lists them in the order asked for.
     """
-    scenarios = [variant(load_scenario(name), k)  # every file is checked before anything runs
-                 for name in names or builtin_scenarios() for k in range(repeats)]
+    scenarios = [variant(load_scenario(name), k) for name in names or builtin_scenarios() for k in range(repeats)]
+    for sc in scenarios:  # every file and trace window is checked before anything runs
+        next(sc.requests())
     dbs = [workdir / f"eval-{sc.name}.db" for sc in scenarios]
     results: dict[int, ScenarioResult] = {}
     if jobs <= 1:
