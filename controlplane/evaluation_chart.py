@@ -43,7 +43,7 @@ def eval_chart(report: dict[str, Any]) -> alt.VConcatChart:
         color=color, tooltip=["kind:N", "detector:N", "false alarms per 1000 engine-h:Q"],
     )
     summary = report["summary"]
-    title = (f"{len(report['scenarios'])} scenario(s), {report['engine_hours']:.0f} engine-hours; median delay "
+    title = (f"{len(report['scenarios'])} run(s), {report['engine_hours']:.0f} engine-hours; median delay "
              f"{_fmt(summary['policies']['delay_median_intervals'])} vs {_fmt(summary['static rules']['delay_median_intervals'])}"
              " intervals (policies vs static rules)")
     return alt.vconcat((delay + whisker + found).properties(width=520, height=260),
