@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from collectors.types import Role
@@ -181,9 +183,18 @@ def test_shipped_scenarios_load_and_cover_every_fault_kind_with_ground_truth() -
             "gpu_xid"} <= kinds <= set(FAULT_KINDS)
 
 
-def test_a_bad_scenario_names_the_field_and_line(tmp_path: object) -> None:
-    from pathlib import Path
+def test_the_soak_scenarios_load_are_fault_free_and_long() -> None:
+    """`bench/scenarios/soak-*.yaml` are what the false-alarm figures in the README rest on."""
+    soaks = sorted((Path(__file__).resolve().parents[2] / "bench" / "scenarios").glob("soak-*.yaml"))
+    assert len(soaks) >= 3
+    for path in soaks:
+        sc = load_scenario(str(path))
+        sc.controlplane_config("sqlite://")
+        assert not sc.faults and sc.duration >= 24 * 3600, path.name
+        assert next(sc.requests()).arrival_s >= 0
 
+
+def test_a_bad_scenario_names_the_field_and_line(tmp_path: object) -> None:
     from controlplane.errors import ConfigError
 
     path = Path(str(tmp_path)) / "bad.yaml"
