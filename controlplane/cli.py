@@ -404,13 +404,14 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, pl
             err.print(f"  {name}: {result.engine_hours:.1f} engine-hours in {result.wall_s:.0f} s; "
                       f"{found or 'no findings'}")
 
-    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".html"):
-        raise click.BadParameter(f"{plot}: write the chart as .png, .svg or .html", param_hint="--plot")
+    if plot is not None:
+        from controlplane.evaluation_chart import CHART_FORMATS, CHART_SUFFIXES, save_eval_chart
+
+        if plot.suffix.lower() not in CHART_SUFFIXES:  # before the run, not after it
+            raise click.BadParameter(f"{plot}: write the chart as {CHART_FORMATS}", param_hint="--plot")
     report = evaluate(list(scenarios) or None, workdir, progress, jobs, repeats)
     data = report.as_dict()
     if plot is not None:
-        from controlplane.evaluation_chart import save_eval_chart
-
         err.print(f"chart: {save_eval_chart(data, plot)}")
     if as_json:
         _emit_json(data)

@@ -246,7 +246,7 @@ class _StaticBook:
                     self.findings[i] = Finding(f.detector, f.kind, f.subject, f.opened_s, now - run.start)
 
 
-async def evaluate_scenario(scenario: Scenario, db_url: str, *, show_progress: bool = False) -> ScenarioResult:
+async def evaluate_scenario(scenario: Scenario, db_url: str) -> ScenarioResult:
     """Run one scenario and collect both detectors' findings; long ones report each tenth on stderr."""
     book = _StaticBook(scenario)
     tenth = scenario.duration / 10
@@ -255,7 +255,7 @@ async def evaluate_scenario(scenario: Scenario, db_url: str, *, show_progress: b
     def hook(run: ScenarioRun, report: TickReport) -> None:
         nonlocal shown
         book.tick(run)
-        if show_progress and scenario.duration >= _PROGRESS_FROM_S and run.elapsed >= (shown + 1) * tenth:
+        if scenario.duration >= _PROGRESS_FROM_S and run.elapsed >= (shown + 1) * tenth:
             shown += 1
             print(f"  {scenario.name}: {shown * 10} % ({run.elapsed / 3600:.1f} of {scenario.duration / 3600:.1f} "
                   f"fleet hours, {run.engine_hours():.0f} engine-hours)", file=sys.stderr, flush=True)
@@ -275,7 +275,7 @@ async def evaluate_scenario(scenario: Scenario, db_url: str, *, show_progress: b
 def _evaluate_file(scenario: Scenario, db: Path) -> ScenarioResult:
     """One scenario in a fresh database: what each worker process runs."""
     db.unlink(missing_ok=True)
-    return asyncio.run(evaluate_scenario(scenario, f"sqlite:///{db}", show_progress=True))
+    return asyncio.run(evaluate_scenario(scenario, f"sqlite:///{db}"))
 
 
 def variant(scenario: Scenario, k: int) -> Scenario:

@@ -7,7 +7,10 @@ from typing import Any
 
 import altair as alt
 
-__all__ = ["eval_chart", "save_eval_chart"]
+__all__ = ["CHART_FORMATS", "CHART_SUFFIXES", "eval_chart", "save_eval_chart"]
+
+CHART_SUFFIXES = (".png", ".svg", ".html")
+CHART_FORMATS = f"{', '.join(CHART_SUFFIXES[:-1])} or {CHART_SUFFIXES[-1]}"  # for messages
 
 _COLORS = alt.Scale(domain=["policies", "static rules"], range=["#1f77b4", "#bbbbbb"])
 
@@ -52,8 +55,8 @@ def eval_chart(report: dict[str, Any]) -> alt.VConcatChart:
 
 def save_eval_chart(report: dict[str, Any], path: Path) -> Path:
     """Write the chart as PNG, SVG or HTML, by the file's suffix."""
-    if path.suffix.lower() not in (".png", ".svg", ".html"):
-        raise ValueError(f"{path}: the chart is written as .png, .svg or .html, not {path.suffix or 'no suffix'}")
+    if path.suffix.lower() not in CHART_SUFFIXES:
+        raise ValueError(f"{path}: the chart is written as {CHART_FORMATS}, not {path.suffix or 'no suffix'}")
     eval_chart(report).save(str(path), **({"scale_factor": 2} if path.suffix.lower() == ".png" else {}))
     return path
 

@@ -115,11 +115,10 @@ class KvTransferLag:
             ref, _ = median_mad([v for _, v in points])
         else:
             # No history yet: its peers' bandwidth, else no judgement until there is a baseline.
-            peers = [v for other in subjects if other != subject
-                     if (v := inp.windows.latest(other, path.bandwidth)) is not None]
-            if len(peers) < s.min_peers:
+            peers = self._peer_median(inp, path, subject, subjects, path.bandwidth)
+            if peers is None:
                 return False
-            ref = statistics.median(peers)
+            ref = peers
         return all(v < ref * s.bandwidth_drop for v in recent)
 
     def _stands_out(self, recent: list[float], baseline: tuple[float, float] | None, peers: float | None) -> bool:
@@ -132,10 +131,12 @@ class KvTransferLag:
             return True  # without history the peer threshold already compares it with its peers
         return all(v >= peers * self.settings.stand_out_ratio for v in recent)
 
-    def _peers(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str]) -> float | None:
+    def _peer_median(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str],
+                     signal: str) -> float | None:
+        """Median of `signal` over the subject's peers (same pool for engines), None with too few."""
         group = subject.rsplit("/", 2)[0] if path.prefix == "engine/" else path.prefix
         values = [v for other in subjects if other != subject and other.startswith(group)
-                  if (v := inp.windows.latest(other, path.p99)) is not None]
+                  if (v := inp.windows.latest(other, signal)) is not None]
         return statistics.median(values) if len(values) >= self.settings.min_peers else None
 
     def _threshold(self, baseline: tuple[float, float] | None, peers: float | None) -> float | None:
@@ -154,7 +155,7 @@ class KvTransferLag:
         baseline = self._baseline(inp, path, subject)
         if open_evidence is not None and open_evidence.get("baseline_p99") is not None:
             baseline = (float(open_evidence["baseline_p99"]), float(open_evidence.get("baseline_sigma", 0.0)))
-        peers = self._peers(inp, path, subject, subjects)
+        peers = self._peer_median(inp, path, subject, subjects, path.p99)
         threshold = self._threshold(baseline, peers)
         recent = inp.windows.last(subject, path.p99, s.recent_points)
         failures = inp.windows.last(subject, path.failures, s.recent_points)

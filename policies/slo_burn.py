@@ -192,7 +192,7 @@ class SloBurn:
         # must cool well below the rate that opened it.
         cooled = all(b.burn[_label(w.short_s)] < s.resolve_fraction * w.burn for b in objectives for w in s.windows
                      if b.burn[_label(w.long_s)] >= w.burn)
-        return bool(full) and cooled and all(v <= b.slo for b, r in recents for v in r[-n:])
+        return bool(full) and cooled and all(v <= b.slo for b, r in recents for v in r)
 
     def _attribute(self, inp: PolicyInput, state: PoolState, burn: _Burn) -> None:
         s = self.settings
