@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from collectors.exposition import Parser, parse
+from controlplane.data import read_text, shipped
 
 __all__ = ["REAL_EXPOSITION", "identical", "multi_engine", "reference_samples", "run_parse_bench"]
 
@@ -26,8 +26,8 @@ Row = tuple[str, dict[str, str], float, float | None]
 
 
 def load_real() -> str:
-    """The captured real vLLM exposition shipped with the benchmarks."""
-    return (Path(__file__).parent / "data" / REAL_EXPOSITION).read_text(encoding="utf-8")
+    """The captured real vLLM exposition the project ships among its fixtures."""
+    return read_text(shipped(f"fixtures/{REAL_EXPOSITION}"))
 
 
 def multi_engine(text: str, engines: int) -> str:

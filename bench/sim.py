@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from controlplane.sim.prefix_cache import ReplayResult, replay
@@ -29,9 +28,9 @@ def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def run_sim_bench(trace: str = "mooncake/conversation", capacity_blocks: int = 20_000,
-                  repeats: int = 3, base: Path | None = None) -> dict[str, Any]:
+                  repeats: int = 3) -> dict[str, Any]:
     """Replay throughput of a whole trace through one global LRU cache (routed engines: `run_fleet_bench`)."""
-    load_s, requests = _best(lambda: list(load_trace(trace, base=base)), repeats)
+    load_s, requests = _best(lambda: list(load_trace(trace)), repeats)
     requests_list: list[Request] = requests
 
     def run() -> ReplayResult:
@@ -59,13 +58,12 @@ def run_sim_bench(trace: str = "mooncake/conversation", capacity_blocks: int = 2
     }
 
 
-def run_fleet_bench(trace: str = "mooncake/conversation", prefill: int = 8, decode: int = 24,
-                    base: Path | None = None) -> dict[str, Any]:
+def run_fleet_bench(trace: str = "mooncake/conversation", prefill: int = 8, decode: int = 24) -> dict[str, Any]:
     """The whole trace through the engine-level fleet simulator (batching, caches, handoffs) on one core."""
     from collectors.types import Role
     from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet
 
-    requests = list(load_trace(trace, base=base))
+    requests = list(load_trace(trace))
     spec = FleetSpec(pools=(PoolSpec("prefill", Role.PREFILL, prefill), PoolSpec("decode", Role.DECODE, decode)))
     fleet = SimFleet(spec, requests)
     sim_s = requests[-1].arrival_s + 60.0  # and a minute to drain

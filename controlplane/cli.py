@@ -344,7 +344,7 @@ def sim_list() -> None:
     for name in builtin_scenarios():
         sc = load_scenario(name)
         faults = ", ".join(f"{f.kind}@{f.at / 60:g}m" for f in sc.faults) or "none (fault-free replay)"
-        t.add_row(name, sc.trace.name, f"{sc.duration / 60:g} min", faults, " ".join(sc.description.split()))
+        t.add_row(name, sc.trace.label, f"{sc.duration / 60:g} min", faults, " ".join(sc.description.split()))
     out.print(t)
 
 
@@ -361,6 +361,7 @@ def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: boo
     from controlplane.sim.scenario import load_scenario
 
     sc = load_scenario(scenario)
+    sc.check()
     timeline = Timeline()
 
     def show(run: Any, report: Any) -> None:

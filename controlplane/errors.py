@@ -21,6 +21,20 @@ class ConfigError(FleetError):
         super().__init__(f"{source}: invalid fleet configuration ({len(problems)} problem(s)):\n{lines}")
 
 
+class DataError(FleetError):
+    """A data file (trace, performance profile, fixture) is missing, truncated, damaged or malformed.
+
+    The message names the file (and the line, where there is one) and what is wrong with it.
+    """
+
+    exit_code = 3
+
+    def __init__(self, path: object, message: str, line: int | None = None) -> None:
+        self.path = str(path)
+        self.line = line
+        super().__init__(f"{path}:{line}: {message}" if line is not None else f"{path}: {message}")
+
+
 class StoreUnavailable(FleetError):
     """The store cannot be reached or opened."""
 

@@ -28,7 +28,7 @@ from typing import Any
 from controlplane.loop import TickReport
 from controlplane.sim.run import ScenarioRun, run_scenario
 from controlplane.sim.scenario import Scenario, Truth, builtin_scenarios, load_scenario
-from controlplane.sim.traces import load_trace
+from controlplane.sim.traces import trace_span
 from controlplane.store.writer import SqlStore
 from policies.static_rules import static_policies
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
@@ -288,7 +288,7 @@ def variant(scenario: Scenario, k: int) -> Scenario:
         return scenario
     t = scenario.trace
     start = t.start + _VARIANT_SHIFT_S * k
-    span = _trace_span(t.name)
+    span = _trace_span(*t.source())
     if span is not None:
         # Wrap within the trace, keeping at least half of it (or all the run needs) after the start.
         start %= max(span - (t.duration or scenario.duration * t.speedup), span / 2)
@@ -296,15 +296,7 @@ def variant(scenario: Scenario, k: int) -> Scenario:
     return scenario.model_copy(update={"name": f"{scenario.name}-v{k}", "seed": scenario.seed + k, "trace": trace})
 
 
-@functools.cache
-def _trace_span(name: str) -> float | None:
-    """Seconds from a recorded trace's first arrival to its last; None for ServeGen's generated days."""
-    if name.startswith("servegen/"):
-        return None
-    last = 0.0
-    for r in load_trace(name):
-        last = r.arrival_s
-    return last
+_trace_span = functools.cache(trace_span)
 
 
 def evaluate(names: Sequence[str] | None, workdir: Path,
@@ -318,7 +310,7 @@ def evaluate(names: Sequence[str] | None, workdir: Path,
     """
     scenarios = [variant(load_scenario(name), k) for name in names or builtin_scenarios() for k in range(repeats)]
     for sc in scenarios:  # every file and trace window is checked before anything runs
-        next(sc.requests())
+        sc.check()
     dbs = [workdir / f"eval-{sc.name}.db" for sc in scenarios]
     results: dict[int, ScenarioResult] = {}
     if jobs <= 1:

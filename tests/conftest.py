@@ -16,13 +16,14 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from controlplane.data import DATA_DIR
 from controlplane.store import migrate
 from controlplane.store.db import normalize_url
 from controlplane.store.writer import SqlStore
 
 PG_ADMIN_URL = normalize_url(os.environ.get("FLEET_TEST_PG_URL", "postgresql://127.0.0.1:5432/test"))
-# The project's shared material (fixtures, traces) lives beside the checkout.
-SHARED = Path(os.environ.get("FLEET_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+# Metric fixtures the project ships beside its traces (see controlplane/data/NOTICE.md).
+FIXTURES = DATA_DIR / "fixtures"
 
 
 @pytest.fixture(scope="session")

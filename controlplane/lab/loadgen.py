@@ -207,12 +207,10 @@ def lab_blocks(req: Request, settings: LoadSettings) -> list[tuple[str, int]]:
     return out
 
 
-def lab_trace(name: str, count: int, *, base: Path | None = None) -> list[Request]:
+def lab_trace(name: str, count: int) -> list[Request]:
     """The first `count` requests of a lab trace (a key of `LAB_TRACES`, or a `traces.TRACES` name)."""
     key = LAB_TRACES.get(name, name)
-    path = trace_path(key, base)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace {name!r}: no file at {path}")
+    path = trace_path(key)
     if key.startswith("mooncake/"):
         rows: Iterator[Request] = load_mooncake(path, spread_s=MOONCAKE_SPREAD_S)
     else:

@@ -1,6 +1,7 @@
 """Serving-time model of one engine, calibrated from measured performance profiles.
 
-Owns reading the profiles under the shared data folder, fitting them, and answering how long a
+Owns reading the profiles (the shipped ones under `controlplane/data/perf`, or a user's own of the
+same formats by path), fitting them, and answering how long a
 prefill of some prompt tokens (part of them cached) and one decode step of a batch take.
 
 Profiles (`load_profiles`):
@@ -35,8 +36,11 @@ speed factor (2.0: twice as fast as the profiled hardware).
 from __future__ import annotations
 
 import csv
+import functools
+import io
 import math
 import statistics
+import zipfile
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -46,9 +50,11 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from controlplane.sim.traces import data_dir
+from controlplane.data import DATA_DIR, read_bytes, read_lines
+from controlplane.errors import DataError
 
-__all__ = ["DYNAMO_PROFILE", "PerfModel", "Profile", "fit", "load_dynamo", "load_model", "load_profiles", "load_splitwise"]
+__all__ = ["DYNAMO_PROFILE", "PerfModel", "Profile", "fit", "load_dynamo", "load_model", "load_profile", "load_profiles",
+           "load_splitwise"]
 
 DYNAMO_PROFILE = "dynamo/h200/llama3.1-8b-fp8"
 # vLLM V1's default max_num_seqs on GPUs of 70 GB and more; the profile's C=350 points past it
@@ -226,22 +232,39 @@ def _isotonic(values: Sequence[float]) -> list[float]:
 # loading ------------------------------------------------------------------------------------
 
 
+DYNAMO_DIR = DATA_DIR / "perf" / "dynamo_h200_llama31_8b_fp8"
+SPLITWISE_CSV = DATA_DIR / "perf" / "splitwise" / "perf_model.csv.gz"
+
+
+def _npz(path: Path, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """The named arrays of an npz file; a missing, damaged or incomplete file is a `DataError`."""
+    try:
+        with np.load(io.BytesIO(read_bytes(path))) as arrays:
+            missing = [k for k in keys if k not in arrays.files]
+            if missing:
+                raise DataError(path, f"missing arrays {', '.join(missing)} (has {', '.join(arrays.files) or 'none'})")
+            out = {k: np.asarray(arrays[k], dtype=float) for k in keys}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise DataError(path, f"not a readable npz file ({exc})") from None
+    sizes = {len(out[k]) for k in keys if k != "max_kv_tokens"}
+    if len(sizes) != 1 or not sizes.pop():
+        raise DataError(path, f"arrays {', '.join(keys)} must be non-empty and of one length")
+    return out
+
+
 def load_dynamo(folder: Path | None = None) -> Profile:
-    """The Dynamo H200 profile of Llama-3.1-8B-Instruct-FP8 from its raw npz files (ms converted to s)."""
-    folder = folder or data_dir() / "perf" / "dynamo_h200_llama31_8b_fp8"
-    with np.load(folder / "prefill_raw_data.npz") as pre:
-        isl = pre["prefill_isl"]
-        ttft = pre["prefill_ttft"]
-    with np.load(folder / "decode_raw_data.npz") as dec:
-        kv = dec["x_kv_usage"]
-        ctx = dec["y_context_length"]
-        itl = dec["z_itl"]
-        max_kv = float(dec["max_kv_tokens"][0])
-    prefill = tuple((int(i), float(t) / 1e3) for i, t in zip(isl, ttft, strict=True))
+    """A Dynamo planner profile from its raw npz files (ms converted to s); the shipped H200 one by default."""
+    folder = folder or DYNAMO_DIR
+    pre = _npz(folder / "prefill_raw_data.npz", ("prefill_isl", "prefill_ttft"))
+    dec = _npz(folder / "decode_raw_data.npz", ("x_kv_usage", "y_context_length", "z_itl", "max_kv_tokens"))
+    max_kv = float(dec["max_kv_tokens"][0])
+    prefill = tuple((int(i), float(t) / 1e3) for i, t in zip(pre["prefill_isl"], pre["prefill_ttft"], strict=True))
     decode = tuple(
-        (round(float(u) * max_kv / float(c)), float(c), float(t) / 1e3) for u, c, t in zip(kv, ctx, itl, strict=True)
+        (round(float(u) * max_kv / float(c)), float(c), float(t) / 1e3)
+        for u, c, t in zip(dec["x_kv_usage"], dec["y_context_length"], dec["z_itl"], strict=True)
     )
-    return Profile(DYNAMO_PROFILE, str(folder), prefill, decode, (), DYNAMO_MAX_BATCH)
+    name = DYNAMO_PROFILE if folder == DYNAMO_DIR else f"dynamo/{folder.name}"
+    return Profile(name, str(folder), prefill, decode, (), DYNAMO_MAX_BATCH)
 
 
 SPLITWISE_COLUMNS = ("model", "hardware", "prompt_size", "batch_size", "token_size", "prompt_time", "token_time",
@@ -249,24 +272,25 @@ SPLITWISE_COLUMNS = ("model", "hardware", "prompt_size", "batch_size", "token_si
 
 
 def load_splitwise(path: Path | None = None) -> dict[str, Profile]:
-    """Every (model, hardware, tensor parallel) of Splitwise's perf_model.csv as a profile."""
-    path = path or data_dir() / "perf" / "splitwise" / "perf_model.csv"
+    """Every (model, hardware, tensor parallel) of a Splitwise perf_model.csv as a profile; the shipped one by default."""
+    path = path or SPLITWISE_CSV
     prompt: dict[tuple[str, str, int], dict[tuple[int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
     token: dict[tuple[str, str, int], dict[tuple[int, int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in SPLITWISE_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{path}:1: missing columns {', '.join(missing)}")
-        for row in reader:
-            try:
-                key = (row["model"], row["hardware"], int(row["tensor_parallel"]))
-                p, b, t = int(row["prompt_size"]), int(row["batch_size"]), int(row["token_size"])
-                pt, tt = float(row["prompt_time"]) / 1e3, float(row["token_time"]) / 1e3
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{reader.line_num}: malformed row ({exc})") from None
-            prompt[key][(b, p)].append(pt)
-            token[key][(b, p, t)].append(tt)
+    reader = csv.DictReader(read_lines(path))
+    missing = [c for c in SPLITWISE_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise DataError(path, f"missing columns {', '.join(missing)}", 1)
+    for row in reader:
+        try:
+            key = (row["model"], row["hardware"], int(row["tensor_parallel"]))
+            p, b, t = int(row["prompt_size"]), int(row["batch_size"]), int(row["token_size"])
+            pt, tt = float(row["prompt_time"]) / 1e3, float(row["token_time"]) / 1e3
+        except (TypeError, ValueError) as exc:
+            raise DataError(path, f"malformed row ({exc})", reader.line_num) from None
+        prompt[key][(b, p)].append(pt)
+        token[key][(b, p, t)].append(tt)
+    if not prompt:
+        raise DataError(path, "no rows")
     out: dict[str, Profile] = {}
     for key in sorted(prompt):
         model, hardware, tp = key
@@ -290,17 +314,36 @@ def load_splitwise(path: Path | None = None) -> dict[str, Profile]:
     return out
 
 
-def load_profiles(base: Path | None = None) -> dict[str, Profile]:
-    """Every profile in the shared data folder, by name."""
-    root = base or data_dir()
-    profiles = {DYNAMO_PROFILE: load_dynamo(root / "perf" / "dynamo_h200_llama31_8b_fp8")}
-    profiles.update(load_splitwise(root / "perf" / "splitwise" / "perf_model.csv"))
+def load_profiles() -> dict[str, Profile]:
+    """Every shipped profile, by name."""
+    profiles = {DYNAMO_PROFILE: load_dynamo()}
+    profiles.update(load_splitwise())
     return profiles
 
 
-def load_model(name: str = DYNAMO_PROFILE, speed: float = 1.0, base: Path | None = None) -> PerfModel:
-    """The fitted model of a named profile at a pool speed factor."""
-    profiles = load_profiles(base)
-    if name not in profiles:
-        raise KeyError(f"unknown profile {name!r}; known: {', '.join(profiles)}")
-    return fit(profiles[name]).with_speed(speed)
+def load_profile(name_or_path: str) -> Profile:
+    """A shipped profile by name, or a user's: a Dynamo profile folder (`prefill_raw_data.npz`,
+    `decode_raw_data.npz`) or a Splitwise CSV holding exactly one model, hardware and TP."""
+    path = Path(name_or_path)
+    if name_or_path == DYNAMO_PROFILE:
+        return load_dynamo()
+    if name_or_path.startswith("splitwise/") and not path.exists():
+        profiles = load_splitwise()
+        if name_or_path not in profiles:
+            raise DataError(name_or_path, f"no such shipped profile; shipped: {', '.join(load_profiles())}")
+        return profiles[name_or_path]
+    if path.is_dir():
+        return load_dynamo(path)
+    if path.is_file():
+        found = load_splitwise(path)
+        if len(found) != 1:
+            raise DataError(path, f"holds {len(found)} profiles ({', '.join(found)}); keep one model, hardware and TP")
+        return next(iter(found.values()))
+    raise DataError(name_or_path, f"no such profile file or folder, and no shipped profile of that name; "
+                                  f"shipped: {', '.join(load_profiles())}")
+
+
+@functools.cache
+def load_model(name: str = DYNAMO_PROFILE, speed: float = 1.0) -> PerfModel:
+    """The fitted model of a profile (a shipped name or a path, see `load_profile`) at a pool speed factor."""
+    return fit(load_profile(name)).with_speed(speed)

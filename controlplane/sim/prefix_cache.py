@@ -5,7 +5,7 @@ Owns the cache semantics the simulator uses: a request hits the longest prefix o
 if absent), and least-recently-used blocks are evicted beyond the capacity. The access sequence
 does not depend on the capacity, so LRU's inclusion (stack) property holds: a larger cache holds
 a superset of a smaller one's blocks, and hit ratios never fall as capacity grows. This is the
-rule the published Mooncake LRU figures use (shared/reference/datasets.md), against which
+rule behind the Mooncake LRU hit ratios published with the traces, against which
 `fleetctl sim validate` checks the traces. The engines keep their own cache (`engine.py`): vLLM's,
 where blocks that running requests hold cannot be evicted; routing lives in `routing.py`.
 """

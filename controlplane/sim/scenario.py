@@ -22,11 +22,15 @@ from controlplane.errors import ConfigError
 from controlplane.sim.engine import EngineConfig
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
 from controlplane.sim.moe import EplbConfig, MoeSpec
+from controlplane.sim.perf import DYNAMO_PROFILE, load_model
 from controlplane.sim.routing import RouterKind
 from controlplane.sim.speculation import SpecConfig
-from controlplane.sim.traces import Request, load_servegen, load_trace, servegen_requests
+from controlplane.sim.traces import Request, TraceFormat, read_trace, shipped_trace, trace_format
 
-__all__ = ["FAULT_KINDS", "Fault", "Scenario", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
+__all__ = ["FAULT_KINDS", "Fault", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
+
+# ServeGen's language models publish no lengths: requests get these (prompt, output) tokens.
+SERVEGEN_LENGTHS = (1500, 250)
 
 
 class _Strict(BaseModel):
@@ -34,14 +38,47 @@ class _Strict(BaseModel):
 
 
 class TraceSpec(_Strict):
-    """Which trace, which window of it, how much faster than recorded."""
+    """Which trace (a shipped one by `name`, or a file or ServeGen folder by `path`), which window, how fast."""
 
-    name: str
+    name: str | None = None  # azure/conv, azure/code, mooncake/conversation, mooncake/synthetic, servegen/<kind>/<model>
+    path: str | None = None  # relative to the scenario file; format from the name unless `format` says
+    format: TraceFormat | None = None
     start: float = Field(0.0, ge=0)
     duration: Seconds | None = None
     speedup: float = Field(1.0, gt=0)
     clients: list[str] | None = None  # ServeGen: the clients to replay (all by default)
     sample: float = Field(1.0, gt=0, le=1)  # ServeGen: share of arrivals kept
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TraceSpec:
+        if (self.name is None) == (self.path is None):
+            raise ValueError("give the trace either a name (a shipped trace) or a path (your own file or folder)")
+        if self.name is not None:
+            try:
+                shipped_trace(self.name)
+            except KeyError as exc:
+                raise ValueError(str(exc.args[0])) from None
+            if self.format is not None:
+                raise ValueError("format applies to a trace given by path; a shipped trace's format is known")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The trace as the scenario names it."""
+        return self.name or str(self.path)
+
+    def source(self) -> tuple[Path, TraceFormat]:
+        """(file or folder, format) to read."""
+        if self.name is not None:
+            return shipped_trace(self.name)
+        path = Path(str(self.path))
+        return path, self.format or trace_format(path)
+
+    def requests(self, duration_s: float, seed: int) -> Iterator[Request]:
+        """The trace's arrivals in its window, `duration_s` of trace time long unless `duration` says."""
+        path, fmt = self.source()
+        return read_trace(path, fmt, start_s=self.start, duration_s=self.duration or duration_s, speedup=self.speedup,
+                          seed=seed, clients=self.clients, sample=self.sample, default_lengths=SERVEGEN_LENGTHS)
 
 
 class SpecModel(_Strict):
@@ -79,6 +116,7 @@ class PoolModel(_Strict):
     max_num_seqs: int = Field(256, ge=1)
     max_batched_tokens: int = Field(8192, ge=64)
     startup: Seconds = 120.0
+    profile: str = DYNAMO_PROFILE  # a shipped profile's name, or a Dynamo profile folder or Splitwise CSV by path
     spec: SpecModel = SpecModel()
     moe: MoeModel | None = None
     eplb: EplbModel | None = None
@@ -178,16 +216,9 @@ class Scenario(_Strict):
     def requests(self) -> Iterator[Request]:
         """The trace window as arrivals from 0, replayed again from its start if the run outlasts it."""
         t = self.trace
-        duration = t.duration or self.duration * t.speedup
-        if t.name.startswith("servegen/"):
-            model = load_servegen(t.name.removeprefix("servegen/"))
-            window = list(servegen_requests(model, start_s=t.start, duration_s=duration, speedup=t.speedup,
-                                            seed=self.seed, clients=t.clients, default_lengths=(1500, 250),
-                                            sample=t.sample))
-        else:
-            window = list(load_trace(t.name, start_s=t.start, duration_s=duration, speedup=t.speedup))
+        window = list(t.requests(self.duration * t.speedup, self.seed))
         if not window:
-            raise ConfigError(self.source or self.name, [f"trace {t.name!r} has no requests in the chosen window"])
+            raise ConfigError(self.source or self.name, [f"trace {t.label!r} has no requests in the chosen window"])
         span = max(window[-1].arrival_s, 1.0)
         offset = 0.0
         while offset < self.duration:
@@ -196,6 +227,12 @@ class Scenario(_Strict):
                     return
                 yield replace(r, arrival_s=offset + r.arrival_s) if offset else r
             offset += span
+
+    def check(self) -> None:
+        """Read what the run will need (the trace window, every pool's profile), so a bad file fails before it starts."""
+        next(self.requests())
+        for p in self.fleet.pools:
+            load_model(p.profile, p.speed)
 
     def fleet_spec(self) -> FleetSpec:
         """The simulator's fleet."""
@@ -208,7 +245,7 @@ class Scenario(_Strict):
                 spec=SpecConfig(p.spec.method, p.spec.num_speculative_tokens),
                 moe=MoeSpec(p.moe.experts, p.moe.ranks, p.moe.zipf_s, p.moe.moe_share, seed=self.seed) if p.moe else None,
                 eplb=EplbConfig(p.eplb.window_size, p.eplb.step_interval, p.eplb.num_redundant_experts) if p.eplb else None,
-                startup_s=p.startup,
+                startup_s=p.startup, profile=p.profile,
             )
             for p in f.pools
         )
@@ -238,8 +275,13 @@ class Scenario(_Strict):
 def load_scenario(name_or_path: str) -> Scenario:
     """A shipped scenario by name, or a scenario file by path."""
     path = Path(name_or_path)
+    here: Path | None = None  # the folder a user's scenario file lies in
     if path.suffix in (".yaml", ".yml") and path.exists():
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(str(path), [f"cannot read the scenario file ({exc})"]) from None
+        source, here = str(path), path.resolve().parent
     else:
         shipped = resources.files("controlplane.sim").joinpath("scenarios", f"{name_or_path}.yaml")
         if not shipped.is_file():
@@ -247,7 +289,25 @@ def load_scenario(name_or_path: str) -> Scenario:
             raise ConfigError(name_or_path, [f"no such scenario file or shipped scenario; shipped: {known}"])
         text, source = shipped.read_text(encoding="utf-8"), f"scenarios/{name_or_path}.yaml"
     scenario = parse_yaml(text, Scenario, source)
+    if here is not None:
+        scenario = _resolve_paths(scenario, here)
     return scenario.model_copy(update={"source": source})
+
+
+def _beside(value: str | None, here: Path) -> str | None:
+    if value is None or Path(value).is_absolute() or not (here / value).exists():
+        return value
+    return str(here / value)
+
+
+def _resolve_paths(scenario: Scenario, here: Path) -> Scenario:
+    """A user's trace and profiles lie beside the scenario that names them, wherever the command runs."""
+    trace = scenario.trace
+    if trace.path is not None and not Path(trace.path).is_absolute():
+        trace = trace.model_copy(update={"path": str(here / trace.path)})
+    pools = [p.model_copy(update={"profile": _beside(p.profile, here)}) for p in scenario.fleet.pools]
+    fleet = scenario.fleet.model_copy(update={"pools": pools})
+    return scenario.model_copy(update={"trace": trace, "fleet": fleet})
 
 
 def builtin_scenarios() -> list[str]:

@@ -1,11 +1,14 @@
 """Public workload traces as one stream of `Request` records.
 
-Owns reading the traces under the shared data folder (never copied into the project): the Azure
-LLM inference traces 2023 (code, conversation), the Mooncake FAST'25 traces (with 512-token
-prefix-block hashes) and ServeGen's per-client rate series (turned into arrivals). Every loader
-takes a window of trace time (`start_s`, `duration_s`) and a `speedup`; a request's `arrival_s`
-is `(trace time - start_s) / speedup`. File loaders are generators that read line by line;
-malformed rows raise `TraceError` naming the file and line. Everything is deterministic.
+Owns reading traces: the ones the project ships (`controlplane/data`, see its NOTICE) by name,
+and a user's own by path, in the same three formats: the Azure LLM inference traces 2023 (CSV:
+`TIMESTAMP,ContextTokens,GeneratedTokens`), the Mooncake FAST'25 traces (JSONL with 512-token
+prefix-block hashes) and ServeGen's per-client rate series (a folder of `chunk-<client>-trace.csv`,
+turned into arrivals), each file plain or gzip'd. Every loader takes a window of trace time
+(`start_s`, `duration_s`) and a `speedup`; a request's `arrival_s` is `(trace time - start_s) /
+speedup`. File loaders are generators that read line by line; a missing, truncated or malformed
+file raises `DataError` (`TraceError` for a bad row) naming the file and line. Everything is
+deterministic.
 """
 
 from __future__ import annotations
@@ -13,43 +16,55 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
+
+from controlplane.data import DATA_DIR, read_lines, read_text, shipped
+from controlplane.errors import DataError
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "SERVEGEN_WINDOW_S",
     "TRACES",
+    "TRACE_FORMATS",
     "RateWindow",
     "Request",
     "ServeGenModel",
     "TraceError",
-    "data_dir",
+    "TraceFormat",
     "load_azure",
     "load_mooncake",
     "load_servegen",
     "load_trace",
+    "read_trace",
     "servegen_requests",
+    "shipped_trace",
+    "trace_format",
     "trace_path",
+    "trace_span",
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
 SERVEGEN_WINDOW_S = 600.0
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 SERVEGEN_DISTS = ("Gamma", "Weibull", "")
+SERVEGEN_DIR = "traces/servegen"
 
-# Names accepted by `load_trace`, relative to the data folder.
+TraceFormat = Literal["azure", "mooncake", "servegen"]
+TRACE_FORMATS: tuple[str, ...] = get_args(TraceFormat)
+
+# Names accepted by `load_trace`, relative to the data folder; ServeGen models are `servegen/<kind>/<model>`.
 TRACES: dict[str, str] = {
-    "mooncake/conversation": "traces/mooncake/conversation_trace.jsonl",
-    "mooncake/synthetic": "traces/mooncake/synthetic_trace.jsonl",
-    "azure/code": "traces/azure_llm_2023/AzureLLMInferenceTrace_code.csv",
-    "azure/conv": "traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
+    "mooncake/conversation": "traces/mooncake/conversation_trace.jsonl.gz",
+    "mooncake/synthetic": "traces/mooncake/synthetic_trace.jsonl.gz",
+    "azure/code": "traces/azure_llm_2023/AzureLLMInferenceTrace_code.csv.gz",
+    "azure/conv": "traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv.gz",
 }
 
 
@@ -67,36 +82,82 @@ class Request:
     index: int = 0  # 0-based data row in the source file, or generation order for ServeGen
 
 
-class TraceError(ValueError):
+class TraceError(DataError):
     """A malformed trace row; the message names the file and the line."""
 
     def __init__(self, path: Path | str, line: int, message: str) -> None:
-        super().__init__(f"{path}:{line}: {message}")
-        self.path = str(path)
-        self.line = line
+        super().__init__(path, message, line)
 
 
-def data_dir() -> Path:
-    """The shared data folder: `$FLEET_SHARED_DIR/data`, else `../shared/data` beside the checkout."""
-    shared = os.environ.get("FLEET_SHARED_DIR")
-    root = Path(shared) if shared else Path(__file__).resolve().parents[2].parent / "shared"
-    return root / "data"
-
-
-def trace_path(name: str, base: Path | None = None) -> Path:
-    """The file of a named trace (a key of `TRACES`)."""
+def trace_path(name: str) -> Path:
+    """The shipped file of a named trace (a key of `TRACES`), checked against the manifest."""
     if name not in TRACES:
         raise KeyError(f"unknown trace {name!r}; known: {', '.join(sorted(TRACES))}")
-    return (base or data_dir()) / TRACES[name]
+    return shipped(TRACES[name])
 
 
-def load_trace(name: str, *, base: Path | None = None, start_s: float = 0.0, duration_s: float | None = None,
+def shipped_servegen() -> list[str]:
+    """The ServeGen models that ship, as `servegen/<kind>/<model>` names."""
+    root = DATA_DIR / SERVEGEN_DIR
+    return sorted(f"servegen/{p.parent.name}/{p.name}" for p in root.glob("*/*") if p.is_dir())
+
+
+def shipped_trace(name: str) -> tuple[Path, TraceFormat]:
+    """(path, format) of a shipped trace: a key of `TRACES` or `servegen/<kind>/<model>`."""
+    if name.startswith("servegen/"):
+        folder = DATA_DIR / SERVEGEN_DIR / name.removeprefix("servegen/")
+        if not folder.is_dir() or name.count("/") != 2:
+            raise KeyError(f"unknown trace {name!r}; shipped ServeGen models: {', '.join(shipped_servegen())}")
+        return folder, "servegen"
+    path = trace_path(name)
+    return path, "mooncake" if name.startswith("mooncake/") else "azure"
+
+
+def trace_format(path: Path) -> TraceFormat:
+    """A user's trace format from its path: a folder is ServeGen, `.jsonl` Mooncake, `.csv` Azure (`.gz` or not)."""
+    if path.is_dir():
+        return "servegen"
+    if not path.exists():
+        raise DataError(path, "no such trace file or folder")
+    name = path.name.removesuffix(".gz")
+    if name.endswith(".jsonl"):
+        return "mooncake"
+    if name.endswith(".csv"):
+        return "azure"
+    raise DataError(path, "cannot tell the trace's format from its name (.csv is Azure, .jsonl Mooncake, a folder "
+                          "ServeGen, each may end in .gz); set the trace's format")
+
+
+def load_trace(name: str, *, start_s: float = 0.0, duration_s: float | None = None,
                speedup: float = 1.0) -> Iterator[Request]:
-    """Requests of a named file trace (a key of `TRACES`) within a window."""
-    path = trace_path(name, base)
+    """Requests of a named shipped file trace (a key of `TRACES`) within a window."""
+    path = trace_path(name)
     if name.startswith("mooncake/"):
         return load_mooncake(path, start_s=start_s, duration_s=duration_s, speedup=speedup)
     return load_azure(path, start_s=start_s, duration_s=duration_s, speedup=speedup)
+
+
+def read_trace(path: Path, fmt: TraceFormat, *, start_s: float = 0.0, duration_s: float | None = None,
+               speedup: float = 1.0, seed: int = 0, clients: Iterable[str] | None = None, sample: float = 1.0,
+               default_lengths: tuple[int, int] = (0, 0)) -> Iterator[Request]:
+    """Requests of a trace in any format within a window; ServeGen's arrivals are generated with `seed`."""
+    if fmt == "servegen":
+        model = load_servegen(path)
+        return servegen_requests(model, start_s=start_s, duration_s=duration_s, speedup=speedup, seed=seed,
+                                 clients=clients, default_lengths=default_lengths, sample=sample)
+    if fmt == "mooncake":
+        return load_mooncake(path, start_s=start_s, duration_s=duration_s, speedup=speedup)
+    return load_azure(path, start_s=start_s, duration_s=duration_s, speedup=speedup)
+
+
+def trace_span(path: Path, fmt: TraceFormat) -> float | None:
+    """Seconds from a recorded trace's first arrival to its last; None for ServeGen's generated days."""
+    if fmt == "servegen":
+        return None
+    last = 0.0
+    for r in read_trace(path, fmt):
+        last = r.arrival_s
+    return last
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,33 +199,32 @@ def _mooncake_rows(path: Path, block_tokens: int) -> Iterator[_Row]:
     """Every row of a Mooncake trace, its fields and time order checked."""
     last = -math.inf
     index = 0
-    with path.open(encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceError(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise TraceError(path, line, f"expected a JSON object, got {type(row).__name__}")
-            ts = row.get("timestamp")
-            if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-                raise TraceError(path, line, f"timestamp must be a number of ms >= 0, got {ts!r}")
-            inp = _int_field(row, "input_length", path, line, minimum=1)
-            out = _int_field(row, "output_length", path, line)
-            raw = row.get("hash_ids", [])
-            if not isinstance(raw, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in raw):
-                raise TraceError(path, line, f"hash_ids must be a list of integers, got {str(raw)[:60]}")
-            if raw and len(raw) != -(-inp // block_tokens):
-                raise TraceError(path, line, f"hash_ids has {len(raw)} blocks but input_length {inp} needs "
-                                             f"{-(-inp // block_tokens)} of {block_tokens} tokens")
-            t = ts / 1000.0
-            if t < last:
-                raise TraceError(path, line, f"timestamp {ts} goes back in time (previous row at {last * 1000:g})")
-            last = t
-            yield t, inp, out, tuple(raw), index
-            index += 1
+    for line, text in enumerate(read_lines(path), start=1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceError(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise TraceError(path, line, f"expected a JSON object, got {type(row).__name__}")
+        ts = row.get("timestamp")
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+            raise TraceError(path, line, f"timestamp must be a number of ms >= 0, got {ts!r}")
+        inp = _int_field(row, "input_length", path, line, minimum=1)
+        out = _int_field(row, "output_length", path, line)
+        raw = row.get("hash_ids", [])
+        if not isinstance(raw, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in raw):
+            raise TraceError(path, line, f"hash_ids must be a list of integers, got {str(raw)[:60]}")
+        if raw and len(raw) != -(-inp // block_tokens):
+            raise TraceError(path, line, f"hash_ids has {len(raw)} blocks but input_length {inp} needs "
+                                         f"{-(-inp // block_tokens)} of {block_tokens} tokens")
+        t = ts / 1000.0
+        if t < last:
+            raise TraceError(path, line, f"timestamp {ts} goes back in time (previous row at {last * 1000:g})")
+        last = t
+        yield t, inp, out, tuple(raw), index
+        index += 1
 
 
 def load_mooncake(path: Path | str, *, start_s: float = 0.0, duration_s: float | None = None, speedup: float = 1.0,
@@ -180,7 +240,7 @@ def load_mooncake(path: Path | str, *, start_s: float = 0.0, duration_s: float |
     win = _window(start_s, duration_s, speedup)
     if spread_s < 0:
         raise ValueError(f"spread_s must be >= 0, got {spread_s}")
-    cat = category if category is not None else path.name.removesuffix(".jsonl").removesuffix("_trace")
+    cat = category if category is not None else path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix("_trace")
     rows = _mooncake_rows(path, block_tokens)
     if spread_s == 0:
         for t, inp, out, hashes, index in rows:
@@ -244,35 +304,34 @@ def load_azure(path: Path | str, *, start_s: float = 0.0, duration_s: float | No
     """
     path = Path(path)
     win = _window(start_s, duration_s, speedup)
-    cat = category if category is not None else path.stem.rsplit("_", 1)[-1]
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or tuple(h.strip() for h in header) != AZURE_HEADER:
-            raise TraceError(path, 1, f"expected header {','.join(AZURE_HEADER)}, got {header!r}")
-        origin: tuple[int, float] | None = None
-        last = -math.inf
-        index = 0
-        for row in reader:
-            line = reader.line_num
-            if not row:
-                continue
-            if len(row) != 3:
-                raise TraceError(path, line, f"expected 3 columns, got {len(row)}")
-            day, sod = _azure_seconds(row[0], path, line)
-            ctx = _nonneg_int(row[1], "ContextTokens", path, line)
-            gen = _nonneg_int(row[2], "GeneratedTokens", path, line)
-            if origin is None:
-                origin = (day, sod)
-            t = (day - origin[0]) * 86_400 + (sod - origin[1])
-            if t < last:
-                raise TraceError(path, line, f"TIMESTAMP {row[0]} goes back in time")
-            last = t
-            if t >= win.end:
-                return
-            if t >= win.start:
-                yield Request(win.arrival(t), ctx, gen, (), 0, "", cat, index)
-            index += 1
+    cat = category if category is not None else path.name.removesuffix(".gz").removesuffix(".csv").rsplit("_", 1)[-1]
+    reader = csv.reader(read_lines(path))
+    header = next(reader, None)
+    if header is None or tuple(h.strip() for h in header) != AZURE_HEADER:
+        raise TraceError(path, 1, f"expected header {','.join(AZURE_HEADER)}, got {header!r}")
+    origin: tuple[int, float] | None = None
+    last = -math.inf
+    index = 0
+    for row in reader:
+        line = reader.line_num
+        if not row:
+            continue
+        if len(row) != 3:
+            raise TraceError(path, line, f"expected 3 columns, got {len(row)}")
+        day, sod = _azure_seconds(row[0], path, line)
+        ctx = _nonneg_int(row[1], "ContextTokens", path, line)
+        gen = _nonneg_int(row[2], "GeneratedTokens", path, line)
+        if origin is None:
+            origin = (day, sod)
+        t = (day - origin[0]) * 86_400 + (sod - origin[1])
+        if t < last:
+            raise TraceError(path, line, f"TIMESTAMP {row[0]} goes back in time")
+        last = t
+        if t >= win.end:
+            return
+        if t >= win.start:
+            yield Request(win.arrival(t), ctx, gen, (), 0, "", cat, index)
+        index += 1
 
 
 # ServeGen --------------------------------------------------------------------------------------
@@ -315,7 +374,9 @@ class ServeGenModel:
         """The client's (input, output) token PMFs per 6-hour window, from its `chunk-<id>-dataset.json`;
         empty windows left out, and empty when the folder ships none (the language models)."""
         if client not in self._lengths:
-            self._lengths[client] = _read_dataset(self.folder / f"chunk-{client}-dataset.json")
+            name = f"chunk-{client}-dataset.json"
+            path = self.folder / name
+            self._lengths[client] = _read_dataset(path if path.is_file() else self.folder / f"{name}.gz")
         return self._lengths[client]
 
 
@@ -326,7 +387,7 @@ class _Pmf:
 
 
 def _client_id(path: Path) -> str:
-    return path.name.removeprefix("chunk-").removesuffix("-trace.csv").removesuffix("-dataset.json")
+    return path.name.removesuffix(".gz").removeprefix("chunk-").removesuffix("-trace.csv").removesuffix("-dataset.json")
 
 
 def _float(text: str, column: str, path: Path, line: int) -> float:
@@ -341,27 +402,26 @@ def _float(text: str, column: str, path: Path, line: int) -> float:
 
 def _read_rates(path: Path) -> tuple[RateWindow, ...]:
     out: list[RateWindow] = []
-    with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
-        for row in reader:
-            line = reader.line_num
-            if not row:
-                continue
-            if len(row) != 6:
-                raise TraceError(path, line, f"expected 6 columns (window_start_s, rate, cv, dist, shape, scale), got {len(row)}")
-            start = _float(row[0], "window_start_s", path, line)
-            rate = _float(row[1], "rate", path, line)
-            cv = _float(row[2], "cv", path, line)
-            dist = row[3].strip()
-            if dist not in SERVEGEN_DISTS:
-                raise TraceError(path, line, f"iat_dist must be Gamma, Weibull or empty, got {dist!r}")
-            shape = _float(row[4], "shape", path, line)
-            scale = _float(row[5], "scale", path, line)
-            if dist and rate > 0 and shape <= 0:
-                raise TraceError(path, line, f"a {dist} fit needs shape > 0, got {shape}")
-            if out and start <= out[-1].start_s:
-                raise TraceError(path, line, f"window_start_s {row[0]} is not after the previous window")
-            out.append(RateWindow(start, rate, cv, dist, shape, scale))
+    reader = csv.reader(read_lines(path))
+    for row in reader:
+        line = reader.line_num
+        if not row:
+            continue
+        if len(row) != 6:
+            raise TraceError(path, line, f"expected 6 columns (window_start_s, rate, cv, dist, shape, scale), got {len(row)}")
+        start = _float(row[0], "window_start_s", path, line)
+        rate = _float(row[1], "rate", path, line)
+        cv = _float(row[2], "cv", path, line)
+        dist = row[3].strip()
+        if dist not in SERVEGEN_DISTS:
+            raise TraceError(path, line, f"iat_dist must be Gamma, Weibull or empty, got {dist!r}")
+        shape = _float(row[4], "shape", path, line)
+        scale = _float(row[5], "scale", path, line)
+        if dist and rate > 0 and shape <= 0:
+            raise TraceError(path, line, f"a {dist} fit needs shape > 0, got {shape}")
+        if out and start <= out[-1].start_s:
+            raise TraceError(path, line, f"window_start_s {row[0]} is not after the previous window")
+        out.append(RateWindow(start, rate, cv, dist, shape, scale))
     return tuple(out)
 
 
@@ -391,7 +451,7 @@ def _read_dataset(path: Path) -> dict[float, tuple[_Pmf, _Pmf]]:
     if not path.is_file():
         return {}
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_text(path))
     except json.JSONDecodeError as exc:
         raise TraceError(path, exc.lineno, f"not valid JSON ({exc.msg})") from None
     if not isinstance(doc, dict):
@@ -411,14 +471,17 @@ def _read_dataset(path: Path) -> dict[float, tuple[_Pmf, _Pmf]]:
     return dict(sorted(out.items()))
 
 
-def load_servegen(model: str | Path, base: Path | None = None) -> ServeGenModel:
-    """Read every client of a ServeGen model folder (`language/m-large`, `reason/deepseek-r1`, or a path)."""
+def load_servegen(model: str | Path) -> ServeGenModel:
+    """Read every client of a ServeGen model folder: a path, or a shipped model (`language/m-large`)."""
     folder = Path(model)
-    if not folder.is_absolute() and not folder.is_dir():
-        folder = (base or data_dir()) / "traces" / "servegen" / model
-    files = sorted(folder.glob("chunk-*-trace.csv"), key=lambda p: (len(_client_id(p)), _client_id(p)))
+    if isinstance(model, str) and not folder.is_dir():
+        folder = shipped_trace(f"servegen/{model}")[0]
+    if not folder.is_dir():
+        raise DataError(folder, "no such ServeGen folder")
+    files = sorted([*folder.glob("chunk-*-trace.csv"), *folder.glob("chunk-*-trace.csv.gz")],
+                   key=lambda p: (len(_client_id(p)), _client_id(p)))
     if not files:
-        raise FileNotFoundError(f"no chunk-*-trace.csv files in {folder}")
+        raise DataError(folder, "no chunk-<client>-trace.csv (or .csv.gz) files in this ServeGen folder")
     clients = {_client_id(p): _read_rates(p) for p in files}
     category = f"{folder.parent.name}/{folder.name}"
     return ServeGenModel(category, folder, clients)

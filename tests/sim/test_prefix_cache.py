@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from controlplane.sim.prefix_cache import PrefixCache, replay, replay_capacities
 from controlplane.sim.traces import Request, load_trace
-from tests.conftest import SHARED
 
 
 def req(hashes: list[int] | tuple[int, ...], tokens: int | None = None, block: int = 4) -> Request:
@@ -147,7 +146,7 @@ def test_capacity_of_every_distinct_block_equals_unbounded(requests: list[list[i
 
 
 def test_mooncake_slice_hit_ratio_grows_with_capacity() -> None:
-    requests = list(itertools.islice(load_trace("mooncake/conversation", base=SHARED / "data"), 2000))
+    requests = list(itertools.islice(load_trace("mooncake/conversation"), 2000))
     results = replay_capacities(requests, [100, 1000, 5000, None])
     ratios = [results[c].token_hit_ratio for c in (100, 1000, 5000, None)]
     assert ratios == sorted(ratios)

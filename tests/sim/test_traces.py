@@ -19,13 +19,10 @@ from controlplane.sim.traces import (
     servegen_requests,
     trace_path,
 )
-from tests.conftest import SHARED
-
-DATA = SHARED / "data"
 
 
 def first(name: str, n: int = 3, **kw: float) -> list[Request]:
-    return list(itertools.islice(load_trace(name, base=DATA, **kw), n))
+    return list(itertools.islice(load_trace(name, **kw), n))
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -62,15 +59,15 @@ def test_azure_first_rows_keep_100ns_resolution() -> None:
 
 
 def test_window_and_speedup_select_and_rescale() -> None:
-    whole = [r for r in load_trace("azure/code", base=DATA, duration_s=900) if 600 <= r.arrival_s < 660]
-    window = list(load_trace("azure/code", base=DATA, start_s=600, duration_s=60, speedup=4))
+    whole = [r for r in load_trace("azure/code", duration_s=900) if 600 <= r.arrival_s < 660]
+    window = list(load_trace("azure/code", start_s=600, duration_s=60, speedup=4))
     assert [r.index for r in window] == [r.index for r in whole]
     assert [r.arrival_s for r in window] == pytest.approx([(r.arrival_s - 600) / 4 for r in whole])
     assert all(0 <= r.arrival_s < 15 for r in window)
 
 
 def test_mooncake_spread_keeps_order_and_count() -> None:
-    path = trace_path("mooncake/conversation", DATA)
+    path = trace_path("mooncake/conversation")
     plain = list(load_mooncake(path, duration_s=30))
     spread = list(load_mooncake(path, duration_s=30, spread_s=3.0))
     assert [r.index for r in spread] == [r.index for r in plain]
@@ -217,7 +214,7 @@ def test_servegen_window_is_a_slice_of_the_whole(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_servegen_deepseek_generates_the_published_rate_with_lengths() -> None:
-    model = load_servegen("reason/deepseek-r1", DATA)
+    model = load_servegen("reason/deepseek-r1")
     assert len(model.clients) == 73 and len(model.window_starts()) == 144
     start, hours = 20 * 3600, 1
     reqs = list(servegen_requests(model, start_s=start, duration_s=hours * 3600, seed=1))
@@ -231,7 +228,7 @@ def test_servegen_deepseek_generates_the_published_rate_with_lengths() -> None:
 
 @pytest.mark.slow
 def test_servegen_language_model_reads_fourteen_days() -> None:
-    model = load_servegen("language/m-large", DATA)
+    model = load_servegen("language/m-large")
     assert len(model.clients) == 162
     starts = model.window_starts()
     assert (len(starts), starts[0], starts[-1]) == (2016, 0.0, 14 * 86400 - 600)

@@ -20,14 +20,13 @@ from controlplane.sim.validate import (
     trace_stats,
     validate,
 )
-from tests.conftest import SHARED
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def result() -> dict[str, Any]:
-    return validate(SHARED / "data")
+    return validate()
 
 
 def test_everything_meets_its_goal(result: dict[str, Any]) -> None:
@@ -97,7 +96,7 @@ def test_trace_stats_of_a_tiny_trace() -> None:
 
 
 def test_sim_bench_on_the_synthetic_trace() -> None:
-    out = run_sim_bench("mooncake/synthetic", capacity_blocks=20_000, repeats=1, base=SHARED / "data")
+    out = run_sim_bench("mooncake/synthetic", capacity_blocks=20_000, repeats=1)
     assert out["requests"] == 3993 and out["block_refs"] == 121_877
     assert out["token_hit_ratio"] == pytest.approx(0.582, abs=0.001)
     assert out["replay_requests_per_s"] > 1000 and out["sim_s_per_wall_s"] > 100
