@@ -3,7 +3,7 @@
 Seeds a fresh SQLite store shaped like a week of 200 engines in 4 pools (two plain pools, two
 expert-parallel pools of 8 ranks per pod, one GPU per engine, KV probe paths, findings, actions
 and verdicts), then times the functions the dashboard's pages load their data through
-(`controlplane.store.queries.PAGES`) over every range the time selector offers.
+(`dashboard.pages.PAGES`) over every range the time selector offers.
 
 What is written: raw signals for the last `raw_hours` (the pages read raw points for ranges up to
 6 h), 1-minute rollups for the last `minute_hours` (by default the whole week, as a live store
@@ -37,8 +37,9 @@ from controlplane.store.models import (
     TargetRow,
     VerdictRow,
 )
-from controlplane.store.queries import PAGES, ReadStore
+from controlplane.store.queries import ReadStore
 from controlplane.store.writer import SqlStore
+from dashboard.pages import PAGES
 
 __all__ = ["RANGES", "run_dashboard_bench", "seed_store"]
 

@@ -23,7 +23,7 @@ from collectors.pipeline import SignalDeriver
 from collectors.scraper import Scraper
 from collectors.types import Target
 from controlplane.store import migrate
-from controlplane.store.writer import SqlStore
+from controlplane.store.threaded import ThreadedStore
 
 __all__ = ["run_scrape_bench"]
 
@@ -37,7 +37,7 @@ def _targets(ports: list[int], pods: int) -> list[Target]:
 
 
 async def _measure(pods: int, ticks: int, ports: list[int], db_url: str, progress: Console) -> dict[str, Any]:
-    store = SqlStore.open(db_url)
+    store = ThreadedStore.open(db_url)  # as the loop writes: on the store's own thread
     deriver = SignalDeriver()
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
     per_tick: list[dict[str, float]] = []
@@ -54,7 +54,7 @@ async def _measure(pods: int, ticks: int, ports: list[int], db_url: str, progres
             cpu1 = time.process_time()
             out = deriver.derive(results, now)
             cpu2 = time.process_time()
-            store.write_signals(out.signals)
+            await store.write_signals(out.signals)
             cpu3, wall3 = time.process_time(), time.perf_counter()
             up = sum(1 for r in results if r.ok)
             if tick:

@@ -32,7 +32,7 @@ from controlplane.config import Alerting, AlertReceiver
 from controlplane.errors import ConfigError
 from controlplane.loop import TickReport
 from controlplane.rules_export import runbook_url
-from controlplane.store.writer import FindingRecord
+from controlplane.store.records import FindingRecord
 
 __all__ = ["Alert", "AlertNotifier", "Notification", "alert_for", "fingerprint", "rfc3339", "subject_labels"]
 

@@ -230,18 +230,17 @@ def actions(ctx: click.Context, db: str, as_json: bool) -> None:
 def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
     import time
 
+    from controlplane.errors import ActionConflict
     from controlplane.store.writer import SqlStore
 
     store = SqlStore.open(db)
     try:
-        found = [a for a in store.actions(states=["proposed"]) if a.id == action_id]
-        if not found:
-            raise click.UsageError(f"action {action_id} is not awaiting approval")
-        state = "approved" if approve else "rejected"
-        store.transition(action_id, state, time.time(), {"by": by}, approved_by=by)
-        out.print(f"action {action_id} {state} by {by}")
+        action = store.decide(action_id, approve=approve, by=by, now=time.time(), via="cli")
+    except ActionConflict as exc:
+        raise click.UsageError(f"action {action_id} is not awaiting approval (it is {exc.current})") from None
     finally:
         store.close()
+    out.print(f"action {action_id} {action.state} by {by}")
 
 
 @actions.command("approve")

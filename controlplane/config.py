@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from collectors.sources import SOURCES
 from collectors.types import Role
 from controlplane.errors import ConfigError
+from policies.windows import HISTORY_S
 
 __all__ = ["FleetConfig", "Mode", "Seconds", "load_config", "parse_config", "parse_yaml"]
 
@@ -227,9 +228,6 @@ class SpecDecodePolicy(_Strict):
     min_position_acceptance: float = Field(0.30, gt=0, lt=1)  # positions accepted less often are cut
 
 
-# The control loop keeps this much signal history; longer burn windows would never fill.
-_SIGNAL_HISTORY_S = 3 * 3600.0
-
 
 class SloBurnPolicy(_Strict):
     """Settings of the multi-window burn-rate alert on each pool's TTFT and TPOT p95 SLO."""
@@ -250,8 +248,8 @@ class SloBurnPolicy(_Strict):
                                         ("slow", self.slow_window, self.slow_short_window, self.slow_burn)):
             if short >= long:
                 problems.append(f"{name}_short_window ({short:g}s) must be shorter than {name}_window ({long:g}s)")
-            if long > _SIGNAL_HISTORY_S:
-                problems.append(f"{name}_window ({long:g}s) exceeds the {_SIGNAL_HISTORY_S:g}s of history the loop keeps")
+            if long > HISTORY_S:
+                problems.append(f"{name}_window ({long:g}s) exceeds the {HISTORY_S:g}s of history the loop keeps")
             if burn * self.budget >= 1:
                 problems.append(f"{name}_burn x budget must stay below 1, or the burn rate can never be reached")
         if problems:
@@ -322,6 +320,9 @@ class Rails(_Strict):
     max_step: int = Field(1, ge=1)  # replicas changed by one action at most
     max_actions_per_hour: int = Field(6, ge=1)  # fleet-wide rate limit
     verify_after: Seconds = 600.0  # when an action's outcome is judged
+    # A proposal nobody decided on (or an approved action that could not run) expires after this:
+    # an approval given hours later would act on a fleet nobody looked at.
+    proposal_ttl: Seconds = 3600.0
 
 
 class Tracing(StrEnum):

@@ -47,6 +47,25 @@ class StoreConflict(FleetError):
     exit_code = 4
 
 
+class ActionConflict(StoreConflict):
+    """An action was no longer in the state a transition expected: someone else moved it first."""
+
+    def __init__(self, action_id: int, expected: str, current: str) -> None:
+        self.action_id = action_id
+        self.current = current
+        super().__init__(f"action {action_id} is {current}, not {expected}")
+
+
+class ActionNotFound(FleetError):
+    """No action has the given id."""
+
+    exit_code = 3
+
+    def __init__(self, action_id: int) -> None:
+        self.action_id = action_id
+        super().__init__(f"no action {action_id}")
+
+
 class ActuationError(FleetError):
     """The actuator could not carry out an action."""
 

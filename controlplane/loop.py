@@ -16,24 +16,24 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from collectors.types import TargetHealth
+from controlplane.actions import ActionState
 from controlplane.actuators.base import Actuator
 from controlplane.clock import Clock
-from controlplane.config import FleetConfig, Mode
-from controlplane.errors import ActuationError, FleetError
+from controlplane.config import FleetConfig
+from controlplane.errors import ActionConflict, ActuationError, FleetError
 from controlplane.observe import MetricSource, Observation
-from controlplane.rails import RailsReason, check
+from controlplane.rails import WAIT_REASONS, RailsReason, check, recheck
+from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
-from controlplane.store.writer import ActionRecord, FindingRecord, SqlStore
+from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
 from controlplane.telemetry import Telemetry
-from policies.types import FindingKey, OpenFinding, Policy, PolicyInput, PoolState, Proposal
-from policies.windows import SignalWindows
+from policies.types import FindingKey, FindingReport, OpenFinding, Policy, PolicyInput, PoolState, Proposal
+from policies.windows import HISTORY_S, SignalWindows
 
 __all__ = ["ControlLoop", "TickReport"]
 
 log = logging.getLogger(__name__)
 
-# Policies look back at most this far; also what is reloaded from the store on start.
-WINDOW_S = 3 * 3600.0
 # An action improved things when its verify signal moved at least this much the right way.
 IMPROVEMENT = 0.10
 
@@ -64,7 +64,7 @@ class ControlLoop:
         *,
         config: FleetConfig,
         source: MetricSource,
-        store: SqlStore,
+        store: Store,
         policies: Sequence[Policy],
         actuator: Actuator,
         clock: Clock,
@@ -77,7 +77,7 @@ class ControlLoop:
         self.actuator = actuator
         self.clock = clock
         self.telemetry = telemetry
-        self.windows = SignalWindows(WINDOW_S)
+        self.windows = SignalWindows(HISTORY_S)
         self.last_tick_at: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
@@ -88,10 +88,12 @@ class ControlLoop:
     async def start(self) -> None:
         """Recover after a restart: mark interrupted actions unknown, reload policy windows."""
         now = self.clock.now()
-        for action in self.store.actions(states=["started"]):
-            self.store.transition(action.id, "unknown", now, {"why": "control plane stopped while it ran"})
+        for action in await self.store.actions(states=[ActionState.STARTED]):
+            await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
+                                        {"why": "control plane stopped while it ran"})
             self.telemetry.actions.labels(action.kind, "unknown").inc()
-        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in self.store.load_signals(now - WINDOW_S))
+        signals = await self.store.load_signals(now - HISTORY_S)
+        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every scrape interval until `stop` is set; the current tick always finishes."""
@@ -104,6 +106,10 @@ class ControlLoop:
                 # A store outage or similar: report, keep the loop alive, try again next tick.
                 self.telemetry.tick_failures.inc()
                 log.error("tick failed: %s", exc)
+            except Exception:
+                # A bug or an untranslated library error must not stop detection for good either.
+                self.telemetry.tick_failures.inc()
+                log.exception("tick failed")
             await self._wait(stop, interval - (self.clock.now() - started))
 
     async def _wait(self, stop: asyncio.Event, seconds: float) -> None:
@@ -123,10 +129,10 @@ class ControlLoop:
         with self.telemetry.span("tick", ts=now):
             await self._observe(now, report)
             pools = await self._pools()
-            proposals = self._detect(now, pools, report)
+            proposals = await self._detect(now, pools, report)
             await self._act(now, pools, proposals, report)
-            self._judge_outcomes(now, report)
-            self._compact(now)
+            await self._judge_outcomes(now, report)
+            await self._compact(now)
         report.duration_s = time.perf_counter() - wall
         self.telemetry.tick_duration.observe(report.duration_s)
         self.telemetry.ticks.inc()
@@ -155,13 +161,13 @@ class ControlLoop:
         self.telemetry.targets.labels("up").set(report.targets_up)
         self.telemetry.targets.labels("down").set(report.targets - report.targets_up)
         with self.telemetry.span("store.signals", signals=len(obs.signals)):
-            report.signals = self.store.write_signals(obs.signals)
+            report.signals = await self.store.write_signals(obs.signals)
         self.telemetry.signals_written.inc(report.signals)
-        self._record_targets(obs, now)
+        await self._record_targets(obs, now)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in obs.signals)
         self.windows.trim(now)
 
-    def _record_targets(self, obs: Observation, now: float) -> None:
+    async def _record_targets(self, obs: Observation, now: float) -> None:
         changed = []
         for key, families in obs.missing.items():
             if self._missing.get(key) != families:
@@ -176,7 +182,7 @@ class ControlLoop:
                 self._target_state[r.target.key] = state
                 changed.append((r.target, health, r.ok, now))
         if changed:
-            self.store.record_targets(changed)
+            await self.store.record_targets(changed)
 
     async def _pools(self) -> dict[str, PoolState]:
         observed = await self.actuator.observe()
@@ -193,8 +199,8 @@ class ControlLoop:
 
     # detect -----------------------------------------------------------------------------------
 
-    def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport) -> list[tuple[int, Proposal]]:
-        open_rows = {FindingKey(f.kind, f.subject): f for f in self.store.open_findings()}
+    async def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport) -> list[tuple[int, Proposal]]:
+        open_rows = {FindingKey(f.kind, f.subject): f for f in await self.store.open_findings()}
         open_view = {k: OpenFinding(k, f.opened_at, f.evidence) for k, f in open_rows.items()}
         inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view)
         proposals: list[tuple[int, Proposal]] = []
@@ -205,19 +211,17 @@ class ControlLoop:
                 row = open_rows.pop(key, None)
                 if row is None:
                     continue
-                self.store.resolve_finding(row.id, reason, now)
-                for action in self.store.actions(states=["proposed"]):
-                    if action.finding_id == row.id:
-                        self.store.transition(action.id, "expired", now, {"why": "finding resolved first"})
+                await self.store.resolve_finding(row.id, reason, now)
+                await self._expire(now, "its finding resolved before it ran", lambda a, fid=row.id: a.finding_id == fid)
                 report.resolved.append(row)
             for finding in result.findings:
                 row = open_rows.get(finding.key)
                 if row is None:
-                    row = self.store.open_finding(finding, now)
+                    row = await self.store.open_finding(_new_finding(finding), now)
                     open_rows[finding.key] = row
                     report.opened.append(row)
                 else:
-                    self.store.update_finding(row.id, finding, now)
+                    await self.store.update_finding(row.id, _new_finding(finding), now)
                     row = replace(row, severity=str(finding.severity), summary=finding.summary, cause=finding.cause,
                                   evidence=dict(finding.evidence), updated_at=now)
                     open_rows[finding.key] = row
@@ -230,15 +234,27 @@ class ControlLoop:
 
     # act --------------------------------------------------------------------------------------
 
+    async def _expire(self, now: float, why: str, which: Callable[[ActionRecord], bool]) -> None:
+        """Expire the undecided or not yet run actions `which` selects; one that moved meanwhile is left alone."""
+        for action in await self.store.actions(states=[ActionState.PROPOSED, ActionState.APPROVED]):
+            if which(action):
+                try:
+                    await self.store.transition(action.id, action.state, ActionState.EXPIRED, now, {"why": why})
+                except ActionConflict:
+                    continue
+                self.telemetry.actions.labels(action.kind, "expired").inc()
+
     async def _act(
         self, now: float, pools: dict[str, PoolState], proposals: list[tuple[int, Proposal]], report: TickReport
     ) -> None:
         """The single audited path from proposals (and approvals) to the actuator."""
         mode = self.config.mode
-        history: list[ActionRecord] = self.store.recent_actions(since=now - max(3600.0, self.config.rails.cooldown))
+        rails = self.config.rails
+        await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
+                           lambda a: now - a.created_at >= rails.proposal_ttl)
+        history: list[ActionRecord] = await self.store.recent_actions(since=now - max(3600.0, rails.cooldown))
         for finding_id, proposal in proposals:
-            decision = check(proposal, pools.get(proposal.pool), mode=mode, rails=self.config.rails,
-                             history=history, now=now)
+            decision = check(proposal, pools.get(proposal.pool), mode=mode, rails=rails, history=history, now=now)
             if not decision.may_record:
                 # Held-back proposals are counted, not written: a cooldown would repeat them every tick.
                 self.telemetry.actions.labels(str(proposal.kind), f"held_{decision.reason}").inc()
@@ -251,33 +267,60 @@ class ControlLoop:
                 "verify_lower_is_better": proposal.verify_lower_is_better,
                 "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
             }
-            state = "approved" if decision.reason is RailsReason.ALLOWED else "proposed"
-            action = self.store.create_action(
-                finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params,
-                mode=str(mode), state="proposed", reason=f"{proposal.reason}; rails: {decision.note}", now=now,
-            )
-            if state == "approved":
-                self.store.transition(action.id, "approved", now, {"by": "rails", "mode": str(mode)},
-                                      approved_by="rails")
+            action = await self.store.create_action(NewAction(
+                finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params, mode=str(mode),
+                reason=f"{proposal.reason}; rails: {decision.note}"), now)
+            if decision.reason is RailsReason.ALLOWED:
+                action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.APPROVED, now,
+                                                     {"by": "rails", "mode": str(mode)}, approved_by="rails")
             history.append(action)
             report.actions.append(action)
-            self.telemetry.actions.labels(action.kind, state).inc()
-        if mode is not Mode.OBSERVE:
-            for action in self.store.actions(states=["approved"]):
-                await self._execute(action, now, report)
+            self.telemetry.actions.labels(action.kind, str(action.state)).inc()
+        for action in await self.store.actions(states=[ActionState.APPROVED]):
+            await self._execute(action, pools, history, now, report)
 
-    async def _execute(self, action: ActionRecord, now: float, report: TickReport) -> None:
-        self.store.transition(action.id, "started", now)
+    async def _execute(self, action: ActionRecord, pools: dict[str, PoolState], history: list[ActionRecord],
+                       now: float, report: TickReport) -> None:
+        """Run one approved action if the rails still allow it on the pool as it is now."""
+        decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
+                           history=history, now=now)
+        if decision.reason in WAIT_REASONS:
+            return
+        if decision.reason is not RailsReason.ALLOWED:
+            try:
+                await self.store.transition(action.id, ActionState.APPROVED, ActionState.CANCELLED, now,
+                                            {"why": decision.note, "rails": str(decision.reason)})
+            except ActionConflict:
+                return
+            self.telemetry.actions.labels(action.kind, "cancelled").inc()
+            return
+        try:
+            # Conditional: of two control planes (or a loop and an expiry) only one starts it.
+            action = await self.store.transition(action.id, ActionState.APPROVED, ActionState.STARTED, now,
+                                                 {"actuator": self.actuator.name, "dry_run": self.actuator.dry_run},
+                                                 actuator=self.actuator.name, dry_run=self.actuator.dry_run)
+        except ActionConflict as exc:
+            log.info("action %d was not started here: %s", action.id, exc)
+            return
+        history.append(action)
+        replicas = int(action.params["replicas"])
         with self.telemetry.span("action", kind=action.kind, pool=action.pool):
             try:
-                await self.actuator.scale(action.pool, int(action.params["replicas"]))
-            except ActuationError as exc:
-                self.store.transition(action.id, "failed", self.clock.now(), {"error": str(exc)}, error=str(exc))
+                await self.actuator.scale(action.pool, replicas)
+            except Exception as exc:
+                # ActuationError carries the actuator's own message; anything else is a bug or an
+                # untranslated client error, recorded as such instead of taking the loop down.
+                if not isinstance(exc, ActuationError):
+                    log.exception("actuator %s raised on action %d", self.actuator.name, action.id)
+                error = str(exc) if isinstance(exc, ActuationError) else f"{type(exc).__name__}: {exc}"
+                await self.store.transition(action.id, ActionState.STARTED, ActionState.FAILED, self.clock.now(),
+                                            {"error": error}, error=error)
                 self.telemetry.actions.labels(action.kind, "failed").inc()
-                report.errors[f"action {action.id}"] = str(exc)
+                report.errors[f"action {action.id}"] = error
                 return
-        self.store.transition(action.id, "succeeded", self.clock.now(), {"replicas": action.params["replicas"]})
-        self.telemetry.actions.labels(action.kind, "succeeded").inc()
+        done = ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED
+        await self.store.transition(action.id, ActionState.STARTED, done, self.clock.now(), {"replicas": replicas})
+        self.telemetry.actions.labels(action.kind, str(done)).inc()
 
     # verify -----------------------------------------------------------------------------------
 
@@ -289,13 +332,13 @@ class ControlLoop:
         window = self.windows.last(f"pool/{pool}", signal, points)
         return statistics.fmean(window) if window else None
 
-    def _judge_outcomes(self, now: float, report: TickReport) -> None:
+    async def _judge_outcomes(self, now: float, report: TickReport) -> None:
         """Did the signal recover after the action? Recorded once, never retried blindly."""
-        for action in self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
+        for action in await self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
             p = action.params
             before = p.get("verify_before")
             after = self._recent_mean(action.pool, p.get("verify_signal"))
-            finding = self.store.finding(action.finding_id) if action.finding_id else None
+            finding = await self.store.finding(action.finding_id) if action.finding_id else None
             resolved = finding is not None and finding.state == "resolved"
             if before is None or after is None:
                 outcome = "recovered" if resolved else "unmeasured"
@@ -304,14 +347,20 @@ class ControlLoop:
                 change = gain / max(abs(before), 1e-9)
                 outcome = "recovered" if resolved or change >= IMPROVEMENT else "not_recovered"
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
-            self.store.record_outcome(action.id, outcome, now, detail)
+            await self.store.record_outcome(action.id, outcome, now, detail)
             report.outcomes.append((action.id, outcome))
 
-    def _compact(self, now: float) -> None:
+    async def _compact(self, now: float) -> None:
         every = self.config.store.compact_every
         if self._last_compaction is not None and now - self._last_compaction < every:
             return
         self._last_compaction = now
         s = self.config.store
         with self.telemetry.span("store.compact"):
-            self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
+            await self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
+
+
+def _new_finding(report: FindingReport) -> NewFinding:
+    """A policy's report as the store records it."""
+    return NewFinding(report.key.kind, report.key.subject, str(report.severity), report.summary, report.cause,
+                      dict(report.evidence), report.runbook)

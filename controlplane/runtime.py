@@ -22,6 +22,8 @@ from controlplane.errors import ConfigError
 from controlplane.loop import ControlLoop
 from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTargets, ScrapeSource
 from controlplane.server import start_server
+from controlplane.store.base import Store
+from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 from policies.ep_imbalance import EpImbalance, EpImbalanceSettings
@@ -115,7 +117,7 @@ def static_targets(config: FleetConfig) -> list[Target]:
 
 def build_loop(
     config: FleetConfig,
-    store: SqlStore,
+    store: Store,
     client: httpx.AsyncClient,
     *,
     targets: TargetSource | None = None,
@@ -190,11 +192,15 @@ async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = Fals
         aio.add_signal_handler(sig, stop.set)
     with contextlib.ExitStack() as stack:
         targets = discovered_targets(config, stack)
-        async with scrape_client(config) as client:
-            await _serve(config, store, client, targets, stop, once)
+        threaded = ThreadedStore(store)
+        try:
+            async with scrape_client(config) as client:
+                await _serve(config, threaded, client, targets, stop, once)
+        finally:
+            threaded.close()
 
 
-async def _serve(config: FleetConfig, store: SqlStore, client: httpx.AsyncClient, targets: TargetSource | None,
+async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, targets: TargetSource | None,
                  stop: asyncio.Event, once: bool) -> None:
     loop = build_loop(config, store, client, targets=targets)
     notifier = None
@@ -206,7 +212,7 @@ async def _serve(config: FleetConfig, store: SqlStore, client: httpx.AsyncClient
     try:
         await loop.start()
         if notifier is not None:
-            notifier.restore(store.open_findings(), loop.clock.now())
+            notifier.restore(await store.open_findings(), loop.clock.now())
         if once:
             await loop.tick()
         else:

@@ -19,7 +19,7 @@ import tornado.httpserver
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane.errors import FleetError
+from controlplane.errors import ActionConflict, ActionNotFound, FleetError
 from controlplane.loop import ControlLoop
 
 __all__ = ["TOKEN_ENV", "start_server"]
@@ -100,7 +100,7 @@ class _Status(_Json):
 class _Decide(_Json):
     """Approve or reject a proposed action, as `fleetctl actions approve|reject ID` does."""
 
-    def post(self, action_id: str, verb: str) -> None:
+    async def post(self, action_id: str, verb: str) -> None:
         if self.token is None:
             self.fail(403, f"writes are disabled: set {TOKEN_ENV} where the control plane runs to enable them")
             return
@@ -120,24 +120,21 @@ class _Decide(_Json):
             self.fail(400, f'the body must be {{"by": NAME}} with a name of 1 to {MAX_NAME} characters')
             return
         by = by.strip()
-        state = "approved" if verb == "approve" else "rejected"
-        store = self.loop.store
+        aid = int(action_id)
         try:
-            proposed = {a.id for a in store.actions(states=["proposed"])}
-            aid = int(action_id)
-            if aid not in proposed:
-                current = next((a.state for a in store.actions() if a.id == aid), None)
-                if current is None:
-                    self.fail(404, f"no action {aid}")
-                else:
-                    self.fail(409, f"action {aid} is not awaiting approval (it is {current})")
-                return
-            store.transition(aid, state, self.loop.clock.now(), {"by": by, "via": "api"}, approved_by=by)
+            action = await self.loop.store.decide(aid, approve=verb == "approve", by=by, now=self.loop.clock.now(),
+                                                  via="api")
+        except ActionNotFound:
+            self.fail(404, f"no action {aid}")
+            return
+        except ActionConflict as exc:
+            self.fail(409, f"action {aid} is not awaiting approval (it is {exc.current})")
+            return
         except FleetError as exc:
             self.fail(503, f"the store refused: {exc}")
             return
-        log.info("action %d %s by %s through the API", aid, state, by)
-        self.write({"id": aid, "state": state, "by": by})
+        log.info("action %d %s by %s through the API", aid, action.state, by)
+        self.write({"id": aid, "state": str(action.state), "by": by})
 
 
 def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None = None) -> tornado.httpserver.HTTPServer:

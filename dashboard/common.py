@@ -1,8 +1,9 @@
 """What every dashboard page shares: the store connection, the time range, cached page data,
 charts, number formatting, links between pages, the fleet file's SLOs and the control plane's API.
 
-The dashboard reads the store only through `controlplane.store.queries`; it changes the fleet
-only by asking the control plane's HTTP API, never by writing the store.
+The dashboard reads the store only through `controlplane.store.queries` (the page models are in
+`pages.py`); it changes the fleet only by asking the control plane's HTTP API, never by writing
+the store.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import streamlit as st
 from controlplane.config import FleetConfig, load_config
 from controlplane.errors import FleetError, StoreUnavailable
 from controlplane.store.db import redact
-from controlplane.store.queries import PAGES, Point, ReadStore, Spread
+from controlplane.store.queries import Point, ReadStore, Spread
+from dashboard.pages import PAGES
 
 __all__ = [
     "PAGE_FILES",

@@ -7,7 +7,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
-__all__ = ["SignalWindows"]
+__all__ = ["HISTORY_S", "SignalWindows"]
+
+# How far back the loop keeps signals for the policies (and reloads them from the store on start):
+# no policy window may be longer, or it would never fill.
+HISTORY_S = 3 * 3600.0
 
 
 class SignalWindows:

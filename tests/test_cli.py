@@ -21,6 +21,7 @@ import pytest
 
 from controlplane.demo import demo_fleet
 from controlplane.sim.server import SimServer
+from controlplane.store.records import NewAction
 from controlplane.store.writer import SqlStore
 from tests.conftest import PG_ADMIN_URL
 
@@ -95,13 +96,14 @@ def test_approve_and_reject(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'a.db'}"
     fleetctl("db", "upgrade", "--db", db)
     store = SqlStore.open(db)
-    ids = [store.create_action(finding_id=None, kind="scale_pool", pool="p", params={}, mode="propose",
-                               state="proposed", reason="r", now=1.0).id for _ in range(2)]
+    ids = [store.create_action(NewAction(None, "scale_pool", pool, {}, "propose", "r"), 1.0).id for pool in "pq"]
     store.close()
     assert fleetctl("actions", "--db", db, "approve", str(ids[0]), "--by", "alice").returncode == 0
     assert fleetctl("actions", "--db", db, "reject", str(ids[1]), "--by", "bob").returncode == 0
     again = fleetctl("actions", "--db", db, "approve", str(ids[1]))
-    assert again.returncode == 3 and "not awaiting approval" in again.stderr
+    assert again.returncode == 3 and "not awaiting approval (it is rejected)" in again.stderr
+    missing = fleetctl("actions", "--db", db, "approve", "99")
+    assert missing.returncode == 3 and "no action 99" in missing.stderr
     rows = {a["id"]: a for a in json.loads(fleetctl("actions", "--db", db, "--json").stdout)["actions"]}
     assert (rows[ids[0]]["state"], rows[ids[0]]["approved_by"]) == ("approved", "alice")
     assert rows[ids[1]]["state"] == "rejected"

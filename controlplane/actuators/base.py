@@ -20,7 +20,14 @@ class PoolReplicas:
 
 
 class Actuator(Protocol):
-    """Reads and changes the fleet's shape. Raises ActuationError when a change fails."""
+    """Reads and changes the fleet's shape. Raises ActuationError when a change fails.
+
+    `name` is recorded on every action it carries out; a `dry_run` actuator changes nothing, and
+    its actions end as `dry_run`, never `succeeded`.
+    """
+
+    name: str
+    dry_run: bool
 
     async def observe(self) -> dict[str, PoolReplicas]:
         """Current replicas per pool."""

@@ -16,6 +16,9 @@ __all__ = ["DryRunActuator"]
 class DryRunActuator:
     """Observes replicas from the target list; `scale` only remembers the request."""
 
+    name = "dry_run"
+    dry_run = True
+
     def __init__(self, targets: TargetSource, pools: list[str]) -> None:
         self._targets = targets
         self._pools = pools

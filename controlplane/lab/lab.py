@@ -44,7 +44,7 @@ from controlplane.lab.router import RoutePolicy, Router, RouterSettings, Upstrea
 from controlplane.loop import ControlLoop, TickReport
 from controlplane.runtime import build_loop
 from controlplane.store import migrate
-from controlplane.store.writer import SqlStore
+from controlplane.store.threaded import ThreadedStore
 
 __all__ = [
     "LAB_ENGINE_ARGS",
@@ -479,7 +479,7 @@ async def run_lab(
     stop = stop or asyncio.Event()
     report = LabReport()
     lab = Lab(settings)
-    store: SqlStore | None = None
+    store: ThreadedStore | None = None
     try:
         await lab.start(stop)
         report.startup_s = {pod: round(e.startup_s or 0.0, 1) for pod, e in zip(lab.pods, lab.engines, strict=True)}
@@ -487,7 +487,7 @@ async def run_lab(
             on_ready(lab)
         config = lab.fleet_config()
         await asyncio.to_thread(migrate.upgrade, settings.db_url)
-        store = SqlStore.open(settings.db_url)
+        store = ThreadedStore.open(settings.db_url)
         started = time.time()
         current = [phases[0].name]
         async with _scrape_client(config) as client:
@@ -501,7 +501,7 @@ async def run_lab(
             finally:
                 done.set()
                 await ticker
-        report.findings = [_finding_dict(f) for f in store.findings_since(started)]
+        report.findings = [_finding_dict(f) for f in store.sql.findings_since(started)]
         assert lab.router is not None and lab.loadgen is not None
         report.router = lab.router.snapshot()
         report.traffic = lab.loadgen.total.copy()
@@ -513,7 +513,7 @@ async def run_lab(
             store.close()
 
 
-async def _tick(loop: ControlLoop, store: SqlStore, pool: str, done: asyncio.Event, started: float, current: list[str],
+async def _tick(loop: ControlLoop, store: ThreadedStore, pool: str, done: asyncio.Event, started: float, current: list[str],
                 report: LabReport, on_tick: Callable[[TickView], None] | None) -> None:
     """The control loop's ticks, one per scrape interval until `done`; each tick shown as a TickView."""
     interval = loop.config.scrape.interval
@@ -525,7 +525,12 @@ async def _tick(loop: ControlLoop, store: SqlStore, pool: str, done: asyncio.Eve
             # As the loop's own run(): a store hiccup costs one tick, not the lab.
             log.error("tick failed: %s", exc)
             tick = TickReport(ts=loop.clock.now(), errors={"tick": str(exc)})
-        view = _view(loop, store, pool, tick, started, current[0])
+        try:
+            open_now = [f"{f.kind} {f.subject}" for f in await store.open_findings()]
+        except FleetError as exc:
+            log.error("open findings unavailable: %s", exc)
+            open_now = []
+        view = _view(loop, open_now, pool, tick, started, current[0])
         report.ticks.append(view)
         if on_tick is not None:
             on_tick(view)
@@ -533,7 +538,7 @@ async def _tick(loop: ControlLoop, store: SqlStore, pool: str, done: asyncio.Eve
             await asyncio.wait_for(done.wait(), max(0.0, interval - (time.monotonic() - began)))
 
 
-def _view(loop: ControlLoop, store: SqlStore, pool: str, tick: TickReport, started: float, phase: str) -> TickView:
+def _view(loop: ControlLoop, open_findings: list[str], pool: str, tick: TickReport, started: float, phase: str) -> TickView:
     subject = pool_subject(pool)
     signals = {}
     for name in PHASE_SIGNALS:
@@ -542,7 +547,7 @@ def _view(loop: ControlLoop, store: SqlStore, pool: str, tick: TickReport, start
             signals[name] = points[-1][1]
     return TickView(
         ts=tick.ts, elapsed_s=tick.ts - started, phase=phase, targets=tick.targets, targets_up=tick.targets_up,
-        signals=signals, open_findings=[f"{f.kind} {f.subject}" for f in store.open_findings()],
+        signals=signals, open_findings=open_findings,
         opened=[f"{f.kind} {f.subject}" for f in tick.opened], resolved=[f"{f.kind} {f.subject}" for f in tick.resolved],
         errors=dict(tick.errors),
     )

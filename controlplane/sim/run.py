@@ -22,7 +22,7 @@ from controlplane.sim.fleet import SimFleet
 from controlplane.sim.scenario import Fault, Scenario, apply_fault
 from controlplane.sim.server import SimActuator, SimServer, SimTargets
 from controlplane.store import migrate
-from controlplane.store.writer import SqlStore
+from controlplane.store.threaded import ThreadedStore
 from policies.types import Policy
 
 __all__ = ["ScenarioRun", "TickHook", "Timeline", "mmss", "run_scenario"]
@@ -93,7 +93,7 @@ async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe"
     else:
         config = config.model_copy(update={"store": config.store.model_copy(update={"url": db_url})})
     migrate.upgrade(db_url)
-    store = SqlStore.open(db_url)
+    store = ThreadedStore.open(db_url)
     clock = VirtualClock(start=start if start is not None else time.time() // 60 * 60)
     t0 = clock.now()
     fleet = SimFleet(scenario.fleet_spec(), scenario.requests(), now=t0)

@@ -121,6 +121,9 @@ class SimTargets:
 class SimActuator:
     """Scales pools of the simulated fleet."""
 
+    name = "simulator"
+    dry_run = False
+
     def __init__(self, fleet: SimFleet) -> None:
         self.fleet = fleet
 

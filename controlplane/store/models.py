@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, MetaData, String, Text, text
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, MetaData, String, Text, false, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from controlplane.actions import ACTIVE_STATES
 
 __all__ = [
     "ActionEventRow",
@@ -21,6 +23,8 @@ __all__ = [
     "TargetRow",
     "VerdictRow",
 ]
+
+ACTIVE_WHERE = "state IN ({})".format(", ".join(f"'{s}'" for s in sorted(ACTIVE_STATES)))
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -129,8 +133,7 @@ class ActionRow(Base):
     pool: Mapped[str] = mapped_column(String(128))
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
     mode: Mapped[str] = mapped_column(String(16))
-    # proposed | approved | rejected | started | succeeded | failed | unknown
-    state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))  # an ActionState; moves only along controlplane.actions.TRANSITIONS
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float)
     approved_at: Mapped[float | None] = mapped_column(Float)
@@ -138,10 +141,24 @@ class ActionRow(Base):
     started_at: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
-    outcome: Mapped[str | None] = mapped_column(String(32))  # recovered | not_recovered
+    outcome: Mapped[str | None] = mapped_column(String(32))  # recovered | not_recovered | unmeasured
     outcome_at: Mapped[float | None] = mapped_column(Float)
+    actuator: Mapped[str | None] = mapped_column(String(32))  # which actuator carried it out
+    dry_run: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
-    __table_args__ = (Index(None, "pool", "created_at"), Index(None, "state"))
+    __table_args__ = (
+        Index(None, "pool", "created_at"),
+        Index(None, "state"),
+        # At most one active action per pool and kind, enforced by the database.
+        Index(
+            "uq_actions_active_pool_kind",
+            "pool",
+            "kind",
+            unique=True,
+            sqlite_where=text(ACTIVE_WHERE),
+            postgresql_where=text(ACTIVE_WHERE),
+        ),
+    )
 
 
 class ActionEventRow(Base):

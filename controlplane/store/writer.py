@@ -1,14 +1,14 @@
-"""The store as the control loop uses it: write signals, manage findings and the audit log.
+"""The SQL store: signals, targets, findings and the audit log on SQLite or PostgreSQL.
 
-Every method commits its own transaction, so a process killed at any point leaves only whole
-ticks, whole findings and whole audit entries behind.
+Every method commits its own transaction, so a process killed at any point leaves each signal
+batch, finding and audit entry either whole or absent. Calls run where they are made: the event
+loop reaches this class through `ThreadedStore`, scripts and the CLI call it directly.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, and_, delete, func, insert, select, update
@@ -17,55 +17,30 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from collectors.types import Signal, Target, TargetHealth
-from controlplane.actions import ACTIVE_STATES
-from controlplane.errors import StoreConflict, StoreUnavailable
+from controlplane.actions import ACTIVE_STATES, ActionState, check_transition
+from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict, StoreUnavailable
 from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
 from controlplane.store.models import ActionEventRow, ActionRow, FindingRow, SignalRow, TargetRow
-from policies.types import FindingReport
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding
 
-__all__ = ["ActionRecord", "FindingRecord", "SqlStore"]
+__all__ = ["SqlStore", "expected_states", "jsonable"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# The column a transition into each state stamps with its time.
+_STAMPS = {ActionState.APPROVED: "approved_at", ActionState.STARTED: "started_at",
+           **{s: "finished_at" for s in (ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN,
+                                         ActionState.DRY_RUN, ActionState.REJECTED, ActionState.EXPIRED,
+                                         ActionState.CANCELLED)}}
+_FIELDS = frozenset({"approved_by", "actuator", "dry_run", "error"})
 
 
-@dataclass(frozen=True, slots=True)
-class FindingRecord:
-    """A stored finding, detached from the session."""
-
-    id: int
-    kind: str
-    subject: str
-    state: str
-    severity: str
-    summary: str
-    cause: str
-    evidence: dict[str, Any]
-    runbook: str
-    opened_at: float
-    updated_at: float
-    resolved_at: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class ActionRecord:
-    """A stored action, detached from the session."""
-
-    id: int
-    finding_id: int | None
-    kind: str
-    pool: str
-    params: dict[str, Any]
-    mode: str
-    state: str
-    reason: str
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    outcome: str | None
+def expected_states(expected: ActionState | Collection[ActionState]) -> list[ActionState]:
+    """`expected` as a list, whether one state or several were given."""
+    return [expected] if isinstance(expected, ActionState) else list(expected)
 
 
 def _finding(row: FindingRow) -> FindingRecord:
@@ -77,8 +52,9 @@ def _finding(row: FindingRow) -> FindingRecord:
 
 def _action(row: ActionRow) -> ActionRecord:
     return ActionRecord(
-        row.id, row.finding_id, row.kind, row.pool, dict(row.params), row.mode, row.state,
-        row.reason, row.created_at, row.started_at, row.finished_at, row.outcome,
+        row.id, row.finding_id, row.kind, row.pool, dict(row.params), row.mode, ActionState(row.state),
+        row.reason, row.created_at, row.started_at, row.finished_at, row.outcome, row.approved_by,
+        row.actuator, bool(row.dry_run), row.error,
     )
 
 
@@ -191,27 +167,27 @@ class SqlStore(metaclass=_Translating):
         with self._session() as s:
             return [_finding(r) for r in s.scalars(select(FindingRow).where(FindingRow.state == "open"))]
 
-    def open_finding(self, report: FindingReport, now: float) -> FindingRecord:
-        """Open a new finding from a policy report."""
+    def open_finding(self, finding: NewFinding, now: float) -> FindingRecord:
+        """Open a new finding."""
         with self._write() as s:
             row = FindingRow(
-                kind=report.key.kind, subject=report.key.subject, state="open",
-                severity=str(report.severity), summary=report.summary, cause=report.cause,
-                evidence=_jsonable(report.evidence), runbook=report.runbook,
+                kind=finding.kind, subject=finding.subject, state="open",
+                severity=finding.severity, summary=finding.summary, cause=finding.cause,
+                evidence=jsonable(finding.evidence), runbook=finding.runbook,
                 opened_at=now, updated_at=now,
             )
             s.add(row)
             s.flush()
             return _finding(row)
 
-    def update_finding(self, finding_id: int, report: FindingReport, now: float) -> None:
+    def update_finding(self, finding_id: int, finding: NewFinding, now: float) -> None:
         """Refresh an open finding's severity, summary and evidence (policies keep its baseline)."""
         with self._write() as s:
             row = s.get_one(FindingRow, finding_id)
-            row.severity = str(report.severity)
-            row.summary = report.summary
-            row.cause = report.cause
-            row.evidence = _jsonable(report.evidence)
+            row.severity = finding.severity
+            row.summary = finding.summary
+            row.cause = finding.cause
+            row.evidence = jsonable(finding.evidence)
             row.updated_at = now
 
     def resolve_finding(self, finding_id: int, reason: str, now: float) -> None:
@@ -237,44 +213,66 @@ class SqlStore(metaclass=_Translating):
 
     # actions and the audit log ---------------------------------------------------------------
 
-    def create_action(
-        self, *, finding_id: int | None, kind: str, pool: str, params: dict[str, Any], mode: str,
-        state: str, reason: str, now: float,
-    ) -> ActionRecord:
-        """Record a new action and its first audit event in one transaction."""
+    def create_action(self, action: NewAction, now: float) -> ActionRecord:
+        """Record a proposed action and its first audit event in one transaction.
+
+        StoreConflict when an action of the same pool and kind is still active (the database's rule).
+        """
         with self._write() as s:
-            row = ActionRow(finding_id=finding_id, kind=kind, pool=pool, params=_jsonable(params), mode=mode,
-                            state=state, reason=reason, created_at=now)
+            row = ActionRow(finding_id=action.finding_id, kind=action.kind, pool=action.pool,
+                            params=jsonable(action.params), mode=action.mode, state=str(ActionState.PROPOSED),
+                            reason=action.reason, created_at=now)
             s.add(row)
             s.flush()
-            s.add(ActionEventRow(action_id=row.id, ts=now, event=state, detail={"reason": reason, **_jsonable(params)}))
+            s.add(ActionEventRow(action_id=row.id, ts=now, event=str(ActionState.PROPOSED),
+                                 detail={"reason": action.reason, **jsonable(action.params)}))
             return _action(row)
 
-    def transition(self, action_id: int, state: str, now: float, detail: dict[str, Any] | None = None,
-                   **fields: Any) -> None:
-        """Move an action to `state`, writing the audit event in the same transaction."""
-        stamp = {"approved": "approved_at", "started": "started_at", "succeeded": "finished_at",
-                 "failed": "finished_at", "unknown": "finished_at", "rejected": "finished_at"}.get(state)
-        values: dict[str, Any] = {"state": state, **fields}
-        if stamp:
-            values[stamp] = now
+    def transition(self, action_id: int, expected: ActionState | Collection[ActionState], to: ActionState,
+                   now: float, detail: dict[str, Any] | None = None, **fields: Any) -> ActionRecord:
+        """Move an action from one of `expected` to `to`, writing its audit event in the same transaction.
+
+        The update is conditional on the current state, so of two racing deciders exactly one wins;
+        the other gets ActionConflict naming the state it lost to (ActionNotFound for no such action).
+        """
+        froms = expected_states(expected)
+        check_transition(froms, to)
+        unknown = set(fields) - _FIELDS
+        if unknown:
+            raise ValueError(f"transition cannot set {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {"state": str(to), **fields}
+        if to in _STAMPS:
+            values[_STAMPS[to]] = now
         with self._write() as s:
-            s.execute(update(ActionRow).where(ActionRow.id == action_id).values(**values))
-            s.add(ActionEventRow(action_id=action_id, ts=now, event=state, detail=_jsonable(detail or {})))
+            done = s.execute(update(ActionRow)
+                             .where(ActionRow.id == action_id, ActionRow.state.in_([str(f) for f in froms]))
+                             .values(**values))
+            if done.rowcount != 1:
+                current = s.scalar(select(ActionRow.state).where(ActionRow.id == action_id))
+                if current is None:
+                    raise ActionNotFound(action_id)
+                raise ActionConflict(action_id, " or ".join(map(str, froms)), current)
+            s.add(ActionEventRow(action_id=action_id, ts=now, event=str(to), detail=jsonable(detail or {})))
+            return _action(s.get_one(ActionRow, action_id))
+
+    def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
+        """Approve or reject a proposed action on behalf of `by`; ActionConflict if it is not awaiting a decision."""
+        to = ActionState.APPROVED if approve else ActionState.REJECTED
+        return self.transition(action_id, ActionState.PROPOSED, to, now, {"by": by, "via": via}, approved_by=by)
 
     def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
         """Write the measured outcome of a finished action."""
         with self._write() as s:
             s.execute(update(ActionRow).where(ActionRow.id == action_id).values(outcome=outcome, outcome_at=now))
-            s.add(ActionEventRow(action_id=action_id, ts=now, event=f"outcome:{outcome}", detail=_jsonable(detail)))
+            s.add(ActionEventRow(action_id=action_id, ts=now, event=f"outcome:{outcome}", detail=jsonable(detail)))
 
-    def actions(self, *, states: Sequence[str] | None = None, since: float | None = None,
+    def actions(self, *, states: Collection[ActionState] | None = None, since: float | None = None,
                 pool: str | None = None) -> list[ActionRecord]:
         """Actions filtered by state, creation time and pool, oldest first."""
         q = select(ActionRow)
         conds = []
         if states is not None:
-            conds.append(ActionRow.state.in_(list(states)))
+            conds.append(ActionRow.state.in_([str(x) for x in states]))
         if since is not None:
             conds.append(ActionRow.created_at >= since)
         if pool is not None:
@@ -294,10 +292,16 @@ class SqlStore(metaclass=_Translating):
         """Roll up and expire signals (see `compaction`)."""
         return compact(self.engine, now, retention)
 
+    def action_events(self, action_id: int) -> list[ActionEvent]:
+        """An action's audit log, oldest first."""
+        q = select(ActionEventRow).where(ActionEventRow.action_id == action_id).order_by(ActionEventRow.id)
+        with self._session() as s:
+            return [ActionEvent(r.action_id, r.ts, r.event, dict(r.detail)) for r in s.scalars(q)]
+
     def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
         """Succeeded actions whose outcome is not judged yet and whose verify time has come."""
         q = select(ActionRow).where(
-            ActionRow.state == "succeeded", ActionRow.outcome.is_(None), ActionRow.finished_at <= finished_before
+            ActionRow.state == str(ActionState.SUCCEEDED), ActionRow.outcome.is_(None), ActionRow.finished_at <= finished_before
         )
         with self._session() as s:
             return [_action(r) for r in s.scalars(q)]
@@ -308,12 +312,12 @@ class SqlStore(metaclass=_Translating):
             return conn.execute(delete(SignalRow).where(SignalRow.ts < cutoff)).rowcount or 0
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Evidence as plain JSON types (tuples to lists, enums to strings)."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, str):
         return str(value)
     if isinstance(value, bool | int | float) or value is None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from controlplane.store.queries import EP_LOAD, EP_STEP
 from dashboard import common as c
+from dashboard.pages import EP_LOAD, EP_STEP
 
 w = c.window()
 load_name = c.chosen("ep_load") if c.chosen("ep_load") in EP_LOAD else EP_LOAD[0]

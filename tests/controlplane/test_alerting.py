@@ -31,7 +31,9 @@ from controlplane.config import Alerting, parse_config
 from controlplane.errors import ConfigError
 from controlplane.loop import ControlLoop, TickReport
 from controlplane.observe import Observation
-from controlplane.store.writer import FindingRecord, SqlStore
+from controlplane.store.records import FindingRecord
+from controlplane.store.threaded import ThreadedStore
+from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 
@@ -332,7 +334,7 @@ class Scripted:
 def loop_with(store: SqlStore, policy: Scripted) -> tuple[ControlLoop, VirtualClock]:
     cfg = parse_config("pools: [{name: decode, role: decode, model: m, replicas: {max: 4}}]\n")
     clock = VirtualClock(T0)
-    loop = ControlLoop(config=cfg, source=EmptySource(), store=store, policies=[policy],
+    loop = ControlLoop(config=cfg, source=EmptySource(), store=ThreadedStore(store), policies=[policy],
                        actuator=DryRunActuator(StaticTargets([]), ["decode"]), clock=clock, telemetry=Telemetry())
     return loop, clock
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from controlplane.actions import ActionState
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
 from controlplane.demo import demo_config
@@ -24,6 +25,7 @@ from controlplane.sim.fleet import SimFleet
 from controlplane.sim.routing import RouterKind as Router
 from controlplane.sim.server import SimActuator, SimServer, SimTargets
 from controlplane.store.queries import ReadStore
+from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 
 TOKEN = "s3cret-token-for-tests"
@@ -39,8 +41,9 @@ def free_port() -> int:
 class Api:
     """A propose-mode loop with its HTTP server on a free port."""
 
-    def __init__(self, loop: ControlLoop, fleet: SimFleet, server: SimServer, clock: VirtualClock, base: str) -> None:
-        self.loop, self.fleet, self.server, self.clock, self.base = loop, fleet, server, clock, base
+    def __init__(self, loop: ControlLoop, store: SqlStore, fleet: SimFleet, server: SimServer, clock: VirtualClock,
+                 base: str) -> None:
+        self.loop, self.store, self.fleet, self.server, self.clock, self.base = loop, store, fleet, server, clock, base
 
     async def ticks(self, n: int) -> None:
         for _ in range(n):
@@ -54,7 +57,7 @@ class Api:
         await self.ticks(20)
         self.fleet.set_router(Router.ROUND_ROBIN)
         await self.ticks(4)
-        [proposal] = self.loop.store.actions(states=["proposed"])
+        [proposal] = self.store.actions(states=[ActionState.PROPOSED])
         return proposal.id
 
 
@@ -62,12 +65,13 @@ async def _api(sim: tuple, store: SqlStore, token: str | None) -> AsyncIterator[
     fleet, sim_server, clock = sim
     cfg = demo_config(str(store.engine.url)).model_copy(update={"mode": Mode.PROPOSE})
     async with httpx.AsyncClient(timeout=2.0) as scrape:
-        loop = build_loop(cfg, store, scrape, targets=SimTargets(sim_server), actuator=SimActuator(fleet), clock=clock)
+        loop = build_loop(cfg, ThreadedStore(store), scrape, targets=SimTargets(sim_server), actuator=SimActuator(fleet),
+                          clock=clock)
         await loop.start()
         port = free_port()
         http = start_server(loop, "127.0.0.1", port, token=token)
         try:
-            yield Api(loop, fleet, sim_server, clock, f"http://127.0.0.1:{port}")
+            yield Api(loop, store, fleet, sim_server, clock, f"http://127.0.0.1:{port}")
         finally:
             http.stop()
 
@@ -110,13 +114,13 @@ async def test_approve_through_the_api_and_the_loop_acts(api: Api, caplog: pytes
         assert r.json() == {"id": aid, "state": "approved", "by": "alice"}
         again = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
         assert again.status_code == 409 and "not awaiting approval (it is approved)" in again.json()["error"]
-    [action] = api.loop.store.actions()
+    [action] = api.store.actions()
     assert action.state == "approved"
     await api.ticks(1)
     assert api.fleet.desired["prefill"] == 4
-    assert api.loop.store.actions()[0].state == "succeeded"
+    assert api.store.actions()[0].state == "succeeded"
     # The audit log names who approved, and that it came through the API.
-    approved = [e for e in ReadStore(api.loop.store.engine).action_events(aid) if e["event"] == "approved"]
+    approved = [e for e in ReadStore(api.store.engine).action_events(aid) if e["event"] == "approved"]
     assert approved[0]["detail"] == {"by": "alice", "via": "api"}
     assert TOKEN not in caplog.text
 
@@ -128,7 +132,7 @@ async def test_reject_through_the_api(api: Api) -> None:
     assert r.status_code == 200 and r.json()["state"] == "rejected"
     await api.ticks(1)
     assert api.fleet.desired["prefill"] == 3
-    [action] = api.loop.store.actions()
+    [action] = api.store.actions()
     assert action.state == "rejected"
 
 
@@ -148,7 +152,7 @@ async def test_writes_need_the_right_token_and_a_name(api: Api) -> None:
     assert unknown.status_code == 404
     assert bad_verb.status_code == 404
     assert TOKEN not in missing.text + wrong.text + no_name.text
-    [action] = api.loop.store.actions()
+    [action] = api.store.actions()
     assert action.state == "proposed"
 
 
@@ -159,7 +163,7 @@ async def test_without_a_configured_token_every_write_is_refused(readonly_api: A
         r = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
     assert status["writes_enabled"] is False
     assert r.status_code == 403 and "FLEETCTL_API_TOKEN" in r.json()["error"]
-    [action] = readonly_api.loop.store.actions()
+    [action] = readonly_api.store.actions()
     assert action.state == "proposed"
 
 

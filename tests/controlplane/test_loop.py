@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import generate_latest
 
 from collectors.types import Target
+from controlplane.actions import ActionState
 from controlplane.actuators.base import StaticTargets
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
@@ -26,6 +27,9 @@ from controlplane.runtime import build_loop
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.routing import RouterKind as Router
 from controlplane.sim.server import SimActuator, SimServer, SimTargets
+from controlplane.store.memory import MemoryStore
+from controlplane.store.records import NewAction
+from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 
@@ -60,8 +64,8 @@ def harness(mode: Mode, sim: tuple, store: SqlStore, client: httpx.AsyncClient,
     fleet, server, clock = sim
     cfg = demo_config(str(store.engine.url))
     cfg = cfg.model_copy(update={"mode": mode})
-    loop = build_loop(cfg, store, client, targets=SimTargets(server), actuator=SimActuator(fleet), clock=clock,
-                      telemetry=telemetry)
+    loop = build_loop(cfg, ThreadedStore(store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, telemetry=telemetry)
     return Harness(loop, fleet, server, clock, store)
 
 
@@ -117,7 +121,7 @@ async def test_propose_mode_waits_for_approval(sim: tuple, sqlite_store: SqlStor
     assert proposal.state == "proposed" and h.fleet.desired["prefill"] == 3
     await h.ticks(2)
     assert len(h.store.actions()) == 1, "an awaiting proposal blocks new ones for the pool"
-    h.store.transition(proposal.id, "approved", h.clock.now(), {"by": "alice"}, approved_by="alice")
+    h.store.decide(proposal.id, approve=True, by="alice", now=h.clock.now(), via="test")
     await h.ticks(1)
     assert h.fleet.desired["prefill"] == 4
     assert h.store.actions()[0].state == "succeeded"
@@ -126,9 +130,9 @@ async def test_propose_mode_waits_for_approval(sim: tuple, sqlite_store: SqlStor
 async def test_interrupted_action_becomes_unknown_on_restart(sim: tuple, sqlite_store: SqlStore,
                                                              client: httpx.AsyncClient) -> None:
     h = harness(Mode.ACT, sim, sqlite_store, client)
-    a = h.store.create_action(finding_id=None, kind="scale_pool", pool="prefill", params={"replicas": 4}, mode="act",
-                              state="proposed", reason="x", now=h.clock.now())
-    h.store.transition(a.id, "started", h.clock.now())
+    a = h.store.create_action(NewAction(None, "scale_pool", "prefill", {"replicas": 4}, "act", "x"), h.clock.now())
+    h.store.transition(a.id, ActionState.PROPOSED, ActionState.APPROVED, h.clock.now())
+    h.store.transition(a.id, ActionState.APPROVED, ActionState.STARTED, h.clock.now())
     await h.loop.start()
     [after] = h.store.actions()
     assert after.state == "unknown"
@@ -145,7 +149,7 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     cfg = demo_config(str(sqlite_store.engine.url))
     targets = StaticTargets([Target("http://dead/metrics", "prefill", "dead"), Target("http://bad/metrics", "prefill", "bad")])
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
-        loop = build_loop(cfg, sqlite_store, mock, targets=targets, clock=VirtualClock())
+        loop = build_loop(cfg, MemoryStore(), mock, targets=targets, clock=VirtualClock())
         report = await loop.tick()
     assert report.targets == 2 and report.targets_up == 1
     assert "ConnectError" in report.errors["prefill/dead/vllm"]
@@ -218,7 +222,7 @@ async def test_prometheus_api_mode_feeds_the_same_loop(sqlite_store: SqlStore, c
 
     cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
     api = PrometheusSource("http://prometheus:9090", client=FakeClient(_answer))
-    loop = build_loop(cfg, sqlite_store, client, clock=VirtualClock())
+    loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
     loop.source = PrometheusApiSource(api, window_s=60.0)
     report = await loop.tick()
     assert report.signals > 0 and report.targets == 0
@@ -241,5 +245,5 @@ async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: 
         "prometheus: {url: 'http://prometheus:9090', window: 1m, selector: {job: vllm}}\n"
         "pools: [{name: prefill, role: prefill, model: m, replicas: {min: 1, max: 2}}]\n"
     )
-    loop = build_loop(cfg, sqlite_store, client, clock=VirtualClock())
+    loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
     assert isinstance(loop.source, PrometheusApiSource) and loop.source.window_s == 60.0

@@ -19,6 +19,7 @@ from streamlit.testing.v1 import AppTest
 
 from controlplane.demo import run_demo
 from controlplane.store import migrate
+from controlplane.store.records import NewAction
 from controlplane.store.writer import SqlStore
 from tests.dashboard.conftest import copy_store
 
@@ -243,8 +244,8 @@ def proposal_db(demo_db: Path, tmp_path: Path) -> tuple[str, int]:
     copy_store(demo_db, path)
     store = SqlStore.open(f"sqlite:///{path}")
     try:
-        a = store.create_action(finding_id=1, kind="scale_pool", pool="prefill", params={"from_replicas": 4, "replicas": 5},
-                                mode="propose", state="proposed", reason="absorb the extra prefill work", now=1.0)
+        a = store.create_action(NewAction(1, "scale_pool", "prefill", {"from_replicas": 4, "replicas": 5}, "propose",
+                                          "absorb the extra prefill work"), 1.0)
     finally:
         store.close()
     return f"sqlite:///{path}", a.id
@@ -294,12 +295,12 @@ def test_a_refused_decision_is_shown(monkeypatch: pytest.MonkeyPatch, proposal_d
 
 def test_a_store_that_stops_answering_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, demo_db: Path) -> None:
     from controlplane.errors import StoreUnavailable
-    from controlplane.store import queries
+    from dashboard import pages
 
     def down(*args: Any, **kwargs: Any) -> dict[str, Any]:
         raise StoreUnavailable("findings_between: connection refused")
 
-    monkeypatch.setitem(queries.PAGES, "incidents", down)
+    monkeypatch.setitem(pages.PAGES, "incidents", down)
     at = render(monkeypatch, f"sqlite:///{demo_db}", "incidents")
     assert any("stopped answering" in e.value and "connection refused" in e.value for e in at.error)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.dashboard import run_dashboard_bench
-from controlplane.store.queries import PAGES, ReadStore
+from controlplane.store.queries import ReadStore
+from dashboard.pages import PAGES
 
 
 def test_bench_times_every_page_on_a_seeded_store(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from sqlalchemy import insert, select
 from controlplane.store import migrate
 from controlplane.store.db import make_engine
 from controlplane.store.models import Base
-from controlplane.store.queries import PAGES, Plan, Point, ReadStore, Spread, plan
+from controlplane.store.queries import Plan, Point, ReadStore, Spread, plan
+from dashboard.pages import PAGES
 
 RANGES = (900.0, 3600.0, 86400.0, 7 * 86400.0)
 

@@ -24,6 +24,7 @@ from controlplane.kvprobe.agent import AgentProcess
 from controlplane.kvprobe.probe import Peer
 from controlplane.loop import ControlLoop, TickReport
 from controlplane.runtime import build_loop
+from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from tests.kvprobe.test_probe import KIB, run_in_thread, start_target
 
@@ -64,7 +65,7 @@ async def probed_loop(tmp_path: Path, store: SqlStore, deadline_s: float) -> Asy
         config = parse_config(fleet_file(probe.url, str(store.engine.url)))
         async with httpx.AsyncClient(timeout=2.0) as client:
             clock = VirtualClock()
-            yield ProbedLoop(target, build_loop(config, store, client, clock=clock), clock, config.scrape.interval)
+            yield ProbedLoop(target, build_loop(config, ThreadedStore(store), client, clock=clock), clock, config.scrape.interval)
 
 
 async def test_decode_side_stop_opens_and_recovery_resolves_the_finding(

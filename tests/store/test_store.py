@@ -19,14 +19,15 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
 
 from collectors.types import Signal
+from controlplane.actions import ActionState as S
 from controlplane.errors import StoreConflict, StoreUnavailable
 from controlplane.store import migrate
 from controlplane.store.compaction import Retention
 from controlplane.store.db import make_engine
 from controlplane.store.models import Base, FindingRow, SignalRollupRow
 from controlplane.store.queries import ReadStore
+from controlplane.store.records import NewAction, NewFinding
 from controlplane.store.writer import SqlStore
-from policies.types import FindingKey, FindingReport, Severity
 
 TABLES = {"targets", "signals", "signal_rollups", "findings", "actions", "action_events", "verdicts", "store_meta"}
 
@@ -71,9 +72,9 @@ def test_signals_write_and_ignore_repeats(store: SqlStore) -> None:
     assert [s.value for s in store.load_signals(0.0)] == [s.value for s in batch]
 
 
-def report(subject: str = "pool/prefill", value: float = 0.4) -> FindingReport:
-    return FindingReport(FindingKey("prefix_cache_hit_drop", subject), Severity.WARNING, "hit rate fell", "routing",
-                         {"value": value, "baseline": 0.8, "engines": ("a", "b")}, "prefix_cache_hit_drop")
+def report(subject: str = "pool/prefill", value: float = 0.4) -> NewFinding:
+    return NewFinding("prefix_cache_hit_drop", subject, "warning", "hit rate fell", "routing",
+                      {"value": value, "baseline": 0.8, "engines": ("a", "b")}, "prefix_cache_hit_drop")
 
 
 def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
@@ -94,14 +95,14 @@ def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
 
 def test_actions_and_audit_log(store: SqlStore) -> None:
     f = store.open_finding(report(), now=10.0)
-    a = store.create_action(finding_id=f.id, kind="scale_pool", pool="prefill", params={"replicas": 4}, mode="act",
-                            state="proposed", reason="test", now=10.0)
-    store.transition(a.id, "approved", 11.0, {"by": "alice"}, approved_by="alice")
-    store.transition(a.id, "started", 12.0)
-    store.transition(a.id, "succeeded", 13.0)
+    a = store.create_action(NewAction(f.id, "scale_pool", "prefill", {"replicas": 4}, "act", "test"), now=10.0)
+    store.decide(a.id, approve=True, by="alice", now=11.0, via="test")
+    store.transition(a.id, S.APPROVED, S.STARTED, 12.0, actuator="kubernetes")
+    store.transition(a.id, S.STARTED, S.SUCCEEDED, 13.0)
     store.record_outcome(a.id, "recovered", 700.0, {"before": 0.9, "after": 0.4})
     [done] = store.actions()
     assert (done.state, done.started_at, done.finished_at, done.outcome) == ("succeeded", 12.0, 13.0, "recovered")
+    assert (done.approved_by, done.actuator, done.dry_run) == ("alice", "kubernetes", False)
     events = ReadStore(store.engine).action_events(a.id)  # shares the store's engine
     assert [e["event"] for e in events] == ["proposed", "approved", "started", "succeeded", "outcome:recovered"]
     assert store.awaiting_outcome(finished_before=1000.0) == []

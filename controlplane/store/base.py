@@ -1,0 +1,95 @@
+"""The store as the loop, the HTTP server and the CLI use it: one protocol, three implementations.
+
+`SqlStore` (`writer.py`) is the SQL implementation and runs its statements where it is called;
+`ThreadedStore` (`threaded.py`) gives the event loop the same calls off its thread, so a slow
+database never stalls a tick's scrapes; `MemoryStore` (`memory.py`) keeps everything in memory
+for tests, with the same rules (one open finding per kind and subject, one active action per
+pool and kind, conditional transitions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, Protocol
+
+from collectors.types import Signal, Target, TargetHealth
+from controlplane.actions import ActionState
+from controlplane.store.compaction import CompactionReport, Retention
+from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
+
+__all__ = ["Store"]
+
+
+class Store(Protocol):
+    """What the control loop and the HTTP server call; every method is a coroutine.
+
+    Raises StoreUnavailable when the database cannot be reached, StoreConflict when it refuses a
+    write (ActionConflict when an action is not in the expected state), ActionNotFound for an
+    unknown action id.
+    """
+
+    async def write_signals(self, signals: Sequence[Signal]) -> int:
+        """Insert signals; a repeat of an existing point is ignored. Returns how many were given."""
+        ...
+
+    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
+        """Raw signals at or after `since`, oldest first."""
+        ...
+
+    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
+        """Upsert each target's latest health: (target, health, up, scraped_at)."""
+        ...
+
+    async def open_findings(self) -> list[FindingRecord]:
+        """Every finding that is open now."""
+        ...
+
+    async def open_finding(self, finding: NewFinding, now: float) -> FindingRecord:
+        """Open a finding; StoreConflict if one of its kind and subject is open already."""
+        ...
+
+    async def update_finding(self, finding_id: int, finding: NewFinding, now: float) -> None:
+        """Refresh an open finding's severity, summary, cause and evidence."""
+        ...
+
+    async def resolve_finding(self, finding_id: int, reason: str, now: float) -> None:
+        """Close a finding; its incident ends."""
+        ...
+
+    async def finding(self, finding_id: int) -> FindingRecord | None:
+        """One finding by id."""
+        ...
+
+    async def create_action(self, action: NewAction, now: float) -> ActionRecord:
+        """Record a proposed action and its first audit event; StoreConflict if one of its pool and kind is active."""
+        ...
+
+    async def transition(self, action_id: int, expected: ActionState | Collection[ActionState], to: ActionState,
+                         now: float, detail: dict[str, Any] | None = None, **fields: Any) -> ActionRecord:
+        """Move an action from one of `expected` to `to`, with its audit event; ActionConflict if it moved first."""
+        ...
+
+    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
+        """Approve or reject a proposed action on behalf of `by` (through `via`: cli, api, dashboard)."""
+        ...
+
+    async def actions(self, *, states: Collection[ActionState] | None = None, since: float | None = None,
+                      pool: str | None = None) -> list[ActionRecord]:
+        """Actions filtered by state, creation time and pool, oldest first."""
+        ...
+
+    async def recent_actions(self, since: float) -> list[ActionRecord]:
+        """Actions created since `since`, plus any older one that has not finished."""
+        ...
+
+    async def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
+        """Succeeded actions whose outcome is not judged yet and whose verify time has come."""
+        ...
+
+    async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
+        """Write the measured outcome of a finished action."""
+        ...
+
+    async def compact(self, now: float, retention: Retention) -> CompactionReport:
+        """Roll up and expire signals."""
+        ...

@@ -1,0 +1,144 @@
+"""The store in memory, for tests: the `Store` protocol with the SQL store's rules and nothing kept.
+
+Holds the same invariants the database enforces (one open finding per kind and subject, one
+active action per pool and kind, conditional transitions along the lifecycle), so a test that
+passes on it means the same on SQL. Compaction only expires raw signals; there are no rollups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from collectors.types import Signal, Target, TargetHealth
+from controlplane.actions import ACTIVE_STATES, ActionState, check_transition
+from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
+from controlplane.store.compaction import CompactionReport, Retention
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding
+from controlplane.store.writer import expected_states, jsonable
+
+__all__ = ["MemoryStore"]
+
+
+
+class MemoryStore:
+    """`Store` in memory."""
+
+    def __init__(self) -> None:
+        self.signals: dict[tuple[str, str, float], Signal] = {}
+        self.targets: dict[str, tuple[Target, TargetHealth, bool, float]] = {}
+        self.findings: dict[int, FindingRecord] = {}
+        self.resolve_reasons: dict[int, str] = {}
+        self.action_rows: dict[int, ActionRecord] = {}
+        self.events: list[ActionEvent] = []
+        self.outcome_at: dict[int, float] = {}
+
+    # signals and targets ---------------------------------------------------------------------
+
+    async def write_signals(self, signals: Sequence[Signal]) -> int:
+        fresh = {(s.name, s.subject, s.ts): s for s in signals}
+        for key, s in fresh.items():
+            self.signals.setdefault(key, s)
+        return len(fresh)
+
+    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
+        wanted = None if names is None else set(names)
+        return sorted((s for s in self.signals.values() if s.ts >= since and (wanted is None or s.name in wanted)),
+                      key=lambda s: s.ts)
+
+    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
+        for target, health, up, at in results:
+            self.targets[target.key] = (target, health, up, at)
+
+    async def compact(self, now: float, retention: Retention) -> CompactionReport:
+        old = [k for k, s in self.signals.items() if s.ts < now - retention.raw_s]
+        for k in old:
+            del self.signals[k]
+        return CompactionReport(0, 0, len(old), 0)
+
+    # findings --------------------------------------------------------------------------------
+
+    async def open_findings(self) -> list[FindingRecord]:
+        return [f for f in self.findings.values() if f.state == "open"]
+
+    async def open_finding(self, finding: NewFinding, now: float) -> FindingRecord:
+        if any(f.kind == finding.kind and f.subject == finding.subject for f in await self.open_findings()):
+            raise StoreConflict(f"open_finding: a {finding.kind} finding on {finding.subject} is open already")
+        row = FindingRecord(len(self.findings) + 1, finding.kind, finding.subject, "open", finding.severity,
+                            finding.summary, finding.cause, jsonable(finding.evidence), finding.runbook, now, now, None)
+        self.findings[row.id] = row
+        return row
+
+    async def update_finding(self, finding_id: int, finding: NewFinding, now: float) -> None:
+        row = self.findings[finding_id]
+        self.findings[finding_id] = replace(row, severity=finding.severity, summary=finding.summary,
+                                            cause=finding.cause, evidence=jsonable(finding.evidence), updated_at=now)
+
+    async def resolve_finding(self, finding_id: int, reason: str, now: float) -> None:
+        row = self.findings[finding_id]
+        if row.state == "open":
+            self.findings[finding_id] = replace(row, state="resolved", resolved_at=now, updated_at=now)
+            self.resolve_reasons[finding_id] = reason
+
+    async def finding(self, finding_id: int) -> FindingRecord | None:
+        return self.findings.get(finding_id)
+
+    # actions ---------------------------------------------------------------------------------
+
+    async def create_action(self, action: NewAction, now: float) -> ActionRecord:
+        if any(a.pool == action.pool and a.kind == action.kind and a.state in ACTIVE_STATES
+               for a in self.action_rows.values()):
+            raise StoreConflict(f"create_action: an active {action.kind} action on {action.pool} exists already")
+        row = ActionRecord(len(self.action_rows) + 1, action.finding_id, action.kind, action.pool,
+                           jsonable(action.params), action.mode, ActionState.PROPOSED, action.reason, now, None, None,
+                           None)
+        self.action_rows[row.id] = row
+        self.events.append(ActionEvent(row.id, now, str(ActionState.PROPOSED),
+                                       {"reason": action.reason, **jsonable(action.params)}))
+        return row
+
+    async def transition(self, action_id: int, expected: ActionState | Collection[ActionState], to: ActionState,
+                         now: float, detail: dict[str, Any] | None = None, **fields: Any) -> ActionRecord:
+        froms = expected_states(expected)
+        check_transition(froms, to)
+        row = self.action_rows.get(action_id)
+        if row is None:
+            raise ActionNotFound(action_id)
+        if row.state not in froms:
+            raise ActionConflict(action_id, " or ".join(map(str, froms)), str(row.state))
+        stamps: dict[str, Any] = {}
+        if to is ActionState.STARTED:
+            stamps["started_at"] = now
+        elif to is not ActionState.APPROVED:
+            stamps["finished_at"] = now
+        row = replace(row, state=to, **stamps, **fields)
+        self.action_rows[action_id] = row
+        self.events.append(ActionEvent(action_id, now, str(to), jsonable(detail or {})))
+        return row
+
+    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
+        to = ActionState.APPROVED if approve else ActionState.REJECTED
+        return await self.transition(action_id, ActionState.PROPOSED, to, now, {"by": by, "via": via}, approved_by=by)
+
+    async def actions(self, *, states: Collection[ActionState] | None = None, since: float | None = None,
+                      pool: str | None = None) -> list[ActionRecord]:
+        return [a for a in self.action_rows.values()
+                if (states is None or a.state in states) and (since is None or a.created_at >= since)
+                and (pool is None or a.pool == pool)]
+
+    async def recent_actions(self, since: float) -> list[ActionRecord]:
+        return [a for a in self.action_rows.values() if a.created_at >= since or a.state in ACTIVE_STATES]
+
+    async def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
+        return [a for a in self.action_rows.values() if a.state is ActionState.SUCCEEDED and a.outcome is None
+                and a.finished_at is not None and a.finished_at <= finished_before]
+
+    async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
+        self.action_rows[action_id] = replace(self.action_rows[action_id], outcome=outcome)
+        self.outcome_at[action_id] = now
+        self.events.append(ActionEvent(action_id, now, f"outcome:{outcome}", jsonable(detail)))
+
+    def action_events(self, action_id: int) -> list[ActionEvent]:
+        """An action's audit log, oldest first."""
+        return [e for e in self.events if e.action_id == action_id]

@@ -1,0 +1,85 @@
+"""The store's own value types: what goes in and what comes out, detached from any session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.actions import ActionState
+
+__all__ = ["ActionEvent", "ActionRecord", "FindingRecord", "NewAction", "NewFinding"]
+
+
+@dataclass(frozen=True, slots=True)
+class NewFinding:
+    """A finding to open, or the fresh content of an open one."""
+
+    kind: str
+    subject: str
+    severity: str
+    summary: str
+    cause: str
+    evidence: dict[str, Any]
+    runbook: str
+
+
+@dataclass(frozen=True, slots=True)
+class FindingRecord:
+    """A stored finding."""
+
+    id: int
+    kind: str
+    subject: str
+    state: str  # open | resolved
+    severity: str
+    summary: str
+    cause: str
+    evidence: dict[str, Any]
+    runbook: str
+    opened_at: float
+    updated_at: float
+    resolved_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewAction:
+    """An action to record as proposed, with the finding that caused it."""
+
+    finding_id: int | None
+    kind: str
+    pool: str
+    params: dict[str, Any]
+    mode: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRecord:
+    """A stored action: its current state; the audit log holds how it got there."""
+
+    id: int
+    finding_id: int | None
+    kind: str
+    pool: str
+    params: dict[str, Any]
+    mode: str
+    state: ActionState
+    reason: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    outcome: str | None
+    approved_by: str | None = None
+    actuator: str | None = None  # which actuator carried it out (kubernetes, simulator, dry_run)
+    dry_run: bool = False  # True when the fleet was not changed
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionEvent:
+    """One entry of the audit log."""
+
+    action_id: int
+    ts: float
+    event: str
+    detail: dict[str, Any]

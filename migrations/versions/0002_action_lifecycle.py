@@ -1,0 +1,45 @@
+"""Action lifecycle: which actuator carried an action out, whether it was a dry run, and at most
+one active action per pool and kind.
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = '0002'
+down_revision = '0001'
+branch_labels = None
+depends_on = None
+
+# The states a store of revision 0002 treats as active (controlplane.actions.ACTIVE_STATES then).
+ACTIVE = "state IN ('approved', 'proposed', 'started')"
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('actions') as batch:
+        batch.add_column(sa.Column('actuator', sa.String(length=32), nullable=True))
+        batch.add_column(sa.Column('dry_run', sa.Boolean(), server_default=sa.false(), nullable=False))
+    # Before the database enforces one active action per pool and kind, older duplicates expire:
+    # the newest of each pool and kind stays as it was.
+    op.execute(sa.text(
+        "UPDATE actions SET state = 'expired' WHERE " + ACTIVE + " AND id NOT IN "
+        "(SELECT max(id) FROM actions WHERE " + ACTIVE + " GROUP BY pool, kind)"
+    ))
+    op.create_index('uq_actions_active_pool_kind', 'actions', ['pool', 'kind'], unique=True,
+                    sqlite_where=sa.text(ACTIVE), postgresql_where=sa.text(ACTIVE))
+
+
+def downgrade() -> None:
+    op.drop_index('uq_actions_active_pool_kind', table_name='actions',
+                  sqlite_where=sa.text(ACTIVE), postgresql_where=sa.text(ACTIVE))
+    # States this revision introduced have no meaning before it.
+    op.execute(sa.text("UPDATE actions SET state = 'succeeded' WHERE state = 'dry_run'"))
+    op.execute(sa.text("UPDATE actions SET state = 'expired' WHERE state = 'cancelled'"))
+    with op.batch_alter_table('actions') as batch:
+        batch.drop_column('dry_run')
+        batch.drop_column('actuator')

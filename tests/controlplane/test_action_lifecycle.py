@@ -1,0 +1,194 @@
+"""The loop's audited path from a proposal to the actuator, on the in-memory store in virtual time.
+
+Covers: a stale approval (the pool moved between approval and run) is cancelled, not applied;
+an approval racing the execution of another control plane starts the action once; a dry-run
+actuator's action ends `dry_run`, never `succeeded`; any exception from an actuator is a failed
+action with its message and the loop goes on; undecided proposals expire after the TTL; an
+approved action waits while the pool settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from controlplane.actions import ActionState as S
+from controlplane.actuators.base import PoolReplicas
+from controlplane.clock import VirtualClock
+from controlplane.config import Mode, parse_config
+from controlplane.errors import ActuationError
+from controlplane.loop import ControlLoop
+from controlplane.observe import Observation
+from controlplane.store.memory import MemoryStore
+from controlplane.telemetry import Telemetry
+from policies.types import ActionKind, FindingKey, FindingReport, PolicyInput, PolicyResult, Proposal, Severity
+
+FLEET = """
+mode: {mode}
+pools: [{{name: prefill, role: prefill, model: m, replicas: {{min: 1, max: 8}}}}]
+rails: {{cooldown: 60s, proposal_ttl: 10m, verify_after: 5m}}
+"""
+
+
+class NoMetrics:
+    async def observe(self, now: float) -> Observation:
+        return Observation()
+
+
+class Asks:
+    """A policy that, while `on`, keeps a finding open that asks for one more prefill replica."""
+
+    kind = "test"
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        key = FindingKey("test", "pool/prefill")
+        if not self.on:
+            return PolicyResult(resolved=[(key, "gone")] if key in inp.open_findings else [])
+        proposal = Proposal(ActionKind.SCALE_POOL, "prefill", 1, "more prefill")
+        return PolicyResult([FindingReport(key, Severity.WARNING, "needs more", "load", {}, "test", (proposal,))])
+
+
+@dataclass
+class Pools:
+    """A fleet of one pool that a test can move under the loop's feet."""
+
+    desired: int = 3
+    ready: int = 3
+    calls: list[int] = field(default_factory=list)
+    name: str = "fake"
+    dry_run: bool = False
+    error: Exception | None = None
+
+    async def observe(self) -> dict[str, PoolReplicas]:
+        return {"prefill": PoolReplicas(self.desired, self.ready)}
+
+    async def scale(self, pool: str, replicas: int) -> None:
+        self.calls.append(replicas)
+        if self.error is not None:
+            raise self.error
+        if not self.dry_run:
+            self.desired = self.ready = replicas
+
+
+def make_loop(mode: Mode, store: MemoryStore, pools: Pools, clock: VirtualClock, policy: Asks) -> ControlLoop:
+    cfg = parse_config(FLEET.format(mode=mode))
+    return ControlLoop(config=cfg, source=NoMetrics(), store=store, policies=[policy], actuator=pools, clock=clock,
+                       telemetry=Telemetry())
+
+
+@pytest.fixture
+def clock() -> VirtualClock:
+    return VirtualClock()
+
+
+async def tick(loop: ControlLoop, clock: VirtualClock, seconds: float = 15.0) -> None:
+    clock.advance(seconds)
+    await loop.tick()
+
+
+async def test_a_stale_approval_is_cancelled_not_applied(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    assert (proposal.state, proposal.params["from_replicas"], proposal.params["replicas"]) == (S.PROPOSED, 3, 4)
+    pools.desired = pools.ready = 4  # someone scaled by hand meanwhile
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    await tick(loop, clock)
+    [action] = await store.actions(states=[S.CANCELLED])
+    assert pools.calls == [] and pools.desired == 4, "a 3 -> 4 approval never becomes 4 -> 5"
+    [event] = [e for e in store.action_events(action.id) if e.event == "cancelled"]
+    assert event.detail["rails"] == "stale" and "at 4 now" in event.detail["why"]
+
+
+async def test_an_approved_action_waits_while_the_pool_settles(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    pools.ready = 2  # an engine restarts
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.APPROVED and pools.calls == []
+    pools.ready = 3
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.SUCCEEDED and pools.calls == [4]
+
+
+async def test_two_control_planes_start_an_approved_action_once(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    first = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    second = make_loop(Mode.PROPOSE, store, pools, clock, Asks())  # a second replica that proposes nothing itself
+    policy.on = True
+    await tick(first, clock)
+    [proposal] = await store.actions()
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="dashboard")
+    clock.advance(15.0)
+    await asyncio.gather(first.tick(), second.tick())
+    assert pools.calls == [4], "the actuator ran exactly once"
+    events = [e.event for e in store.action_events(proposal.id)]
+    assert events == ["proposed", "approved", "started", "succeeded"]
+
+
+async def test_a_dry_run_never_reads_as_succeeded(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(name="dry_run", dry_run=True), Asks()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    [action] = await store.actions()
+    assert (action.state, action.actuator, action.dry_run) == (S.DRY_RUN, "dry_run", True)
+    assert pools.calls == [4] and pools.desired == 3
+    await tick(loop, clock, 600.0)
+    assert (await store.actions())[0].outcome is None  # nothing was changed, so nothing is judged
+
+
+@pytest.mark.parametrize(("error", "message"), [
+    (ActuationError("the API refused: 422 replicas must be >= 0"), "the API refused: 422 replicas must be >= 0"),
+    (KeyError("spec"), "KeyError: 'spec'"),
+    (TimeoutError("read timed out"), "TimeoutError: read timed out"),
+])
+async def test_any_actuator_exception_is_a_failed_action(clock: VirtualClock, error: Exception, message: str) -> None:
+    store, pools, policy = MemoryStore(), Pools(error=error), Asks()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    [action] = await store.actions()
+    assert (action.state, action.error) == (S.FAILED, message)
+    pools.error = None
+    await tick(loop, clock, 120.0)  # the loop went on: after the cooldown it tries again
+    assert [a.state for a in await store.actions()] == [S.FAILED, S.SUCCEEDED]
+
+
+async def test_undecided_proposals_expire_after_the_ttl(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    await tick(loop, clock, 9 * 60.0)
+    assert [a.state for a in await store.actions()] == [S.PROPOSED]
+    await tick(loop, clock, 61.0)
+    states = [a.state for a in await store.actions()]
+    assert states[0] is S.EXPIRED and states[1:] == [S.PROPOSED], "expired, then asked again with fresh numbers"
+    [event] = [e for e in store.action_events(1) if e.event == "expired"]
+    assert "proposal_ttl" in event.detail["why"]
+
+
+async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(ready=2), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    pools.ready = 3
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    pools.ready = 2
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    policy.on = False
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []

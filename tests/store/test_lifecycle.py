@@ -1,0 +1,188 @@
+"""The action lifecycle as every `Store` keeps it: SQL on SQLite and PostgreSQL (off the event
+loop), and the in-memory double, which must behave the same.
+
+Covers: legal and illegal transitions; conditional transitions that fail when the action moved
+first; decide() for approve and reject; one active action per pool and kind; two deciders racing
+on one action from separate threads (exactly one wins); the migration that brings the rule to a
+store holding duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+
+from controlplane.actions import TRANSITIONS, IllegalTransition
+from controlplane.actions import ActionState as S
+from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
+from controlplane.store import migrate
+from controlplane.store.base import Store
+from controlplane.store.memory import MemoryStore
+from controlplane.store.records import NewAction, NewFinding
+from controlplane.store.threaded import ThreadedStore
+from controlplane.store.writer import SqlStore
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres), "memory"])
+async def any_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """The SQL store (SQLite and PostgreSQL, through the thread the loop uses) and the memory double."""
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    migrate.upgrade(url)
+    threaded = ThreadedStore.open(url)
+    yield threaded
+    threaded.close()
+
+
+def scale(pool: str = "prefill", kind: str = "scale_pool") -> NewAction:
+    return NewAction(None, kind, pool, {"from_replicas": 3, "replicas": 4}, "propose", "test")
+
+
+def test_the_transition_table_is_closed_and_ends_in_finished_states() -> None:
+    assert set(TRANSITIONS) == set(S)
+    reachable = {S.PROPOSED} | {t for ts in TRANSITIONS.values() for t in ts}
+    assert reachable == set(S)
+    assert all(not TRANSITIONS[s] for s in (S.SUCCEEDED, S.FAILED, S.UNKNOWN, S.DRY_RUN, S.REJECTED, S.EXPIRED,
+                                            S.CANCELLED))
+
+
+async def test_transitions_move_only_from_the_expected_state(any_store: Store) -> None:
+    a = await any_store.create_action(scale(), 1.0)
+    assert a.state is S.PROPOSED
+    with pytest.raises(IllegalTransition):
+        await any_store.transition(a.id, S.PROPOSED, S.SUCCEEDED, 2.0)  # skips started: never legal
+    with pytest.raises(ActionConflict, match=r"action \d+ is proposed, not approved"):
+        await any_store.transition(a.id, S.APPROVED, S.STARTED, 2.0)
+    with pytest.raises(ActionNotFound):
+        await any_store.transition(999, S.PROPOSED, S.APPROVED, 2.0)
+    approved = await any_store.decide(a.id, approve=True, by="alice", now=3.0, via="cli")
+    assert (approved.state, approved.approved_by) == (S.APPROVED, "alice")
+    with pytest.raises(ActionConflict) as lost:
+        await any_store.decide(a.id, approve=False, by="bob", now=4.0, via="api")  # too late to reject
+    assert lost.value.current == "approved"
+    started = await any_store.transition(a.id, S.APPROVED, S.STARTED, 5.0, actuator="dry_run", dry_run=True)
+    assert (started.actuator, started.dry_run, started.started_at) == ("dry_run", True, 5.0)
+    done = await any_store.transition(a.id, [S.STARTED], S.DRY_RUN, 6.0, {"replicas": 4})
+    assert (done.state, done.finished_at) == (S.DRY_RUN, 6.0)
+    assert [a.id for a in await any_store.awaiting_outcome(1e9)] == []  # a dry run is no fleet outcome
+
+
+async def test_one_active_action_per_pool_and_kind(any_store: Store) -> None:
+    first = await any_store.create_action(scale(), 1.0)
+    with pytest.raises(StoreConflict):
+        await any_store.create_action(scale(), 2.0)
+    await any_store.create_action(scale(kind="enable_eplb"), 2.0)  # another kind on the pool
+    await any_store.create_action(scale(pool="decode"), 2.0)  # the same kind on another pool
+    await any_store.decide(first.id, approve=False, by="bob", now=3.0, via="api")
+    again = await any_store.create_action(scale(), 4.0)  # the rejected one is not active any more
+    assert again.id != first.id
+    states = {(a.pool, a.kind, a.state) for a in await any_store.actions()}
+    assert (("prefill", "scale_pool", S.REJECTED) in states) and (("prefill", "scale_pool", S.PROPOSED) in states)
+
+
+async def test_findings_keep_one_open_per_kind_and_subject(any_store: Store) -> None:
+    new = NewFinding("saturation", "pool/decode", "warning", "queue", "load", {"queue": (1, 2)}, "saturation")
+    f = await any_store.open_finding(new, 1.0)
+    with pytest.raises(StoreConflict):
+        await any_store.open_finding(new, 2.0)
+    await any_store.resolve_finding(f.id, "recovered", 3.0)
+    assert await any_store.open_findings() == []
+    assert (await any_store.finding(f.id)).evidence == {"queue": [1, 2]}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_racing_deciders_exactly_one_wins(backend: str, request: pytest.FixtureRequest) -> None:
+    """A person approving, the loop expiring and a second control plane rejecting, at one instant, in
+    separate threads on separate connections: one transition wins, the others see who beat them."""
+    url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
+    migrate.upgrade(url)
+    stores = [SqlStore.open(url) for _ in range(3)]
+    try:
+        for round_ in range(10):
+            a = stores[0].create_action(scale(pool=f"pool-{round_}"), 1.0)
+            wins, losses = _race(stores, a.id)
+            [winner] = wins
+            final = next(x for x in stores[0].actions() if x.id == a.id)
+            assert str(final.state) == {"approve": "approved", "reject": "rejected", "expire": "expired"}[winner]
+            assert losses == [str(final.state)] * 2
+            events = [e.event for e in stores[0].action_events(a.id)]
+            assert events == ["proposed", str(final.state)]  # the losers wrote nothing
+    finally:
+        for s in stores:
+            s.close()
+
+
+def _race(stores: list[SqlStore], action_id: int) -> tuple[list[str], list[str]]:
+    """Approve, reject and expire one action at once from three threads: (winning moves, states the losers saw)."""
+    go = threading.Barrier(len(stores))
+    wins: list[str] = []
+    losses: list[str] = []
+
+    def attempt(store: SqlStore, move: str) -> None:
+        go.wait()
+        try:
+            if move == "approve":
+                store.decide(action_id, approve=True, by="alice", now=2.0, via="api")
+            elif move == "reject":
+                store.decide(action_id, approve=False, by="bob", now=2.0, via="cli")
+            else:
+                store.transition(action_id, S.PROPOSED, S.EXPIRED, 2.0, {"why": "ttl"})
+            wins.append(move)
+        except ActionConflict as exc:
+            losses.append(exc.current)
+
+    threads = [threading.Thread(target=attempt, args=(s, m)) for s, m in zip(stores, ("approve", "reject", "expire"),
+                                                                             strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wins, losses
+
+
+def test_migration_expires_duplicate_active_actions(db_url: str) -> None:
+    """A store from before the rule may hold two active actions of one pool and kind: the newest stays."""
+    migrate.upgrade(db_url, "0001")
+    sql = SqlStore.open(db_url, require_current=False)
+    with sql.engine.begin() as conn:
+        for state, ts in (("proposed", 1.0), ("approved", 2.0), ("succeeded", 0.5)):
+            conn.execute(text("INSERT INTO actions (kind, pool, params, mode, state, reason, created_at) "
+                              "VALUES ('scale_pool', 'prefill', '{}', 'act', :state, 'x', :ts)"), {"state": state, "ts": ts})
+    sql.close()
+    migrate.upgrade(db_url)
+    sql = SqlStore.open(db_url)
+    try:
+        assert [str(a.state) for a in sql.actions()] == ["expired", "approved", "succeeded"]
+        assert [a.dry_run for a in sql.actions()] == [False] * 3
+        with pytest.raises(StoreConflict):
+            sql.create_action(scale(), 3.0)
+    finally:
+        sql.close()
+
+
+async def test_threaded_store_keeps_the_event_loop_free(sqlite_store: SqlStore) -> None:
+    """While a slow statement runs on the store's thread, the event loop goes on (a tick keeps scraping)."""
+    threaded = ThreadedStore(sqlite_store)
+    release = threading.Event()
+    original = sqlite_store.open_findings
+
+    def slow() -> list:
+        release.wait(5)
+        return original()
+
+    sqlite_store.open_findings = slow  # type: ignore[method-assign]
+    pending = asyncio.ensure_future(threaded.open_findings())
+    ticks = 0
+    for _ in range(5):
+        await asyncio.sleep(0)
+        ticks += 1
+    assert ticks == 5 and not pending.done()
+    release.set()
+    assert await pending == []
+    threaded._thread.shutdown(wait=True)
