@@ -30,6 +30,7 @@ test: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 bench: $(VENV)/.installed
 	$(BIN)/fleetctl bench ingest

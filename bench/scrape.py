@@ -22,12 +22,14 @@ from rich.console import Console
 from collectors.pipeline import SignalDeriver
 from collectors.scraper import Scraper
 from collectors.types import Target
+from controlplane.goals import at_most, equal, goals_json
 from controlplane.store import migrate
 from controlplane.store.threaded import ThreadedStore
 
 __all__ = ["run_scrape_bench"]
 
 INTERVAL_S = 15.0
+MEMORY_GOAL_MIB = 1024  # one process for 5,000 pods in at most 1 GiB
 CONCURRENCY = int(os.environ.get("FLEET_BENCH_CONCURRENCY", "16"))  # the fleet file's default
 
 
@@ -76,6 +78,11 @@ async def _measure(pods: int, ticks: int, ports: list[int], db_url: str, progres
         "core_share": mean["cpu_s"] / INTERVAL_S,
         "peak_rss_bytes": peak,
         "sustains_one_core": worst["cpu_s"] < INTERVAL_S and min(t["up"] for t in per_tick) == pods,
+        "goals": goals_json([
+            at_most(f"CPU s per {INTERVAL_S:g} s interval, worst tick ({pods:,} pods; one core)", worst["cpu_s"], INTERVAL_S),
+            equal("targets up", min(t["up"] for t in per_tick), pods),
+            at_most("peak memory, MiB", round(peak / 2**20), MEMORY_GOAL_MIB),
+        ]),
     }
 
 

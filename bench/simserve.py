@@ -12,7 +12,7 @@ import asyncio
 import sys
 from itertools import count
 
-from collectors.types import Role
+from catalog.fleet import Role
 from controlplane.sim.exporters import render_vllm
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
 from controlplane.sim.traces import Request

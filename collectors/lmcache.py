@@ -143,9 +143,9 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
         emit(f"{prefix}_mean", secs.sum / secs.count)
 
     for key, name in _GAUGES:
-        values = d.gauges.get(key)
-        if values:
-            emit(name, float(sum(values)))
+        gauge_values = d.gauges.get(key)
+        if gauge_values:
+            emit(name, float(sum(gauge_values)))
     return out
 
 

@@ -38,10 +38,12 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 import requests
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from prometheus_api_client import PrometheusConnect
+from prometheus_api_client.exceptions import PrometheusApiClientException
 from urllib3.util.retry import Retry
 
-from collectors.types import Role, Signal, Target, engine_subject, pool_subject
+from catalog.fleet import Role
+from collectors.types import Signal, Target, engine_subject, pool_subject
 
 __all__ = [
     "SIGNALS",

@@ -16,7 +16,7 @@ import httpx
 
 from collectors.types import ScrapeResult, Target, TargetHealth
 
-__all__ = ["Scraper"]
+__all__ = ["Scraper", "http_client"]
 
 ACCEPT = "text/plain;version=0.0.4;q=0.9,*/*;q=0.1"
 
@@ -118,6 +118,14 @@ class Scraper:
 
 class _ScrapeRefused(Exception):
     """The target answered, but not with something we can use."""
+
+
+def http_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    """The HTTP client a scraper uses: its pool sized to the scrape concurrency."""
+    # vLLM's server drops idle connections after 5 s, httpx's default keep-alive: a scrape every
+    # 5 s could reuse a connection the engine is closing. Expire ours well before.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0)
+    return httpx.AsyncClient(timeout=timeout_s, limits=limits)
 
 
 def _looks_wrong(body: str) -> str | None:

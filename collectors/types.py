@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import NamedTuple
 
-
-class Role(StrEnum):
-    """What an engine pool does in a disaggregated fleet."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    UNIFIED = "unified"
+from catalog.fleet import Role
 
 
 @dataclass(frozen=True, slots=True)

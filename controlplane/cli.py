@@ -35,6 +35,17 @@ def _emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
+def _goals(result: dict[str, Any], as_json: bool, *, gate: bool = True) -> None:
+    """Print a report's goals under its table; with `gate`, exit 1 unless every goal holds."""
+    from controlplane.goals import all_hold, goals_table
+
+    goals = result.get("goals", [])
+    if not as_json and goals:
+        out.print(goals_table(goals))
+    if gate and not all_hold(goals):
+        sys.exit(1)
+
+
 def _db_option(f: Any) -> Any:
     return click.option(
         "--db", "db", envvar="FLEETCTL_STORE_URL", default=DEFAULT_DB, show_default=True,
@@ -327,7 +338,7 @@ def sim_validate(as_json: bool) -> None:
         _emit_json(result)
     else:
         click.echo(render(result))
-    sys.exit(0 if result["ok"] else 1)
+    _goals(result, as_json)
 
 
 # probes -------------------------------------------------------------------------------------
@@ -439,6 +450,8 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, pl
                   f"{s['false_alarms']} false alarms ({fmt(s['false_alarms_per_1000_engine_hours'], '.1f')} per 1000 "
                   f"engine-hours; fault-free replays: {s['false_alarms_fault_free']})")
     out.print(f"median speed-up over the static rules: {fmt(summary['speedup_median'], '.1f')}x")
+    # An evaluation reports; its goals are judged over many scenarios, so it does not gate by itself.
+    _goals(data, as_json, gate=False)
 
 
 @cli.group()
@@ -485,17 +498,18 @@ def bench_ingest(rows: int, batch: int, postgres: str, as_json: bool) -> None:
     """Signal ingest into the store, rows per second, SQLite and PostgreSQL."""
     from bench.ingest import run_ingest_bench
 
-    results = run_ingest_bench(rows=rows, batch=batch, postgres_url=postgres or None, progress=err)
+    result = run_ingest_bench(rows=rows, batch=batch, postgres_url=postgres or None, progress=err)
     if as_json:
-        _emit_json({"rows": rows, "batch": batch, "results": results})
-        return
-    t = Table(title=f"Signal ingest ({rows:,} rows, batches of {batch:,})")
-    for col in ("store", "rows/s", "seconds", "bytes/row"):
-        t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(r["store"], f"{r['rows_per_s']:,.0f}", f"{r['seconds']:.2f}",
-                  "-" if r.get("bytes_per_row") is None else f"{r['bytes_per_row']:.0f}")
-    out.print(t)
+        _emit_json(result)
+    else:
+        t = Table(title=f"Signal ingest ({rows:,} rows, batches of {batch:,})")
+        for col in ("store", "rows/s", "seconds", "bytes/row"):
+            t.add_column(col, justify="right")
+        for r in result["results"]:
+            t.add_row(r["store"], f"{r['rows_per_s']:,.0f}", f"{r['seconds']:.2f}",
+                      "-" if r.get("bytes_per_row") is None else f"{r['bytes_per_row']:.0f}")
+        out.print(t)
+    _goals(result, as_json)
 
 
 @bench.command("parse")
@@ -519,7 +533,7 @@ def bench_parse(seconds: float, as_json: bool) -> None:
                       f"{r['cold_samples_per_s']:,.0f}", f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.1f}x",
                       f"{r['cold_ratio']:.1f}x", str(r["identical"]))
         out.print(t)
-    sys.exit(0 if result["identical"] else 1)
+    _goals(result, as_json)
 
 
 @bench.command("dashboard")
@@ -543,7 +557,7 @@ def bench_dashboard(engines: int, days: float, minute_hours: float | None, repea
         for page, r in result["pages"].items():
             t.add_row(page, f"{r['ms']:.0f}", *(f"{v:.0f}" for v in r["by_range_ms"].values()))
         out.print(t)
-    sys.exit(0 if result["ok"] else 1)
+    _goals(result, as_json)
 
 
 @bench.command("sim")
@@ -556,17 +570,17 @@ def bench_sim(trace: str, capacity: int, as_json: bool) -> None:
 
     result = run_sim_bench(trace, capacity)
     result["fleet"] = run_fleet_bench(trace)
-    if not as_json:
-        for key, value in result.pop("fleet").items():
-            result[f"fleet.{key}"] = value
+    result["goals"] = result["fleet"].pop("goals")
     if as_json:
         _emit_json(result)
     else:
         t = Table(title=f"Replay of {trace} ({capacity:,} blocks of global cache)")
-        for key, value in result.items():
+        rows = {**{k: v for k, v in result.items() if k != "fleet"}, **{f"fleet.{k}": v for k, v in result["fleet"].items()}}
+        for key, value in rows.items():
             if not isinstance(value, dict | list):
                 t.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
         out.print(t)
+    _goals(result, as_json)
 
 
 @bench.command("scrape")
@@ -589,6 +603,7 @@ def bench_scrape(pods: int, ticks: int, as_json: bool) -> None:
                   f"{result['signals_per_interval']:,.0f}", f"{result['core_share']:.0%}",
                   f"{result['peak_rss_bytes'] / 2**20:,.0f} MiB")
         out.print(t)
+    _goals(result, as_json)
 
 
 @cli.command()

@@ -6,7 +6,6 @@ problems are reported at once. Durations accept seconds or `30s`, `5m`, `48h`, `
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -15,7 +14,6 @@ import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -23,28 +21,22 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from collectors.sources import SOURCES
-from collectors.types import Role
+from catalog.fleet import Role, Source
+from catalog.settings import NonNegativeSeconds, Seconds, Settings
 from controlplane.errors import ConfigError
-from policies.windows import HISTORY_S
+from controlplane.selectors import LabelSelector
+from policies.ep_imbalance import EpImbalanceSettings
+from policies.gpu_health import GpuHealthSettings
+from policies.kv_transfer import KvTransferSettings
+from policies.prefix_cache import PrefixCacheSettings
+from policies.saturation import SaturationSettings
+from policies.slo_burn import SloBurnSettings
+from policies.spec_decode import SpecDecodeSettings
+
+PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
+                  | GpuHealthSettings | EpImbalanceSettings)
 
 __all__ = ["FleetConfig", "Mode", "Seconds", "load_config", "parse_config", "parse_yaml"]
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def _duration(value: Any) -> Any:
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if not m:
-            raise ValueError(f"expected a duration such as 15s, 5m, 48h or 7d, got {value!r}")
-        return float(m.group(1)) * _UNITS[m.group(2)]
-    return value
-
-
-Seconds = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
-
 
 class Mode(StrEnum):
     """How far the control plane may go: detect only, propose for approval, or act."""
@@ -54,11 +46,9 @@ class Mode(StrEnum):
     ACT = "act"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Workload(_Strict):
+class Workload(Settings):
     """The Kubernetes workload a pool maps to (scaled through its scale subresource)."""
 
     kind: str = Field("Deployment", pattern=r"^(Deployment|StatefulSet|LeaderWorkerSet)$")
@@ -66,7 +56,7 @@ class Workload(_Strict):
     name: str = Field(min_length=1)
 
 
-class Replicas(_Strict):
+class Replicas(Settings):
     """Bounds the rails keep a pool within."""
 
     min: int = Field(1, ge=0)
@@ -79,14 +69,14 @@ class Replicas(_Strict):
         return self
 
 
-class Slo(_Strict):
+class Slo(Settings):
     """Latency objectives of a pool, in seconds at the 95th percentile."""
 
     ttft_p95: Seconds | None = None
     tpot_p95: Seconds | None = None
 
 
-class Pool(_Strict):
+class Pool(Settings):
     """A set of identical engines with one role."""
 
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -98,18 +88,18 @@ class Pool(_Strict):
 
 
 def _check_source(value: str) -> str:
-    if value not in SOURCES:
-        raise ValueError(f"unknown source {value!r}; expected one of {', '.join(sorted(SOURCES))}")
+    if value not in Source._value2member_map_:
+        raise ValueError(f"unknown source {value!r}; expected one of {', '.join(sorted(Source))}")
     return value
 
 
-class StaticTarget(_Strict):
+class StaticTarget(Settings):
     """One scrape endpoint listed by hand."""
 
     url: str = Field(pattern=r"^https?://")
     pool: str
     pod: str = Field(min_length=1)
-    source: str = "vllm"  # which collector reads it: one of collectors.sources.SOURCES
+    source: str = "vllm"  # which collector reads it: a catalog.fleet.Source
 
     @field_validator("source")
     @classmethod
@@ -117,7 +107,7 @@ class StaticTarget(_Strict):
         return _check_source(value)
 
 
-class Discovery(_Strict):
+class Discovery(Settings):
     """Targets found in Kubernetes: the Running, Ready pods matching a label selector in one namespace."""
 
     namespace: str = Field(min_length=1)
@@ -139,25 +129,23 @@ class Discovery(_Strict):
     @field_validator("selector")
     @classmethod
     def _parses(cls, value: str) -> str:
-        from controlplane.discovery import LabelSelector  # imports the kubernetes client: keep it lazy
-
         LabelSelector.parse(value)
         return value
 
 
-class PrometheusApi(_Strict):
+class PrometheusApi(Settings):
     """Read the fleet's signals from a Prometheus that already scrapes it, instead of scraping."""
 
     url: str = Field(pattern=r"^https?://")
     window: Seconds = 60.0  # the range of rate()/increase(): a few scrape intervals of Prometheus
     mode: str = Field("rate", pattern=r"^(rate|delta)$")  # delta: two-point differences, as our scraper
-    selector: dict[str, str] = {}  # equality matchers added to every query, e.g. {job: vllm}
+    selector: dict[str, str] = Field(default_factory=dict)  # equality matchers added to every query, e.g. {job: vllm}
     pool_label: str = "pool"
     pod_label: str = "pod"
     timeout: Seconds = 10.0
 
 
-class Store(_Strict):
+class Store(Settings):
     """Where signals, findings and the audit log live, and how long raw data is kept."""
 
     url: str = "sqlite:///fleet.db"
@@ -173,7 +161,7 @@ class Store(_Strict):
         return self
 
 
-class Scrape(_Strict):
+class Scrape(Settings):
     """How targets are scraped."""
 
     interval: Seconds = 15.0  # vLLM's own dashboards assume 15 s
@@ -184,7 +172,7 @@ class Scrape(_Strict):
     backoff_max: Seconds = 300.0
     # Targets are scraped at fixed offsets within this part of each interval so a large fleet is
     # not hit at one instant (Prometheus spreads its targets the same way).
-    spread: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 3.0
+    spread: NonNegativeSeconds = 3.0
 
     @model_validator(mode="after")
     def _timeout_fits(self) -> Scrape:
@@ -198,122 +186,28 @@ class Scrape(_Strict):
         return self
 
 
-class PrefixCachePolicy(_Strict):
-    """Settings of the prefix-cache hit-drop detector (fractions from 0 to 1)."""
+class Policies(Settings):
+    """Per-policy settings: each section is the policy's own settings type."""
 
-    enabled: bool = True
-    baseline: Seconds = 1800.0
-    min_abs_drop: float = Field(0.10, gt=0, lt=1)
-    min_rel_drop: float = Field(0.20, gt=0, lt=1)
-    kv_pressure_usage: float = Field(0.85, gt=0, le=1)
+    prefix_cache_hit_drop: PrefixCacheSettings = PrefixCacheSettings()
+    kv_transfer_lag: KvTransferSettings = KvTransferSettings()
+    spec_decode_collapse: SpecDecodeSettings = SpecDecodeSettings()
+    slo_burn: SloBurnSettings = SloBurnSettings()
+    saturation: SaturationSettings = SaturationSettings()
+    gpu_health: GpuHealthSettings = GpuHealthSettings()
+    ep_imbalance: EpImbalanceSettings = EpImbalanceSettings()
 
+    def enabled(self) -> dict[str, PolicySettings]:
+        """The enabled sections by their fleet-file name."""
+        return {name: getattr(self, name) for name in type(self).model_fields if getattr(self, name).enabled}
 
-class KvTransferPolicy(_Strict):
-    """Settings of the KV-transfer lag detector (times in seconds)."""
-
-    enabled: bool = True
-    baseline: Seconds = 1800.0
-    tail_ratio: float = Field(2.0, gt=1)
-    min_abs: Seconds = 0.002
-
-
-class SpecDecodePolicy(_Strict):
-    """Settings of the speculative-decoding collapse detector (the yield is accepted per generated token)."""
-
-    enabled: bool = True
-    baseline: Seconds = 1800.0
-    min_abs_drop: float = Field(0.10, gt=0, lt=1)
-    min_rel_drop: float = Field(0.30, gt=0, lt=1)
-    tpot_rise: float = Field(0.10, gt=0)  # TPOT p95 this much above its baseline before a change is proposed
-    min_position_acceptance: float = Field(0.30, gt=0, lt=1)  # positions accepted less often are cut
+    def problems(self, interval: float) -> list[tuple[tuple[str, ...], str]]:
+        """(field path, problem) for settings of enabled policies under which a detector could never judge."""
+        return [(("policies", name, field), message) for name, settings in self.enabled().items()
+                for field, message in settings.problems(interval)]
 
 
-
-class SloBurnPolicy(_Strict):
-    """Settings of the multi-window burn-rate alert on each pool's TTFT and TPOT p95 SLO."""
-
-    enabled: bool = True
-    budget: float = Field(0.01, gt=0, lt=1)  # share of scrape intervals whose p95 may exceed the SLO
-    fast_burn: float = Field(14.4, gt=1)  # pages
-    fast_window: Seconds = 3600.0
-    fast_short_window: Seconds = 300.0
-    slow_burn: float = Field(6.0, gt=1)  # warns
-    slow_window: Seconds = 10800.0
-    slow_short_window: Seconds = 900.0
-
-    @model_validator(mode="after")
-    def _windows_fit(self) -> SloBurnPolicy:
-        problems = []
-        for name, long, short, burn in (("fast", self.fast_window, self.fast_short_window, self.fast_burn),
-                                        ("slow", self.slow_window, self.slow_short_window, self.slow_burn)):
-            if short >= long:
-                problems.append(f"{name}_short_window ({short:g}s) must be shorter than {name}_window ({long:g}s)")
-            if long > HISTORY_S:
-                problems.append(f"{name}_window ({long:g}s) exceeds the {HISTORY_S:g}s of history the loop keeps")
-            if burn * self.budget >= 1:
-                problems.append(f"{name}_burn x budget must stay below 1, or the burn rate can never be reached")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
-class SaturationPolicy(_Strict):
-    """Settings of the saturation detector (queues in waiting requests per engine)."""
-
-    enabled: bool = True
-    min_waiting_per_engine: float = Field(2.0, gt=0)
-    min_growth_per_engine: float = Field(2.0, gt=0)  # queue growth over the 5-minute trend window
-    kv_full: float = Field(0.90, gt=0, le=1)
-    error_share: float = Field(0.02, gt=0, lt=1)
-
-
-class GpuHealthPolicy(_Strict):
-    """Settings of the GPU health detector (throttling as a share of time)."""
-
-    enabled: bool = True
-    thermal_share: float = Field(0.10, gt=0, le=1)
-    power_share: float = Field(0.50, gt=0, le=1)
-    fault_hold: Seconds = 3600.0  # a fault keeps its finding open this long
-    node_pools: dict[str, str] = {}  # hostname -> pool running there, named by the cordon proposal
-
-
-class EpImbalancePolicy(_Strict):
-    """Settings of the expert-parallel imbalance detector (skews are max/median across ranks)."""
-
-    enabled: bool = True
-    skew_ratio: float = Field(1.5, gt=1)
-    gpu_skew_ratio: float = Field(1.5, gt=1)
-    resolve_ratio: float = Field(1.2, gt=1)
-    persist: Seconds = 600.0  # imbalance lasting this long before EPLB is proposed
-    redundant_experts_per_rank: int = Field(1, ge=0)
-    eplb_enabled: dict[str, float | None] = {}  # pools running EPLB -> unix time it was enabled (null: unknown)
-    pod_hosts: dict[str, str] = {}  # "<pool>/<pod>" -> hostname of the node whose GPUs it uses
-    pod_host: str = "{pod}"  # otherwise the hostname from this pattern, e.g. "node-{pod}"
-
-    @model_validator(mode="after")
-    def _consistent(self) -> EpImbalancePolicy:
-        if self.resolve_ratio >= min(self.skew_ratio, self.gpu_skew_ratio):
-            raise ValueError("resolve_ratio must be below skew_ratio and gpu_skew_ratio, or findings flap")
-        try:
-            self.pod_host.format(pool="p", pod="q")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"pod_host may use only {{pool}} and {{pod}}: {exc}") from None
-        return self
-
-
-class Policies(_Strict):
-    """Per-policy settings."""
-
-    prefix_cache_hit_drop: PrefixCachePolicy = PrefixCachePolicy()
-    kv_transfer_lag: KvTransferPolicy = KvTransferPolicy()
-    spec_decode_collapse: SpecDecodePolicy = SpecDecodePolicy()
-    slo_burn: SloBurnPolicy = SloBurnPolicy()
-    saturation: SaturationPolicy = SaturationPolicy()
-    gpu_health: GpuHealthPolicy = GpuHealthPolicy()
-    ep_imbalance: EpImbalancePolicy = EpImbalancePolicy()
-
-
-class Rails(_Strict):
+class Rails(Settings):
     """Safety rails every action passes through."""
 
     cooldown: Seconds = 300.0  # per pool, after an action finishes
@@ -338,14 +232,14 @@ def _yaml_off(value: Any) -> Any:
     return "off" if value is False else value
 
 
-class Telemetry(_Strict):
+class Telemetry(Settings):
     """The control plane's own observability."""
 
     tracing: Annotated[Tracing, BeforeValidator(_yaml_off)] = Tracing.OFF
     otlp_endpoint: str | None = None  # e.g. http://otel-collector:4318/v1/traces
 
 
-class Server(_Strict):
+class Server(Settings):
     """The control plane's HTTP server (/metrics, /healthz, /readyz)."""
 
     host: str = "127.0.0.1"
@@ -355,7 +249,7 @@ class Server(_Strict):
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
-class AlertReceiver(_Strict):
+class AlertReceiver(Settings):
     """One Alertmanager-compatible webhook; secrets come from the environment, never from this file."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -377,12 +271,12 @@ class AlertReceiver(_Strict):
         return self
 
 
-class Alerting(_Strict):
+class Alerting(Settings):
     """Alert delivery to webhook receivers, grouped and timed as Alertmanager does."""
 
     receivers: list[AlertReceiver] = Field(min_length=1)
-    group_by: list[str] = ["alertname", "pool"]
-    group_wait: Annotated[float, BeforeValidator(_duration), Field(ge=0)] = 30.0  # before a new group's first notice
+    group_by: list[str] = Field(default_factory=lambda: ["alertname", "pool"])
+    group_wait: NonNegativeSeconds = 30.0  # before a new group's first notice
     group_interval: Seconds = 300.0  # between notices about changes of one group
     repeat_interval: Seconds = 4 * 3600.0  # before an unchanged firing group is sent again
     runbook_base_url: str | None = Field(None, pattern=r"^https?://")  # runbook_url = <base>/<kind>
@@ -397,14 +291,14 @@ class Alerting(_Strict):
         return self
 
 
-class FleetConfig(_Strict):
+class FleetConfig(Settings):
     """The whole fleet file."""
 
     mode: Mode = Mode.OBSERVE
     store: Store = Store()
     scrape: Scrape = Scrape()
     pools: list[Pool] = Field(min_length=1)
-    targets: list[StaticTarget] = []
+    targets: list[StaticTarget] = Field(default_factory=list)
     discovery: Discovery | None = None
     prometheus: PrometheusApi | None = None
     policies: Policies = Policies()
@@ -438,6 +332,10 @@ class FleetConfig(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def cross_problems(self) -> list[tuple[tuple[str, ...], str]]:
+        """Settings valid one by one that do not work together: (field path, problem)."""
+        return self.policies.problems(self.scrape.interval)
 
     def pool(self, name: str) -> Pool:
         """The pool called `name`; KeyError if there is none."""
@@ -504,18 +402,27 @@ def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
     if not isinstance(data, dict):
         raise ConfigError(source, [f"expected a mapping at the top level, got {type(data).__name__}"])
     try:
-        return model.model_validate(data)
+        valid = model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors(include_url=False):
             loc = tuple(err["loc"])
-            line = _line_of(root, loc)
-            where = f" (line {line})" if line else ""
             msg = err["msg"].removeprefix("Value error, ")
             shown = err["type"] != "missing" and not isinstance(err["input"], dict | list)
             given = f": got {err['input']!r}" if shown else ""
-            problems.append(f"{_path(loc)}{where}: {msg}{given}")
+            problems.append(f"{_path(loc)}{_where(root, loc)}: {msg}{given}")
         raise ConfigError(source, problems) from None
+    # Then what is valid field by field but cannot work together (a window no detector can fill).
+    cross = getattr(valid, "cross_problems", None)
+    together = cross() if cross is not None else []
+    if together:
+        raise ConfigError(source, [f"{_path(loc)}{_where(root, loc)}: {msg}" for loc, msg in together])
+    return valid
+
+
+def _where(root: yaml.Node | None, loc: tuple[int | str, ...]) -> str:
+    line = _line_of(root, loc)
+    return f" (line {line})" if line else ""
 
 
 def load_config(path: str | Path, env: EnvOverrides | None = None) -> FleetConfig:

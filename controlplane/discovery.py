@@ -18,26 +18,24 @@ import asyncio
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from collectors.types import Role, Target
+from catalog.fleet import Role
+from collectors.types import Target
 from controlplane.errors import FleetError
+from controlplane.selectors import LabelSelector
 
 if TYPE_CHECKING:
-    from kubernetes.client import CoreV1Api, V1Pod
+    from kubernetes.client import ApiClient, CoreV1Api, V1Pod
 
 __all__ = [
     "DiscoveryError",
     "KubernetesPodTargets",
-    "LabelSelector",
-    "Requirement",
     "SkippedPod",
     "targets_from_pods",
 ]
@@ -61,106 +59,6 @@ class DiscoveryError(FleetError):
         self.reason = reason
         self.body = body
         super().__init__(message)
-
-
-# label selectors -------------------------------------------------------------------------------
-
-
-class Requirement(NamedTuple):
-    """One clause of a label selector: `key op values` (op: =, !=, in, notin, exists, !exists)."""
-
-    key: str
-    op: str
-    values: frozenset[str] = frozenset()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        """Whether a label set satisfies this clause, with Kubernetes' semantics for absent keys."""
-        present = self.key in labels
-        match self.op:
-            case "exists":
-                return present
-            case "!exists":
-                return not present
-            case "=" | "in":
-                return present and labels[self.key] in self.values
-            case _:  # "!=" and "notin" also match when the key is absent
-                return not present or labels[self.key] not in self.values
-
-    def __str__(self) -> str:
-        values = sorted(self.values)
-        match self.op:
-            case "exists":
-                return self.key
-            case "!exists":
-                return f"!{self.key}"
-            case "=" | "!=":
-                return f"{self.key}{self.op}{values[0]}"
-            case _:
-                return f"{self.key} {self.op} ({','.join(values)})"
-
-
-_KEY = r"(?:[A-Za-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
-_VALUE = r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
-_SET_CLAUSE = re.compile(rf"^(?P<key>{_KEY})\s+(?P<op>in|notin)\s*\((?P<values>[^()]*)\)$")
-_EQ_CLAUSE = re.compile(rf"^(?P<key>{_KEY})\s*(?P<op>==|!=|=)\s*(?P<value>{_VALUE})$")
-_EXISTS_CLAUSE = re.compile(rf"^(?P<neg>!?)\s*(?P<key>{_KEY})$")
-_VALUE_ONLY = re.compile(rf"^{_VALUE}$")
-
-
-@dataclass(frozen=True, slots=True)
-class LabelSelector:
-    """A parsed Kubernetes label selector; every requirement must hold (an empty one matches all)."""
-
-    requirements: tuple[Requirement, ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> LabelSelector:
-        """Parse `a=b,c!=d,e,!f,g in (x,y),h notin (z)`; ValueError names the clause it cannot read."""
-        return cls(tuple(_parse_clause(c) for c in _split_clauses(text)))
-
-    def matches(self, labels: Mapping[str, str] | None) -> bool:
-        """Whether a pod with these labels is selected."""
-        labels = labels or {}
-        return all(r.matches(labels) for r in self.requirements)
-
-    def __str__(self) -> str:
-        return ",".join(str(r) for r in self.requirements)
-
-
-def _split_clauses(text: str) -> list[str]:
-    clauses, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"label selector {text!r}: unbalanced ')'")
-        elif ch == "," and depth == 0:
-            clauses.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError(f"label selector {text!r}: unbalanced '('")
-    clauses.append(text[start:])
-    clauses = [c.strip() for c in clauses]
-    if clauses == [""]:
-        return []
-    if "" in clauses:
-        raise ValueError(f"label selector {text!r}: empty clause")
-    return clauses
-
-
-def _parse_clause(clause: str) -> Requirement:
-    if m := _SET_CLAUSE.match(clause):
-        values = [v.strip() for v in m["values"].split(",")]
-        if not all(values) or not all(_VALUE_ONLY.match(v) for v in values):
-            raise ValueError(f"label selector clause {clause!r}: expected values such as (a,b)")
-        return Requirement(m["key"], m["op"], frozenset(values))
-    if m := _EQ_CLAUSE.match(clause):
-        return Requirement(m["key"], "!=" if m["op"] == "!=" else "=", frozenset({m["value"]}))
-    if m := _EXISTS_CLAUSE.match(clause):
-        return Requirement(m["key"], "!exists" if m["neg"] else "exists")
-    raise ValueError(f"label selector clause {clause!r} is not key=value, key!=value, key, !key, key in (..) or key notin (..)")
 
 
 # pods -> targets (pure) ------------------------------------------------------------------------
@@ -296,8 +194,8 @@ def _normalize_port(port: int | str) -> int | str:
 def _shorten(text: Any, limit: int = _BODY_LIMIT) -> str:
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
-    text = " ".join(str(text or "").split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    flat = " ".join(str(text or "").split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def _few(keys: set[str], limit: int = 5) -> str:
@@ -322,6 +220,13 @@ class KubernetesPodTargets:
     The blocking client call runs in a worker thread. The selector is sent to the API server and
     also applied here, so a server (or proxy) that ignores it cannot widen the target set.
     """
+
+    @classmethod
+    def connect(cls, api: ApiClient, **settings: Any) -> KubernetesPodTargets:
+        """Pod targets through an API client (`controlplane.kube.api_client`)."""
+        from kubernetes.client import CoreV1Api
+
+        return cls(CoreV1Api(api), **settings)
 
     def __init__(
         self,

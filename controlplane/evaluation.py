@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controlplane.goals import Goal, at_least, at_most, goals_json
 from controlplane.loop import TickReport
 from controlplane.sim.run import ScenarioRun, run_scenario
 from controlplane.sim.scenario import Scenario, Truth, builtin_scenarios, load_scenario
@@ -39,6 +40,13 @@ SMART, STATIC = "policies", "static rules"
 _PROGRESS_FROM_S = 2 * 3600.0  # scenarios this long (soaks) report their progress
 _VARIANT_SHIFT_S = 300.0  # trace seconds between the windows of a scenario's variants
 
+
+# The detection goals: faults found within two scrape intervals (median), five times faster than
+# threshold-plus-`for: 5m` rules at no more false alarms, and at most one false alarm per 1,000
+# engine-hours of fault-free traffic.
+DELAY_GOAL_INTERVALS = 2.0
+SPEEDUP_GOAL = 5.0
+FALSE_ALARM_GOAL = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Finding:
@@ -154,9 +162,28 @@ class EvalReport:
         out["speedup_median"] = static / smart if smart and static else None
         return out
 
+    def goals(self) -> list[Goal]:
+        """The detection goals that this set of scenarios can judge (a delay needs faults, a false-alarm
+        rate fault-free replays): median delay, speed-up over the static rules, false alarms."""
+        summary = self.summary()
+        smart, static = summary[SMART], summary[STATIC]
+        out: list[Goal] = []
+        if smart["truths"]:
+            out.append(at_most("policies' median detection delay, scrape intervals", smart["delay_median_intervals"],
+                               DELAY_GOAL_INTERVALS))
+        if smart["delay_median_s"] is not None and static["delay_median_s"] is not None:
+            out.append(at_least("median speed-up over the static rules", summary["speedup_median"], SPEEDUP_GOAL))
+            out.append(at_most("policies' false alarms per 1,000 engine-hours, against the static rules'",
+                               smart["false_alarms_per_1000_engine_hours"], static["false_alarms_per_1000_engine_hours"]))
+        if self.fault_free_hours:
+            out.append(at_most("policies' false alarms per 1,000 fault-free engine-hours",
+                               smart["false_alarms_fault_free_per_1000_engine_hours"], FALSE_ALARM_GOAL))
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values."""
         return {
+            "goals": goals_json(self.goals()),
             "summary": self.summary(),
             "engine_hours": self.engine_hours,
             "fault_free_engine_hours": self.fault_free_hours,

@@ -28,7 +28,7 @@ def eval_chart(report: dict[str, Any]) -> alt.VConcatChart:
             "missed": f"not detected ({k['detected']}/{k['truths']})",
             "false alarms per 1000 engine-h": k["false_alarms_per_1000_engine_hours"] or 0.0,
         })
-    data = alt.Data(values=rows)
+    data = alt.Data(values=rows)  # type: ignore[no-untyped-call]
     kinds = sorted({r["kind"] for r in rows})
     y = alt.Y("kind:N", sort=kinds, title=None)
     y_offset = alt.YOffset("detector:N", sort=["policies", "static rules"])
@@ -57,7 +57,11 @@ def save_eval_chart(report: dict[str, Any], path: Path) -> Path:
     """Write the chart as PNG, SVG or HTML, by the file's suffix."""
     if path.suffix.lower() not in CHART_SUFFIXES:
         raise ValueError(f"{path}: the chart is written as {CHART_FORMATS}, not {path.suffix or 'no suffix'}")
-    eval_chart(report).save(str(path), **({"scale_factor": 2} if path.suffix.lower() == ".png" else {}))
+    chart = eval_chart(report)
+    if path.suffix.lower() == ".png":
+        chart.save(str(path), scale_factor=2)
+    else:
+        chart.save(str(path))
     return path
 
 

@@ -9,6 +9,7 @@ next start marks `unknown` instead of retrying it blindly.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import statistics
 import time
@@ -212,7 +213,7 @@ class ControlLoop:
                 if row is None:
                     continue
                 await self.store.resolve_finding(row.id, reason, now)
-                await self._expire(now, "its finding resolved before it ran", lambda a, fid=row.id: a.finding_id == fid)
+                await self._expire(now, "its finding resolved before it ran", functools.partial(_caused_by, row.id))
                 report.resolved.append(row)
             for finding in result.findings:
                 row = open_rows.get(finding.key)
@@ -358,6 +359,10 @@ class ControlLoop:
         s = self.config.store
         with self.telemetry.span("store.compact"):
             await self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
+
+
+def _caused_by(finding_id: int, action: ActionRecord) -> bool:
+    return action.finding_id == finding_id
 
 
 def _new_finding(report: FindingReport) -> NewFinding:

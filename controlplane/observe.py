@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from catalog.fleet import Role
 from collectors.pipeline import SignalDeriver
 from collectors.prometheus_api import PrometheusError, PrometheusSource
 from collectors.scraper import Scraper
-from collectors.types import Role, ScrapeResult, Signal, Target, TargetHealth
+from collectors.types import ScrapeResult, Signal, Target, TargetHealth
 from controlplane.actuators.base import TargetSource
 from controlplane.errors import FleetError
 

@@ -6,19 +6,17 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Sequence
-
-import httpx
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from collectors.prometheus_api import Labels, PrometheusSource
-from collectors.scraper import Scraper
+from collectors.scraper import Scraper, http_client
 from collectors.types import Target
 from controlplane.actuators.base import Actuator, StaticTargets, TargetSource
 from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.alerting import AlertNotifier
 from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
-from controlplane.errors import ConfigError
 from controlplane.loop import ControlLoop
 from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTargets, ScrapeSource
 from controlplane.server import start_server
@@ -26,27 +24,26 @@ from controlplane.store.base import Store
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
-from policies.ep_imbalance import EpImbalance, EpImbalanceSettings
-from policies.gpu_health import GpuHealth, GpuHealthSettings
-from policies.kv_transfer import KvTransferLag, KvTransferSettings
-from policies.prefix_cache import PrefixCacheHitDrop, PrefixCacheSettings
-from policies.saturation import Saturation, SaturationSettings
-from policies.slo_burn import BurnWindow, SloBurn, SloBurnSettings
-from policies.spec_decode import SpecDecodeCollapse, SpecDecodeSettings
-from policies.types import Policy, Severity
+from policies.ep_imbalance import EpImbalance
+from policies.gpu_health import GpuHealth
+from policies.kv_transfer import KvTransferLag
+from policies.prefix_cache import PrefixCacheHitDrop
+from policies.saturation import Saturation
+from policies.slo_burn import SloBurn
+from policies.spec_decode import SpecDecodeCollapse
+from policies.types import Policy
 
-__all__ = ["build_loop", "build_policies", "run_forever", "scrape_client", "static_targets"]
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["POLICIES", "build_loop", "build_policies", "run_forever", "scrape_client", "static_targets"]
 
 log = logging.getLogger(__name__)
 
 
 def scrape_client(config: FleetConfig) -> httpx.AsyncClient:
     """The HTTP client the scraper uses: pool sized to the scrape concurrency."""
-    n = config.scrape.concurrency
-    # vLLM's server drops idle connections after 5 s, httpx's default keep-alive: a scrape every
-    # 5 s could reuse a connection the engine is closing. Expire ours well before.
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0)
-    return httpx.AsyncClient(timeout=config.scrape.timeout, limits=limits)
+    return http_client(config.scrape.concurrency, config.scrape.timeout)
 
 
 def prometheus_source(config: FleetConfig) -> PrometheusSource:
@@ -57,56 +54,21 @@ def prometheus_source(config: FleetConfig) -> PrometheusSource:
                             labels=Labels(pool=p.pool_label, pod=p.pod_label))
 
 
+# Each policy by the name of its section in the fleet file; the section is the policy's settings.
+POLICIES: dict[str, Callable[[Any], Policy]] = {
+    "prefix_cache_hit_drop": PrefixCacheHitDrop,
+    "kv_transfer_lag": KvTransferLag,
+    "spec_decode_collapse": SpecDecodeCollapse,
+    "slo_burn": SloBurn,
+    "saturation": Saturation,
+    "gpu_health": GpuHealth,
+    "ep_imbalance": EpImbalance,
+}
+
+
 def build_policies(config: FleetConfig) -> list[Policy]:
     """The enabled policies with the fleet file's settings."""
-    policies: list[Policy] = []
-    pc = config.policies.prefix_cache_hit_drop
-    if pc.enabled:
-        policies.append(
-            PrefixCacheHitDrop(
-                PrefixCacheSettings(
-                    baseline_s=pc.baseline, min_abs_drop=pc.min_abs_drop, min_rel_drop=pc.min_rel_drop,
-                    kv_pressure_usage=pc.kv_pressure_usage,
-                )
-            )
-        )
-    kv = config.policies.kv_transfer_lag
-    if kv.enabled:
-        policies.append(
-            KvTransferLag(KvTransferSettings(baseline_s=kv.baseline, tail_ratio=kv.tail_ratio, min_abs_s=kv.min_abs))
-        )
-    sd = config.policies.spec_decode_collapse
-    if sd.enabled:
-        policies.append(SpecDecodeCollapse(SpecDecodeSettings(
-            baseline_s=sd.baseline, min_abs_drop=sd.min_abs_drop, min_rel_drop=sd.min_rel_drop, tpot_rise=sd.tpot_rise,
-            min_position_acceptance=sd.min_position_acceptance,
-        )))
-    sb = config.policies.slo_burn
-    if sb.enabled:
-        policies.append(SloBurn(SloBurnSettings(budget=sb.budget, windows=(
-            BurnWindow("fast", sb.fast_window, sb.fast_short_window, sb.fast_burn, Severity.CRITICAL),
-            BurnWindow("slow", sb.slow_window, sb.slow_short_window, sb.slow_burn, Severity.WARNING),
-        ))))
-    sat = config.policies.saturation
-    if sat.enabled:
-        policies.append(Saturation(SaturationSettings(
-            min_waiting_per_engine=sat.min_waiting_per_engine, min_growth_per_engine=sat.min_growth_per_engine,
-            kv_full=sat.kv_full, error_share=sat.error_share,
-        )))
-    gh = config.policies.gpu_health
-    if gh.enabled:
-        policies.append(GpuHealth(GpuHealthSettings(
-            thermal_share=gh.thermal_share, power_share=gh.power_share, fault_hold_s=gh.fault_hold,
-            node_pools=dict(gh.node_pools),
-        )))
-    ep = config.policies.ep_imbalance
-    if ep.enabled:
-        policies.append(EpImbalance(EpImbalanceSettings(
-            skew_ratio=ep.skew_ratio, gpu_skew_ratio=ep.gpu_skew_ratio, resolve_ratio=ep.resolve_ratio,
-            persist_s=ep.persist, redundant_experts_per_rank=ep.redundant_experts_per_rank,
-            eplb_enabled=dict(ep.eplb_enabled), pod_hosts=dict(ep.pod_hosts), pod_host=ep.pod_host,
-        )))
-    return policies
+    return [POLICIES[name](settings) for name, settings in config.policies.enabled().items()]
 
 
 def static_targets(config: FleetConfig) -> list[Target]:
@@ -160,24 +122,12 @@ def discovered_targets(config: FleetConfig, stack: contextlib.ExitStack) -> Targ
     d = config.discovery
     if d is None:
         return None
-    from kubernetes import client as kclient
-    from kubernetes import config as kconfig
-
     from controlplane.discovery import KubernetesPodTargets
+    from controlplane.kube import api_client
 
-    cfg = kclient.Configuration()
-    try:
-        if d.kubeconfig:
-            kconfig.load_kube_config(config_file=d.kubeconfig, client_configuration=cfg)
-        else:
-            kconfig.load_incluster_config(client_configuration=cfg)
-    except (kconfig.ConfigException, OSError) as exc:
-        where = d.kubeconfig or "the in-cluster service account"
-        raise ConfigError("discovery", [f"cannot load Kubernetes credentials from {where}: {exc}"]) from None
-    cfg.retries = 0  # the loop retries next tick; client retries would only multiply the timeout
-    api = stack.enter_context(kclient.ApiClient(cfg))
-    return KubernetesPodTargets(
-        kclient.CoreV1Api(api), namespace=d.namespace, selector=d.selector, pool_label=d.pool_label,
+    api = stack.enter_context(api_client(d.kubeconfig, "discovery"))
+    return KubernetesPodTargets.connect(
+        api, namespace=d.namespace, selector=d.selector, pool_label=d.pool_label,
         role_label=d.role_label, port=d.port, path=d.path, source=d.source,
         pool_roles={p.name: p.role for p in config.pools}, max_stale_failures=d.max_stale_failures,
         timeout_s=d.timeout, reuse_s=1.0,

@@ -39,12 +39,12 @@ with st.sidebar:
     label = st.selectbox("Time range", list(c.RANGES), index=list(c.RANGES).index(c.DEFAULT_RANGE), key="range")
     pinned = st.query_params.get("end")
     try:
-        end = float(pinned) if pinned else None
+        pinned_at = float(pinned) if pinned else None
     except ValueError:
-        end = None
-    live = end is None
+        pinned_at = None
+    live = pinned_at is None
+    end = pinned_at if pinned_at is not None else latest if latest is not None else time.time()
     if live:
-        end = latest if latest is not None else time.time()
         st.caption(f"Live, up to the newest signal: {c.when(latest)} UTC" if latest else "Live")
     else:
         st.caption(f"Pinned to {c.when(end)} UTC")

@@ -23,6 +23,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from catalog.signals import lookup
 from controlplane.config import FleetConfig, load_config
 from controlplane.errors import FleetError, StoreUnavailable
 from controlplane.store.db import redact
@@ -168,7 +169,8 @@ def select(label: str, options: Sequence[str], key: str, current: str | None, **
     value = current if current in options else options[0]
     if st.session_state.get(key) != value:
         st.session_state[key] = value
-    return st.selectbox(label, list(options), key=key, bind="query-params", **kwargs)
+    chosen = st.selectbox(label, list(options), key=key, bind="query-params", **kwargs)
+    return None if chosen is None else str(chosen)
 
 
 def chosen(key: str) -> str | None:
@@ -264,6 +266,20 @@ def api_decide(action_id: int, approve: bool, by: str) -> tuple[bool, str]:
 
 # frames and charts ---------------------------------------------------------------------------
 
+def signal_title(name: str) -> str:
+    """An axis title for a signal: its name and unit from the catalogue."""
+    spec = lookup(name)
+    return f"{name} ({spec.unit})" if spec is not None else name
+
+
+def signal_help(name: str) -> str:
+    """What a signal measures and what produces it, from the catalogue."""
+    spec = lookup(name)
+    if spec is None:
+        return f"{name}: not in the signal catalogue"
+    return f"{name} ({spec.unit}): {spec.help}; from {', '.join(sorted(spec.producers))}"
+
+
 def points_frame(points: Iterable[Point]) -> pd.DataFrame:
     """Bucketed points as a frame: time, name, subject, mean, min, max, count."""
     df = pd.DataFrame([(p.ts, p.name, p.subject, p.mean, p.min, p.max, p.count) for p in points],
@@ -314,7 +330,7 @@ def band_chart(df: pd.DataFrame, *, y_title: str, color: str | None = None, band
     if marks is not None and not marks.empty:
         layers.append(alt.Chart(marks).mark_rule(color="#7f7f7f", strokeDash=[2, 2]).encode(
             x="time:T", tooltip=[alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S"), "label:N"]))
-    return alt.layer(*layers).properties(height=height)
+    return alt.layer(*layers).properties(height=height)  # type: ignore[return-value]  # a LayerChart
 
 
 def _legend(labels: pd.Series) -> alt.Legend:
@@ -324,31 +340,33 @@ def _legend(labels: pd.Series) -> alt.Legend:
                       symbolType="stroke", symbolOpacity=1, symbolStrokeWidth=2)
 
 
-def heatmap(df: pd.DataFrame, *, y: str, value: str, title: str, fmt: str = ".3~g", scheme: str = "viridis",
+def heatmap(df: pd.DataFrame, *, y: str, value: str, title: str, fmt: str = ".3~g", scheme: Any = "viridis",
             height: int | None = None) -> alt.Chart:
     """Rows `y` over time, colored by `value`."""
     rows = max(1, df[y].nunique()) if not df.empty else 1
-    return alt.Chart(df).mark_rect().encode(
+    chart: alt.Chart = alt.Chart(df).mark_rect().encode(
         x=alt.X("time:T", title=None),
         y=alt.Y(f"{y}:N", title=None, sort=None, axis=alt.Axis(labelLimit=220, labelOverlap=rows > 40)),
         color=alt.Color(f"{value}:Q", title=title, scale=alt.Scale(scheme=scheme), legend=alt.Legend(format=fmt)),
         tooltip=[alt.Tooltip("time:T", format="%Y-%m-%d %H:%M"), f"{y}:N", alt.Tooltip(f"{value}:Q", format=fmt)],
     ).properties(height=height or min(720, max(160, 18 * rows)))
+    return chart
 
 
 def bar_chart(df: pd.DataFrame, *, x: str, y: str, y_title: str, fmt: str = ".3~g", color: str | None = None,
               height: int = CHART_HEIGHT, sort: str | None = None) -> alt.Chart:
     """Bars of `y` per `x` category."""
-    return alt.Chart(df).mark_bar().encode(
+    chart: alt.Chart = alt.Chart(df).mark_bar().encode(
         x=alt.X(f"{x}:N", title=None, sort=sort,
                 axis=alt.Axis(labelAngle=0 if df[x].astype(str).str.len().max() <= 4 else -40, labelLimit=160)),
         y=alt.Y(f"{y}:Q", title=y_title, axis=alt.Axis(format=fmt)),
         color=alt.Color(f"{color}:N", title=None) if color else alt.Undefined,
         tooltip=[f"{x}:N", alt.Tooltip(f"{y}:Q", format=fmt)],
     ).properties(height=height)
+    return chart
 
 
-def show(chart: alt.TopLevelMixin) -> None:
+def show(chart: Any) -> None:
     """Draw a chart across the column."""
     st.altair_chart(chart, width="stretch")
 

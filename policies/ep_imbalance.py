@@ -27,11 +27,13 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pydantic import Field, model_validator
+
+from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.common import gone_findings, reported_since
 from policies.types import (
     ActionKind,
@@ -60,35 +62,51 @@ class Cause(StrEnum):
     EPLB_OVERHEAD = "eplb_overhead"
 
 
-@dataclass(frozen=True, slots=True)
-class EpImbalanceSettings:
-    """Thresholds; skews are max/median ratios across ranks, times are seconds."""
+class EpImbalanceSettings(Settings):
+    """Thresholds (`policies.ep_imbalance` in the fleet file); skews are max/median ratios across ranks, times seconds."""
 
+    enabled: bool = True
     signal: str = "itl_p50"  # per-rank step-time proxy
     gpu_signals: tuple[str, ...] = ("gpu_tensor_active", "gpu_utilization")  # first one present is used
-    window_points: int = 20  # scrapes the reported median skew and the load skew are taken over (5 min at 15 s)
-    min_ticks: int = 10  # scrapes with enough ranks needed to judge
-    confirm_points: int = 3  # consecutive newest scrapes that must each be skewed to open
-    skew_ratio: float = 1.5  # ITL skew that opens
-    gpu_skew_ratio: float = 1.5  # GPU activity skew that opens
-    resolve_ratio: float = 1.2  # every skew below this for resolve_points scrapes resolves (hysteresis)
-    resolve_points: int = 8
-    load_skew_ratio: float = 1.5  # running-request skew from which the cause is uneven load, not experts
-    critical_ratio: float = 2.5
-    min_ranks: int = 2
-    min_running: float = 1.0  # requests running in the group: an idle group has no meaningful skew
-    persist_s: float = 600.0  # imbalance must last this long before EPLB is proposed
-    redundant_experts_per_rank: int = 1  # num_redundant_experts = this x ranks (keeps divisibility by EP size)
-    eplb_window_size: int = 1000
-    eplb_step_interval: int = 3000
-    eplb_enabled: Mapping[str, float | None] = field(default_factory=dict)  # pool -> when EPLB was enabled
-    pod_hosts: Mapping[str, str] = field(default_factory=dict)  # "<pool>/<pod>" -> node hostname of its GPUs
+    window_points: int = Field(20, ge=2)  # scrapes the median skew and the load skew are taken over (5 min at 15 s)
+    min_ticks: int = Field(10, ge=1)  # scrapes with enough ranks needed to judge
+    confirm_points: int = Field(3, ge=1)  # consecutive newest scrapes that must each be skewed to open
+    skew_ratio: float = Field(1.5, gt=1)  # ITL skew that opens
+    gpu_skew_ratio: float = Field(1.5, gt=1)  # GPU activity skew that opens
+    resolve_ratio: float = Field(1.2, gt=1)  # every skew below this for resolve_points scrapes resolves (hysteresis)
+    resolve_points: int = Field(8, ge=1)
+    load_skew_ratio: float = Field(1.5, gt=1)  # running-request skew from which the cause is uneven load, not experts
+    critical_ratio: float = Field(2.5, gt=1)
+    min_ranks: int = Field(2, ge=2)
+    min_running: float = Field(1.0, ge=0)  # requests running in the group: an idle group has no meaningful skew
+    persist_s: Seconds = Field(600.0, alias="persist")  # imbalance must last this long before EPLB is proposed
+    redundant_experts_per_rank: int = Field(1, ge=0)  # num_redundant_experts = this x ranks (divisible by EP size)
+    eplb_window_size: int = Field(1000, gt=0)
+    eplb_step_interval: int = Field(3000, gt=0)
+    # Pools running EPLB -> the unix time it was enabled (null: unknown).
+    eplb_enabled: dict[str, float | None] = Field(default_factory=dict)
+    pod_hosts: dict[str, str] = Field(default_factory=dict)  # "<pool>/<pod>" -> node hostname of its GPUs
     pod_host: str = "{pod}"  # else the hostname from this pattern (`{pool}`, `{pod}`), e.g. "node-{pod}"
-    eplb_overhead: float = 0.10  # pool ITL p50 this much above its pre-EPLB level: EPLB costs more than it saves
-    baseline_s: float = 1800.0  # how far before enabling EPLB the pre-EPLB level is taken
-    min_baseline_points: int = 20
-    load_tolerance: float = 0.25  # running requests within 25 % of the pre-EPLB level: comparable load
-    stale_s: float = 900.0
+    eplb_overhead: float = Field(0.10, gt=0)  # pool ITL p50 this much above its pre-EPLB level: EPLB costs more
+    baseline_s: Seconds = 1800.0  # how far before enabling EPLB the pre-EPLB level is taken
+    min_baseline_points: int = Field(20, ge=2)
+    load_tolerance: float = Field(0.25, gt=0)  # running requests within 25 % of the pre-EPLB level: comparable load
+    stale_s: Seconds = 900.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EpImbalanceSettings:
+        if self.resolve_ratio >= min(self.skew_ratio, self.gpu_skew_ratio):
+            raise ValueError("resolve_ratio must be below skew_ratio and gpu_skew_ratio, or findings flap")
+        try:
+            self.pod_host.format(pool="p", pod="q")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"pod_host may use only {{pool}} and {{pod}}: {exc}") from None
+        return self
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval."""
+        why = f"{self.min_baseline_points} points before EPLB was enabled to compare its step time with"
+        return least_window("baseline_s", self.baseline_s, self.min_baseline_points, interval, why)
 
 
 def eplb_flags(window_size: int, step_interval: int, num_redundant_experts: int) -> str:
@@ -185,6 +203,7 @@ class EpImbalance:
 
     def __init__(self, settings: EpImbalanceSettings | None = None) -> None:
         self.settings = settings or EpImbalanceSettings()
+        self.reads = (self.settings.signal, RUNNING, WAITING, *self.settings.gpu_signals)
 
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         """One evaluation over every multi-rank pod, then over every pool that runs EPLB."""

@@ -22,11 +22,13 @@ is named in the reason and the evidence.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pydantic import Field
+
+from catalog.settings import Problem, Seconds, Settings
 from policies.common import gone_findings, reported_since
 from policies.types import (
     ActionKind,
@@ -74,19 +76,23 @@ class Fault(StrEnum):
 _ORDER = list(Fault)
 
 
-@dataclass(frozen=True, slots=True)
-class GpuHealthSettings:
-    """Thresholds; shares are throttled seconds per second (0 to 1), times are seconds."""
+class GpuHealthSettings(Settings):
+    """Thresholds (`policies.gpu_health` in the fleet file); shares are throttled seconds per second, times seconds."""
 
+    enabled: bool = True
     hardware_xids: frozenset[int] = HARDWARE_XIDS
     application_xids: frozenset[int] = APPLICATION_XIDS
-    thermal_share: float = 0.10  # throttled for heat 10 % of the time: the cooling cannot keep up
-    power_share: float = 0.50  # power capping is normal under load; half the time is not
-    throttle_points: int = 2  # consecutive intervals to open (30 s at 15 s): sustained heat, not a spike
-    resolve_points: int = 8  # consecutive unthrottled intervals to resolve
-    fault_hold_s: float = 3600.0  # a fault keeps the finding open this long after it was seen
-    node_pools: Mapping[str, str] = field(default_factory=dict)  # hostname -> pool running there
-    stale_s: float = 900.0
+    thermal_share: float = Field(0.10, gt=0, le=1)  # throttled for heat 10 % of the time: the cooling cannot keep up
+    power_share: float = Field(0.50, gt=0, le=1)  # power capping is normal under load; half the time is not
+    throttle_points: int = Field(2, ge=1)  # consecutive intervals to open (30 s at 15 s): sustained heat, not a spike
+    resolve_points: int = Field(8, ge=1)  # consecutive unthrottled intervals to resolve
+    fault_hold_s: Seconds = Field(3600.0, alias="fault_hold")  # a fault keeps the finding open this long after it was seen
+    node_pools: dict[str, str] = Field(default_factory=dict)  # hostname -> pool running there, named by the cordon proposal
+    stale_s: Seconds = 900.0
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval (none: it counts points)."""
+        return []
 
 
 @dataclass(slots=True)
@@ -101,6 +107,7 @@ class GpuHealth:
     """Detects failing or throttled GPUs and proposes cordoning their node."""
 
     kind = KIND
+    reads: tuple[str, ...] = (*WATCHED, *ALIVE)
 
     def __init__(self, settings: GpuHealthSettings | None = None) -> None:
         self.settings = settings or GpuHealthSettings()

@@ -10,8 +10,13 @@ run once the Kubernetes actuator exists; until then the rails hold them back).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from pydantic import Field
+
+from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -47,28 +52,36 @@ PATHS: tuple[PathSignals, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class KvTransferSettings:
-    """Thresholds; times in seconds."""
+class KvTransferSettings(Settings):
+    """Thresholds (`policies.kv_transfer_lag` in the fleet file); times in seconds."""
 
-    baseline_s: float = 1800.0
-    min_baseline_points: int = 8
-    recent_points: int = 2  # consecutive bad points to open: the detection delay
-    resolve_points: int = 3  # consecutive good points to resolve (hysteresis)
-    tail_ratio: float = 2.0  # p99 at least twice its baseline ...
-    mad_k: float = 4.0  # ... and above 4 robust sigmas of its jitter ...
-    min_abs_s: float = 0.002  # ... and at least 2 ms worse: sub-ms jitter is not lag
-    peer_ratio: float = 3.0  # without history: 3x the median of its peers
-    stand_out_ratio: float = 1.5  # with history and peers: the tail must also be 1.5x the peers' median
-    min_peers: int = 2
-    failure_share_critical: float = 0.05  # failed share of transfers that makes it critical
-    bandwidth_drop: float = 0.5  # with sizes that vary, a slow tail must come with bandwidth at half its baseline
+    enabled: bool = True
+    baseline_s: Seconds = Field(1800.0, alias="baseline")
+    min_baseline_points: int = Field(8, ge=2)
+    recent_points: int = Field(2, ge=1)  # consecutive bad points to open: the detection delay
+    resolve_points: int = Field(3, ge=1)  # consecutive good points to resolve (hysteresis)
+    tail_ratio: float = Field(2.0, gt=1)  # p99 at least twice its baseline ...
+    mad_k: float = Field(4.0, ge=0)  # ... and above 4 robust sigmas of its jitter ...
+    min_abs_s: Seconds = Field(0.002, alias="min_abs")  # ... and at least 2 ms worse: sub-ms jitter is not lag
+    peer_ratio: float = Field(3.0, gt=1)  # without history: 3x the median of its peers
+    stand_out_ratio: float = Field(1.5, gt=1)  # with history and peers: the tail must also be 1.5x the peers' median
+    min_peers: int = Field(2, ge=1)
+    failure_share_critical: float = Field(0.05, gt=0, le=1)  # failed share of transfers that makes it critical
+    bandwidth_drop: float = Field(0.5, gt=0, lt=1)  # with sizes that vary, a slow tail needs bandwidth at half its baseline
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval."""
+        need = self.min_baseline_points + self.recent_points
+        why = f"{self.min_baseline_points} baseline points besides its {self.recent_points} recent ones"
+        return least_window("baseline", self.baseline_s, need, interval, why)
 
 
 class KvTransferLag:
     """Detects tail-latency growth and failures on the KV transfer path."""
 
     kind = KIND
+    reads: tuple[str, ...] = tuple(dict.fromkeys(
+        name for p in PATHS for name in (p.p99, p.failures, p.rate, p.bandwidth) if name))
 
     def __init__(self, settings: KvTransferSettings | None = None) -> None:
         self.settings = settings or KvTransferSettings()
@@ -191,8 +204,8 @@ class KvTransferLag:
                      "slow to take the KV (CPU or NIC contention, a lagging worker) or the link is congested.")
         severity = Severity.CRITICAL if failing and share >= s.failure_share_critical else Severity.WARNING
         proposals = self._proposals(subject, where)
-        evidence["suggested_actions"] = [p.reason for p in proposals]
-        return FindingReport(FindingKey(KIND, subject), severity, f"KV transfer lag on {where}", cause, evidence,
+        return FindingReport(FindingKey(KIND, subject), severity, f"KV transfer lag on {where}", cause,
+                             {**evidence, "suggested_actions": [p.reason for p in proposals]},
                              KIND, proposals)
 
     def _proposals(self, subject: str, where: str) -> tuple[Proposal, ...]:
@@ -204,7 +217,7 @@ class KvTransferLag:
         return (Proposal(ActionKind.ADMISSION_CONTROL, target, 0,
                          f"limit admissions that hand KV to {target} until its path recovers"),)
 
-    def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: dict) -> bool:
+    def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: Mapping[str, Any]) -> bool:
         s = self.settings
         recent = inp.windows.last(subject, path.p99, s.resolve_points)
         failures = inp.windows.last(subject, path.failures, s.resolve_points)

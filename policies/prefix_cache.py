@@ -7,9 +7,11 @@ finding's evidence when it opens, so a long incident cannot become its own new n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
+from pydantic import Field
+
+from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -34,27 +36,35 @@ class Cause(StrEnum):
     ROUTING_OR_PROMPTS = "routing_or_prompts"
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixCacheSettings:
-    """Thresholds of the detector; hit rates are fractions from 0 to 1."""
+class PrefixCacheSettings(Settings):
+    """Thresholds of the detector (`policies.prefix_cache_hit_drop` in the fleet file); hit rates are fractions."""
 
-    baseline_s: float = 1800.0  # how far back the baseline looks
-    min_baseline_points: int = 8  # fewer points than this: no judgement yet
-    recent_points: int = 2  # consecutive low points needed to open (the detection delay)
-    min_abs_drop: float = 0.10  # a drop smaller than 10 points is noise for any workload
-    min_rel_drop: float = 0.20  # ... and so is one smaller than 20 % of the baseline
-    mad_k: float = 4.0  # ... and one within 4 robust sigmas of the baseline's own jitter
-    min_query_rate: float = 1.0  # tokens/s looked up; an idle pool has no meaningful hit rate
-    resolve_points: int = 3  # consecutive recovered points needed to resolve (hysteresis)
-    recover_fraction: float = 0.5  # recovered: back above baseline - 0.5 * threshold
-    kv_pressure_usage: float = 0.85  # KV usage at or above which the cache is squeezed
-    saturated_waiting_per_engine: float = 2.0  # queued requests per engine that mean "out of compute"
+    enabled: bool = True
+    baseline_s: Seconds = Field(1800.0, alias="baseline")  # how far back the baseline looks
+    min_baseline_points: int = Field(8, ge=2)  # fewer points than this: no judgement yet
+    recent_points: int = Field(2, ge=1)  # consecutive low points needed to open (the detection delay)
+    min_abs_drop: float = Field(0.10, gt=0, lt=1)  # a drop smaller than 10 points is noise for any workload
+    min_rel_drop: float = Field(0.20, gt=0, lt=1)  # ... and so is one smaller than 20 % of the baseline
+    mad_k: float = Field(4.0, ge=0)  # ... and one within 4 robust sigmas of the baseline's own jitter
+    min_query_rate: float = Field(1.0, ge=0)  # tokens/s looked up; an idle pool has no meaningful hit rate
+    resolve_points: int = Field(3, ge=1)  # consecutive recovered points needed to resolve (hysteresis)
+    recover_fraction: float = Field(0.5, gt=0, le=1)  # recovered: back above baseline - 0.5 * threshold
+    kv_pressure_usage: float = Field(0.85, gt=0, le=1)  # KV usage at or above which the cache is squeezed
+    saturated_waiting_per_engine: float = Field(2.0, gt=0)  # queued requests per engine that mean "out of compute"
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval."""
+        need = self.min_baseline_points + self.recent_points
+        why = f"{self.min_baseline_points} baseline points besides its {self.recent_points} recent ones"
+        return least_window("baseline", self.baseline_s, need, interval, why)
 
 
 class PrefixCacheHitDrop:
     """Detects pool-level prefix-cache hit-rate drops and proposes a fix by cause."""
 
     kind = KIND
+    reads: tuple[str, ...] = (SIGNAL, "prefix_cache_query_rate", "kv_cache_usage_max", "preemption_rate",
+                              "requests_waiting", "ttft_p95", "engines_reporting")
 
     def __init__(self, settings: PrefixCacheSettings | None = None) -> None:
         self.settings = settings or PrefixCacheSettings()

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pydantic import Field
+
+from catalog.settings import Problem, Seconds, Settings
 from policies.common import engines_of, gone_findings, ratio_series, recent_mean, reported_since
 from policies.types import (
     ActionKind,
@@ -57,25 +60,29 @@ class Cause(StrEnum):
     ERRORS_UNDER_LOAD = "errors_under_load"
 
 
-@dataclass(frozen=True, slots=True)
-class SaturationSettings:
-    """Thresholds; queues are in requests per engine, KV usage a fraction from 0 to 1."""
+class SaturationSettings(Settings):
+    """Thresholds (`policies.saturation` in the fleet file); queues are in requests per engine, KV usage a fraction."""
 
-    trend_points: int = 20  # the slope is fitted over this many intervals (5 min at 15 s)
-    min_growth_per_engine: float = 2.0  # the fitted queue grew by this much per engine over them
-    min_waiting_per_engine: float = 2.0  # ... and is at least this long now (mean of level_points)
-    level_points: int = 3
-    confirm_points: int = 3  # the growth must show in the trend windows ending at each of this many newest scrapes
-    trend_z: float = 3.5  # ... and significant: a Mann-Kendall z this high (one-sided p ~ 2e-4), so noise is no trend
-    kv_full: float = 0.90  # mean KV usage of the pool's engines, averaged over recent_points
-    recent_points: int = 3  # intervals KV usage is averaged over; consecutive intervals with errors
-    preempt_points: int = 8  # a preemption within this many intervals counts as "preempting" (they come singly)
-    error_share: float = 0.02  # failed share of finished requests
-    loaded_waiting_per_engine: float = 2.0  # errors count only while this many wait per engine (or KV is full)
-    critical_waiting_per_engine: float = 10.0
-    resolve_points: int = 4  # consecutive clean intervals to resolve (hysteresis), with requests served in each
-    idle_resolve_points: int = 40  # ... or this many intervals (10 min) without a request resolve as idle
-    stale_s: float = 900.0
+    enabled: bool = True
+    trend_points: int = Field(20, ge=3)  # the slope is fitted over this many intervals (5 min at 15 s)
+    min_growth_per_engine: float = Field(2.0, gt=0)  # the fitted queue grew by this much per engine over them
+    min_waiting_per_engine: float = Field(2.0, gt=0)  # ... and is at least this long now (mean of level_points)
+    level_points: int = Field(3, ge=1)
+    confirm_points: int = Field(3, ge=1)  # growth must show in the trend windows ending at this many newest scrapes
+    trend_z: float = Field(3.5, gt=0)  # ... and be significant: Mann-Kendall z this high (one-sided p ~ 2e-4)
+    kv_full: float = Field(0.90, gt=0, le=1)  # mean KV usage of the pool's engines, averaged over recent_points
+    recent_points: int = Field(3, ge=1)  # intervals KV usage is averaged over; consecutive intervals with errors
+    preempt_points: int = Field(8, ge=1)  # a preemption within this many intervals counts as "preempting"
+    error_share: float = Field(0.02, gt=0, lt=1)  # failed share of finished requests
+    loaded_waiting_per_engine: float = Field(2.0, gt=0)  # errors count only while this many wait per engine
+    critical_waiting_per_engine: float = Field(10.0, gt=0)
+    resolve_points: int = Field(4, ge=1)  # consecutive clean intervals to resolve (hysteresis), requests served in each
+    idle_resolve_points: int = Field(40, ge=1)  # ... or this many intervals (10 min) without a request resolve as idle
+    stale_s: Seconds = 900.0
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval (none: it counts points)."""
+        return []
 
 
 def slope(points: list[tuple[float, float]]) -> float:
@@ -107,6 +114,7 @@ class Saturation:
     """Detects pools whose queue grows, whose KV cache overflows, or that fail under load."""
 
     kind = KIND
+    reads: tuple[str, ...] = (WAITING, WAITING_CAPACITY, KV, PREEMPTIONS, ERRORS, REQUESTS, "engines_reporting")
 
     def __init__(self, settings: SaturationSettings | None = None) -> None:
         self.settings = settings or SaturationSettings()

@@ -20,11 +20,14 @@ is unified); a TPOT breach belongs to the decode pool. The proposal scales the a
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from itertools import pairwise
 from typing import Any
 
+from pydantic import Field, model_validator
+
+from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.common import engines_of, gone_findings, recent_mean
 from policies.types import (
     ActionKind,
@@ -36,6 +39,7 @@ from policies.types import (
     Proposal,
     Severity,
 )
+from policies.windows import HISTORY_S
 
 __all__ = ["KIND", "BurnWindow", "Cause", "SloBurn", "SloBurnSettings"]
 
@@ -64,24 +68,54 @@ class BurnWindow:
     severity: Severity
 
 
-def _default_windows() -> tuple[BurnWindow, ...]:
-    return (BurnWindow("fast", 3600.0, 300.0, 14.4, Severity.CRITICAL),
-            BurnWindow("slow", 10800.0, 900.0, 6.0, Severity.WARNING))
+class SloBurnSettings(Settings):
+    """Error budget, window pairs and attribution thresholds (`policies.slo_burn` in the fleet file); times in seconds.
 
+    Two pairs as the SRE workbook sets them: the fast pair pages, the slow pair warns.
+    """
 
-@dataclass(frozen=True, slots=True)
-class SloBurnSettings:
-    """Error budget, window pairs and attribution thresholds; times in seconds."""
+    enabled: bool = True
+    budget: float = Field(0.01, gt=0, lt=1)  # share of scrape intervals whose p95 may exceed the SLO (a 99 % objective)
+    fast_burn: float = Field(14.4, gt=1)  # pages
+    fast_window: Seconds = 3600.0
+    fast_short_window: Seconds = 300.0
+    slow_burn: float = Field(6.0, gt=1)  # warns
+    slow_window: Seconds = 10800.0
+    slow_short_window: Seconds = 900.0
+    min_short_points: int = Field(3, ge=1)  # intervals the short window must hold before it is judged
+    resolve_points: int = Field(4, ge=1)  # consecutive intervals within the SLO to resolve (hysteresis)
+    resolve_fraction: float = Field(0.5, gt=0, le=1)  # ... and every short window burning under half its alerting rate
+    recent_points: int = Field(4, ge=1)  # attribution looks at the mean of this many newest intervals
+    queue_share: float = Field(0.5, gt=0, le=1)  # queue time p95 at least half of TTFT p95: queueing
+    waiting_per_engine: float = Field(2.0, gt=0)  # ... or this many waiting requests per engine
+    stale_s: Seconds = 900.0
 
-    budget: float = 0.01  # share of scrape intervals whose p95 may exceed the SLO (a 99 % objective)
-    windows: tuple[BurnWindow, ...] = field(default_factory=_default_windows)
-    min_short_points: int = 3  # intervals the short window must hold before it is judged
-    resolve_points: int = 4  # consecutive intervals within the SLO to resolve (hysteresis)
-    resolve_fraction: float = 0.5  # ... and every short window burning under half its alerting rate
-    recent_points: int = 4  # attribution looks at the mean of this many newest intervals
-    queue_share: float = 0.5  # queue time p95 at least half of TTFT p95: queueing
-    waiting_per_engine: float = 2.0  # ... or this many waiting requests per engine
-    stale_s: float = 900.0
+    @model_validator(mode="after")
+    def _windows_fit(self) -> SloBurnSettings:
+        problems = []
+        for w in self.windows:
+            if w.short_s >= w.long_s:
+                problems.append(f"{w.name}_short_window ({w.short_s:g}s) must be shorter than {w.name}_window "
+                                f"({w.long_s:g}s)")
+            if w.long_s > HISTORY_S:
+                problems.append(f"{w.name}_window ({w.long_s:g}s) exceeds the {HISTORY_S:g}s of history the loop keeps")
+            if w.burn * self.budget >= 1:
+                problems.append(f"{w.name}_burn x budget must stay below 1, or the burn rate can never be reached")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def windows(self) -> tuple[BurnWindow, BurnWindow]:
+        """The fast (paging) and slow (warning) window pairs."""
+        return (BurnWindow("fast", self.fast_window, self.fast_short_window, self.fast_burn, Severity.CRITICAL),
+                BurnWindow("slow", self.slow_window, self.slow_short_window, self.slow_burn, Severity.WARNING))
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval."""
+        why = f"{self.min_short_points} points in each short window"
+        return [p for w in self.windows
+                for p in least_window(f"{w.name}_short_window", w.short_s, self.min_short_points, interval, why)]
 
 
 @dataclass(slots=True)
@@ -117,6 +151,7 @@ class SloBurn:
     """Multi-window burn-rate alerting on each pool's TTFT and TPOT p95 objectives."""
 
     kind = KIND
+    reads: tuple[str, ...] = ("ttft_p95", "tpot_p95", "queue_time_p95", "requests_waiting")
 
     def __init__(self, settings: SloBurnSettings | None = None) -> None:
         self.settings = settings or SloBurnSettings()

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pydantic import Field
+
+from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.changepoint import Baseline, Cusum, Direction, scan
 from policies.common import ratio_series, recent_mean, reported_since
 from policies.types import (
@@ -60,28 +63,35 @@ class Cause(StrEnum):
     DRAFTS_VANISHED = "drafts_vanished"  # the drafter proposes (almost) nothing
 
 
-@dataclass(frozen=True, slots=True)
-class SpecDecodeSettings:
-    """Thresholds; the yield is a fraction of generated tokens, times are seconds."""
+class SpecDecodeSettings(Settings):
+    """Thresholds (`policies.spec_decode_collapse` in the fleet file); the yield is a fraction of generated
+    tokens, times are seconds."""
 
-    baseline_s: float = 1800.0
-    min_baseline_points: int = 20
-    recent_points: int = 8  # the CUSUM runs over these (2 min at 15 s)
-    confirm_points: int = 2  # ... and this many newest points must each be below baseline - min_drop
-    cusum_k: float = 0.5
-    cusum_h: float = 5.0
-    min_sigma: float = 0.01  # a steady yield has a MAD near 0; 1 point of yield is its floor
-    min_abs_drop: float = 0.10  # yield drops smaller than 0.10 accepted per generated token are noise
-    min_rel_drop: float = 0.30  # ... and so are drops under 30 % of the baseline
-    min_generation_rate: float = 5.0  # tokens/s: an idle pool says nothing about speculation
-    tpot_points: int = 4  # TPOT p95 is judged on the mean of this many newest points
-    tpot_rise: float = 0.10  # TPOT p95 10 % above its baseline: speculation now costs latency
-    vanished_share: float = 0.25  # drafts per generated token below 25 % of baseline: drafts vanished
-    min_position_acceptance: float = 0.30  # a speculative position accepted less often does not pay
-    resolve_points: int = 4  # consecutive recovered points to resolve (hysteresis)
-    recover_fraction: float = 0.5  # recovered: above baseline - 0.5 * min_drop
-    off_s: float = 120.0  # tokens flow but no yield for this long: speculation was switched off
-    stale_s: float = 900.0  # no data at all for this long: the pool is gone
+    enabled: bool = True
+    baseline_s: Seconds = Field(1800.0, alias="baseline")
+    min_baseline_points: int = Field(20, ge=2)
+    recent_points: int = Field(8, ge=2)  # the CUSUM runs over these (2 min at 15 s)
+    confirm_points: int = Field(2, ge=1)  # ... and this many newest points must each be below baseline - min_drop
+    cusum_k: float = Field(0.5, ge=0)
+    cusum_h: float = Field(5.0, gt=0)
+    min_sigma: float = Field(0.01, gt=0)  # a steady yield has a MAD near 0; 1 point of yield is its floor
+    min_abs_drop: float = Field(0.10, gt=0, lt=1)  # yield drops smaller than 0.10 accepted per generated token are noise
+    min_rel_drop: float = Field(0.30, gt=0, lt=1)  # ... and so are drops under 30 % of the baseline
+    min_generation_rate: float = Field(5.0, ge=0)  # tokens/s: an idle pool says nothing about speculation
+    tpot_points: int = Field(4, ge=1)  # TPOT p95 is judged on the mean of this many newest points
+    tpot_rise: float = Field(0.10, gt=0)  # TPOT p95 10 % above its baseline: speculation now costs latency
+    vanished_share: float = Field(0.25, gt=0, lt=1)  # drafts per generated token below 25 % of baseline: vanished
+    min_position_acceptance: float = Field(0.30, gt=0, lt=1)  # a speculative position accepted less often does not pay
+    resolve_points: int = Field(4, ge=1)  # consecutive recovered points to resolve (hysteresis)
+    recover_fraction: float = Field(0.5, gt=0, le=1)  # recovered: above baseline - 0.5 * min_drop
+    off_s: Seconds = 120.0  # tokens flow but no yield for this long: speculation was switched off
+    stale_s: Seconds = 900.0  # no data at all for this long: the pool is gone
+
+    def problems(self, interval: float) -> list[Problem]:
+        """Settings under which the detector could never judge at this scrape interval."""
+        need = self.min_baseline_points + self.recent_points
+        why = f"{self.min_baseline_points} baseline points besides its {self.recent_points} recent ones"
+        return least_window("baseline", self.baseline_s, need, interval, why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +133,7 @@ class SpecDecodeCollapse:
     """Detects per-pool speculative-decoding collapse and proposes retuning or disabling it."""
 
     kind = KIND
+    reads: tuple[str, ...] = (YIELD, TPOT, GENERATION, DRAFTS, ACCEPTANCE, LENGTH, "spec_acceptance_pos_{n}")
 
     def __init__(self, settings: SpecDecodeSettings | None = None) -> None:
         self.settings = settings or SpecDecodeSettings()

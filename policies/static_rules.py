@@ -19,6 +19,7 @@ staleness marker does in Prometheus.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
@@ -126,6 +127,10 @@ class StaticRule:
             raise ValueError(f"{self.alert}: use weight or per, not both")
         if self.slo is not None and "$matchers" not in self.query:
             raise ValueError(f"{self.alert}: an SLO rule needs `$matchers` in its query for per-pool thresholds")
+
+    def signals(self) -> tuple[str, ...]:
+        """The signals the rule's evaluation reads."""
+        return tuple(n for n in (self.signal, self.weight, self.per) if n)
 
     @property
     def expr(self) -> str:
@@ -392,6 +397,10 @@ class _Series:
         return _FRESH_INTERVALS * self.interval if self.interval else 0.0
 
 
+def _holds(op: Op, value: float, th: float) -> bool:
+    return op.holds(value, th)
+
+
 def _run(
     times: Sequence[float], value_at: Callable[[float], float | None], holds: Callable[[float], bool],
     now: float, for_s: float, gap: float, fresh: float,
@@ -431,7 +440,7 @@ def rule_states(rule: StaticRule, inp: PolicyInput) -> list[RuleState]:
             series = _Series(inp, rule, subject, since)
             pool = _pool_of(subject)
             threshold = rule.threshold_for(inp.pools.get(pool) if pool else None)
-            run = _run(series.times, series.value_at, lambda v, th=threshold: rule.op.holds(v, th), inp.now,
+            run = _run(series.times, series.value_at, functools.partial(_holds, rule.op, th=threshold), inp.now,
                        rule.for_s, series.gap_limit(), series.fresh_limit())
             if run is not None:
                 out.append(RuleState(rule, subject, inp.now - run[0] >= rule.for_s, run[0], run[1], threshold))
@@ -453,7 +462,7 @@ def rule_states(rule: StaticRule, inp: PolicyInput) -> list[RuleState]:
             return max(values) / min(values)
 
         threshold = rule.threshold_for(inp.pools.get(pool))
-        run = _run(times, spread, lambda v, th=threshold: rule.op.holds(v, th), inp.now, rule.for_s, rule.range_s,
+        run = _run(times, spread, functools.partial(_holds, rule.op, th=threshold), inp.now, rule.for_s, rule.range_s,
                    rule.range_s)
         if run is not None:
             out.append(RuleState(rule, f"pool/{pool}", inp.now - run[0] >= rule.for_s, run[0], run[1], threshold))
@@ -466,6 +475,7 @@ class StaticRulePolicy:
     def __init__(self, kind: str, rules: Sequence[StaticRule] | None = None) -> None:
         self.kind = kind
         self.rules = tuple(rules) if rules is not None else rules_for(kind)
+        self.reads = tuple(dict.fromkeys(name for r in self.rules for name in r.signals()))
         if not self.rules:
             raise ValueError(f"no static rules for {kind!r}")
         wrong = [r.alert for r in self.rules if r.kind != kind]

@@ -122,9 +122,11 @@ class PolicyResult:
 
 
 class Policy(Protocol):
-    """A detector: one `kind` of finding, evaluated once per tick."""
+    """A detector: one `kind` of finding, evaluated once per tick, over the signals it `reads`
+    (names of `catalog.signals`; a family with a placeholder stands for all its members)."""
 
     kind: str
+    reads: tuple[str, ...]
 
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         """Evaluate on the given input; must not perform I/O or read the clock."""

@@ -16,6 +16,7 @@ import io
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from controlplane.errors import DataError
 
@@ -86,11 +87,12 @@ def shipped(relative: str) -> Path:
     return path
 
 
-def _opened(path: Path) -> io.BufferedIOBase:
+def _opened(path: Path) -> IO[bytes]:
     verify(path)
     try:
         # gzip.open owns the file it opens, so closing the reader closes it too.
-        return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")  # type: ignore[return-value]
+        opened: IO[bytes] = gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")  # type: ignore[assignment]
+        return opened
     except FileNotFoundError:
         raise DataError(path, "no such file") from None
     except IsADirectoryError:

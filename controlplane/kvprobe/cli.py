@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from controlplane.goals import all_hold, at_least, equal, goals_json
 from controlplane.kvprobe.agent import AgentProcess
 from controlplane.kvprobe.nixlapi import load_nixl
 from controlplane.kvprobe.probe import Peer, ProbeMetrics, Prober
@@ -103,7 +104,10 @@ def run_probe(duration_s: float, block_sizes: list[int], interval_s: float, as_j
         "metadata_exchange": {"ok": bool(exchange.first_ok), "url": target.metadata_url, **exchange.as_dict()},
         **summarize(records, sizes, start, end),
     }
-    report["ok"] = report["succeeded"] > 0 and report["failures"] == 0
+    report["goals"] = goals_json([at_least("transfers that succeeded", report["succeeded"], 1),
+                                  equal("failed transfers", report["failures"], 0),
+                                  equal("metadata exchange", bool(exchange.first_ok), True)])
+    report["ok"] = all_hold(report["goals"])
     print(f"kvprobe: done: {report['succeeded']}/{report['transfers']} transfers succeeded", file=err, flush=True)
     if not as_json:
         print(render(report))
@@ -133,4 +137,6 @@ def render(report: dict[str, Any]) -> str:
                      f" {_rate(b['throughput_bytes_per_s']):>7} {_rate(b['bandwidth_bytes_per_s']):>8}")
     reasons = ", ".join(f"{k} {v}" for k, v in report["failures_by_reason"].items() if v)
     lines.append(f"{report['succeeded']}/{report['transfers']} succeeded" + (f"; failures: {reasons}" if reasons else ""))
+    for g in report.get("goals", []):
+        lines.append(f"goal: {g['name']}: {g['value']} ({g['goal']}): {'holds' if g['holds'] else 'DOES NOT HOLD'}")
     return "\n".join(lines)

@@ -167,7 +167,8 @@ class MetadataServer:
     @property
     def url(self) -> str:
         """The metadata document's URL."""
-        return f"http://{self._server.server_address[0]}:{self.port}/metadata"
+        host = self._server.server_address[0]
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{self.port}/metadata"
 
     def close(self) -> None:
         """Stop serving and release the port."""

@@ -25,7 +25,7 @@ import httpx
 import yaml
 
 from collectors.pipeline import SignalDeriver
-from collectors.scraper import Scraper
+from collectors.scraper import Scraper, http_client
 from collectors.types import Target, engine_subject, pool_subject
 from controlplane.config import FleetConfig, parse_config
 from controlplane.errors import FleetError
@@ -42,7 +42,7 @@ from controlplane.lab.engine import (
 from controlplane.lab.loadgen import LoadGen, LoadSettings, PromptBuilder, Traffic, TrafficStats, lab_trace, single_token_words
 from controlplane.lab.router import RoutePolicy, Router, RouterSettings, Upstream
 from controlplane.loop import ControlLoop, TickReport
-from controlplane.runtime import build_loop
+from controlplane.runtime import build_loop, scrape_client
 from controlplane.store import migrate
 from controlplane.store.threaded import ThreadedStore
 
@@ -77,17 +77,6 @@ PHASE_SIGNALS = (
     "e2e_mean", "tpot_p95", "kv_cache_usage",
 )
 
-
-# vLLM's HTTP server drops connections idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx keeps them
-# 5 s too: with a 5 s scrape interval a reused connection can be closed under the request
-# (ReadError). Expiring ours first avoids the race.
-KEEPALIVE_EXPIRY_S = 2.0
-
-
-def _scrape_client(config: FleetConfig) -> httpx.AsyncClient:
-    n = config.scrape.concurrency
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    return httpx.AsyncClient(timeout=config.scrape.timeout, limits=limits)
 
 
 class LabError(FleetError):
@@ -402,7 +391,7 @@ class Lab:
 
     def fleet_yaml(self) -> str:
         """The fleet file for the running lab, as YAML (usable with `fleetctl run --config`)."""
-        return yaml.safe_dump(self.fleet_document(), sort_keys=False)
+        return str(yaml.safe_dump(self.fleet_document(), sort_keys=False))
 
     def fleet_config(self) -> FleetConfig:
         """The fleet file for the running lab, validated."""
@@ -423,8 +412,7 @@ class Lab:
         gen.pause()
         sender = asyncio.create_task(gen.run(stop_load))
         try:
-            limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
-            async with httpx.AsyncClient(timeout=10.0, limits=limits) as client:
+            async with http_client(concurrency=16, timeout_s=10.0) as client:
                 probe = _PhaseProbe(client, self.targets(), self.settings.pool)
                 await probe.snapshot()
                 for phase in phases:
@@ -490,7 +478,7 @@ async def run_lab(
         store = ThreadedStore.open(settings.db_url)
         started = time.time()
         current = [phases[0].name]
-        async with _scrape_client(config) as client:
+        async with scrape_client(config) as client:
             loop = build_loop(config, store, client)
             await loop.start()
             done = asyncio.Event()

@@ -301,9 +301,9 @@ class SimEngine:
         return seconds * self.slowdown
 
     def _iterate(self, until: float) -> None:
-        decoders = sum(1 for r in self.running if r.computed >= r.prefill_target)
+        decoding = sum(1 for r in self.running if r.computed >= r.prefill_target)
         pending = sum(r.prefill_target - r.computed for r in self.running if r.computed < r.prefill_target)
-        self._admit(self.config.max_batched_tokens - decoders - pending)
+        self._admit(self.config.max_batched_tokens - decoding - pending)
         decoders = [r for r in self.running if r.computed >= r.prefill_target]
         budget = self.config.max_batched_tokens - len(decoders)
         chunks: list[tuple[int, int]] = []

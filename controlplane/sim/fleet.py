@@ -16,7 +16,7 @@ from itertools import count
 
 import numpy as np
 
-from collectors.types import Role
+from catalog.fleet import Role
 from controlplane.sim.engine import EngineConfig, Hist, SimEngine, SimRequest
 from controlplane.sim.moe import EplbConfig, ExpertParallel, MoeSpec
 from controlplane.sim.perf import DYNAMO_PROFILE, PerfModel, load_model

@@ -47,7 +47,7 @@ def zipf_popularity(experts: int, s: float, rng: np.random.Generator) -> np.ndar
     """Expert popularity from a Zipf law over a random ranking of the experts."""
     weights = 1.0 / np.arange(1, experts + 1) ** s
     rng.shuffle(weights)
-    return weights / weights.sum()
+    return np.asarray(weights / weights.sum(), dtype=float)
 
 
 class ExpertParallel:

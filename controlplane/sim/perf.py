@@ -177,7 +177,7 @@ def _nnls_relative(features: np.ndarray, y: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(a, axis=0)
     norms[norms == 0] = 1.0
     coef, _ = nnls(a / norms, np.ones(len(y)))
-    return coef / norms
+    return np.asarray(coef / norms, dtype=float)
 
 
 def fit(profile: Profile) -> PerfModel:
@@ -198,8 +198,8 @@ def fit(profile: Profile) -> PerfModel:
     dc = _nnls_relative(np.c_[np.ones_like(m), m, m * ctx], yd)
 
     merged: dict[int, list[float]] = defaultdict(list)
-    for tokens, seconds in prefill:
-        merged[tokens].append(seconds)
+    for lone, seconds in prefill:
+        merged[lone].append(seconds)
     longest = prefill[-1][0]
     for b, p, seconds in profile.prefill_batches:
         if b * p > longest:  # only batches measure passes longer than the longest lone prompt
@@ -207,8 +207,8 @@ def fit(profile: Profile) -> PerfModel:
     tokens = sorted(merged)
     measured = _isotonic([statistics.fmean(merged[k]) for k in tokens])
     by_ctx: dict[float, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for b, c, seconds in profile.decode:
-        by_ctx[float(c)][int(b)].append(seconds)
+    for bs, c, seconds in profile.decode:
+        by_ctx[float(c)][int(bs)].append(seconds)
     rows = tuple(
         (c, tuple(float(b) for b in sorted(pts)), tuple(_isotonic([statistics.fmean(pts[b]) for b in sorted(pts)])))
         for c, pts in sorted(by_ctx.items())

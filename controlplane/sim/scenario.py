@@ -14,10 +14,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from collectors.types import Role
-from controlplane.config import FleetConfig, Seconds, parse_config, parse_yaml
+from catalog.fleet import Role
+from catalog.settings import Seconds, Settings
+from controlplane.config import FleetConfig, Mode, Policies, Pool, Rails, Replicas, Scrape, Slo, Store, parse_yaml
 from controlplane.errors import ConfigError
 from controlplane.sim.engine import EngineConfig
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
@@ -26,6 +27,7 @@ from controlplane.sim.perf import DYNAMO_PROFILE, load_model
 from controlplane.sim.routing import RouterKind
 from controlplane.sim.speculation import SpecConfig
 from controlplane.sim.traces import Request, TraceFormat, read_trace, shipped_trace, trace_format
+from policies.ep_imbalance import EpImbalanceSettings
 
 __all__ = ["FAULT_KINDS", "Fault", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
 
@@ -33,11 +35,7 @@ __all__ = ["FAULT_KINDS", "Fault", "Scenario", "TraceSpec", "Truth", "apply_faul
 SERVEGEN_LENGTHS = (1500, 250)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TraceSpec(_Strict):
+class TraceSpec(Settings):
     """Which trace (a shipped one by `name`, or a file or ServeGen folder by `path`), which window, how fast."""
 
     name: str | None = None  # azure/conv, azure/code, mooncake/conversation, mooncake/synthetic, servegen/<kind>/<model>
@@ -81,30 +79,25 @@ class TraceSpec(_Strict):
                           seed=seed, clients=self.clients, sample=self.sample, default_lengths=SERVEGEN_LENGTHS)
 
 
-class SpecModel(_Strict):
+class SpecModel(Settings):
     method: Literal["none", "ngram", "eagle", "eagle3", "mtp"] = "none"
     num_speculative_tokens: int = Field(0, ge=0, le=16)
 
 
-class MoeModel(_Strict):
+class MoeModel(Settings):
     experts: int = Field(64, ge=2)
     ranks: int = Field(4, ge=1, le=64)
     zipf_s: float = Field(0.4, ge=0)
     moe_share: float = Field(0.55, ge=0, le=1)
 
 
-class EplbModel(_Strict):
+class EplbModel(Settings):
     window_size: int = Field(1000, gt=0)
     step_interval: int = Field(3000, gt=0)
     num_redundant_experts: int = Field(0, ge=0)
 
 
-class SloModel(_Strict):
-    ttft_p95: Seconds | None = None
-    tpot_p95: Seconds | None = None
-
-
-class PoolModel(_Strict):
+class PoolModel(Settings):
     """One simulated pool and the bounds the control plane keeps it in."""
 
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -120,7 +113,7 @@ class PoolModel(_Strict):
     spec: SpecModel = SpecModel()
     moe: MoeModel | None = None
     eplb: EplbModel | None = None
-    slo: SloModel = SloModel()
+    slo: Slo = Slo()
 
     @model_validator(mode="after")
     def _checks(self) -> PoolModel:
@@ -131,14 +124,14 @@ class PoolModel(_Strict):
         return self
 
 
-class SystemPromptModel(_Strict):
+class SystemPromptModel(Settings):
     count: int = Field(24, ge=1)
     blocks: int = Field(4, ge=1)
     block_tokens: int = Field(256, ge=16)
     zipf_s: float = Field(1.1, ge=0)
 
 
-class FleetModel(_Strict):
+class FleetModel(Settings):
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     router: RouterKind = RouterKind.CACHE_AWARE
     decode_router: RouterKind = RouterKind.LEAST_LOADED
@@ -161,7 +154,7 @@ FaultKind = Literal["router_flip", "system_prompt", "prompt_scale", "hot_expert"
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
-class Truth(_Strict):
+class Truth(Settings):
     """What a detector should report while the fault lasts."""
 
     kind: str
@@ -170,7 +163,7 @@ class Truth(_Strict):
     required: bool = True  # False: a finding of this kind is no false alarm, its absence no miss
 
 
-class Fault(_Strict):
+class Fault(Settings):
     """One change to the fleet from `at` until `end` (or the end of the run)."""
 
     kind: FaultKind
@@ -178,8 +171,8 @@ class Fault(_Strict):
     end: Seconds | None = None
     pool: str | None = None
     pod: str | None = None
-    params: dict[str, Any] = {}
-    truth: list[Truth] = []
+    params: dict[str, Any] = Field(default_factory=dict)
+    truth: list[Truth] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _ordered(self) -> Fault:
@@ -188,7 +181,7 @@ class Fault(_Strict):
         return self
 
 
-class Scenario(_Strict):
+class Scenario(Settings):
     """A whole scenario file."""
 
     name: str
@@ -198,7 +191,7 @@ class Scenario(_Strict):
     seed: int = 7
     scrape_interval: Seconds = 15.0
     fleet: FleetModel
-    faults: list[Fault] = []
+    faults: list[Fault] = Field(default_factory=list)
     source: str = ""
 
     @model_validator(mode="after")
@@ -255,17 +248,13 @@ class Scenario(_Strict):
 
     def controlplane_config(self, db_url: str, mode: str = "observe") -> FleetConfig:
         """The fleet file the control plane runs with against this scenario's fleet."""
-        lines = [f"mode: {mode}", f"store: {{url: '{db_url}'}}",
-                 f"scrape: {{interval: {self.scrape_interval}s, timeout: 2s, spread: 0s}}", "pools:"]
-        for p in self.fleet.pools:
-            slo = {k: f"{v}s" for k, v in (("ttft_p95", p.slo.ttft_p95), ("tpot_p95", p.slo.tpot_p95)) if v}
-            slo_text = ", ".join(f"{k}: {v}" for k, v in slo.items())
-            lines.append(f"  - {{name: {p.name}, role: {p.role}, model: '{self.fleet.model}', "
-                         f"replicas: {{min: 1, max: {p.max_replicas or p.replicas * 2}}}, slo: {{{slo_text}}}}}")
-        lines += ["rails: {cooldown: 10m, max_step: 1, max_actions_per_hour: 6, verify_after: 10m}",
-                  # Each simulated engine has a node of its own, named after it (see exporters.node_of).
-                  "policies: {ep_imbalance: {pod_host: 'node-{pod}'}}"]
-        return parse_config("\n".join(lines) + "\n", f"{self.name} (control plane)")
+        pools = [Pool(name=p.name, role=p.role, model=self.fleet.model, slo=p.slo,
+                      replicas=Replicas(min=1, max=p.max_replicas or p.replicas * 2)) for p in self.fleet.pools]
+        # Each simulated engine has a node of its own, named after it (see exporters.node_of).
+        policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"))
+        return FleetConfig(mode=Mode(mode), store=Store(url=db_url), pools=pools, policies=policies,
+                           scrape=Scrape(interval=self.scrape_interval, timeout=2.0, spread=0.0),
+                           rails=Rails(cooldown=600.0, max_step=1, max_actions_per_hour=6, verify_after=600.0))
 
     def truth_windows(self) -> list[tuple[float, float, Truth]]:
         """(onset, end, truth) for every fault's every truth, times from the start of the run."""
@@ -369,7 +358,11 @@ def apply_fault(fleet: SimFleet, fault: Fault) -> Any:
     if kind == "slow_engine":
         for m in members:
             m.engine.slowdown = float(p.get("slowdown", 2.0))
-        return lambda: [setattr(m.engine, "slowdown", 1.0) for m in members]
+
+        def recover() -> None:
+            for m in members:
+                m.engine.slowdown = 1.0
+        return recover
     if kind == "gpu_xid":
         for m in members:
             m.gpu.xid = int(p.get("xid", 79))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Float, delete, func, insert, literal, select
+from sqlalchemy import Engine, Float, delete, func, insert, literal, select, update
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
@@ -69,7 +69,7 @@ def _set_watermark(conn: Any, key: str, value: float) -> None:
     if conn.execute(select(MetaRow.key).where(MetaRow.key == key)).first() is None:
         conn.execute(insert(MetaRow).values(key=key, value=repr(value)))
     else:
-        conn.execute(MetaRow.__table__.update().where(MetaRow.key == key).values(value=repr(value)))
+        conn.execute(update(MetaRow).where(MetaRow.key == key).values(value=repr(value)))
 
 
 def compact(engine: Engine, now: float, retention: Retention) -> CompactionReport:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
@@ -11,7 +14,7 @@ from sqlalchemy.pool import StaticPool
 
 from controlplane.errors import StoreUnavailable
 
-__all__ = ["make_engine", "normalize_url", "redact"]
+__all__ = ["make_engine", "normalize_url", "redact", "scratch_database"]
 
 
 def normalize_url(url: str) -> str:
@@ -56,7 +59,8 @@ def make_engine(url: str, *, check: bool = True) -> Engine:
                 conn.execute(text("SELECT 1"))
         except SQLAlchemyError as exc:
             engine.dispose()
-            raise StoreUnavailable(f"store {redact(url)} is unreachable: {str(exc.orig or exc).strip()[:300]}") from None
+            reason = str(getattr(exc, "orig", None) or exc).strip()[:300]
+            raise StoreUnavailable(f"store {redact(url)} is unreachable: {reason}") from None
     return engine
 
 
@@ -69,3 +73,24 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=30000")
     cur.close()
+
+
+@contextmanager
+def scratch_database(admin_url: str, prefix: str = "fleet_scratch") -> Iterator[str]:
+    """A new, empty PostgreSQL database on the server of `admin_url`, dropped afterwards; yields its URL."""
+    admin = make_engine(admin_url).execution_options(isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except SQLAlchemyError as exc:
+        admin.dispose()
+        raise StoreUnavailable(f"store {redact(admin_url)}: cannot create a scratch database: {exc}") from None
+    try:
+        yield admin.url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        finally:
+            admin.dispose()

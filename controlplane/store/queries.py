@@ -126,7 +126,7 @@ def _levels(p: Plan, start: float, end: float, wm60: float, wm3600: float) -> li
 
 
 def _part(level: int, names: list[str], subjects: list[str], lo: float, hi: float, step: float | None,
-          positive: bool = False) -> Select:
+          positive: bool = False) -> Select[Any]:
     """Per (name, subject, bucket) count/sum/min/max from one stored level; no bucket when `step` is None.
 
     `positive` reads only stored rows above zero, so a scan for rare events groups only the events.
@@ -236,7 +236,7 @@ class ReadStore:
         return float(rows.get("rollup_60", 0.0)), float(rows.get("rollup_3600", 0.0))
 
     def _grouped(self, conn: Connection, names: list[str], subjects: list[str], start: float, end: float,
-                 p: Plan, step: float | None, positive: bool = False) -> Select | None:
+                 p: Plan, step: float | None, positive: bool = False) -> Select[Any] | None:
         wm60, wm3600 = self._watermarks(conn)
         parts = [_part(level, names, subjects, lo, hi, step, positive)
                  for level, lo, hi in _levels(p, start, end, wm60, wm3600)]

@@ -8,13 +8,15 @@ loop reaches this class through `ThreadedStore`, scripts and the CLI call it dir
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import Engine, and_, delete, func, insert, select, update
+from sqlalchemy import JSON, Engine, and_, delete, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import ColumnElement
 
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, ActionState, check_transition
@@ -22,7 +24,7 @@ from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict, S
 from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
-from controlplane.store.models import ActionEventRow, ActionRow, FindingRow, SignalRow, TargetRow
+from controlplane.store.models import ActionEventRow, ActionRow, Base, FindingRow, MetaRow, SignalRow, TargetRow
 from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding
 
 __all__ = ["SqlStore", "expected_states", "jsonable"]
@@ -122,8 +124,9 @@ class SqlStore(metaclass=_Translating):
         # One row per key: a replayed or duplicated point must not abort the whole batch.
         rows = list({(s.name, s.subject, s.ts): s for s in signals}.values())
         payload = [{"name": s.name, "subject": s.subject, "ts": s.ts, "value": s.value} for s in rows]
-        table = SignalRow.__table__
-        stmt = self._insert(table).on_conflict_do_nothing() if self._insert else insert(table)
+        table = Base.metadata.tables["signals"]
+        # SQLite's and PostgreSQL's own inserts skip a repeated key; others insert plainly.
+        stmt = self._insert(table).on_conflict_do_nothing() if self._insert else insert(table)  # type: ignore[attr-defined]
         with self.engine.begin() as conn:
             conn.execute(stmt, payload)
         return len(payload)
@@ -247,7 +250,7 @@ class SqlStore(metaclass=_Translating):
             done = s.execute(update(ActionRow)
                              .where(ActionRow.id == action_id, ActionRow.state.in_([str(f) for f in froms]))
                              .values(**values))
-            if done.rowcount != 1:
+            if done.rowcount != 1:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult
                 current = s.scalar(select(ActionRow.state).where(ActionRow.id == action_id))
                 if current is None:
                     raise ActionNotFound(action_id)
@@ -270,7 +273,7 @@ class SqlStore(metaclass=_Translating):
                 pool: str | None = None) -> list[ActionRecord]:
         """Actions filtered by state, creation time and pool, oldest first."""
         q = select(ActionRow)
-        conds = []
+        conds: list[ColumnElement[bool]] = []
         if states is not None:
             conds.append(ActionRow.state.in_([str(x) for x in states]))
         if since is not None:
@@ -305,6 +308,60 @@ class SqlStore(metaclass=_Translating):
         )
         with self._session() as s:
             return [_action(r) for r in s.scalars(q)]
+
+    # bulk loads and sizes (backfills, benchmarks) -------------------------------------------
+
+    def bulk_load(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *, batch: int = 200_000) -> int:
+        """Insert rows into one table as they are, in batches, without the checks of the methods above.
+
+        For loading history into an empty store (a backfill, a benchmark's seed); every batch is
+        one transaction. Tables with JSON columns go through SQLAlchemy, others through the driver.
+        """
+        if table not in Base.metadata.tables:
+            raise ValueError(f"no table {table!r}; tables: {', '.join(sorted(Base.metadata.tables))}")
+        t = Base.metadata.tables[table]
+        unknown = [c for c in columns if c not in t.c]
+        if unknown:
+            raise ValueError(f"table {table} has no column {', '.join(unknown)}")
+        as_json = any(isinstance(t.c[c].type, JSON) for c in columns)
+        marks = {"qmark": "?", "numeric": ":{}", "named": ":{}"}.get(self.engine.dialect.paramstyle, "%s")
+        sql = (f"INSERT INTO {t.name} ({', '.join(columns)}) VALUES "
+               f"({', '.join(marks.format(c) if '{' in marks else marks for c in columns)})")
+        done = 0
+        chunk: list[Sequence[Any]] = []
+
+        def flush() -> None:
+            with self.engine.begin() as conn:
+                if as_json:
+                    conn.execute(insert(t), [dict(zip(columns, r, strict=True)) for r in chunk])
+                else:
+                    conn.exec_driver_sql(sql, [tuple(r) for r in chunk])
+
+        for row in rows:
+            chunk.append(row)
+            if len(chunk) >= batch:
+                flush()
+                done += len(chunk)
+                chunk = []
+        if chunk:
+            flush()
+            done += len(chunk)
+        return done
+
+    def set_rollup_watermarks(self, minute: float, hour: float) -> None:
+        """Where compaction takes up again: rollups of loaded history are complete up to these times."""
+        with self.engine.begin() as conn:
+            for key, value in (("rollup_60", minute), ("rollup_3600", hour)):
+                conn.execute(delete(MetaRow).where(MetaRow.key == key))
+                conn.execute(insert(MetaRow).values(key=key, value=repr(value)))
+
+    def signal_bytes(self) -> int:
+        """Bytes the raw signals take: the database files on SQLite, the table and its indexes on PostgreSQL."""
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect() as conn:
+                return int(conn.execute(text("SELECT pg_total_relation_size('signals')")).scalar_one())
+        path = self.engine.url.database or ""
+        return sum(os.path.getsize(path + s) for s in ("", "-wal", "-shm") if path and os.path.exists(path + s))
 
     def delete_signals_before(self, cutoff: float) -> int:
         """Drop raw signals older than `cutoff`."""

@@ -95,11 +95,11 @@ st.markdown(f"**#{a['id']} {a['kind']} {a['pool']}** · {a['state']} · mode {a[
             + (f" · approved by {a['approved_by']}" if a["approved_by"] else "")
             + (f" · outcome **{a['outcome']}**" if a["outcome"] else ""))
 st.write(a["reason"])
-cols = st.columns(3)
-with cols[0]:
+detail_cols = st.columns(3)
+with detail_cols[0]:
     if a["finding_id"] is not None:
         c.link("incidents", f"Caused by incident #{a['finding_id']}", finding=a["finding_id"])
-with cols[1]:
+with detail_cols[1]:
     c.link("pool", f"Pool {a['pool']}", pool=a["pool"])
 events = pd.DataFrame([{"time": c.when(e["ts"]), "event": e["event"],
                         "detail": ", ".join(f"{k}={v}" for k, v in (e["detail"] or {}).items())} for e in data["events"]])

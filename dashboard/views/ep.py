@@ -3,6 +3,8 @@ several data-parallel ranks, the skew between ranks, and EPLB's state and effect
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
@@ -10,8 +12,8 @@ from dashboard import common as c
 from dashboard.pages import EP_LOAD, EP_STEP
 
 w = c.window()
-load_name = c.chosen("ep_load") if c.chosen("ep_load") in EP_LOAD else EP_LOAD[0]
-step_name = c.chosen("ep_step") if c.chosen("ep_step") in EP_STEP else EP_STEP[0]
+load_name = str(c.chosen("ep_load")) if c.chosen("ep_load") in EP_LOAD else EP_LOAD[0]
+step_name = str(c.chosen("ep_step")) if c.chosen("ep_step") in EP_STEP else EP_STEP[0]
 data = c.page_data("ep", w, pool=c.chosen("ep_pool"), load=load_name, step=step_name)
 st.title("Expert parallelism")
 
@@ -37,7 +39,7 @@ engines: list[str] = data["engines"]
 st.caption(f"{pool}: {len(engines)} ranks · {w.label} up to {c.when(w.end)} UTC")
 
 
-def ranks(points: list) -> pd.DataFrame:
+def ranks(points: list[Any]) -> pd.DataFrame:
     df = c.points_frame(points)
     df["rank"] = df["subject"].str.removeprefix(f"engine/{pool}/")
     return df

@@ -132,8 +132,8 @@ with left:
                          expanded=f["state"] == "open"):
             st.write(f["cause"])
             c.link("incidents", "Evidence and runbook", finding=f["id"])
-            if (pool := c.pool_of(f["subject"])) is not None:
-                c.link("pool", f"Pool {pool}", pool=pool)
+            if (of := c.pool_of(f["subject"])) is not None:
+                c.link("pool", f"Pool {of}", pool=of)
 with right:
     st.subheader("Recent actions")
     if not data["actions"]:

@@ -111,6 +111,8 @@ evidence = f["evidence"] or {}
 signal = evidence.get("signal")
 series = c.points_frame(data["evidence"])
 st.markdown(f"**Evidence: `{signal or '?'}` on `{f['subject']}`**")
+if isinstance(signal, str):
+    st.caption(c.signal_help(signal))
 if series.empty:
     st.caption("The evidence signal has no stored points around this incident (retention may have removed them).")
 else:
@@ -119,7 +121,7 @@ else:
                           "label": ["opened"] + (["resolved"] if f["resolved_at"] else [])})
     series["signal"] = signal
     frame = c.Window(lo, hi, "", False, None)
-    c.show(c.band_chart(series, y_title=str(signal), color="signal", rules=evidence_lines(f["kind"], evidence),
+    c.show(c.band_chart(series, y_title=c.signal_title(str(signal)), color="signal", rules=evidence_lines(f["kind"], evidence),
                         marks=marks, w=frame, height=280))
 with st.expander("Evidence as recorded", expanded=False):
     st.json(evidence, expanded=True)

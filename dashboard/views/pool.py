@@ -3,6 +3,8 @@ prefix-cache hit rate with its per-engine spread, speculative decoding, replicas
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
@@ -14,7 +16,7 @@ st.title("Pool")
 if data["pool"] is None:
     st.info("No pool has reported to the store yet.")
     st.stop()
-pool = c.select("Pool", list(data["pools"]), "pool", data["pool"])
+pool = c.select("Pool", list(data["pools"]), "pool", data["pool"]) or data["pool"]
 role = data["pools"].get(pool) or "unknown role"
 ttft_slo, tpot_slo = c.slo(pool)
 st.caption(f"{pool} ({role}) · {w.label} up to {c.when(w.end)} UTC · "
@@ -119,7 +121,7 @@ st.subheader("Replicas")
 left, right = st.columns(2)
 with left:
     actual = pick("targets", "targets_up", "engines_reporting")
-    desired_rows = []
+    desired_rows: list[tuple[float, Any]] = []
     for a in sorted(data["scale_actions"], key=lambda a: a["created_at"]):
         if a["state"] == "succeeded" and a["finished_at"] is not None:
             if not desired_rows and a["params"].get("from_replicas") is not None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from prometheus_api_client import PrometheusConnect
 from requests.adapters import BaseAdapter
 
+from catalog.fleet import Role
 from collectors.prometheus_api import (
     SIGNALS,
     CounterMode,
@@ -38,7 +39,7 @@ from collectors.prometheus_api import (
     shorten,
 )
 from collectors.prometheus_api import _Window as Window
-from collectors.types import Role, Signal, Target
+from collectors.types import Signal, Target
 
 URL = "http://prometheus.test:9090"
 SPECS = {spec.name: spec for spec in SIGNALS}

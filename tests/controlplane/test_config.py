@@ -110,3 +110,40 @@ def test_kubernetes_credentials_missing_is_a_config_error(tmp_path: Path) -> Non
     text = VALID.split("targets:")[0] + f"discovery: {{namespace: llm, selector: app=vllm, kubeconfig: {tmp_path}/none}}\n"
     with contextlib.ExitStack() as stack, pytest.raises(ConfigError, match="cannot load Kubernetes credentials"):
         discovered_targets(parse_config(text), stack)
+
+
+def test_settings_that_leave_a_detector_unable_to_judge_are_rejected() -> None:
+    """A real lab at a 5 s interval with a 120 s spec-decode baseline: 20 baseline points besides the
+    8 recent ones need 140 s, so the detector would never evaluate and a collapse would go unreported."""
+    text = ("scrape: {interval: 5s, timeout: 1s, spread: 0s}\n"
+            "pools: [{name: lab, role: unified, model: m, replicas: {max: 2}}]\n"
+            "policies:\n"
+            "  spec_decode_collapse: {baseline: 120s}\n"
+            "  prefix_cache_hit_drop: {baseline: 2m}\n"
+            "  slo_burn: {fast_short_window: 10s}\n")
+    assert problems(text) == [
+        "policies.spec_decode_collapse.baseline (line 4): 120s is shorter than the 140s the detector needs at a 5s "
+        "scrape interval (20 baseline points besides its 8 recent ones), so it would never judge; make it at least 140s",
+        "policies.slo_burn.fast_short_window (line 6): 10s is shorter than the 15s the detector needs at a 5s scrape "
+        "interval (3 points in each short window), so it would never judge; make it at least 15s",
+    ]
+    # Windows that hold what the detectors need pass, and a disabled detector is not judged.
+    parse_config(text.replace("{baseline: 120s}", "{baseline: 140s}").replace("10s}", "15s}"))
+    parse_config(text.replace("{baseline: 120s}", "{baseline: 120s, enabled: false}").replace("10s}", "15s}"))
+
+
+def test_policy_sections_are_the_policies_own_settings() -> None:
+    """Every field a policy has is settable in the fleet file, under the name the file documents."""
+    from policies.kv_transfer import KvTransferSettings
+    from policies.spec_decode import SpecDecodeSettings
+
+    cfg = parse_config("pools: [{name: p, role: unified, model: m, replicas: {max: 2}}]\n"
+                       "policies: {kv_transfer_lag: {baseline: 10m, min_abs: 5ms, min_peers: 3},"
+                       " spec_decode_collapse: {recent_points: 6, off_s: 1m}}\n")
+    kv = cfg.policies.kv_transfer_lag
+    assert isinstance(kv, KvTransferSettings) and (kv.baseline_s, kv.min_abs_s, kv.min_peers) == (600.0, 0.005, 3)
+    sd = cfg.policies.spec_decode_collapse
+    assert isinstance(sd, SpecDecodeSettings) and (sd.recent_points, sd.off_s) == (6, 60.0)
+    assert any("recent_points" in p and "greater than or equal to 2" in p for p in problems(
+        "pools: [{name: p, role: unified, model: m, replicas: {max: 2}}]\n"
+        "policies: {spec_decode_collapse: {recent_points: 1}}\n"))

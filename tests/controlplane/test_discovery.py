@@ -20,16 +20,11 @@ import kubernetes_validate
 import pytest
 from kubernetes import client
 
-from collectors.types import Role, Target
-from controlplane.discovery import (
-    DiscoveryError,
-    KubernetesPodTargets,
-    LabelSelector,
-    Requirement,
-    SkippedPod,
-    targets_from_pods,
-)
+from catalog.fleet import Role
+from collectors.types import Target
+from controlplane.discovery import DiscoveryError, KubernetesPodTargets, SkippedPod, targets_from_pods
 from controlplane.errors import FleetError
+from controlplane.selectors import LabelSelector, Requirement
 
 NS = "llm"
 POOL = "llm-d.ai/pool"

@@ -52,6 +52,12 @@ def test_false_alarms_on_fault_free_replays_are_rated_per_engine_hour() -> None:
     assert sat["false_alarms_fault_free_per_1000_engine_hours"] == pytest.approx(250.0)
     assert sat["false_alarms_per_1000_engine_hours"] == pytest.approx(200.0)
     assert sat["recall"] == 0.0 and report.summary()["policies"]["false_alarms_fault_free"] == 1
+    goals = {g["name"]: g for g in report.as_dict()["goals"]}
+    # Nothing was detected, so there is no delay or speed-up to judge, only a false-alarm rate that misses.
+    fa = goals["policies' false alarms per 1,000 fault-free engine-hours"]
+    assert (fa["value"], fa["goal"], fa["holds"]) == (pytest.approx(250.0), "<= 1", False)
+    delay = goals["policies' median detection delay, scrape intervals"]
+    assert delay["value"] is None and delay["holds"] is False
 
 
 @pytest.mark.slow
@@ -65,6 +71,8 @@ def test_eval_finds_both_faults_sooner_than_the_static_rules(tmp_path: Path) -> 
     smart = data["summary"]["policies"]
     assert smart["detected"] == smart["truths"] == 2
     assert smart["delay_median_intervals"] <= 2 and smart["false_alarms"] == 0
+    goals = {g["name"]: g["holds"] for g in data["goals"]}
+    assert goals["policies' median detection delay, scrape intervals"] is True
     scores = {(k["detector"], k["kind"]): k for k in data["scores"]}
     ours, theirs = scores[("policies", "prefix_cache_hit_drop")], scores[("static rules", "prefix_cache_hit_drop")]
     # A static threshold either misses a per-workload drop or waits out its `for: 5m`.

@@ -14,8 +14,9 @@ from collections import defaultdict
 
 import pytest
 
+from catalog.fleet import Role
 from collectors.prometheus_api import SIGNALS, CounterMode, Labels, PrometheusSource, QueryFailed, escape_regex, selector
-from collectors.types import Role, Signal
+from collectors.types import Signal
 from tests.real.scenario import TOLERANCE, Run, rel_diff
 
 pytestmark = pytest.mark.slow

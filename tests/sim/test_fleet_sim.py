@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.types import Role
+from catalog.fleet import Role
 from controlplane.sim.engine import EngineConfig, SimEngine, SimRequest
 from controlplane.sim.exporters import render_dcgm
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
