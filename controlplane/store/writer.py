@@ -356,12 +356,14 @@ class SqlStore(metaclass=_Translating):
                 conn.execute(insert(MetaRow).values(key=key, value=repr(value)))
 
     def signal_bytes(self) -> int:
-        """Bytes the raw signals take: the database files on SQLite, the table and its indexes on PostgreSQL."""
+        """Bytes the raw signals take: the database file on SQLite, the table and its indexes on PostgreSQL."""
         if self.engine.dialect.name == "postgresql":
             with self.engine.connect() as conn:
                 return int(conn.execute(text("SELECT pg_total_relation_size('signals')")).scalar_one())
+        with self.engine.connect() as conn:  # fold the write-ahead log in first, as closing the store would
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
         path = self.engine.url.database or ""
-        return sum(os.path.getsize(path + s) for s in ("", "-wal", "-shm") if path and os.path.exists(path + s))
+        return sum(os.path.getsize(path + s) for s in ("", "-wal") if path and os.path.exists(path + s))
 
     def delete_signals_before(self, cutoff: float) -> int:
         """Drop raw signals older than `cutoff`."""
