@@ -182,12 +182,11 @@ def demo(minutes: float, db: str, no_pace: bool, as_json: bool) -> None:
                       "-" if f["resolved_at_s"] is None else f"{f['resolved_at_s'] / 60:.1f}", str(f["cause"]))
         out.print(t)
         a = Table(title="Actions (audit log)")
-        for col in ("id", "finding", "kind", "pool", "replicas", "state", "at (min)", "outcome"):
+        for col in ("id", "finding", "kind", "pool", "change", "state", "at (min)", "outcome"):
             a.add_column(col)
         for x in summary.actions:
-            a.add_row(str(x["id"]), str(x["finding_id"]), x["kind"], x["pool"],
-                      f"{x['from_replicas']} -> {x['replicas']}", x["state"], f"{x['at_s'] / 60:.1f}",
-                      str(x["outcome"] or "pending"))
+            a.add_row(str(x["id"]), str(x["finding_id"]), x["kind"], x["pool"], x["change"], x["state"],
+                      f"{x['at_s'] / 60:.1f}", str(x["outcome"] or "pending"))
         out.print(a)
         out.print(f"Open the dashboard: [bold]fleetctl dashboard --db {db}[/]")
     sys.exit(0 if summary.ok else 1)
@@ -252,6 +251,40 @@ def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
     finally:
         store.close()
     out.print(f"action {action_id} {action.state} by {by}")
+
+
+@cli.command()
+@_db_option
+@click.option("--by", default=lambda: os.environ.get("USER", "operator"), help="Who pauses (audit).")
+@click.option("--reason", required=True, help="Why; shown wherever acting is held back.")
+def pause(db: str, by: str, reason: str) -> None:
+    """The kill switch: stop all acting at once (every replica, before its next action); detection goes on."""
+    import time
+
+    from controlplane.store.records import Pause
+    from controlplane.store.writer import SqlStore
+
+    store = SqlStore.open(db)
+    try:
+        store.set_pause(Pause(by, reason, time.time()))
+    finally:
+        store.close()
+    out.print(f"acting paused by {by}: {reason} (fleetctl resume to lift it)")
+
+
+@cli.command()
+@_db_option
+def resume(db: str) -> None:
+    """Lift the kill switch: approved and proposed actions may run again."""
+    from controlplane.store.writer import SqlStore
+
+    store = SqlStore.open(db)
+    try:
+        was = store.pause_state()
+        store.set_pause(None)
+    finally:
+        store.close()
+    out.print("acting resumed" + (f" (was paused by {was.by}: {was.reason})" if was else " (it was not paused)"))
 
 
 @actions.command("approve")

@@ -32,6 +32,7 @@ from policies.prefix_cache import PrefixCacheSettings
 from policies.saturation import SaturationSettings
 from policies.slo_burn import SloBurnSettings
 from policies.spec_decode import SpecDecodeSettings
+from policies.types import ActionKind
 
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
                   | GpuHealthSettings | EpImbalanceSettings)
@@ -210,13 +211,18 @@ class Policies(Settings):
 class Rails(Settings):
     """Safety rails every action passes through."""
 
-    cooldown: Seconds = 300.0  # per pool, after an action finishes
+    cooldown: Seconds = 300.0  # per pool and kind of action, after an action finishes
+    cooldowns: dict[ActionKind, Seconds] = Field(default_factory=dict)  # a kind's own cooldown, e.g. enable_eplb: 1h
     max_step: int = Field(1, ge=1)  # replicas changed by one action at most
     max_actions_per_hour: int = Field(6, ge=1)  # fleet-wide rate limit
     verify_after: Seconds = 600.0  # when an action's outcome is judged
     # A proposal nobody decided on (or an approved action that could not run) expires after this:
     # an approval given hours later would act on a fleet nobody looked at.
     proposal_ttl: Seconds = 3600.0
+
+    def cooldown_for(self, kind: str) -> float:
+        """The cooldown after an action of `kind` on a pool."""
+        return self.cooldowns.get(ActionKind(kind), self.cooldown)
 
 
 class Tracing(StrEnum):

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from controlplane.config import FleetConfig, parse_config
 from controlplane.loop import TickReport
 from controlplane.sim.fleet import SimFleet
-from controlplane.sim.run import ScenarioRun, Timeline, mmss, run_scenario
+from controlplane.sim.run import ScenarioRun, Timeline, action_change, mmss, run_scenario
 from controlplane.sim.scenario import Scenario, load_scenario
 from controlplane.store.writer import SqlStore
 
@@ -111,6 +111,7 @@ async def run_demo(minutes: float, db_url: str, console: Console, *, pace: bool 
             summary.actions.append({
                 "id": a.id, "finding_id": a.finding_id, "kind": a.kind, "pool": a.pool, "state": a.state,
                 "from_replicas": a.params.get("from_replicas"), "replicas": a.params.get("replicas"),
+                "change": action_change(a.params),
                 "at_s": round(a.created_at - start), "outcome": a.outcome,
             })
     finally:

@@ -18,17 +18,28 @@ from dataclasses import dataclass, field, replace
 
 from collectors.types import TargetHealth
 from controlplane.actions import ActionState
-from controlplane.actuators.base import Actuator
+from controlplane.actuators.base import Actuator, Order
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig
 from controlplane.errors import ActionConflict, ActuationError, FleetError
+from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
 from controlplane.rails import WAIT_REASONS, RailsReason, check, recheck
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
 from controlplane.telemetry import Telemetry
-from policies.types import FindingKey, FindingReport, OpenFinding, Policy, PolicyInput, PoolState, Proposal
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    OpenFinding,
+    Policy,
+    PolicyInput,
+    PoolState,
+    Proposal,
+    change_as_dict,
+)
 from policies.windows import HISTORY_S, SignalWindows
 
 __all__ = ["ControlLoop", "TickReport"]
@@ -70,6 +81,7 @@ class ControlLoop:
         actuator: Actuator,
         clock: Clock,
         telemetry: Telemetry,
+        switch: KillSwitch | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -78,7 +90,9 @@ class ControlLoop:
         self.actuator = actuator
         self.clock = clock
         self.telemetry = telemetry
+        self.switch: KillSwitch = switch or NeverPaused()
         self.windows = SignalWindows(HISTORY_S)
+        self.changed_at: dict[str, float] = {}
         self.last_tick_at: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
@@ -186,15 +200,17 @@ class ControlLoop:
             await self.store.record_targets(changed)
 
     async def _pools(self) -> dict[str, PoolState]:
-        observed = await self.actuator.observe()
+        view = await self.actuator.observe()
+        self.changed_at = dict(view.changed_at)
         out = {}
         for pool in self.config.pools:
-            rep = observed.get(pool.name)
+            rep = view.pools.get(pool.name)
             out[pool.name] = PoolState(
                 name=pool.name, role=str(pool.role),
                 desired=rep.desired if rep else 0, ready=rep.ready if rep else 0,
                 min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
+                max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
             )
         return out
 
@@ -203,7 +219,7 @@ class ControlLoop:
     async def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport) -> list[tuple[int, Proposal]]:
         open_rows = {FindingKey(f.kind, f.subject): f for f in await self.store.open_findings()}
         open_view = {k: OpenFinding(k, f.opened_at, f.evidence) for k, f in open_rows.items()}
-        inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view)
+        inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view, changed_at=self.changed_at)
         proposals: list[tuple[int, Proposal]] = []
         for policy in self.policies:
             with self.telemetry.span(f"policy.{policy.kind}"):
@@ -254,20 +270,24 @@ class ControlLoop:
         await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
                            lambda a: now - a.created_at >= rails.proposal_ttl)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - max(3600.0, rails.cooldown))
+        paused = await self.switch.paused()
         for finding_id, proposal in proposals:
-            decision = check(proposal, pools.get(proposal.pool), mode=mode, rails=rails, history=history, now=now)
-            if not decision.may_record:
+            decision = check(proposal, pools.get(proposal.pool), mode=mode, rails=rails, history=history, now=now,
+                             supported=self.actuator.kinds, paused=paused, unsettled=_unsettled(pools))
+            if not decision.may_record or decision.change is None:
                 # Held-back proposals are counted, not written: a cooldown would repeat them every tick.
                 self.telemetry.actions.labels(str(proposal.kind), f"held_{decision.reason}").inc()
                 report.held.append((proposal, decision.reason, decision.note))
                 continue
             params = {
+                "change": change_as_dict(decision.change),
                 "from_replicas": pools[proposal.pool].desired,
-                "replicas": decision.target_replicas,
                 "verify_signal": proposal.verify_signal,
                 "verify_lower_is_better": proposal.verify_lower_is_better,
                 "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
             }
+            if decision.target_replicas is not None:
+                params["replicas"] = decision.target_replicas
             action = await self.store.create_action(NewAction(
                 finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params, mode=str(mode),
                 reason=f"{proposal.reason}; rails: {decision.note}"), now)
@@ -282,12 +302,13 @@ class ControlLoop:
 
     async def _execute(self, action: ActionRecord, pools: dict[str, PoolState], history: list[ActionRecord],
                        now: float, report: TickReport) -> None:
-        """Run one approved action if the rails still allow it on the pool as it is now."""
+        """Run one approved action if the rails (and the kill switch, read again now) still allow it."""
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
-                           history=history, now=now)
+                           history=history, now=now, supported=self.actuator.kinds, paused=await self.switch.paused(),
+                           unsettled=_unsettled(pools))
         if decision.reason in WAIT_REASONS:
             return
-        if decision.reason is not RailsReason.ALLOWED:
+        if decision.reason is not RailsReason.ALLOWED or decision.change is None:
             try:
                 await self.store.transition(action.id, ActionState.APPROVED, ActionState.CANCELLED, now,
                                             {"why": decision.note, "rails": str(decision.reason)})
@@ -304,10 +325,10 @@ class ControlLoop:
             log.info("action %d was not started here: %s", action.id, exc)
             return
         history.append(action)
-        replicas = int(action.params["replicas"])
+        order = Order(action.id, ActionKind(action.kind), action.pool, decision.change, action.reason)
         with self.telemetry.span("action", kind=action.kind, pool=action.pool):
             try:
-                await self.actuator.scale(action.pool, replicas)
+                done = await self.actuator.carry_out(order)
             except Exception as exc:
                 # ActuationError carries the actuator's own message; anything else is a bug or an
                 # untranslated client error, recorded as such instead of taking the loop down.
@@ -319,9 +340,9 @@ class ControlLoop:
                 self.telemetry.actions.labels(action.kind, "failed").inc()
                 report.errors[f"action {action.id}"] = error
                 return
-        done = ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED
-        await self.store.transition(action.id, ActionState.STARTED, done, self.clock.now(), {"replicas": replicas})
-        self.telemetry.actions.labels(action.kind, str(done)).inc()
+        state = ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED
+        await self.store.transition(action.id, ActionState.STARTED, state, self.clock.now(), done)
+        self.telemetry.actions.labels(action.kind, str(state)).inc()
 
     # verify -----------------------------------------------------------------------------------
 
@@ -359,6 +380,10 @@ class ControlLoop:
         s = self.config.store
         with self.telemetry.span("store.compact"):
             await self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
+
+
+def _unsettled(pools: dict[str, PoolState]) -> list[str]:
+    return [name for name, p in pools.items() if p.ready != p.desired]
 
 
 def _caused_by(finding_id: int, action: ActionRecord) -> bool:

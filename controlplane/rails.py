@@ -1,22 +1,36 @@
 """Safety rails: the checks every proposal passes before it may become an action, and again when it runs.
 
-Pure: the caller hands in the mode, the pool, the recent actions and the time. `check` judges a
-fresh proposal; `recheck` judges an approved action when it is due, against the pool as it is
-then, since a person may approve minutes after the proposal and the fleet may have moved.
+Pure: the caller hands in the mode, the kill switch, the pool, the recent actions and the time.
+`check` judges a fresh proposal; `recheck` judges an approved action when it is due, against the
+pool as it is then, since a person may approve minutes after the proposal and the fleet may have
+moved. Both hold every kind of action to the same rules: the mode and the kill switch, what the
+actuator supports, one action in flight per pool, a pool that is still settling, a cooldown per
+pool and kind, one disruptive change (a restart of a pool's engines) in the whole fleet at a time,
+never more engines restarting at once than the pool allows, and a fleet-wide hourly rate limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
 from controlplane.actions import ACTIVE_STATES, ActionState
 from controlplane.config import Mode, Rails
-from policies.types import ActionKind, PoolState, Proposal
+from policies.types import (
+    ActionKind,
+    Change,
+    Drain,
+    PoolState,
+    Proposal,
+    ScaleBy,
+    ScaleTo,
+    change_from_dict,
+    describe,
+)
 
-__all__ = ["WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason", "check", "recheck"]
+__all__ = ["DISRUPTIVE", "WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason", "check", "recheck"]
 
 
 class RailsReason(StrEnum):
@@ -31,12 +45,23 @@ class RailsReason(StrEnum):
     COOLDOWN = "cooldown"
     RATE_LIMITED = "rate_limited"
     POOL_NOT_SETTLED = "pool_not_settled"
-    NOT_SUPPORTED = "not_supported"  # no actuator can carry out this kind of action yet
+    NOT_SUPPORTED = "not_supported"  # the actuator cannot carry out this kind of action
     STALE = "stale"  # the pool no longer is what the approved action was computed from
+    PAUSED = "paused"  # the kill switch is on: nothing acts
+    ROLLOUT_IN_FLIGHT = "rollout_in_flight"  # another pool's engines are restarting: one pool at a time
+    BLAST_RADIUS = "blast_radius"  # the change would restart more engines at once than the pool allows
 
 
 # An approved action held back for one of these waits for a later tick; any other reason cancels it.
-WAIT_REASONS = frozenset({RailsReason.IN_FLIGHT, RailsReason.COOLDOWN, RailsReason.POOL_NOT_SETTLED})
+WAIT_REASONS = frozenset({RailsReason.IN_FLIGHT, RailsReason.COOLDOWN, RailsReason.POOL_NOT_SETTLED,
+                          RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT})
+
+# Kinds that restart or replace engines of a pool: the fleet rolls one pool at a time.
+DISRUPTIVE = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,
+                        ActionKind.DISABLE_EPLB, ActionKind.ROLLBACK, ActionKind.CORDON_NODE, ActionKind.DRAIN_ENGINE})
+# Kinds that restart every engine of the pool by patching its pod template.
+_RESTARTS_POOL = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,
+                            ActionKind.DISABLE_EPLB})
 
 
 class PastAction(Protocol):
@@ -44,6 +69,9 @@ class PastAction(Protocol):
 
     @property
     def pool(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
 
     @property
     def state(self) -> ActionState: ...
@@ -62,18 +90,15 @@ class DueAction(PastAction, Protocol):
     def id(self) -> int: ...
 
     @property
-    def kind(self) -> str: ...
-
-    @property
     def params(self) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class RailsDecision:
-    """The verdict on one proposal, with the replica count it may set when allowed."""
+    """The verdict on one proposal, with the change it may make when allowed (a scale step resolved to its target)."""
 
     reason: RailsReason
-    target_replicas: int | None
+    change: Change | None
     note: str
 
     @property
@@ -81,11 +106,16 @@ class RailsDecision:
         """True when the proposal becomes an action row (run now or await approval)."""
         return self.reason in (RailsReason.ALLOWED, RailsReason.NEEDS_APPROVAL)
 
+    @property
+    def target_replicas(self) -> int | None:
+        """The replica count a scaling decision sets."""
+        return self.change.replicas if isinstance(self.change, ScaleTo) else None
+
 
 # Neither rejected, expired nor cancelled actions touched the fleet: they do not count against the rate limit.
 _NEVER_RAN = frozenset({ActionState.REJECTED, ActionState.EXPIRED, ActionState.CANCELLED})
-# A rejection starts the pool's cooldown too (a person said no; asking again next tick would nag);
-# an expired or cancelled action may be proposed again at once, with fresh numbers.
+# A rejection starts the cooldown too (a person said no; asking again next tick would nag); an
+# expired or cancelled action may be proposed again at once, with fresh numbers.
 _NO_COOLDOWN = frozenset({ActionState.EXPIRED, ActionState.CANCELLED})
 
 
@@ -93,20 +123,53 @@ def _held(reason: RailsReason, note: str) -> RailsDecision:
     return RailsDecision(reason, None, note)
 
 
-def _pool_gates(pool: PoolState, rails: Rails, history: Sequence[PastAction], now: float) -> RailsDecision | None:
-    """In flight, settling and cooldown: what keeps any action off a pool for now."""
+def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],
+           rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str]) -> RailsDecision | None:
+    """The rules every action passes, proposed or due: None when none holds it back."""
+    if mode is Mode.OBSERVE:
+        return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
+    if paused is not None:
+        return _held(RailsReason.PAUSED, f"acting is paused: {paused}")
+    if kind not in supported:
+        return _held(RailsReason.NOT_SUPPORTED, f"the actuator cannot carry out {kind}")
     mine = [a for a in history if a.pool == pool.name]
     if any(a.state in ACTIVE_STATES for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
     if pool.ready != pool.desired:
         return _held(RailsReason.POOL_NOT_SETTLED, f"{pool.name} has {pool.ready} of {pool.desired} replicas ready")
     # An action marked unknown (the process died while it ran) counts from when it was marked.
-    last_finish = max((a.finished_at for a in mine if a.finished_at is not None and a.state not in _NO_COOLDOWN),
-                      default=None)
-    if last_finish is not None and now - last_finish < rails.cooldown:
-        wait = rails.cooldown - (now - last_finish)
-        return _held(RailsReason.COOLDOWN, f"{pool.name} is cooling down for {wait:.0f}s more")
+    last = max((a.finished_at for a in mine
+                if a.kind == kind and a.finished_at is not None and a.state not in _NO_COOLDOWN), default=None)
+    cooldown = rails.cooldown_for(kind)
+    if last is not None and now - last < cooldown:
+        return _held(RailsReason.COOLDOWN, f"{kind} on {pool.name} is cooling down for {cooldown - (now - last):.0f}s more")
+    if kind in DISRUPTIVE:
+        # Another pool mid-change (an action running, or engines still coming up after one) holds
+        # every disruptive change back: one pool at a time.
+        busy = sorted({a.pool for a in history if a.pool != pool.name and a.state == ActionState.STARTED}
+                      | {p for p in unsettled if p != pool.name})
+        if busy:
+            return _held(RailsReason.ROLLOUT_IN_FLIGHT, f"{', '.join(busy)} is still changing: one pool at a time")
+    if kind in _RESTARTS_POOL and pool.gang > max(1, pool.max_unavailable or 1):
+        return _held(RailsReason.BLAST_RADIUS,
+                     f"a new pod template on {pool.name} restarts {pool.gang} engines together (one gang), more than "
+                     f"its maxUnavailable of {pool.max_unavailable or 1}: roll it by hand")
     return None
+
+
+def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
+    """The change as it may run on this pool: a scale resolved and clamped, a drain that leaves an engine."""
+    if isinstance(change, ScaleBy | ScaleTo):
+        want = change.replicas if isinstance(change, ScaleTo) else pool.desired + change.delta
+        step = max(-rails.max_step, min(rails.max_step, want - pool.desired))
+        target = max(pool.min_replicas, min(pool.max_replicas, pool.desired + step))
+        if target == pool.desired:
+            return _held(RailsReason.AT_LIMIT,
+                         f"{pool.name} is at its bound ({pool.min_replicas}..{pool.max_replicas}, now {pool.desired})")
+        return RailsDecision(RailsReason.ALLOWED, ScaleTo(target), f"scale {pool.name} {pool.desired} -> {target}")
+    if isinstance(change, Drain) and pool.ready <= 1:
+        return _held(RailsReason.AT_LIMIT, f"{change.pod} is the last ready engine of {pool.name}: never drained")
+    return RailsDecision(RailsReason.ALLOWED, change, f"{describe(change)} ({pool.name})")
 
 
 def check(
@@ -117,30 +180,30 @@ def check(
     rails: Rails,
     history: Sequence[PastAction],
     now: float,
+    supported: Collection[ActionKind] = frozenset({ActionKind.SCALE_POOL}),
+    paused: str | None = None,
+    unsettled: Collection[str] = (),
 ) -> RailsDecision:
-    """Decide what may happen to `proposal`; `history` holds recent actions, any pool."""
+    """Decide what may happen to `proposal`; `history` holds recent actions, any pool, `unsettled` the
+    pools whose engines are not all ready."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
-    if proposal.kind is not ActionKind.SCALE_POOL:
-        return _held(RailsReason.NOT_SUPPORTED, f"no actuator carries out {proposal.kind} yet")
+    if proposal.kind not in supported:
+        return _held(RailsReason.NOT_SUPPORTED, f"the actuator cannot carry out {proposal.kind}")
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {proposal.pool!r} is not in the fleet file")
-    gate = _pool_gates(pool, rails, history, now)
+    gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,
+                  now=now, unsettled=unsettled)
     if gate is not None:
         return gate
     recent = [a for a in history if now - a.created_at < 3600 and a.state not in _NEVER_RAN]
     if len(recent) >= rails.max_actions_per_hour:
         return _held(RailsReason.RATE_LIMITED,
                      f"{len(recent)} actions in the last hour (limit {rails.max_actions_per_hour})")
-    step = max(-rails.max_step, min(rails.max_step, proposal.delta))
-    target = max(pool.min_replicas, min(pool.max_replicas, pool.desired + step))
-    if target == pool.desired:
-        return _held(RailsReason.AT_LIMIT,
-                     f"{pool.name} is at its bound ({pool.min_replicas}..{pool.max_replicas}, now {pool.desired})")
-    note = f"scale {pool.name} {pool.desired} -> {target}"
-    if mode is Mode.PROPOSE:
-        return RailsDecision(RailsReason.NEEDS_APPROVAL, target, note + " (awaiting approval)")
-    return RailsDecision(RailsReason.ALLOWED, target, note)
+    decision = _shape(proposal.change, proposal.kind, pool, rails)
+    if decision.reason is RailsReason.ALLOWED and mode is Mode.PROPOSE:
+        return RailsDecision(RailsReason.NEEDS_APPROVAL, decision.change, decision.note + " (awaiting approval)")
+    return decision
 
 
 def recheck(
@@ -151,27 +214,31 @@ def recheck(
     rails: Rails,
     history: Sequence[PastAction],
     now: float,
+    supported: Collection[ActionKind] = frozenset({ActionKind.SCALE_POOL}),
+    paused: str | None = None,
+    unsettled: Collection[str] = (),
 ) -> RailsDecision:
     """Decide whether an approved action may run now, on the pool as it is now.
 
     ALLOWED runs it; a reason in WAIT_REASONS keeps it approved for a later tick; anything else
     cancels it. The rate limit admitted it when it was proposed and is not counted again.
     """
-    if mode is Mode.OBSERVE:
-        return _held(RailsReason.OBSERVE_MODE, "the control plane is in observe mode now")
-    if action.kind != ActionKind.SCALE_POOL:
-        return _held(RailsReason.NOT_SUPPORTED, f"no actuator carries out {action.kind} yet")
+    kind = ActionKind(action.kind)
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
     others = [a for a in history if a is not action and getattr(a, "id", None) != action.id]
-    gate = _pool_gates(pool, rails, others, now)
+    gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
+                  unsettled=unsettled)
     if gate is not None:
         return gate
-    start, target = int(action.params["from_replicas"]), int(action.params["replicas"])
-    if pool.desired != start:
-        return _held(RailsReason.STALE, f"approved as {pool.name} {start} -> {target}, but {pool.name} is at "
-                                        f"{pool.desired} now")
-    if not pool.min_replicas <= target <= pool.max_replicas:
-        return _held(RailsReason.AT_LIMIT, f"{target} replicas is outside {pool.name}'s bounds now "
-                                           f"({pool.min_replicas}..{pool.max_replicas})")
-    return RailsDecision(RailsReason.ALLOWED, target, f"scale {pool.name} {start} -> {target}")
+    change = change_from_dict(action.params["change"])
+    if isinstance(change, ScaleTo):
+        start = int(action.params["from_replicas"])
+        if pool.desired != start:
+            return _held(RailsReason.STALE, f"approved as {pool.name} {start} -> {change.replicas}, but {pool.name} is "
+                                            f"at {pool.desired} now")
+        if not pool.min_replicas <= change.replicas <= pool.max_replicas:
+            return _held(RailsReason.AT_LIMIT, f"{change.replicas} replicas is outside {pool.name}'s bounds now "
+                                               f"({pool.min_replicas}..{pool.max_replicas})")
+        return RailsDecision(RailsReason.ALLOWED, change, f"scale {pool.name} {start} -> {change.replicas}")
+    return _shape(change, kind, pool, rails)

@@ -17,6 +17,7 @@ from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.alerting import AlertNotifier
 from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
+from controlplane.killswitch import KillSwitch, StoreSwitch
 from controlplane.loop import ControlLoop
 from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTargets, ScrapeSource
 from controlplane.server import start_server
@@ -87,6 +88,7 @@ def build_loop(
     clock: Clock | None = None,
     telemetry: Telemetry | None = None,
     policies: Sequence[Policy] | None = None,
+    switch: KillSwitch | None = None,
 ) -> ControlLoop:
     """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock).
 
@@ -114,6 +116,7 @@ def build_loop(
         actuator=actuator or DryRunActuator(targets, [p.name for p in config.pools]),
         clock=clock,
         telemetry=telemetry or Telemetry(config.telemetry),
+        switch=switch or StoreSwitch(store),
     )
 
 

@@ -37,6 +37,7 @@ from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.common import gone_findings, reported_since
 from policies.types import (
     ActionKind,
+    Eplb,
     FindingKey,
     FindingReport,
     PolicyInput,
@@ -354,7 +355,8 @@ class EpImbalance:
             if lasted >= s.persist_s:
                 n = s.redundant_experts_per_rank * len(group.ranks)
                 flags = eplb_flags(s.eplb_window_size, s.eplb_step_interval, n)
-                proposals = (Proposal(ActionKind.ENABLE_EPLB, group.pool, 0,
+                change = Eplb(True, s.eplb_window_size, s.eplb_step_interval, n)
+                proposals = (Proposal(ActionKind.ENABLE_EPLB, group.pool, change,
                                       f"enable EPLB on {group.pool}: the imbalance of {where} lasted "
                                       f"{lasted / 60:.0f} min: {flags}",
                                       verify_signal=s.signal, verify_lower_is_better=True),)
@@ -397,7 +399,7 @@ class EpImbalance:
         elif not (balanced and comparable and now_itl >= bound):
             return
         flags = "the same flags without --enable-eplb and --eplb-config"
-        proposal = Proposal(ActionKind.DISABLE_EPLB, pool, 0,
+        proposal = Proposal(ActionKind.DISABLE_EPLB, pool, Eplb(False),
                             f"disable EPLB on {pool}: balanced, but ITL p50 {now_itl * 1000:.1f} ms against "
                             f"{base_itl * 1000:.1f} ms before EPLB at a comparable load; restart with {flags}",
                             verify_signal=s.signal, verify_lower_is_better=True)

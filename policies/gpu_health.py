@@ -32,6 +32,7 @@ from catalog.settings import Problem, Seconds, Settings
 from policies.common import gone_findings, reported_since
 from policies.types import (
     ActionKind,
+    Cordon,
     FindingKey,
     FindingReport,
     PolicyInput,
@@ -213,7 +214,7 @@ class GpuHealth:
         proposals: tuple[Proposal, ...] = ()
         if health.cordon:
             pool = s.node_pools.get(host, "")
-            proposals = (Proposal(ActionKind.CORDON_NODE, pool, 0,
+            proposals = (Proposal(ActionKind.CORDON_NODE, pool, Cordon(host),
                                   f"cordon node {host} and drain its engines ({main.value} on GPU {gpu}): "
                                   f"kubectl cordon {host}; kubectl drain {host} --ignore-daemonsets "
                                   "--delete-emptydir-data"),)

@@ -20,6 +20,8 @@ from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
+    Admit,
+    Drain,
     FindingKey,
     FindingReport,
     PolicyInput,
@@ -210,11 +212,11 @@ class KvTransferLag:
 
     def _proposals(self, subject: str, where: str) -> tuple[Proposal, ...]:
         if subject.startswith("engine/"):
-            pool = subject.split("/")[1]
-            return (Proposal(ActionKind.DRAIN_ENGINE, pool, 0, f"drain the lagging decode worker {where}",
+            _, pool, pod, _rank = subject.split("/")
+            return (Proposal(ActionKind.DRAIN_ENGINE, pool, Drain(pod), f"drain the lagging decode worker {where}",
                              verify_signal="nixl_xfer_time_p99"),)
         target = where.split("->")[-1]
-        return (Proposal(ActionKind.ADMISSION_CONTROL, target, 0,
+        return (Proposal(ActionKind.ADMISSION_CONTROL, target, Admit(target, 0.25),
                          f"limit admissions that hand KV to {target} until its path recovers"),)
 
     def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: Mapping[str, Any]) -> bool:

@@ -20,6 +20,8 @@ from policies.types import (
     PolicyInput,
     PolicyResult,
     Proposal,
+    RollBack,
+    ScaleBy,
     Severity,
 )
 
@@ -51,6 +53,8 @@ class PrefixCacheSettings(Settings):
     recover_fraction: float = Field(0.5, gt=0, le=1)  # recovered: back above baseline - 0.5 * threshold
     kv_pressure_usage: float = Field(0.85, gt=0, le=1)  # KV usage at or above which the cache is squeezed
     saturated_waiting_per_engine: float = Field(2.0, gt=0)  # queued requests per engine that mean "out of compute"
+    # A router revision this recent, when the hit rate falls for routing or prompts, is the suspect.
+    router_change_window_s: Seconds = Field(1800.0, alias="router_change_window")
 
     def problems(self, interval: float) -> list[Problem]:
         """Settings under which the detector could never judge at this scrape interval."""
@@ -167,25 +171,34 @@ class PrefixCacheHitDrop:
                 "no longer fits in the KV cache left free by running requests."
             )
             proposals = (
-                Proposal(ActionKind.SCALE_POOL, pool, +1, f"add KV capacity to {pool}: usage {kv_max:.0%}",
+                Proposal(ActionKind.SCALE_POOL, pool, ScaleBy(+1), f"add KV capacity to {pool}: usage {kv_max:.0%}",
                          verify_signal=SIGNAL, verify_lower_is_better=False),
             )
         else:
             cause = Cause.ROUTING_OR_PROMPTS
             text = (
                 f"KV usage is {kv_max:.0%} with no preemptions, so cache capacity is not the problem: the router "
-                "stopped sending shared prefixes to the same engines, or the prompt population changed. "
-                "Follow the routing runbook."
+                "stopped sending shared prefixes to the same engines, or the prompt population changed."
             )
+            changed = inp.changed_at.get("router")
+            recent = changed is not None and 0 <= inp.now - changed <= s.router_change_window_s
+            evidence["router_changed_s_ago"] = None if changed is None else round(inp.now - changed)
+            if recent:
+                # The cause, not the symptom: extra prefill replicas would only pay for the misses.
+                text += (f" The router got a new revision {(inp.now - (changed or 0)) / 60:.0f} min ago, just before "
+                         "the drop: roll it back.")
+                proposals = (
+                    Proposal(ActionKind.ROLLBACK, pool, RollBack("router"),
+                             f"roll the router back to its previous revision: it changed "
+                             f"{(inp.now - (changed or 0)) / 60:.0f} min before {pool}'s hit rate fell",
+                             verify_signal=SIGNAL, verify_lower_is_better=False),
+                )
+            else:
+                text += " No router change explains it: follow the routing runbook (the prompts may have changed)."
             if saturated:
                 text += (
-                    f" The misses now cost prefill compute ({waiting / engines:.1f} waiting per engine, "
-                    f"TTFT p95 {ttft or 0:.2f}s): add capacity as a stopgap while routing is fixed."
-                )
-                proposals = (
-                    Proposal(ActionKind.SCALE_POOL, pool, +1,
-                             f"absorb the extra prefill work of the cache misses in {pool}",
-                             verify_signal="ttft_p95", verify_lower_is_better=True),
+                    f" The misses cost prefill compute meanwhile ({waiting / engines:.1f} waiting per engine, "
+                    f"TTFT p95 {ttft or 0:.2f}s); the autoscaler weighs that, not this finding."
                 )
         evidence["cause"] = cause.value
         # While open, the summary names the lowest point: the latest may already be recovering.

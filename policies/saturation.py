@@ -37,6 +37,7 @@ from policies.types import (
     PolicyInput,
     PolicyResult,
     Proposal,
+    ScaleBy,
     Severity,
 )
 from policies.windows import SignalWindows
@@ -223,7 +224,7 @@ class Saturation:
         verify = {Cause.QUEUE_GROWTH: WAITING, Cause.KV_EXHAUSTED: PREEMPTIONS, Cause.ERRORS_UNDER_LOAD: ERRORS}
         proposals: tuple[Proposal, ...] = ()
         if main is not None:
-            proposals = (Proposal(ActionKind.SCALE_POOL, pool, +1,
+            proposals = (Proposal(ActionKind.SCALE_POOL, pool, ScaleBy(+1),
                                   f"{pool} is saturated ({', '.join(c.value for c in st.causes)}): add a replica",
                                   verify_signal=verify[main], verify_lower_is_better=True),)
         if main is Cause.KV_EXHAUSTED:

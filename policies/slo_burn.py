@@ -37,6 +37,7 @@ from policies.types import (
     PolicyResult,
     PoolState,
     Proposal,
+    ScaleBy,
     Severity,
 )
 from policies.windows import HISTORY_S
@@ -267,7 +268,7 @@ class SloBurn:
             texts.append(f"{what} p95 is {b.value:.3g}s against an SLO of {b.slo:.3g}s; "
                          f"{b.bad_share[long_label]:.0%} of intervals breached it over {long_label}. " + _why(b))
             if b.target and all(p.pool != b.target for p in proposals):
-                proposals.append(Proposal(ActionKind.SCALE_POOL, b.target, +1,
+                proposals.append(Proposal(ActionKind.SCALE_POOL, b.target, ScaleBy(+1),
                                           f"{what} p95 of {state.name} burns its error budget ({b.cause}): "
                                           f"add a replica to {b.target}",
                                           verify_signal=b.signal, verify_lower_is_better=True))

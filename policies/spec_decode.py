@@ -37,6 +37,7 @@ from policies.types import (
     PolicyResult,
     Proposal,
     Severity,
+    Speculation,
 )
 from policies.windows import SignalWindows
 
@@ -298,13 +299,13 @@ class SpecDecodeCollapse:
     def _proposals(self, pool: str, cause: Cause, k: int, per_position: dict[int, float]) -> tuple[Proposal, ...]:
         s = self.settings
         check = "; then TPOT p95 must improve, otherwise revert"
-        disable = Proposal(ActionKind.DISABLE_SPECULATION, pool, 0,
+        disable = Proposal(ActionKind.DISABLE_SPECULATION, pool, Speculation(0),
                            f"serve {pool} without --speculative-config ({cause.value}){check}",
                            verify_signal=TPOT, verify_lower_is_better=True)
         if cause is Cause.DRAFTS_VANISHED or k == 1:
             return (disable,)
         if k == 0:  # positions unknown: step down by one
-            return (Proposal(ActionKind.TUNE_SPECULATION, pool, -1,
+            return (Proposal(ActionKind.TUNE_SPECULATION, pool, Speculation(step=-1),
                              f"lower num_speculative_tokens of {pool} by one in --speculative-config{check}",
                              verify_signal=TPOT, verify_lower_is_better=True),)
         new = k - 1
@@ -315,7 +316,7 @@ class SpecDecodeCollapse:
             if keep == 0:
                 return (disable,)
             new = min(keep, k - 1)
-        return (Proposal(ActionKind.TUNE_SPECULATION, pool, new - k,
+        return (Proposal(ActionKind.TUNE_SPECULATION, pool, Speculation(new),
                          f"lower num_speculative_tokens of {pool} from {k} to {new} in --speculative-config "
                          f"(positions from {new} on are accepted in under {s.min_position_acceptance:.0%} of drafts)"
                          f"{check}",

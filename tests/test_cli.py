@@ -82,7 +82,9 @@ def test_demo_leaves_a_finding_and_an_action(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
     assert summary["ok"] and summary["findings"] and summary["actions"]
-    assert "finding opened" in res.stderr and "action #1 scale_pool prefill 3 -> 4" in res.stderr
+    assert "finding opened" in res.stderr
+    assert "action #1 rollback prefill: roll the router back to its previous revision" in " ".join(res.stderr.split())
+    assert summary["actions"][0]["kind"] == "rollback" and summary["actions"][0]["state"] == "succeeded"
     store = SqlStore.open(db)
     try:
         assert store.findings_since(0) and store.actions()

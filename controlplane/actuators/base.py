@@ -2,39 +2,65 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from collectors.types import Target
+from policies.types import ActionKind, Change
 
-__all__ = ["Actuator", "PoolReplicas", "StaticTargets", "TargetSource"]
+__all__ = ["ALL_KINDS", "Actuator", "FleetView", "Order", "PoolReplicas", "StaticTargets", "TargetSource"]
+
+ALL_KINDS = frozenset(ActionKind)
 
 
 @dataclass(frozen=True, slots=True)
 class PoolReplicas:
-    """Replicas a pool should have and how many are ready."""
+    """Replicas a pool should have and how many are ready, and how many may restart at once."""
 
     desired: int
     ready: int
+    max_unavailable: int | None = None  # the workload's rollout budget; None where it has none
+    gang: int = 1  # engines restarted together when any one is (a LeaderWorkerSet group's size)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """What the actuator sees of the fleet: its pools, and when each workload last changed revision."""
+
+    pools: Mapping[str, PoolReplicas]
+    changed_at: Mapping[str, float] = field(default_factory=dict)  # "router" or a pool -> unix time
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """One action for the actuator to carry out, as the rails allowed it."""
+
+    action_id: int
+    kind: ActionKind
+    pool: str
+    change: Change
+    reason: str
 
 
 class Actuator(Protocol):
-    """Reads and changes the fleet's shape. Raises ActuationError when a change fails.
+    """Reads and changes the fleet. Raises ActuationError when a change fails, with the reason.
 
-    `name` is recorded on every action it carries out; a `dry_run` actuator changes nothing, and
-    its actions end as `dry_run`, never `succeeded`.
+    `name` is recorded on every action it carries out; `kinds` are the actions it can carry out
+    (the rails hold back the others); a `dry_run` actuator changes nothing, and its actions end as
+    `dry_run`, never `succeeded`.
     """
 
     name: str
     dry_run: bool
+    kinds: frozenset[ActionKind]
 
-    async def observe(self) -> dict[str, PoolReplicas]:
-        """Current replicas per pool."""
+    async def observe(self) -> FleetView:
+        """The pools' replicas and the workloads' revisions now."""
         ...
 
-    async def scale(self, pool: str, replicas: int) -> None:
-        """Set a pool's desired replicas."""
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        """Make the change; returns what was done (objects touched, waits) for the audit log."""
         ...
 
 

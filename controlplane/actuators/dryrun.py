@@ -1,32 +1,36 @@
 """Dry-run actuator: records what it would do and changes nothing.
 
-Used by `fleetctl run` until a Kubernetes actuator is configured; replicas are read from the
-number of targets each pool has.
+Used by `fleetctl run` when no actuator is configured; replicas are read from the number of
+targets each pool has. Every action it carries out ends `dry_run` in the audit log.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
-from controlplane.actuators.base import PoolReplicas, TargetSource
+from controlplane.actuators.base import ALL_KINDS, FleetView, Order, PoolReplicas, TargetSource
+from policies.types import change_as_dict
 
 __all__ = ["DryRunActuator"]
 
 
 class DryRunActuator:
-    """Observes replicas from the target list; `scale` only remembers the request."""
+    """Observes replicas from the target list; `carry_out` only remembers the order."""
 
     name = "dry_run"
     dry_run = True
+    kinds = ALL_KINDS
 
     def __init__(self, targets: TargetSource, pools: list[str]) -> None:
         self._targets = targets
         self._pools = pools
-        self.requested: list[tuple[str, int]] = []
+        self.orders: list[Order] = []
 
-    async def observe(self) -> dict[str, PoolReplicas]:
+    async def observe(self) -> FleetView:
         counts = Counter(t.pool for t in await self._targets.targets())
-        return {p: PoolReplicas(counts.get(p, 0), counts.get(p, 0)) for p in self._pools}
+        return FleetView({p: PoolReplicas(counts.get(p, 0), counts.get(p, 0)) for p in self._pools})
 
-    async def scale(self, pool: str, replicas: int) -> None:
-        self.requested.append((pool, replicas))
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        self.orders.append(order)
+        return {"would": change_as_dict(order.change)}

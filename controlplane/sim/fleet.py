@@ -172,6 +172,9 @@ class SimFleet:
         self.desired = {p.name: p.replicas for p in spec.pools}
         self.routers: dict[str, Router] = {}
         self.router_kind = RouterKind(spec.router)
+        # The router is a workload with revisions: a config push is a new one, a rollback restores the last.
+        self.router_revisions: list[tuple[float, RouterKind]] = [(now, self.router_kind)]
+        self.changed_at: dict[str, float] = {"router": now, **{p.name: now for p in spec.pools}}
         # Traffic knobs the scenarios turn.
         self.prompt_generation = 0  # bump for a new set of system prompts
         self.prompt_scale = 1.0  # longer prompts: KV pressure
@@ -256,19 +259,44 @@ class SimFleet:
             m.draining = True
 
     def set_router(self, kind: RouterKind | str) -> None:
-        """Switch the entry pools' router (a fault when it leaves cache-aware)."""
+        """Push a new router configuration (a fault when it leaves cache-aware): a new router revision."""
         try:
-            self.router_kind = RouterKind(kind)
+            new = RouterKind(kind)
         except ValueError:
             raise ValueError(f"unknown router {kind!r}; known: {', '.join(RouterKind)}") from None
+        self.router_revisions.append((self.now, new))
+        self._use_router(new)
+
+    def rollback_router(self) -> RouterKind:
+        """Return the router to its previous revision; ValueError when it has none."""
+        if len(self.router_revisions) < 2:
+            raise ValueError("the router has no previous revision to roll back to")
+        self.router_revisions.pop()
+        previous = self.router_revisions[-1][1]
+        self._use_router(previous)
+        return previous
+
+    def _use_router(self, kind: RouterKind) -> None:
+        self.router_kind = kind
+        self.changed_at["router"] = self.now
         for pool in self._entry_pools():
             self._set_router(pool)
+
+    def replace(self, pod: str) -> str:
+        """Drain engine `pod` (no new requests; it leaves once idle) and start a fresh one in its place."""
+        m = self.member(pod)
+        if m.draining:
+            raise ValueError(f"{pod} is draining already")
+        m.draining = True
+        spec = self.pool_specs[m.pool]
+        return self._add(spec, ready_at=self.now + spec.startup_s, version=m.version).pod
 
     def set_eplb(self, pool: str, eplb: EplbConfig | None) -> None:
         """Enable, retune or disable EPLB on every engine of an MoE pool."""
         if self.pool_specs[pool].moe is None:
             raise ValueError(f"pool {pool!r} serves no MoE model: EPLB does not apply")
         self.pool_specs[pool] = replace(self.pool_specs[pool], eplb=eplb)
+        self.changed_at[pool] = self.now
         for m in self.members[pool]:
             assert m.engine.moe is not None
             m.engine.moe.set_eplb(eplb)
@@ -276,6 +304,7 @@ class SimFleet:
     def set_speculation(self, pool: str, spec: SpecConfig) -> None:
         """Change a pool's speculative config (engines restart with it in vLLM; here at once)."""
         self.pool_specs[pool] = replace(self.pool_specs[pool], spec=spec)
+        self.changed_at[pool] = self.now
         for m in self.members[pool]:
             m.engine.spec = spec
             for stats in m.engine.ranks:
@@ -287,6 +316,7 @@ class SimFleet:
         spec = self.pool_specs[pool]
         stable = [m for m in self.members[pool] if not m.draining and m.version == "stable"]
         n = max(1, round(share * len(stable)))
+        self.changed_at[pool] = self.now
         pods = []
         for m in stable[-n:]:
             m.draining = True
@@ -297,6 +327,7 @@ class SimFleet:
         """Drain every non-stable engine of a pool and restore the stable replica count."""
         spec = self.pool_specs[pool]
         canaries = [m for m in self.members[pool] if m.version != "stable" and not m.draining]
+        self.changed_at[pool] = self.now
         for m in canaries:
             m.draining = True
         live = [m for m in self.members[pool] if not m.draining and m.version == "stable"]

@@ -18,12 +18,13 @@ from controlplane.clock import VirtualClock
 from controlplane.config import FleetConfig
 from controlplane.loop import ControlLoop, TickReport
 from controlplane.runtime import build_loop, scrape_client
+from controlplane.sim.actuator import SimActuator
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.scenario import Fault, Scenario, apply_fault
-from controlplane.sim.server import SimActuator, SimServer, SimTargets
+from controlplane.sim.server import SimServer, SimTargets
 from controlplane.store import migrate
 from controlplane.store.threaded import ThreadedStore
-from policies.types import Policy
+from policies.types import Policy, change_from_dict, describe
 
 __all__ = ["ScenarioRun", "TickHook", "Timeline", "mmss", "run_scenario"]
 
@@ -58,6 +59,13 @@ def mmss(seconds: float) -> str:
     return f"{m:02d}:{s:02d}"
 
 
+def action_change(params: dict[str, Any]) -> str:
+    """An action's change in words: `3 -> 4` for a scale, its description otherwise."""
+    if "replicas" in params and "from_replicas" in params:
+        return f"{params['from_replicas']} -> {params['replicas']}"
+    return describe(change_from_dict(params["change"])) if "change" in params else "?"
+
+
 class Timeline:
     """A run told tick by tick for a console, in rich markup: faults, findings, actions and outcomes."""
 
@@ -73,9 +81,9 @@ class Timeline:
             out.append(f"[red]{now} finding opened[/] #{f.id} {f.kind} {f.subject} ({f.severity}): {f.summary}")
             out.append(f"           cause: {f.cause}")
         for a in report.actions:
-            change = (f" {a.params['from_replicas']} -> {a.params['replicas']}"
-                      if "replicas" in a.params and "from_replicas" in a.params else "")
-            out.append(f"[cyan]{now} action[/] #{a.id} {a.kind} {a.pool}{change}: {a.reason}")
+            # A scale's step is not in its reason; every other change's reason says what it does.
+            step = f" {action_change(a.params)}" if "replicas" in a.params else ""
+            out.append(f"[cyan]{now} action[/] #{a.id} {a.kind} {a.pool}{step}: {a.reason}")
         out += [f"[cyan]{now} outcome[/] of action #{action_id}: {outcome}" for action_id, outcome in report.outcomes]
         out += [f"[green]{now} finding resolved[/] #{f.id} {f.kind} {f.subject}" for f in report.resolved]
         return out

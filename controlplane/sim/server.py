@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from collectors.types import Target
-from controlplane.actuators.base import PoolReplicas
 from controlplane.sim.exporters import render_dcgm, render_nixl, render_vllm
 from controlplane.sim.fleet import Member, SimFleet
 
-__all__ = ["SimActuator", "SimServer", "SimTargets"]
+__all__ = ["SimServer", "SimTargets"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -116,19 +115,3 @@ class SimTargets:
 
     async def targets(self) -> Sequence[Target]:
         return self._server.targets()
-
-
-class SimActuator:
-    """Scales pools of the simulated fleet."""
-
-    name = "simulator"
-    dry_run = False
-
-    def __init__(self, fleet: SimFleet) -> None:
-        self.fleet = fleet
-
-    async def observe(self) -> dict[str, PoolReplicas]:
-        return {pool: PoolReplicas(self.fleet.desired[pool], len(self.fleet.ready(pool))) for pool in self.fleet.members}
-
-    async def scale(self, pool: str, replicas: int) -> None:
-        self.fleet.scale(pool, replicas)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
+from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, Pause
 
 __all__ = ["Store"]
 
@@ -92,4 +92,8 @@ class Store(Protocol):
 
     async def compact(self, now: float, retention: Retention) -> CompactionReport:
         """Roll up and expire signals."""
+        ...
+
+    async def pause_state(self) -> Pause | None:
+        """The kill switch: set (who, why, when) or None."""
         ...

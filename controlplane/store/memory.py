@@ -15,7 +15,7 @@ from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
 from controlplane.store.writer import expected_states, jsonable
 
 __all__ = ["MemoryStore"]
@@ -33,6 +33,7 @@ class MemoryStore:
         self.action_rows: dict[int, ActionRecord] = {}
         self.events: list[ActionEvent] = []
         self.outcome_at: dict[int, float] = {}
+        self.pause: Pause | None = None
 
     # signals and targets ---------------------------------------------------------------------
 
@@ -56,6 +57,9 @@ class MemoryStore:
         for k in old:
             del self.signals[k]
         return CompactionReport(0, 0, len(old), 0)
+
+    async def pause_state(self) -> Pause | None:
+        return self.pause
 
     # findings --------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from controlplane.actions import ActionState
 
-__all__ = ["ActionEvent", "ActionRecord", "FindingRecord", "NewAction", "NewFinding"]
+__all__ = ["ActionEvent", "ActionRecord", "FindingRecord", "NewAction", "NewFinding", "Pause"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,15 @@ class ActionRecord:
     actuator: str | None = None  # which actuator carried it out (kubernetes, simulator, dry_run)
     dry_run: bool = False  # True when the fleet was not changed
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """The kill switch as set: who paused acting, why, and when."""
+
+    by: str
+    reason: str
+    at: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ loop reaches this class through `ThreadedStore`, scripts and the CLI call it dir
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -25,7 +26,7 @@ from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
 from controlplane.store.models import ActionEventRow, ActionRow, Base, FindingRow, MetaRow, SignalRow, TargetRow
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
 
 __all__ = ["SqlStore", "expected_states", "jsonable"]
 
@@ -38,6 +39,7 @@ _STAMPS = {ActionState.APPROVED: "approved_at", ActionState.STARTED: "started_at
                                          ActionState.DRY_RUN, ActionState.REJECTED, ActionState.EXPIRED,
                                          ActionState.CANCELLED)}}
 _FIELDS = frozenset({"approved_by", "actuator", "dry_run", "error"})
+_PAUSE = "paused"  # store_meta key of the kill switch
 
 
 def expected_states(expected: ActionState | Collection[ActionState]) -> list[ActionState]:
@@ -308,6 +310,25 @@ class SqlStore(metaclass=_Translating):
         )
         with self._session() as s:
             return [_action(r) for r in s.scalars(q)]
+
+    # the kill switch ---------------------------------------------------------------------------
+
+    def pause_state(self) -> Pause | None:
+        """The kill switch: set (who, why, when) or None."""
+        with self.engine.connect() as conn:
+            raw = conn.execute(select(MetaRow.value).where(MetaRow.key == _PAUSE)).scalar_one_or_none()
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return Pause(str(data["by"]), str(data["reason"]), float(data["at"]))
+
+    def set_pause(self, pause: Pause | None) -> None:
+        """Set the kill switch (every replica stops acting at its next check), or clear it with None."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(MetaRow).where(MetaRow.key == _PAUSE))
+            if pause is not None:
+                value = json.dumps({"by": pause.by, "reason": pause.reason, "at": pause.at})
+                conn.execute(insert(MetaRow).values(key=_PAUSE, value=value))
 
     # bulk loads and sizes (backfills, benchmarks) -------------------------------------------
 

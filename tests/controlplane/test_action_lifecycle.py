@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from controlplane.actions import ActionState as S
-from controlplane.actuators.base import PoolReplicas
+from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode, parse_config
 from controlplane.errors import ActuationError
@@ -23,7 +24,17 @@ from controlplane.loop import ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
 from controlplane.telemetry import Telemetry
-from policies.types import ActionKind, FindingKey, FindingReport, PolicyInput, PolicyResult, Proposal, Severity
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    ScaleBy,
+    ScaleTo,
+    Severity,
+)
 
 FLEET = """
 mode: {mode}
@@ -49,7 +60,7 @@ class Asks:
         key = FindingKey("test", "pool/prefill")
         if not self.on:
             return PolicyResult(resolved=[(key, "gone")] if key in inp.open_findings else [])
-        proposal = Proposal(ActionKind.SCALE_POOL, "prefill", 1, "more prefill")
+        proposal = Proposal(ActionKind.SCALE_POOL, "prefill", ScaleBy(1), "more prefill")
         return PolicyResult([FindingReport(key, Severity.WARNING, "needs more", "load", {}, "test", (proposal,))])
 
 
@@ -63,16 +74,19 @@ class Pools:
     name: str = "fake"
     dry_run: bool = False
     error: Exception | None = None
+    kinds: frozenset[ActionKind] = frozenset({ActionKind.SCALE_POOL})
 
-    async def observe(self) -> dict[str, PoolReplicas]:
-        return {"prefill": PoolReplicas(self.desired, self.ready)}
+    async def observe(self) -> FleetView:
+        return FleetView({"prefill": PoolReplicas(self.desired, self.ready)})
 
-    async def scale(self, pool: str, replicas: int) -> None:
-        self.calls.append(replicas)
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        assert isinstance(order.change, ScaleTo)
+        self.calls.append(order.change.replicas)
         if self.error is not None:
             raise self.error
         if not self.dry_run:
-            self.desired = self.ready = replicas
+            self.desired = self.ready = order.change.replicas
+        return {"replicas": order.change.replicas}
 
 
 def make_loop(mode: Mode, store: MemoryStore, pools: Pools, clock: VirtualClock, policy: Asks) -> ControlLoop:

@@ -21,9 +21,10 @@ from controlplane.demo import demo_config
 from controlplane.loop import ControlLoop
 from controlplane.runtime import build_loop
 from controlplane.server import start_server
+from controlplane.sim.actuator import SimActuator
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.routing import RouterKind as Router
-from controlplane.sim.server import SimActuator, SimServer, SimTargets
+from controlplane.sim.server import SimServer, SimTargets
 from controlplane.store.queries import ReadStore
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
@@ -107,7 +108,7 @@ async def test_status_reports_mode_health_and_whether_writes_are_enabled(api: Ap
 async def test_approve_through_the_api_and_the_loop_acts(api: Api, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     aid = await api.proposal()
-    assert api.fleet.desired["prefill"] == 3
+    assert api.fleet.router_kind is Router.ROUND_ROBIN
     async with httpx.AsyncClient(base_url=api.base) as c:
         r = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
         assert r.status_code == 200, r.text
@@ -117,7 +118,7 @@ async def test_approve_through_the_api_and_the_loop_acts(api: Api, caplog: pytes
     [action] = api.store.actions()
     assert action.state == "approved"
     await api.ticks(1)
-    assert api.fleet.desired["prefill"] == 4
+    assert api.fleet.router_kind is Router.CACHE_AWARE, "the router was rolled back"
     assert api.store.actions()[0].state == "succeeded"
     # The audit log names who approved, and that it came through the API.
     approved = [e for e in ReadStore(api.store.engine).action_events(aid) if e["event"] == "approved"]
@@ -131,7 +132,7 @@ async def test_reject_through_the_api(api: Api) -> None:
         r = await c.post(f"/api/actions/{aid}/reject", json={"by": "bob"}, headers=auth())
     assert r.status_code == 200 and r.json()["state"] == "rejected"
     await api.ticks(1)
-    assert api.fleet.desired["prefill"] == 3
+    assert api.fleet.router_kind is Router.ROUND_ROBIN
     [action] = api.store.actions()
     assert action.state == "rejected"
 

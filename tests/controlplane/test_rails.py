@@ -1,17 +1,34 @@
-"""Safety rails: mode, bounds, step, in-flight, cooldown, settle and rate limit; approved actions checked again when due."""
+"""Safety rails for every kind of action: mode and kill switch, what the actuator supports, bounds and
+step, in flight, settling, cooldown per kind, one disruptive change in the fleet at a time, blast
+radius, rate limit; approved actions checked again when due."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
+from controlplane.actuators.base import ALL_KINDS
 from controlplane.config import Mode, Rails
 from controlplane.rails import WAIT_REASONS, RailsReason, check, recheck
-from policies.types import ActionKind, PoolState, Proposal
+from policies.types import (
+    ActionKind,
+    Change,
+    Cordon,
+    Drain,
+    Eplb,
+    PoolState,
+    Proposal,
+    RollBack,
+    ScaleBy,
+    ScaleTo,
+    Speculation,
+    change_as_dict,
+)
 
 NOW = 10_000.0
-RAILS = Rails(cooldown=300, max_step=1, max_actions_per_hour=3, verify_after=600)
+RAILS = Rails(cooldown=300, max_step=1, max_actions_per_hour=3, verify_after=600,
+              cooldowns={ActionKind.ENABLE_EPLB: 3600})
 
 
 @dataclass
@@ -20,14 +37,28 @@ class Past:
     state: str
     created_at: float
     finished_at: float | None
+    kind: str = "scale_pool"
 
 
-def pool(desired: int = 3, ready: int | None = None, lo: int = 2, hi: int = 6) -> PoolState:
-    return PoolState("prefill", "prefill", desired, desired if ready is None else ready, lo, hi)
+def pool(desired: int = 3, ready: int | None = None, lo: int = 2, hi: int = 6, *, gang: int = 1,
+         max_unavailable: int | None = None, name: str = "prefill") -> PoolState:
+    return PoolState(name, "prefill", desired, desired if ready is None else ready, lo, hi,
+                     gang=gang, max_unavailable=max_unavailable)
 
 
 def up(delta: int = 1) -> Proposal:
-    return Proposal(ActionKind.SCALE_POOL, "prefill", delta, "test")
+    return Proposal(ActionKind.SCALE_POOL, "prefill", ScaleBy(delta), "test")
+
+
+def ask(kind: ActionKind, change: Change) -> Proposal:
+    return Proposal(kind, "prefill", change, "test")
+
+
+def decide(proposal: Proposal, state: PoolState | None, *, mode: Mode = Mode.ACT, history: list | None = None,
+           paused: str | None = None) -> tuple[RailsReason, Change | None]:
+    d = check(proposal, state, mode=mode, rails=RAILS, history=history or [], now=NOW, supported=ALL_KINDS,
+              paused=paused)
+    return d.reason, d.change
 
 
 @pytest.mark.parametrize(
@@ -37,8 +68,6 @@ def up(delta: int = 1) -> Proposal:
         pytest.param(Mode.PROPOSE, pool(), [], up(), RailsReason.NEEDS_APPROVAL, 4, id="propose-waits"),
         pytest.param(Mode.OBSERVE, pool(), [], up(), RailsReason.OBSERVE_MODE, None, id="observe-never-acts"),
         pytest.param(Mode.ACT, None, [], up(), RailsReason.UNKNOWN_POOL, None, id="unknown-pool"),
-        pytest.param(Mode.ACT, pool(), [], Proposal(ActionKind.DRAIN_ENGINE, "prefill", 0, "x"),
-                     RailsReason.NOT_SUPPORTED, None, id="no-actuator-for-drain"),
         pytest.param(Mode.ACT, pool(desired=6), [], up(), RailsReason.AT_LIMIT, None, id="at-max"),
         pytest.param(Mode.ACT, pool(desired=2), [], up(-1), RailsReason.AT_LIMIT, None, id="at-min"),
         pytest.param(Mode.ACT, pool(), [], up(5), RailsReason.ALLOWED, 4, id="step-clamped"),
@@ -55,17 +84,82 @@ def up(delta: int = 1) -> Proposal:
                      up(), RailsReason.ALLOWED, 4, id="rejected-do-not-count"),
     ],
 )
-def test_rails(mode: Mode, state: PoolState | None, history: list, proposal: Proposal, reason: RailsReason,
-               target: int | None) -> None:
-    decision = check(proposal, state, mode=mode, rails=RAILS, history=history, now=NOW)
-    assert (decision.reason, decision.target_replicas) == (reason, target)
+def test_scaling(mode: Mode, state: PoolState | None, history: list, proposal: Proposal, reason: RailsReason,
+                 target: int | None) -> None:
+    d = check(proposal, state, mode=mode, rails=RAILS, history=history, now=NOW)
+    assert (d.reason, d.target_replicas) == (reason, target)
+    assert (d.change == ScaleTo(target)) if target else d.change is None
+
+
+def test_an_absolute_target_is_held_to_the_step_and_the_bounds() -> None:
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(9)), pool()) == (RailsReason.ALLOWED, ScaleTo(4))
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(1)), pool()) == (RailsReason.ALLOWED, ScaleTo(2))
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(3)), pool())[0] is RailsReason.AT_LIMIT
+
+
+def test_kinds_the_actuator_cannot_carry_out_are_held_back() -> None:
+    d = check(ask(ActionKind.ENABLE_EPLB, Eplb(True)), pool(), mode=Mode.ACT, rails=RAILS, history=[], now=NOW,
+              supported={ActionKind.SCALE_POOL})
+    assert d.reason is RailsReason.NOT_SUPPORTED and not d.may_record and d.change is None
+
+
+@pytest.mark.parametrize(("kind", "change"), [
+    (ActionKind.ENABLE_EPLB, Eplb(True, num_redundant_experts=4)), (ActionKind.DISABLE_SPECULATION, Speculation(0)),
+    (ActionKind.TUNE_SPECULATION, Speculation(step=-1)), (ActionKind.ROLLBACK, RollBack("router")),
+    (ActionKind.DRAIN_ENGINE, Drain("prefill-1")), (ActionKind.CORDON_NODE, Cordon("node-7")),
+])
+def test_every_kind_passes_the_same_rails(kind: ActionKind, change: Change) -> None:
+    assert decide(ask(kind, change), pool()) == (RailsReason.ALLOWED, change)
+    assert decide(ask(kind, change), pool(), mode=Mode.PROPOSE) == (RailsReason.NEEDS_APPROVAL, change)
+    assert decide(ask(kind, change), pool(), mode=Mode.OBSERVE)[0] is RailsReason.OBSERVE_MODE
+    assert decide(ask(kind, change), pool(), paused="paused by alice: incident 42")[0] is RailsReason.PAUSED
+    assert decide(ask(kind, change), pool(ready=2))[0] is RailsReason.POOL_NOT_SETTLED
+    busy = [Past("prefill", "started", NOW - 10, None, kind="scale_pool")]
+    assert decide(ask(kind, change), pool(), history=busy)[0] is RailsReason.IN_FLIGHT
+
+
+def test_cooldown_is_per_kind_and_a_kind_may_have_its_own() -> None:
+    scaled = [Past("prefill", "succeeded", NOW - 200, NOW - 100, kind="scale_pool")]
+    assert decide(ask(ActionKind.ROLLBACK, RollBack("router")), pool(), history=scaled)[0] is RailsReason.ALLOWED
+    assert decide(up(), pool(), history=scaled)[0] is RailsReason.COOLDOWN
+    eplb = [Past("prefill", "succeeded", NOW - 1300, NOW - 1200, kind="disable_eplb"),
+            Past("prefill", "succeeded", NOW - 1300, NOW - 1200, kind="enable_eplb")]
+    assert decide(ask(ActionKind.DISABLE_EPLB, Eplb(False)), pool(), history=eplb)[0] is RailsReason.ALLOWED
+    assert decide(ask(ActionKind.ENABLE_EPLB, Eplb(True)), pool(), history=eplb)[0] is RailsReason.COOLDOWN
+
+
+def test_one_disruptive_change_in_the_fleet_at_a_time() -> None:
+    rolling = [Past("decode", "started", NOW - 30, None, kind="enable_eplb")]
+    assert decide(ask(ActionKind.DISABLE_SPECULATION, Speculation(0)), pool(), history=rolling)[0] is \
+        RailsReason.ROLLOUT_IN_FLIGHT
+    assert decide(up(), pool(), history=rolling)[0] is RailsReason.ALLOWED  # scaling restarts nothing
+    # The change was made, but the other pool's engines are still coming up.
+    d = check(ask(ActionKind.ROLLBACK, RollBack("prefill")), pool(), mode=Mode.ACT, rails=RAILS, history=[], now=NOW,
+              supported=ALL_KINDS, unsettled=["decode", "prefill"])
+    assert d.reason is RailsReason.ROLLOUT_IN_FLIGHT and "decode is still changing" in d.note
+
+
+def test_a_change_that_would_restart_a_whole_gang_is_refused() -> None:
+    """A LeaderWorkerSet of groups of 4: a new pod template restarts 4 engines at once."""
+    gang = pool(gang=4, max_unavailable=1)
+    reason, _ = decide(ask(ActionKind.ENABLE_EPLB, Eplb(True)), gang)
+    assert reason is RailsReason.BLAST_RADIUS
+    d = check(ask(ActionKind.ENABLE_EPLB, Eplb(True)), gang, mode=Mode.ACT, rails=RAILS, history=[], now=NOW,
+              supported=ALL_KINDS)
+    assert "restarts 4 engines together" in d.note and "maxUnavailable of 1" in d.note
+    assert decide(ask(ActionKind.ENABLE_EPLB, Eplb(True)), pool(gang=4, max_unavailable=4))[0] is RailsReason.ALLOWED
+    assert decide(up(), gang)[0] is RailsReason.ALLOWED  # adding a group restarts none
+
+
+def test_the_last_engine_is_never_drained() -> None:
+    assert decide(ask(ActionKind.DRAIN_ENGINE, Drain("prefill-0")), pool(desired=1, lo=1))[0] is RailsReason.AT_LIMIT
 
 
 def test_reason_spellings_are_stable() -> None:
     # They are metric label values; dashboards and alerts depend on them.
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
-        "rate_limited", "pool_not_settled", "not_supported", "stale",
+        "rate_limited", "pool_not_settled", "not_supported", "stale", "paused", "rollout_in_flight", "blast_radius",
     ]
 
 
@@ -77,11 +171,12 @@ class Due:
     state: str
     created_at: float
     finished_at: float | None
-    params: dict
+    params: dict = field(default_factory=dict)
 
 
-def due(start: int = 3, target: int = 4, kind: str = "scale_pool") -> Due:
-    return Due(7, kind, "prefill", "approved", NOW - 600, None, {"from_replicas": start, "replicas": target})
+def due(start: int = 3, target: int = 4, kind: str = "scale_pool", change: Change | None = None) -> Due:
+    params = {"from_replicas": start, "change": change_as_dict(change or ScaleTo(target))}
+    return Due(7, kind, "prefill", "approved", NOW - 600, None, params)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +187,8 @@ def due(start: int = 3, target: int = 4, kind: str = "scale_pool") -> Due:
         pytest.param(Mode.PROPOSE, pool(hi=3), due(), [], RailsReason.AT_LIMIT, id="bounds-shrank"),
         pytest.param(Mode.OBSERVE, pool(), due(), [], RailsReason.OBSERVE_MODE, id="switched-to-observe"),
         pytest.param(Mode.ACT, None, due(), [], RailsReason.UNKNOWN_POOL, id="pool-removed"),
-        pytest.param(Mode.ACT, pool(), due(kind="drain_engine"), [], RailsReason.NOT_SUPPORTED, id="unsupported"),
+        pytest.param(Mode.ACT, pool(), due(kind="drain_engine", change=Drain("prefill-0")), [], RailsReason.ALLOWED,
+                     id="a-drain-runs"),
         pytest.param(Mode.ACT, pool(ready=2), due(), [], RailsReason.POOL_NOT_SETTLED, id="waits-to-settle"),
         pytest.param(Mode.ACT, pool(), due(), [Past("prefill", "started", NOW - 10, None)], RailsReason.IN_FLIGHT,
                      id="waits-for-another"),
@@ -105,13 +201,21 @@ def due(start: int = 3, target: int = 4, kind: str = "scale_pool") -> Due:
 def test_recheck_when_an_approved_action_is_due(mode: Mode, state: PoolState | None, action: Due, history: list,
                                                 reason: RailsReason) -> None:
     history = [*history, action]  # the due action is in the history it is judged against
-    decision = recheck(action, state, mode=mode, rails=RAILS, history=history, now=NOW)
+    decision = recheck(action, state, mode=mode, rails=RAILS, history=history, now=NOW, supported=ALL_KINDS)
     assert decision.reason is reason, decision.note
-    assert (decision.target_replicas == action.params["replicas"]) == (reason is RailsReason.ALLOWED)
     if reason is RailsReason.STALE:
         assert decision.note == "approved as prefill 3 -> 4, but prefill is at 4 now"
     assert (reason in WAIT_REASONS) == (reason in (RailsReason.POOL_NOT_SETTLED, RailsReason.IN_FLIGHT,
                                                    RailsReason.COOLDOWN))
+
+
+def test_a_due_action_waits_while_paused_and_runs_once_resumed() -> None:
+    action = due()
+    held = recheck(action, pool(), mode=Mode.ACT, rails=RAILS, history=[action], now=NOW, supported=ALL_KINDS,
+                   paused="paused by bob: maintenance")
+    assert held.reason is RailsReason.PAUSED and held.reason in WAIT_REASONS and "maintenance" in held.note
+    ran = recheck(action, pool(), mode=Mode.ACT, rails=RAILS, history=[action], now=NOW, supported=ALL_KINDS)
+    assert ran.reason is RailsReason.ALLOWED
 
 
 @pytest.mark.parametrize(("state", "cools", "counts"), [

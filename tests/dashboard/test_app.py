@@ -146,9 +146,9 @@ def test_links_select_the_pool_the_incident_and_the_action(monkeypatch: pytest.M
     incident = render(monkeypatch, url, "incidents", query={"finding": "1"})
     assert incident.header[0].value.startswith("#1 ")
     assert "Pool prefill at the time" in [link.label for link in incident.get("page_link")]
-    assert any(link.label.startswith("Action #1 scale_pool") for link in incident.get("page_link"))
+    assert any(link.label.startswith("Action #1 rollback") for link in incident.get("page_link"))
     action = render(monkeypatch, url, "actions", query={"action": "1"})
-    assert any(m.value.startswith("**#1 scale_pool prefill**") for m in action.markdown)
+    assert any(m.value.startswith("**#1 rollback prefill**") for m in action.markdown)
     assert "Caused by incident #1" in [link.label for link in action.get("page_link")]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from policies.prefix_cache import PrefixCacheHitDrop
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, RollBack, ScaleBy
 from policies.windows import SignalWindows
 
 POOL = "pool/prefill"
@@ -29,10 +29,12 @@ def windows(hits: list[float], *, kv: float = 0.3, preempt: float = 0.0, waiting
     return w
 
 
-def run(w: SignalWindows, open_findings: dict | None = None, slo: float | None = 0.5):
+def run(w: SignalWindows, open_findings: dict | None = None, slo: float | None = 0.5,
+        router_changed_ago: float | None = None):
     now = max(ts for ts, _ in w.series(POOL, "prefix_cache_hit_rate"))
     pools = {"prefill": PoolState("prefill", "prefill", 3, 3, 2, 6, ttft_p95_slo=slo)}
-    return PrefixCacheHitDrop().evaluate(PolicyInput(now, w, pools, open_findings or {}))
+    changed = {} if router_changed_ago is None else {"router": now - router_changed_ago}
+    return PrefixCacheHitDrop().evaluate(PolicyInput(now, w, pools, open_findings or {}, changed))
 
 
 STABLE = [0.80, 0.79, 0.81, 0.80, 0.78, 0.80, 0.82, 0.79, 0.80, 0.81]
@@ -63,8 +65,8 @@ def test_kv_pressure_proposes_scaling_verified_by_hit_rate() -> None:
     [finding] = run(windows(STABLE + [0.4, 0.4], kv=0.95, preempt=0.5)).findings
     assert finding.evidence["cause"] == "kv_pressure"
     [p] = finding.proposals
-    assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
-        ActionKind.SCALE_POOL, "prefill", 1, "prefix_cache_hit_rate", False)
+    assert (p.kind, p.pool, p.change, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.SCALE_POOL, "prefill", ScaleBy(1), "prefix_cache_hit_rate", False)
 
 
 def test_routing_without_saturation_only_pages() -> None:
@@ -79,10 +81,24 @@ def test_routing_without_saturation_only_pages() -> None:
     ("waiting", "ttft", "slo"),
     [pytest.param(9.0, 0.1, None, id="queue"), pytest.param(0.0, 0.9, 0.5, id="ttft-above-slo")],
 )
-def test_routing_with_saturation_proposes_a_stopgap(waiting: float, ttft: float, slo: float | None) -> None:
+def test_routing_with_saturation_leaves_capacity_to_the_autoscaler(waiting: float, ttft: float,
+                                                                    slo: float | None) -> None:
     [finding] = run(windows(STABLE + [0.4, 0.4], waiting=waiting, ttft=ttft), slo=slo).findings
-    [p] = finding.proposals
-    assert p.verify_signal == "ttft_p95" and p.verify_lower_is_better
+    assert finding.evidence["saturated"] is True and finding.proposals == ()
+
+
+@pytest.mark.parametrize(("ago", "rolls_back"), [(240.0, True), (1700.0, True), (7200.0, False), (None, False)])
+def test_a_recent_router_change_is_rolled_back(ago: float | None, rolls_back: bool) -> None:
+    """The cause, not the symptom: the router got a new revision just before the drop."""
+    [finding] = run(windows(STABLE + [0.4, 0.4], waiting=9.0), router_changed_ago=ago).findings
+    if rolls_back:
+        [p] = finding.proposals
+        assert (p.kind, p.change, p.verify_signal, p.verify_lower_is_better) == (
+            ActionKind.ROLLBACK, RollBack("router"), "prefix_cache_hit_rate", False)
+        assert "roll it back" in finding.cause
+    else:
+        assert finding.proposals == () and "routing runbook" in finding.cause
+    assert finding.evidence["router_changed_s_ago"] == (None if ago is None else round(ago))
 
 
 def _open(hits: list[float]) -> dict:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from policies.saturation import Saturation, slope
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, ScaleBy
 from policies.windows import SignalWindows
 
 POOL = "pool/decode"
@@ -74,8 +74,8 @@ def test_a_growing_queue_opens_and_proposes_scaling() -> None:
     assert ev["statistic"] >= ev["threshold"] == 2.0 and ev["waiting_per_engine"] >= 2.0
     assert ev["signal"] == "requests_waiting" and ev["engines"] == ENGINES
     [p] = f.proposals
-    assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
-        ActionKind.SCALE_POOL, "decode", 1, "requests_waiting", True)
+    assert (p.kind, p.pool, p.change, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.SCALE_POOL, "decode", ScaleBy(1), "requests_waiting", True)
 
 
 def test_a_growing_queue_does_not_open_while_replicas_are_being_added() -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from policies.slo_burn import SloBurn, SloBurnSettings
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, ScaleBy
 from policies.windows import SignalWindows
 
 STEP = 15.0
@@ -89,8 +89,8 @@ def test_a_sustained_prefill_breach_pages_within_the_fast_window() -> None:
     assert ev["objectives"]["ttft_p95"]["firing"] == ["fast"]
     assert ev["cause"] == "prefill"
     [p] = f.proposals
-    assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
-        ActionKind.SCALE_POOL, "prefill", 1, "ttft_p95", True)
+    assert (p.kind, p.pool, p.change, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.SCALE_POOL, "prefill", ScaleBy(1), "ttft_p95", True)
 
 
 def test_queueing_is_attributed_to_the_pool_that_queues() -> None:

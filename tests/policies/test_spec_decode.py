@@ -12,7 +12,7 @@ import random
 import pytest
 
 from policies.spec_decode import SpecDecodeCollapse, SpecDecodeSettings
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, Speculation
 from policies.windows import SignalWindows
 
 POOL = "pool/decode"
@@ -91,8 +91,8 @@ def test_constrained_traffic_collapse_opens_with_cause_and_a_tuned_proposal() ->
     assert ev["acceptance_rate"] < ev["baseline_acceptance_rate"] / 3
     # Position 0 is still accepted in ~30 % of drafts, position 1 in ~10 %: keep one position.
     [p] = f.proposals
-    assert (p.kind, p.pool, p.delta, p.verify_signal, p.verify_lower_is_better) == (
-        ActionKind.TUNE_SPECULATION, "decode", -2, "tpot_p95", True)
+    assert (p.kind, p.pool, p.change, p.verify_signal, p.verify_lower_is_better) == (
+        ActionKind.TUNE_SPECULATION, "decode", Speculation(1), "tpot_p95", True)
     assert "from 3 to 1" in p.reason and "revert" in p.reason
     assert ev["suggested_actions"] == [p.reason]
 
