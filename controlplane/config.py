@@ -50,11 +50,52 @@ class Mode(StrEnum):
 
 
 class Workload(Settings):
-    """The Kubernetes workload a pool maps to (scaled through its scale subresource)."""
+    """The Kubernetes workload a pool (or the router) maps to: scaled through its scale subresource,
+    its engine container's arguments patched, rolled back to its previous revision."""
 
-    kind: str = Field("Deployment", pattern=r"^(Deployment|StatefulSet|LeaderWorkerSet)$")
+    kind: str = Field("Deployment", pattern=r"^(Deployment|StatefulSet|LeaderWorkerSet|Rollout)$")
     namespace: str = Field("default", min_length=1)
     name: str = Field(min_length=1)
+    container: str = "vllm"  # the container whose arguments carry --speculative-config and the EPLB flags
+
+
+class ConfigMapFlag(Settings):
+    """A ConfigMap key that is a flag: `true` (any case) sets it."""
+
+    namespace: str = Field(min_length=1)
+    name: str = "fleet-controlplane"
+    key: str = "paused"
+
+
+class LeaderElection(Settings):
+    """Several control-plane replicas, one leader, through a coordination.k8s.io Lease."""
+
+    namespace: str = Field(min_length=1)
+    name: str = "fleet-controlplane"
+    lease_duration: Seconds = 15.0  # a follower takes over once the holder has not renewed for this long
+    renew_deadline: Seconds = 10.0  # the leader stops acting when it could not renew for this long
+    retry_period: Seconds = 2.0  # how often the lease is renewed or tried
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LeaderElection:
+        if not self.retry_period < self.renew_deadline < self.lease_duration:
+            raise ValueError(f"retry_period ({self.retry_period:g}s) < renew_deadline ({self.renew_deadline:g}s) "
+                             f"< lease_duration ({self.lease_duration:g}s) must hold, or two replicas could "
+                             "act at once")
+        return self
+
+
+class Kubernetes(Settings):
+    """Acting on the fleet through the Kubernetes API (the pools' `workload`s)."""
+
+    kubeconfig: str | None = None  # None: the in-cluster service account
+    router: Workload | None = None  # rolled back when a routing fault follows its new revision
+    switch: ConfigMapFlag | None = None  # a kill switch operators can flip with kubectl
+    dry_run: bool = False  # send every write as a server-side dry run: validated and admitted, never stored
+    drain_grace: Seconds = 120.0  # how long a drained engine may take to finish its requests
+    routing_label: str = "llm-d.ai/routed"  # removed from a pod to take it out of the router's pool
+    timeout: Seconds = 10.0
+    leader_election: LeaderElection | None = None  # None: this replica always leads (run only one)
 
 
 class Replicas(Settings):
@@ -312,6 +353,7 @@ class FleetConfig(Settings):
     telemetry: Telemetry = Telemetry()
     server: Server = Server()
     alerting: Alerting | None = None
+    kubernetes: Kubernetes | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> FleetConfig:
@@ -333,6 +375,9 @@ class FleetConfig(Settings):
         pods = [(t.pool, t.pod, t.source) for t in self.targets]
         problems += [f"target {p}/{q} ({src}) is listed more than once"
                      for p, q, src in sorted({k for k in pods if pods.count(k) > 1})]
+        if self.kubernetes is not None:
+            problems += [f"pools[{i}].workload is required to act on Kubernetes (kubernetes is set)"
+                         for i, p in enumerate(self.pools) if p.workload is None]
         if self.telemetry.tracing is Tracing.OTLP and not self.telemetry.otlp_endpoint:
             problems.append("telemetry.otlp_endpoint is required when telemetry.tracing is 'otlp'")
         if problems:

@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from collectors.types import TargetHealth
 from controlplane.actions import ActionState
@@ -39,6 +40,7 @@ from policies.types import (
     PoolState,
     Proposal,
     change_as_dict,
+    change_from_dict,
 )
 from policies.windows import HISTORY_S, SignalWindows
 
@@ -82,6 +84,7 @@ class ControlLoop:
         clock: Clock,
         telemetry: Telemetry,
         switch: KillSwitch | None = None,
+        leading: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
         self.source = source
@@ -91,8 +94,12 @@ class ControlLoop:
         self.clock = clock
         self.telemetry = telemetry
         self.switch: KillSwitch = switch or NeverPaused()
+        # Whether this replica leads (asked before every change); a lone control plane always does.
+        self.leading: Callable[[], bool] = leading or (lambda: True)
         self.windows = SignalWindows(HISTORY_S)
         self.changed_at: dict[str, float] = {}
+        # Changes this process started that wait (an engine draining), by action id.
+        self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
         self.last_tick_at: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
@@ -101,19 +108,54 @@ class ControlLoop:
         self.on_report: Callable[[TickReport], Awaitable[None]] | None = None
 
     async def start(self) -> None:
-        """Recover after a restart: mark interrupted actions unknown, reload policy windows."""
+        """Take over: reload the policy windows, then finish or account for every action a stopped
+        control plane left started, so none is lost and none is carried out twice."""
         now = self.clock.now()
-        for action in await self.store.actions(states=[ActionState.STARTED]):
-            await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
-                                        {"why": "control plane stopped while it ran"})
-            self.telemetry.actions.labels(action.kind, "unknown").inc()
+        self._waiting.clear()  # whatever waited before leadership was lost is taken over from the audit log
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
+        for action in await self.store.actions(states=[ActionState.STARTED]):
+            await self._take_over(action, now)
+
+    async def _take_over(self, action: ActionRecord, now: float) -> None:
+        try:
+            change = change_from_dict(action.params["change"])
+        except (KeyError, TypeError, ValueError):  # a row from before changes were typed
+            await self._unknown(action, now, "its change is not recorded in a form that can be checked")
+            return
+        order = Order(action.id, ActionKind(action.kind), action.pool, change, action.reason,
+                      busy=self._busy(action.pool))
+        waits = [e.detail["wait"] for e in await self.store.audit_log(action.id) if e.event == "waiting"]
+        if waits:  # it was waiting (an engine draining): wait on, from where the audit log says it was
+            self._waiting[action.id] = (order, waits[-1])
+            await self.store.note(action.id, "taken_over", now, {"resumes": waits[-1]})
+            return
+        try:
+            applied = await self.actuator.applied(order)
+        except ActuationError as exc:
+            applied, why = None, str(exc)
+        else:
+            why = f"the {self.actuator.name} actuator cannot tell whether it was applied"
+        if applied is None:
+            await self._unknown(action, now, why)
+        elif applied:
+            await self.store.transition(action.id, ActionState.STARTED, ActionState.SUCCEEDED, now,
+                                        {"taken_over": "the fleet carries this action's id: applied before the stop, "
+                                                       "not repeated"})
+            self.telemetry.actions.labels(action.kind, "succeeded").inc()
+        else:
+            await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
+            await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
+
+    async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
+        await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
+                                    {"why": f"control plane stopped while it ran; {why}"})
+        self.telemetry.actions.labels(action.kind, "unknown").inc()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick every scrape interval until `stop` is set; the current tick always finishes."""
+        """Tick every scrape interval until `stop` is set or leadership is lost; the current tick always finishes."""
         interval = self.config.scrape.interval
-        while not stop.is_set():
+        while not stop.is_set() and self.leading():
             started = self.clock.now()
             try:
                 await self.tick()
@@ -269,6 +311,7 @@ class ControlLoop:
         rails = self.config.rails
         await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
                            lambda a: now - a.created_at >= rails.proposal_ttl)
+        await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - max(3600.0, rails.cooldown))
         paused = await self.switch.paused()
         for finding_id, proposal in proposals:
@@ -306,7 +349,7 @@ class ControlLoop:
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
                            history=history, now=now, supported=self.actuator.kinds, paused=await self.switch.paused(),
                            unsettled=_unsettled(pools))
-        if decision.reason in WAIT_REASONS:
+        if decision.reason in WAIT_REASONS or not self.leading():
             return
         if decision.reason is not RailsReason.ALLOWED or decision.change is None:
             try:
@@ -325,24 +368,58 @@ class ControlLoop:
             log.info("action %d was not started here: %s", action.id, exc)
             return
         history.append(action)
-        order = Order(action.id, ActionKind(action.kind), action.pool, decision.change, action.reason)
-        with self.telemetry.span("action", kind=action.kind, pool=action.pool):
+        order = Order(action.id, ActionKind(action.kind), action.pool, decision.change, action.reason,
+                      busy=self._busy(action.pool))
+        await self._run(order, self.actuator.carry_out(order), now, report)
+
+    async def _advance_waiting(self, now: float, report: TickReport) -> None:
+        """Take every change that waits (an engine draining) a tick further, with fresh numbers."""
+        for order, wait in list(self._waiting.values()):
+            if not self.leading():
+                return
+            fresh = replace(order, busy=self._busy(order.pool))
+            await self._run(fresh, self.actuator.resume(fresh, wait, now), now, report)
+
+    async def _run(self, order: Order, call: Awaitable[dict[str, Any]], now: float, report: TickReport) -> None:
+        """Await the actuator and record what came of it: done, failed, or still waiting."""
+        kind = str(order.kind)
+        with self.telemetry.span("action", kind=kind, pool=order.pool):
             try:
-                done = await self.actuator.carry_out(order)
+                detail = await call
             except Exception as exc:
                 # ActuationError carries the actuator's own message; anything else is a bug or an
                 # untranslated client error, recorded as such instead of taking the loop down.
                 if not isinstance(exc, ActuationError):
-                    log.exception("actuator %s raised on action %d", self.actuator.name, action.id)
+                    log.exception("actuator %s raised on action %d", self.actuator.name, order.action_id)
                 error = str(exc) if isinstance(exc, ActuationError) else f"{type(exc).__name__}: {exc}"
-                await self.store.transition(action.id, ActionState.STARTED, ActionState.FAILED, self.clock.now(),
+                self._waiting.pop(order.action_id, None)
+                await self.store.transition(order.action_id, ActionState.STARTED, ActionState.FAILED, self.clock.now(),
                                             {"error": error}, error=error)
-                self.telemetry.actions.labels(action.kind, "failed").inc()
-                report.errors[f"action {action.id}"] = error
+                self.telemetry.actions.labels(kind, "failed").inc()
+                report.errors[f"action {order.action_id}"] = error
                 return
+        if "wait" in detail:
+            before = self._waiting.get(order.action_id)
+            self._waiting[order.action_id] = (order, detail["wait"])
+            if before is None or before[1] != detail["wait"]:  # the audit log gets each new wait, not every tick
+                await self.store.note(order.action_id, "waiting", self.clock.now(), detail)
+            return
+        self._waiting.pop(order.action_id, None)
         state = ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED
-        await self.store.transition(action.id, ActionState.STARTED, state, self.clock.now(), done)
-        self.telemetry.actions.labels(action.kind, str(state)).inc()
+        await self.store.transition(order.action_id, ActionState.STARTED, state, self.clock.now(), detail)
+        self.telemetry.actions.labels(kind, str(state)).inc()
+
+    def _busy(self, pool: str) -> dict[str, float]:
+        """Requests running or waiting on each engine pod of `pool` at its latest fresh scrape."""
+        fresh = self.clock.now() - 2 * self.config.scrape.interval
+        busy: dict[str, float] = {}
+        for name in ("requests_running", "requests_waiting"):
+            for subject in self.windows.subjects(name, prefix=f"engine/{pool}/"):
+                points = self.windows.series(subject, name, since=fresh)
+                if points:
+                    pod = subject.split("/")[2]
+                    busy[pod] = busy.get(pod, 0.0) + points[-1][1]
+        return busy
 
     # verify -----------------------------------------------------------------------------------
 

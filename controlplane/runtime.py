@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from collectors.prometheus_api import Labels, PrometheusSource
@@ -17,7 +18,8 @@ from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.alerting import AlertNotifier
 from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
-from controlplane.killswitch import KillSwitch, StoreSwitch
+from controlplane.killswitch import AnySwitch, KillSwitch, StoreSwitch
+from controlplane.leadership import AlwaysLeader, Leadership
 from controlplane.loop import ControlLoop
 from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTargets, ScrapeSource
 from controlplane.server import start_server
@@ -89,6 +91,7 @@ def build_loop(
     telemetry: Telemetry | None = None,
     policies: Sequence[Policy] | None = None,
     switch: KillSwitch | None = None,
+    leading: Callable[[], bool] | None = None,
 ) -> ControlLoop:
     """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock).
 
@@ -117,6 +120,7 @@ def build_loop(
         clock=clock,
         telemetry=telemetry or Telemetry(config.telemetry),
         switch=switch or StoreSwitch(store),
+        leading=leading,
     )
 
 
@@ -137,6 +141,37 @@ def discovered_targets(config: FleetConfig, stack: contextlib.ExitStack) -> Targ
     )
 
 
+@dataclass
+class Acting:
+    """How a live control plane changes the fleet: its actuator, kill switch and leadership."""
+
+    actuator: Actuator | None = None  # None: the dry run
+    switch: KillSwitch | None = None  # None: the store's (fleetctl pause)
+    leadership: Leadership = field(default_factory=AlwaysLeader)
+
+
+def kubernetes_acting(config: FleetConfig, store: Store, stack: contextlib.ExitStack, clock: Clock) -> Acting:
+    """The Kubernetes actuator, the ConfigMap kill switch and the Lease when the fleet file has
+    `kubernetes`; otherwise the dry run, the store's switch and a lone leader."""
+    k = config.kubernetes
+    if k is None:
+        return Acting()
+    from controlplane.actuators.kubernetes import ConfigMapSwitch, KubernetesActuator
+    from controlplane.kube import api_client
+    from controlplane.lease import LeaseLeadership
+
+    api = stack.enter_context(api_client(k.kubeconfig, "kubernetes"))
+    workloads = {p.name: p.workload for p in config.pools if p.workload is not None}
+    actuator = KubernetesActuator(api, k, workloads, clock=clock.now)
+    switch: KillSwitch = StoreSwitch(store)
+    if k.switch is not None:
+        switch = AnySwitch(switch, ConfigMapSwitch(api, k.switch, k.timeout))
+    leadership: Leadership = AlwaysLeader()
+    if k.leader_election is not None:
+        leadership = LeaseLeadership(api, k.leader_election, timeout=k.timeout)
+    return Acting(actuator, switch, leadership)
+
+
 async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = False) -> None:
     """`fleetctl run`: the loop plus its HTTP server until SIGTERM or SIGINT."""
     stop = asyncio.Event()
@@ -147,32 +182,60 @@ async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = Fals
         targets = discovered_targets(config, stack)
         threaded = ThreadedStore(store)
         try:
+            acting = kubernetes_acting(config, threaded, stack, WallClock())
             async with scrape_client(config) as client:
-                await _serve(config, threaded, client, targets, stop, once)
+                await _serve(config, threaded, client, targets, acting, stop, once)
         finally:
             threaded.close()
 
 
 async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, targets: TargetSource | None,
-                 stop: asyncio.Event, once: bool) -> None:
-    loop = build_loop(config, store, client, targets=targets)
+                 acting: Acting, stop: asyncio.Event, once: bool) -> None:
+    leader = acting.leadership
+    loop = build_loop(config, store, client, targets=targets, actuator=acting.actuator, switch=acting.switch,
+                      leading=leader.leading)
     notifier = None
     if config.alerting is not None:
         notifier = AlertNotifier(config.alerting, registry=loop.telemetry.registry)
         loop.on_report = notifier.on_report
     server = start_server(loop, config.server.host, config.server.port)
     log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
+    contending = asyncio.create_task(_contend(leader, stop))
     try:
-        await loop.start()
-        if notifier is not None:
-            notifier.restore(await store.open_findings(), loop.clock.now())
-        if once:
-            await loop.tick()
-        else:
-            await loop.run(stop)
+        await leader.contend()
+        while not stop.is_set():
+            if not leader.leading():
+                await _sleep_or_stop(stop, leader.retry_period)
+                continue
+            loop.telemetry.leader.set(1)
+            await loop.start()
+            if notifier is not None:
+                notifier.restore(await store.open_findings(), loop.clock.now())
+            if once:
+                await loop.tick()
+                break
+            await loop.run(stop)  # returns at stop, or when leadership is lost
+            loop.telemetry.leader.set(0)
+            if not stop.is_set():
+                log.warning("no longer leading: standing by")
     finally:
+        contending.cancel()
+        await asyncio.gather(contending, return_exceptions=True)
+        await leader.release()
         server.stop()
         if notifier is not None:
             await notifier.aclose()
         loop.telemetry.shutdown()
         log.info("stopped cleanly")
+
+
+async def _contend(leader: Leadership, stop: asyncio.Event) -> None:
+    """Keep taking or renewing leadership every retry period, beside the loop."""
+    while not stop.is_set():
+        await _sleep_or_stop(stop, leader.retry_period)
+        await leader.contend()
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

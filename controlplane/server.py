@@ -31,7 +31,9 @@ MAX_NAME = 255
 
 
 def _health(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:
-    """(ready, report): ready once a tick completed within three scrape intervals."""
+    """(ready, report): ready once a tick completed within three scrape intervals; a follower is ready on standby."""
+    if not loop.leading():
+        return True, {"status": "standby", "reason": "another replica leads"}
     last = loop.last_tick_at
     interval = loop.config.scrape.interval
     if last is None:
@@ -92,7 +94,7 @@ class _Json(tornado.web.RequestHandler):
 class _Status(_Json):
     def get(self) -> None:
         ready, report = _health(self.loop)
-        self.write({"mode": str(self.loop.config.mode), "ready": ready, **report,
+        self.write({"mode": str(self.loop.config.mode), "ready": ready, **report, "leading": self.loop.leading(),
                     "last_tick_at": self.loop.last_tick_at, "interval_s": self.loop.config.scrape.interval,
                     "pools": [p.name for p in self.loop.config.pools], "writes_enabled": self.token is not None})
 

@@ -61,6 +61,7 @@ class Telemetry:
         self.last_tick = Gauge(
             f"{ns}_last_tick_timestamp_seconds", "Loop time of the last completed tick.", registry=self.registry
         )
+        self.leader = Gauge(f"{ns}_leader", "1 while this replica leads (and may act), else 0.", registry=self.registry)
         self._provider = _provider(config or TelemetryConfig(), span_exporter)
         self.tracer = self._provider.get_tracer("fleet-controlplane") if self._provider else trace.NoOpTracer()
 

@@ -34,13 +34,15 @@ class FleetView:
 
 @dataclass(frozen=True, slots=True)
 class Order:
-    """One action for the actuator to carry out, as the rails allowed it."""
+    """One action for the actuator to carry out, as the rails allowed it, with the loop's view of the
+    work in flight on each of the pool's engines (to drain the least busy, and to know when one is idle)."""
 
     action_id: int
     kind: ActionKind
     pool: str
     change: Change
     reason: str
+    busy: Mapping[str, float] = field(default_factory=dict)  # pod -> requests running or waiting on it now
 
 
 class Actuator(Protocol):
@@ -60,7 +62,23 @@ class Actuator(Protocol):
         ...
 
     async def carry_out(self, order: Order) -> dict[str, Any]:
-        """Make the change; returns what was done (objects touched, waits) for the audit log."""
+        """Make the change; returns what was done (objects touched) for the audit log.
+
+        A change that must wait (an engine finishing its requests before it goes) returns a `wait`
+        entry; the loop then calls `resume` each tick with fresh numbers until no `wait` comes back.
+        """
+        ...
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        """Take a waiting change further; returns its detail, with `wait` while it still waits."""
+        ...
+
+    async def applied(self, order: Order) -> bool | None:
+        """Whether the fleet already carries this order's change (None: it cannot tell).
+
+        A control plane that took over from one that stopped mid-action asks this before it acts
+        again, so the change is made once.
+        """
         ...
 
 

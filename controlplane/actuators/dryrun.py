@@ -34,3 +34,9 @@ class DryRunActuator:
     async def carry_out(self, order: Order) -> dict[str, Any]:
         self.orders.append(order)
         return {"would": change_as_dict(order.change)}
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        return {}  # it never waits
+
+    async def applied(self, order: Order) -> bool | None:
+        return None  # it changes nothing, so there is nothing to find

@@ -47,6 +47,12 @@ class SimActuator:
         except (KeyError, ValueError) as exc:
             raise ActuationError(f"{order.kind} on {order.pool}: {exc}") from None
 
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        return {}  # the simulated fleet drains on its own; nothing here waits
+
+    async def applied(self, order: Order) -> bool | None:
+        return None  # a simulation restarts with its fleet, so it never takes over mid-action
+
     def _apply(self, order: Order) -> dict[str, Any]:
         f, change, pool = self.fleet, order.change, order.pool
         if isinstance(change, ScaleTo):

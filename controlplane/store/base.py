@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, Pause
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
 
 __all__ = ["Store"]
 
@@ -84,6 +84,14 @@ class Store(Protocol):
 
     async def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
         """Succeeded actions whose outcome is not judged yet and whose verify time has come."""
+        ...
+
+    async def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:
+        """Add an event to an action's audit log without moving it (progress of a change that waits)."""
+        ...
+
+    async def audit_log(self, action_id: int) -> list[ActionEvent]:
+        """An action's audit log, oldest first."""
         ...
 
     async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:

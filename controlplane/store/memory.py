@@ -138,6 +138,9 @@ class MemoryStore:
         return [a for a in self.action_rows.values() if a.state is ActionState.SUCCEEDED and a.outcome is None
                 and a.finished_at is not None and a.finished_at <= finished_before]
 
+    async def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:
+        self.events.append(ActionEvent(action_id, now, event, jsonable(detail)))
+
     async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
         self.action_rows[action_id] = replace(self.action_rows[action_id], outcome=outcome)
         self.outcome_at[action_id] = now
@@ -146,3 +149,6 @@ class MemoryStore:
     def action_events(self, action_id: int) -> list[ActionEvent]:
         """An action's audit log, oldest first."""
         return [e for e in self.events if e.action_id == action_id]
+
+    async def audit_log(self, action_id: int) -> list[ActionEvent]:
+        return self.action_events(action_id)

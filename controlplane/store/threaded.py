@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, Pause
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
 from controlplane.store.writer import SqlStore
 
 __all__ = ["ThreadedStore"]
@@ -86,6 +86,12 @@ class ThreadedStore:
 
     async def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
         return await self._run(self.sql.awaiting_outcome, finished_before)
+
+    async def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:
+        await self._run(self.sql.note, action_id, event, now, detail)
+
+    async def audit_log(self, action_id: int) -> list[ActionEvent]:
+        return await self._run(self.sql.action_events, action_id)
 
     async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
         await self._run(self.sql.record_outcome, action_id, outcome, now, detail)

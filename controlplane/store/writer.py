@@ -265,6 +265,11 @@ class SqlStore(metaclass=_Translating):
         to = ActionState.APPROVED if approve else ActionState.REJECTED
         return self.transition(action_id, ActionState.PROPOSED, to, now, {"by": by, "via": via}, approved_by=by)
 
+    def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:
+        """Add an event to an action's audit log without moving it (progress of a change that waits)."""
+        with self._write() as s:
+            s.add(ActionEventRow(action_id=action_id, ts=now, event=event, detail=jsonable(detail)))
+
     def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
         """Write the measured outcome of a finished action."""
         with self._write() as s:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+import kmock
 import pytest
+from kubernetes import client
 
 from controlplane.clock import VirtualClock
 from controlplane.demo import demo_fleet
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.server import SimServer
+from tests.controlplane.apiserver import ApiServer
 
 
 @pytest.fixture
@@ -21,3 +24,20 @@ def sim() -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
     server.sync()
     yield fleet, server, clock
     server.close()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ApiServer]:
+    """The Kubernetes API emulator over HTTP; a test fails if any body it got was invalid."""
+    async with ApiServer() as emulator, kmock.Server(emulator):
+        yield emulator
+        assert emulator.invalid == [], "bodies that the official schemas reject"
+
+
+@pytest.fixture
+def api(server: ApiServer) -> Iterator[client.ApiClient]:
+    """The official client, unchanged, pointed at the emulator."""
+    cfg = client.Configuration(host=str(server.url).rstrip("/"))
+    cfg.retries = 0
+    with client.ApiClient(cfg) as api_client:
+        yield api_client

@@ -1,6 +1,8 @@
 """The loop's audited path from a proposal to the actuator, on the in-memory store in virtual time.
 
-Covers: a stale approval (the pool moved between approval and run) is cancelled, not applied;
+Covers: a control plane taking over an action another one left started (applied: done, not
+repeated; not applied: carried out once; waiting: resumed from the audit log; cannot tell:
+unknown); a stale approval (the pool moved between approval and run) is cancelled, not applied;
 an approval racing the execution of another control plane starts the action once; a dry-run
 actuator's action ends `dry_run`, never `succeeded`; any exception from an actuator is a failed
 action with its message and the loop goes on; undecided proposals expire after the TTL; an
@@ -23,6 +25,7 @@ from controlplane.errors import ActuationError
 from controlplane.loop import ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
+from controlplane.store.records import NewAction
 from controlplane.telemetry import Telemetry
 from policies.types import (
     ActionKind,
@@ -34,6 +37,7 @@ from policies.types import (
     ScaleBy,
     ScaleTo,
     Severity,
+    change_as_dict,
 )
 
 FLEET = """
@@ -75,6 +79,8 @@ class Pools:
     dry_run: bool = False
     error: Exception | None = None
     kinds: frozenset[ActionKind] = frozenset({ActionKind.SCALE_POOL})
+    already: bool | None = None  # what `applied` answers
+    waits: list[dict[str, Any]] = field(default_factory=list)  # the waits `resume` was called with
 
     async def observe(self) -> FleetView:
         return FleetView({"prefill": PoolReplicas(self.desired, self.ready)})
@@ -87,6 +93,13 @@ class Pools:
         if not self.dry_run:
             self.desired = self.ready = order.change.replicas
         return {"replicas": order.change.replicas}
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        self.waits.append(wait)
+        return {"drained": wait["pods"]}
+
+    async def applied(self, order: Order) -> bool | None:
+        return self.already
 
 
 def make_loop(mode: Mode, store: MemoryStore, pools: Pools, clock: VirtualClock, policy: Asks) -> ControlLoop:
@@ -206,3 +219,57 @@ async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualCloc
     policy.on = False
     await tick(loop, clock)
     assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
+
+
+async def started_elsewhere(store: MemoryStore, now: float) -> int:
+    """An action another control plane started before it was killed."""
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
+                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3}, "act",
+                                                 "more prefill"), now)
+    await store.transition(action.id, S.PROPOSED, S.APPROVED, now, {"by": "rails"})
+    await store.transition(action.id, S.APPROVED, S.STARTED, now, {"actuator": "fake"})
+    return action.id
+
+
+@pytest.mark.parametrize(("already", "state", "calls"), [
+    (True, S.SUCCEEDED, []),  # its write landed before the kill: not made again
+    (False, S.SUCCEEDED, [4]),  # it never reached the fleet: made now, once
+    (None, S.UNKNOWN, []),  # the actuator cannot tell: left for a person, never guessed
+])
+async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClock, already: bool | None,
+                                                               state: S, calls: list[int]) -> None:
+    store, pools = MemoryStore(), Pools(already=already)
+    action_id = await started_elsewhere(store, clock.now())
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    await loop.start()
+    [action] = await store.actions()
+    assert (action.id, action.state, pools.calls) == (action_id, state, calls)
+    events = [e.event for e in store.action_events(action_id)]
+    assert events.count("started") == 1, "started once, by the control plane that was killed"
+
+
+async def test_a_take_over_resumes_a_wait_from_the_audit_log(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools()
+    action_id = await started_elsewhere(store, clock.now())
+    wait = {"phase": "draining", "pods": ["prefill-2"], "then": "scale", "deadline": clock.now() + 120}
+    await store.note(action_id, "waiting", clock.now(), {"wait": wait})
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    await loop.start()
+    assert (await store.actions())[0].state is S.STARTED and pools.calls == []
+    await tick(loop, clock)
+    assert pools.waits == [wait] and pools.calls == [], "resumed where it was, not started again"
+    [action] = await store.actions()
+    assert action.state is S.SUCCEEDED
+    assert [e.event for e in store.action_events(action_id)][-3:] == ["waiting", "taken_over", "succeeded"]
+
+
+async def test_a_follower_acts_on_nothing(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy)
+    loop.leading = lambda: False
+    policy.on = True
+    await tick(loop, clock)
+    assert pools.calls == [] and [a.state for a in await store.actions()] == [S.APPROVED]
+    loop.leading = lambda: True
+    await tick(loop, clock)
+    assert pools.calls == [4]

@@ -1,0 +1,562 @@
+"""Acting on a fleet through the Kubernetes API, with the official client: every kind of action but
+admission control, which belongs to the router.
+
+Owns writes to the pools' workloads (Deployment, StatefulSet, LeaderWorkerSet, Argo Rollout) and to
+the router's, to the engine pods and their nodes, and Events about what it did; it reads them to
+know the pools' replicas and the workloads' revisions. It must not scrape, detect or decide: the
+loop chose the change and its target, the rails allowed it; this only carries it out.
+
+What it needs, and nothing more (`deploy/base/rbac.yaml`, checked against `VERBS` by a test): get
+and patch on the workloads and their `scale` subresource, list on ReplicaSets, patch on a Rollout's
+status (to abort it), get, list, patch and delete on pods, create on `pods/eviction`, get and patch
+on nodes, create on Events, get on its ConfigMap (the kill switch).
+
+How: scaling goes through the scale subresource. Scaling down drains first: the least busy engines
+are taken out of routing (their `routing_label` removed), given the lowest
+`controller.kubernetes.io/pod-deletion-cost` so the workload removes those, and the scale-down
+follows once they are idle or `drain_grace` has passed (the loop resumes it each tick). New engine
+arguments (EPLB, speculative decoding) patch the engine container of the pod template once, with
+the object's resourceVersion; the rails have checked that the rollout restarts no more engines at
+once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
+previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is deleted once idle
+and its workload replaces it; a cordon marks the node unschedulable and evicts its engines through
+the Eviction API, which honours PodDisruptionBudgets (a refusal is retried until the grace ends).
+
+Every write carries the action's id in an annotation of the object it changes, so a restarted
+leader sees a change it already made (`applied`) and never makes it twice, and is followed by an
+Event on that object. With `dry_run` every write is sent as a server-side dry run. Blocking calls
+run in worker threads. A 409 conflict is retried on a fresh read (three times); 403, 404 and 422
+end the action with the API's message; timeouts and other errors are retried once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import urllib3.exceptions
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from controlplane.actuators.base import FleetView, Order, PoolReplicas
+from controlplane.config import ConfigMapFlag, Kubernetes, Workload
+from controlplane.errors import ActuationError
+from policies.types import ActionKind, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation, describe
+
+__all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator", "WorkloadKind"]
+
+log = logging.getLogger(__name__)
+
+ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the id of the last action that changed the object
+SPEC_ANNOTATION = "fleet-controlplane.io/speculative-config"  # the config speculation was switched off with
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+REVISION = "deployment.kubernetes.io/revision"
+CONTROLLER = "fleet-controlplane"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadKind:
+    """Where a kind of workload lives in the API and where its pod template and rollout budget are."""
+
+    group: str
+    version: str
+    plural: str
+    template: tuple[str, ...]  # path to the pod template in the object
+    max_unavailable: tuple[str, ...]  # path to the rollout's maxUnavailable
+    gang: tuple[str, ...] = ()  # path to the number of pods restarted together
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+KINDS: dict[str, WorkloadKind] = {
+    "Deployment": WorkloadKind("apps", "v1", "deployments", ("spec", "template"),
+                               ("spec", "strategy", "rollingUpdate", "maxUnavailable")),
+    "StatefulSet": WorkloadKind("apps", "v1", "statefulsets", ("spec", "template"),
+                                ("spec", "updateStrategy", "rollingUpdate", "maxUnavailable")),
+    "LeaderWorkerSet": WorkloadKind("leaderworkerset.x-k8s.io", "v1", "leaderworkersets",
+                                    ("spec", "leaderWorkerTemplate", "workerTemplate"),
+                                    ("spec", "rolloutStrategy", "rollingUpdateConfiguration", "maxUnavailable"),
+                                    ("spec", "leaderWorkerTemplate", "size")),
+    "Rollout": WorkloadKind("argoproj.io", "v1alpha1", "rollouts", ("spec", "template"),
+                            ("spec", "strategy", "canary", "maxUnavailable")),
+}
+
+# Every API call this actuator makes, as (API group, resource, verb): the RBAC it needs, no more.
+VERBS: frozenset[tuple[str, str, str]] = frozenset({
+    *((k.group, k.plural, verb) for k in KINDS.values() for verb in ("get", "patch")),
+    *((k.group, f"{k.plural}/scale", "patch") for k in KINDS.values()),
+    ("apps", "replicasets", "list"), ("argoproj.io", "rollouts/status", "patch"),
+    ("", "pods", "list"), ("", "pods", "patch"), ("", "pods", "delete"), ("", "pods/eviction", "create"),
+    ("", "nodes", "patch"), ("events.k8s.io", "events", "create"), ("", "configmaps", "get"),
+})
+
+
+def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping) or key not in obj:
+            return default
+        obj = obj[key]
+    return obj
+
+
+def _nest(path: Sequence[str], value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {path[-1]: value}
+    for key in reversed(path[:-1]):
+        out = {key: out}
+    return out
+
+
+def _budget(value: Any, replicas: int) -> int | None:
+    """maxUnavailable as a number of pods (percentages round down, as the controllers do; at least 1)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.endswith("%"):
+        return max(1, int(replicas * float(value[:-1]) / 100))
+    return max(1, int(value))
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        body = json.loads(exc.body or "{}")
+    except ValueError:
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return f"HTTP {exc.status} {exc.reason or ''}".rstrip() + (f": {message}" if message else "")
+
+
+class _Conflict(Exception):
+    """A write lost to a concurrent one (409): read again and retry."""
+
+
+class KubernetesActuator:
+    """Carries out actions on the pools' workloads, pods and nodes."""
+
+    name = "kubernetes"
+    kinds = frozenset(set(ActionKind) - {ActionKind.ADMISSION_CONTROL})
+
+    def __init__(self, api: k8s.ApiClient, settings: Kubernetes, workloads: Mapping[str, Workload], *,
+                 clock: Callable[[], float], instance: str | None = None) -> None:
+        self.settings = settings
+        self.dry_run = settings.dry_run
+        self.workloads = dict(workloads)
+        self.clock = clock
+        self.instance = instance or socket.gethostname()
+        self._core = k8s.CoreV1Api(api)
+        self._apps = k8s.AppsV1Api(api)
+        self._custom = k8s.CustomObjectsApi(api)
+        self._events = k8s.EventsV1Api(api)
+        self._timeout = (settings.timeout, settings.timeout)
+
+    # calling the API ----------------------------------------------------------------------------
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One API call in a worker thread, errors translated; timeouts and server errors retried once."""
+        for attempt in (1, 2):
+            try:
+                return await asyncio.to_thread(fn, *args, _request_timeout=self._timeout, **kwargs)
+            except ApiException as exc:
+                if exc.status == 409:
+                    raise _Conflict(_api_message(exc)) from None
+                if exc.status in (403, 404, 422) or attempt == 2 or (exc.status or 0) < 500:
+                    raise ActuationError(f"{what}: {_api_message(exc)}") from None
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                if attempt == 2:
+                    raise ActuationError(f"{what}: {type(exc).__name__}: {exc}") from None
+            log.warning("%s failed; retrying once", what)
+        raise AssertionError("unreachable")
+
+    def _writes(self) -> dict[str, Any]:
+        return {"dry_run": "All"} if self.dry_run else {}
+
+    async def _read(self, w: Workload) -> dict[str, Any]:
+        kind = KINDS[w.kind]
+        raw = await self._call(f"reading {w.kind} {w.namespace}/{w.name}", self._custom.get_namespaced_custom_object,
+                               kind.group, kind.version, w.namespace, kind.plural, w.name)
+        return dict(raw)
+
+    async def _patch(self, w: Workload, body: dict[str, Any], what: str) -> dict[str, Any]:
+        kind = KINDS[w.kind]
+        raw = await self._call(what, self._custom.patch_namespaced_custom_object, kind.group, kind.version,
+                               w.namespace, kind.plural, w.name, body, **self._writes())
+        return dict(raw)
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Run a read-modify-write, again on a fresh read when it loses to a concurrent write."""
+        for _ in range(3):
+            try:
+                return await attempt()
+            except _Conflict as exc:
+                log.info("%s: conflict (%s); reading again", what, exc)
+        raise ActuationError(f"{what}: the object kept changing under three attempts (409 conflict)")
+
+    # observing ----------------------------------------------------------------------------------
+
+    async def observe(self) -> FleetView:
+        pools: dict[str, PoolReplicas] = {}
+        changed: dict[str, float] = {}
+        for pool, w in self.workloads.items():
+            obj = await self._read(w)
+            kind = KINDS[w.kind]
+            desired = int(_dig(obj, ("spec", "replicas"), 1))
+            size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
+            pools[pool] = PoolReplicas(
+                desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
+                max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
+                                        desired) if kind.max_unavailable else None,
+                gang=size)
+            when = await self._revision_time(w, obj)
+            if when is not None:
+                changed[pool] = when
+        if self.settings.router is not None:
+            router = self.settings.router
+            when = await self._revision_time(router, await self._read(router))
+            if when is not None:
+                changed["router"] = when
+        return FleetView(pools, changed)
+
+    async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The Deployment's ReplicaSets, newest revision first."""
+        labels = _dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        raw = await self._call(f"listing the ReplicaSets of {w.namespace}/{w.name}",
+                               self._apps.list_namespaced_replica_set, w.namespace, label_selector=selector,
+                               _preload_content=False)
+        items = json.loads(raw.data)["items"]
+        uid = _dig(obj, ("metadata", "uid"))
+        mine = [rs for rs in items
+                if uid is None or any(o.get("uid") == uid for o in _dig(rs, ("metadata", "ownerReferences"), []) or [])]
+        return sorted(mine, key=lambda rs: int(_dig(rs, ("metadata", "annotations", REVISION), 0) or 0), reverse=True)
+
+    async def _revision_time(self, w: Workload, obj: Mapping[str, Any]) -> float | None:
+        """When the workload's current revision was created (Deployments: its newest ReplicaSet)."""
+        if w.kind != "Deployment":
+            return None
+        sets = await self._replica_sets(w, obj)
+        stamp = _dig(sets[0], ("metadata", "creationTimestamp")) if sets else None
+        if not stamp:
+            return None
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+
+    # carrying out -------------------------------------------------------------------------------
+
+    async def applied(self, order: Order) -> bool | None:
+        """Whether the workload carries this action's annotation (None when it cannot tell)."""
+        w = self._workload(order)
+        if w is None:
+            return None
+        obj = await self._read(w)
+        return bool(_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == str(order.action_id))
+
+    def _workload(self, order: Order) -> Workload | None:
+        change = order.change
+        if isinstance(change, RollBack) and change.workload == "router":
+            return self.settings.router
+        if isinstance(change, ScaleTo | Speculation | Eplb | RollBack):
+            return self.workloads.get(order.pool)
+        return None
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        change = order.change
+        if isinstance(change, Drain | Cordon):
+            return await self._begin_drain(order)
+        w = self._workload(order)
+        if w is None:
+            raise ActuationError(f"{order.kind} on {order.pool}: no workload is configured for it")
+        obj = await self._read(w)
+        if _dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == str(order.action_id):
+            # A leader that died after the write: the change is made; never make it twice.
+            return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
+        if isinstance(change, ScaleTo):
+            return await self._scale(order, w, obj, change)
+        if isinstance(change, Speculation | Eplb):
+            return await self._retrying(f"{describe(change)} on {w.kind} {w.namespace}/{w.name}",
+                                        lambda: self._set_args(order, w, change))
+        if isinstance(change, RollBack):
+            return await self._rollback(order, w, obj)
+        raise ActuationError(f"the Kubernetes actuator cannot carry out {type(change).__name__}")
+
+    def _stamp(self, order: Order) -> dict[str, Any]:
+        return {"metadata": {"annotations": {ACTION_ANNOTATION: str(order.action_id)}}}
+
+    async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
+        kind = KINDS[w.kind]
+        size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
+        desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
+        if change.replicas >= desired:
+            return await self._set_replicas(order, w, change.replicas // size)
+        # Scale down by draining: the least busy engines leave routing first.
+        pods = await self._pods_of(w, obj)
+        leaving = desired - change.replicas
+        # Pods this action already took out of routing come first (a leader taking over redoes it).
+        mine = {name for name, annotations in pods.items() if annotations.get(ACTION_ANNOTATION) == str(order.action_id)}
+        victims = sorted(pods, key=lambda p: (p not in mine, order.busy.get(p, 0.0), p))[:leaving]
+        for pod in victims:
+            await self._unroute(order, w.namespace, pod, cost=-1000)
+            await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
+        return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
+                         "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
+
+    async def _set_replicas(self, order: Order, w: Workload, replicas: int) -> dict[str, Any]:
+        kind = KINDS[w.kind]
+        body = {"spec": {"replicas": replicas}}
+        await self._call(f"scaling {w.kind} {w.namespace}/{w.name}", self._custom.patch_namespaced_custom_object_scale,
+                         kind.group, kind.version, w.namespace, kind.plural, w.name, body, **self._writes())
+        await self._patch(w, self._stamp(order), f"annotating {w.kind} {w.namespace}/{w.name}")
+        await self._event(order, w, f"scaled to {replicas}")
+        return {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
+
+    async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb) -> dict[str, Any]:
+        obj = await self._read(w)
+        kind = KINDS[w.kind]
+        template = copy.deepcopy(_dig(obj, kind.template))
+        if template is None:
+            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod template at {'.'.join(kind.template)}")
+        containers = _dig(template, ("spec", "containers"), []) or []
+        engine = next((c for c in containers if c.get("name") == w.container), None)
+        if engine is None:
+            names = ", ".join(c.get("name", "?") for c in containers)
+            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no container {w.container!r} (has {names})")
+        field = "args" if engine.get("args") else "command" if engine.get("command") else "args"
+        args = list(engine.get(field) or [])
+        annotations = dict(_dig(obj, ("metadata", "annotations"), {}) or {})
+        if isinstance(change, Eplb):
+            args = _without(args, "--enable-eplb", bare=True)
+            args = _without(args, "--eplb-config")
+            if change.enabled:
+                config = {"window_size": change.window_size, "step_interval": change.step_interval,
+                          "num_redundant_experts": change.num_redundant_experts}
+                args += ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
+            detail: dict[str, Any] = {"eplb": change.enabled}
+        else:
+            current = _value(args, "--speculative-config")
+            spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
+            if spec is None:
+                raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no --speculative-config to change")
+            n = change.resolve(int(spec.get("num_speculative_tokens", 0)) if current else 0)
+            args = _without(args, "--speculative-config")
+            if n > 0:
+                spec["num_speculative_tokens"] = n
+                args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+            else:
+                annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
+            detail = {"num_speculative_tokens": n}
+        engine[field] = args
+        annotations[ACTION_ANNOTATION] = str(order.action_id)
+        body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")), "annotations": annotations},
+                **_nest(kind.template, template)}
+        await self._patch(w, body, f"patching the pod template of {w.kind} {w.namespace}/{w.name}")
+        await self._event(order, w, describe(change))
+        return {"patched": f"{w.kind} {w.namespace}/{w.name}", "container": w.container, **detail}
+
+    async def _rollback(self, order: Order, w: Workload, obj: Mapping[str, Any]) -> dict[str, Any]:
+        if w.kind == "Rollout":
+            kind = KINDS[w.kind]
+            await self._call(f"aborting Rollout {w.namespace}/{w.name}", self._custom.patch_namespaced_custom_object_status,
+                             kind.group, kind.version, w.namespace, kind.plural, w.name, {"status": {"abort": True}},
+                             **self._writes())
+            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            await self._event(order, w, "aborted the rollout: back to the stable revision")
+            return {"aborted": f"Rollout {w.namespace}/{w.name}"}
+        if w.kind != "Deployment":
+            raise ActuationError(f"rolling back a {w.kind} is not supported: only Deployments and Argo Rollouts")
+        sets = await self._replica_sets(w, obj)
+        if len(sets) < 2:
+            raise ActuationError(f"Deployment {w.namespace}/{w.name} has no previous revision to roll back to")
+        previous = sets[1]
+        template = copy.deepcopy(_dig(previous, ("spec", "template"), {}))
+        labels = dict(_dig(template, ("metadata", "labels"), {}) or {})
+        labels.pop("pod-template-hash", None)  # the controller's own label, as `kubectl rollout undo` drops it
+        template.setdefault("metadata", {})["labels"] = labels
+        revision = _dig(previous, ("metadata", "annotations", REVISION))
+        body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")),
+                             "annotations": {ACTION_ANNOTATION: str(order.action_id)}},
+                "spec": {"template": template}}
+        await self._patch(w, body, f"rolling back Deployment {w.namespace}/{w.name}")
+        await self._event(order, w, f"rolled back to revision {revision}")
+        return {"rolled_back": f"Deployment {w.namespace}/{w.name}", "to_revision": revision}
+
+    # draining -------------------------------------------------------------------------------------
+
+    async def _pods_of(self, w: Workload, obj: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+        """The workload's live pods and their annotations."""
+        labels = _dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        raw = await self._call(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
+                               w.namespace, label_selector=selector, _preload_content=False)
+        return {p["metadata"]["name"]: dict(_dig(p, ("metadata", "annotations"), {}) or {})
+                for p in json.loads(raw.data)["items"] if not _dig(p, ("metadata", "deletionTimestamp"))}
+
+    async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
+        """Take a pod out of the router's pool (its routing label removed) and mark it with the action."""
+        annotations: dict[str, Any] = {ACTION_ANNOTATION: str(order.action_id)}
+        if cost is not None:
+            annotations[DELETION_COST] = str(cost)
+        body = {"metadata": {"labels": {self.settings.routing_label: None}, "annotations": annotations}}
+        await self._call(f"taking pod {namespace}/{pod} out of routing", self._core.patch_namespaced_pod, pod,
+                         namespace, body, **self._writes())
+
+    async def _begin_drain(self, order: Order) -> dict[str, Any]:
+        change = order.change
+        w = self.workloads.get(order.pool)
+        if w is None:
+            raise ActuationError(f"{order.kind} on {order.pool}: no workload is configured for it")
+        if isinstance(change, Drain):
+            await self._unroute(order, w.namespace, change.pod)
+            await self._pod_event(order, w.namespace, change.pod, "taken out of routing to drain")
+            return {"wait": {"phase": "draining", "pods": [change.pod], "namespace": w.namespace, "then": "delete",
+                             "deadline": self.clock() + self.settings.drain_grace}}
+        assert isinstance(change, Cordon)
+        node = change.node
+        await self._call(f"cordoning node {node}", self._core.patch_node, node,
+                         {"spec": {"unschedulable": True},
+                          "metadata": {"annotations": {ACTION_ANNOTATION: str(order.action_id)}}}, **self._writes())
+        await self._node_event(order, node)
+        raw = await self._call(f"listing the pods on node {node}", self._core.list_namespaced_pod, w.namespace,
+                               field_selector=f"spec.nodeName={node}", _preload_content=False)
+        pods = sorted(p["metadata"]["name"] for p in json.loads(raw.data)["items"])
+        for pod in pods:
+            await self._unroute(order, w.namespace, pod)
+        return {"wait": {"phase": "evicting", "pods": pods, "namespace": w.namespace, "then": "evict", "node": node,
+                         "deadline": self.clock() + self.settings.drain_grace}}
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        pods: list[str] = list(wait["pods"])
+        idle = [p for p in pods if order.busy.get(p, 0.0) <= 0.0]
+        late = now >= float(wait["deadline"])
+        if wait["then"] == "evict":
+            # Evict once idle (or at the grace's end): the Eviction API honours PodDisruptionBudgets.
+            left = []
+            for pod in pods:
+                if pod in idle or late:
+                    if not await self._evict(order, wait["namespace"], pod):
+                        left.append(pod)
+                else:
+                    left.append(pod)
+            if left and not late:
+                return {"wait": {**wait, "pods": left}}
+            if left:
+                raise ActuationError(f"node {wait['node']}: {', '.join(left)} could not be evicted within "
+                                     f"{self.settings.drain_grace:g}s (a PodDisruptionBudget refused)")
+            return {"cordoned": wait["node"], "evicted": pods, "waited_for_idle": not late}
+        if len(idle) < len(pods) and not late:
+            return {"wait": wait}
+        detail = {"drained": pods, "idle": len(idle) == len(pods), "waited_s": round(now - float(wait["deadline"])
+                                                                                   + self.settings.drain_grace, 1)}
+        if wait["then"] == "scale":
+            w = self.workloads[order.pool]
+            size = int(_dig(await self._read(w), KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
+            return {**await self._set_replicas(order, w, int(wait["replicas"]) // size), **detail}
+        for pod in pods:
+            await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod, pod,
+                             wait["namespace"], **self._writes())
+        return detail
+
+    async def _evict(self, order: Order, namespace: str, pod: str) -> bool:
+        """Evict one pod; False when a PodDisruptionBudget refuses it for now (HTTP 429)."""
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
+        if self.dry_run:
+            body["deleteOptions"] = {"dryRun": ["All"]}
+        try:
+            await asyncio.to_thread(self._core.create_namespaced_pod_eviction, pod, namespace, body,
+                                    _request_timeout=self._timeout)
+        except ApiException as exc:
+            if exc.status == 429:
+                log.info("eviction of %s/%s refused for now: %s", namespace, pod, _api_message(exc))
+                return False
+            if exc.status == 404:
+                return True  # already gone
+            raise ActuationError(f"evicting pod {namespace}/{pod}: {_api_message(exc)}") from None
+        return True
+
+    # events -----------------------------------------------------------------------------------------
+
+    async def _event(self, order: Order, w: Workload, note: str) -> None:
+        kind = KINDS[w.kind]
+        await self._record(order, w.namespace, {"apiVersion": kind.api_version, "kind": w.kind,
+                                                "namespace": w.namespace, "name": w.name}, note)
+
+    async def _pod_event(self, order: Order, namespace: str, pod: str, note: str) -> None:
+        await self._record(order, namespace, {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod},
+                           note)
+
+    async def _node_event(self, order: Order, node: str) -> None:
+        await self._record(order, "default", {"apiVersion": "v1", "kind": "Node", "name": node},
+                           "cordoned: its engines are evicted")
+
+    async def _record(self, order: Order, namespace: str, regarding: dict[str, Any], note: str) -> None:
+        """An Event on the object; a failure to record one never fails the action."""
+        now = datetime.datetime.fromtimestamp(self.clock(), tz=datetime.UTC)
+        body = {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"generateName": f"{CONTROLLER}-", "namespace": namespace},
+            "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"), "type": "Normal",
+            "reason": "".join(part.capitalize() for part in str(order.kind).split("_")),
+            "action": str(order.kind), "note": f"action {order.action_id}: {note}. {order.reason}"[:1024],
+            "regarding": regarding, "reportingController": f"{CONTROLLER}.io/controller",
+            "reportingInstance": self.instance[:128],
+        }
+        try:
+            await asyncio.to_thread(self._events.create_namespaced_event, namespace, body,
+                                    _request_timeout=self._timeout, **self._writes())
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            log.warning("could not record an Event for action %d: %s", order.action_id, exc)
+
+
+def _value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag VALUE` or `--flag=VALUE` in an argument list."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _without(args: Sequence[str], flag: str, *, bare: bool = False) -> list[str]:
+    """`args` without `--flag VALUE` and `--flag=VALUE` (or without a bare `--flag` when `bare`)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == flag:
+            skip = not bare
+            continue
+        if arg.startswith(flag + "="):
+            continue
+        out.append(arg)
+    return out
+
+
+class ConfigMapSwitch:
+    """The kill switch as a ConfigMap key, for operators with kubectl: `paused: "true"` stops acting."""
+
+    def __init__(self, api: k8s.ApiClient, flag: ConfigMapFlag, timeout: float = 10.0) -> None:
+        self._core = k8s.CoreV1Api(api)
+        self.flag = flag
+        self._timeout = (timeout, timeout)
+
+    async def paused(self) -> str | None:
+        f = self.flag
+        try:
+            raw = await asyncio.to_thread(self._core.read_namespaced_config_map, f.name, f.namespace,
+                                          _request_timeout=self._timeout, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None  # no ConfigMap, no flag
+            return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({_api_message(exc)}): not acting"
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({exc}): not acting"
+        value = str((json.loads(raw.data).get("data") or {}).get(f.key, "")).strip().lower()
+        return f"ConfigMap {f.namespace}/{f.name} has {f.key}: {value}" if value == "true" else None

@@ -1,0 +1,320 @@
+"""The Kubernetes actuator: the official client, unchanged, over HTTP against the API emulator.
+
+Every object it creates or patches, and every subresource body, is validated against the official
+OpenAPI schemas by the emulator (`apiserver.py`); each test ends by asserting none was invalid.
+Covers: scaling through the scale subresource (Deployment, LeaderWorkerSet with its gang), a
+drained scale-down of the least busy engines, engine arguments for EPLB and speculative decoding
+(other containers untouched, a stale resourceVersion retried, 422 and 403 surfaced), rollbacks
+(Deployment from its ReplicaSets, Argo Rollout abort), drain and replace, cordon with evictions a
+PodDisruptionBudget holds back, Events, the action annotation that stops a repeat, server-side
+dry run, slow and failing API calls, the ConfigMap kill switch, and the RBAC it needs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kmock
+import pytest
+from kubernetes import client
+
+from controlplane.actuators.base import Order
+from controlplane.actuators.kubernetes import ACTION_ANNOTATION, VERBS, ConfigMapSwitch, KubernetesActuator
+from controlplane.config import ConfigMapFlag, Kubernetes, Workload
+from controlplane.errors import ActuationError
+from policies.types import ActionKind, Change, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation
+from tests.controlplane.apiserver import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    EVENTS,
+    NODES,
+    PODS,
+    REPLICASETS,
+    ApiServer,
+)
+
+NS = "llm"
+LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
+ROLLOUTS = kmock.resource("argoproj.io", "v1alpha1", "rollouts")
+ARGS = ["--model", "/models/llama", "--port", "8000",
+        "--speculative-config", '{"method":"eagle","model":"/models/eagle","num_speculative_tokens":3}']
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_767_225_600.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def deployment(name: str = "vllm-decode", replicas: int = 3, args: list[str] | None = None) -> dict[str, Any]:
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NS, "annotations": {"deployment.kubernetes.io/revision": "2"}},
+        "spec": {
+            "replicas": replicas, "selector": {"matchLabels": labels},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+            "template": {"metadata": {"labels": {**labels, "llm-d.ai/routed": "true"}},
+                         "spec": {"containers": [
+                             {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "args": list(args or ARGS)},
+                             {"name": "sidecar", "image": "envoyproxy/envoy:v1.31", "args": ["--log-level", "info"]},
+                         ]}},
+        },
+        "status": {"replicas": replicas, "readyReplicas": replicas},
+    }
+
+
+def replica_set(dep: dict[str, Any], revision: int, image: str, created: str) -> dict[str, Any]:
+    name = dep["metadata"]["name"]
+    template = json.loads(json.dumps(dep["spec"]["template"]))
+    template["metadata"]["labels"]["pod-template-hash"] = f"h{revision}"
+    template["spec"]["containers"][0]["image"] = image
+    return {
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": f"{name}-h{revision}", "namespace": NS, "creationTimestamp": created,
+                     "labels": template["metadata"]["labels"],
+                     "annotations": {"deployment.kubernetes.io/revision": str(revision)},
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": name,
+                                          "uid": dep["metadata"]["uid"], "controller": True}]},
+        "spec": {"replicas": 0, "selector": {"matchLabels": template["metadata"]["labels"]}, "template": template},
+    }
+
+
+def pod(name: str, app: str = "vllm-decode", node: str = "gpu-node-1") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {"app": app, "llm-d.ai/routed": "true"}},
+            "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]}}
+
+
+def actuator(api: client.ApiClient, clock: Clock | None = None, **settings: Any) -> KubernetesActuator:
+    workloads = {"decode": Workload(kind="Deployment", namespace=NS, name="vllm-decode"),
+                 "prefill": Workload(kind="LeaderWorkerSet", namespace=NS, name="vllm-prefill"),
+                 "canary": Workload(kind="Rollout", namespace=NS, name="vllm-canary")}
+    router = Workload(kind="Deployment", namespace=NS, name="epp", container="epp")
+    config = Kubernetes(router=router, drain_grace=60.0, timeout=2.0, **settings)
+    return KubernetesActuator(api, config, workloads, clock=clock or Clock(), instance="fleet-controlplane-0")
+
+
+def order(kind: ActionKind, change: Change, pool: str = "decode", action_id: int = 7,
+          busy: dict[str, float] | None = None) -> Order:
+    return Order(action_id, kind, pool, change, "a test", busy=busy or {})
+
+
+def events(server: ApiServer) -> list[dict[str, Any]]:
+    return [dict(o.raw) for (r, _, _), o in server.objects.items() if r == EVENTS and not o.deleted]
+
+
+async def test_scale_up_through_the_scale_subresource_with_an_event(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    done = await actuator(api).carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4)))
+    assert done == {"scaled": "Deployment llm/vllm-decode", "replicas": 4}
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert dep is not None and dep["spec"]["replicas"] == 4
+    assert dep["metadata"]["annotations"][ACTION_ANNOTATION] == "7"
+    [event] = events(server)
+    assert event["regarding"]["name"] == "vllm-decode" and event["action"] == "scale_pool"
+    assert event["reason"] == "ScalePool" and "action 7: scaled to 4" in event["note"]
+
+
+async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiServer, api: client.ApiClient) -> None:
+    dep = server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(REPLICASETS, replica_set(dep, 1, "vllm/vllm-openai:v0.10.0", "2026-11-20T10:00:00Z"))
+    server.put(REPLICASETS, replica_set(dep, 2, "vllm/vllm-openai:v0.11.0", "2026-12-01T09:30:00Z"))
+    server.put(LWS, {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+                     "metadata": {"name": "vllm-prefill", "namespace": NS},
+                     "spec": {"replicas": 2, "leaderWorkerTemplate": {"size": 4},
+                              "rolloutStrategy": {"rollingUpdateConfiguration": {"maxUnavailable": 1}}},
+                     "status": {"readyReplicas": 1}})
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS},
+                          "spec": {"replicas": 2, "strategy": {"canary": {"maxUnavailable": 1}}},
+                          "status": {"readyReplicas": 2}})
+    epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    server.put(REPLICASETS, replica_set(epp, 5, "epp:v2", "2026-12-01T09:55:00Z"))
+    view = await actuator(api).observe()
+    assert view.pools["decode"].desired == view.pools["decode"].ready == 3
+    assert view.pools["decode"].max_unavailable == 1 and view.pools["decode"].gang == 1
+    assert (view.pools["prefill"].desired, view.pools["prefill"].ready, view.pools["prefill"].gang) == (8, 4, 4)
+    assert view.changed_at["decode"] == 1_796_117_400.0  # 2026-12-01T09:30:00Z, the newest ReplicaSet
+    assert view.changed_at["router"] == 1_796_118_900.0
+
+
+async def test_scale_down_drains_the_least_busy_engines_first(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    clock = Clock()
+    act = actuator(api, clock)
+    busy = {"vllm-decode-a": 5.0, "vllm-decode-b": 1.0, "vllm-decode-c": 9.0}
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy=busy)
+    first = await act.carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-b"] and first["wait"]["then"] == "scale"
+    victim = server.get(PODS, NS, "vllm-decode-b")
+    assert victim is not None and "llm-d.ai/routed" not in victim["metadata"]["labels"], "out of routing"
+    assert victim["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "-1000"
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 3  # type: ignore[index]
+    clock.t += 10
+    still = await act.resume(o, first["wait"], clock.t)  # it still has a request in flight
+    assert "wait" in still
+    idle = Order(o.action_id, o.kind, o.pool, o.change, o.reason, busy={**busy, "vllm-decode-b": 0.0})
+    done = await act.resume(idle, first["wait"], clock.t + 5)
+    assert done["replicas"] == 2 and done["idle"] is True and done["drained"] == ["vllm-decode-b"]
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+
+
+async def test_a_drain_that_does_not_go_idle_ends_at_the_grace(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=2))
+    server.put(PODS, pod("vllm-decode-a"))
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 3.0})
+    first = await act.carry_out(o)
+    clock.t += 61
+    done = await act.resume(o, first["wait"], clock.t)
+    assert done == {"drained": ["vllm-decode-a"], "idle": False, "waited_s": 61.0}
+    assert server.get(PODS, NS, "vllm-decode-a") is None, "deleted; its Deployment replaces it"
+
+
+async def test_engine_arguments_for_eplb_and_speculation(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    act = actuator(api)
+    done = await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), action_id=1))
+    assert done["eplb"] is True
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert dep is not None
+    vllm, sidecar = dep["spec"]["template"]["spec"]["containers"]
+    assert vllm["args"][-3:] == ["--enable-eplb", "--eplb-config",
+                                 '{"window_size":1000,"step_interval":3000,"num_redundant_experts":8}']
+    assert sidecar["args"] == ["--log-level", "info"], "other containers are untouched"
+    await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
+    args = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle", "model": "/models/eagle", "num_speculative_tokens": 2}
+    await act.carry_out(order(ActionKind.DISABLE_SPECULATION, Speculation(0), action_id=3))
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert "--speculative-config" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    # Off, and back on with the configuration it was switched off with (a revert).
+    await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(2), action_id=4))
+    args = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    assert json.loads(args[args.index("--speculative-config") + 1])["method"] == "eagle"
+    await act.carry_out(order(ActionKind.DISABLE_EPLB, Eplb(False), action_id=5))
+    args = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    assert "--enable-eplb" not in args and "--eplb-config" not in args and args[:4] == ARGS[:4]
+
+
+async def test_a_stale_read_is_retried_and_refusals_fail_with_the_apis_message(server: ApiServer,
+                                                                                api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    act = actuator(api)
+    server.fail("PATCH", "/deployments/vllm-decode", 409, "the object has been modified", times=2)
+    done = await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=1))
+    assert done["eplb"] is True  # third attempt, on a fresh read
+    server.fail("PATCH", "/deployments/vllm-decode", 422,
+                'Deployment.apps "vllm-decode" is invalid: spec.template.spec.containers[0].args: Too long')
+    with pytest.raises(ActuationError, match="HTTP 422.*is invalid: spec.template.spec.containers"):
+        await act.carry_out(order(ActionKind.DISABLE_EPLB, Eplb(False), action_id=2))
+    server.fail("PATCH", "/deployments/vllm-decode/scale", 403,
+                'deployments.apps "vllm-decode" is forbidden: User "system:serviceaccount:llm:fleet" cannot patch')
+    with pytest.raises(ActuationError, match="HTTP 403.*cannot patch"):
+        await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=3))
+    server.fail("PATCH", "/deployments/vllm-decode", 409, "modified", times=3)
+    with pytest.raises(ActuationError, match="kept changing under three attempts"):
+        await act.carry_out(order(ActionKind.DISABLE_EPLB, Eplb(False), action_id=4))
+
+
+async def test_server_errors_and_timeouts_are_retried_once(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    act = actuator(api)
+    server.fail("PATCH", "/deployments/vllm-decode/scale", 500, "etcdserver: request timed out")
+    assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=1)))["replicas"] == 4
+    server.slow("PATCH", "/deployments/vllm-decode/scale", 3.0, times=2)  # beyond the 2 s timeout, twice
+    with pytest.raises(ActuationError, match="Timeout"):
+        await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(5), action_id=2))
+
+
+async def test_rollback_of_a_deployment_restores_its_previous_template(server: ApiServer,
+                                                                       api: client.ApiClient) -> None:
+    epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    server.put(REPLICASETS, replica_set(epp, 4, "epp:v1-cache-aware", "2026-11-20T10:00:00Z"))
+    server.put(REPLICASETS, replica_set(epp, 5, "epp:v2-round-robin", "2026-12-01T09:55:00Z"))
+    done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("router"), pool="decode"))
+    assert done == {"rolled_back": "Deployment llm/epp", "to_revision": "4"}
+    template = server.get(DEPLOYMENTS, NS, "epp")["spec"]["template"]  # type: ignore[index]
+    assert template["spec"]["containers"][0]["image"] == "epp:v1-cache-aware"
+    assert "pod-template-hash" not in template["metadata"]["labels"]
+    with pytest.raises(ActuationError, match="no workload|no previous revision"):
+        server.put(DEPLOYMENTS, deployment())
+        await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("decode"), action_id=8))
+
+
+async def test_an_argo_rollout_is_aborted(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS}, "spec": {"replicas": 2}})
+    done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("canary"), pool="canary"))
+    assert done == {"aborted": "Rollout llm/vllm-canary"}
+    assert server.get(ROLLOUTS, NS, "vllm-canary")["status"]["abort"] is True  # type: ignore[index]
+
+
+async def test_cordon_evicts_once_the_budget_allows(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    server.put(PODS, pod("vllm-decode-a", node="gpu-node-1"))
+    server.put(PODS, pod("vllm-decode-b", node="gpu-node-2"))
+    server.pdb_blocks["vllm-decode-a"] = 1  # the PodDisruptionBudget holds it back once
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"))
+    first = await act.carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-a"]
+    assert server.get(NODES, None, "gpu-node-1")["spec"]["unschedulable"] is True  # type: ignore[index]
+    refused = await act.resume(o, first["wait"], clock.t + 1)  # idle, but the budget refuses
+    assert refused["wait"]["pods"] == ["vllm-decode-a"]
+    done = await act.resume(o, refused["wait"], clock.t + 2)
+    assert done == {"cordoned": "gpu-node-1", "evicted": ["vllm-decode-a"], "waited_for_idle": True}
+    assert server.get(PODS, NS, "vllm-decode-a") is None and server.get(PODS, NS, "vllm-decode-b") is not None
+
+
+async def test_the_action_annotation_stops_a_repeat(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    act = actuator(api)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=42)
+    assert await act.applied(o) is False
+    await act.carry_out(o)
+    assert await act.applied(o) is True
+    again = await act.carry_out(o)  # a new leader that cannot tell whether the old one got this far
+    assert again == {"already_applied": "Deployment llm/vllm-decode"}
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
+
+
+async def test_server_side_dry_run_changes_nothing(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    before = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    act = actuator(api, dry_run=True)
+    assert act.dry_run is True
+    await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4)))
+    await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True)))
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode") == before
+    assert events(server) == []
+    writes = [r for r in server if str(r.method.value) in ("PATCH", "POST")]
+    assert writes and all(r.params.get("dryRun") == "All" for r in writes)
+
+
+async def test_the_configmap_kill_switch(server: ApiServer, api: client.ApiClient) -> None:
+    switch = ConfigMapSwitch(api, ConfigMapFlag(namespace=NS, name="fleet-controlplane"))
+    assert await switch.paused() is None  # no ConfigMap: not paused
+    server.put(CONFIGMAPS, {"apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": "fleet-controlplane", "namespace": NS}, "data": {"paused": "True"}})
+    assert await switch.paused() == "ConfigMap llm/fleet-controlplane has paused: true"
+    server.fail("GET", "/configmaps/fleet-controlplane", 500, "etcd down")
+    reason = await switch.paused()
+    assert reason is not None and "cannot be read" in reason, "unknown state means not acting"
+
+
+def test_the_rbac_it_needs_is_what_it_calls() -> None:
+    """The verbs each call path uses are the ones VERBS lists (and the deploy base grants)."""
+    assert ("apps", "deployments/scale", "patch") in VERBS and ("", "pods/eviction", "create") in VERBS
+    assert not any(verb in ("*", "update", "deletecollection", "escalate", "bind") for _, _, verb in VERBS)
+    assert not any(resource == "secrets" for _, resource, _ in VERBS)

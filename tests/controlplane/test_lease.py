@@ -1,0 +1,111 @@
+"""Leadership through a Lease: the official client against the API emulator, Lease bodies validated.
+
+Two candidates share one Lease; each has its own clock, as two pods would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from controlplane.config import LeaderElection
+from controlplane.lease import LeaseLeadership
+from tests.controlplane.apiserver import LEASES, ApiServer
+
+NS = "fleet-system"
+SETTINGS = LeaderElection(namespace=NS, lease_duration=15, renew_deadline=10, retry_period=2)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def candidate(api: client.ApiClient, name: str, clock: Clock) -> LeaseLeadership:
+    return LeaseLeadership(api, SETTINGS, clock=clock, wall=lambda: 1_796_117_400.0, name=name, timeout=2.0)
+
+
+def lease(server: ApiServer) -> dict[str, Any]:
+    found = server.get(LEASES, NS, "fleet-controlplane")
+    assert found is not None
+    return dict(found)
+
+
+async def test_one_leads_the_other_takes_over_after_the_lease_duration(server: ApiServer,
+                                                                      api: client.ApiClient) -> None:
+    ca, cb = Clock(), Clock(5000.0)  # clocks need not agree
+    a, b = candidate(api, "a", ca), candidate(api, "b", cb)
+    assert await a.contend() is True  # creates the Lease
+    assert await b.contend() is False
+    assert lease(server)["spec"]["holderIdentity"] == "a"
+    for _ in range(5):  # a renews every retry period; b never gets it
+        ca.t += 2
+        cb.t += 2
+        assert await a.contend() is True
+        assert await b.contend() is False
+    # a stops (kill -9): nothing renews. b waits the full lease duration from when it last saw a change.
+    cb.t += 14
+    assert await b.contend() is False
+    cb.t += 2
+    assert await b.contend() is True
+    spec = lease(server)["spec"]
+    assert spec["holderIdentity"] == "b" and spec["leaseTransitions"] == 1
+    # a comes back (it was only paused): its renew deadline passed, so it no longer counts itself leader,
+    # and it sees b renewing.
+    ca.t += 30
+    assert a.leading() is False
+    assert await a.contend() is False
+
+
+async def test_a_leader_that_cannot_renew_steps_down_before_the_lease_expires(server: ApiServer,
+                                                                              api: client.ApiClient) -> None:
+    clock = Clock()
+    a = candidate(api, "a", clock)
+    assert await a.contend() is True
+    server.fail("GET", "/leases/fleet-controlplane", 500, "etcd timeout", times=10)
+    clock.t += 2
+    assert await a.contend() is True  # one failed renewal: still within renew_deadline
+    clock.t += 8
+    assert await a.contend() is False and a.leading() is False  # 10 s without a renewal: it stops acting
+    # ... before a follower may take the lease (15 s), so two never act at once.
+    assert SETTINGS.renew_deadline < SETTINGS.lease_duration
+
+
+async def test_of_two_candidates_racing_for_an_expired_lease_one_wins(server: ApiServer,
+                                                                      api: client.ApiClient) -> None:
+    old = candidate(api, "old", Clock())
+    assert await old.contend() is True
+    ca, cb = Clock(), Clock()
+    a, b = candidate(api, "a", ca), candidate(api, "b", cb)
+    assert await a.contend() is False and await b.contend() is False  # both see old
+    ca.t += 16
+    cb.t += 16
+    # Both read the expired lease at once (the reads are held back together), then both write with
+    # the version they read: the API server takes the first and refuses the second with a 409.
+    server.slow("GET", "/leases/fleet-controlplane", 0.3, times=2)
+    results = await asyncio.gather(a.contend(), b.contend())
+    assert sorted(results) == [False, True]
+    assert lease(server)["spec"]["holderIdentity"] == ("a" if results[0] else "b")
+    assert a.leading() + b.leading() == 1
+
+
+async def test_release_hands_over_at_once(server: ApiServer, api: client.ApiClient) -> None:
+    ca, cb = Clock(), Clock()
+    a, b = candidate(api, "a", ca), candidate(api, "b", cb)
+    assert await a.contend() is True
+    assert await b.contend() is False
+    await a.release()
+    assert a.leading() is False
+    assert "holderIdentity" not in lease(server)["spec"]
+    assert await b.contend() is True  # no lease duration to wait out
+
+
+def test_settings_that_would_let_two_replicas_act_at_once_are_refused() -> None:
+    with pytest.raises(ValueError, match="renew_deadline .* < lease_duration"):
+        LeaderElection(namespace=NS, lease_duration=10, renew_deadline=10, retry_period=2)
