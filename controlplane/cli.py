@@ -431,14 +431,23 @@ def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: boo
               help="Runs per scenario: variants with other seeds and trace windows 5 min apart.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw delays and false alarms per kind into this .png, .svg or .html file.")
+@click.option("--mode", type=click.Choice(["observe", "act"]), default="observe", show_default=True,
+              help="observe: detection against static rules; act: SLO-breach minutes acting against observing.")
 @click.option("--json", "as_json", is_flag=True)
-def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, plot: Path | None,
+def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, plot: Path | None, mode: str,
           as_json: bool) -> None:
-    """Detection delay, precision, recall and false alarms of the policies against static alert rules."""
+    """Detection delay, precision, recall and false alarms of the policies against static alert rules;
+    with --mode act, what acting achieves against observing on the same replays."""
     from controlplane.evaluation import evaluate
     from controlplane.sim.run import mmss
 
     workdir.mkdir(parents=True, exist_ok=True)
+    if mode == "act":
+        if plot is not None:
+            raise click.BadParameter("--plot draws detection figures; it does not apply to --mode act",
+                                     param_hint="--plot")
+        _eval_act(scenarios, workdir, jobs, repeats, as_json)
+        return
 
     def progress(name: str, result: Any) -> None:
         if result is None:
@@ -484,6 +493,35 @@ def eval_(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, pl
                   f"engine-hours; fault-free replays: {s['false_alarms_fault_free']})")
     out.print(f"median speed-up over the static rules: {fmt(summary['speedup_median'], '.1f')}x")
     # An evaluation reports; its goals are judged over many scenarios, so it does not gate by itself.
+    _goals(data, as_json, gate=False)
+
+
+def _eval_act(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int, as_json: bool) -> None:
+    from controlplane.evaluation_act import evaluate_acting
+
+    def progress(name: str, result: Any) -> None:
+        if result is None:
+            err.print(f"[bold]{name}[/] ...")
+        else:
+            err.print(f"  {name}: {result.breach_s / 60:.1f} min of SLO breach, {len(result.actions)} action(s) "
+                      f"in {result.wall_s:.0f} s")
+
+    data = evaluate_acting(list(scenarios) or None, workdir, progress, jobs, repeats).as_dict()
+    if as_json:
+        _emit_json(data)
+        return
+    t = Table(title="SLO-breach minutes during each fault: acting against observing, same replays")
+    for col in ("fault", "scenarios", "fault min", "breach min observing", "breach min acting", "ratio", "actions"):
+        t.add_column(col)
+    for row in data["faults"]:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        t.add_row(row["fault"], ", ".join(row["scenarios"]), f"{row['fault_min']:.0f}",
+                  f"{row['observe_breach_min']:.1f}", f"{row['act_breach_min']:.1f}", ratio,
+                  "\n".join(row["actions"]) or "none")
+    out.print(t)
+    for row in data["fault_free"]:
+        out.print(f"fault-free {row['scenario']}: {row['remedial_actions']} remedial action(s)"
+                  + (f" ({'; '.join(row['actions'])})" if row["actions"] else ""))
     _goals(data, as_json, gate=False)
 
 

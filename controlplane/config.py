@@ -27,6 +27,7 @@ from controlplane.errors import ConfigError
 from controlplane.selectors import LabelSelector
 from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
+from policies.inputs import StaleInputsSettings
 from policies.kv_transfer import KvTransferSettings
 from policies.prefix_cache import PrefixCacheSettings
 from policies.saturation import SaturationSettings
@@ -35,7 +36,7 @@ from policies.spec_decode import SpecDecodeSettings
 from policies.types import ActionKind
 
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
-                  | GpuHealthSettings | EpImbalanceSettings)
+                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings)
 
 __all__ = ["FleetConfig", "Mode", "Seconds", "load_config", "parse_config", "parse_yaml"]
 
@@ -238,6 +239,7 @@ class Policies(Settings):
     saturation: SaturationSettings = SaturationSettings()
     gpu_health: GpuHealthSettings = GpuHealthSettings()
     ep_imbalance: EpImbalanceSettings = EpImbalanceSettings()
+    stale_inputs: StaleInputsSettings = StaleInputsSettings()
 
     def enabled(self) -> dict[str, PolicySettings]:
         """The enabled sections by their fleet-file name."""
@@ -260,6 +262,8 @@ class Rails(Settings):
     # A proposal nobody decided on (or an approved action that could not run) expires after this:
     # an approval given hours later would act on a fleet nobody looked at.
     proposal_ttl: Seconds = 3600.0
+    # A watched gauge that held one non-zero value this long is not trusted to act on (0: never).
+    frozen_after: NonNegativeSeconds = 900.0
 
     def cooldown_for(self, kind: str) -> float:
         """The cooldown after an action of `kind` on a pool."""

@@ -30,6 +30,7 @@ from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
 from controlplane.telemetry import Telemetry
+from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
     FindingKey,
@@ -104,6 +105,8 @@ class ControlLoop:
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
         self._missing: dict[str, list[str]] = {}
+        # Per pool, this tick's inputs not fit to act on (a target down, a series absent), with why.
+        self._unfit: dict[str, dict[str, str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
         self.on_report: Callable[[TickReport], Awaitable[None]] | None = None
 
@@ -185,7 +188,7 @@ class ControlLoop:
         report = TickReport(ts=now)
         with self.telemetry.span("tick", ts=now):
             await self._observe(now, report)
-            pools = await self._pools()
+            pools = await self._pools(now)
             proposals = await self._detect(now, pools, report)
             await self._act(now, pools, proposals, report)
             await self._judge_outcomes(now, report)
@@ -221,6 +224,7 @@ class ControlLoop:
             report.signals = await self.store.write_signals(obs.signals)
         self.telemetry.signals_written.inc(report.signals)
         await self._record_targets(obs, now)
+        self._unfit = self._unfit_inputs(obs)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in obs.signals)
         self.windows.trim(now)
 
@@ -241,7 +245,29 @@ class ControlLoop:
         if changed:
             await self.store.record_targets(changed)
 
-    async def _pools(self) -> dict[str, PoolState]:
+    def _unfit_inputs(self, obs: Observation) -> dict[str, dict[str, str]]:
+        """What this tick's collection says cannot be trusted, per pool: by producer when a target is
+        down (twice in a row: one timeout is noise) or lacks an expected family, by signal when a
+        Prometheus query matches nothing."""
+        out: dict[str, dict[str, str]] = {}
+        for r in obs.results:
+            health = obs.health.get(r.target.key)
+            if not r.ok and (health is None or health.consecutive_failures >= 2):
+                out.setdefault(r.target.pool, {})[r.target.source] = \
+                    f"target {r.target.key} is down ({r.error or 'scrape failed'})"
+        everywhere = [p.name for p in self.config.pools]
+        for key, names in obs.missing.items():
+            head, _, rest = key.partition("/")
+            if head == "prometheus":
+                for pool in [rest.removeprefix("pool/")] if rest.startswith("pool/") else everywhere:
+                    for name in names:
+                        out.setdefault(pool, {})[name] = "no series match its Prometheus query"
+            else:
+                pool, pod, source = key.split("/", 2)
+                out.setdefault(pool, {})[source] = f"{pod} lacks {', '.join(names)}"
+        return out
+
+    async def _pools(self, now: float) -> dict[str, PoolState]:
         view = await self.actuator.observe()
         self.changed_at = dict(view.changed_at)
         out = {}
@@ -253,6 +279,8 @@ class ControlLoop:
                 min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
+                stale_inputs={**self._unfit.get(pool.name, {}),
+                              **frozen_inputs(self.windows, pool.name, now, self.config.rails.frozen_after)},
             )
         return out
 
@@ -285,7 +313,8 @@ class ControlLoop:
                                   evidence=dict(finding.evidence), updated_at=now)
                     open_rows[finding.key] = row
                     report.updated.append(row)
-                proposals.extend((row.id, p) for p in finding.proposals)
+                # A proposal rests on what its policy reads unless it says otherwise (the rails check them).
+                proposals.extend((row.id, p if p.inputs else replace(p, inputs=policy.reads)) for p in finding.proposals)
         self.telemetry.open_findings.clear()
         for f in open_rows.values():
             self.telemetry.open_findings.labels(f.kind, f.severity).inc()
@@ -328,6 +357,7 @@ class ControlLoop:
                 "verify_signal": proposal.verify_signal,
                 "verify_lower_is_better": proposal.verify_lower_is_better,
                 "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
+                "inputs": list(proposal.inputs),
             }
             if decision.target_replicas is not None:
                 params["replicas"] = decision.target_replicas

@@ -6,7 +6,8 @@ pool as it is then, since a person may approve minutes after the proposal and th
 moved. Both hold every kind of action to the same rules: the mode and the kill switch, what the
 actuator supports, one action in flight per pool, a pool that is still settling, a cooldown per
 pool and kind, one disruptive change (a restart of a pool's engines) in the whole fleet at a time,
-never more engines restarting at once than the pool allows, and a fleet-wide hourly rate limit.
+never more engines restarting at once than the pool allows, nothing resting on inputs that are
+stale now (`PoolState.stale_inputs`), and a fleet-wide hourly rate limit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+from catalog.signals import lookup
 from controlplane.actions import ACTIVE_STATES, ActionState
 from controlplane.config import Mode, Rails
 from policies.types import (
@@ -50,11 +52,12 @@ class RailsReason(StrEnum):
     PAUSED = "paused"  # the kill switch is on: nothing acts
     ROLLOUT_IN_FLIGHT = "rollout_in_flight"  # another pool's engines are restarting: one pool at a time
     BLAST_RADIUS = "blast_radius"  # the change would restart more engines at once than the pool allows
+    STALE_INPUTS = "stale_inputs"  # a signal it rests on is stale now (a target down, a series absent or frozen)
 
 
 # An approved action held back for one of these waits for a later tick; any other reason cancels it.
 WAIT_REASONS = frozenset({RailsReason.IN_FLIGHT, RailsReason.COOLDOWN, RailsReason.POOL_NOT_SETTLED,
-                          RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT})
+                          RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.STALE_INPUTS})
 
 # Kinds that restart or replace engines of a pool: the fleet rolls one pool at a time.
 DISRUPTIVE = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,
@@ -123,8 +126,20 @@ def _held(reason: RailsReason, note: str) -> RailsDecision:
     return RailsDecision(reason, None, note)
 
 
+def stale_among(inputs: Collection[str], stale: Mapping[str, str]) -> dict[str, str]:
+    """The entries of `stale` that `inputs` rest on: the signal itself, or a producer of it."""
+    out = {}
+    for name in inputs:
+        spec = lookup(name)
+        for key in (name, *(str(p) for p in (spec.producers if spec else ()))):
+            if key in stale:
+                out[key] = stale[key]
+    return out
+
+
 def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],
-           rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str]) -> RailsDecision | None:
+           rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str],
+           inputs: Collection[str] = ()) -> RailsDecision | None:
     """The rules every action passes, proposed or due: None when none holds it back."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
@@ -137,6 +152,10 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
     if pool.ready != pool.desired:
         return _held(RailsReason.POOL_NOT_SETTLED, f"{pool.name} has {pool.ready} of {pool.desired} replicas ready")
+    blocked = stale_among(inputs, pool.stale_inputs)
+    if blocked:
+        why = "; ".join(f"{k}: {v}" for k, v in sorted(blocked.items()))
+        return _held(RailsReason.STALE_INPUTS, f"the inputs of {kind} on {pool.name} are stale: {why}")
     # An action marked unknown (the process died while it ran) counts from when it was marked.
     last = max((a.finished_at for a in mine
                 if a.kind == kind and a.finished_at is not None and a.state not in _NO_COOLDOWN), default=None)
@@ -193,7 +212,7 @@ def check(
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {proposal.pool!r} is not in the fleet file")
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,
-                  now=now, unsettled=unsettled)
+                  now=now, unsettled=unsettled, inputs=proposal.inputs)
     if gate is not None:
         return gate
     recent = [a for a in history if now - a.created_at < 3600 and a.state not in _NEVER_RAN]
@@ -228,7 +247,7 @@ def recheck(
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
     others = [a for a in history if a is not action and getattr(a, "id", None) != action.id]
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
-                  unsettled=unsettled)
+                  unsettled=unsettled, inputs=action.params.get("inputs", ()))
     if gate is not None:
         return gate
     change = change_from_dict(action.params["change"])

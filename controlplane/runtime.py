@@ -29,6 +29,7 @@ from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 from policies.ep_imbalance import EpImbalance
 from policies.gpu_health import GpuHealth
+from policies.inputs import StaleInputs
 from policies.kv_transfer import KvTransferLag
 from policies.prefix_cache import PrefixCacheHitDrop
 from policies.saturation import Saturation
@@ -66,6 +67,7 @@ POLICIES: dict[str, Callable[[Any], Policy]] = {
     "saturation": Saturation,
     "gpu_health": GpuHealth,
     "ep_imbalance": EpImbalance,
+    "stale_inputs": StaleInputs,
 }
 
 

@@ -15,18 +15,22 @@ other code warns and proposes a cordon, to be safe. DCGM_FI_DEV_XID_ERRORS holds
 forever, so a new XID is seen as the code changing, the exporter's windowed count
 (DCGM_EXP_XID_ERRORS_COUNT) or its counter rising.
 
-The proposal is to cordon the node and drain its engines. The node's pool is known only from the
-settings' `node_pools` (hostname -> pool); without it the proposal names no pool, and the node
-is named in the reason and the evidence.
+The proposal is to cordon the node and drain its engines. The node's pool comes from the settings'
+`node_pools` (hostname -> pool), else from the engines that report now and whose pod maps to the
+node by `pod_host` (`{pool}`, `{pod}`, as in `ep_imbalance`); without either the proposal names no
+pool (and the rails hold it), and the node is named in the reason and the evidence. A GPU that did
+not report in the latest scrape is not judged: its node was replaced or cordoned already, and a
+cordon proposed from old points would chase a node that is gone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from catalog.settings import Problem, Seconds, Settings
 from policies.common import gone_findings, reported_since
@@ -57,6 +61,7 @@ REMAP_PENDING = "gpu_remapped_rows_uncorrectable"
 THERMAL = "gpu_thermal_violation_seconds_rate"
 POWER = "gpu_power_violation_seconds_rate"
 TEMPERATURE = "gpu_temperature_celsius"
+ENGINE_ALIVE = "requests_running"  # every engine reports it while it serves
 # Signals every GPU reports while its exporter runs: their absence means the GPU is gone.
 ALIVE = ("gpu_utilization", TEMPERATURE, "gpu_power_watts", "gpu_memory_used_bytes")
 WATCHED = (XID_LAST, XID_COUNT, XID_WINDOW, DBE, REMAP_FAILURE, REMAP_PENDING, THERMAL, POWER)
@@ -89,7 +94,16 @@ class GpuHealthSettings(Settings):
     resolve_points: int = Field(8, ge=1)  # consecutive unthrottled intervals to resolve
     fault_hold_s: Seconds = Field(3600.0, alias="fault_hold")  # a fault keeps the finding open this long after it was seen
     node_pools: dict[str, str] = Field(default_factory=dict)  # hostname -> pool running there, named by the cordon proposal
+    pod_host: str | None = None  # hostname of a pod's node from `{pool}` and `{pod}`, e.g. "node-{pod}"
     stale_s: Seconds = 900.0
+
+    @model_validator(mode="after")
+    def _pattern(self) -> GpuHealthSettings:
+        try:
+            (self.pod_host or "").format(pool="p", pod="q")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"pod_host may use only {{pool}} and {{pod}}: {exc}") from None
+        return self
 
     def problems(self, interval: float) -> list[Problem]:
         """Settings under which the detector could never judge at this scrape interval (none: it counts points)."""
@@ -108,7 +122,7 @@ class GpuHealth:
     """Detects failing or throttled GPUs and proposes cordoning their node."""
 
     kind = KIND
-    reads: tuple[str, ...] = (*WATCHED, *ALIVE)
+    reads: tuple[str, ...] = (*WATCHED, *ALIVE, ENGINE_ALIVE)
 
     def __init__(self, settings: GpuHealthSettings | None = None) -> None:
         self.settings = settings or GpuHealthSettings()
@@ -120,13 +134,17 @@ class GpuHealth:
         subjects: set[str] = set()
         for name in WATCHED:
             subjects.update(inp.windows.subjects(name, prefix="gpu/"))
+        names = (*ALIVE, *WATCHED)
+        newest = max((p[-1][0] for sub in subjects for n in names if (p := inp.windows.series(sub, n))), default=0.0)
+        current = max(newest, inp.now - s.stale_s)  # in the latest scrape, and not long ago
+        hosts = self._engine_hosts(inp.windows, current)
         for subject in sorted(subjects):
-            if not reported_since(inp.windows, subject, (*ALIVE, *WATCHED), inp.now - s.stale_s):
+            if not reported_since(inp.windows, subject, names, current):
                 continue
             key = FindingKey(KIND, subject)
             health = self._judge(inp, subject)
             if health.faults:
-                result.findings.append(self._report(subject, health))
+                result.findings.append(self._report(subject, health, hosts))
             elif key in inp.open_findings and self._throttle_clear(inp.windows, subject):
                 result.resolved.append((key, f"no fault for {s.fault_hold_s / 60:.0f} min and no throttling"))
         result.resolved += gone_findings(inp, KIND, (*ALIVE, *WATCHED), s.stale_s)
@@ -187,7 +205,18 @@ class GpuHealth:
                 return False
         return True
 
-    def _report(self, subject: str, health: _Health) -> FindingReport:
+    def _engine_hosts(self, w: SignalWindows, since: float) -> dict[str, str]:
+        """hostname -> pool of the engines reporting since `since`, through `pod_host`."""
+        if self.settings.pod_host is None:
+            return {}
+        out = {}
+        for sub in w.subjects(ENGINE_ALIVE, prefix="engine/"):
+            if w.series(sub, ENGINE_ALIVE, since=since):
+                _, pool, pod, _rank = sub.split("/", 3)
+                out[self.settings.pod_host.format(pool=pool, pod=pod)] = pool
+        return out
+
+    def _report(self, subject: str, health: _Health, hosts: Mapping[str, str]) -> FindingReport:
         s = self.settings
         _, host, *rest = subject.split("/")
         gpu = "/".join(rest)
@@ -213,11 +242,13 @@ class GpuHealth:
         }
         proposals: tuple[Proposal, ...] = ()
         if health.cordon:
-            pool = s.node_pools.get(host, "")
+            pool = s.node_pools.get(host) or hosts.get(host, "")
             proposals = (Proposal(ActionKind.CORDON_NODE, pool, Cordon(host),
                                   f"cordon node {host} and drain its engines ({main.value} on GPU {gpu}): "
                                   f"kubectl cordon {host}; kubectl drain {host} --ignore-daemonsets "
-                                  "--delete-emptydir-data"),)
+                                  "--delete-emptydir-data",
+                                  # It rests on the GPU's own signals: the engine's /metrics may be down with it.
+                                  inputs=(*WATCHED, *ALIVE)),)
         evidence["suggested_actions"] = [p.reason for p in proposals]
         text = "; ".join(f"{f.value}: {d}" for f, d in health.faults.items()) + "."
         if not health.cordon:

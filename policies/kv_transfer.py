@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from catalog.settings import Problem, Seconds, Settings, least_window
+from policies.common import gone_findings, reported_since
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -70,6 +71,7 @@ class KvTransferSettings(Settings):
     min_peers: int = Field(2, ge=1)
     failure_share_critical: float = Field(0.05, gt=0, le=1)  # failed share of transfers that makes it critical
     bandwidth_drop: float = Field(0.5, gt=0, lt=1)  # with sizes that vary, a slow tail needs bandwidth at half its baseline
+    stale_s: Seconds = 900.0  # an open finding whose path stopped reporting this long resolves
 
     def problems(self, interval: float) -> list[Problem]:
         """Settings under which the detector could never judge at this scrape interval."""
@@ -94,13 +96,22 @@ class KvTransferLag:
         for path in PATHS:
             subjects = sorted(set(inp.windows.subjects(path.p99, prefix=path.prefix))
                               | set(inp.windows.subjects(path.failures, prefix=path.prefix)))
+            names = (path.p99, path.failures)
+            newest = max((p[-1][0] for s in subjects for n in names if (p := inp.windows.series(s, n))), default=None)
             for subject in subjects:
                 key = FindingKey(KIND, subject)
+                if newest is None or not reported_since(inp.windows, subject, names,
+                                                        max(newest, inp.now - self.settings.stale_s)):
+                    # Not in the latest scrape (a drained worker, a missed scrape): its old points say
+                    # nothing about now, and a drain proposed from them would chase a pod that is gone.
+                    continue
                 report = self._judge(inp, path, subject, subjects, key in inp.open_findings)
                 if report is not None:
                     result.findings.append(report)
                 elif key in inp.open_findings and self._healthy(inp, path, subject, inp.open_findings[key].evidence):
                     result.resolved.append((key, "transfer tail and failures back to normal"))
+            result.resolved += [r for r in gone_findings(inp, KIND, names, self.settings.stale_s)
+                                if r[0].subject.startswith(path.prefix)]
         return result
 
     def _baseline(self, inp: PolicyInput, path: PathSignals, subject: str) -> tuple[float, float] | None:

@@ -204,6 +204,7 @@ class Proposal:
     reason: str
     verify_signal: str | None = None  # pool signal expected to improve once the action took effect
     verify_lower_is_better: bool = True
+    inputs: tuple[str, ...] = ()  # the signals it rests on (the loop fills in the policy's `reads` when empty)
 
     def __post_init__(self) -> None:
         if not isinstance(self.change, CHANGES[self.kind]):
@@ -255,6 +256,8 @@ class PoolState:
     tpot_p95_slo: float | None = None
     max_unavailable: int | None = None  # engines a rollout of a new pod template may restart at once
     gang: int = 1  # engines restarted together (a LeaderWorkerSet group) when any one is
+    # Inputs not fit to act on now, by signal name or producer (`vllm`, `dcgm`, ...), with why (see policies.inputs).
+    stale_inputs: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -238,11 +238,12 @@ class KubernetesActuator:
         return sorted(mine, key=lambda rs: int(_dig(rs, ("metadata", "annotations", REVISION), 0) or 0), reverse=True)
 
     async def _revision_time(self, w: Workload, obj: Mapping[str, Any]) -> float | None:
-        """When the workload's current revision was created (Deployments: its newest ReplicaSet)."""
+        """When the workload's current revision replaced another (Deployments: its newest ReplicaSet, when
+        there is an older one; a first revision is no change)."""
         if w.kind != "Deployment":
             return None
         sets = await self._replica_sets(w, obj)
-        stamp = _dig(sets[0], ("metadata", "creationTimestamp")) if sets else None
+        stamp = _dig(sets[0], ("metadata", "creationTimestamp")) if len(sets) >= 2 else None
         if not stamp:
             return None
         return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()

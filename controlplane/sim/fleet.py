@@ -174,7 +174,8 @@ class SimFleet:
         self.router_kind = RouterKind(spec.router)
         # The router is a workload with revisions: a config push is a new one, a rollback restores the last.
         self.router_revisions: list[tuple[float, RouterKind]] = [(now, self.router_kind)]
-        self.changed_at: dict[str, float] = {"router": now, **{p.name: now for p in spec.pools}}
+        # When a workload last got a new revision; the first one is not a change, so nothing is listed yet.
+        self.changed_at: dict[str, float] = {}
         # Traffic knobs the scenarios turn.
         self.prompt_generation = 0  # bump for a new set of system prompts
         self.prompt_scale = 1.0  # longer prompts: KV pressure

@@ -28,6 +28,7 @@ from controlplane.sim.routing import RouterKind
 from controlplane.sim.speculation import SpecConfig
 from controlplane.sim.traces import Request, TraceFormat, read_trace, shipped_trace, trace_format
 from policies.ep_imbalance import EpImbalanceSettings
+from policies.gpu_health import GpuHealthSettings
 
 __all__ = ["FAULT_KINDS", "Fault", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
 
@@ -251,7 +252,8 @@ class Scenario(Settings):
         pools = [Pool(name=p.name, role=p.role, model=self.fleet.model, slo=p.slo,
                       replicas=Replicas(min=1, max=p.max_replicas or p.replicas * 2)) for p in self.fleet.pools]
         # Each simulated engine has a node of its own, named after it (see exporters.node_of).
-        policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"))
+        policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"),
+                            gpu_health=GpuHealthSettings(pod_host="node-{pod}"))
         return FleetConfig(mode=Mode(mode), store=Store(url=db_url), pools=pools, policies=policies,
                            scrape=Scrape(interval=self.scrape_interval, timeout=2.0, spread=0.0),
                            rails=Rails(cooldown=600.0, max_step=1, max_actions_per_hour=6, verify_after=600.0))

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from collectors.types import ScrapeResult, Target, TargetHealth
 from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
@@ -27,6 +28,7 @@ from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewAction
 from controlplane.telemetry import Telemetry
+from policies.inputs import StaleInputs
 from policies.types import (
     ActionKind,
     FindingKey,
@@ -48,14 +50,25 @@ rails: {{cooldown: 60s, proposal_ttl: 10m, verify_after: 5m}}
 
 
 class NoMetrics:
+    """No signals; `down` makes the pool's one vLLM target fail its scrapes."""
+
+    def __init__(self) -> None:
+        self.down = 0  # consecutive failures so far
+
     async def observe(self, now: float) -> Observation:
-        return Observation()
+        if not self.down:
+            return Observation()
+        target = Target(url="http://prefill-0:8000/metrics", pool="prefill", pod="prefill-0")
+        self.down += 1
+        return Observation(results=[ScrapeResult(target, now, ok=False, error="connection refused")],
+                           health={target.key: TargetHealth(consecutive_failures=self.down - 1)})
 
 
 class Asks:
     """A policy that, while `on`, keeps a finding open that asks for one more prefill replica."""
 
     kind = "test"
+    reads = ("requests_waiting",)
 
     def __init__(self) -> None:
         self.on = False
@@ -102,10 +115,11 @@ class Pools:
         return self.already
 
 
-def make_loop(mode: Mode, store: MemoryStore, pools: Pools, clock: VirtualClock, policy: Asks) -> ControlLoop:
+def make_loop(mode: Mode, store: MemoryStore, pools: Pools, clock: VirtualClock, policy: Asks,
+              source: NoMetrics | None = None) -> ControlLoop:
     cfg = parse_config(FLEET.format(mode=mode))
-    return ControlLoop(config=cfg, source=NoMetrics(), store=store, policies=[policy], actuator=pools, clock=clock,
-                       telemetry=Telemetry())
+    return ControlLoop(config=cfg, source=source or NoMetrics(), store=store, policies=[policy, StaleInputs()],
+                       actuator=pools, clock=clock, telemetry=Telemetry())
 
 
 @pytest.fixture
@@ -273,3 +287,22 @@ async def test_a_follower_acts_on_nothing(clock: VirtualClock) -> None:
     loop.leading = lambda: True
     await tick(loop, clock)
     assert pools.calls == [4]
+
+
+async def test_nothing_acts_on_a_pool_whose_target_is_down(clock: VirtualClock) -> None:
+    store, pools, policy, source = MemoryStore(), Pools(), Asks(), NoMetrics()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy, source)
+    source.down = 1
+    await tick(loop, clock)  # one failed scrape is noise
+    assert [f.kind for f in await store.open_findings()] == []
+    await tick(loop, clock)
+    [stale] = await store.open_findings()
+    assert stale.kind == "stale_inputs" and "prefill/prefill-0/vllm is down (connection refused)" in stale.cause
+    policy.on = True  # the pool seems to need more replicas, but its numbers cannot be trusted
+    report = await loop.tick()
+    assert pools.calls == [] and await store.actions() == []
+    assert [reason for _, reason, _ in report.held] == ["stale_inputs"]
+    source.down = 0
+    await tick(loop, clock)
+    assert pools.calls == [4]
+    assert [f.kind for f in await store.open_findings()] == ["test"], "the stale finding resolved"

@@ -134,6 +134,8 @@ async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiSer
                           "status": {"readyReplicas": 2}})
     epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
     server.put(REPLICASETS, replica_set(epp, 5, "epp:v2", "2026-12-01T09:55:00Z"))
+    assert "router" not in (await actuator(api).observe()).changed_at, "a first revision is no change"
+    server.put(REPLICASETS, replica_set(epp, 4, "epp:v1", "2026-11-30T09:00:00Z"))
     view = await actuator(api).observe()
     assert view.pools["decode"].desired == view.pools["decode"].ready == 3
     assert view.pools["decode"].max_unavailable == 1 and view.pools["decode"].gang == 1

@@ -160,6 +160,7 @@ def test_reason_spellings_are_stable() -> None:
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
         "rate_limited", "pool_not_settled", "not_supported", "stale", "paused", "rollout_in_flight", "blast_radius",
+        "stale_inputs",
     ]
 
 
@@ -230,3 +231,29 @@ def test_unknown_and_finished_actions_in_the_history(state: str, cools: bool, co
     elsewhere = [Past("decode", state, NOW - 120 * i, NOW - 60 * i) for i in range(1, 4)]
     decision = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=elsewhere, now=NOW)
     assert decision.reason is (RailsReason.RATE_LIMITED if counts else RailsReason.ALLOWED)
+
+
+@pytest.mark.parametrize(
+    ("stale", "inputs", "held"),
+    [
+        pytest.param({"vllm": "target prefill/p-1/vllm is down"}, ("requests_waiting",), True, id="producer-down"),
+        pytest.param({"requests_waiting": "p-1 has been 7 for 16 min"}, ("requests_waiting",), True, id="frozen"),
+        pytest.param({"ttft_p95": "no series match"}, ("ttft_{q}", "requests_waiting"), False,
+                     id="a-family-name-is-not-its-member"),
+        pytest.param({"vllm": "target prefill/p-1/vllm is down"}, ("gpu_xid_last",), False,
+                     id="dcgm-signals-go-on-while-vllm-is-down"),
+        pytest.param({"dcgm": "target prefill/node-1/dcgm is down"}, ("gpu_xid_last",), True, id="dcgm-down"),
+        pytest.param({}, ("requests_waiting",), False, id="fresh"),
+    ],
+)
+def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tuple[str, ...], held: bool) -> None:
+    state = PoolState("prefill", "prefill", 3, 3, 2, 6, stale_inputs=stale)
+    proposal = Proposal(ActionKind.SCALE_POOL, "prefill", ScaleBy(1), "test", inputs=inputs)
+    reason, change = decide(proposal, state)
+    assert (reason is RailsReason.STALE_INPUTS) is held
+    if held:
+        assert change is None and RailsReason.STALE_INPUTS in WAIT_REASONS
+        due = Due(1, "scale_pool", "prefill", "approved", NOW - 10, None,
+                  {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3, "inputs": list(inputs)})
+        again = recheck(due, state, mode=Mode.ACT, rails=RAILS, history=[], now=NOW, supported=ALL_KINDS)
+        assert again.reason is RailsReason.STALE_INPUTS and "stale" in again.note, "an approved action waits too"

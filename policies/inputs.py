@@ -1,0 +1,71 @@
+"""Inputs fit to act on: a pool's targets down, expected series absent, gauges that stopped changing.
+
+The loop gathers what the collection says about each pool's inputs into `PoolState.stale_inputs`
+(keys: a signal name, or a producer such as `vllm` or `dcgm` when a whole target is down), adding
+`frozen_inputs` from this module; the rails hold back every action resting on a stale input, and
+`StaleInputs` keeps a finding open per pool meanwhile, so a person sees why nothing acts. Acting on
+a wrong number is worse than not acting: llm-d's autoscaler once held scale-down shut for hours on
+an in-flight series that no longer changed.
+"""
+
+from __future__ import annotations
+
+from catalog.settings import Settings
+from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
+from policies.windows import SignalWindows
+
+__all__ = ["FROZEN_WATCH", "KIND", "StaleInputs", "StaleInputsSettings", "frozen_inputs"]
+
+KIND = "stale_inputs"
+# Gauges that move while an engine serves: one held at the same non-zero value for long is a
+# broken exporter or a stuck engine, not a steady fleet.
+FROZEN_WATCH = ("requests_running", "requests_waiting", "kv_cache_usage")
+
+
+def frozen_inputs(windows: SignalWindows, pool: str, now: float, after: float) -> dict[str, str]:
+    """Watched gauges of `pool`'s engines that held one non-zero value for `after` seconds, with why."""
+    if after <= 0:
+        return {}
+    out: dict[str, str] = {}
+    for name in FROZEN_WATCH:
+        for subject in sorted(windows.subjects(name, prefix=f"engine/{pool}/")):
+            points = windows.series(subject, name, since=now - after)
+            if len(points) < 3 or points[-1][0] - points[0][0] < 0.8 * after:
+                continue  # too short a history to call it frozen
+            value = points[-1][1]
+            if value != 0 and all(v == value for _, v in points):
+                out[name] = f"{name} of {subject} has been {value:g} for {(points[-1][0] - points[0][0]) / 60:.0f} min"
+                break
+    return out
+
+
+class StaleInputsSettings(Settings):
+    """`policies.stale_inputs` in the fleet file; when it counts as frozen is `rails.frozen_after`."""
+
+    enabled: bool = True
+
+    def problems(self, interval: float) -> list[tuple[str, str]]:
+        return []
+
+
+class StaleInputs:
+    """A finding per pool whose inputs are stale, open while they are."""
+
+    kind = KIND
+    reads: tuple[str, ...] = FROZEN_WATCH
+
+    def __init__(self, settings: StaleInputsSettings | None = None) -> None:
+        self.settings = settings or StaleInputsSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        result = PolicyResult()
+        for name, pool in sorted(inp.pools.items()):
+            key = FindingKey(KIND, f"pool/{name}")
+            if pool.stale_inputs:
+                reasons = "; ".join(f"{k}: {v}" for k, v in sorted(pool.stale_inputs.items()))
+                result.findings.append(FindingReport(
+                    key, Severity.WARNING, f"{name}: inputs stale, actions resting on them are held",
+                    reasons, {"inputs": dict(pool.stale_inputs)}, "stale-inputs"))
+            elif key in inp.open_findings:
+                result.resolved.append((key, "its inputs are fresh again"))
+        return result

@@ -1,0 +1,47 @@
+"""Inputs fit to act on: frozen gauges, and the finding that says why a pool's actions are held."""
+
+from __future__ import annotations
+
+from policies.inputs import StaleInputs, frozen_inputs
+from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState, Severity
+from policies.windows import SignalWindows
+
+NOW = 100_000.0
+
+
+def windows(values: list[float], name: str = "requests_running", pod: str = "decode-0", step: float = 15.0
+            ) -> SignalWindows:
+    w = SignalWindows(3 * 3600)
+    start = NOW - step * (len(values) - 1)
+    w.extend((start + i * step, f"engine/decode/{pod}/0", name, v) for i, v in enumerate(values))
+    return w
+
+
+def test_a_gauge_held_at_one_non_zero_value_is_frozen() -> None:
+    frozen = frozen_inputs(windows([7.0] * 61), "decode", NOW, after=900)
+    assert frozen == {"requests_running": "requests_running of engine/decode/decode-0/0 has been 7 for 15 min"}
+
+
+def test_a_moving_an_idle_or_a_short_series_is_not() -> None:
+    assert frozen_inputs(windows([7.0] * 60 + [8.0]), "decode", NOW, after=900) == {}
+    assert frozen_inputs(windows([0.0] * 61), "decode", NOW, after=900) == {}, "an idle engine reads 0 steadily"
+    assert frozen_inputs(windows([7.0] * 20), "decode", NOW, after=900) == {}, "5 minutes say nothing yet"
+    assert frozen_inputs(windows([7.0] * 61), "prefill", NOW, after=900) == {}, "another pool's engines"
+    assert frozen_inputs(windows([7.0] * 61), "decode", NOW, after=0) == {}, "switched off"
+
+
+def state(stale: dict[str, str]) -> PoolState:
+    return PoolState("decode", "decode", 3, 3, 1, 6, stale_inputs=stale)
+
+
+def test_the_finding_names_each_stale_input_and_resolves_when_all_are_fresh() -> None:
+    policy = StaleInputs()
+    key = FindingKey("stale_inputs", "pool/decode")
+    stale = {"vllm": "target decode/decode-1/vllm is down (timeout)", "kv_cache_usage": "frozen"}
+    result = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(stale)}, {}))
+    [finding] = result.findings
+    assert finding.key == key and finding.severity is Severity.WARNING and finding.proposals == ()
+    assert finding.evidence == {"inputs": stale} and "decode-1/vllm is down" in finding.cause
+    open_ = {key: OpenFinding(key, NOW - 60, {})}
+    result = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state({})}, open_))
+    assert result.findings == [] and result.resolved == [(key, "its inputs are fresh again")]
