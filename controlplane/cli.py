@@ -141,7 +141,8 @@ def db_current(db: str, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--db", default=None, help="Override the fleet file's store URL.")
+@click.option("--db", envvar="FLEETCTL_STORE_URL", default=None,
+              help="Override the fleet file's store URL; env FLEETCTL_STORE_URL (a Secret in the cluster).")
 @click.option("--once", is_flag=True, help="Run one tick and exit (for checks).")
 def run(config_file: Path, db: str | None, once: bool) -> None:
     """Run the control plane: the loop plus /metrics, /healthz and /readyz."""

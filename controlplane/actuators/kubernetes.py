@@ -6,10 +6,11 @@ the router's, to the engine pods and their nodes, and Events about what it did; 
 know the pools' replicas and the workloads' revisions. It must not scrape, detect or decide: the
 loop chose the change and its target, the rails allowed it; this only carries it out.
 
-What it needs, and nothing more (`deploy/base/rbac.yaml`, checked against `VERBS` by a test): get
-and patch on the workloads and their `scale` subresource, list on ReplicaSets, patch on a Rollout's
-status (to abort it), get, list, patch and delete on pods, create on `pods/eviction`, get and patch
-on nodes, create on Events, get on its ConfigMap (the kill switch).
+What it needs, and nothing more (`VERBS`; `deploy/base/rbac.yaml` grants exactly that, and the
+emulator tests fail on any call outside it): get and patch on the workloads, patch on their `scale`
+subresource, list on ReplicaSets, patch on a Rollout's status (to abort it), list, patch and delete
+on pods, create on `pods/eviction`, patch on nodes, create on Events, get on its ConfigMap (the
+kill switch).
 
 How: scaling goes through the scale subresource. Scaling down drains first: the least busy engines
 are taken out of routing (their `routing_label` removed), given the lowest

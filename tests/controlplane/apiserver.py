@@ -90,6 +90,18 @@ def _status(code: int, message: str, reason: str = "") -> aiohttp.web.Response:
     return aiohttp.web.json_response(body, status=code)
 
 
+def rbac_of(request: kmock.Request) -> tuple[str, str, str] | None:
+    """The RBAC (API group, resource[/subresource], verb) a request needs; None for non-resource paths."""
+    if request.resource is None:
+        return None
+    resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    method = str(request.method.value)
+    verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method)
+    if verb is None:
+        verb = "get" if request.name is not None else "watch" if request.params.get("watch") == "true" else "list"
+    return request.resource.group or "", resource, verb
+
+
 def _labels_match(obj: dict[str, Any], selector: str) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     for clause in filter(None, selector.split(",")):

@@ -1,0 +1,100 @@
+"""The deploy base (`deploy/base`): every manifest valid against the official schemas, the RBAC
+exactly what the control plane calls, and the pieces agreeing with each other and with the code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from controlplane.actuators.kubernetes import VERBS
+from controlplane.config import parse_config
+from controlplane.lease import LEASE_VERBS
+from controlplane.rules_export import build_manifest
+from controlplane.telemetry import Telemetry
+
+BASE = Path(__file__).resolve().parents[1] / "deploy" / "base"
+K8S_VERSION = kubernetes_validate.latest_version()
+CUSTOM = {"monitoring.coreos.com/v1"}  # Prometheus Operator's resources: checked below field by field
+
+
+def documents() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    return [doc for name in kustomization["resources"] for doc in yaml.safe_load_all((BASE / name).read_text()) if doc]
+
+
+def one(kind: str, name: str | None = None) -> dict[str, Any]:
+    [doc] = [d for d in documents() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    return doc
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_every_manifest_is_valid(doc: dict[str, Any]) -> None:
+    if doc["apiVersion"] in CUSTOM:
+        assert doc["kind"] in ("ServiceMonitor", "PrometheusRule") and doc["spec"]
+        return
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_rbac_grants_exactly_the_calls_it_makes() -> None:
+    granted: set[tuple[str, str, str]] = set()
+    where: dict[tuple[str, str, str], set[str]] = {}
+    for doc in documents():
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        for rule in doc["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        granted.add((group, resource, verb))
+                        where.setdefault((group, resource, verb), set()).add(doc["metadata"].get("namespace", "*"))
+    assert granted == VERBS | LEASE_VERBS
+    assert where[("", "nodes", "patch")] == {"*"}, "nodes are cluster-scoped: the one ClusterRole rule"
+    assert all(ns != "*" for key, nss in where.items() if key[1] != "nodes" for ns in nss), "nothing else cluster-wide"
+    assert not any(resource == "secrets" for _, resource, _ in granted)
+    bindings = [d for d in documents() if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    roles = {(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in documents()
+             if d["kind"] in ("Role", "ClusterRole")}
+    for b in bindings:
+        assert (b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace")) in roles
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "fleet-controlplane", "namespace": "fleet-system"}]
+
+
+def test_the_fleet_file_fits_the_manifests() -> None:
+    config = parse_config(one("ConfigMap", "fleet-controlplane-config")["data"]["fleet.yaml"])
+    k = config.kubernetes
+    assert k is not None and k.leader_election is not None and k.switch is not None
+    lease = one("Lease")
+    assert (k.leader_election.namespace, k.leader_election.name) == (lease["metadata"]["namespace"],
+                                                                     lease["metadata"]["name"])
+    switch = one("ConfigMap", k.switch.name)
+    assert switch["metadata"]["namespace"] == k.switch.namespace and k.switch.key in switch["data"]
+    engines = {d["metadata"]["namespace"] for d in documents() if d["kind"] == "Role"
+               and any("pods/eviction" in r["resources"] for r in d["rules"])}
+    assert {p.workload.namespace for p in config.pools if p.workload} == engines == {config.discovery.namespace}
+    deployment = one("Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 2 and spec["serviceAccountName"] == "fleet-controlplane"
+    [container] = spec["containers"]
+    assert container["ports"] == [{"name": "metrics", "containerPort": config.server.port}]
+    assert config.server.host == "0.0.0.0", "probes and Prometheus reach it through the pod IP"
+
+
+def test_prometheus_finds_the_control_plane_and_its_rules_are_the_export() -> None:
+    service, monitor = one("Service"), one("ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    assert one("PrometheusRule", "fleet-controlplane-rules") == build_manifest(namespace="fleet-system")
+    names = {m.name for m in Telemetry().registry.collect()}
+    for rule in (r for g in one("PrometheusRule", "fleet-controlplane-self")["spec"]["groups"] for r in g["rules"]):
+        metrics = {w for w in rule["expr"].replace("(", " ").replace(")", " ").split() if w.startswith("fleet_")}
+        assert metrics and all(m.split("{")[0].removesuffix("_total") in names for m in metrics), rule["alert"]
