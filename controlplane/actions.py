@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import StrEnum
 
-__all__ = ["ACTIVE_STATES", "FINISHED_STATES", "TRANSITIONS", "ActionState", "IllegalTransition", "check_transition"]
+__all__ = ["ACTIVE_STATES", "FINISHED_STATES", "SCORED_STATES", "TRANSITIONS", "ActionState", "IllegalTransition",
+           "check_transition"]
 
 
 class ActionState(StrEnum):
-    """proposed -> approved -> started -> succeeded | failed | unknown | dry_run; or rejected, expired, cancelled."""
+    """proposed -> approved -> started -> succeeded | failed | unknown | dry_run; or rejected, expired,
+    cancelled; or advisory (observe mode)."""
 
     PROPOSED = "proposed"  # awaiting a person's approval (propose mode), or the rails' own (act mode)
     APPROVED = "approved"  # may run; the rails check it again when it does
@@ -26,14 +28,20 @@ class ActionState(StrEnum):
     FAILED = "failed"  # the actuator refused or raised; its message is kept
     UNKNOWN = "unknown"  # the process stopped while it ran; never retried blindly
     DRY_RUN = "dry_run"  # a dry-run actuator carried it out: nothing on the fleet changed
+    ADVISORY = "advisory"  # observe mode: what `act` would have done now; never run, scored all the same
 
 
 # Not finished yet: the rails treat these as in flight, and the database allows one per pool and kind.
 ACTIVE_STATES = frozenset({ActionState.PROPOSED, ActionState.APPROVED, ActionState.STARTED})
 FINISHED_STATES = frozenset(ActionState) - ACTIVE_STATES
+# Finished actions whose outcome is judged after `rails.verify_after`: what was done, and what would
+# have been (advisories, rejected and expired proposals: did the signal recover without it?), so a
+# team sees how good the decisions are before it lets the control plane act.
+SCORED_STATES = frozenset({ActionState.SUCCEEDED, ActionState.ADVISORY, ActionState.REJECTED, ActionState.EXPIRED})
 
 TRANSITIONS: dict[ActionState, frozenset[ActionState]] = {
-    ActionState.PROPOSED: frozenset({ActionState.APPROVED, ActionState.REJECTED, ActionState.EXPIRED}),
+    ActionState.PROPOSED: frozenset({ActionState.APPROVED, ActionState.REJECTED, ActionState.EXPIRED,
+                                     ActionState.ADVISORY}),
     ActionState.APPROVED: frozenset({ActionState.STARTED, ActionState.EXPIRED, ActionState.CANCELLED}),
     ActionState.STARTED: frozenset({ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN,
                                     ActionState.DRY_RUN}),

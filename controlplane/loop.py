@@ -21,7 +21,7 @@ from collectors.types import TargetHealth
 from controlplane.actions import ActionState
 from controlplane.actuators.base import Actuator, Order
 from controlplane.clock import Clock
-from controlplane.config import FleetConfig
+from controlplane.config import FleetConfig, Mode
 from controlplane.errors import ActionConflict, ActuationError, FleetError
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
@@ -343,9 +343,12 @@ class ControlLoop:
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - max(3600.0, rails.cooldown))
         paused = await self.switch.paused()
+        # Observe mode keeps an advisory record of what `act` would have done, judged like real actions.
+        advisory = mode is Mode.OBSERVE
         for finding_id, proposal in proposals:
-            decision = check(proposal, pools.get(proposal.pool), mode=mode, rails=rails, history=history, now=now,
-                             supported=self.actuator.kinds, paused=paused, unsettled=_unsettled(pools))
+            decision = check(proposal, pools.get(proposal.pool), mode=Mode.ACT if advisory else mode, rails=rails,
+                             history=history, now=now, supported=self.actuator.kinds, paused=paused,
+                             unsettled=_unsettled(pools))
             if not decision.may_record or decision.change is None:
                 # Held-back proposals are counted, not written: a cooldown would repeat them every tick.
                 self.telemetry.actions.labels(str(proposal.kind), f"held_{decision.reason}").inc()
@@ -364,7 +367,10 @@ class ControlLoop:
             action = await self.store.create_action(NewAction(
                 finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params, mode=str(mode),
                 reason=f"{proposal.reason}; rails: {decision.note}"), now)
-            if decision.reason is RailsReason.ALLOWED:
+            if advisory:
+                action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.ADVISORY, now,
+                                                     {"why": "observe mode: act would have run it now"})
+            elif decision.reason is RailsReason.ALLOWED:
                 action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.APPROVED, now,
                                                      {"by": "rails", "mode": str(mode)}, approved_by="rails")
             history.append(action)

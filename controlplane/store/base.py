@@ -83,7 +83,7 @@ class Store(Protocol):
         ...
 
     async def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
-        """Succeeded actions whose outcome is not judged yet and whose verify time has come."""
+        """Actions to score (`actions.SCORED_STATES`) whose outcome is not judged yet and whose verify time has come."""
         ...
 
     async def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:

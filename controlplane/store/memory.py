@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from collectors.types import Signal, Target, TargetHealth
-from controlplane.actions import ACTIVE_STATES, ActionState, check_transition
+from controlplane.actions import ACTIVE_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
 from controlplane.store.compaction import CompactionReport, Retention
 from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
@@ -135,7 +135,7 @@ class MemoryStore:
         return [a for a in self.action_rows.values() if a.created_at >= since or a.state in ACTIVE_STATES]
 
     async def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
-        return [a for a in self.action_rows.values() if a.state is ActionState.SUCCEEDED and a.outcome is None
+        return [a for a in self.action_rows.values() if a.state in SCORED_STATES and a.outcome is None
                 and a.finished_at is not None and a.finished_at <= finished_before]
 
     async def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:

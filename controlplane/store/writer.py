@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import ColumnElement
 
 from collectors.types import Signal, Target, TargetHealth
-from controlplane.actions import ACTIVE_STATES, ActionState, check_transition
+from controlplane.actions import ACTIVE_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict, StoreUnavailable
 from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
@@ -37,7 +37,7 @@ R = TypeVar("R")
 _STAMPS = {ActionState.APPROVED: "approved_at", ActionState.STARTED: "started_at",
            **{s: "finished_at" for s in (ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN,
                                          ActionState.DRY_RUN, ActionState.REJECTED, ActionState.EXPIRED,
-                                         ActionState.CANCELLED)}}
+                                         ActionState.CANCELLED, ActionState.ADVISORY)}}
 _FIELDS = frozenset({"approved_by", "actuator", "dry_run", "error"})
 _PAUSE = "paused"  # store_meta key of the kill switch
 
@@ -309,9 +309,10 @@ class SqlStore(metaclass=_Translating):
             return [ActionEvent(r.action_id, r.ts, r.event, dict(r.detail)) for r in s.scalars(q)]
 
     def awaiting_outcome(self, finished_before: float) -> list[ActionRecord]:
-        """Succeeded actions whose outcome is not judged yet and whose verify time has come."""
+        """Actions to score (SCORED_STATES) whose outcome is not judged yet and whose verify time has come."""
         q = select(ActionRow).where(
-            ActionRow.state == str(ActionState.SUCCEEDED), ActionRow.outcome.is_(None), ActionRow.finished_at <= finished_before
+            ActionRow.state.in_([str(s) for s in SCORED_STATES]), ActionRow.outcome.is_(None),
+            ActionRow.finished_at <= finished_before,
         )
         with self._session() as s:
             return [_action(r) for r in s.scalars(q)]

@@ -101,14 +101,21 @@ async def test_act_mode_detects_acts_and_judges_the_outcome(sim: tuple, sqlite_s
     assert {"tick", "observe", "store.signals", "policy.prefix_cache_hit_drop", "action"} <= names
 
 
-async def test_observe_mode_never_acts(sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+async def test_observe_mode_never_acts_and_scores_what_act_would_have_done(
+        sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
     h = harness(Mode.OBSERVE, sim, sqlite_store, client)
     await h.ticks(20)
     h.fleet.set_router(Router.ROUND_ROBIN)
     reports = await h.ticks(4)
     assert any(r.opened for r in reports)
-    assert h.store.actions() == [] and h.fleet.desired["prefill"] == 3
-    assert any(reason == "observe_mode" for r in reports for _, reason, _ in r.held)
+    [advice] = h.store.actions()
+    assert (advice.state, advice.kind, advice.mode, advice.actuator) == ("advisory", "rollback", "observe", None)
+    assert h.fleet.router_kind is Router.ROUND_ROBIN and h.fleet.desired["prefill"] == 3, "nothing was changed"
+    await h.ticks(4)
+    assert len(h.store.actions()) == 1, "the advisory counts for the cooldown as the action would have"
+    later = await h.ticks(40)
+    [(advice_id, outcome)] = [o for r in later for o in r.outcomes]
+    assert advice_id == advice.id and outcome == "not_recovered", "left alone, the hit rate stayed down"
 
 
 async def test_propose_mode_waits_for_approval(sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
