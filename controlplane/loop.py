@@ -18,14 +18,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from collectors.types import TargetHealth
-from controlplane.actions import ActionState
+from controlplane.actions import FINISHED_STATES, ActionState
 from controlplane.actuators.base import Actuator, Order
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode
 from controlplane.errors import ActionConflict, ActuationError, FleetError
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
-from controlplane.rails import WAIT_REASONS, RailsReason, check, recheck
+from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, revert_of
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
@@ -45,7 +45,9 @@ from policies.types import (
 )
 from policies.windows import HISTORY_S, SignalWindows
 
-__all__ = ["ControlLoop", "TickReport"]
+__all__ = ["INEFFECTIVE", "ControlLoop", "TickReport"]
+
+INEFFECTIVE = "action_ineffective"  # the finding opened on an action whose signal did not improve
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +193,7 @@ class ControlLoop:
             pools = await self._pools(now)
             proposals = await self._detect(now, pools, report)
             await self._act(now, pools, proposals, report)
-            await self._judge_outcomes(now, report)
+            await self._judge_outcomes(now, pools, report)
             await self._compact(now)
         report.duration_s = time.perf_counter() - wall
         self.telemetry.tick_duration.observe(report.duration_s)
@@ -346,6 +348,16 @@ class ControlLoop:
         # Observe mode keeps an advisory record of what `act` would have done, judged like real actions.
         advisory = mode is Mode.OBSERVE
         for finding_id, proposal in proposals:
+            same = [a for a in history if a.finding_id == finding_id and a.kind == str(proposal.kind)]
+            if any(a.outcome == "not_recovered" for a in same) or any(
+                    a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
+                # Another change for this finding before the last one is judged would stack changes
+                # nobody can tell apart; after one that did not help (and was undone where it could
+                # be), asking again would flap between the change and its revert.
+                reason = RailsReason.TRIED if any(a.outcome == "not_recovered" for a in same) else RailsReason.VERIFYING
+                self.telemetry.actions.labels(str(proposal.kind), f"held_{reason}").inc()
+                report.held.append((proposal, reason, f"a {proposal.kind} for this finding is {reason}"))
+                continue
             decision = check(proposal, pools.get(proposal.pool), mode=Mode.ACT if advisory else mode, rails=rails,
                              history=history, now=now, supported=self.actuator.kinds, paused=paused,
                              unsettled=_unsettled(pools))
@@ -354,30 +366,40 @@ class ControlLoop:
                 self.telemetry.actions.labels(str(proposal.kind), f"held_{decision.reason}").inc()
                 report.held.append((proposal, decision.reason, decision.note))
                 continue
-            params = {
-                "change": change_as_dict(decision.change),
-                "from_replicas": pools[proposal.pool].desired,
-                "verify_signal": proposal.verify_signal,
-                "verify_lower_is_better": proposal.verify_lower_is_better,
-                "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
-                "inputs": list(proposal.inputs),
-            }
-            if decision.target_replicas is not None:
-                params["replicas"] = decision.target_replicas
-            action = await self.store.create_action(NewAction(
-                finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params, mode=str(mode),
-                reason=f"{proposal.reason}; rails: {decision.note}"), now)
-            if advisory:
-                action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.ADVISORY, now,
-                                                     {"why": "observe mode: act would have run it now"})
-            elif decision.reason is RailsReason.ALLOWED:
-                action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.APPROVED, now,
-                                                     {"by": "rails", "mode": str(mode)}, approved_by="rails")
-            history.append(action)
-            report.actions.append(action)
-            self.telemetry.actions.labels(action.kind, str(action.state)).inc()
+            history.append(await self._record(proposal, decision, finding_id, now, pools, report))
         for action in await self.store.actions(states=[ActionState.APPROVED]):
             await self._execute(action, pools, history, now, report)
+
+    async def _record(self, proposal: Proposal, decision: RailsDecision, finding_id: int | None, now: float,
+                      pools: dict[str, PoolState], report: TickReport, extra: dict[str, Any] | None = None
+                      ) -> ActionRecord:
+        """Write a proposal the rails let through: approved in act mode, awaiting a person in propose
+        mode, an advisory in observe mode."""
+        assert decision.change is not None
+        mode = self.config.mode
+        params = {
+            "change": change_as_dict(decision.change),
+            "from_replicas": pools[proposal.pool].desired,
+            "verify_signal": proposal.verify_signal,
+            "verify_lower_is_better": proposal.verify_lower_is_better,
+            "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
+            "inputs": list(proposal.inputs),
+            **(extra or {}),
+        }
+        if decision.target_replicas is not None:
+            params["replicas"] = decision.target_replicas
+        action = await self.store.create_action(NewAction(
+            finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params, mode=str(mode),
+            reason=f"{proposal.reason}; rails: {decision.note}"), now)
+        if mode is Mode.OBSERVE:
+            action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.ADVISORY, now,
+                                                 {"why": "observe mode: act would have run it now"})
+        elif decision.reason is RailsReason.ALLOWED:
+            action = await self.store.transition(action.id, ActionState.PROPOSED, ActionState.APPROVED, now,
+                                                 {"by": "rails", "mode": str(mode)}, approved_by="rails")
+        report.actions.append(action)
+        self.telemetry.actions.labels(action.kind, str(action.state)).inc()
+        return action
 
     async def _execute(self, action: ActionRecord, pools: dict[str, PoolState], history: list[ActionRecord],
                        now: float, report: TickReport) -> None:
@@ -467,8 +489,10 @@ class ControlLoop:
         window = self.windows.last(f"pool/{pool}", signal, points)
         return statistics.fmean(window) if window else None
 
-    async def _judge_outcomes(self, now: float, report: TickReport) -> None:
-        """Did the signal recover after the action? Recorded once, never retried blindly."""
+    async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:
+        """Did the signal recover after the action? Recorded once, never retried blindly; a change that
+        did not help is reverted where it can be, and a finding says so."""
+        await self._close_ineffective(now)
         for action in await self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
             p = action.params
             before = p.get("verify_before")
@@ -484,6 +508,62 @@ class ControlLoop:
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
             await self.store.record_outcome(action.id, outcome, now, detail)
             report.outcomes.append((action.id, outcome))
+            if outcome == "not_recovered" and action.state is ActionState.SUCCEEDED:
+                await self._ineffective(action, detail, now, pools, report)
+
+    async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], now: float,
+                           pools: dict[str, PoolState], report: TickReport) -> None:
+        """Open a finding on an action that did not help, and revert it through the rails if it can be."""
+        p = action.params
+        undo = None
+        if "reverts" not in p:  # a revert that did not help either is left to a person, never undone in turn
+            done = next((e.detail for e in reversed(await self.store.audit_log(action.id)) if e.event == "succeeded"),
+                        {})
+            undo = revert_of(ActionKind(action.kind), change_from_dict(p["change"]), done)
+        proposal = None if undo is None else Proposal(
+            undo[0], action.pool, undo[1],
+            f"revert action {action.id} ({action.kind}): {p.get('verify_signal')} did not improve "
+            f"({measured['before']} -> {measured['after']})",
+            verify_signal=p.get("verify_signal"), verify_lower_is_better=p.get("verify_lower_is_better", True),
+            inputs=tuple(p.get("inputs", ())))
+        revert_id, why = None, "not reverted automatically: " + (
+            "it is a revert" if "reverts" in p else f"a {action.kind} is undone by hand")
+        if proposal is not None:
+            # The original's cooldown does not hold back its own undoing; every other rail does.
+            history = [a for a in await self.store.recent_actions(since=now - 3600.0) if a.id != action.id]
+            mode = self.config.mode
+            decision = check(proposal, pools.get(action.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
+                             rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds,
+                             paused=await self.switch.paused(), unsettled=_unsettled(pools))
+            why = f"revert held: {decision.note}"
+            if decision.may_record and decision.change is not None:
+                revert = await self._record(proposal, decision, action.finding_id, now, pools, report,
+                                            extra={"reverts": action.id})
+                revert_id, why = revert.id, f"reverting as action {revert.id} ({revert.state})"
+        finding = await self.store.open_finding(NewFinding(
+            INEFFECTIVE, f"action/{action.id}", "warning",
+            f"action {action.id} ({action.kind} on {action.pool}) did not improve {p.get('verify_signal')}",
+            f"{measured['signal']} went from {measured['before']} to {measured['after']} after the change; {why}.",
+            {**measured, "action_id": action.id, "revert_id": revert_id, "finding_id": action.finding_id},
+            INEFFECTIVE), now)
+        report.opened.append(finding)
+        await self.store.note(action.id, "ineffective", now, {"finding": finding.id, "revert": revert_id, "why": why})
+
+    async def _close_ineffective(self, now: float) -> None:
+        """Resolve `action_ineffective` findings once their revert finished, or, with none, once the
+        finding that caused the action resolved."""
+        for f in await self.store.open_findings():
+            if f.kind != INEFFECTIVE:
+                continue
+            revert_id, cause_id = f.evidence.get("revert_id"), f.evidence.get("finding_id")
+            if revert_id is not None:
+                revert = next((a for a in await self.store.actions(since=f.opened_at - 1) if a.id == revert_id), None)
+                if revert is not None and revert.state in FINISHED_STATES:
+                    await self.store.resolve_finding(f.id, f"its revert (action {revert_id}) ended {revert.state}", now)
+            else:
+                cause = await self.store.finding(cause_id) if cause_id else None
+                if cause is None or cause.state == "resolved":
+                    await self.store.resolve_finding(f.id, "the finding the action answered resolved", now)
 
     async def _compact(self, now: float) -> None:
         every = self.config.store.compact_every

@@ -24,15 +24,18 @@ from policies.types import (
     ActionKind,
     Change,
     Drain,
+    Eplb,
     PoolState,
     Proposal,
     ScaleBy,
     ScaleTo,
+    Speculation,
     change_from_dict,
     describe,
 )
 
-__all__ = ["DISRUPTIVE", "WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason", "check", "recheck"]
+__all__ = ["DISRUPTIVE", "WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason", "check", "recheck",
+           "revert_of"]
 
 
 class RailsReason(StrEnum):
@@ -53,6 +56,8 @@ class RailsReason(StrEnum):
     ROLLOUT_IN_FLIGHT = "rollout_in_flight"  # another pool's engines are restarting: one pool at a time
     BLAST_RADIUS = "blast_radius"  # the change would restart more engines at once than the pool allows
     STALE_INPUTS = "stale_inputs"  # a signal it rests on is stale now (a target down, a series absent or frozen)
+    TRIED = "tried"  # the same kind of change for the same finding did not help within the hour
+    VERIFYING = "verifying"  # the same kind of change for the same finding is still being judged
 
 
 # An approved action held back for one of these waits for a later tick; any other reason cancels it.
@@ -261,3 +266,14 @@ def recheck(
                                                f"({pool.min_replicas}..{pool.max_replicas})")
         return RailsDecision(RailsReason.ALLOWED, change, f"scale {pool.name} {start} -> {change.replicas}")
     return _shape(change, kind, pool, rails)
+
+
+def revert_of(kind: ActionKind, change: Change, done: Mapping[str, Any]) -> tuple[ActionKind, Change] | None:
+    """The change that undoes a finished one (`done`: what the actuator reported), or None when it is
+    not undone automatically: scaling belongs to the autoscaler, and a rollback, a drain or a cordon
+    undone would bring back the fault they removed."""
+    if isinstance(change, Speculation) and isinstance(done.get("from"), int):
+        return ActionKind.TUNE_SPECULATION, Speculation(num_speculative_tokens=done["from"])
+    if isinstance(change, Eplb) and change.enabled:
+        return ActionKind.DISABLE_EPLB, Eplb(False)
+    return None

@@ -344,14 +344,15 @@ class KubernetesActuator:
             spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
             if spec is None:
                 raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no --speculative-config to change")
-            n = change.resolve(int(spec.get("num_speculative_tokens", 0)) if current else 0)
+            before = int(spec.get("num_speculative_tokens", 0)) if current else 0
+            n = change.resolve(before)
             args = _without(args, "--speculative-config")
             if n > 0:
                 spec["num_speculative_tokens"] = n
                 args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
             else:
                 annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
-            detail = {"num_speculative_tokens": n}
+            detail = {"num_speculative_tokens": n, "from": before}
         engine[field] = args
         annotations[ACTION_ANNOTATION] = str(order.action_id)
         body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")), "annotations": annotations},

@@ -160,7 +160,7 @@ def test_reason_spellings_are_stable() -> None:
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
         "rate_limited", "pool_not_settled", "not_supported", "stale", "paused", "rollout_in_flight", "blast_radius",
-        "stale_inputs",
+        "stale_inputs", "tried", "verifying",
     ]
 
 

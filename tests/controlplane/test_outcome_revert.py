@@ -1,0 +1,125 @@
+"""An action whose signal did not improve: a finding, a revert through the rails, no flapping.
+
+In-memory store, virtual time. The pool's TPOT stays high whatever speculation does, so the
+speculation change (3 -> 1 tokens) does not help: after `verify_after` it is judged
+`not_recovered`, an `action_ineffective` finding opens, the revert (back to 3) is carried out,
+the finding resolves with it, and the same change is not asked for again for that finding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectors.types import Signal
+from controlplane.actions import ActionState as S
+from controlplane.actuators.base import FleetView, Order, PoolReplicas
+from controlplane.clock import VirtualClock
+from controlplane.config import parse_config
+from controlplane.loop import INEFFECTIVE, ControlLoop
+from controlplane.observe import Observation
+from controlplane.store.memory import MemoryStore
+from controlplane.telemetry import Telemetry
+from policies.types import (
+    ActionKind,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    Severity,
+    Speculation,
+)
+
+FLEET = """
+mode: {mode}
+pools: [{{name: chat, role: unified, model: m, replicas: {{min: 1, max: 8}}}}]
+rails: {{cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20}}
+"""
+
+
+class SlowTpot:
+    """TPOT at 100 ms, whatever happens."""
+
+    async def observe(self, now: float) -> Observation:
+        return Observation(signals=[Signal(now, "pool/chat", "tpot_p95", 0.1)])
+
+
+class Collapse:
+    """A finding that asks for fewer speculative tokens, open all along."""
+
+    kind = "test_spec"
+    reads = ("tpot_p95",)
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        proposal = Proposal(ActionKind.TUNE_SPECULATION, "chat", Speculation(step=-2), "fewer drafts",
+                            verify_signal="tpot_p95", verify_lower_is_better=True)
+        return PolicyResult([FindingReport(FindingKey("test_spec", "pool/chat"), Severity.WARNING, "collapse", "",
+                                           {}, "spec_decode_collapse", (proposal,))])
+
+
+class Engines:
+    name = "fake"
+    dry_run = False
+    kinds = frozenset({ActionKind.TUNE_SPECULATION})
+
+    def __init__(self) -> None:
+        self.tokens = 3
+        self.history: list[int] = []
+
+    async def observe(self) -> FleetView:
+        return FleetView({"chat": PoolReplicas(3, 3)})
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        assert isinstance(order.change, Speculation)
+        before, self.tokens = self.tokens, order.change.resolve(self.tokens)
+        self.history.append(self.tokens)
+        return {"num_speculative_tokens": self.tokens, "from": before}
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        return {}
+
+    async def applied(self, order: Order) -> bool | None:
+        return None
+
+
+async def test_an_ineffective_change_is_reverted_once_and_not_tried_again() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
+                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
+    for _ in range(4 * 12):  # twelve minutes
+        clock.advance(15)
+        await loop.tick()
+    assert engines.history == [1, 3], "lowered, then put back when it did not help"
+    first, revert = await store.actions()
+    assert (first.state, first.outcome) == (S.SUCCEEDED, "not_recovered")
+    assert revert.params["reverts"] == first.id and revert.state is S.SUCCEEDED
+    assert revert.params["change"] == {"type": "Speculation", "num_speculative_tokens": 3, "step": 0}
+    ineffective = {f.evidence["action_id"]: f for f in store.findings.values() if f.kind == INEFFECTIVE}
+    assert ineffective[first.id].state == "resolved" and ineffective[first.id].evidence["revert_id"] == revert.id
+    assert "did not improve tpot_p95" in ineffective[first.id].summary
+    assert [e.event for e in store.action_events(first.id)][-2:] == ["outcome:not_recovered", "ineffective"]
+    for _ in range(4 * 20):  # twenty minutes more: the finding is still open, the change still asked for
+        clock.advance(15)
+        await loop.tick()
+    assert engines.history == [1, 3], "never flaps between the change and its revert"
+    assert len(await store.actions()) == 2, "not tried again for this finding, and a revert is never reverted"
+    again = ineffective_of(store, revert.id)
+    assert again.state == "open" and again.evidence["revert_id"] is None and "it is a revert" in again.cause
+
+
+def ineffective_of(store: MemoryStore, action_id: int) -> Any:
+    [f] = [f for f in store.findings.values() if f.kind == INEFFECTIVE and f.evidence["action_id"] == action_id]
+    return f
+
+
+async def test_observe_mode_advises_the_revert_too() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode="observe")), source=SlowTpot(), store=store,
+                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
+    for _ in range(4 * 12):
+        clock.advance(15)
+        await loop.tick()
+    assert engines.history == []
+    [advice] = await store.actions()
+    assert (advice.state, advice.outcome) == (S.ADVISORY, "not_recovered")
+    assert [f.kind for f in store.findings.values()] == ["test_spec"], "an advisory that would not help is scored, not reverted"
