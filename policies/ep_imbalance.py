@@ -14,6 +14,12 @@ and reports the median skew over the last five minutes:
 Requests running per rank tell the cause: when they are skewed too, the router or the DP load
 balancer sends uneven work and EPLB would not help; when they are even, the experts are.
 
+A finding resolves when every skew of the last `resolve_points` scrapes is back under
+`resolve_ratio`, or under the group's own normal times `normal_margin` (its median skew over the
+`normal_points` scrapes before the finding opened, kept in the evidence), but never above the
+opening ratio: a group whose ranks always differ somewhat (8 ranks, a moderately skewed expert
+popularity) resolves when the fault is gone instead of staying open for good.
+
 EPLB is proposed only once the imbalance has lasted `persist_s` (10 min by default), since its
 rearrangements cost step time. Whether a pool runs EPLB cannot be read from metrics: the settings
 map pools that do to the time it was enabled (`eplb_enabled`, None when unknown). For such a pool
@@ -27,6 +33,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -74,8 +81,12 @@ class EpImbalanceSettings(Settings):
     confirm_points: int = Field(3, ge=1)  # consecutive newest scrapes that must each be skewed to open
     skew_ratio: float = Field(1.5, gt=1)  # ITL skew that opens
     gpu_skew_ratio: float = Field(1.5, gt=1)  # GPU activity skew that opens
-    resolve_ratio: float = Field(1.2, gt=1)  # every skew below this for resolve_points scrapes resolves (hysteresis)
+    resolve_ratio: float = Field(1.2, gt=1)  # every skew below this for resolve_points scrapes resolves (hysteresis) ...
     resolve_points: int = Field(8, ge=1)
+    # ... or below the group's own normal (its median skew before the finding) times this, when its normal
+    # is above resolve_ratio: 8 ranks under a skewed expert popularity never get back under 1.2.
+    normal_margin: float = Field(1.1, gt=1)
+    normal_points: int = Field(120, ge=2)  # scrapes before the finding its normal is taken over (30 min at 15 s)
     load_skew_ratio: float = Field(1.5, gt=1)  # running-request skew from which the cause is uneven load, not experts
     critical_ratio: float = Field(2.5, gt=1)
     min_ranks: int = Field(2, ge=2)
@@ -191,6 +202,7 @@ class _Group:
     gpu: _Skew | None
     gpu_signal: str | None
     load: tuple[float, str] | None  # running-request skew of the window means, and the busiest rank
+    gpus: dict[str, str]  # GPU id -> subject, on the pod's node
 
     @property
     def subject(self) -> str:
@@ -214,12 +226,16 @@ class EpImbalance:
         for group in groups:
             key = FindingKey(KIND, group.subject)
             open_finding = inp.open_findings.get(key)
-            if open_finding is not None and self._balanced(group, s.resolve_points):
-                result.resolved.append((key, "per-rank skew back under the resolve ratio"))
+            normal = self._normal(inp.windows, group) if open_finding is None else {
+                m: open_finding.evidence.get(f"normal_{m}") for m in ("itl_skew", "gpu_skew")}
+            if open_finding is not None and self._balanced(group, s.resolve_points, normal):
+                result.resolved.append((key, "per-rank skew back to its normal"))
                 continue
             if open_finding is None and not self._imbalanced(inp, group):
                 continue
-            result.findings.append(self._report(inp, group, None if open_finding is None else open_finding.opened_at))
+            report = self._report(inp, group, None if open_finding is None else open_finding.opened_at)
+            report.evidence.update({f"normal_{m}": v for m, v in normal.items()})
+            result.findings.append(report)
         for pool, enabled_at in sorted(s.eplb_enabled.items()):
             self._overhead(inp, pool, enabled_at, [g for g in groups if g.pool == pool], result)
         judged = {g.subject for g in groups}
@@ -270,7 +286,7 @@ class EpImbalance:
             gpu_signal = next((name for name in s.gpu_signals
                                if any(w.latest(sub, name) is not None for sub in gpus.values())), None)
             gpu = _skew(w, gpus, gpu_signal, n, s.min_ranks) if gpu_signal and len(gpus) >= s.min_ranks else None
-            groups.append(_Group(pool, pod, dict(sorted(ranks.items())), itl, gpu, gpu_signal, load))
+            groups.append(_Group(pool, pod, dict(sorted(ranks.items())), itl, gpu, gpu_signal, load, gpus))
         return groups, {f"{pool}/{pod}" for pool, pod in members}
 
     def _stat(self, group: _Group) -> tuple[float | None, float | None]:
@@ -291,10 +307,31 @@ class EpImbalance:
         return group.itl.holds(s.skew_ratio, confirm, s.min_ticks) or (
             group.gpu is not None and group.gpu.holds(s.gpu_skew_ratio, confirm, s.min_ticks))
 
-    def _balanced(self, group: _Group, n: int) -> bool:
-        measures = [sk for sk in (group.itl, group.gpu) if sk is not None and len(sk.ticks) >= n]
-        r = self.settings.resolve_ratio
-        return bool(measures) and all(ratio < r for sk in measures for _, ratio, _ in sk.ticks[-n:])
+    def _normal(self, w: SignalWindows, group: _Group) -> dict[str, float | None]:
+        """The group's median skew per measure over the scrapes before the newest window: what it
+        looks like when nothing is wrong. None without enough history."""
+        s = self.settings
+        out: dict[str, float | None] = {"itl_skew": None, "gpu_skew": None}
+        for measure, members, signal in (("itl_skew", group.ranks, s.signal),
+                                         ("gpu_skew", group.gpus, group.gpu_signal)):
+            if signal is None or len(members) < s.min_ranks:
+                continue
+            ticks = _skew(w, members, signal, s.normal_points + s.window_points, s.min_ranks).ticks[:-s.window_points]
+            if len(ticks) >= s.min_ticks:
+                out[measure] = round(statistics.median(r for _, r, _ in ticks), 3)
+        return out
+
+    def _balanced(self, group: _Group, n: int, normal: Mapping[str, float | None]) -> bool:
+        s = self.settings
+        measures = [(sk, normal.get(m), open_at) for sk, m, open_at in
+                    ((group.itl, "itl_skew", s.skew_ratio), (group.gpu, "gpu_skew", s.gpu_skew_ratio))
+                    if sk is not None and len(sk.ticks) >= n]
+
+        def limit(usual: float | None, open_at: float) -> float:
+            return min(max(s.resolve_ratio, (usual or 0.0) * s.normal_margin), open_at)
+
+        return bool(measures) and all(ratio < limit(usual, open_at)
+                                      for sk, usual, open_at in measures for _, ratio, _ in sk.ticks[-n:])
 
     # reports ------------------------------------------------------------------------------------
 
@@ -388,7 +425,7 @@ class EpImbalance:
         now_run = statistics.median(run_after) if run_after else 0.0
         now_itl = statistics.median(v for _, v in after)
         comparable = base_run > 0 and abs(now_run / base_run - 1) <= s.load_tolerance
-        balanced = bool(groups) and all(self._balanced(g, s.min_ticks) for g in groups)
+        balanced = bool(groups) and all(self._balanced(g, s.min_ticks, {}) for g in groups)
         is_open = key in inp.open_findings
         if is_open:
             recent = [v for _, v in after[-s.resolve_points:]]

@@ -79,6 +79,11 @@ class SaturationSettings(Settings):
     critical_waiting_per_engine: float = Field(10.0, gt=0)
     resolve_points: int = Field(4, ge=1)  # consecutive clean intervals to resolve (hysteresis), requests served in each
     idle_resolve_points: int = Field(40, ge=1)  # ... or this many intervals (10 min) without a request resolve as idle
+    # An open finding's queue counts as long while above min_waiting_per_engine, or above the pool's own
+    # normal (its median queue per engine over normal_points before the finding) times normal_margin,
+    # whichever is higher: a batch pool that always queues 3 per engine resolves when the burst is over.
+    normal_margin: float = Field(1.25, gt=1)
+    normal_points: int = Field(120, ge=2)
     stale_s: Seconds = 900.0
 
     def problems(self, interval: float) -> list[Problem]:
@@ -109,6 +114,7 @@ class _State:
     error_share: float | None
     causes: list[Cause]
     scaling_up: bool  # the pool has more replicas desired than ready
+    normal: float | None = None  # the pool's usual queue per engine before the finding, when known
 
 
 class Saturation:
@@ -130,7 +136,8 @@ class Saturation:
                 continue  # judged on old data it would reopen what `gone_findings` resolves below
             key = FindingKey(KIND, subject)
             is_open = key in inp.open_findings
-            state = self._judge(inp, subject, is_open)
+            normal = inp.open_findings[key].evidence.get("normal_waiting_per_engine") if is_open else None
+            state = self._judge(inp, subject, is_open, normal)
             if state is None:
                 continue
             why = self._clean(inp, subject, state) if is_open and not state.causes else None
@@ -142,7 +149,12 @@ class Saturation:
         result.resolved += gone_findings(inp, KIND, (WAITING,), s.stale_s)
         return result
 
-    def _judge(self, inp: PolicyInput, subject: str, is_open: bool) -> _State | None:
+    def _long(self, waiting: float, normal: float | None) -> bool:
+        """A queue per engine too long to call the pool fine: above the floor, and above its own normal."""
+        s = self.settings
+        return waiting >= max(s.min_waiting_per_engine, (normal or 0.0) * s.normal_margin)
+
+    def _judge(self, inp: PolicyInput, subject: str, is_open: bool, normal: float | None) -> _State | None:
         s = self.settings
         w = inp.windows
         pool = subject.removeprefix("pool/")
@@ -160,7 +172,11 @@ class Saturation:
         growing = all(g / engines >= s.min_growth_per_engine and z >= s.trend_z for g, z in fits)
         waiting = level / engines
         causes = []
-        long_queue = waiting >= s.min_waiting_per_engine
+        if not is_open:  # the pool's usual queue before this: what "back to normal" will mean
+            before = w.series(subject, queue_signal)[-(s.normal_points + s.trend_points):-s.trend_points]
+            normal = round(statistics.median(v for _, v in before) / engines, 3) if len(before) >= s.trend_points \
+                else None
+        long_queue = self._long(waiting, normal) if is_open else waiting >= s.min_waiting_per_engine
         state = inp.pools.get(pool)
         scaling = state is not None and state.desired > state.ready
         # Opening needs growth, and not while replicas are being added: the queue is expected to
@@ -175,7 +191,7 @@ class Saturation:
         if len(shares) == s.recent_points and all(v >= s.error_share for v in shares) and loaded:
             causes.append(Cause.ERRORS_UNDER_LOAD)
         return _State(queue_signal, engines, waiting, growth, kv_now, w.latest(subject, PREEMPTIONS),
-                      shares[-1] if shares else None, causes, scaling)
+                      shares[-1] if shares else None, causes, scaling, normal)
 
     def _kv_exhausted(self, w: SignalWindows, subject: str, n: int) -> bool:
         """KV usage averaged over the newest `n` intervals is full, and preemptions happened lately."""
@@ -191,7 +207,7 @@ class Saturation:
         w = inp.windows
         n = s.resolve_points
         queue = w.last(subject, state.queue_signal, n)
-        if len(queue) < n or statistics.fmean(queue) / state.engines >= s.min_waiting_per_engine:
+        if len(queue) < n or self._long(statistics.fmean(queue) / state.engines, state.normal):
             return None
         if self._kv_exhausted(w, subject, n):
             return None
@@ -243,6 +259,7 @@ class Saturation:
             "causes": [c.value for c in st.causes],
             "cause": None if main is None else main.value,
             "waiting_per_engine": round(st.waiting, 3),
+            "normal_waiting_per_engine": st.normal,
             "queue_growth_per_engine": round(st.growth, 3),
             "queue_signal": st.queue_signal,
             "engines": st.engines,

@@ -12,6 +12,13 @@ proposed: lower `num_speculative_tokens` to the positions that are still accepte
 speculation. Every proposal carries TPOT p95 as its verify signal: the loop judges the outcome
 and the action is reverted when TPOT did not improve.
 
+Whether speculation still pays is judged on its cost, from the measured signals: k draft tokens
+make a step cost about 1 + k x (`draft_cost` + `verify_cost`) plain decode steps and yield the
+mean acceptance length in tokens, so the estimated speed-up is length / cost. A sustained fall of
+the acceptance rate by `acceptance_drop` (30 %) also opens the finding, though the yield, which
+compresses such falls, dropped by less than its own 30 %: the finding then says whether
+speculation is kept (it still pays, with the estimate) or changed (it no longer does, or TPOT rose).
+
 The baseline is frozen in the finding's evidence when it opens. A change of the pool's number of
 speculative positions (per-position counters appear or vanish) restarts the baseline, so a pool
 that was retuned is judged against its new normal, not its old one.
@@ -85,6 +92,12 @@ class SpecDecodeSettings(Settings):
     min_position_acceptance: float = Field(0.30, gt=0, lt=1)  # a speculative position accepted less often does not pay
     resolve_points: int = Field(4, ge=1)  # consecutive recovered points to resolve (hysteresis)
     recover_fraction: float = Field(0.5, gt=0, le=1)  # recovered: above baseline - 0.5 * min_drop
+    acceptance_drop: float = Field(0.30, gt=0, lt=1)  # acceptance rate 30 % under its baseline, sustained, opens too
+    # The step cost of speculation in plain decode steps: per draft token, the drafter (an EAGLE head:
+    # a tenth of a step) and verifying it in the target's forward pass.
+    draft_cost: float = Field(0.10, ge=0)
+    verify_cost: float = Field(0.03, ge=0)
+    pays_margin: float = Field(0.05, ge=0)  # it pays while the estimated speed-up is at least 1 + this
     off_s: Seconds = 120.0  # tokens flow but no yield for this long: speculation was switched off
     stale_s: Seconds = 900.0  # no data at all for this long: the pool is gone
 
@@ -195,7 +208,17 @@ class SpecDecodeCollapse:
             return False
         cusum = scan(Cusum(frozen.yield_, k=s.cusum_k, h=s.cusum_h, direction=Direction.DOWN), recent)
         bar = frozen.yield_.center - frozen.min_drop
-        return cusum.alarming and all(v < bar for v in recent[-s.confirm_points:])
+        if cusum.alarming and all(v < bar for v in recent[-s.confirm_points:]):
+            return True
+        acceptance = inp.windows.last(subject, ACCEPTANCE, s.recent_points)
+        return (frozen.acceptance is not None and len(acceptance) == s.recent_points
+                and all(v < (1 - s.acceptance_drop) * frozen.acceptance for v in acceptance))
+
+    def speedup(self, length: float | None, k: int) -> float | None:
+        """Estimated decode speed-up of speculating k tokens at this mean acceptance length (None: unknown)."""
+        if length is None or k <= 0:
+            return None
+        return length / (1 + k * (self.settings.draft_cost + self.settings.verify_cost))
 
     def _resolved(self, inp: PolicyInput, subject: str, frozen: _Frozen) -> str | None:
         s = self.settings
@@ -281,13 +304,23 @@ class SpecDecodeCollapse:
                     f"{_pct(frozen.acceptance)}, mean acceptance length {_num(length)} against {_num(frozen.length)}. "
                     "Constrained decoding (JSON mode, tool calls) masks draft tokens, or the traffic moved away from "
                     "what the draft model predicts well.")
+        gain, before = self.speedup(length, k), self.speedup(frozen.length, k)
+        pays = cause is not Cause.DRAFTS_VANISHED and gain is not None and gain >= 1 + s.pays_margin
+        evidence |= {"estimated_speedup": _round(gain, 3), "baseline_estimated_speedup": _round(before, 3),
+                     "speculation_pays": pays}
+        if gain is not None:
+            text += (f" At {k} draft tokens a step costs about {1 + k * (s.draft_cost + s.verify_cost):.2f} plain "
+                     f"steps and yields {_num(length)} tokens: an estimated {gain:.2f}x"
+                     + (f" (was {before:.2f}x)" if before is not None else "") + ".")
         if costs:
             text += f" TPOT p95 is {_num(tpot, 's')} against {_num(frozen.tpot, 's')} before: speculation now costs latency."
+        elif not pays:
+            text += " Speculation no longer pays for its cost: it is changed before TPOT shows it."
         else:
-            text += " TPOT p95 has not risen yet, so nothing is changed until it does."
-        proposals = self._proposals(pool, cause, k, per_position) if costs else ()
+            text += " Speculation still pays for its cost and TPOT p95 has not risen: it is kept as it is."
+        proposals = self._proposals(pool, cause, k, per_position) if costs or not pays else ()
         evidence["suggested_actions"] = [p.reason for p in proposals]
-        severity = Severity.CRITICAL if costs else Severity.WARNING
+        severity = Severity.CRITICAL if costs else Severity.WARNING if not pays else Severity.INFO
         # While open, the summary names the lowest yield seen: the latest may already be recovering.
         opened = inp.open_findings.get(FindingKey(KIND, subject))
         lowest = min(current, float(opened.evidence.get("lowest", current))) if opened else current

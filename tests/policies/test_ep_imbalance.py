@@ -151,7 +151,7 @@ def test_resolves_only_after_enough_balanced_scrapes() -> None:
     g.tick(itl=HOT).tick(7)
     assert not g.run(opened).resolved, "one skewed scrape restarts the count"
     g.tick()
-    assert g.run(opened).resolved == [(KEY, "per-rank skew back under the resolve ratio")]
+    assert g.run(opened).resolved == [(KEY, "per-rank skew back to its normal")]
 
 
 def test_a_pod_that_stops_reporting_resolves() -> None:
@@ -225,3 +225,21 @@ def test_few_running_requests_per_rank_are_noisy_not_uneven() -> None:
             g.w.add(g.ts + 0.5, f"engine/decode/dp0/{r}", "requests_running", float(rng.randint(2, 9)))
     [f] = g.run().findings
     assert f.evidence["cause"] == "hot_experts" and f.evidence["load_skew"] < 1.5
+
+
+def test_a_group_whose_normal_skew_is_above_the_resolve_ratio_still_resolves() -> None:
+    # 8 ranks under a moderately skewed expert popularity: one rank always ~1.35x the median, between
+    # the resolve ratio (1.2) and the opening one (1.5). A hot expert lifts it to 2x for ten minutes.
+    usual, hot = (0.03, 0.03, 0.0405, 0.03), (0.03, 0.03, 0.06, 0.03)
+    g = Group().tick(140, itl=usual)
+    assert not g.run().findings
+    g.tick(3, itl=hot)
+    [f] = g.run().findings
+    assert f.evidence["normal_itl_skew"] == pytest.approx(1.35, abs=0.08)
+    opened = {KEY: OpenFinding(KEY, g.ts, f.evidence)}
+    g.tick(37, itl=hot)
+    assert g.run(opened).findings, "still hot"
+    g.tick(8, itl=usual)
+    assert [k for k, _ in g.run(opened).resolved] == [KEY], "back to its own normal: resolved"
+    # Without the normal it would stay open for good, as it did before.
+    assert not EpImbalance().evaluate(PolicyInput(g.ts + 1.0, g.w, {}, {KEY: OpenFinding(KEY, g.ts, {})})).resolved

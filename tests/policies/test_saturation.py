@@ -182,3 +182,17 @@ def test_a_noisy_ramp_is_still_a_trend() -> None:
             opened = i + 1
             break
     assert opened is not None and opened <= 15
+
+
+def test_a_pool_that_always_queues_resolves_back_at_its_own_normal() -> None:
+    # A batch pool: 9 requests wait (3 per engine) all day. A burst grows the queue, then it drains
+    # back to 9: the finding must resolve, though 3 per engine is above the absolute floor of 2.
+    pool = Pool().tick(130, waiting=9.0)
+    pool.tick(25, waiting=9.0, grow=2.0)
+    [f] = pool.run().findings
+    assert f.evidence["normal_waiting_per_engine"] == pytest.approx(3.0)
+    opened = {KEY: OpenFinding(KEY, pool.ts, f.evidence)}
+    pool.tick(4, waiting=9.0)
+    assert [k for k, _ in pool.run(opened).resolved] == [KEY]
+    assert not Saturation().evaluate(PolicyInput(pool.ts, pool.w, {}, {KEY: OpenFinding(KEY, pool.ts, {})})).resolved, \
+        "without its normal it would never resolve"
