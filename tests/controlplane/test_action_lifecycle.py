@@ -2,16 +2,18 @@
 
 Covers: a control plane taking over an action another one left started (applied: done, not
 repeated; not applied: carried out once; waiting: resumed from the audit log; cannot tell:
-unknown); a stale approval (the pool moved between approval and run) is cancelled, not applied;
-an approval racing the execution of another control plane starts the action once; a dry-run
-actuator's action ends `dry_run`, never `succeeded`; any exception from an actuator is a failed
-action with its message and the loop goes on; undecided proposals expire after the TTL; an
-approved action waits while the pool settles.
+unknown); the kill switch holding an action that would run; a finding that flaps getting no more
+actions than the cooldown and the rate limit allow; a stale approval (the pool moved between
+approval and run) is cancelled, not applied; an approval racing the execution of another control
+plane starts the action once; a dry-run actuator's action ends `dry_run`, never `succeeded`; any
+exception from an actuator is a failed action with its message and the loop goes on; undecided
+proposals expire after the TTL; an approved action waits while the pool settles.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +25,11 @@ from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode, parse_config
 from controlplane.errors import ActuationError
+from controlplane.killswitch import StoreSwitch
 from controlplane.loop import ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
-from controlplane.store.records import NewAction
+from controlplane.store.records import NewAction, Pause
 from controlplane.telemetry import Telemetry
 from policies.inputs import StaleInputs
 from policies.types import (
@@ -306,3 +309,37 @@ async def test_nothing_acts_on_a_pool_whose_target_is_down(clock: VirtualClock) 
     await tick(loop, clock)
     assert pools.calls == [4]
     assert [f.kind for f in await store.open_findings()] == ["test"], "the stale finding resolved"
+
+
+async def test_the_kill_switch_stops_an_action_that_would_otherwise_run(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    cfg = parse_config(FLEET.format(mode=Mode.ACT))
+    loop = ControlLoop(config=cfg, source=NoMetrics(), store=store, policies=[policy], actuator=pools, clock=clock,
+                       telemetry=Telemetry(), switch=StoreSwitch(store))
+    store.pause = Pause(by="oncall", reason="GPU maintenance", at=clock.now())
+    policy.on = True
+    for _ in range(8):
+        report = await loop.tick()
+        clock.advance(15.0)
+    assert pools.calls == [] and await store.actions() == [], "paused: nothing recorded as run, nothing run"
+    assert {reason for _, reason, _ in report.held} == {"paused"}
+    store.pause = None
+    await tick(loop, clock)
+    assert pools.calls == [4]
+
+
+async def test_a_flapping_signal_gets_no_more_actions_than_the_rails_allow(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy)
+    loop.config = parse_config(FLEET.format(mode=Mode.ACT).replace("cooldown: 60s", "cooldown: 60s, max_step: 1, "
+                                                                     "max_actions_per_hour: 4"))
+    pools.desired, pools.ready = 3, 3
+    starts = []
+    for i in range(4 * 60):  # an hour: the finding opens and resolves every other tick
+        policy.on = i % 2 == 0
+        clock.advance(15.0)
+        await loop.tick()
+        pools.desired = pools.ready = 3  # the load keeps bringing the pool back: every scale-up looks needed again
+        starts += [a.started_at for a in await store.actions(states=[S.SUCCEEDED]) if a.started_at not in starts]
+    assert len(pools.calls) == len(starts) == 4, "as many as the hourly rate limit allows, no more"
+    assert all(b - a >= 60 for a, b in itertools.pairwise(starts)), "never inside the cooldown"
