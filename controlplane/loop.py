@@ -431,9 +431,10 @@ class ControlLoop:
         await self._run(order, self.actuator.carry_out(order), now, report)
 
     async def _advance_waiting(self, now: float, report: TickReport) -> None:
-        """Take every change that waits (an engine draining) a tick further, with fresh numbers."""
+        """Take every change that waits (an engine draining) a tick further, with fresh numbers; the
+        kill switch holds each step as it holds a new action (the engines stay out of routing meanwhile)."""
         for order, wait in list(self._waiting.values()):
-            if not self.leading():
+            if not self.leading() or await self.switch.paused() is not None:
                 return
             fresh = replace(order, busy=self._busy(order.pool))
             await self._run(fresh, self.actuator.resume(fresh, wait, now), now, report)

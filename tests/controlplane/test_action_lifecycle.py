@@ -280,6 +280,22 @@ async def test_a_take_over_resumes_a_wait_from_the_audit_log(clock: VirtualClock
     assert [e.event for e in store.action_events(action_id)][-3:] == ["waiting", "taken_over", "succeeded"]
 
 
+async def test_the_kill_switch_holds_a_waiting_change_too(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools()
+    action_id = await started_elsewhere(store, clock.now())
+    wait = {"phase": "draining", "pods": ["prefill-2"], "then": "scale", "deadline": clock.now() + 120}
+    await store.note(action_id, "waiting", clock.now(), {"wait": wait})
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+    await loop.start()
+    store.pause = Pause(by="oncall", reason="incident", at=clock.now())
+    await tick(loop, clock)
+    assert pools.waits == [] and (await store.actions())[0].state is S.STARTED
+    store.pause = None
+    await tick(loop, clock)
+    assert pools.waits == [wait] and (await store.actions())[0].state is S.SUCCEEDED
+
+
 async def test_a_follower_acts_on_nothing(clock: VirtualClock) -> None:
     store, pools, policy = MemoryStore(), Pools(), Asks()
     loop = make_loop(Mode.ACT, store, pools, clock, policy)
