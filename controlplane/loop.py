@@ -272,6 +272,7 @@ class ControlLoop:
     async def _pools(self, now: float) -> dict[str, PoolState]:
         view = await self.actuator.observe()
         self.changed_at = dict(view.changed_at)
+        frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         out = {}
         for pool in self.config.pools:
             rep = view.pools.get(pool.name)
@@ -281,8 +282,7 @@ class ControlLoop:
                 min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
-                stale_inputs={**self._unfit.get(pool.name, {}),
-                              **frozen_inputs(self.windows, pool.name, now, self.config.rails.frozen_after)},
+                stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
             )
         return out
 

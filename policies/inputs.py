@@ -22,20 +22,24 @@ KIND = "stale_inputs"
 FROZEN_WATCH = ("requests_running", "requests_waiting", "kv_cache_usage")
 
 
-def frozen_inputs(windows: SignalWindows, pool: str, now: float, after: float) -> dict[str, str]:
-    """Watched gauges of `pool`'s engines that held one non-zero value for `after` seconds, with why."""
+def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str, dict[str, str]]:
+    """Per pool, the watched gauges of its engines that held one non-zero value for `after` seconds
+    up to a recent point, with why. One pass over the engines for every pool."""
+    out: dict[str, dict[str, str]] = {}
     if after <= 0:
-        return {}
-    out: dict[str, str] = {}
+        return out
     for name in FROZEN_WATCH:
-        for subject in sorted(windows.subjects(name, prefix=f"engine/{pool}/")):
-            points = windows.series(subject, name, since=now - after)
-            if len(points) < 3 or points[-1][0] - points[0][0] < 0.8 * after:
-                continue  # too short a history to call it frozen
-            value = points[-1][1]
-            if value != 0 and all(v == value for _, v in points):
-                out[name] = f"{name} of {subject} has been {value:g} for {(points[-1][0] - points[0][0]) / 60:.0f} min"
-                break
+        for subject in sorted(windows.subjects(name, prefix="engine/")):
+            pool = subject.split("/")[1]
+            if name in out.get(pool, {}):
+                continue
+            run = windows.unchanged(subject, name)
+            # 0.8: the run's first and last scrapes fall inside the span, not on its edges.
+            if run is None or run[0] == 0 or run[2] < 3 or run[1] < 0.8 * after:
+                continue
+            newest = windows.latest_ts(subject, name)
+            if newest is not None and newest >= now - after:
+                out.setdefault(pool, {})[name] = f"{name} of {subject} has been {run[0]:g} for {run[1] / 60:.0f} min"
     return out
 
 

@@ -62,10 +62,29 @@ class SignalWindows:
             return []
         return [v for _, v in islice(reversed(series), n)][::-1]
 
+    def latest_ts(self, subject: str, name: str) -> float | None:
+        """When the newest point of a series was taken, if any."""
+        series = self._series.get((subject, name))
+        return series[-1][0] if series else None
+
     def latest(self, subject: str, name: str) -> float | None:
         """The newest value of a series, if any."""
         series = self._series.get((subject, name))
         return series[-1][1] if series else None
+
+    def unchanged(self, subject: str, name: str) -> tuple[float, float, int] | None:
+        """(value, seconds, points) of the newest run of one unchanged value, scanned from the newest
+        point back (cheap: a moving series stops at its second point); None for no series."""
+        series = self._series.get((subject, name))
+        if not series:
+            return None
+        newest_ts, value = series[-1]
+        first_ts, n = newest_ts, 0
+        for ts, v in reversed(series):
+            if v != value:
+                break
+            first_ts, n = ts, n + 1
+        return value, newest_ts - first_ts, n
 
     def subjects(self, name: str, prefix: str = "") -> Iterator[str]:
         """Subjects that have a series called `name`, filtered by subject prefix."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from policies.inputs import StaleInputs, frozen_inputs
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState, Severity
 from policies.windows import SignalWindows
@@ -18,16 +21,16 @@ def windows(values: list[float], name: str = "requests_running", pod: str = "dec
 
 
 def test_a_gauge_held_at_one_non_zero_value_is_frozen() -> None:
-    frozen = frozen_inputs(windows([7.0] * 61), "decode", NOW, after=900)
-    assert frozen == {"requests_running": "requests_running of engine/decode/decode-0/0 has been 7 for 15 min"}
+    frozen = frozen_inputs(windows([7.0] * 61), NOW, after=900)
+    assert frozen == {"decode": {"requests_running": "requests_running of engine/decode/decode-0/0 has been 7 for 15 min"}}
 
 
-def test_a_moving_an_idle_or_a_short_series_is_not() -> None:
-    assert frozen_inputs(windows([7.0] * 60 + [8.0]), "decode", NOW, after=900) == {}
-    assert frozen_inputs(windows([0.0] * 61), "decode", NOW, after=900) == {}, "an idle engine reads 0 steadily"
-    assert frozen_inputs(windows([7.0] * 20), "decode", NOW, after=900) == {}, "5 minutes say nothing yet"
-    assert frozen_inputs(windows([7.0] * 61), "prefill", NOW, after=900) == {}, "another pool's engines"
-    assert frozen_inputs(windows([7.0] * 61), "decode", NOW, after=0) == {}, "switched off"
+def test_a_moving_an_idle_a_short_or_an_old_series_is_not() -> None:
+    assert frozen_inputs(windows([7.0] * 60 + [8.0]), NOW, after=900) == {}
+    assert frozen_inputs(windows([0.0] * 61), NOW, after=900) == {}, "an idle engine reads 0 steadily"
+    assert frozen_inputs(windows([7.0] * 20), NOW, after=900) == {}, "5 minutes say nothing yet"
+    assert frozen_inputs(windows([7.0] * 61), NOW + 3600, after=900) == {}, "an engine gone an hour ago"
+    assert frozen_inputs(windows([7.0] * 61), NOW, after=0) == {}, "switched off"
 
 
 def state(stale: dict[str, str]) -> PoolState:
@@ -45,3 +48,11 @@ def test_the_finding_names_each_stale_input_and_resolves_when_all_are_fresh() ->
     open_ = {key: OpenFinding(key, NOW - 60, {})}
     result = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state({})}, open_))
     assert result.findings == [] and result.resolved == [(key, "its inputs are fresh again")]
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, 7.0]), min_size=1, max_size=40))
+def test_the_unchanged_run_matches_a_plain_scan(values: list[float]) -> None:
+    w = windows(values)
+    value, seconds, n = w.unchanged("engine/decode/decode-0/0", "requests_running")  # type: ignore[misc]
+    run = next((i for i, v in enumerate(reversed(values)) if v != values[-1]), len(values))
+    assert (value, n, seconds) == (values[-1], run, 15.0 * (run - 1))
