@@ -141,8 +141,10 @@ class ControlLoop:
             applied, why = None, str(exc)
         else:
             why = f"the {self.actuator.name} actuator cannot tell whether it was applied"
-        if applied is None:
-            await self._unknown(action, now, why)
+        paused = None if applied else await self.switch.paused()
+        if applied is None or paused is not None:
+            await self._unknown(action, now, why if paused is None else
+                                f"not applied before the stop, and acting is paused ({paused}): not redone")
         elif applied:
             await self.store.transition(action.id, ActionState.STARTED, ActionState.SUCCEEDED, now,
                                         {"taken_over": "the fleet carries this action's id: applied before the stop, "

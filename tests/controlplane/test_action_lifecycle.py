@@ -265,6 +265,18 @@ async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClo
     assert events.count("started") == 1, "started once, by the control plane that was killed"
 
 
+async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools(already=False)
+    action_id = await started_elsewhere(store, clock.now())
+    store.pause = Pause(by="oncall", reason="incident", at=clock.now())
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+    await loop.start()
+    [action] = await store.actions()
+    assert (action.id, action.state, pools.calls) == (action_id, S.UNKNOWN, [])
+    assert "acting is paused" in store.action_events(action_id)[-1].detail["why"]
+
+
 async def test_a_take_over_resumes_a_wait_from_the_audit_log(clock: VirtualClock) -> None:
     store, pools = MemoryStore(), Pools()
     action_id = await started_elsewhere(store, clock.now())
