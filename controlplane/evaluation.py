@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from controlplane.goals import Goal, at_least, at_most, goals_json
 from controlplane.loop import TickReport
@@ -34,9 +34,10 @@ from controlplane.store.writer import SqlStore
 from policies.static_rules import static_policies
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 
-__all__ = ["EvalReport", "Finding", "KindScore", "ScenarioResult", "evaluate", "score", "variant"]
+__all__ = ["EvalReport", "Finding", "KindScore", "ScenarioResult", "evaluate", "run_all", "score", "variant"]
 
 SMART, STATIC = "policies", "static rules"
+R = TypeVar("R")
 _PROGRESS_FROM_S = 2 * 3600.0  # scenarios this long (soaks) report their progress
 _VARIANT_SHIFT_S = 300.0  # trace seconds between the windows of a scenario's variants
 
@@ -338,26 +339,33 @@ def evaluate(names: Sequence[str] | None, workdir: Path,
     scenarios = [variant(load_scenario(name), k) for name in names or builtin_scenarios() for k in range(repeats)]
     for sc in scenarios:  # every file and trace window is checked before anything runs
         sc.check()
-    dbs = [workdir / f"eval-{sc.name}.db" for sc in scenarios]
-    results: dict[int, ScenarioResult] = {}
-    if jobs <= 1:
-        for i, (sc, db) in enumerate(zip(scenarios, dbs, strict=True)):
-            if progress is not None:
-                progress(sc.name, None)
-            results[i] = _evaluate_file(sc, db)
-            if progress is not None:
-                progress(sc.name, results[i])
-    else:
-        # spawn: a forked child would inherit the parent's threads and open sockets half-copied.
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_evaluate_file, sc, db): i for i, (sc, db) in enumerate(zip(scenarios, dbs, strict=True))}
-            if progress is not None:
-                for sc in scenarios:
-                    progress(sc.name, None)
-            for future in as_completed(futures):
-                i = futures[future]
-                results[i] = future.result()
-                if progress is not None:
-                    progress(scenarios[i].name, results[i])
-    ordered = [results[i] for i in range(len(scenarios))]
+    runs = [(sc.name, functools.partial(_evaluate_file, sc, workdir / f"eval-{sc.name}.db")) for sc in scenarios]
+    ordered = run_all(runs, jobs, progress)
     return EvalReport(ordered, score(ordered))
+
+
+def run_all(runs: Sequence[tuple[str, Callable[[], R]]], jobs: int,
+            progress: Callable[[str, R | None], None] | None = None) -> list[R]:
+    """Call each named run (picklable: each has its own database), `jobs` at once in their own
+    processes, reporting each as it starts and ends; the results in the order given."""
+    results: dict[int, R] = {}
+    if jobs <= 1:
+        for i, (name, call) in enumerate(runs):
+            if progress is not None:
+                progress(name, None)
+            results[i] = call()
+            if progress is not None:
+                progress(name, results[i])
+        return [results[i] for i in range(len(runs))]
+    # spawn: a forked child would inherit the parent's threads and open sockets half-copied.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(call): i for i, (_, call) in enumerate(runs)}
+        if progress is not None:
+            for name, _ in runs:
+                progress(name, None)
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            if progress is not None:
+                progress(runs[i][0], results[i])
+    return [results[i] for i in range(len(runs))]

@@ -18,15 +18,14 @@ fault-free replays.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import functools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controlplane.evaluation import variant
+from controlplane.evaluation import run_all, variant
 from controlplane.goals import Goal, at_most, goals_json
 from controlplane.loop import TickReport
 from controlplane.sim.run import ScenarioRun, run_scenario
@@ -167,21 +166,6 @@ def evaluate_acting(names: Sequence[str] | None, workdir: Path,
                  for k in range(repeats)]
     for sc in scenarios:
         sc.check()
-    plan = [(sc, mode) for sc in scenarios for mode in (("observe", "act") if sc.faults else ("act",))]
-    dbs = [workdir / f"eval-{mode}-{sc.name}.db" for sc, mode in plan]
-    results: list[ActingRun | None] = [None] * len(plan)
-    if jobs <= 1:
-        for i, ((sc, mode), db) in enumerate(zip(plan, dbs, strict=True)):
-            if progress is not None:
-                progress(f"{sc.name} ({mode})", None)
-            results[i] = _run_file(sc, db, mode)
-            if progress is not None:
-                progress(f"{sc.name} ({mode})", results[i])
-    else:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_run_file, sc, db, mode) for (sc, mode), db in zip(plan, dbs, strict=True)]
-            for i, future in enumerate(futures):
-                results[i] = future.result()
-                if progress is not None:
-                    progress(f"{plan[i][0].name} ({plan[i][1]})", results[i])
-    return ActingReport([r for r in results if r is not None])
+    runs = [(f"{sc.name} ({mode})", functools.partial(_run_file, sc, workdir / f"eval-{mode}-{sc.name}.db", mode))
+            for sc in scenarios for mode in (("observe", "act") if sc.faults else ("act",))]
+    return ActingReport(run_all(runs, jobs, progress))

@@ -7,12 +7,15 @@ client's own retries would only multiply a timeout.
 
 from __future__ import annotations
 
+import json
+
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
+from kubernetes.client.exceptions import ApiException
 
 from controlplane.errors import ConfigError
 
-__all__ = ["api_client"]
+__all__ = ["api_client", "api_message"]
 
 
 def api_client(kubeconfig: str | None, section: str) -> kclient.ApiClient:
@@ -28,3 +31,13 @@ def api_client(kubeconfig: str | None, section: str) -> kclient.ApiClient:
         raise ConfigError(section, [f"cannot load Kubernetes credentials from {where}: {exc}"]) from None
     cfg.retries = 0
     return kclient.ApiClient(cfg)
+
+
+def api_message(exc: ApiException) -> str:
+    """An API error as one line: its status and the API server's own message."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except ValueError:
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return f"HTTP {exc.status} {exc.reason or ''}".rstrip() + (f": {message}" if message else "")

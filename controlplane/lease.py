@@ -33,6 +33,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from controlplane.config import LeaderElection
+from controlplane.kube import api_message
 
 __all__ = ["LEASE_VERBS", "LeaseLeadership", "identity"]
 
@@ -148,7 +149,7 @@ class LeaseLeadership:
 
     def _failed(self, doing: str, exc: BaseException) -> bool:
         s = self.settings
-        what = f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else f"{type(exc).__name__}: {exc}"
+        what = api_message(exc) if isinstance(exc, ApiException) else f"{type(exc).__name__}: {exc}"
         log.warning("%s the lease %s/%s failed: %s", doing, s.namespace, s.name, what)
         if self._renewed is not None and not self.leading():
             log.warning("could not renew within %gs: stepping down", s.renew_deadline)

@@ -228,7 +228,7 @@ class ControlLoop:
             report.signals = await self.store.write_signals(obs.signals)
         self.telemetry.signals_written.inc(report.signals)
         await self._record_targets(obs, now)
-        self._unfit = self._unfit_inputs(obs)
+        self._unfit = obs.unfit_inputs([p.name for p in self.config.pools])
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in obs.signals)
         self.windows.trim(now)
 
@@ -248,28 +248,6 @@ class ControlLoop:
                 changed.append((r.target, health, r.ok, now))
         if changed:
             await self.store.record_targets(changed)
-
-    def _unfit_inputs(self, obs: Observation) -> dict[str, dict[str, str]]:
-        """What this tick's collection says cannot be trusted, per pool: by producer when a target is
-        down (twice in a row: one timeout is noise) or lacks an expected family, by signal when a
-        Prometheus query matches nothing."""
-        out: dict[str, dict[str, str]] = {}
-        for r in obs.results:
-            health = obs.health.get(r.target.key)
-            if not r.ok and (health is None or health.consecutive_failures >= 2):
-                out.setdefault(r.target.pool, {})[r.target.source] = \
-                    f"target {r.target.key} is down ({r.error or 'scrape failed'})"
-        everywhere = [p.name for p in self.config.pools]
-        for key, names in obs.missing.items():
-            head, _, rest = key.partition("/")
-            if head == "prometheus":
-                for pool in [rest.removeprefix("pool/")] if rest.startswith("pool/") else everywhere:
-                    for name in names:
-                        out.setdefault(pool, {})[name] = "no series match its Prometheus query"
-            else:
-                pool, pod, source = key.split("/", 2)
-                out.setdefault(pool, {})[source] = f"{pod} lacks {', '.join(names)}"
-        return out
 
     async def _pools(self, now: float) -> dict[str, PoolState]:
         view = await self.actuator.observe()
@@ -319,6 +297,11 @@ class ControlLoop:
                     report.updated.append(row)
                 # A proposal rests on what its policy reads unless it says otherwise (the rails check them).
                 proposals.extend((row.id, p if p.inputs else replace(p, inputs=policy.reads)) for p in finding.proposals)
+        for key, row in list(open_rows.items()):  # the loop's own findings: no policy resolves them
+            why = await self._ineffective_over(row) if row.kind == INEFFECTIVE else None
+            if why is not None:
+                await self.store.resolve_finding(row.id, why, now)
+                report.resolved.append(open_rows.pop(key))
         self.telemetry.open_findings.clear()
         for f in open_rows.values():
             self.telemetry.open_findings.labels(f.kind, f.severity).inc()
@@ -340,29 +323,14 @@ class ControlLoop:
         self, now: float, pools: dict[str, PoolState], proposals: list[tuple[int, Proposal]], report: TickReport
     ) -> None:
         """The single audited path from proposals (and approvals) to the actuator."""
-        mode = self.config.mode
         rails = self.config.rails
         await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
                            lambda a: now - a.created_at >= rails.proposal_ttl)
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - max(3600.0, rails.cooldown))
         paused = await self.switch.paused()
-        # Observe mode keeps an advisory record of what `act` would have done, judged like real actions.
-        advisory = mode is Mode.OBSERVE
         for finding_id, proposal in proposals:
-            same = [a for a in history if a.finding_id == finding_id and a.kind == str(proposal.kind)]
-            if any(a.outcome == "not_recovered" for a in same) or any(
-                    a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
-                # Another change for this finding before the last one is judged would stack changes
-                # nobody can tell apart; after one that did not help (and was undone where it could
-                # be), asking again would flap between the change and its revert.
-                reason = RailsReason.TRIED if any(a.outcome == "not_recovered" for a in same) else RailsReason.VERIFYING
-                self.telemetry.actions.labels(str(proposal.kind), f"held_{reason}").inc()
-                report.held.append((proposal, reason, f"a {proposal.kind} for this finding is {reason}"))
-                continue
-            decision = check(proposal, pools.get(proposal.pool), mode=Mode.ACT if advisory else mode, rails=rails,
-                             history=history, now=now, supported=self.actuator.kinds, paused=paused,
-                             unsettled=_unsettled(pools))
+            decision = self._check(proposal, finding_id, pools, history, now, paused)
             if not decision.may_record or decision.change is None:
                 # Held-back proposals are counted, not written: a cooldown would repeat them every tick.
                 self.telemetry.actions.labels(str(proposal.kind), f"held_{decision.reason}").inc()
@@ -371,6 +339,15 @@ class ControlLoop:
             history.append(await self._record(proposal, decision, finding_id, now, pools, report))
         for action in await self.store.actions(states=[ActionState.APPROVED]):
             await self._execute(action, pools, history, now, report)
+
+    def _check(self, proposal: Proposal, finding_id: int | None, pools: dict[str, PoolState],
+               history: Sequence[ActionRecord], now: float, paused: str | None) -> RailsDecision:
+        """The rails on a fresh proposal. Observe mode asks what `act` would allow: its advisory
+        record of what would have been done, judged like real actions."""
+        mode = self.config.mode
+        return check(proposal, pools.get(proposal.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
+                     rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds, paused=paused,
+                     unsettled=_unsettled(pools), finding_id=finding_id)
 
     async def _record(self, proposal: Proposal, decision: RailsDecision, finding_id: int | None, now: float,
                       pools: dict[str, PoolState], report: TickReport, extra: dict[str, Any] | None = None
@@ -495,7 +472,6 @@ class ControlLoop:
     async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:
         """Did the signal recover after the action? Recorded once, never retried blindly; a change that
         did not help is reverted where it can be, and a finding says so."""
-        await self._close_ineffective(now)
         for action in await self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
             p = action.params
             before = p.get("verify_before")
@@ -518,6 +494,7 @@ class ControlLoop:
                            pools: dict[str, PoolState], report: TickReport) -> None:
         """Open a finding on an action that did not help, and revert it through the rails if it can be."""
         p = action.params
+        moved = f"from {measured['before']:.4g} to {measured['after']:.4g}"
         undo = None
         if "reverts" not in p:  # a revert that did not help either is left to a person, never undone in turn
             done = next((e.detail for e in reversed(await self.store.audit_log(action.id)) if e.event == "succeeded"),
@@ -525,8 +502,7 @@ class ControlLoop:
             undo = revert_of(ActionKind(action.kind), change_from_dict(p["change"]), done)
         proposal = None if undo is None else Proposal(
             undo[0], action.pool, undo[1],
-            f"revert action {action.id} ({action.kind}): {p.get('verify_signal')} did not improve "
-            f"({measured['before']} -> {measured['after']})",
+            f"revert action {action.id} ({action.kind}): {p.get('verify_signal')} did not improve ({moved})",
             verify_signal=p.get("verify_signal"), verify_lower_is_better=p.get("verify_lower_is_better", True),
             inputs=tuple(p.get("inputs", ())))
         revert_id, why = None, "not reverted automatically: " + (
@@ -534,10 +510,7 @@ class ControlLoop:
         if proposal is not None:
             # The original's cooldown does not hold back its own undoing; every other rail does.
             history = [a for a in await self.store.recent_actions(since=now - 3600.0) if a.id != action.id]
-            mode = self.config.mode
-            decision = check(proposal, pools.get(action.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
-                             rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds,
-                             paused=await self.switch.paused(), unsettled=_unsettled(pools))
+            decision = self._check(proposal, None, pools, history, now, await self.switch.paused())
             why = f"revert held: {decision.note}"
             if decision.may_record and decision.change is not None:
                 revert = await self._record(proposal, decision, action.finding_id, now, pools, report,
@@ -546,27 +519,23 @@ class ControlLoop:
         finding = await self.store.open_finding(NewFinding(
             INEFFECTIVE, f"action/{action.id}", "warning",
             f"action {action.id} ({action.kind} on {action.pool}) did not improve {p.get('verify_signal')}",
-            f"{measured['signal']} went from {measured['before']} to {measured['after']} after the change; {why}.",
+            f"{measured['signal']} went {moved} after the change; {why}.",
             {**measured, "action_id": action.id, "revert_id": revert_id, "finding_id": action.finding_id},
             INEFFECTIVE), now)
         report.opened.append(finding)
         await self.store.note(action.id, "ineffective", now, {"finding": finding.id, "revert": revert_id, "why": why})
 
-    async def _close_ineffective(self, now: float) -> None:
-        """Resolve `action_ineffective` findings once their revert finished, or, with none, once the
-        finding that caused the action resolved."""
-        for f in await self.store.open_findings():
-            if f.kind != INEFFECTIVE:
-                continue
-            revert_id, cause_id = f.evidence.get("revert_id"), f.evidence.get("finding_id")
-            if revert_id is not None:
-                revert = next((a for a in await self.store.actions(since=f.opened_at - 1) if a.id == revert_id), None)
-                if revert is not None and revert.state in FINISHED_STATES:
-                    await self.store.resolve_finding(f.id, f"its revert (action {revert_id}) ended {revert.state}", now)
-            else:
-                cause = await self.store.finding(cause_id) if cause_id else None
-                if cause is None or cause.state == "resolved":
-                    await self.store.resolve_finding(f.id, "the finding the action answered resolved", now)
+    async def _ineffective_over(self, f: FindingRecord) -> str | None:
+        """Why an `action_ineffective` finding resolves now: its revert finished, or, with none, the
+        finding the action answered resolved; None while it stays open."""
+        revert_id, cause_id = f.evidence.get("revert_id"), f.evidence.get("finding_id")
+        if revert_id is not None:
+            revert = next((a for a in await self.store.actions(since=f.opened_at - 1) if a.id == revert_id), None)
+            if revert is not None and revert.state in FINISHED_STATES:
+                return f"its revert (action {revert_id}) ended {revert.state}"
+            return None
+        cause = await self.store.finding(cause_id) if cause_id else None
+        return "the finding the action answered resolved" if cause is None or cause.state == "resolved" else None
 
     async def _compact(self, now: float) -> None:
         every = self.config.store.compact_every

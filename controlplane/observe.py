@@ -41,6 +41,27 @@ class Observation:
     parse_errors: dict[str, list[str]] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
 
+    def unfit_inputs(self, pools: Sequence[str]) -> dict[str, dict[str, str]]:
+        """What this observation says cannot be trusted, per pool, with why: a producer when one of
+        the pool's targets is down (twice in a row: one timeout is noise) or lacks an expected
+        family, a signal when its Prometheus query matches nothing (`pools` for the fleet-wide ones)."""
+        out: dict[str, dict[str, str]] = {}
+        for r in self.results:
+            health = self.health.get(r.target.key)
+            if not r.ok and (health is None or health.consecutive_failures >= 2):
+                out.setdefault(r.target.pool, {})[r.target.source] = \
+                    f"target {r.target.key} is down ({r.error or 'scrape failed'})"
+        for key, names in self.missing.items():
+            head, _, rest = key.partition("/")
+            if head == "prometheus":
+                for pool in [rest.removeprefix("pool/")] if rest.startswith("pool/") else pools:
+                    for name in names:
+                        out.setdefault(pool, {})[name] = "no series match its Prometheus query"
+            else:
+                pool, pod, source = key.split("/", 2)
+                out.setdefault(pool, {})[source] = f"{pod} lacks {', '.join(names)}"
+        return out
+
 
 class MetricSource(Protocol):
     """Produces the signals of one tick at time `now`."""

@@ -7,7 +7,8 @@ moved. Both hold every kind of action to the same rules: the mode and the kill s
 actuator supports, one action in flight per pool, a pool that is still settling, a cooldown per
 pool and kind, one disruptive change (a restart of a pool's engines) in the whole fleet at a time,
 never more engines restarting at once than the pool allows, nothing resting on inputs that are
-stale now (`PoolState.stale_inputs`), and a fleet-wide hourly rate limit.
+stale now (`PoolState.stale_inputs`), and a fleet-wide hourly rate limit. A fresh proposal is also
+held while the same kind of change for the same finding is being judged, or after one did not help.
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ class PastAction(Protocol):
 
     @property
     def finished_at(self) -> float | None: ...
+
+    @property
+    def finding_id(self) -> int | None: ...
+
+    @property
+    def outcome(self) -> str | None: ...
 
 
 class DueAction(PastAction, Protocol):
@@ -207,11 +214,20 @@ def check(
     supported: Collection[ActionKind] = frozenset({ActionKind.SCALE_POOL}),
     paused: str | None = None,
     unsettled: Collection[str] = (),
+    finding_id: int | None = None,
 ) -> RailsDecision:
-    """Decide what may happen to `proposal`; `history` holds recent actions, any pool, `unsettled` the
-    pools whose engines are not all ready."""
+    """Decide what may happen to `proposal` (asked for by finding `finding_id`); `history` holds recent
+    actions, any pool, `unsettled` the pools whose engines are not all ready."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
+    same = [a for a in history if finding_id is not None and a.finding_id == finding_id and a.kind == proposal.kind]
+    if any(a.outcome == "not_recovered" for a in same):
+        # After a change that did not help (and was undone where it could be), asking again would
+        # flap between the change and its revert.
+        return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")
+    if any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
+        # Another change before the last one is judged would stack changes nobody can tell apart.
+        return _held(RailsReason.VERIFYING, f"a {proposal.kind} for this finding is still being judged")
     if proposal.kind not in supported:
         return _held(RailsReason.NOT_SUPPORTED, f"the actuator cannot carry out {proposal.kind}")
     if pool is None:

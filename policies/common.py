@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from policies.types import FindingKey, PolicyInput, PoolState
 from policies.windows import SignalWindows
@@ -57,6 +57,16 @@ def ratio_series(windows: SignalWindows, subject: str, numerator: str, denominat
 def reported_since(windows: SignalWindows, subject: str, names: Iterable[str], since: float) -> bool:
     """True when any of the named series of `subject` has a point at or after `since`."""
     return any(windows.series(subject, name, since=since) for name in names)
+
+
+def current_since(windows: SignalWindows, subjects: Iterable[str], names: Sequence[str], now: float,
+                  stale_s: float) -> float:
+    """From when a subject counts as current: it reported in the latest scrape of any of `subjects`
+    (one that missed it left, or was replaced: its old points say nothing about now), and within
+    `stale_s`."""
+    newest = max((ts for s in subjects for n in names if (ts := windows.latest_ts(s, n)) is not None),
+                 default=now - stale_s)
+    return max(newest, now - stale_s)
 
 
 def gone_findings(inp: PolicyInput, kind: str, names: Iterable[str], stale_s: float,

@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from catalog.settings import Problem, Seconds, Settings
-from policies.common import gone_findings, reported_since
+from policies.common import current_since, gone_findings, reported_since
 from policies.types import (
     ActionKind,
     Cordon,
@@ -135,8 +135,7 @@ class GpuHealth:
         for name in WATCHED:
             subjects.update(inp.windows.subjects(name, prefix="gpu/"))
         names = (*ALIVE, *WATCHED)
-        newest = max((p[-1][0] for sub in subjects for n in names if (p := inp.windows.series(sub, n))), default=0.0)
-        current = max(newest, inp.now - s.stale_s)  # in the latest scrape, and not long ago
+        current = current_since(inp.windows, subjects, names, inp.now, s.stale_s)
         hosts = self._engine_hosts(inp.windows, current)
         for subject in sorted(subjects):
             if not reported_since(inp.windows, subject, names, current):

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from catalog.settings import Problem, Seconds, Settings, least_window
-from policies.common import gone_findings, reported_since
+from policies.common import current_since, gone_findings, reported_since
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -97,11 +97,10 @@ class KvTransferLag:
             subjects = sorted(set(inp.windows.subjects(path.p99, prefix=path.prefix))
                               | set(inp.windows.subjects(path.failures, prefix=path.prefix)))
             names = (path.p99, path.failures)
-            newest = max((p[-1][0] for s in subjects for n in names if (p := inp.windows.series(s, n))), default=None)
+            current = current_since(inp.windows, subjects, names, inp.now, self.settings.stale_s)
             for subject in subjects:
                 key = FindingKey(KIND, subject)
-                if newest is None or not reported_since(inp.windows, subject, names,
-                                                        max(newest, inp.now - self.settings.stale_s)):
+                if not reported_since(inp.windows, subject, names, current):
                     # Not in the latest scrape (a drained worker, a missed scrape): its old points say
                     # nothing about now, and a drain proposed from them would chase a pod that is gone.
                     continue

@@ -49,6 +49,7 @@ from kubernetes.client.exceptions import ApiException
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
+from controlplane.kube import api_message
 from policies.types import ActionKind, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation, describe
 
 __all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator", "WorkloadKind"]
@@ -126,15 +127,6 @@ def _budget(value: Any, replicas: int) -> int | None:
     return max(1, int(value))
 
 
-def _api_message(exc: ApiException) -> str:
-    try:
-        body = json.loads(exc.body or "{}")
-    except ValueError:
-        body = {}
-    message = body.get("message") if isinstance(body, dict) else None
-    return f"HTTP {exc.status} {exc.reason or ''}".rstrip() + (f": {message}" if message else "")
-
-
 class _Conflict(Exception):
     """A write lost to a concurrent one (409): read again and retry."""
 
@@ -167,9 +159,9 @@ class KubernetesActuator:
                 return await asyncio.to_thread(fn, *args, _request_timeout=self._timeout, **kwargs)
             except ApiException as exc:
                 if exc.status == 409:
-                    raise _Conflict(_api_message(exc)) from None
+                    raise _Conflict(api_message(exc)) from None
                 if exc.status in (403, 404, 422) or attempt == 2 or (exc.status or 0) < 500:
-                    raise ActuationError(f"{what}: {_api_message(exc)}") from None
+                    raise ActuationError(f"{what}: {api_message(exc)}") from None
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 if attempt == 2:
                     raise ActuationError(f"{what}: {type(exc).__name__}: {exc}") from None
@@ -191,11 +183,12 @@ class KubernetesActuator:
                                w.namespace, kind.plural, w.name, body, **self._writes())
         return dict(raw)
 
-    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """Run a read-modify-write, again on a fresh read when it loses to a concurrent write."""
-        for _ in range(3):
+    async def _retrying(self, what: str, w: Workload, obj: dict[str, Any],
+                        write: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """A write computed from `obj` (as read), again from a fresh read when it loses to a concurrent one."""
+        for attempt in range(3):
             try:
-                return await attempt()
+                return await write(obj if attempt == 0 else await self._read(w))
             except _Conflict as exc:
                 log.info("%s: conflict (%s); reading again", what, exc)
         raise ActuationError(f"{what}: the object kept changing under three attempts (409 conflict)")
@@ -280,11 +273,11 @@ class KubernetesActuator:
             return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
         if isinstance(change, ScaleTo):
             return await self._scale(order, w, obj, change)
+        what = f"{describe(change)} on {w.kind} {w.namespace}/{w.name}"
         if isinstance(change, Speculation | Eplb):
-            return await self._retrying(f"{describe(change)} on {w.kind} {w.namespace}/{w.name}",
-                                        lambda: self._set_args(order, w, change))
+            return await self._retrying(what, w, obj, lambda current: self._set_args(order, w, change, current))
         if isinstance(change, RollBack):
-            return await self._rollback(order, w, obj)
+            return await self._retrying(what, w, obj, lambda current: self._rollback(order, w, current))
         raise ActuationError(f"the Kubernetes actuator cannot carry out {type(change).__name__}")
 
     def _stamp(self, order: Order) -> dict[str, Any]:
@@ -317,8 +310,8 @@ class KubernetesActuator:
         await self._event(order, w, f"scaled to {replicas}")
         return {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
 
-    async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb) -> dict[str, Any]:
-        obj = await self._read(w)
+    async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
+                        obj: Mapping[str, Any]) -> dict[str, Any]:
         kind = KINDS[w.kind]
         template = copy.deepcopy(_dig(obj, kind.template))
         if template is None:
@@ -474,11 +467,11 @@ class KubernetesActuator:
                                     _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 429:
-                log.info("eviction of %s/%s refused for now: %s", namespace, pod, _api_message(exc))
+                log.info("eviction of %s/%s refused for now: %s", namespace, pod, api_message(exc))
                 return False
             if exc.status == 404:
                 return True  # already gone
-            raise ActuationError(f"evicting pod {namespace}/{pod}: {_api_message(exc)}") from None
+            raise ActuationError(f"evicting pod {namespace}/{pod}: {api_message(exc)}") from None
         return True
 
     # events -----------------------------------------------------------------------------------------
@@ -558,7 +551,7 @@ class ConfigMapSwitch:
         except ApiException as exc:
             if exc.status == 404:
                 return None  # no ConfigMap, no flag
-            return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({_api_message(exc)}): not acting"
+            return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({api_message(exc)}): not acting"
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({exc}): not acting"
         value = str((json.loads(raw.data).get("data") or {}).get(f.key, "")).strip().lower()

@@ -17,11 +17,11 @@ import csv
 import json
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -312,12 +312,7 @@ def load_azure(path: Path | str, *, start_s: float = 0.0, duration_s: float | No
     origin: tuple[int, float] | None = None
     last = -math.inf
     index = 0
-    for row in reader:
-        line = reader.line_num
-        if not row:
-            continue
-        if len(row) != 3:
-            raise TraceError(path, line, f"expected 3 columns, got {len(row)}")
+    for line, row in _csv_rows(reader, path, AZURE_HEADER):
         day, sod = _azure_seconds(row[0], path, line)
         ctx = _nonneg_int(row[1], "ContextTokens", path, line)
         gen = _nonneg_int(row[2], "GeneratedTokens", path, line)
@@ -400,15 +395,21 @@ def _float(text: str, column: str, path: Path, line: int) -> float:
     return value
 
 
-def _read_rates(path: Path) -> tuple[RateWindow, ...]:
-    out: list[RateWindow] = []
-    reader = csv.reader(read_lines(path))
+def _csv_rows(reader: Any, path: Path, columns: Sequence[str]) -> Iterator[tuple[int, list[str]]]:
+    """(line number, row) of a CSV reader, blank lines skipped, every row checked for its column count."""
     for row in reader:
-        line = reader.line_num
         if not row:
             continue
-        if len(row) != 6:
-            raise TraceError(path, line, f"expected 6 columns (window_start_s, rate, cv, dist, shape, scale), got {len(row)}")
+        if len(row) != len(columns):
+            raise TraceError(path, reader.line_num,
+                             f"expected {len(columns)} columns ({', '.join(columns)}), got {len(row)}")
+        yield reader.line_num, row
+
+
+def _read_rates(path: Path) -> tuple[RateWindow, ...]:
+    out: list[RateWindow] = []
+    for line, row in _csv_rows(csv.reader(read_lines(path)), path,
+                               ("window_start_s", "rate", "cv", "dist", "shape", "scale")):
         start = _float(row[0], "window_start_s", path, line)
         rate = _float(row[1], "rate", path, line)
         cv = _float(row[2], "cv", path, line)

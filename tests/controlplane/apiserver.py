@@ -55,32 +55,29 @@ class _Fault:
 
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
+    return _merge(target, patch, by_name=False)
 
 
 def strategic_merge(target: Any, patch: Any) -> Any:
     """Strategic merge patch, as far as pod templates need it: lists of dicts with a `name` merge by name."""
+    return _merge(target, patch, by_name=True)
+
+
+def _merge(target: Any, patch: Any, *, by_name: bool) -> Any:
     if isinstance(patch, dict):
         out = dict(target) if isinstance(target, dict) else {}
         for key, value in patch.items():
             if value is None:
                 out.pop(key, None)
             else:
-                out[key] = strategic_merge(out.get(key), value)
+                out[key] = _merge(out.get(key), value, by_name=by_name)
         return out
-    if isinstance(patch, list) and patch and all(isinstance(i, dict) and "name" in i for i in patch) \
-            and isinstance(target, list):
-        by_name = {i.get("name"): i for i in target if isinstance(i, dict)}
-        merged = [strategic_merge(by_name.get(i["name"]), i) for i in patch]
-        return merged + [i for i in target if isinstance(i, dict) and i.get("name") not in {p["name"] for p in patch}]
+    if by_name and isinstance(patch, list) and patch and isinstance(target, list) \
+            and all(isinstance(i, dict) and "name" in i for i in patch):
+        by = {i.get("name"): i for i in target if isinstance(i, dict)}
+        named = {p["name"] for p in patch}
+        return [_merge(by.get(i["name"]), i, by_name=True) for i in patch] + \
+            [i for i in target if isinstance(i, dict) and i.get("name") not in named]
     return patch
 
 

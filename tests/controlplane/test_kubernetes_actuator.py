@@ -242,6 +242,7 @@ async def test_rollback_of_a_deployment_restores_its_previous_template(server: A
     epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
     server.put(REPLICASETS, replica_set(epp, 4, "epp:v1-cache-aware", "2026-11-20T10:00:00Z"))
     server.put(REPLICASETS, replica_set(epp, 5, "epp:v2-round-robin", "2026-12-01T09:55:00Z"))
+    server.fail("PATCH", "/deployments/epp", 409, "the object has been modified")  # retried on a fresh read
     done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("router"), pool="decode"))
     assert done == {"rolled_back": "Deployment llm/epp", "to_revision": "4"}
     template = server.get(DEPLOYMENTS, NS, "epp")["spec"]["template"]  # type: ignore[index]

@@ -38,6 +38,8 @@ class Past:
     created_at: float
     finished_at: float | None
     kind: str = "scale_pool"
+    finding_id: int | None = None
+    outcome: str | None = None
 
 
 def pool(desired: int = 3, ready: int | None = None, lo: int = 2, hi: int = 6, *, gang: int = 1,
@@ -257,3 +259,23 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
                   {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3, "inputs": list(inputs)})
         again = recheck(due, state, mode=Mode.ACT, rails=RAILS, history=[], now=NOW, supported=ALL_KINDS)
         assert again.reason is RailsReason.STALE_INPUTS and "stale" in again.note, "an approved action waits too"
+
+
+@pytest.mark.parametrize(
+    ("earlier", "reason"),
+    [
+        pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5), RailsReason.VERIFYING,
+                     id="still-being-judged"),
+        pytest.param(Past("prefill", "advisory", NOW - 900, NOW - 800, finding_id=5), RailsReason.VERIFYING,
+                     id="an-advisory-too"),
+        pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5, outcome="not_recovered"),
+                     RailsReason.TRIED, id="did-not-help"),
+        pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5, outcome="recovered"),
+                     RailsReason.ALLOWED, id="helped-then-came-back"),
+        pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=6), RailsReason.ALLOWED,
+                     id="another-finding"),
+    ],
+)
+def test_one_change_per_finding_until_it_is_judged(earlier: Past, reason: RailsReason) -> None:
+    d = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier], now=NOW, supported=ALL_KINDS, finding_id=5)
+    assert d.reason is reason
