@@ -226,13 +226,15 @@ class EpImbalance:
         for group in groups:
             key = FindingKey(KIND, group.subject)
             open_finding = inp.open_findings.get(key)
-            normal = self._normal(inp.windows, group) if open_finding is None else {
-                m: open_finding.evidence.get(f"normal_{m}") for m in ("itl_skew", "gpu_skew")}
-            if open_finding is not None and self._balanced(group, s.resolve_points, normal):
-                result.resolved.append((key, "per-rank skew back to its normal"))
-                continue
-            if open_finding is None and not self._imbalanced(inp, group):
-                continue
+            if open_finding is None:
+                if not self._imbalanced(inp, group):
+                    continue
+                normal = self._normal(inp.windows, group)  # taken once, at opening, and kept in the evidence
+            else:
+                normal = {m: open_finding.evidence.get(f"normal_{m}") for m in ("itl_skew", "gpu_skew")}
+                if self._balanced(group, s.resolve_points, normal):
+                    result.resolved.append((key, "per-rank skew back to its normal"))
+                    continue
             report = self._report(inp, group, None if open_finding is None else open_finding.opened_at)
             report.evidence.update({f"normal_{m}": v for m, v in normal.items()})
             result.findings.append(report)

@@ -172,10 +172,6 @@ class Saturation:
         growing = all(g / engines >= s.min_growth_per_engine and z >= s.trend_z for g, z in fits)
         waiting = level / engines
         causes = []
-        if not is_open:  # the pool's usual queue before this: what "back to normal" will mean
-            before = w.series(subject, queue_signal)[-(s.normal_points + s.trend_points):-s.trend_points]
-            normal = round(statistics.median(v for _, v in before) / engines, 3) if len(before) >= s.trend_points \
-                else None
         long_queue = self._long(waiting, normal) if is_open else waiting >= s.min_waiting_per_engine
         state = inp.pools.get(pool)
         scaling = state is not None and state.desired > state.ready
@@ -190,6 +186,9 @@ class Saturation:
         loaded = waiting >= s.loaded_waiting_per_engine or (kv_now is not None and kv_now >= s.kv_full)
         if len(shares) == s.recent_points and all(v >= s.error_share for v in shares) and loaded:
             causes.append(Cause.ERRORS_UNDER_LOAD)
+        if causes and not is_open:  # opening: the pool's usual queue before, what "back to normal" will mean
+            before = w.last(subject, queue_signal, s.normal_points + s.trend_points)[:-s.trend_points]
+            normal = round(statistics.median(before) / engines, 3) if len(before) >= s.trend_points else None
         return _State(queue_signal, engines, waiting, growth, kv_now, w.latest(subject, PREEMPTIONS),
                       shares[-1] if shares else None, causes, scaling, normal)
 
