@@ -42,6 +42,8 @@ class Producer(StrEnum):
     LLMD = "llmd"  # collectors/llmd.py
     LMCACHE = "lmcache"  # collectors/lmcache.py
     SCRAPER = "scraper"  # collectors/pipeline.py, about the scrape itself
+    ACTUATOR = "actuator"  # the loop, from the actuator's view of each pool
+    SIZER = "sizer"  # the loop, from the sizer's plan for each pool (policies/autoscale.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,11 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("scrape_duration_seconds", "s", Subject.TARGET, Producer.SCRAPER, "how long the scrape took"),
     _s("scrape_samples", "count", Subject.TARGET, Producer.SCRAPER, "samples in the exposition"),
     _s("scrape_body_bytes", "B", Subject.TARGET, Producer.SCRAPER, "size of the exposition"),
+    _s("replicas_desired", "count", Subject.POOL, Producer.ACTUATOR, "replicas the pool's workload asks for"),
+    _s("replicas_ready", "count", Subject.POOL, Producer.ACTUATOR, "replicas ready to take requests"),
+    _s("autoscale_target_replicas", "count", Subject.POOL, Producer.SIZER,
+       "replicas the sizer recommends for the forecast load, before the scale-down hold"),
+    _s("autoscale_forecast_rate", "1/s", Subject.POOL, Producer.SIZER, "arrivals per second the sizer plans for"),
     # GPUs ---------------------------------------------------------------------------------------
     _s("gpu_utilization", "ratio", Subject.GPU, _GPU, "GPU busy share"),
     _s("gpu_engine_active", "ratio", Subject.GPU, Producer.DCGM, "graphics/compute engine active share"),

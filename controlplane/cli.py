@@ -146,6 +146,7 @@ def db_current(db: str, as_json: bool) -> None:
 @click.option("--once", is_flag=True, help="Run one tick and exit (for checks).")
 def run(config_file: Path, db: str | None, once: bool) -> None:
     """Run the control plane: the loop plus /metrics, /healthz and /readyz."""
+    from controlplane.autoscaling import build_sizer
     from controlplane.config import load_config
     from controlplane.runtime import run_forever
     from controlplane.store.writer import SqlStore
@@ -153,7 +154,7 @@ def run(config_file: Path, db: str | None, once: bool) -> None:
     cfg = load_config(config_file)
     store = SqlStore.open(db or cfg.store.url)
     try:
-        asyncio.run(run_forever(cfg, store, once=once))
+        asyncio.run(run_forever(cfg, store, once=once, sizer=build_sizer(cfg)))
     finally:
         store.close()
 
@@ -523,6 +524,94 @@ def _eval_act(scenarios: tuple[str, ...], workdir: Path, jobs: int, repeats: int
     for row in data["fault_free"]:
         out.print(f"fault-free {row['scenario']}: {row['remedial_actions']} remedial action(s)"
                   + (f" ({'; '.join(row['actions'])})" if row["actions"] else ""))
+    _goals(data, as_json, gate=False)
+
+
+@cli.group()
+def autoscale() -> None:
+    """The SLO-driven autoscaler: what it would set now, and how it compares."""
+
+
+@autoscale.command("plan")
+@click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@_db_option
+@click.option("--pool", "pools", multiple=True, help="Only this pool; repeatable. Default: every pool.")
+@click.option("--json", "as_json", is_flag=True)
+def autoscale_plan(config_file: Path, db: str, pools: tuple[str, ...], as_json: bool) -> None:
+    """What the autoscaler would set each pool to now, and why: the forecast, the curves, the SLO margins."""
+    import time
+
+    from controlplane.autoscaling import plan_from_store
+    from controlplane.config import load_config
+    from controlplane.store.threaded import ThreadedStore
+
+    cfg = load_config(config_file)
+    unknown = sorted(set(pools) - {p.name for p in cfg.pools})
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)} is not a pool of {config_file}", param_hint="--pool")
+    store = ThreadedStore.open(db)
+    try:
+        plans = asyncio.run(plan_from_store(cfg, store, time.time()))
+    finally:
+        store.close()
+    plans = [p for p in plans if not pools or p.pool in pools]
+    if as_json:
+        _emit_json({"plans": [{"pool": p.pool, "desired": p.desired, "ready": p.ready, "target": p.target,
+                               "recommended": p.recommended, "reason": p.reason, "evidence": p.evidence} for p in plans]})
+        return
+    if not plans:
+        out.print("no pool has load and an SLO to plan from yet")
+        return
+    t = Table(title="Autoscaler plan")
+    for col in ("pool", "now", "ready", "target", "why", "curves"):
+        t.add_column(col)
+    for p in plans:
+        curves = "; ".join(f"{k.split('_')[0].upper()}: {v['source']} ({v['points']} points)"
+                           for k, v in p.evidence.items() if k.endswith("_curve"))
+        t.add_row(p.pool, str(p.desired), str(p.ready), str(p.target), p.reason, curves)
+    out.print(t)
+
+
+@autoscale.command("eval")
+@click.option("--trace", "traces", multiple=True,
+              help="azure-conv, azure-code, mooncake-conversation, servegen-day, or a scenario; repeatable. Default: all.")
+@click.option("--minutes", type=click.FloatRange(min=1), default=None, help="Replay only this much of each trace.")
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Replays run at once.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also draw load, replicas and SLO attainment over time into this .png, .svg or .html file.")
+@click.option("--json", "as_json", is_flag=True)
+def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, plot: Path | None, as_json: bool) -> None:
+    """Static peak, HPA-style, this autoscaler and the oracle on the same replays: GPU-hours and SLO attainment."""
+    from controlplane.evaluation_autoscale import TRACES, evaluate_autoscaling
+    from controlplane.evaluation_chart import CHART_FORMATS, CHART_SUFFIXES, save_autoscale_chart
+
+    if plot is not None and plot.suffix.lower() not in CHART_SUFFIXES:
+        raise click.BadParameter(f"{plot}: write the chart as {CHART_FORMATS}", param_hint="--plot")
+
+    def progress(name: str, result: Any) -> None:
+        if result is not None:
+            err.print(f"  {name}: done")
+
+    reports = []
+    for trace in traces or tuple(TRACES):
+        err.print(f"[bold]{trace}[/] ...")
+        reports.append(evaluate_autoscaling(trace, minutes=minutes, jobs=jobs, progress=progress))
+    data = {"goals": [g for r in reports for g in r.as_json()["goals"]], "traces": [r.as_json() for r in reports]}
+    if plot is not None:
+        err.print(f"chart: {save_autoscale_chart(data, plot)}")
+    if as_json:
+        _emit_json(data)
+        return
+    for r in reports:
+        t = Table(title=f"{r.trace}: the same replay under each strategy")
+        for col in ("strategy", "GPU-hours", "minutes within both SLOs", "scale events", "GPU-hours / oracle's"):
+            t.add_column(col)
+        for row in r.rows():
+            ratio = "-" if row["vs_oracle"] is None else f"{row['vs_oracle']:.2f}"
+            t.add_row(row["strategy"], f"{row['gpu_hours']:.2f}",
+                      f"{row['attainment']:.1%} ({row['minutes_within']}/{row['minutes']})", str(row["scale_events"]),
+                      ratio)
+        out.print(t)
     _goals(data, as_json, gate=False)
 
 

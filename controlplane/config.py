@@ -25,6 +25,7 @@ from catalog.fleet import Role, Source
 from catalog.settings import NonNegativeSeconds, Seconds, Settings
 from controlplane.errors import ConfigError
 from controlplane.selectors import LabelSelector
+from policies.autoscale import AutoscaleSettings
 from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
 from policies.inputs import StaleInputsSettings
@@ -119,6 +120,18 @@ class Slo(Settings):
     tpot_p95: Seconds | None = None
 
 
+class Engine(Settings):
+    """What one engine of a pool is, for the autoscaler's prior until the fleet's own data take over:
+    a measured profile (shipped by name, or a folder or CSV by path) scaled by `speed`, and its vLLM flags."""
+
+    profile: str = "dynamo/h200/llama3.1-8b-fp8"
+    speed: float = Field(1.0, gt=0)  # times as fast as the profiled hardware
+    kv_blocks: int = Field(30_000, ge=64)  # of 16 tokens
+    max_num_seqs: int = Field(256, ge=1)
+    max_batched_tokens: int = Field(8192, ge=64)
+    gpus: int = Field(1, ge=1)  # per engine: what a replica costs
+
+
 class Pool(Settings):
     """A set of identical engines with one role."""
 
@@ -128,6 +141,7 @@ class Pool(Settings):
     workload: Workload | None = None
     replicas: Replicas
     slo: Slo = Slo()
+    engine: Engine = Engine()
 
 
 def _check_source(value: str) -> str:
@@ -358,6 +372,7 @@ class FleetConfig(Settings):
     server: Server = Server()
     alerting: Alerting | None = None
     kubernetes: Kubernetes | None = None
+    autoscaling: AutoscaleSettings = AutoscaleSettings()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> FleetConfig:
@@ -390,7 +405,8 @@ class FleetConfig(Settings):
 
     def cross_problems(self) -> list[tuple[tuple[str, ...], str]]:
         """Settings valid one by one that do not work together: (field path, problem)."""
-        return self.policies.problems(self.scrape.interval)
+        return self.policies.problems(self.scrape.interval) + [
+            (("autoscaling", name), why) for name, why in self.autoscaling.problems(self.scrape.interval)]
 
     def pool(self, name: str) -> Pool:
         """The pool called `name`; KeyError if there is none."""

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from controlplane.autoscaling import build_sizer
 from controlplane.config import FleetConfig, parse_config
 from controlplane.loop import TickReport
 from controlplane.sim.fleet import SimFleet
@@ -95,7 +96,8 @@ async def run_demo(minutes: float, db_url: str, console: Console, *, pace: bool 
                       f"{'-' if hit is None else f'{hit:.0%}'}  TTFT p95 {'-' if ttft is None else f'{ttft:.2f}s'}")
             progress.update(task, advance=1, sim=now, status=status)
 
-        run = await run_scenario(scenario, db_url, config=demo_config(db_url), on_tick=show, start=start,
+        config = demo_config(db_url)
+        run = await run_scenario(scenario, db_url, config=config, on_tick=show, start=start, sizer=build_sizer(config),
                                  speed=sim_seconds / (minutes * 60.0) if pace else None)
     summary = DemoSummary(db_url, sim_seconds, run.ticks, run.wall_s, fault.at, fault.end or sim_seconds)
     store = SqlStore.open(db_url)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controlplane.autoscaling import build_sizer
 from controlplane.evaluation import run_all, variant
 from controlplane.goals import Goal, at_most, goals_json
 from controlplane.loop import TickReport
@@ -93,7 +94,10 @@ async def run_once(scenario: Scenario, db_url: str, mode: str) -> ActingRun:
             if points:
                 samples[pool, signal].append((run.elapsed, points[-1][1]))
 
-    run = await run_scenario(scenario, db_url, mode=mode, on_tick=hook)
+    # The control plane as a team runs it: the autoscaler on (advisory when observing), beside the remedies.
+    config = scenario.controlplane_config(db_url, mode)
+    config = config.model_copy(update={"autoscaling": config.autoscaling.model_copy(update={"enabled": True})})
+    run = await run_scenario(scenario, db_url, mode=mode, on_tick=hook, config=config, sizer=build_sizer(config))
     store = SqlStore.open(db_url)
     try:
         actions = [{"kind": a.kind, "pool": a.pool, "at_s": round(a.created_at - run.start), "state": str(a.state),

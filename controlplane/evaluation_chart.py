@@ -1,4 +1,5 @@
-"""The evaluation as a picture: detection delay and false alarms per finding kind, policies beside static rules."""
+"""Evaluations as pictures: detection delay and false alarms per finding kind (policies beside static rules), and
+engines held and SLO minutes missed per autoscaling strategy."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import altair as alt
 
-__all__ = ["CHART_FORMATS", "CHART_SUFFIXES", "eval_chart", "save_eval_chart"]
+__all__ = ["CHART_FORMATS", "CHART_SUFFIXES", "autoscale_chart", "eval_chart", "save_autoscale_chart", "save_eval_chart"]
 
 CHART_SUFFIXES = (".png", ".svg", ".html")
 CHART_FORMATS = f"{', '.join(CHART_SUFFIXES[:-1])} or {CHART_SUFFIXES[-1]}"  # for messages
@@ -55,9 +56,12 @@ def eval_chart(report: dict[str, Any]) -> alt.VConcatChart:
 
 def save_eval_chart(report: dict[str, Any], path: Path) -> Path:
     """Write the chart as PNG, SVG or HTML, by the file's suffix."""
+    return _save(eval_chart(report), path)
+
+
+def _save(chart: alt.TopLevelMixin, path: Path) -> Path:
     if path.suffix.lower() not in CHART_SUFFIXES:
         raise ValueError(f"{path}: the chart is written as {CHART_FORMATS}, not {path.suffix or 'no suffix'}")
-    chart = eval_chart(report)
     if path.suffix.lower() == ".png":
         chart.save(str(path), scale_factor=2)
     else:
@@ -67,3 +71,33 @@ def save_eval_chart(report: dict[str, Any], path: Path) -> Path:
 
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+_STRATEGY_COLORS = alt.Scale(domain=["static", "hpa", "ours", "oracle"], range=["#bbbbbb", "#ff7f0e", "#1f77b4", "#2ca02c"])
+
+
+def autoscale_chart(report: dict[str, Any]) -> alt.VConcatChart:
+    """Per trace, from `fleetctl autoscale eval --json`: engines held over time by each strategy (one line
+    per strategy, pools summed) over the minutes each strategy kept both SLOs (a tick per minute missed)."""
+    panels = []
+    for trace in report["traces"]:
+        held, missed = [], []
+        for run in trace["runs"]:
+            for t, pools in run["replicas"]:
+                held.append({"minute": t / 60.0, "engines": sum(pools.values()), "strategy": run["strategy"]})
+            missed += [{"minute": m + 0.5, "strategy": run["strategy"]} for m, ok in enumerate(run["within"]) if not ok]
+        color = alt.Color("strategy:N", scale=_STRATEGY_COLORS, title=None)
+        lines = alt.Chart(alt.Data(values=held)).mark_line(interpolate="step-after").encode(  # type: ignore[no-untyped-call]
+            x=alt.X("minute:Q", title="minute of the replay"), y=alt.Y("engines:Q", title="engines held"), color=color)
+        ticks = alt.Chart(alt.Data(values=missed)).mark_tick(thickness=2).encode(  # type: ignore[no-untyped-call]
+            x="minute:Q", y=alt.Y("strategy:N", title="minutes out of SLO"), color=color)
+        rows = {r["strategy"]: r for r in trace["strategies"]}
+        title = ", ".join(f"{s} {rows[s]['gpu_hours']:.1f} GPU-h / {rows[s]['attainment']:.0%}" for s in rows)
+        panels.append(alt.vconcat(lines.properties(width=560, height=180), ticks.properties(width=560, height=80),
+                                  title=f"{trace['trace']}: {title}"))
+    return alt.vconcat(*panels)
+
+
+def save_autoscale_chart(report: dict[str, Any], path: Path) -> Path:
+    """Write the autoscaling chart as PNG, SVG or HTML, by the file's suffix."""
+    return _save(autoscale_chart(report), path)

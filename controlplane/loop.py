@@ -1,4 +1,4 @@
-"""The control loop: one tick scrapes, derives, stores, detects, and acts through the rails.
+"""The control loop: one tick scrapes, derives, stores, detects, sizes the pools, and acts through the rails.
 
 The same tick serves the live fleet, the simulator, replays and tests; only the target source,
 the actuator and the clock differ. Every action is written to the audit log before and after
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from collectors.types import TargetHealth
+from collectors.types import Signal, TargetHealth
 from controlplane.actions import FINISHED_STATES, ActionState
 from controlplane.actuators.base import Actuator, Order
 from controlplane.clock import Clock
@@ -30,6 +30,7 @@ from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
 from controlplane.telemetry import Telemetry
+from policies.autoscale import DESIRED, FORECAST, READY, TARGET, PoolPlan, Sizer
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
@@ -69,6 +70,7 @@ class TickReport:
     actions: list[ActionRecord] = field(default_factory=list)
     held: list[tuple[Proposal, RailsReason, str]] = field(default_factory=list)
     outcomes: list[tuple[int, str]] = field(default_factory=list)
+    plans: list[PoolPlan] = field(default_factory=list)  # what the sizer would set each pool to
     errors: dict[str, str] = field(default_factory=dict)
     duration_s: float = 0.0
 
@@ -88,8 +90,10 @@ class ControlLoop:
         telemetry: Telemetry,
         switch: KillSwitch | None = None,
         leading: Callable[[], bool] | None = None,
+        sizer: Sizer | None = None,
     ) -> None:
         self.config = config
+        self.sizer = sizer  # the one component that sets replica counts, if any
         self.source = source
         self.store = store
         self.policies = list(policies)
@@ -193,7 +197,8 @@ class ControlLoop:
         with self.telemetry.span("tick", ts=now):
             await self._observe(now, report)
             pools = await self._pools(now)
-            proposals = await self._detect(now, pools, report)
+            inp, proposals = await self._detect(now, pools, report)
+            proposals += await self._size(inp, report)
             await self._act(now, pools, proposals, report)
             await self._judge_outcomes(now, pools, report)
             await self._compact(now)
@@ -254,9 +259,10 @@ class ControlLoop:
         self.changed_at = dict(view.changed_at)
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         out = {}
+        record: list[Signal] = []
         for pool in self.config.pools:
             rep = view.pools.get(pool.name)
-            out[pool.name] = PoolState(
+            out[pool.name] = state = PoolState(
                 name=pool.name, role=str(pool.role),
                 desired=rep.desired if rep else 0, ready=rep.ready if rep else 0,
                 min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
@@ -264,15 +270,48 @@ class ControlLoop:
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
                 stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
             )
+            if rep is not None:
+                record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
+                           Signal(now, f"pool/{pool.name}", READY, float(state.ready))]
+        # Replica counts are signals too: start-up times are measured from them and the dashboard plots them.
+        await self._keep(record)
         return out
+
+    async def _keep(self, signals: list[Signal]) -> None:
+        """Store signals the loop derives itself and add them to the windows."""
+        if signals:
+            await self.store.write_signals(signals)
+            self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
+
+    async def _size(self, inp: PolicyInput, report: TickReport) -> list[tuple[int | None, Proposal]]:
+        """The sizer's plans, recorded as signals; a plan that changes a pool's size goes to the rails."""
+        if self.sizer is None:
+            return []
+        with self.telemetry.span(f"sizer.{self.sizer.name}"):
+            report.plans = self.sizer.plan(inp)
+        await self._keep([sig for p in report.plans for sig in (
+            Signal(inp.now, f"pool/{p.pool}", TARGET, float(p.recommended)),
+            *([Signal(inp.now, f"pool/{p.pool}", FORECAST, float(p.evidence["planned_for"]))]
+              if "planned_for" in p.evidence else []))])
+        proposals: list[tuple[int | None, Proposal]] = [
+            (None, prop) for p in report.plans if (prop := p.proposal()) is not None]
+        if proposals and self.config.mode is Mode.OBSERVE:
+            # Observing, the fleet never moves, so the same plan would be advised again every cooldown:
+            # a pool's advice is written once until its target changes.
+            advised = {a.pool: a.params.get("replicas") for a in sorted(
+                await self.store.recent_actions(since=inp.now - 3600.0), key=lambda a: a.created_at)
+                if a.kind == ActionKind.SCALE_POOL and a.finding_id is None and a.state is ActionState.ADVISORY}
+            proposals = [(f, p) for f, p in proposals if advised.get(p.pool) != getattr(p.change, "replicas", None)]
+        return proposals
 
     # detect -----------------------------------------------------------------------------------
 
-    async def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport) -> list[tuple[int, Proposal]]:
+    async def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport
+                      ) -> tuple[PolicyInput, list[tuple[int | None, Proposal]]]:
         open_rows = {FindingKey(f.kind, f.subject): f for f in await self.store.open_findings()}
         open_view = {k: OpenFinding(k, f.opened_at, f.evidence) for k, f in open_rows.items()}
         inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view, changed_at=self.changed_at)
-        proposals: list[tuple[int, Proposal]] = []
+        proposals: list[tuple[int | None, Proposal]] = []
         for policy in self.policies:
             with self.telemetry.span(f"policy.{policy.kind}"):
                 result = policy.evaluate(inp)
@@ -305,7 +344,7 @@ class ControlLoop:
         self.telemetry.open_findings.clear()
         for f in open_rows.values():
             self.telemetry.open_findings.labels(f.kind, f.severity).inc()
-        return proposals
+        return inp, proposals
 
     # act --------------------------------------------------------------------------------------
 
@@ -320,7 +359,7 @@ class ControlLoop:
                 self.telemetry.actions.labels(action.kind, "expired").inc()
 
     async def _act(
-        self, now: float, pools: dict[str, PoolState], proposals: list[tuple[int, Proposal]], report: TickReport
+        self, now: float, pools: dict[str, PoolState], proposals: list[tuple[int | None, Proposal]], report: TickReport
     ) -> None:
         """The single audited path from proposals (and approvals) to the actuator."""
         rails = self.config.rails

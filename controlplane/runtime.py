@@ -27,6 +27,7 @@ from controlplane.store.base import Store
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
+from policies.autoscale import Sizer
 from policies.ep_imbalance import EpImbalance
 from policies.gpu_health import GpuHealth
 from policies.inputs import StaleInputs
@@ -94,6 +95,7 @@ def build_loop(
     policies: Sequence[Policy] | None = None,
     switch: KillSwitch | None = None,
     leading: Callable[[], bool] | None = None,
+    sizer: Sizer | None = None,
 ) -> ControlLoop:
     """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock).
 
@@ -123,6 +125,7 @@ def build_loop(
         telemetry=telemetry or Telemetry(config.telemetry),
         switch=switch or StoreSwitch(store),
         leading=leading,
+        sizer=sizer,
     )
 
 
@@ -174,8 +177,9 @@ def kubernetes_acting(config: FleetConfig, store: Store, stack: contextlib.ExitS
     return Acting(actuator, switch, leadership)
 
 
-async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = False) -> None:
-    """`fleetctl run`: the loop plus its HTTP server until SIGTERM or SIGINT."""
+async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = False, sizer: Sizer | None = None) -> None:
+    """`fleetctl run`: the loop (with `sizer` setting replica counts, if given) plus its HTTP server until
+    SIGTERM or SIGINT."""
     stop = asyncio.Event()
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -186,16 +190,16 @@ async def run_forever(config: FleetConfig, store: SqlStore, *, once: bool = Fals
         try:
             acting = kubernetes_acting(config, threaded, stack, WallClock())
             async with scrape_client(config) as client:
-                await _serve(config, threaded, client, targets, acting, stop, once)
+                await _serve(config, threaded, client, targets, acting, stop, once, sizer)
         finally:
             threaded.close()
 
 
 async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, targets: TargetSource | None,
-                 acting: Acting, stop: asyncio.Event, once: bool) -> None:
+                 acting: Acting, stop: asyncio.Event, once: bool, sizer: Sizer | None) -> None:
     leader = acting.leadership
     loop = build_loop(config, store, client, targets=targets, actuator=acting.actuator, switch=acting.switch,
-                      leading=leader.leading)
+                      leading=leader.leading, sizer=sizer)
     notifier = None
     if config.alerting is not None:
         notifier = AlertNotifier(config.alerting, registry=loop.telemetry.registry)

@@ -35,7 +35,8 @@ FLEET_SERIES = ("request_rate", "ttft_p95", "tpot_p95")
 POOL_SERIES = ("request_rate", "request_error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95", "tpot_p99",
                "queue_time_p95", "requests_running", "requests_waiting", "kv_cache_usage", "kv_cache_usage_max",
                "preemption_rate", "prefix_cache_hit_rate", "external_prefix_cache_hit_rate", "spec_acceptance_rate",
-               "spec_mean_acceptance_length", "spec_yield", "engines_reporting", "targets", "targets_up")
+               "spec_mean_acceptance_length", "spec_yield", "engines_reporting", "targets", "targets_up", "replicas_desired",
+               "replicas_ready", "autoscale_target_replicas", "autoscale_forecast_rate")
 SPEC_POSITION = "spec_acceptance_pos_"
 EP_LOAD = ("requests_running", "generation_tokens_rate", "prompt_tokens_rate", "requests_waiting", "kv_cache_usage")
 EP_STEP = ("itl_mean", "itl_p50", "tpot_mean", "itl_p95")

@@ -21,7 +21,6 @@ from policies.types import (
     PolicyResult,
     Proposal,
     RollBack,
-    ScaleBy,
     Severity,
 )
 
@@ -170,10 +169,7 @@ class PrefixCacheHitDrop:
                 f"KV usage peaks at {kv_max:.0%} with {preemptions:.2f} preemptions/s: the prefix working set "
                 "no longer fits in the KV cache left free by running requests."
             )
-            proposals = (
-                Proposal(ActionKind.SCALE_POOL, pool, ScaleBy(+1), f"add KV capacity to {pool}: usage {kv_max:.0%}",
-                         verify_signal=SIGNAL, verify_lower_is_better=False),
-            )
+            # Capacity is the autoscaler's to add: the finding is one of its inputs, not a scale of its own.
         else:
             cause = Cause.ROUTING_OR_PROMPTS
             text = (

@@ -31,13 +31,10 @@ from pydantic import Field
 from catalog.settings import Problem, Seconds, Settings
 from policies.common import engines_of, gone_findings, ratio_series, recent_mean, reported_since
 from policies.types import (
-    ActionKind,
     FindingKey,
     FindingReport,
     PolicyInput,
     PolicyResult,
-    Proposal,
-    ScaleBy,
     Severity,
 )
 from policies.windows import SignalWindows
@@ -236,12 +233,6 @@ class Saturation:
         if not st.causes:
             texts.append("The signs have eased; waiting for the queue, KV cache and errors to stay normal.")
         main = st.causes[0] if st.causes else None
-        verify = {Cause.QUEUE_GROWTH: WAITING, Cause.KV_EXHAUSTED: PREEMPTIONS, Cause.ERRORS_UNDER_LOAD: ERRORS}
-        proposals: tuple[Proposal, ...] = ()
-        if main is not None:
-            proposals = (Proposal(ActionKind.SCALE_POOL, pool, ScaleBy(+1),
-                                  f"{pool} is saturated ({', '.join(c.value for c in st.causes)}): add a replica",
-                                  verify_signal=verify[main], verify_lower_is_better=True),)
         if main is Cause.KV_EXHAUSTED:
             value, baseline, statistic, threshold, signal = st.kv, None, st.kv, s.kv_full, KV
         elif main is Cause.ERRORS_UNDER_LOAD:
@@ -266,14 +257,15 @@ class Saturation:
             "kv_cache_usage": _round(st.kv),
             "preemption_rate": _round(st.preemptions),
             "error_share": _round(st.error_share),
-            "suggested_actions": [p.reason for p in proposals],
+            "short_pools": [pool] if main is not None else [],
+            "suggested_actions": [f"add capacity to {pool} (the autoscaler's input)"] if main is not None else [],
         }
         critical = (Cause.ERRORS_UNDER_LOAD in st.causes or len(st.causes) >= 2
                     or st.waiting >= s.critical_waiting_per_engine)
         severity = Severity.CRITICAL if critical and st.causes else Severity.WARNING
         summary = (f"{pool} is saturated: {', '.join(c.value for c in st.causes)}" if st.causes
                    else f"{pool} is recovering from saturation")
-        return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND, proposals)
+        return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND)
 
 
 def _growth(points: list[tuple[float, float]], trend_points: int) -> tuple[float, float]:

@@ -30,14 +30,11 @@ from pydantic import Field, model_validator
 from catalog.settings import Problem, Seconds, Settings, least_window
 from policies.common import engines_of, gone_findings, recent_mean
 from policies.types import (
-    ActionKind,
     FindingKey,
     FindingReport,
     PolicyInput,
     PolicyResult,
     PoolState,
-    Proposal,
-    ScaleBy,
     Severity,
 )
 from policies.windows import HISTORY_S
@@ -261,17 +258,14 @@ class SloBurn:
             worst, window = max(((b, w) for b in objectives for w in s.windows), key=lambda bw: bw[0].statistic(bw[1]))
             severity = Severity.WARNING
         texts = []
-        proposals: list[Proposal] = []
+        short: list[str] = []  # pools short of capacity: the autoscaler's input, which alone sets replica counts
         for b in firing:
             what = "TTFT" if b.signal == "ttft_p95" else "TPOT"
             long_label = _label(b.firing[0].long_s)
             texts.append(f"{what} p95 is {b.value:.3g}s against an SLO of {b.slo:.3g}s; "
                          f"{b.bad_share[long_label]:.0%} of intervals breached it over {long_label}. " + _why(b))
-            if b.target and all(p.pool != b.target for p in proposals):
-                proposals.append(Proposal(ActionKind.SCALE_POOL, b.target, ScaleBy(+1),
-                                          f"{what} p95 of {state.name} burns its error budget ({b.cause}): "
-                                          f"add a replica to {b.target}",
-                                          verify_signal=b.signal, verify_lower_is_better=True))
+            if b.target and b.target not in short:
+                short.append(b.target)
         if not firing:
             texts.append("The budget is no longer burning fast; waiting for latency to stay within the SLO.")
         evidence: dict[str, Any] = {
@@ -284,12 +278,12 @@ class SloBurn:
             "window": f"{window.name}: {_label(window.long_s)} and {_label(window.short_s)}",
             "objectives": {b.signal: b.evidence() for b in objectives},
             "cause": None if not firing else worst.cause.value if worst.cause else None,
-            "suggested_actions": [p.reason for p in proposals],
+            "short_pools": short,
+            "suggested_actions": [f"add capacity to {pool} (the autoscaler's input)" for pool in short],
         }
         names = " and ".join(("TTFT" if b.signal == "ttft_p95" else "TPOT") for b in firing) or "latency"
         summary = f"{state.name} burns its {names} p95 error budget at {worst.statistic(window):.1f}x ({window.name})"
-        return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND,
-                             tuple(proposals))
+        return FindingReport(FindingKey(KIND, subject), severity, summary, " ".join(texts), evidence, KIND)
 
 
 def _why(b: _Burn) -> str:

@@ -67,6 +67,7 @@ class FleetSpec:
     link_latency_s: float = 0.002
     system_prompts: SystemPrompts | None = None
     seed: int = 7
+    load: float = 1.0  # every trace arrival counted this many times on average: a trace at a multiple of its load
 
 
 # vLLM's NIXL connector histograms (seconds) and NIXL's telemetry exporter (microseconds).
@@ -180,7 +181,7 @@ class SimFleet:
         self.prompt_generation = 0  # bump for a new set of system prompts
         self.prompt_scale = 1.0  # longer prompts: KV pressure
         self.class_mix: dict[str, float] = {}  # traffic class -> share of requests forced into it
-        self.rate_scale = 1.0
+        self.rate_scale = spec.load
         self.unique_prefix = False
         self.arrived = self.completed = 0
         self._sp_cum = self._system_prompt_cdf()

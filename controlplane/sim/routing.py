@@ -4,7 +4,10 @@
 shipped precise-prefix configuration: prefix-cache match 2.0, KV-cache utilization 1.0, queue
 1.0, then the highest total wins. The prefix score is the share of the prompt's blocks found in
 the engine's cache; KV utilization scores 1 - usage; the queue scorer (max - q) / (max - min),
-1.0 for every endpoint when all queues are equal.
+1.0 for every endpoint when all queues are equal. Engines whose queue is more than `spill`
+requests longer than the shortest are left out first, as AIBrix's prefix-cache router falls back to
+the least-loaded engines when load is imbalanced: otherwise engines that hold every shared prefix
+keep winning while engines added to the pool stand idle.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ class LeastLoaded:
 class CacheAware:
     """llm-d-style weighted scoring: prefix match, KV utilization and queue length."""
 
-    def __init__(self, prefix_weight: float = 2.0, kv_weight: float = 1.0, queue_weight: float = 1.0) -> None:
+    def __init__(self, prefix_weight: float = 2.0, kv_weight: float = 1.0, queue_weight: float = 1.0,
+                 spill: int = 8) -> None:
         self.weights = (prefix_weight, kv_weight, queue_weight)
+        self.spill = spill
         self._i = 0
 
     def pick(self, req: SimRequest, members: Sequence[Member]) -> Member:
@@ -71,6 +76,10 @@ class CacheAware:
         wp, wk, wq = self.weights
         queues = [m.engine.queue_len for m in members]
         lo, hi = min(queues), max(queues)
+        if hi - lo > self.spill:
+            members = [m for m, q in zip(members, queues, strict=True) if q <= lo + self.spill]
+            queues = [m.engine.queue_len for m in members]
+            lo, hi = min(queues), max(queues)
         blocks = len(req.hash_ids)
         best, best_score = members[0], -1.0
         n = len(members)

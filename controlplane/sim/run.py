@@ -24,6 +24,7 @@ from controlplane.sim.scenario import Fault, Scenario, apply_fault
 from controlplane.sim.server import SimServer, SimTargets
 from controlplane.store import migrate
 from controlplane.store.threaded import ThreadedStore
+from policies.autoscale import Sizer
 from policies.types import Policy, change_from_dict, describe
 
 __all__ = ["ScenarioRun", "TickHook", "Timeline", "mmss", "run_scenario"]
@@ -84,17 +85,21 @@ class Timeline:
             # A scale's step is not in its reason; every other change's reason says what it does.
             step = f" {action_change(a.params)}" if "replicas" in a.params else ""
             out.append(f"[cyan]{now} action[/] #{a.id} {a.kind} {a.pool}{step}: {a.reason}")
-        out += [f"[cyan]{now} outcome[/] of action #{action_id}: {outcome}" for action_id, outcome in report.outcomes]
+        # A scale for load has no signal to judge ("unmeasured"): the autoscaler re-plans every tick instead.
+        out += [f"[cyan]{now} outcome[/] of action #{action_id}: {outcome}" for action_id, outcome in report.outcomes
+                if outcome != "unmeasured"]
         out += [f"[green]{now} finding resolved[/] #{f.id} {f.kind} {f.subject}" for f in report.resolved]
         return out
 
 
 async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe", speed: float | None = None,
                        policies: Sequence[Policy] | None = None, on_tick: TickHook | None = None,
-                       start: float | None = None, config: FleetConfig | None = None) -> ScenarioRun:
+                       start: float | None = None, config: FleetConfig | None = None,
+                       sizer: Sizer | None = None) -> ScenarioRun:
     """Replay `scenario` through the full loop, storing into `db_url`; returns the finished run.
 
-    `config` replaces the fleet file derived from the scenario (its store URL is set to `db_url`).
+    `config` replaces the fleet file derived from the scenario (its store URL is set to `db_url`);
+    `sizer` sets replica counts (the autoscaler, or a baseline to compare it with).
     """
     if config is None:
         config = scenario.controlplane_config(db_url, mode)
@@ -113,7 +118,7 @@ async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe"
     try:
         async with scrape_client(config) as client:
             loop = build_loop(config, store, client, targets=SimTargets(server), actuator=SimActuator(fleet),
-                              clock=clock, policies=policies)
+                              clock=clock, policies=policies, sizer=sizer)
             run = ScenarioRun(scenario, fleet, loop, t0)
             await loop.start()
             for _ in range(int(scenario.duration // interval)):

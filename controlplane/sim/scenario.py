@@ -18,7 +18,19 @@ from pydantic import Field, model_validator
 
 from catalog.fleet import Role
 from catalog.settings import Seconds, Settings
-from controlplane.config import FleetConfig, Mode, Policies, Pool, Rails, Replicas, Scrape, Slo, Store, parse_yaml
+from controlplane.config import (
+    Engine,
+    FleetConfig,
+    Mode,
+    Policies,
+    Pool,
+    Rails,
+    Replicas,
+    Scrape,
+    Slo,
+    Store,
+    parse_yaml,
+)
 from controlplane.errors import ConfigError
 from controlplane.sim.engine import EngineConfig
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
@@ -29,6 +41,7 @@ from controlplane.sim.speculation import SpecConfig
 from controlplane.sim.traces import Request, TraceFormat, read_trace, shipped_trace, trace_format
 from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
+from policies.types import ActionKind
 
 __all__ = ["FAULT_KINDS", "Fault", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
 
@@ -138,6 +151,7 @@ class FleetModel(Settings):
     decode_router: RouterKind = RouterKind.LEAST_LOADED
     link_gbps: float = Field(400.0, gt=0)
     system_prompts: SystemPromptModel | None = None
+    load: float = Field(1.0, gt=0)  # every arrival of the trace counted this many times (on average)
     pools: list[PoolModel] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -245,18 +259,23 @@ class Scenario(Settings):
         )
         sp = f.system_prompts
         prompts = SystemPrompts(sp.count, sp.blocks, sp.block_tokens, sp.zipf_s) if sp else None
-        return FleetSpec(f.model, pools, f.router, f.decode_router, f.link_gbps, system_prompts=prompts, seed=self.seed)
+        return FleetSpec(f.model, pools, f.router, f.decode_router, f.link_gbps, system_prompts=prompts, seed=self.seed,
+                         load=f.load)
 
     def controlplane_config(self, db_url: str, mode: str = "observe") -> FleetConfig:
         """The fleet file the control plane runs with against this scenario's fleet."""
         pools = [Pool(name=p.name, role=p.role, model=self.fleet.model, slo=p.slo,
-                      replicas=Replicas(min=1, max=p.max_replicas or p.replicas * 2)) for p in self.fleet.pools]
+                      replicas=Replicas(min=1, max=p.max_replicas or p.replicas * 2),
+                      engine=Engine(profile=p.profile, speed=p.speed, kv_blocks=p.kv_blocks, max_num_seqs=p.max_num_seqs,
+                                    max_batched_tokens=p.max_batched_tokens, gpus=p.moe.ranks if p.moe else 1))
+                 for p in self.fleet.pools]
         # Each simulated engine has a node of its own, named after it (see exporters.node_of).
         policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"),
                             gpu_health=GpuHealthSettings(pod_host="node-{pod}"))
         return FleetConfig(mode=Mode(mode), store=Store(url=db_url), pools=pools, policies=policies,
                            scrape=Scrape(interval=self.scrape_interval, timeout=2.0, spread=0.0),
-                           rails=Rails(cooldown=600.0, max_step=1, max_actions_per_hour=6, verify_after=600.0))
+                           rails=Rails(cooldown=600.0, cooldowns={ActionKind.SCALE_POOL: 60.0}, max_step=4,
+                                       max_actions_per_hour=20, verify_after=600.0))
 
     def truth_windows(self) -> list[tuple[float, float, Truth]]:
         """(onset, end, truth) for every fault's every truth, times from the start of the run."""
@@ -330,8 +349,9 @@ def apply_fault(fleet: SimFleet, fault: Fault) -> Any:
         fleet.class_mix = {str(k): float(v) for k, v in p.get("mix", {"json": 0.6}).items()}
         return lambda: setattr(fleet, "class_mix", before_mix)
     if kind == "burst":
-        fleet.rate_scale = float(p.get("factor", 2.0))
-        return lambda: setattr(fleet, "rate_scale", 1.0)
+        base = fleet.rate_scale
+        fleet.rate_scale = base * float(p.get("factor", 2.0))
+        return lambda: setattr(fleet, "rate_scale", base)
     if kind == "canary":
         assert fault.pool is not None, "a canary names its pool"
         fleet.rollout(fault.pool, str(p.get("version", "canary")), float(p.get("share", 0.25)),

@@ -62,7 +62,8 @@ if s.empty:
 
 left, right = st.columns(2)
 with left:
-    chart("Requests per second", pick("request_rate", "request_error_rate"), "requests/s")
+    chart("Requests per second (and the autoscaler's planned arrivals)",
+          pick("request_rate", "request_error_rate", "autoscale_forecast_rate"), "requests/s")
     chart("Queue", pick("requests_waiting", "requests_running"), "requests")
     chart("Preemptions per second", pick("preemption_rate"), "preemptions/s")
 with right:
@@ -120,13 +121,15 @@ else:
 st.subheader("Replicas")
 left, right = st.columns(2)
 with left:
-    actual = pick("targets", "targets_up", "engines_reporting")
+    actual = pick("replicas_desired", "replicas_ready", "autoscale_target_replicas", "engines_reporting")
     desired_rows: list[tuple[float, Any]] = []
-    for a in sorted(data["scale_actions"], key=lambda a: a["created_at"]):
-        if a["state"] == "succeeded" and a["finished_at"] is not None:
-            if not desired_rows and a["params"].get("from_replicas") is not None:
-                desired_rows.append((w.start, a["params"]["from_replicas"]))
-            desired_rows.append((a["finished_at"], a["params"].get("replicas")))
+    if not (actual["name"] == "replicas_desired").any():
+        # Stores written before replica counts were signals: desired from the audit log's scale actions.
+        for a in sorted(data["scale_actions"], key=lambda a: a["created_at"]):
+            if a["state"] == "succeeded" and a["finished_at"] is not None:
+                if not desired_rows and a["params"].get("from_replicas") is not None:
+                    desired_rows.append((w.start, a["params"]["from_replicas"]))
+                desired_rows.append((a["finished_at"], a["params"].get("replicas")))
     if desired_rows:
         desired_rows.append((w.end, desired_rows[-1][1]))
         desired = pd.DataFrame(desired_rows, columns=["ts", "mean"]).dropna()
@@ -143,10 +146,12 @@ with left:
             rules = [(float(bounds.min), "min replicas"), (float(bounds.max), "max replicas")]
         except KeyError:
             pass
-    chart("Desired against actual", actual, "replicas / engines", band=False, rules=rules,
+    chart("Desired, ready and the autoscaler's target", actual, "replicas / engines", band=False, rules=rules,
           empty="no replica signals in range")
-    if not desired_rows:
-        st.caption("No scale action in the audit log for this pool: desired is what the fleet runs.")
+    last_scale = max(data["scale_actions"], key=lambda a: a["created_at"], default=None)
+    if last_scale is not None:
+        st.caption(f"Last scale action #{last_scale['id']} ({last_scale['state']}): {last_scale['reason']}")
+    st.caption("`fleetctl autoscale plan --pool " + pool + "` explains the target: forecast, curves and SLO margins.")
 with right:
     rep = c.points_frame(data["reporting"])
     roles = data["pools"]

@@ -33,6 +33,8 @@ from controlplane.store.records import NewAction
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
+from policies.autoscale import PoolPlan
+from policies.types import PolicyInput
 
 
 @dataclass
@@ -253,3 +255,54 @@ async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: 
     )
     loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
     assert isinstance(loop.source, PrometheusApiSource) and loop.source.window_s == 60.0
+
+
+class AskFor:
+    """A sizer that wants one pool at a fixed size."""
+
+    name = "ask"
+
+    def __init__(self, pool: str, replicas: int) -> None:
+        self.pool, self.replicas = pool, replicas
+
+    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
+        p = inp.pools[self.pool]
+        return [PoolPlan(self.pool, p.desired, p.ready, self.replicas, self.replicas, f"{self.pool} wants {self.replicas}",
+                         {"planned_for": 12.5})]
+
+
+async def test_the_sizer_owns_replica_counts_through_the_rails_and_its_plans_are_signals(
+        sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+    fleet, server, clock = sim
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.ACT})
+    cfg = cfg.model_copy(update={"rails": cfg.rails.model_copy(update={"max_step": 4})})
+    loop = build_loop(cfg, ThreadedStore(sqlite_store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=AskFor("decode", 5))
+    h = Harness(loop, fleet, server, clock, sqlite_store)
+    await h.loop.start()
+    [report] = await h.ticks(1)
+    [action] = report.actions
+    assert (action.kind, action.finding_id, action.params["replicas"], action.state) == ("scale_pool", None, 5, "approved")
+    assert fleet.desired["decode"] == 5 and [p.target for p in report.plans] == [5]
+    later = await h.ticks(3)
+    assert not [a for r in later for a in r.actions], "one scale in flight per pool: the pool settles first"
+    signals = {(s.name, s.value) for s in sqlite_store.load_signals(0.0) if s.subject == "pool/decode"}
+    assert {("replicas_desired", 5.0), ("autoscale_target_replicas", 5.0), ("autoscale_forecast_rate", 12.5)} <= signals
+    assert ("replicas_ready", 3.0) in signals, "the new engines are still starting"
+
+
+async def test_observing_the_sizer_advises_each_target_once(sim: tuple, sqlite_store: SqlStore,
+                                                             client: httpx.AsyncClient) -> None:
+    fleet, server, clock = sim
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
+    sizer = AskFor("decode", 4)
+    loop = build_loop(cfg, ThreadedStore(sqlite_store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=sizer)
+    h = Harness(loop, fleet, server, clock, sqlite_store)
+    await h.loop.start()
+    await h.ticks(12)  # three minutes: past the scale cooldown twice over
+    [advice] = sqlite_store.actions()
+    assert (advice.state, advice.params["replicas"], fleet.desired["decode"]) == ("advisory", 4, 3)
+    sizer.replicas = 5
+    await h.ticks(5)
+    assert [a.params["replicas"] for a in sqlite_store.actions()] == [4, 5], "a new target is advised again"

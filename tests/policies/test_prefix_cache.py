@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from policies.prefix_cache import PrefixCacheHitDrop
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, RollBack, ScaleBy
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, RollBack
 from policies.windows import SignalWindows
 
 POOL = "pool/prefill"
@@ -61,12 +61,10 @@ def test_idle_pool_is_not_judged() -> None:
     assert not run(windows(STABLE + [0.1, 0.1], query_rate=0.0)).findings
 
 
-def test_kv_pressure_proposes_scaling_verified_by_hit_rate() -> None:
+def test_kv_pressure_is_reported_for_the_autoscaler_not_scaled_here() -> None:
     [finding] = run(windows(STABLE + [0.4, 0.4], kv=0.95, preempt=0.5)).findings
     assert finding.evidence["cause"] == "kv_pressure"
-    [p] = finding.proposals
-    assert (p.kind, p.pool, p.change, p.verify_signal, p.verify_lower_is_better) == (
-        ActionKind.SCALE_POOL, "prefill", ScaleBy(1), "prefix_cache_hit_rate", False)
+    assert finding.proposals == ()
 
 
 def test_routing_without_saturation_only_pages() -> None:

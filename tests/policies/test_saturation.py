@@ -7,7 +7,7 @@ import random
 import pytest
 
 from policies.saturation import Saturation, slope
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, ScaleBy
+from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import SignalWindows
 
 POOL = "pool/decode"
@@ -73,9 +73,7 @@ def test_a_growing_queue_opens_and_proposes_scaling() -> None:
     ev = f.evidence
     assert ev["statistic"] >= ev["threshold"] == 2.0 and ev["waiting_per_engine"] >= 2.0
     assert ev["signal"] == "requests_waiting" and ev["engines"] == ENGINES
-    [p] = f.proposals
-    assert (p.kind, p.pool, p.change, p.verify_signal, p.verify_lower_is_better) == (
-        ActionKind.SCALE_POOL, "decode", ScaleBy(1), "requests_waiting", True)
+    assert f.proposals == () and ev["short_pools"] == ["decode"], "capacity is the autoscaler's to add"
 
 
 def test_a_growing_queue_does_not_open_while_replicas_are_being_added() -> None:
@@ -100,7 +98,7 @@ def test_kv_full_with_preemptions_opens_but_kv_full_alone_does_not() -> None:
     assert not pool.run().findings, "two intervals are not enough"
     [f] = pool.tick(kv=0.97, preempt=0.5).run().findings
     assert f.evidence["cause"] == "kv_exhausted" and f.evidence["threshold"] == 0.9
-    assert [p.verify_signal for p in f.proposals] == ["preemption_rate"]
+    assert f.evidence["short_pools"] == ["decode"] and f.evidence["signal"] == "kv_cache_usage"
 
 
 def test_errors_count_only_under_load() -> None:
@@ -108,7 +106,7 @@ def test_errors_count_only_under_load() -> None:
     [f] = Pool().tick(40, waiting=9.0).tick(5, errors=2.0, waiting=9.0).run().findings
     assert f.evidence["causes"] == ["errors_under_load"] and f.severity == "critical"
     assert f.evidence["error_share"] == pytest.approx(0.1)
-    assert [p.verify_signal for p in f.proposals] == ["request_error_rate"]
+    assert f.evidence["short_pools"] == ["decode"] and f.evidence["signal"] == "request_error_rate"
 
 
 def test_two_signs_at_once_are_critical() -> None:
@@ -128,10 +126,10 @@ def test_open_finding_stays_while_the_queue_is_long_and_resolves_after_clean_poi
     # The queue stops growing but stays long: still saturated.
     pool.tick(20, waiting=21.0)
     [f] = pool.run(opening).findings
-    assert f.evidence["causes"] == ["queue_growth"] and f.proposals
+    assert f.evidence["causes"] == ["queue_growth"] and f.evidence["short_pools"] == ["decode"]
     pool.tick(3, waiting=1.0)
     result = pool.run(opening)
-    assert not result.resolved and result.findings[0].proposals == ()
+    assert not result.resolved and result.findings[0].evidence["short_pools"] == []
     pool.tick(waiting=1.0)
     assert pool.run(opening).resolved == [(KEY, "queue, KV cache and errors back to normal")]
 

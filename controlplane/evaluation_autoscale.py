@@ -1,0 +1,347 @@
+"""`fleetctl autoscale eval`: the autoscaler against static, HPA-style and oracle provisioning, on one replay.
+
+Every strategy replays the same trace through the same simulated fleet (same seed, start-up time
+and drain) and the full loop in act mode, with the same rails, starting at the size the first
+minute needs (static: at the peak); only what sets replica counts differs:
+
+- static: every pool at the peak the oracle needed, all the time (no sizer);
+- hpa: `policies.hpa.HpaRule`, KV usage 0.8 or 5 waiting per replica, HPA's stabilisation windows;
+- ours: `policies.autoscale.Autoscaler`, from the fleet file's `autoscaling` section;
+- oracle: knows the future. Per pool and minute it needs the fewest engines with which a fleet that
+  had that many all along met the pool's SLOs in that minute (found by replaying the trace once per
+  size, without the control plane, the other pools at their maximum); its schedule asks, every
+  scrape interval, for the largest need from then until one start-up time (and a scrape) ahead, so
+  engines are ready when the load comes, and lets them go the moment no minute ahead needs them. It
+  needs no control plane (its schedule is known) and is applied to the simulated fleet directly,
+  with the same start-up and drain. The limit no real autoscaler reaches, though not a strict lower
+  bound: a minute's need is judged one size at a time, with caches as warm as a fleet of that size
+  keeps them, so the moves between sizes can cost it minutes.
+
+Measured from the simulated engines themselves (not from the scrape the strategies act on): per
+minute, each pool's TTFT p95 and TPOT p95 from its engines' histogram deltas, as PromQL's
+`histogram_quantile` computes them; a minute is within SLO when every pool's are; GPU-hours count
+every engine from the moment it is asked for (a starting engine holds its GPU) until it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from collectors.derive import histogram_quantile
+from controlplane.autoscaling import build_sizer
+from controlplane.config import FleetConfig, Mode, Policies, Rails
+from controlplane.evaluation import run_all
+from controlplane.goals import Goal, at_least, at_most, goals_json
+from controlplane.loop import TickReport
+from controlplane.sim.engine import HISTOGRAMS
+from controlplane.sim.fleet import SimFleet
+from controlplane.sim.run import ScenarioRun, run_scenario
+from controlplane.sim.scenario import PoolModel, Scenario, load_scenario
+from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
+from policies.hpa import HpaRule
+
+__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "StrategyRun", "evaluate_autoscaling"]
+
+STRATEGIES = ("static", "hpa", "ours", "oracle")
+# The traces of the evaluation, each a scenario with the fleet it runs through.
+TRACES = {
+    "azure-conv": "autoscale/azure-conv",
+    "azure-code": "autoscale/azure-code",
+    "mooncake-conversation": "autoscale/mooncake-conversation",
+    "servegen-day": "autoscale/servegen-day",
+}
+METRICS = {"ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:request_time_per_output_token_seconds"}
+ATTAINMENT_GOAL = 0.99
+VS_HPA_GOAL = 0.75  # at least 25 % fewer GPU-hours than the HPA-style rule
+VS_ORACLE_GOAL = 1.10
+
+
+def eval_rails() -> Rails:
+    """The rails every strategy runs under: replica changes as fast as a Kubernetes HPA makes them."""
+    return Rails(cooldown=60.0, max_step=8, max_actions_per_hour=240, verify_after=600.0)
+
+
+# measuring ----------------------------------------------------------------------------------------
+
+
+class MinuteMeter:
+    """Per pool and minute, the TTFT and TPOT histogram deltas of the pool's engines, and GPU-seconds held."""
+
+    def __init__(self, fleet: SimFleet, start: float, gpus: Mapping[str, int]) -> None:
+        self.start, self.gpus = start, dict(gpus)
+        self._last: dict[tuple[str, str], np.ndarray] = {}
+        self._t = start
+        self.counts: dict[tuple[str, str, int], np.ndarray] = {}
+        self.gpu_s = 0.0
+        self.replicas: list[tuple[float, dict[str, int]]] = []
+
+    def sample(self, fleet: SimFleet) -> None:
+        """Count what finished since the last sample and the GPUs held meanwhile."""
+        now = fleet.now
+        minute = max(0, math.ceil((now - self.start) / 60.0) - 1)
+        held = {pool: len(ms) for pool, ms in fleet.members.items()}
+        self.gpu_s += sum(n * self.gpus.get(pool, 1) for pool, n in held.items()) * (now - self._t)
+        self._t = now
+        self.replicas.append((now - self.start, held))
+        for pool, members in fleet.members.items():
+            for m in members:
+                if m.ready_at > now:
+                    continue
+                for metric, hist in METRICS.items():
+                    counts = np.sum([r.hists[hist].counts for r in m.engine.ranks], axis=0)
+                    key = (m.pod, metric)
+                    last = self._last.get(key)
+                    delta = counts if last is None or (counts < last).any() else counts - last
+                    self._last[key] = counts
+                    slot = (pool, metric, minute)
+                    self.counts[slot] = self.counts.get(slot, 0) + delta
+
+    def p95(self, pool: str, metric: str, minute: int) -> float | None:
+        """The minute's p95 of one pool's metric; None when nothing finished."""
+        counts = self.counts.get((pool, metric, minute))
+        if counts is None or float(np.sum(counts)) <= 0:
+            return None
+        bounds = (*HISTOGRAMS[METRICS[metric]], math.inf)
+        return histogram_quantile(0.95, list(zip(bounds, np.cumsum(counts), strict=True)))
+
+
+def _within(meter: MinuteMeter, pool: PoolModel, minute: int) -> bool:
+    for metric, slo in (("ttft", pool.slo.ttft_p95), ("tpot", pool.slo.tpot_p95)):
+        if slo is None:
+            continue
+        value = meter.p95(pool.name, metric, minute)
+        if value is not None and value > slo:
+            return False
+    return True
+
+
+# the oracle -----------------------------------------------------------------------------------------
+
+
+def _sized(scenario: Scenario, replicas: Mapping[str, int]) -> Scenario:
+    pools = [p.model_copy(update={"replicas": replicas.get(p.name, p.replicas)}) for p in scenario.fleet.pools]
+    return scenario.model_copy(update={"fleet": scenario.fleet.model_copy(update={"pools": pools})})
+
+
+def _ceiling(p: PoolModel) -> int:
+    return p.max_replicas or p.replicas * 2
+
+
+def replay(scenario: Scenario, replicas: Mapping[str, int],
+           schedule: Callable[[float], Mapping[str, int]] | None = None) -> tuple[MinuteMeter, int]:
+    """Replay the trace without the control plane: pools at fixed sizes, or set every scrape interval to
+    what `schedule` says for that moment (seconds from the start). Returns the meter and the scale events."""
+    sized = _sized(scenario, replicas)
+    fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
+    meter = MinuteMeter(fleet, 0.0, {p.name: (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools})
+    interval, events = scenario.scrape_interval, 0
+    for i in range(1, int(scenario.duration // interval) + 1):
+        for pool, n in (schedule((i - 1) * interval) if schedule else {}).items():
+            if fleet.desired[pool] != n:
+                fleet.scale(pool, n)
+                events += 1
+        fleet.advance_to(i * interval)
+        meter.sample(fleet)
+    return meter, events
+
+
+def oracle_needs(scenario: Scenario, jobs: int = 1,
+                 progress: Callable[[str, Any], None] | None = None) -> dict[str, list[int]]:
+    """Per pool and minute, the fewest engines that met the pool's SLOs in that minute.
+
+    Sizes are tried from one up, `jobs` at a time, until one meets the SLOs in every minute (no
+    minute needs more) or the pool's maximum; the other pools stay at their maximum meanwhile.
+    """
+    minutes = math.ceil(scenario.duration / 60.0)
+    ceiling = {p.name: _ceiling(p) for p in scenario.fleet.pools}
+    needs: dict[str, list[int]] = {}
+    for p in scenario.fleet.pools:
+        need: list[int | None] = [None] * minutes
+        n = 1
+        while n <= ceiling[p.name] and any(x is None for x in need):
+            sizes = list(range(n, min(ceiling[p.name], n + max(1, jobs) - 1) + 1))
+            meters = run_all([(f"{scenario.name}: {p.name} at {k}", _Static(scenario, {**ceiling, p.name: k}))
+                              for k in sizes], jobs, progress)
+            for k, meter in zip(sizes, meters, strict=True):
+                for m in range(minutes):
+                    if need[m] is None and _within(meter, p, m):
+                        need[m] = k
+            n = sizes[-1] + 1
+        needs[p.name] = [ceiling[p.name] if x is None else x for x in need]
+    return needs
+
+
+@dataclass(frozen=True)
+class _Static:
+    scenario: Scenario
+    replicas: dict[str, int]
+
+    def __call__(self) -> MinuteMeter:
+        return replay(self.scenario, self.replicas)[0]
+
+
+@dataclass(frozen=True)
+class OracleSchedule:
+    """Replica counts read off the future: per pool, the largest need from now until a start-up time ahead."""
+
+    needs: dict[str, list[int]]
+    lead_s: dict[str, float]
+
+    def __call__(self, elapsed: float) -> dict[str, int]:
+        out = {}
+        for pool, need in self.needs.items():
+            first, last = int(elapsed // 60), int((elapsed + self.lead_s[pool]) // 60)
+            out[pool] = max(need[first:last + 1] or need[-1:])
+        return out
+
+
+# one strategy ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StrategyRun:
+    """One strategy on one trace: GPU-hours, minutes within both SLOs, scale events."""
+
+    trace: str
+    strategy: str
+    gpu_hours: float
+    minutes: int
+    minutes_within: int
+    scale_events: int
+    wall_s: float
+    replicas: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # (seconds, engines held per pool)
+    within: list[bool] = field(default_factory=list)  # per minute
+
+    @property
+    def attainment(self) -> float:
+        """Share of minutes within both SLOs."""
+        return self.minutes_within / self.minutes if self.minutes else 1.0
+
+
+def _config(scenario: Scenario, db_url: str, settings: AutoscaleSettings, strategy: str) -> FleetConfig:
+    base = scenario.controlplane_config(db_url, Mode.ACT)
+    pools = [p.model_copy(update={"replicas": p.replicas.model_copy(update={"max": _ceiling(m)})})
+             for p, m in zip(base.pools, scenario.fleet.pools, strict=True)]
+    # Detection runs as it would beside any sizer; only SLO burn and saturation, whose findings are the
+    # autoscaler's inputs: nothing else may change the fleet during the comparison.
+    only = {name: getattr(base.policies, name).model_copy(update={"enabled": name in CAPACITY_FINDINGS})
+            for name in type(base.policies).model_fields}
+    return base.model_copy(update={
+        "pools": pools, "rails": eval_rails(), "policies": Policies(**only),
+        "autoscaling": settings.model_copy(update={"enabled": strategy == "ours"})})
+
+
+@dataclass(frozen=True)
+class _Strategy:
+    """One strategy's run, picklable for a worker process."""
+
+    trace: str
+    scenario: Scenario
+    strategy: str
+    needs: dict[str, list[int]]
+    settings: AutoscaleSettings
+
+    def __call__(self) -> StrategyRun:
+        return asyncio.run(self._run())
+
+    async def _run(self) -> StrategyRun:
+        peak = {pool: max(n) for pool, n in self.needs.items()}
+        minutes = math.ceil(self.scenario.duration / 60.0)
+        if self.strategy == "oracle":
+            # The oracle needs no control plane: its schedule is known, so it is applied as it falls due.
+            lead = {p.name: p.startup + self.scenario.scrape_interval for p in self.scenario.fleet.pools}
+            schedule = OracleSchedule(self.needs, lead)
+            wall = time.perf_counter()
+            meter, events = replay(self.scenario, schedule(0.0), schedule)
+            return self._result(meter, events, time.perf_counter() - wall, minutes)
+        # Static holds the peak; the others start where the first minute needs them, as a running fleet would be.
+        scenario = _sized(self.scenario, peak if self.strategy == "static" else {p: n[0] for p, n in self.needs.items()})
+        gpus = {p.name: (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools}
+        meters: list[MinuteMeter] = []
+        events = 0
+
+        def on_tick(run: ScenarioRun, report: TickReport) -> None:
+            nonlocal events
+            if not meters:
+                meters.append(MinuteMeter(run.fleet, run.start, gpus))
+            meters[0].sample(run.fleet)
+            events += sum(1 for a in report.actions if a.kind == "scale_pool")
+
+        with tempfile.TemporaryDirectory() as tmp:
+            db = f"sqlite:///{Path(tmp) / 'run.db'}"
+            config = _config(scenario, db, self.settings, self.strategy)
+            sizer: Sizer | None = build_sizer(config) if self.strategy == "ours" else (
+                HpaRule() if self.strategy == "hpa" else None)
+            run = await run_scenario(scenario, db, mode="act", config=config, sizer=sizer, on_tick=on_tick, start=0.0)
+        return self._result(meters[0], events, run.wall_s, minutes)
+
+    def _result(self, meter: MinuteMeter, events: int, wall_s: float, minutes: int) -> StrategyRun:
+        within = [all(_within(meter, p, m) for p in self.scenario.fleet.pools) for m in range(minutes)]
+        return StrategyRun(self.trace, self.strategy, meter.gpu_s / 3600.0, minutes, sum(within), events, wall_s,
+                           meter.replicas[::4], within)
+
+
+# the report -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AutoscaleReport:
+    """Every strategy on one trace, with the oracle's needs and the goals."""
+
+    trace: str
+    runs: list[StrategyRun]
+    needs: dict[str, list[int]]
+
+    def run(self, strategy: str) -> StrategyRun:
+        """The run of one strategy."""
+        return next(r for r in self.runs if r.strategy == strategy)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The table: per strategy, GPU-hours, attainment, scale events, GPU-hours over the oracle's."""
+        oracle = self.run("oracle").gpu_hours if any(r.strategy == "oracle" for r in self.runs) else None
+        return [{"strategy": r.strategy, "gpu_hours": round(r.gpu_hours, 3), "attainment": round(r.attainment, 4),
+                 "minutes_within": r.minutes_within, "minutes": r.minutes, "scale_events": r.scale_events,
+                 "vs_oracle": round(r.gpu_hours / oracle, 3) if oracle else None, "wall_s": round(r.wall_s, 1)}
+                for r in self.runs]
+
+    def goals(self) -> list[Goal]:
+        """At least 99 % of minutes within both SLOs, 25 % fewer GPU-hours than HPA at equal or better
+        attainment, at most 1.10 times the oracle's GPU-hours."""
+        ours, hpa, oracle = self.run("ours"), self.run("hpa"), self.run("oracle")
+        vs_hpa = ours.gpu_hours / hpa.gpu_hours if hpa.gpu_hours else None
+        return [
+            at_least(f"{self.trace}: share of minutes within both SLOs", round(ours.attainment, 4), ATTAINMENT_GOAL),
+            at_least(f"{self.trace}: attainment against the HPA-style rule's", round(ours.attainment - hpa.attainment, 4),
+                     0.0),
+            at_most(f"{self.trace}: GPU-hours over the HPA-style rule's", None if vs_hpa is None else round(vs_hpa, 3),
+                    VS_HPA_GOAL),
+            at_most(f"{self.trace}: GPU-hours over the oracle's",
+                    round(ours.gpu_hours / oracle.gpu_hours, 3) if oracle.gpu_hours else None, VS_ORACLE_GOAL),
+        ]
+
+    def as_json(self) -> dict[str, Any]:
+        """The report as JSON: the goals, the table, the oracle's needs and each run's timeline."""
+        return {"goals": goals_json(self.goals()), "trace": self.trace, "strategies": self.rows(), "oracle_needs": self.needs,
+                "runs": [asdict(r) for r in self.runs]}
+
+
+def evaluate_autoscaling(trace: str, *, minutes: float | None = None, jobs: int = 1,
+                         settings: AutoscaleSettings | None = None,
+                         progress: Callable[[str, Any], None] | None = None) -> AutoscaleReport:
+    """Run every strategy on one trace (a name of `TRACES`, or a scenario name or file) and judge them."""
+    scenario = load_scenario(TRACES.get(trace, trace))
+    if minutes is not None:
+        scenario = scenario.model_copy(update={"duration": minutes * 60.0})
+    needs = oracle_needs(scenario, jobs, progress)
+    settings = settings or AutoscaleSettings(enabled=True)
+    runs = run_all([(f"{trace}: {s}", _Strategy(trace, scenario, s, needs, settings)) for s in STRATEGIES], jobs, progress)
+    return AutoscaleReport(trace, runs, needs)

@@ -1,0 +1,577 @@
+"""SLO-driven sizing of prefill and decode pools: absolute replica targets that lead the load.
+
+Pure: the caller hands in the signal windows, the pools, the open findings and the time. Per pool:
+
+1. Load, from the pool's own aggregates: arrivals per second (finished requests plus the growth of
+   requests in the pool, so a queue building up counts), prompt tokens per request net of prefix-cache
+   hits, output tokens per request, requests running.
+2. Forecast: Holt's damped trend over the arrival series, as far ahead as the pool takes to start an
+   engine (learned from its own scale-ups: a raised `replicas_desired` until `replicas_ready` reaches
+   it), with headroom from the upper quantile of the forecast's own errors at that horizon.
+3. Curves: TTFT p95 against prefill utilisation and TPOT p95 against the batch per engine and its
+   context, fitted (scikit-learn) on the pool's own points since the workload last changed shape
+   (prompt or output length moving by more than `shape_shift`); the engine profile is the prior
+   until `min_points` exist.
+4. Target: the fewest engines whose predicted TTFT p95 and TPOT p95 stay within `margin` of the SLOs at
+   the forecast load, the KV cache included. A target below the current size holds only once every
+   target of the last `scale_down_after` was as low (a lull between bursts sheds nothing); an open
+   SLO-burn or saturation finding on a pool the curves call big enough adds an engine, since the
+   curves are wrong then. One component owns replica counts: the symptom policies only report.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+from sklearn.linear_model import LinearRegression
+
+from catalog.settings import Seconds, Settings
+from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
+from policies.windows import SignalWindows
+
+__all__ = [
+    "CAPACITY_FINDINGS",
+    "AutoscaleSettings",
+    "Autoscaler",
+    "EngineCurves",
+    "Forecast",
+    "PoolLoad",
+    "PoolPlan",
+    "Sizer",
+    "forecast",
+    "learned_startup",
+    "pool_load",
+]
+
+# What the loop records each tick for every pool (from the actuator's view and from the sizer), so
+# start-up times, the stabilisation window and the dashboard read them back like any signal.
+DESIRED, READY = "replicas_desired", "replicas_ready"
+TARGET, FORECAST = "autoscale_target_replicas", "autoscale_forecast_rate"
+# Findings that say a pool is short of capacity (their evidence's `short_pools`): inputs to the sizer,
+# which alone sets replica counts.
+CAPACITY_FINDINGS = ("slo_burn", "saturation")
+MIN_R2 = 0.3  # a fitted curve replaces the prior only when it explains this share of its points' variance
+READS = ("request_rate", "prompt_tokens_rate", "generation_tokens_rate", "prefix_cache_hit_rate", "requests_running",
+         "requests_waiting", "ttft_p95", "tpot_p95", "kv_cache_usage", "engines_reporting")
+
+
+class AutoscaleSettings(Settings):
+    """`autoscaling` in the fleet file: how the sizer plans (off unless enabled)."""
+
+    enabled: bool = False
+    margin: float = Field(0.8, gt=0.1, le=1.0)  # plan for p95s at this share of the SLO
+    headroom_quantile: float = Field(0.9, ge=0.5, lt=1.0)  # of the forecast's errors at its horizon
+    smoothing: float = Field(0.4, gt=0, le=1)  # Holt's level weight
+    trend: float = Field(0.05, ge=0, le=1)  # Holt's trend weight: bursts are headroom's job, not the trend's
+    damping: float = Field(0.8, gt=0, le=1)  # how fast a trend fades over the horizon
+    startup: Seconds = 120.0  # start-up time assumed until the pool's own scale-ups measure it
+    scale_down_after: Seconds = 600.0  # a lower target holds only after this long of lower targets
+    history: Seconds = 3600.0  # how far back curves and forecast look
+    min_points: int = Field(20, ge=5)  # fitted curves replace the prior with at least this many points
+    shape_shift: float = Field(0.2, gt=0, lt=1)  # prompt or output length moving this much refits the curves
+    kv_usage_max: float = Field(0.85, gt=0.1, le=1.0)  # KV share one engine's batch may fill
+    max_utilization: float = Field(0.9, gt=0.1, lt=1.0)  # prefill utilisation never planned above this
+
+    def problems(self, interval: float) -> list[tuple[str, str]]:
+        out = []
+        if self.scale_down_after < 4 * interval:
+            out.append(("scale_down_after", f"{self.scale_down_after:g}s holds fewer than 4 scrapes at "
+                                            f"{interval:g}s: a lull between two scrapes would shed capacity"))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCurves:
+    """One engine of a pool as its profile describes it: the prior until the fleet's own data take over."""
+
+    prefill: tuple[float, float, float]  # seconds for one forward pass over T prompt tokens: a + bT + cT²
+    decode: tuple[float, float, float]  # seconds per decode step of B sequences of context C: d + eB + fBC
+    kv_tokens: int  # tokens the engine's KV cache holds
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    gpus: int = 1
+
+    def prefill_seconds(self, tokens: float) -> float:
+        """One pass over `tokens` prompt tokens."""
+        a, b, c = self.prefill
+        return a + b * tokens + c * tokens * tokens
+
+    def prefill_capacity(self) -> float:
+        """Prompt tokens per second one engine computes when every pass is full."""
+        t = self.max_batched_tokens
+        return t / self.prefill_seconds(t)
+
+    def request_prefill_seconds(self, prompt: float, cached: float) -> float:
+        """Engine time to compute one prompt's `prompt - cached` new tokens, in chunks of the token budget, each
+        attending over what is already in the cache (the profile's quadratic term), when passes are full."""
+        a, b, c = self.prefill
+        new = max(0.0, prompt - cached)
+        share = new / self.max_batched_tokens  # of full passes: the fixed cost is shared by the batch
+        return a * share + b * new + c * (new * new + 2.0 * new * cached)
+
+    def step_seconds(self, batch: float, context: float) -> float:
+        """One decode step: the inter-token latency of a batch."""
+        d, e, f = self.decode
+        return d + e * batch + f * batch * context
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """A pool's load now: arrivals per second, and what a request asks of it."""
+
+    arrivals: float  # requests per second entering the pool
+    prompt_tokens: float  # per request, before the prefix cache
+    output_tokens: float  # per request
+    hit_rate: float  # prefix-cache hit share of prompt tokens
+
+    @property
+    def net_prompt_tokens(self) -> float:
+        """Prompt tokens per request the pool computes (cache hits cost nothing)."""
+        return self.prompt_tokens * (1.0 - self.hit_rate)
+
+    @property
+    def context(self) -> float:
+        """Mean context of a decoding sequence: the prompt and half the output."""
+        return self.prompt_tokens + self.output_tokens / 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    """Arrivals per second now, expected at the horizon, and the upper quantile planned for."""
+
+    now: float
+    expected: float
+    upper: float
+    horizon_s: float
+    points: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """What the sizer would set a pool to now, and why."""
+
+    pool: str
+    desired: int
+    ready: int
+    target: int  # after the bounds and the scale-down hold
+    recommended: int  # what the load asks for this tick, before the hold
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def proposal(self) -> Proposal | None:
+        """The scale this plan asks of the rails, if any."""
+        if self.target == self.desired:
+            return None
+        return Proposal(ActionKind.SCALE_POOL, self.pool, ScaleTo(self.target), self.reason, inputs=READS)
+
+
+class Sizer:
+    """Anything that plans replica counts from one tick's input (the autoscaler, or a baseline to compare it with)."""
+
+    name = "sizer"
+
+    def plan(self, inp: PolicyInput) -> list[PoolPlan]:  # pragma: no cover - an interface
+        raise NotImplementedError
+
+
+# load -------------------------------------------------------------------------------------------
+
+
+def _arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float]]:
+    """Arrivals per second at each scrape: finished requests plus the growth of those in the pool."""
+    done = w.series(subject, "request_rate", since=since)
+    inside = {ts: v for ts, v in w.series(subject, "requests_running", since=since)}
+    for ts, v in w.series(subject, "requests_waiting", since=since):
+        inside[ts] = inside.get(ts, 0.0) + v
+    out, prev = [], None
+    for ts, rate in done:
+        here = inside.get(ts)
+        growth = 0.0
+        if here is not None and prev is not None and ts > prev[0]:
+            growth = (here - prev[1]) / (ts - prev[0])
+        if here is not None:
+            prev = (ts, here)
+        out.append((ts, max(0.0, rate + growth)))
+    return out
+
+
+def _recent(w: SignalWindows, subject: str, name: str, points: int = 4) -> float | None:
+    values = w.last(subject, name, points)
+    return statistics.fmean(values) if values else None
+
+
+def pool_load(w: SignalWindows, pool: str, now: float, history_s: float) -> PoolLoad | None:
+    """The pool's load over its last few scrapes (arrivals over the last minute, lengths over five), or None
+    when it reports nothing."""
+    subject = f"pool/{pool}"
+    arrivals = _arrival_series(w, subject, now - history_s)
+    if not arrivals:
+        return None
+    rate = statistics.fmean(v for _, v in arrivals[-4:])
+    prompt = _recent(w, subject, "prompt_tokens_rate", 20) or 0.0
+    gen = _recent(w, subject, "generation_tokens_rate", 20) or 0.0
+    finished = _recent(w, subject, "request_rate", 20) or 0.0
+    return PoolLoad(
+        arrivals=rate,
+        prompt_tokens=prompt / finished if finished > 0 else 0.0,
+        output_tokens=gen / finished if finished > 0 else 0.0,
+        hit_rate=min(1.0, max(0.0, _recent(w, subject, "prefix_cache_hit_rate", 20) or 0.0)),
+    )
+
+
+# forecast ---------------------------------------------------------------------------------------
+
+
+def _holt(values: Sequence[float], alpha: float, beta: float) -> tuple[list[float], list[float]]:
+    level, trend = [values[0]], [0.0]
+    for v in values[1:]:
+        lv = alpha * v + (1 - alpha) * (level[-1] + trend[-1])
+        trend.append(beta * (lv - level[-1]) + (1 - beta) * trend[-1])
+        level.append(lv)
+    return level, trend
+
+
+def _ahead(level: float, trend: float, phi: float, steps: int) -> float:
+    damped = sum(phi ** k for k in range(1, steps + 1))
+    return level + damped * trend
+
+
+def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: AutoscaleSettings) -> Forecast | None:
+    """Arrivals `horizon_s` ahead (Holt, damped trend) with the upper quantile of its own errors there."""
+    if not series:
+        return None
+    ts = [t for t, _ in series]
+    values = [v for _, v in series]
+    step = statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
+    steps = max(1, math.ceil(horizon_s / step))
+    level, trend = _holt(values, s.smoothing, s.trend)
+    expected = max(0.0, _ahead(level[-1], trend[-1], s.damping, steps))
+    # The errors the same forecast made over the window, `steps` ahead: headroom sized by the past.
+    errors = [values[i + steps] - _ahead(level[i], trend[i], s.damping, steps) for i in range(len(values) - steps)]
+    if len(errors) >= 8:
+        headroom = max(0.0, float(np.quantile(errors, s.headroom_quantile)))
+    else:  # too little history: a fifth of the level, so the first minutes do not run at the edge
+        headroom = 0.2 * max(values[-1], expected)
+    return Forecast(values[-1], expected, expected + headroom, steps * step, len(values))
+
+
+def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
+    buckets: dict[int, list[float]] = {}
+    for ts, v in series:
+        buckets.setdefault(math.ceil(ts / 60.0), []).append(v)
+    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(buckets.items())]
+
+
+def learned_startup(w: SignalWindows, pool: str, since: float) -> tuple[float | None, int]:
+    """Median seconds from a raised `replicas_desired` to `replicas_ready` reaching it, and how many scale-ups."""
+    subject = f"pool/{pool}"
+    desired = w.series(subject, DESIRED, since=since)
+    ready = w.series(subject, READY, since=since)
+    took = []
+    for (t0, before), (t1, after) in itertools.pairwise(desired):
+        if after <= before:
+            continue
+        done = next((t for t, r in ready if t >= t1 and r >= after), None)
+        if done is not None:
+            took.append(done - t0)  # the raise happened between t0 and t1: count from the scrape before
+    return (statistics.median(took) if took else None), len(took)
+
+
+# curves -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    coef: tuple[float, ...]
+    intercept: float
+    points: int
+    source: str  # "fitted" or "prior"
+    r2: float | None = None  # how much of the points' variance the fit explains
+
+
+def _fit(rows: Sequence[tuple[float, ...]], y: Sequence[float], prior: _Fit, min_points: int) -> _Fit:
+    """A non-negative linear fit of y on rows when enough spread points exist, else the prior."""
+    if len(rows) < min_points:
+        return prior
+    x = np.asarray(rows, dtype=float)
+    if float(np.ptp(x[:, 0])) <= 1e-9:
+        return prior  # one operating point says nothing about the slope
+    target = np.asarray(y, dtype=float)
+    model = LinearRegression(positive=True).fit(x, target)
+    r2 = round(float(model.score(x, target)), 3)
+    if r2 < MIN_R2:  # noise around a flat line: the prior knows more
+        return replace(prior, points=len(rows), r2=r2)
+    return _Fit(tuple(float(c) for c in model.coef_), max(0.0, float(model.intercept_)), len(rows), "fitted", r2)
+
+
+def _since_shape(w: SignalWindows, subject: str, since: float, shift: float) -> float:
+    """The start of the current workload shape: the last time prompt or output length per request
+    moved by more than `shift` against the last five minutes (llm-d's throughput analyzer resets likewise)."""
+    req = dict(w.series(subject, "request_rate", since=since))
+    lengths: list[tuple[float, float, float]] = []
+    gen = dict(w.series(subject, "generation_tokens_rate", since=since))
+    for ts, p in w.series(subject, "prompt_tokens_rate", since=since):
+        r = req.get(ts)
+        if r and r > 0:
+            lengths.append((ts, p / r, gen.get(ts, 0.0) / r))
+    if len(lengths) < 40:
+        return since
+    tail = lengths[-20:]
+    isl = statistics.median(x[1] for x in tail)
+    osl = statistics.median(x[2] for x in tail)
+    # Walk back in blocks of 20 scrapes until one block's lengths differ.
+    for end in range(len(lengths) - 20, 19, -20):
+        block = lengths[end - 20:end]
+        b_isl = statistics.median(x[1] for x in block)
+        b_osl = statistics.median(x[2] for x in block)
+        if abs(b_isl - isl) > shift * max(isl, 1.0) or abs(b_osl - osl) > shift * max(osl, 1.0):
+            return block[-1][0]
+    return since
+
+
+# sizing -----------------------------------------------------------------------------------------
+
+
+class Autoscaler(Sizer):
+    """Plans every pool that has an SLO from its load forecast and its learned curves."""
+
+    name = "autoscaler"
+    reads = READS
+
+    def __init__(self, settings: AutoscaleSettings, curves: Mapping[str, EngineCurves]) -> None:
+        self.settings = settings
+        self.curves = dict(curves)
+
+    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
+        return [p for name, pool in sorted(inp.pools.items())
+                if name in self.curves and (p := self.plan_pool(inp, pool)) is not None]
+
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+        """The plan for one pool, or None when it reports no load yet."""
+        s, w, prior = self.settings, inp.windows, self.curves[pool.name]
+        since = inp.now - s.history
+        load = pool_load(w, pool.name, inp.now, s.history)
+        if load is None or pool.desired <= 0:
+            return None
+        subject = f"pool/{pool.name}"
+        startup, scale_ups = learned_startup(w, pool.name, since)
+        interval = _interval(w, subject)
+        horizon = (startup if startup is not None else s.startup) + interval
+        # Per minute: a queue absorbs the lumps within one, and the forecast's errors measure what it cannot.
+        fc = forecast(_per_minute(_arrival_series(w, subject, since)), horizon, s)
+        if fc is None:
+            return None
+        plan_rate = max(fc.upper, load.arrivals)
+        shape_since = _since_shape(w, subject, since, s.shape_shift)
+        evidence: dict[str, Any] = {
+            "arrivals": round(load.arrivals, 3), "forecast": round(fc.expected, 3), "planned_for": round(plan_rate, 3),
+            "horizon_s": round(fc.horizon_s), "startup_s": None if startup is None else round(startup),
+            "startup_measured_from": scale_ups, "prompt_tokens": round(load.prompt_tokens),
+            "output_tokens": round(load.output_tokens), "hit_rate": round(load.hit_rate, 3),
+        }
+        prefill = pool.role != "decode" and load.prompt_tokens > 0
+        decode = pool.role != "prefill" and load.output_tokens > 0
+        if not (prefill or decode) or (pool.ttft_p95_slo is None and pool.tpot_p95_slo is None):
+            return None
+        per_engine = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode, evidence)
+        recommended = max(1, math.ceil(plan_rate / per_engine - 1e-9))
+        reason = (f"{pool.name}: {recommended} engines at {per_engine:.2f} req/s each keep TTFT and TPOT p95 within "
+                  f"{s.margin:.0%} of the SLOs at {plan_rate:.2f} req/s (forecast {fc.expected:.2f} req/s "
+                  f"{fc.horizon_s:.0f}s ahead, now {load.arrivals:.2f})")
+        short = sorted({key.kind for key, f in inp.open_findings.items()
+                        if key.kind in CAPACITY_FINDINGS and pool.name in f.evidence.get("short_pools", ())})
+        breaching = any(slo is not None and (v := _recent(w, subject, name, 2)) is not None and v > slo
+                        for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
+        # Level-triggered: one more engine only while the SLO breaks now, not for a burn that is clearing.
+        if short and breaching and recommended <= pool.desired and pool.ready == pool.desired:
+            recommended = pool.desired + 1
+            reason = f"{pool.name}: {', '.join(short)} open although the curves call {pool.desired} enough: add one"
+        # An open capacity finding, or a breach within the hold window, holds every scale-down: the curves
+        # said enough then too. Otherwise a lower target must last the hold window, and a pool sheds at
+        # most a quarter of its engines at once, so the next breach finds it one step lower, not at the floor.
+        recently = inp.now - s.scale_down_after
+        breached_since = any(slo is not None and any(v > slo for _, v in w.series(subject, name, since=recently))
+                             for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
+        if short or breached_since:
+            target = max(recommended, pool.desired)
+        else:
+            target = stabilised(w, subject, inp.now, s.scale_down_after, recommended, pool.desired)
+            target = max(target, pool.desired - max(1, pool.desired // 4))
+        held = target > recommended
+        target = max(pool.min_replicas, min(pool.max_replicas, target))
+        if held and target == pool.desired:
+            why = "the SLO broke within" if breached_since or short else "lower targets last"
+            reason += f"; held at {pool.desired} until {why} {s.scale_down_after:.0f}s"
+        evidence["per_engine_rate"] = round(per_engine, 3)
+        return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
+
+    def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
+                  since: float, shape_since: float, prefill: bool, decode: bool, evidence: dict[str, Any]) -> float:
+        """Requests per second one engine serves with TTFT and TPOT p95 within the margin of the SLOs.
+
+        An engine's time per request is its prefill (the new prompt tokens, attending over the cached
+        prefix) plus its share of the decode steps (output tokens times the step time at batch B, over
+        B), from the profile, times what the pool showed while backlogged (its finished requests are
+        then all its engines can do). B is the largest batch whose TPOT p95 fits the margin and whose
+        KV fits the cache; the utilisation that keeps TTFT p95 within the margin comes from the TTFT
+        curve, `k0 + k1 * u/(1-u)`. Both curves are fitted on the pool's scrapes since the shape changed.
+        """
+        s = self.settings
+        engines = dict(w.series(subject, "engines_reporting", since=since))
+        running = dict(w.series(subject, "requests_running", since=since))
+        batch = float(prior.max_num_seqs)
+        if decode:
+            batch = self._batch(w, subject, pool, prior, load, shape_since, engines, running, evidence)
+
+        def service(prompt: float, output: float, hit: float, b: float) -> float:
+            """Engine-seconds per request by the profile; throughput takes the mean step time."""
+            b = max(1.0, b)
+            pre = prior.request_prefill_seconds(prompt, prompt * hit) if prefill else 0.0
+            return pre + (output * prior.step_seconds(b, prompt + output / 2.0) / b if decode else 0.0)
+
+        factor = _throughput_factor(w, subject, since, engines, running, service)
+        per_request = factor * service(load.prompt_tokens, load.output_tokens, load.hit_rate, batch)
+        evidence["engine_s_per_request"] = round(per_request, 5)
+        evidence["profile_correction"] = round(factor, 3)
+        u_max = s.max_utilization
+        if prefill and pool.ttft_p95_slo is not None:
+            u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, evidence,
+                                      lambda b: factor * service(load.prompt_tokens, load.output_tokens, load.hit_rate, b),
+                                      per_request)
+        return u_max / per_request if per_request > 0 else float("inf")
+
+    def _batch(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
+               shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
+               evidence: dict[str, Any]) -> float:
+        """The largest batch per engine whose TPOT p95 (`d + e*B + f*B*C`) fits the margin and whose KV fits."""
+        s = self.settings
+        d, e, f = prior.decode
+        batches: list[tuple[float, float]] = []
+        steps: list[float] = []
+        for ts, value in w.series(subject, "tpot_p95", since=shape_since):
+            n, r = engines.get(ts), running.get(ts)
+            if n and r is not None:
+                batches.append((r / n, r / n * load.context))
+                steps.append(value)
+        prior_fit = _Fit((e * 1.2, f * 1.2), d * 1.2, 0, "prior")  # a p95 step runs about a fifth over the mean
+        tpot = _fit(batches, steps, prior_fit, s.min_points)
+        slo = pool.tpot_p95_slo
+        by_latency = float(prior.max_num_seqs)
+        if slo is not None:
+            by_latency = _largest(tpot, prior_fit, s.margin * slo, load.context,
+                                  [b for (b, _), v in zip(batches, steps, strict=True) if v <= s.margin * slo])
+        by_kv = s.kv_usage_max * prior.kv_tokens / max(load.prompt_tokens + load.output_tokens, 1.0)
+        batch = max(1.0, min(by_latency, by_kv, float(prior.max_num_seqs)))
+        evidence["tpot_curve"] = {"source": tpot.source, "points": tpot.points, "r2": tpot.r2,
+                                  "d_s": round(tpot.intercept, 5), "e_s": round(tpot.coef[0], 7),
+                                  "f_s": round(tpot.coef[1], 10), "max_batch": round(batch, 1), "slo": slo,
+                                  "now": _round(w.latest(subject, "tpot_p95")),
+                                  "limited_by": "kv" if by_kv < by_latency else "latency"}
+        return batch
+
+    def _utilisation(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
+                     shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
+                     evidence: dict[str, Any], per_request_at: Callable[[float], float], per_request: float) -> float:
+        """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation."""
+        s = self.settings
+        assert pool.ttft_p95_slo is not None
+        loads: list[tuple[float]] = []
+        waits: list[float] = []
+        rates = dict(_arrival_series(w, subject, shape_since))
+        waiting = dict(w.series(subject, "requests_waiting", since=shape_since))
+        for ts, value in w.series(subject, "ttft_p95", since=shape_since):
+            n, rate = engines.get(ts), rates.get(ts)
+            # A backlog a burst left behind stretches TTFT at any utilisation: it says nothing about the curve.
+            if not n or not rate or waiting.get(ts, 0.0) > n:
+                continue
+            u = min(0.98, rate * per_request_at((running.get(ts) or 0.0) / n) / n)
+            loads.append((u / (1.0 - u),))
+            waits.append(value)
+        # Idle: twice the prefill of a mean prompt alone; queueing: an M/D/1 queue's p95 wait, 1.5 services per u/(1-u).
+        prior_fit = _Fit((1.5 * per_request,), 2.0 * prior.prefill_seconds(max(load.net_prompt_tokens, 1.0)), 0, "prior")
+        ttft = _fit(loads, waits, prior_fit, s.min_points)
+        budget = s.margin * pool.ttft_p95_slo
+        # The fit may lower what the prior allows, but raise it only as far as the pool has been seen to go.
+        seen = max((x / (1.0 + x) for (x,), v in zip(loads, waits, strict=True) if v <= budget), default=0.0)
+        allowed = max(_u_at(prior_fit, budget) or 0.3, seen)
+        fitted = _u_at(ttft, budget)
+        # A fit whose idle TTFT is past the budget says engines cannot buy it back (long prompts): it is
+        # reported, and sizing keeps to what the prior and the pool's own history allow.
+        u_max = min(s.max_utilization, allowed if fitted is None else min(fitted, allowed))
+        evidence["ttft_curve"] = {"source": ttft.source, "points": ttft.points, "r2": ttft.r2,
+                                  "k0_s": round(ttft.intercept, 4), "k1_s": round(ttft.coef[0], 4),
+                                  "max_utilization": round(u_max, 3), "floor_over_budget": fitted is None,
+                                  "slo": pool.ttft_p95_slo, "now": _round(w.latest(subject, "ttft_p95"))}
+        return u_max
+
+
+def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Mapping[float, float],
+                       running: Mapping[float, float], service: Callable[[float, float, float, float], float]) -> float:
+    """Engine time per request the pool showed while backlogged, over what the profile says for the same
+    requests: what it finished then was all its engines could do. 1.0 until it has been backlogged at four
+    scrapes (more than two waiting per engine at two in a row: a lump of arrivals clears in one)."""
+    finished = dict(w.series(subject, "request_rate", since=since))
+    prompt = dict(w.series(subject, "prompt_tokens_rate", since=since))
+    gen = dict(w.series(subject, "generation_tokens_rate", since=since))
+    hit = dict(w.series(subject, "prefix_cache_hit_rate", since=since))
+    ratios = []
+    for (_, before), (ts, waiting) in itertools.pairwise(w.series(subject, "requests_waiting", since=since)):
+        n, done = engines.get(ts), finished.get(ts)
+        if not n or not done or min(before, waiting) <= 2 * n:
+            continue
+        model = service(prompt.get(ts, 0.0) / done, gen.get(ts, 0.0) / done, hit.get(ts, 0.0), (running.get(ts) or 0.0) / n)
+        if model > 0:
+            ratios.append((n / done) / model)
+    if len(ratios) < 4:
+        return 1.0
+    return min(10.0, max(0.5, statistics.median(ratios)))
+
+
+def _u_at(fit: _Fit, budget: float) -> float | None:
+    """The utilisation at which `k0 + k1 * u/(1-u)` reaches `budget`; None when even an idle engine misses it."""
+    k0, (k1,) = fit.intercept, fit.coef
+    if budget <= k0:
+        return None
+    if k1 <= 0:
+        return 1.0
+    x = (budget - k0) / k1
+    return x / (1.0 + x)
+
+
+def _largest(fit: _Fit, prior: _Fit, budget: float, context: float, seen: list[float]) -> float:
+    """The largest batch whose step time fits `budget`: the fit's, but above the prior's only as far as seen."""
+
+    def limit(f: _Fit) -> float:
+        per_seq = f.coef[0] + f.coef[1] * context
+        return (budget - f.intercept) / per_seq if per_seq > 0 else math.inf
+
+    return min(limit(fit), max(limit(prior), max(seen, default=0.0)))
+
+
+def stabilised(w: SignalWindows, subject: str, now: float, window_s: float, target: int, desired: int) -> int:
+    """A scale-down held to the highest recommendation (`autoscale_target_replicas`) of the last `window_s`,
+    as Kubernetes' HPA stabilises: until recommendations cover the whole window, held at `desired`."""
+    if target >= desired:
+        return target
+    recorded = w.series(subject, TARGET)
+    if not recorded or recorded[0][0] > now - window_s + _interval(w, subject):
+        return desired
+    past = [v for t, v in recorded if t >= now - window_s]
+    return min(desired, max(target, math.ceil(max(past, default=target))))
+
+
+def _interval(w: SignalWindows, subject: str) -> float:
+    ts = [t for t, _ in w.series(subject, "request_rate")][-10:]
+    return statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)

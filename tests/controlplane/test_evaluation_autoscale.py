@@ -1,0 +1,139 @@
+"""`fleetctl autoscale eval` and `plan`: the oracle's schedule, minute judging, the report, and short real runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collectors.types import Signal
+from controlplane.evaluation_autoscale import METRICS, TRACES, AutoscaleReport, MinuteMeter, OracleSchedule, StrategyRun, _within
+from controlplane.sim.engine import HISTOGRAMS
+from controlplane.sim.scenario import builtin_scenarios, load_scenario
+from controlplane.store import migrate
+from controlplane.store.writer import SqlStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_trace_of_the_evaluation_is_a_fault_free_hour_with_slos_and_room_to_scale() -> None:
+    for trace, name in TRACES.items():
+        sc = load_scenario(name)
+        sc.check()
+        assert not sc.faults and sc.duration == 3600, trace
+        assert all(p.max_replicas and p.max_replicas >= 2 * p.replicas and (p.slo.ttft_p95 or p.slo.tpot_p95)
+                   for p in sc.fleet.pools), trace
+    assert not any(n.startswith("autoscale") for n in builtin_scenarios()), "fleetctl eval runs them without a sizer"
+
+
+def test_the_oracle_asks_for_the_largest_need_until_a_start_up_time_ahead() -> None:
+    schedule = OracleSchedule({"chat": [2, 2, 2, 7, 3, 3, 1]}, {"chat": 135.0})
+    assert schedule(0.0) == {"chat": 2}, "minute 3 is more than 135 s ahead"
+    assert schedule(60.0) == {"chat": 7}, "from minute 1 the burst of minute 3 is within reach: start engines now"
+    assert schedule(4 * 60.0) == {"chat": 3} and schedule(6 * 60.0) == {"chat": 1}
+    assert schedule(99 * 60.0) == {"chat": 1}, "past the end: the last need"
+
+
+def test_a_minute_is_within_slo_when_every_objective_of_the_pool_is() -> None:
+    pool = load_scenario("autoscale/azure-conv").fleet.pools[0]  # TTFT p95 2 s, TPOT p95 100 ms
+    meter = MinuteMeter.__new__(MinuteMeter)
+    meter.counts = {}
+    ttft = np.zeros(len(HISTOGRAMS[METRICS["ttft"]]) + 1)
+    tpot = np.zeros(len(HISTOGRAMS[METRICS["tpot"]]) + 1)
+    ttft[HISTOGRAMS[METRICS["ttft"]].index(0.5)] = 100  # every first token within 0.5 s
+    tpot[HISTOGRAMS[METRICS["tpot"]].index(0.05)] = 100
+    meter.counts[(pool.name, "ttft", 0)] = ttft
+    meter.counts[(pool.name, "tpot", 0)] = tpot
+    assert meter.p95(pool.name, "ttft", 0) <= 0.5 and _within(meter, pool, 0)
+    slow = tpot.copy()
+    slow[HISTOGRAMS[METRICS["tpot"]].index(0.3)] = 100  # half the requests at 300 ms per token
+    meter.counts[(pool.name, "tpot", 1)] = slow
+    assert not _within(meter, pool, 1)
+    assert _within(meter, pool, 2), "nothing finished: nothing missed"
+
+
+def run(strategy: str, gpu_hours: float, within: int) -> StrategyRun:
+    return StrategyRun("t", strategy, gpu_hours, 100, within, 3, 1.0)
+
+
+def test_the_report_judges_ours_against_hpa_and_the_oracle() -> None:
+    report = AutoscaleReport("t", [run("static", 20.0, 100), run("hpa", 16.0, 97), run("ours", 11.0, 99),
+                                   run("oracle", 10.0, 98)], {"chat": [1]})
+    rows = {r["strategy"]: r for r in report.rows()}
+    assert rows["ours"]["vs_oracle"] == pytest.approx(1.1) and rows["static"]["vs_oracle"] == pytest.approx(2.0)
+    goals = {g.name.split(": ", 1)[1]: g for g in report.goals()}
+    assert goals["share of minutes within both SLOs"].holds
+    assert goals["attainment against the HPA-style rule's"].value == pytest.approx(0.02)
+    assert goals["GPU-hours over the HPA-style rule's"].value == pytest.approx(0.688) and goals[
+        "GPU-hours over the HPA-style rule's"].holds
+    assert goals["GPU-hours over the oracle's"].holds
+    worse = AutoscaleReport("t", [run("static", 20.0, 100), run("hpa", 12.0, 99), run("ours", 11.0, 95),
+                                  run("oracle", 10.0, 98)], {})
+    assert [g.holds for g in worse.goals()] == [False, False, False, True]
+
+
+@pytest.mark.slow
+def test_autoscale_eval_runs_every_strategy_on_a_short_replay(tmp_path: Path) -> None:
+    chart = tmp_path / "autoscale.svg"
+    res = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "eval", "--trace", "azure-conv",
+                          "--minutes", "6", "--jobs", "2", "--plot", str(chart), "--json"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    [trace] = data["traces"]
+    assert [r["strategy"] for r in trace["strategies"]] == ["static", "hpa", "ours", "oracle"]
+    assert all(r["minutes"] == 6 and r["gpu_hours"] > 0 for r in trace["strategies"])
+    assert len(trace["oracle_needs"]["chat"]) == 6
+    static = next(r for r in trace["strategies"] if r["strategy"] == "static")
+    assert static["gpu_hours"] == pytest.approx(max(trace["oracle_needs"]["chat"]) * 0.1, rel=0.01), (
+        "static holds the oracle's peak for all 6 minutes")
+    assert len(data["goals"]) == 4 and all("azure-conv: " in g["name"] for g in data["goals"])
+    assert chart.stat().st_size > 0
+
+
+def test_autoscale_plan_explains_the_target_from_the_store(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'plan.db'}"
+    config = tmp_path / "fleet.yaml"
+    config.write_text(f"""
+store: {{url: "{db}"}}
+autoscaling: {{enabled: true}}
+pools:
+  - name: chat
+    role: unified
+    model: m
+    replicas: {{min: 1, max: 20}}
+    slo: {{ttft_p95: 2s, tpot_p95: 100ms}}
+    engine: {{profile: dynamo/h200/llama3.1-8b-fp8, speed: 1.0}}
+""")
+    migrate.upgrade(db)
+    store = SqlStore.open(db)
+    try:
+        now = time.time()
+        signals = []
+        for i in range(120):
+            ts = now - 1800 + i * 15
+            for name, value in (("request_rate", 80.0), ("prompt_tokens_rate", 80_000.0),
+                                ("generation_tokens_rate", 16_000.0), ("requests_running", 200.0),
+                                ("requests_waiting", 0.0), ("ttft_p95", 0.3), ("tpot_p95", 0.03),
+                                ("engines_reporting", 2.0), ("replicas_desired", 2.0), ("replicas_ready", 2.0)):
+                signals.append(Signal(ts, "pool/chat", name, value))
+        store.write_signals(signals)
+    finally:
+        store.close()
+    res = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db", db,
+                          "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    [plan] = json.loads(res.stdout)["plans"]
+    assert plan["pool"] == "chat" and plan["desired"] == 2 and plan["target"] > 2, "80 req/s is more than two engines take"
+    assert {"ttft_curve", "tpot_curve", "forecast", "per_engine_rate"} <= set(plan["evidence"])
+    table = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db",
+                            db], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert table.returncode == 0 and "chat" in table.stdout
+    bad = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db",
+                          db, "--pool", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 3 and "nope is not a pool" in bad.stderr

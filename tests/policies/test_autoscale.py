@@ -1,0 +1,224 @@
+"""The autoscaler's pure parts: load, forecast, start-up time, curves, the scale-down hold, and the HPA-style rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.autoscale import (
+    DESIRED,
+    READY,
+    TARGET,
+    Autoscaler,
+    AutoscaleSettings,
+    EngineCurves,
+    forecast,
+    learned_startup,
+    pool_load,
+    stabilised,
+)
+from policies.hpa import HpaRule
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, ScaleTo
+from policies.windows import SignalWindows
+
+STEP = 15.0
+# One H200 engine of Llama-3.1-8B as the shipped profile describes it (rounded from `engine_curves`).
+CURVES = EngineCurves(prefill=(0.02, 1.4e-05, 5.6e-10), decode=(0.0045, 4.5e-05, 2.7e-08), kv_tokens=480_000)
+SETTINGS = AutoscaleSettings(enabled=True)
+
+
+def pool(desired: int = 4, ready: int | None = None, role: str = "unified", lo: int = 1, hi: int = 32) -> PoolState:
+    return PoolState("chat", role, desired, desired if ready is None else ready, lo, hi, ttft_p95_slo=2.0,
+                     tpot_p95_slo=0.1)
+
+
+def windows(minutes: float, rate: float | list[float], *, engines: int = 4, prompt: float = 1000.0,
+            output: float = 200.0, hit: float = 0.0, ttft: float = 0.3, tpot: float = 0.03, running: float = 40.0,
+            waiting: float | list[float] = 0.0, start: float = 0.0) -> SignalWindows:
+    """A pool's aggregates every 15 s; `rate` and `waiting` are one value or one per scrape."""
+    w = SignalWindows(3 * 3600)
+    n = int(minutes * 60 / STEP)
+    rates = rate if isinstance(rate, list) else [rate] * n
+    queue = waiting if isinstance(waiting, list) else [waiting] * len(rates)
+    for i, r in enumerate(rates):
+        ts = start + (i + 1) * STEP
+        for name, value in (("request_rate", r), ("prompt_tokens_rate", r * prompt), ("generation_tokens_rate", r * output),
+                            ("prefix_cache_hit_rate", hit), ("requests_running", running), ("requests_waiting", queue[i]),
+                            ("ttft_p95", ttft), ("tpot_p95", tpot), ("engines_reporting", float(engines)),
+                            (DESIRED, float(engines)), (READY, float(engines))):
+            w.add(ts, "pool/chat", name, value)
+    return w
+
+
+def plan(w: SignalWindows, state: PoolState, findings: dict | None = None, settings: AutoscaleSettings = SETTINGS):
+    now = max(ts for ts, _ in w.series("pool/chat", "request_rate"))
+    inp = PolicyInput(now=now, windows=w, pools={"chat": state}, open_findings=findings or {})
+    [p] = Autoscaler(settings, {"chat": CURVES}).plan(inp)
+    return p
+
+
+def test_load_counts_queue_growth_as_arrivals_and_nets_out_cache_hits() -> None:
+    w = windows(5, 10.0, hit=0.5)
+    for i, ts in enumerate((315.0, 330.0, 345.0, 360.0)):
+        for name, value in (("request_rate", 10.0), ("requests_running", 40.0), ("requests_waiting", 15.0 * (i + 1))):
+            w.add(ts, "pool/chat", name, value)
+    load = pool_load(w, "chat", 360.0, 3600.0)
+    assert load is not None
+    assert load.arrivals == pytest.approx(11.0, rel=0.05), "15 more waiting every 15 s: one more arrival per second"
+    assert load.net_prompt_tokens == pytest.approx(500.0, rel=0.05)
+    assert pool_load(SignalWindows(3600), "chat", 0.0, 3600.0) is None
+
+
+def test_the_forecast_leads_a_rising_load_and_its_headroom_comes_from_its_own_errors() -> None:
+    rising = [(i * STEP, 5.0 + 0.05 * i) for i in range(200)]
+    fc = forecast(rising, 150.0, SETTINGS)
+    assert fc is not None and fc.expected > rising[-1][1], "a trend carries the forecast above the last value"
+    assert fc.upper >= fc.expected and fc.horizon_s == 150.0
+    flat = [(i * STEP, 10.0) for i in range(200)]
+    fc = forecast(flat, 150.0, SETTINGS)
+    assert fc is not None and fc.expected == pytest.approx(10.0) and fc.upper == pytest.approx(10.0)
+
+
+@given(st.lists(st.floats(0.0, 500.0), min_size=1, max_size=120), st.floats(1.0, 900.0))
+def test_the_forecast_is_never_negative_and_its_upper_never_below_it(values: list[float], horizon: float) -> None:
+    fc = forecast([(i * STEP, v) for i, v in enumerate(values)], horizon, SETTINGS)
+    assert fc is not None and fc.expected >= 0.0 and fc.upper >= fc.expected and math.isfinite(fc.upper)
+
+
+def test_start_up_time_is_measured_from_the_pools_own_scale_ups() -> None:
+    w = SignalWindows(3600)
+    for i in range(60):
+        ts = i * STEP
+        desired = 2 if ts < 100 else 4
+        ready = 2 if ts < 240 else 4
+        w.add(ts, "pool/chat", DESIRED, desired)
+        w.add(ts, "pool/chat", READY, ready)
+    took, ups = learned_startup(w, "chat", 0.0)
+    assert ups == 1 and took is not None and 120 <= took <= 150
+
+
+def test_twice_the_load_asks_for_about_twice_the_engines() -> None:
+    one = plan(windows(30, 50.0), pool(8))
+    two = plan(windows(30, 100.0), pool(8))
+    assert 1 < one.recommended < two.recommended <= 2 * one.recommended + 1
+    assert one.evidence["ttft_curve"]["source"] in ("prior", "fitted")
+    assert "forecast" in one.reason and one.evidence["per_engine_rate"] > 0
+
+
+def test_a_target_is_an_absolute_count_the_rails_receive_as_scale_to() -> None:
+    p = plan(windows(30, 60.0), pool(2))
+    proposal = p.proposal()
+    assert proposal is not None and proposal.kind is ActionKind.SCALE_POOL
+    assert proposal.change == ScaleTo(p.target) and p.target > 2 and proposal.verify_signal is None
+    same = plan(windows(30, 60.0), pool(p.target))
+    assert same.target == p.target and same.proposal() is None
+
+
+def test_a_lull_sheds_nothing_until_lower_targets_last_the_hold_window() -> None:
+    w = windows(30, 5.0, engines=8)
+    held = plan(w, pool(8))
+    assert held.recommended < 8 and held.target == 8, "no recommendations recorded yet: hold at the current size"
+    for i in range(40):  # 10 minutes of low recommendations, as the loop records them
+        w.add(30 * 60 + (i + 1) * STEP, "pool/chat", TARGET, float(held.recommended))
+    w.add(40 * 60 + STEP, "pool/chat", "request_rate", 5.0)
+    shed = plan(w, pool(8))
+    assert shed.recommended < 6 and shed.target == 6, "a quarter of the engines at once"
+
+
+def test_stabilisation_takes_the_highest_recommendation_of_the_window() -> None:
+    w = SignalWindows(3600)
+    for i in range(50):
+        w.add(i * STEP, "pool/chat", TARGET, 6.0 if i == 45 else 3.0)
+        w.add(i * STEP, "pool/chat", "request_rate", 1.0)
+    assert stabilised(w, "pool/chat", 49 * STEP, 300.0, 2, 8) == 6
+    assert stabilised(w, "pool/chat", 49 * STEP, 300.0, 9, 8) == 9, "scale-up is never held"
+
+
+def test_a_breach_within_the_hold_window_holds_a_scale_down() -> None:
+    w = windows(30, 5.0, engines=8)
+    for i in range(40):
+        w.add(30 * 60 + (i + 1) * STEP, "pool/chat", TARGET, 1.0)
+        w.add(30 * 60 + (i + 1) * STEP, "pool/chat", "ttft_p95", 2.5 if i == 30 else 0.3)
+    w.add(40 * 60 + STEP, "pool/chat", "request_rate", 5.0)
+    held = plan(w, pool(8))
+    assert held.recommended < 8 and held.target == 8 and "the SLO broke within" in held.reason
+
+
+def test_an_open_capacity_finding_adds_an_engine_while_the_slo_breaks() -> None:
+    key = FindingKey("slo_burn", "pool/decode")
+    findings = {key: OpenFinding(key, 0.0, {"short_pools": ["chat"]})}
+    breaking = windows(30, 5.0, engines=6, ttft=2.5)
+    p = plan(breaking, pool(6), findings)
+    assert p.target == 7 and "slo_burn" in p.reason
+    other = {key: OpenFinding(key, 0.0, {"short_pools": ["decode"]})}
+    assert plan(breaking, pool(6), other).target == 6, "another pool is the short one"
+    clearing = plan(windows(30, 5.0, engines=6), pool(6), findings)
+    assert clearing.target == 6, "the burn is clearing: nothing added, and nothing shed while it is open"
+
+
+def test_fitted_curves_never_claim_more_than_the_prior_or_what_was_seen() -> None:
+    # An hour at low load with fast responses: a fit through it alone would promise a huge capacity.
+    w = windows(60, 5.0, ttft=0.05, tpot=0.006, running=2.0)
+    fitted = plan(w, pool(4))
+    prior = plan(w, pool(4), settings=AutoscaleSettings(enabled=True, min_points=100_000))
+    assert fitted.evidence["per_engine_rate"] <= prior.evidence["per_engine_rate"] * 1.01
+
+
+def test_a_prefill_pool_is_sized_by_prompts_and_a_decode_pool_by_outputs() -> None:
+    w = windows(30, 20.0, prompt=8000.0, output=50.0)
+    prefill = PoolState("chat", "prefill", 4, 4, 1, 64, ttft_p95_slo=2.0)
+    decode = PoolState("chat", "decode", 4, 4, 1, 64, tpot_p95_slo=0.05)
+    p = plan(w, prefill)
+    d = plan(w, decode)
+    assert "ttft_curve" in p.evidence and "tpot_curve" not in p.evidence
+    assert "tpot_curve" in d.evidence and "ttft_curve" not in d.evidence
+    assert p.recommended > d.recommended, "8k-token prompts and 50-token outputs: prefill is the bottleneck"
+
+
+def test_bounds_clamp_the_target() -> None:
+    assert plan(windows(30, 500.0), pool(4, hi=10)).target == 10
+    assert plan(windows(30, 0.1, engines=3), pool(3, lo=3)).target == 3
+
+
+@pytest.mark.parametrize(("kv", "waiting", "desired", "expected"), [
+    (0.9, 0.0, 4, 5),  # ceil(4 * 0.9 / 0.8)
+    (0.5, 40.0, 4, 8),  # 10 waiting per replica against 5
+    (0.84, 0.0, 4, 4),  # within the 10 % tolerance
+])
+def test_the_hpa_rule_scales_out_as_the_shipped_charts_do(kv: float, waiting: float, desired: int, expected: int) -> None:
+    w = SignalWindows(3600)
+    for name, value in (("kv_cache_usage", kv), ("requests_waiting", waiting), ("engines_reporting", float(desired))):
+        w.add(100.0, "pool/chat", name, value)
+    [p] = HpaRule().plan(PolicyInput(100.0, w, {"chat": pool(desired)}, {}))
+    assert p.target == expected
+
+
+def test_the_hpa_rule_holds_scale_down_for_its_stabilisation_window() -> None:
+    w = SignalWindows(3600)
+    for i in range(40):
+        ts = i * STEP
+        for name, value in (("kv_cache_usage", 0.1), ("requests_waiting", 0.0), ("engines_reporting", 8.0),
+                            ("request_rate", 1.0)):
+            w.add(ts, "pool/chat", name, value)
+    now = 39 * STEP
+    [p] = HpaRule().plan(PolicyInput(now, w, {"chat": pool(8)}, {}))
+    assert p.recommended == 1 and p.target == 8
+    for i in range(40):
+        w.add(i * STEP + 1, "pool/chat", TARGET, 1.0)
+    [p] = HpaRule().plan(PolicyInput(now + 2, w, {"chat": pool(8)}, {}))
+    assert p.target == 1
+
+
+def test_what_a_backlogged_pool_finished_corrects_the_profile() -> None:
+    # Four engines, batches full, finish 20 requests/s while their queue grows by 10 a second: 5 per engine is all.
+    w = windows(30, 20.0, engines=4, running=1024.0, waiting=[200.0 + 150.0 * i for i in range(120)])
+    p = plan(w, pool(4))
+    assert p.evidence["engine_s_per_request"] == pytest.approx(0.2, rel=0.1), "4 engines / 20 finished per second"
+    assert p.evidence["profile_correction"] > 1.0, "the profile claimed more"
+    assert p.evidence["per_engine_rate"] <= 5.0
+    assert p.recommended >= 7, "30 arrivals a second at under 5 per engine"
+    calm = plan(windows(30, 20.0, engines=4), pool(4))
+    assert calm.evidence["profile_correction"] == 1.0, "never backlogged: the profile stands"
