@@ -83,6 +83,8 @@ class MinuteMeter:
         self.counts: dict[tuple[str, str, int], np.ndarray] = {}
         self.gpu_s = 0.0
         self.replicas: list[tuple[float, dict[str, int]]] = []
+        self.arrivals: dict[int, int] = {}  # requests that arrived, per minute
+        self._arrived = fleet.arrived
 
     def sample(self, fleet: SimFleet) -> None:
         """Count what finished since the last sample and the GPUs held meanwhile."""
@@ -92,6 +94,8 @@ class MinuteMeter:
         self.gpu_s += sum(n * self.gpus.get(pool, 1) for pool, n in held.items()) * (now - self._t)
         self._t = now
         self.replicas.append((now - self.start, held))
+        self.arrivals[minute] = self.arrivals.get(minute, 0) + fleet.arrived - self._arrived
+        self._arrived = fleet.arrived
         for pool, members in fleet.members.items():
             for m in members:
                 if m.ready_at > now:
@@ -220,6 +224,7 @@ class StrategyRun:
     wall_s: float
     replicas: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # (seconds, engines held per pool)
     within: list[bool] = field(default_factory=list)  # per minute
+    arrivals: list[int] = field(default_factory=list)  # requests per minute: the load
 
     @property
     def attainment(self) -> float:
@@ -287,7 +292,7 @@ class _Strategy:
     def _result(self, meter: MinuteMeter, events: int, wall_s: float, minutes: int) -> StrategyRun:
         within = [all(_within(meter, p, m) for p in self.scenario.fleet.pools) for m in range(minutes)]
         return StrategyRun(self.trace, self.strategy, meter.gpu_s / 3600.0, minutes, sum(within), events, wall_s,
-                           meter.replicas[::4], within)
+                           meter.replicas[::4], within, [meter.arrivals.get(m, 0) for m in range(minutes)])
 
 
 # the report -----------------------------------------------------------------------------------------

@@ -77,24 +77,29 @@ _STRATEGY_COLORS = alt.Scale(domain=["static", "hpa", "ours", "oracle"], range=[
 
 
 def autoscale_chart(report: dict[str, Any]) -> alt.VConcatChart:
-    """Per trace, from `fleetctl autoscale eval --json`: engines held over time by each strategy (one line
-    per strategy, pools summed) over the minutes each strategy kept both SLOs (a tick per minute missed)."""
+    """Per trace, from `fleetctl autoscale eval --json`: the load (requests per minute), the engines each
+    strategy held per pool (dashed: the second pool), and the minutes each strategy missed an SLO."""
     panels = []
     for trace in report["traces"]:
         held, missed = [], []
         for run in trace["runs"]:
             for t, pools in run["replicas"]:
-                held.append({"minute": t / 60.0, "engines": sum(pools.values()), "strategy": run["strategy"]})
+                held += [{"minute": t / 60.0, "engines": n, "strategy": run["strategy"], "pool": pool}
+                         for pool, n in pools.items()]
             missed += [{"minute": m + 0.5, "strategy": run["strategy"]} for m, ok in enumerate(run["within"]) if not ok]
+        load = [{"minute": m + 0.5, "requests": n} for m, n in enumerate(trace["runs"][0]["arrivals"])]
         color = alt.Color("strategy:N", scale=_STRATEGY_COLORS, title=None)
+        x = alt.X("minute:Q", title="minute of the replay")
+        arrivals = alt.Chart(alt.Data(values=load)).mark_area(opacity=0.4).encode(  # type: ignore[no-untyped-call]
+            x=x, y=alt.Y("requests:Q", title="requests per minute"))
         lines = alt.Chart(alt.Data(values=held)).mark_line(interpolate="step-after").encode(  # type: ignore[no-untyped-call]
-            x=alt.X("minute:Q", title="minute of the replay"), y=alt.Y("engines:Q", title="engines held"), color=color)
+            x=x, y=alt.Y("engines:Q", title="engines held"), color=color, strokeDash=alt.StrokeDash("pool:N"))
         ticks = alt.Chart(alt.Data(values=missed)).mark_tick(thickness=2).encode(  # type: ignore[no-untyped-call]
-            x="minute:Q", y=alt.Y("strategy:N", title="minutes out of SLO"), color=color)
+            x=x, y=alt.Y("strategy:N", title="minutes out of SLO"), color=color)
         rows = {r["strategy"]: r for r in trace["strategies"]}
-        title = ", ".join(f"{s} {rows[s]['gpu_hours']:.1f} GPU-h / {rows[s]['attainment']:.0%}" for s in rows)
-        panels.append(alt.vconcat(lines.properties(width=560, height=180), ticks.properties(width=560, height=80),
-                                  title=f"{trace['trace']}: {title}"))
+        title = ", ".join(f"{k} {rows[k]['gpu_hours']:.1f} GPU-h / {rows[k]['attainment']:.0%}" for k in rows)
+        panels.append(alt.vconcat(arrivals.properties(width=560, height=90), lines.properties(width=560, height=180),
+                                  ticks.properties(width=560, height=80), title=f"{trace['trace']}: {title}"))
     return alt.vconcat(*panels)
 
 

@@ -262,6 +262,14 @@ def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: Autosca
     return Forecast(values[-1], expected, expected + headroom, steps * step, len(values))
 
 
+def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
+    """Whether in some minute most scrapes' p95 broke the SLO (one slow scrape is noise every fleet has)."""
+    minutes: dict[int, list[float]] = {}
+    for ts, v in series:
+        minutes.setdefault(math.ceil(ts / 60.0), []).append(v)
+    return any(statistics.median(v) > slo for v in minutes.values())
+
+
 def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
     buckets: dict[int, list[float]] = {}
@@ -398,7 +406,7 @@ class Autoscaler(Sizer):
         # said enough then too. Otherwise a lower target must last the hold window, and a pool sheds at
         # most a quarter of its engines at once, so the next breach finds it one step lower, not at the floor.
         recently = inp.now - s.scale_down_after
-        breached_since = any(slo is not None and any(v > slo for _, v in w.series(subject, name, since=recently))
+        breached_since = any(slo is not None and _breached_minute(w.series(subject, name, since=recently), slo)
                              for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
         if short or breached_since:
             target = max(recommended, pool.desired)
@@ -523,8 +531,10 @@ def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Ma
     gen = dict(w.series(subject, "generation_tokens_rate", since=since))
     hit = dict(w.series(subject, "prefix_cache_hit_rate", since=since))
     ratios = []
+    ready = dict(w.series(subject, READY, since=since))
     for (_, before), (ts, waiting) in itertools.pairwise(w.series(subject, "requests_waiting", since=since)):
-        n, done = engines.get(ts), finished.get(ts)
+        # Engines that take work: a draining one still reports, but is finishing, not taking more.
+        n, done = min(engines.get(ts) or 0.0, ready.get(ts) or math.inf), finished.get(ts)
         if not n or not done or min(before, waiting) <= 2 * n:
             continue
         model = service(prompt.get(ts, 0.0) / done, gen.get(ts, 0.0) / done, hit.get(ts, 0.0), (running.get(ts) or 0.0) / n)
@@ -532,7 +542,7 @@ def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Ma
             ratios.append((n / done) / model)
     if len(ratios) < 4:
         return 1.0
-    return min(10.0, max(0.5, statistics.median(ratios)))
+    return min(5.0, max(0.5, statistics.median(ratios)))
 
 
 def _u_at(fit: _Fit, budget: float) -> float | None:

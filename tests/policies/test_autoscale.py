@@ -141,10 +141,16 @@ def test_a_breach_within_the_hold_window_holds_a_scale_down() -> None:
     w = windows(30, 5.0, engines=8)
     for i in range(40):
         w.add(30 * 60 + (i + 1) * STEP, "pool/chat", TARGET, 1.0)
-        w.add(30 * 60 + (i + 1) * STEP, "pool/chat", "ttft_p95", 2.5 if i == 30 else 0.3)
+        w.add(30 * 60 + (i + 1) * STEP, "pool/chat", "ttft_p95", 2.5 if 28 <= i <= 31 else 0.3)  # a whole minute
     w.add(40 * 60 + STEP, "pool/chat", "request_rate", 5.0)
     held = plan(w, pool(8))
     assert held.recommended < 8 and held.target == 8 and "the SLO broke within" in held.reason
+    w2 = windows(30, 5.0, engines=8)
+    for i in range(40):
+        w2.add(30 * 60 + (i + 1) * STEP, "pool/chat", TARGET, 1.0)
+        w2.add(30 * 60 + (i + 1) * STEP, "pool/chat", "ttft_p95", 2.5 if i == 30 else 0.3)
+    w2.add(40 * 60 + STEP, "pool/chat", "request_rate", 5.0)
+    assert plan(w2, pool(8)).target < 8, "one slow scrape is noise, not a breach"
 
 
 def test_an_open_capacity_finding_adds_an_engine_while_the_slo_breaks() -> None:
@@ -213,12 +219,12 @@ def test_the_hpa_rule_holds_scale_down_for_its_stabilisation_window() -> None:
 
 
 def test_what_a_backlogged_pool_finished_corrects_the_profile() -> None:
-    # Four engines, batches full, finish 20 requests/s while their queue grows by 10 a second: 5 per engine is all.
-    w = windows(30, 20.0, engines=4, running=1024.0, waiting=[200.0 + 150.0 * i for i in range(120)])
+    # Four engines, batches full, finish 40 requests/s while their queue grows by 10 a second: 10 per engine is all.
+    w = windows(30, 40.0, engines=4, running=1024.0, waiting=[200.0 + 150.0 * i for i in range(120)])
     p = plan(w, pool(4))
-    assert p.evidence["engine_s_per_request"] == pytest.approx(0.2, rel=0.1), "4 engines / 20 finished per second"
-    assert p.evidence["profile_correction"] > 1.0, "the profile claimed more"
-    assert p.evidence["per_engine_rate"] <= 5.0
-    assert p.recommended >= 7, "30 arrivals a second at under 5 per engine"
+    assert p.evidence["engine_s_per_request"] == pytest.approx(0.1, rel=0.1), "4 engines / 40 finished per second"
+    assert 1.0 < p.evidence["profile_correction"] < 5.0, "the profile claimed more"
+    assert p.evidence["per_engine_rate"] <= 10.0
+    assert p.recommended >= 6, "50 arrivals a second at under 10 per engine"
     calm = plan(windows(30, 20.0, engines=4), pool(4))
     assert calm.evidence["profile_correction"] == 1.0, "never backlogged: the profile stands"
