@@ -32,7 +32,8 @@ def engine_curves(engine: Engine) -> EngineCurves:
     rows = np.array([[1.0, bb, bb * cc] for bb, cc in _DECODE_GRID])
     steps = np.array([model.decode_step_seconds(bb, cc) for bb, cc in _DECODE_GRID])
     d, e, f = np.linalg.lstsq(rows, steps, rcond=None)[0]
-    return EngineCurves(prefill=(max(0.0, a), max(0.0, b), max(0.0, c)), decode=(max(0.0, d), max(0.0, e), max(0.0, f)),
+    return EngineCurves(prefill=(float(max(0.0, a)), float(max(0.0, b)), float(max(0.0, c))),
+                        decode=(float(max(0.0, d)), float(max(0.0, e)), float(max(0.0, f))),
                         kv_tokens=engine.kv_blocks * BLOCK_TOKENS, max_num_seqs=engine.max_num_seqs,
                         max_batched_tokens=engine.max_batched_tokens, gpus=engine.gpus)
 

@@ -26,7 +26,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -150,7 +150,6 @@ class Forecast:
     expected: float
     upper: float
     horizon_s: float
-    points: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,13 +171,15 @@ class PoolPlan:
         return Proposal(ActionKind.SCALE_POOL, self.pool, ScaleTo(self.target), self.reason, inputs=READS)
 
 
-class Sizer:
-    """Anything that plans replica counts from one tick's input (the autoscaler, or a baseline to compare it with)."""
+class Sizer(Protocol):
+    """Anything that plans replica counts from one tick's input (the autoscaler, or a baseline to compare it with);
+    like a policy it must not perform I/O or read the clock."""
 
-    name = "sizer"
+    name: str
 
-    def plan(self, inp: PolicyInput) -> list[PoolPlan]:  # pragma: no cover - an interface
-        raise NotImplementedError
+    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
+        """A plan per pool it sizes."""
+        ...
 
 
 # load -------------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: Autosca
         headroom = max(0.0, float(np.quantile(errors, s.headroom_quantile)))
     else:  # too little history: a fifth of the level, so the first minutes do not run at the edge
         headroom = 0.2 * max(values[-1], expected)
-    return Forecast(values[-1], expected, expected + headroom, steps * step, len(values))
+    return Forecast(values[-1], expected, expected + headroom, steps * step)
 
 
 def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
@@ -348,11 +349,10 @@ def _since_shape(w: SignalWindows, subject: str, since: float, shift: float) -> 
 # sizing -----------------------------------------------------------------------------------------
 
 
-class Autoscaler(Sizer):
+class Autoscaler:
     """Plans every pool that has an SLO from its load forecast and its learned curves."""
 
     name = "autoscaler"
-    reads = READS
 
     def __init__(self, settings: AutoscaleSettings, curves: Mapping[str, EngineCurves]) -> None:
         self.settings = settings

@@ -14,7 +14,7 @@ import math
 from pydantic import Field
 
 from catalog.settings import Seconds, Settings
-from policies.autoscale import PoolPlan, Sizer, stabilised
+from policies.autoscale import PoolPlan, stabilised
 from policies.types import PolicyInput
 
 __all__ = ["HpaRule", "HpaSettings"]
@@ -29,7 +29,7 @@ class HpaSettings(Settings):
     scale_down_stabilization: Seconds = 300.0
 
 
-class HpaRule(Sizer):
+class HpaRule:
     """Replica counts from KV usage and queue length per replica, as an HPA or KEDA object sets them."""
 
     name = "hpa"
