@@ -111,6 +111,7 @@ class ControlLoop:
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
         self._missing: dict[str, list[str]] = {}
+        self._derived: list[Signal] = []  # replica counts and plans of this tick, stored once it has planned
         # Per pool, this tick's inputs not fit to act on (a target down, a series absent), with why.
         self._unfit: dict[str, dict[str, str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
@@ -199,6 +200,7 @@ class ControlLoop:
             pools = await self._pools(now)
             inp, proposals = await self._detect(now, pools, report)
             proposals += await self._size(inp, report)
+            await self._store_derived()
             await self._act(now, pools, proposals, report)
             await self._judge_outcomes(now, pools, report)
             await self._compact(now)
@@ -274,14 +276,19 @@ class ControlLoop:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
                            Signal(now, f"pool/{pool.name}", READY, float(state.ready))]
         # Replica counts are signals too: start-up times are measured from them and the dashboard plots them.
-        await self._keep(record)
+        self._keep(record)
         return out
 
-    async def _keep(self, signals: list[Signal]) -> None:
-        """Store signals the loop derives itself and add them to the windows."""
-        if signals:
-            await self.store.write_signals(signals)
-            self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
+    def _keep(self, signals: list[Signal]) -> None:
+        """Add signals the loop derives itself to the windows now (the sizer reads them this tick); they are
+        stored with the tick's other derived signals in one write."""
+        self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
+        self._derived += signals
+
+    async def _store_derived(self) -> None:
+        if self._derived:
+            await self.store.write_signals(self._derived)
+            self._derived = []
 
     async def _size(self, inp: PolicyInput, report: TickReport) -> list[tuple[int | None, Proposal]]:
         """The sizer's plans, recorded as signals; a plan that changes a pool's size goes to the rails."""
@@ -289,7 +296,7 @@ class ControlLoop:
             return []
         with self.telemetry.span(f"sizer.{self.sizer.name}"):
             report.plans = self.sizer.plan(inp)
-        await self._keep([sig for p in report.plans for sig in (
+        self._keep([sig for p in report.plans for sig in (
             Signal(inp.now, f"pool/{p.pool}", TARGET, float(p.recommended)),
             *([Signal(inp.now, f"pool/{p.pool}", FORECAST, float(p.evidence["planned_for"]))]
               if "planned_for" in p.evidence else []))])

@@ -45,6 +45,7 @@ __all__ = [
     "PoolLoad",
     "PoolPlan",
     "Sizer",
+    "arrival_series",
     "forecast",
     "learned_startup",
     "pool_load",
@@ -102,11 +103,6 @@ class EngineCurves:
         """One pass over `tokens` prompt tokens."""
         a, b, c = self.prefill
         return a + b * tokens + c * tokens * tokens
-
-    def prefill_capacity(self) -> float:
-        """Prompt tokens per second one engine computes when every pass is full."""
-        t = self.max_batched_tokens
-        return t / self.prefill_seconds(t)
 
     def request_prefill_seconds(self, prompt: float, cached: float) -> float:
         """Engine time to compute one prompt's `prompt - cached` new tokens, in chunks of the token budget, each
@@ -185,7 +181,7 @@ class Sizer(Protocol):
 # load -------------------------------------------------------------------------------------------
 
 
-def _arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float]]:
+def arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float]]:
     """Arrivals per second at each scrape: finished requests plus the growth of those in the pool."""
     done = w.series(subject, "request_rate", since=since)
     inside = {ts: v for ts, v in w.series(subject, "requests_running", since=since)}
@@ -208,11 +204,10 @@ def _recent(w: SignalWindows, subject: str, name: str, points: int = 4) -> float
     return statistics.fmean(values) if values else None
 
 
-def pool_load(w: SignalWindows, pool: str, now: float, history_s: float) -> PoolLoad | None:
-    """The pool's load over its last few scrapes (arrivals over the last minute, lengths over five), or None
-    when it reports nothing."""
+def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float]]) -> PoolLoad | None:
+    """The pool's load over its last few scrapes (arrivals, from `arrival_series`, over the last minute;
+    lengths over five), or None when it reports nothing."""
     subject = f"pool/{pool}"
-    arrivals = _arrival_series(w, subject, now - history_s)
     if not arrivals:
         return None
     rate = statistics.fmean(v for _, v in arrivals[-4:])
@@ -366,15 +361,16 @@ class Autoscaler:
         """The plan for one pool, or None when it reports no load yet."""
         s, w, prior = self.settings, inp.windows, self.curves[pool.name]
         since = inp.now - s.history
-        load = pool_load(w, pool.name, inp.now, s.history)
+        subject = f"pool/{pool.name}"
+        arrivals = arrival_series(w, subject, since)  # once: the load, the forecast and the TTFT curve read it
+        load = pool_load(w, pool.name, arrivals)
         if load is None or pool.desired <= 0:
             return None
-        subject = f"pool/{pool.name}"
         startup, scale_ups = learned_startup(w, pool.name, since)
         interval = _interval(w, subject)
         horizon = (startup if startup is not None else s.startup) + interval
         # Per minute: a queue absorbs the lumps within one, and the forecast's errors measure what it cannot.
-        fc = forecast(_per_minute(_arrival_series(w, subject, since)), horizon, s)
+        fc = forecast(_per_minute(arrivals), horizon, s)
         if fc is None:
             return None
         plan_rate = max(fc.upper, load.arrivals)
@@ -389,7 +385,8 @@ class Autoscaler:
         decode = pool.role != "prefill" and load.output_tokens > 0
         if not (prefill or decode) or (pool.ttft_p95_slo is None and pool.tpot_p95_slo is None):
             return None
-        per_engine = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode, evidence)
+        per_engine = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode, evidence,
+                                    dict(arrivals))
         recommended = max(1, math.ceil(plan_rate / per_engine - 1e-9))
         reason = (f"{pool.name}: {recommended} engines at {per_engine:.2f} req/s each keep TTFT and TPOT p95 within "
                   f"{s.margin:.0%} of the SLOs at {plan_rate:.2f} req/s (forecast {fc.expected:.2f} req/s "
@@ -422,7 +419,8 @@ class Autoscaler:
         return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
 
     def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
-                  since: float, shape_since: float, prefill: bool, decode: bool, evidence: dict[str, Any]) -> float:
+                  since: float, shape_since: float, prefill: bool, decode: bool, evidence: dict[str, Any],
+                  rates: Mapping[float, float]) -> float:
         """Requests per second one engine serves with TTFT and TPOT p95 within the margin of the SLOs.
 
         An engine's time per request is its prefill (the new prompt tokens, attending over the cached
@@ -451,7 +449,7 @@ class Autoscaler:
         evidence["profile_correction"] = round(factor, 3)
         u_max = s.max_utilization
         if prefill and pool.ttft_p95_slo is not None:
-            u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, evidence,
+            u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, rates, evidence,
                                       lambda b: factor * service(load.prompt_tokens, load.output_tokens, load.hit_rate, b),
                                       per_request)
         return u_max / per_request if per_request > 0 else float("inf")
@@ -487,13 +485,13 @@ class Autoscaler:
 
     def _utilisation(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                      shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
-                     evidence: dict[str, Any], per_request_at: Callable[[float], float], per_request: float) -> float:
+                     rates: Mapping[float, float], evidence: dict[str, Any], per_request_at: Callable[[float], float],
+                     per_request: float) -> float:
         """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation."""
         s = self.settings
         assert pool.ttft_p95_slo is not None
         loads: list[tuple[float]] = []
         waits: list[float] = []
-        rates = dict(_arrival_series(w, subject, shape_since))
         waiting = dict(w.series(subject, "requests_waiting", since=shape_since))
         for ts, value in w.series(subject, "ttft_p95", since=shape_since):
             n, rate = engines.get(ts), rates.get(ts)

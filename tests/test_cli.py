@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from controlplane.demo import demo_fleet
+from controlplane.lab.engine import free_port
 from controlplane.sim.server import SimServer
 from controlplane.store.records import NewAction
 from controlplane.store.writer import SqlStore
@@ -114,18 +114,13 @@ def test_approve_and_reject(tmp_path: Path) -> None:
     assert rows[ids[1]]["state"] == "rejected"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_run_serves_health_and_metrics_and_stops_on_sigterm(tmp_path: Path) -> None:
     fleet = demo_fleet(now=time.time())
     server = SimServer(fleet)
     server.sync()
-    port = _free_port()
+    port = free_port()
     db = f"sqlite:///{tmp_path / 'run.db'}"
     targets = "\n".join(f'  - {{url: "{t.url}", pool: {t.pool}, pod: {t.pod}, source: {t.source}}}'
                         for t in server.targets())

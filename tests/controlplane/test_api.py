@@ -8,7 +8,6 @@ acts on an approval. Writes need the bearer token and are refused without one co
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -18,6 +17,7 @@ from controlplane.actions import ActionState
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode
 from controlplane.demo import demo_config
+from controlplane.lab.engine import free_port
 from controlplane.loop import ControlLoop
 from controlplane.runtime import build_loop
 from controlplane.server import start_server
@@ -31,11 +31,6 @@ from controlplane.store.writer import SqlStore
 
 TOKEN = "s3cret-token-for-tests"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ import pytest
 
 from controlplane.actions import ActionState
 from controlplane.actuators.kubernetes import ACTION_ANNOTATION
+from controlplane.lab.engine import free_port
 from controlplane.store import migrate
 from controlplane.store.records import NewAction
 from controlplane.store.writer import SqlStore
@@ -39,11 +39,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "llm"
 PODS_OF_POOL = ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Engines:
@@ -66,7 +61,7 @@ async def engines() -> AsyncIterator[tuple[Engines, int]]:
     app.router.add_get("/metrics/{pod}", state.handle)
     runner = aiohttp.web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
     yield state, port
     await runner.cleanup()
@@ -83,7 +78,7 @@ def kubeconfig(path: Path, server: str, token: str) -> Path:
 
 
 def fleet_file(tmp: Path, name: str, db: str, engines_port: int, config: Path) -> tuple[Path, int]:
-    port = _free_port()
+    port = free_port()
     targets = "\n".join(f"  - {{url: 'http://127.0.0.1:{engines_port}/metrics/{p}', pool: decode, pod: {p}}}"
                         for p in PODS_OF_POOL)
     path = tmp / f"{name}.yaml"

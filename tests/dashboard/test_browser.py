@@ -15,7 +15,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Any
 
 import pytest
 import websocket
+
+from controlplane.lab.engine import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +62,6 @@ STATE = """(() => {
   };
 })()"""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Browser:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import threading
 import time
@@ -32,6 +31,7 @@ from controlplane.kvprobe.metadata import MetadataServer
 from controlplane.kvprobe.nixlapi import NixlUnavailable, load_nixl
 from controlplane.kvprobe.probe import Peer, ProbeMetrics, Prober
 from controlplane.kvprobe.stats import TransferRecord, percentile
+from controlplane.lab.engine import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -75,11 +75,6 @@ def signals_between(before: list[Sample], after: list[Sample], seconds: float) -
     assert d is not None
     return {s.name: s.value for s in kvprobe.signals(d, 0.0, f"kvpath/{PATH}")}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Running:

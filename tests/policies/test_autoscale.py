@@ -15,6 +15,7 @@ from policies.autoscale import (
     Autoscaler,
     AutoscaleSettings,
     EngineCurves,
+    arrival_series,
     forecast,
     learned_startup,
     pool_load,
@@ -65,11 +66,11 @@ def test_load_counts_queue_growth_as_arrivals_and_nets_out_cache_hits() -> None:
     for i, ts in enumerate((315.0, 330.0, 345.0, 360.0)):
         for name, value in (("request_rate", 10.0), ("requests_running", 40.0), ("requests_waiting", 15.0 * (i + 1))):
             w.add(ts, "pool/chat", name, value)
-    load = pool_load(w, "chat", 360.0, 3600.0)
+    load = pool_load(w, "chat", arrival_series(w, "pool/chat", 0.0))
     assert load is not None
     assert load.arrivals == pytest.approx(11.0, rel=0.05), "15 more waiting every 15 s: one more arrival per second"
     assert load.net_prompt_tokens == pytest.approx(500.0, rel=0.05)
-    assert pool_load(SignalWindows(3600), "chat", 0.0, 3600.0) is None
+    assert pool_load(SignalWindows(3600), "chat", []) is None
 
 
 def test_the_forecast_leads_a_rising_load_and_its_headroom_comes_from_its_own_errors() -> None:

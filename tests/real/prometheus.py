@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from controlplane.lab.engine import free_port
 
 __all__ = ["PrometheusNotAvailable", "RealPrometheus", "ScrapeTarget", "prometheus_binary"]
 
@@ -48,11 +49,6 @@ def prometheus_binary() -> str:
         )
     return found
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RealPrometheus:
@@ -104,7 +100,7 @@ class RealPrometheus:
         config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         last_error = ""
         for _ in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             with self._log_path.open("ab") as log:
                 self._proc = subprocess.Popen(
                     [
