@@ -70,3 +70,9 @@ class ActuationError(FleetError):
     """The actuator could not carry out an action."""
 
     exit_code = 5
+
+
+class GateError(FleetError):
+    """A canary gate cannot judge: a bad selector or rule, or a source that keeps failing."""
+
+    exit_code = 3

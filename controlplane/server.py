@@ -3,8 +3,13 @@
 Binds to 127.0.0.1 unless configured otherwise. `GET /api/status` reports the mode and the
 loop's health; `POST /api/actions/<id>/approve|reject` decides a proposal in `propose` mode.
 Writes need the bearer token from FLEETCTL_API_TOKEN and are refused while it is unset, so a
-control plane started without one exposes nothing that changes the fleet. Later capabilities
-(gate and alert endpoints) add handlers here.
+control plane started without one exposes nothing that changes the fleet.
+
+The canary gate: `GET|POST /api/v1/gate?pool=&baseline=&canary=[&revision=]` answers the verdict now
+as JSON (Argo Rollouts' web metric provider reads `$.result`); `POST /api/v1/gate/flagger/rollback`
+and `.../promotion` take Flagger's webhook payload (selectors in its `metadata`) and answer 200 when
+Flagger should roll back (the gate failed) or promote (it passed), 403 otherwise. They change
+nothing in the fleet, so they need no token (Flagger's webhooks cannot send one).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import tornado.httpserver
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane.errors import ActionConflict, ActionNotFound, FleetError
+from controlplane.errors import ActionConflict, ActionNotFound, FleetError, GateError
+from controlplane.gate import GateBook, GateKey, StoreGateSource
 from controlplane.loop import ControlLoop
+from policies.canary import GateSettings, Outcome, Verdict
 
 __all__ = ["TOKEN_ENV", "start_server"]
 
@@ -139,14 +146,105 @@ class _Decide(_Json):
         self.write({"id": aid, "state": str(action.state), "by": by})
 
 
-def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None = None) -> tornado.httpserver.HTTPServer:
+class _Gate(_Json):
+    """The canary gate's verdict now, for Argo Rollouts' web metric provider and scripts."""
+
+    def initialize(self, loop: ControlLoop, token: str | None, gates: GateBook) -> None:  # type: ignore[override]
+        super().initialize(loop, token)
+        self.gates = gates
+
+    def _params(self) -> dict[str, str]:
+        params = {k: self.get_argument(k, "") for k in ("pool", "baseline", "canary", "revision", "max_window", "step")}
+        if self.request.method == "POST" and self.request.body:
+            try:
+                body = json.loads(self.request.body)
+            except ValueError:
+                raise tornado.web.HTTPError(400, reason="the body is not JSON") from None
+            if not isinstance(body, dict):
+                raise tornado.web.HTTPError(400, reason="the body must be a JSON object")
+            params.update({k: str(v) for k, v in body.items() if k in params and v is not None})
+        return params
+
+    async def answer(self, params: dict[str, str]) -> tuple[GateKey, Verdict] | None:
+        missing = [k for k in ("pool", "baseline", "canary") if not params.get(k)]
+        if missing:
+            self.fail(400, f"missing {', '.join(missing)}: give pool, baseline and canary (selectors of pods)")
+            return None
+        if any(len(params[k]) > 4 * MAX_NAME for k in params):
+            self.fail(400, "a parameter is too long")
+            return None
+        overrides = {k: params[k] for k in ("max_window", "step") if params.get(k)}
+        try:
+            settings = GateSettings.model_validate({**self.gates.settings.model_dump(), **overrides}) if overrides \
+                else None
+        except ValueError as exc:
+            self.fail(400, f"bad gate settings: {exc}")
+            return None
+        key = GateKey(params["pool"], params["baseline"], params["canary"], params.get("revision", ""))
+        try:
+            verdict = await self.gates.consult(key, self.loop.clock.now(), settings)
+        except GateError as exc:
+            self.fail(400 if "selector" in str(exc) or "metric" in str(exc) else 503, str(exc))
+            return None
+        except FleetError as exc:
+            self.fail(503, f"the gate could not read its numbers: {exc}")
+            return None
+        return key, verdict
+
+    async def get(self) -> None:
+        await self._reply(self._params())
+
+    async def post(self) -> None:
+        await self._reply(self._params())
+
+    async def _reply(self, params: dict[str, str]) -> None:
+        got = await self.answer(params)
+        if got is None:
+            return
+        key, verdict = got
+        self.write({**verdict.as_dict(), "pool": key.pool, "baseline": key.baseline, "canary": key.canary,
+                    "revision": key.revision})
+
+
+class _FlaggerGate(_Gate):
+    """Flagger's webhooks: `rollback` answers 200 once the gate failed, `promotion` once it passed."""
+
+    async def post(self, hook: str) -> None:  # type: ignore[override]
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError:
+            self.fail(400, "the body is not JSON")
+            return
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if not isinstance(meta, dict):
+            self.fail(400, "Flagger's payload must carry metadata with pool, baseline and canary")
+            return
+        revision = f"{body.get('namespace', '')}/{body.get('name', '')}@{body.get('checksum', '')}"
+        got = await self.answer({**{k: str(meta.get(k, "")) for k in ("pool", "baseline", "canary", "max_window",
+                                                                        "step")}, "revision": revision})
+        if got is None:
+            return
+        key, verdict = got
+        want = Outcome.FAIL if hook == "rollback" else Outcome.PASS
+        if verdict.outcome is not want:
+            self.set_status(403)
+        self.write({**verdict.as_dict(), "pool": key.pool, "revision": revision})
+
+
+def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None = None,
+                 gates: GateBook | None = None) -> tornado.httpserver.HTTPServer:
     """Start serving on the running asyncio loop; returns the server (call `.stop()` to end).
 
     `token` guards the write endpoints; without one it is read from FLEETCTL_API_TOKEN, and
-    with neither every write is refused.
+    with neither every write is refused. `gates` runs the canary gates (by default from the
+    loop's own store, where the loop writes every engine's signals).
     """
     token = token or os.environ.get(TOKEN_ENV) or None
+    if gates is None:
+        gates = GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules),
+                         record=loop.store.record_verdict)
     api = {"loop": loop, "token": token}
+    gate = {**api, "gates": gates}
     app = tornado.web.Application(
         [
             (r"/metrics", _Metrics, {"loop": loop}),
@@ -154,6 +252,8 @@ def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None =
             (r"/readyz", _Readyz, {"loop": loop}),
             (r"/api/status", _Status, api),
             (r"/api/actions/([0-9]+)/(approve|reject)", _Decide, api),
+            (r"/api/v1/gate", _Gate, gate),
+            (r"/api/v1/gate/flagger/(rollback|promotion)", _FlaggerGate, gate),
         ]
     )
     server = tornado.httpserver.HTTPServer(app)

@@ -15,7 +15,15 @@ from typing import Any, Protocol
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
+from controlplane.store.records import (
+    ActionEvent,
+    ActionRecord,
+    FindingRecord,
+    NewAction,
+    NewFinding,
+    NewVerdict,
+    Pause,
+)
 
 __all__ = ["Store"]
 
@@ -100,6 +108,10 @@ class Store(Protocol):
 
     async def compact(self, now: float, retention: Retention) -> CompactionReport:
         """Roll up and expire signals."""
+        ...
+
+    async def record_verdict(self, verdict: NewVerdict) -> int:
+        """Keep a canary gate's verdict; returns its id."""
         ...
 
     async def pause_state(self) -> Pause | None:

@@ -15,7 +15,7 @@ from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict, Pause
 from controlplane.store.writer import expected_states, jsonable
 
 __all__ = ["MemoryStore"]
@@ -32,6 +32,7 @@ class MemoryStore:
         self.resolve_reasons: dict[int, str] = {}
         self.action_rows: dict[int, ActionRecord] = {}
         self.events: list[ActionEvent] = []
+        self.verdicts: list[NewVerdict] = []
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
 
@@ -57,6 +58,10 @@ class MemoryStore:
         for k in old:
             del self.signals[k]
         return CompactionReport(0, 0, len(old), 0)
+
+    async def record_verdict(self, verdict: NewVerdict) -> int:
+        self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))
+        return len(self.verdicts)
 
     async def pause_state(self) -> Pause | None:
         return self.pause

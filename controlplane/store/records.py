@@ -7,7 +7,7 @@ from typing import Any
 
 from controlplane.actions import ActionState
 
-__all__ = ["ActionEvent", "ActionRecord", "FindingRecord", "NewAction", "NewFinding", "Pause"]
+__all__ = ["ActionEvent", "ActionRecord", "FindingRecord", "NewAction", "NewFinding", "NewVerdict", "Pause"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,21 @@ class Pause:
     by: str
     reason: str
     at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NewVerdict:
+    """A canary gate's verdict to keep: what was compared, over which window, and why it came out so."""
+
+    gate: str
+    pool: str
+    baseline: str
+    canary: str
+    started_at: float
+    finished_at: float
+    result: str  # pass | marginal | fail | inconclusive
+    score: float | None
+    details: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

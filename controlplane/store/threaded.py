@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict, Pause
 from controlplane.store.writer import SqlStore
 
 __all__ = ["ThreadedStore"]
@@ -98,6 +98,9 @@ class ThreadedStore:
 
     async def compact(self, now: float, retention: Retention) -> CompactionReport:
         return await self._run(self.sql.compact, now, retention)
+
+    async def record_verdict(self, verdict: NewVerdict) -> int:
+        return await self._run(self.sql.record_verdict, verdict)
 
     async def pause_state(self) -> Pause | None:
         return await self._run(self.sql.pause_state)

@@ -25,8 +25,8 @@ from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict, S
 from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
-from controlplane.store.models import ActionEventRow, ActionRow, Base, FindingRow, MetaRow, SignalRow, TargetRow
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, Pause
+from controlplane.store.models import ActionEventRow, ActionRow, Base, FindingRow, MetaRow, SignalRow, TargetRow, VerdictRow
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict, Pause
 
 __all__ = ["SqlStore", "expected_states", "jsonable"]
 
@@ -318,6 +318,16 @@ class SqlStore(metaclass=_Translating):
             return [_action(r) for r in s.scalars(q)]
 
     # the kill switch ---------------------------------------------------------------------------
+
+    def record_verdict(self, verdict: NewVerdict) -> int:
+        """Keep a canary gate's verdict; returns its id."""
+        with self._write() as s:
+            row = VerdictRow(gate=verdict.gate, pool=verdict.pool, baseline=verdict.baseline, canary=verdict.canary,
+                             started_at=verdict.started_at, finished_at=verdict.finished_at, result=verdict.result,
+                             score=verdict.score, details=jsonable(verdict.details))
+            s.add(row)
+            s.flush()
+            return row.id
 
     def pause_state(self) -> Pause | None:
         """The kill switch: set (who, why, when) or None."""

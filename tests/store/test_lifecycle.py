@@ -22,7 +22,7 @@ from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
 from controlplane.store import migrate
 from controlplane.store.base import Store
 from controlplane.store.memory import MemoryStore
-from controlplane.store.records import NewAction, NewFinding
+from controlplane.store.records import NewAction, NewFinding, NewVerdict
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 
@@ -94,6 +94,21 @@ async def test_findings_keep_one_open_per_kind_and_subject(any_store: Store) -> 
     await any_store.resolve_finding(f.id, "recovered", 3.0)
     assert await any_store.open_findings() == []
     assert (await any_store.finding(f.id)).evidence == {"queue": [1, 2]}  # type: ignore[union-attr]
+
+
+async def test_verdicts_are_kept_with_their_explanations(any_store: Store) -> None:
+    details = {"metrics": [{"name": "tpot", "result": "fail", "estimate": 1.1, "interval": (1.04, 1.17)}]}
+    first = await any_store.record_verdict(NewVerdict("ci", "decode", "pod=a", "pod=b", 10.0, 70.0, "fail", 0.0, details))
+    second = await any_store.record_verdict(NewVerdict("ci", "decode", "pod=a", "pod=c", 80.0, 90.0, "pass", 100.0, {}))
+    assert second > first >= 1
+    if isinstance(any_store, ThreadedStore):
+        from controlplane.store.queries import ReadStore
+
+        rows = ReadStore(any_store.sql.engine).verdicts()
+        assert [r["result"] for r in rows] == ["pass", "fail"]
+        assert rows[1]["details"]["metrics"][0]["interval"] == [1.04, 1.17]
+    elif isinstance(any_store, MemoryStore):
+        assert any_store.verdicts[0].details["metrics"][0]["interval"] == [1.04, 1.17]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

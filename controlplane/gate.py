@@ -1,0 +1,479 @@
+"""The canary gate: consult the judge every step, from the first interval of the rollout until it decides.
+
+What it owns: which pods are the baseline and which the canary (`ArmSelector`), turning what a
+source has for one step into the judge's `Interval` (live targets scraped directly, a Prometheus
+that scrapes them, or the control plane's own store), the consult-every-step loop with its
+bounded patience for a failing source, and the reports CI jobs read. The statistics live in
+`policies/canary.py`; storing the verdict and acting on it belong to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from collectors import families
+from collectors.exposition import Parser
+from collectors.prometheus_api import PrometheusError, PrometheusSource, escape_regex, selector
+from collectors.scraper import Scraper
+from collectors.types import Signal, Target
+from collectors.vllm import FAMILIES, read_engines
+from controlplane.clock import Clock
+from controlplane.errors import GateError
+from controlplane.selectors import LabelSelector
+from controlplane.store.records import NewVerdict
+from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome, Verdict, judge
+
+__all__ = [
+    "EXIT_CODES",
+    "ArmSelector",
+    "GateBook",
+    "GateKey",
+    "GateSession",
+    "GateSource",
+    "PromGateSource",
+    "StoreGateSource",
+    "TargetsGateSource",
+    "dists_of",
+    "report",
+    "run_gate",
+]
+
+# A marginal canary is not promoted without a person, as Argo treats Kayenta's marginal score: inconclusive.
+EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INCONCLUSIVE: 2}
+ERRORS = "error_rate"  # errors among finished requests: vLLM's request_success_total{finished_reason="error"}
+# Gate metric -> the vLLM histogram it reads (the current spelling first, as the collector reads them).
+HISTOGRAMS: Mapping[str, tuple[str, ...]] = {k: FAMILIES.histograms[k] for k in ("ttft", "tpot", "itl", "e2e", "queue_time")}
+MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as Argo's consecutiveErrorLimit
+_REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class ArmSelector:
+    """Which pods form an arm: a Kubernetes label selector over the labels a source knows (every source
+    knows `pool`, `pod` and `role`), plus `key=~regex` and `key!~regex` clauses matched in full."""
+
+    text: str
+    labels: LabelSelector
+    regexes: tuple[tuple[str, bool, re.Pattern[str]], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> ArmSelector:
+        """GateError names the selector and the clause it cannot read."""
+        plain, regexes = [], []
+        for clause in _clauses(text):
+            if m := _REGEX_CLAUSE.match(clause):
+                try:
+                    regexes.append((m["key"], m["op"] == "=~", re.compile(m["value"])))
+                except re.error as exc:
+                    raise GateError(f"selector {text!r}: clause {clause!r} is not a regular expression: {exc}") from None
+            else:
+                plain.append(clause)
+        try:
+            labels = LabelSelector.parse(",".join(plain))
+        except ValueError as exc:
+            raise GateError(f"selector {text!r}: {exc}") from None
+        if not labels.requirements and not regexes:
+            raise GateError(f"selector {text!r} selects every pod: name the canary's or the baseline's pods")
+        return cls(text, labels, tuple(regexes))
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if not self.labels.matches(labels):
+            return False
+        return all(bool(rx.fullmatch(labels.get(key, ""))) == want for key, want, rx in self.regexes)
+
+    def promql(self) -> list[tuple[str, str, str]]:
+        """The same selection as PromQL label matchers."""
+        out: list[tuple[str, str, str]] = []
+        for r in self.labels.requirements:
+            values = "|".join(escape_regex(v) for v in sorted(r.values))
+            out.append({"=": (r.key, "=", next(iter(r.values), "")), "!=": (r.key, "!=", next(iter(r.values), "")),
+                        "in": (r.key, "=~", values), "notin": (r.key, "!~", values),
+                        "exists": (r.key, "!=", ""), "!exists": (r.key, "=", "")}[r.op])
+        out.extend((key, "=~" if want else "!~", rx.pattern) for key, want, rx in self.regexes)
+        return out
+
+
+def _clauses(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [c.strip() for c in out if c.strip()]
+
+
+def dists_of(deltas: Iterable[families.Delta], names: Iterable[str]) -> dict[str, Dist]:
+    """One arm's observations for each metric, summed over its engines' deltas (buckets as `sum by (le)`)."""
+    given = list(deltas)
+    out: dict[str, Dist] = {}
+    if not given:
+        return out
+    merged = families.merge_all(given)
+    for name in names:
+        if name == ERRORS:
+            finished = sum(v for k, v in merged.increases.items() if k.startswith("finished:"))
+            if finished > 0:
+                out[name] = Dist.of_events(merged.increases.get("finished:error", 0.0), finished)
+            continue
+        hist = merged.histograms.get(name)
+        if hist is None and name == "tpot":
+            hist = merged.histograms.get("itl")  # engines without the per-request TPOT histogram
+        if hist is not None and hist.count > 0:
+            out[name] = Dist(hist.count, hist.sum, hist.buckets)
+    return out
+
+
+class GateSource(Protocol):
+    """Where a gate's numbers come from: both arms' observations over one step."""
+
+    async def interval(self, start: float, end: float) -> Interval:
+        """What each arm observed between `start` and `end` (raises on a failed read)."""
+        ...
+
+
+def _check_rules(rules: Sequence[MetricRule], known: Iterable[str], source: str) -> None:
+    unknown = sorted({r.name for r in rules} - set(known))
+    if unknown:
+        raise GateError(f"metric(s) {unknown} cannot be read from {source}; it knows {sorted(set(known))}")
+
+
+class TargetsGateSource:
+    """The pods' own `/metrics`, scraped at every step; each step is the difference from the last scrape."""
+
+    def __init__(self, scraper: Scraper, baseline: Sequence[Target], canary: Sequence[Target],
+                 rules: Sequence[MetricRule]) -> None:
+        if not baseline or not canary:
+            raise GateError(f"no {'baseline' if not baseline else 'canary'} target matches its selector")
+        _check_rules(rules, [*HISTOGRAMS, ERRORS], "the pods' /metrics")
+        self._scraper, self._arms = scraper, {"baseline": list(baseline), "canary": list(canary)}
+        self._names = [r.name for r in rules]
+        self._parser = Parser()
+        self._prev: dict[tuple[str, str], families.Reading] = {}
+
+    async def interval(self, start: float, end: float) -> Interval:
+        arms: dict[str, dict[str, Dist]] = {}
+        for arm, targets in self._arms.items():
+            results = await self._scraper.scrape(targets, end)
+            deltas = []
+            for res in results:
+                if not res.ok:
+                    continue  # the next good scrape spans the gap
+                for entity, reading in read_engines(self._parser.parse(res.body)).items():
+                    prev = self._prev.get((res.target.key, entity))
+                    self._prev[(res.target.key, entity)] = reading
+                    if prev is not None and (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:
+                        deltas.append(d)
+            if not any(r.ok for r in results):
+                raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
+            arms[arm] = dists_of(deltas, self._names)
+        return Interval(start, end, arms["baseline"], arms["canary"])
+
+
+class PromGateSource:
+    """A Prometheus that scrapes the engines: bucket, sum and count increases per arm over each step."""
+
+    def __init__(self, prom: PrometheusSource, baseline: ArmSelector, canary: ArmSelector,
+                 rules: Sequence[MetricRule]) -> None:
+        _check_rules(rules, [*HISTOGRAMS, ERRORS], "Prometheus")
+        self._prom = prom
+        self._arms = {"baseline": selector(baseline.promql()), "canary": selector(canary.promql())}
+        self._names = [r.name for r in rules]
+        self._families: dict[str, str] = {}  # metric -> the spelling this Prometheus has
+
+    def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
+        return self._prom.query(expr, ts)
+
+    def _family(self, name: str, sel: str, ts: float, window: str) -> str | None:
+        if name not in self._families:
+            for fam in HISTOGRAMS[name]:
+                if self._query(f"count(last_over_time({fam}_count{sel}[{window}]))", ts):
+                    self._families[name] = fam
+                    break
+            else:
+                return None
+        return self._families[name]
+
+    def _arm(self, sel: str, start: float, end: float) -> dict[str, Dist]:
+        window = f"{max(1, round(end - start))}s"
+        out: dict[str, Dist] = {}
+        inner = sel[1:-1] if sel else ""
+        for name in self._names:
+            if name == ERRORS:
+                total = self._scalar(f"sum(increase(vllm:request_success_total{sel}[{window}]))", end)
+                failed = "{" + (inner + "," if inner else "") + 'finished_reason="error"}'
+                errors = self._scalar(f"sum(increase(vllm:request_success_total{failed}[{window}]))", end)
+                if total:
+                    out[name] = Dist.of_events(errors or 0.0, total)
+                continue
+            fam = self._family(name, sel, end, window)
+            if fam is None:
+                continue
+            count = self._scalar(f"sum(increase({fam}_count{sel}[{window}]))", end)
+            if not count:
+                continue
+            total = self._scalar(f"sum(increase({fam}_sum{sel}[{window}]))", end) or 0.0
+            rows = self._query(f"sum by (le) (increase({fam}_bucket{sel}[{window}]))", end)
+            buckets = sorted((float(labels["le"]), v) for labels, v in rows if "le" in labels and math.isfinite(v))
+            out[name] = Dist(count, total, tuple(buckets) if buckets and math.isinf(buckets[-1][0]) else ())
+        return out
+
+    def _scalar(self, expr: str, ts: float) -> float | None:
+        rows = self._query(expr, ts)
+        return rows[0][1] if rows and math.isfinite(rows[0][1]) else None
+
+    async def interval(self, start: float, end: float) -> Interval:
+        try:
+            base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end)
+            can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end)
+        except PrometheusError as exc:
+            raise GateError(str(exc)) from None
+        return Interval(start, end, base, can)
+
+
+class SignalReader(Protocol):
+    """What the store source needs of the store."""
+
+    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]: ...
+
+
+# Gate metric -> (the stored per-engine mean, the rate its observations come at).
+_STORED = {"ttft": ("ttft_mean", "request_rate"), "tpot": ("tpot_mean", "request_rate"),
+           "e2e": ("e2e_mean", "request_rate"), "queue_time": ("queue_time_mean", "request_rate"),
+           "itl": ("itl_mean", "generation_tokens_rate")}
+
+
+class StoreGateSource:
+    """The control plane's own store: each engine's interval mean, weighted by how many observations it holds.
+
+    The store keeps means and quantiles per engine, not buckets, so only the `mean` statistic is exact
+    here; rules on quantiles need a histogram source (Prometheus or the pods themselves).
+    """
+
+    def __init__(self, store: SignalReader, pool: str, baseline: ArmSelector, canary: ArmSelector,
+                 rules: Sequence[MetricRule]) -> None:
+        _check_rules(rules, [*_STORED, ERRORS], "the store")
+        quantiles = [r.label for r in rules if r.statistic != "mean"]
+        if quantiles:
+            raise GateError(f"rule(s) {quantiles}: the store keeps per-engine quantiles, which cannot be merged "
+                            f"across pods; judge the mean, or read Prometheus or the pods")
+        self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
+        self._names = [r.name for r in rules]
+
+    async def interval(self, start: float, end: float) -> Interval:
+        wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
+                  *(_STORED[n][0] for n in self._names if n in _STORED)}
+        # One step back, so the first point in the window knows how long its interval was.
+        signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
+        series: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+        for s in signals:
+            if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
+                series[(s.subject, s.name)].append((s.ts, s.value))
+        arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
+        for subject in {subj for subj, _ in series}:
+            _, pool, pod, _rank = subject.split("/", 3)
+            arm = next((a for a, sel in self._arms.items() if sel.matches({"pool": pool, "pod": pod})), None)
+            if arm is None:
+                continue
+            counts = _counts(series.get((subject, "request_rate"), []), start, end)
+            tokens = _counts(series.get((subject, "generation_tokens_rate"), []), start, end)
+            for name in self._names:
+                if name == ERRORS:
+                    errors = sum(_counts(series.get((subject, "request_error_rate"), []), start, end).values())
+                    trials = sum(counts.values())
+                    if trials > 0:
+                        _add(arms[arm], name, Dist.of_events(errors, trials))
+                    continue
+                mean_name, rate = _STORED[name]
+                weights = tokens if rate == "generation_tokens_rate" else counts
+                for ts, value in series.get((subject, mean_name), []):
+                    n = weights.get(ts, 0.0)
+                    if start < ts <= end and n > 0 and math.isfinite(value):
+                        _add(arms[arm], name, Dist(n, value * n))
+        return Interval(start, end, arms["baseline"], arms["canary"])
+
+
+def _counts(points: Sequence[tuple[float, float]], start: float, end: float) -> dict[float, float]:
+    """Observations per point in (start, end]: each rate times the time since the point before it."""
+    out: dict[float, float] = {}
+    prev: float | None = None
+    for ts, rate in sorted(points):
+        if prev is not None and start < ts <= end and math.isfinite(rate):
+            out[ts] = max(0.0, rate) * (ts - prev)
+        prev = ts
+    return out
+
+
+def _add(arm: dict[str, Dist], name: str, d: Dist) -> None:
+    arm[name] = d if name not in arm else arm[name].merge(d)
+
+
+class GateSession:
+    """One canary's gate: every step since `start` read once from the source, judged whenever asked."""
+
+    def __init__(self, source: GateSource, settings: GateSettings, start: float) -> None:
+        self.source, self.settings, self.start = source, settings, start
+        self.intervals: list[Interval] = []
+        self._t = start
+        self._failures = 0
+        self.verdict: Verdict | None = None  # the first decided verdict: the gate's answer from then on
+
+    @property
+    def next_step_at(self) -> float:
+        return self._t + self.settings.step
+
+    async def consult(self, now: float) -> Verdict:
+        """Read every step that has ended by `now`, then judge; once decided, the answer stays.
+        GateError after more than `MAX_SOURCE_ERRORS` failed steps in a row."""
+        if self.verdict is not None:
+            return self.verdict
+        step = self.settings.step
+        while self._t + step <= now + 1e-9 and self._t - self.start < self.settings.max_window - 1e-9:
+            try:
+                self.intervals.append(await self.source.interval(self._t, self._t + step))
+                self._failures = 0
+            except GateError as exc:
+                self._failures += 1
+                if self._failures > MAX_SOURCE_ERRORS:
+                    raise GateError(f"{self._failures} steps in a row without data: {exc}") from None
+            self._t += step
+        final = self._t - self.start >= self.settings.max_window - 1e-9
+        if self.intervals:
+            verdict = judge(self.intervals, self.settings, final=final)
+        else:
+            verdict = Verdict(Outcome.INCONCLUSIVE, final, None, "no step has produced data yet", (), self.start,
+                              self._t)
+        if verdict.decided:
+            self.verdict = verdict
+        return verdict
+
+
+async def run_gate(source: GateSource, settings: GateSettings, clock: Clock, *, start: float | None = None,
+                   on_step: Callable[[Verdict], Awaitable[None] | None] | None = None) -> Verdict:
+    """Judge every `step` from `start` (now by default; a past start catches up at once) until the judge
+    decides or `max_window` has passed; returns the verdict. GateError when the source keeps failing."""
+    session = GateSession(source, settings, clock.now() if start is None else start)
+    while True:
+        wait = session.next_step_at - clock.now()
+        if wait > 0:
+            await clock.sleep(wait)
+        verdict = await session.consult(clock.now())
+        if on_step is not None:
+            maybe = on_step(verdict)
+            if maybe is not None:
+                await maybe
+        if verdict.decided:
+            return verdict
+
+
+SourceFactory = Callable[[str, ArmSelector, ArmSelector, Sequence[MetricRule]], GateSource]
+
+
+@dataclass(frozen=True, slots=True)
+class GateKey:
+    """One rollout's gate: the pool, both selectors, and the revision (a new one starts a new gate)."""
+
+    pool: str
+    baseline: str
+    canary: str
+    revision: str = ""
+
+
+class GateBook:
+    """The gates the HTTP API runs for Argo Rollouts and Flagger: one session per rollout, started by its
+    first consultation and answered from then on; a decided verdict is recorded once.
+
+    Sessions idle for twice the window are forgotten; a control plane restart starts a gate afresh
+    (a new test from that moment, still valid, having lost only the earlier data).
+    """
+
+    def __init__(self, make_source: SourceFactory, settings: GateSettings | None = None,
+                 record: Callable[[NewVerdict], Awaitable[int]] | None = None, max_sessions: int = 256) -> None:
+        self._make, self.settings, self._record = make_source, settings or GateSettings(), record
+        self._max = max_sessions
+        self._sessions: dict[GateKey, tuple[GateSession, float]] = {}
+        self._locks: dict[GateKey, asyncio.Lock] = {}
+
+    async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None) -> Verdict:
+        """The verdict of this rollout's gate now. GateError for a bad selector or a failing source."""
+        self._forget(now)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # Argo and a person may ask at once: one read of each step
+            entry = self._sessions.get(key)
+            if entry is None:
+                if len(self._sessions) >= self._max:
+                    raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
+                s = settings or self.settings
+                base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
+                entry = (GateSession(self._make(key.pool, base, can, s.metrics), s, now), now)
+            session = entry[0]
+            self._sessions[key] = (session, now)
+            decided_before = session.verdict is not None
+            verdict = await session.consult(now)
+            if verdict.decided and not decided_before and self._record is not None:
+                await self._record(NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
+                                              verdict.ended_at, verdict.outcome.value, verdict.score,
+                                              {**verdict.as_dict(), "revision": key.revision}))
+            return verdict
+
+    def _forget(self, now: float) -> None:
+        for key, (session, seen) in list(self._sessions.items()):
+            if now - seen > 2 * session.settings.max_window:
+                del self._sessions[key]
+                self._locks.pop(key, None)
+
+
+def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, canary: str) -> str:
+    """The verdict as `json`, `markdown` or `junit` (one test case per metric; a fail is a failure,
+    an inconclusive metric is skipped)."""
+    head = {"gate": gate, "pool": pool, "baseline": baseline, "canary": canary}
+    if fmt == "json":
+        return json.dumps({**head, **verdict.as_dict()}, indent=2)
+    if fmt == "markdown":
+        lines = [f"## Canary gate {gate}: **{verdict.outcome.value}**", "",
+                 f"Pool `{pool}`, baseline `{baseline}`, canary `{canary}`, "
+                 f"{(verdict.ended_at - verdict.started_at) / 60:.1f} min. {verdict.reason}", "",
+                 "| metric | result | baseline | canary | shift | interval | allowed | blocks |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for m in verdict.metrics:
+            lines.append(f"| {m.name}{' (critical)' if m.critical else ''} | {m.outcome.value} | {_num(m.baseline)} | "
+                         f"{_num(m.canary)} | {_num(m.estimate)} | {_num(m.lower)} to {_num(m.upper)} | "
+                         f"{_num(m.threshold)} | {m.blocks} |")
+        lines += ["", *(f"- {m.reason}" for m in verdict.metrics)]
+        return "\n".join(lines) + "\n"
+    if fmt == "junit":
+        cases = []
+        for m in verdict.metrics:
+            body = ""
+            if m.outcome in (Outcome.FAIL, Outcome.MARGINAL):
+                body = f'<failure type="{m.outcome.value}" message="{html.escape(m.reason)}"/>'
+            elif m.outcome is Outcome.INCONCLUSIVE:
+                body = f'<skipped message="{html.escape(m.reason)}"/>'
+            cases.append(f'  <testcase classname="canary.{html.escape(pool)}" name="{html.escape(m.name)}">{body}'
+                         f"</testcase>")
+        failures = sum(m.outcome in (Outcome.FAIL, Outcome.MARGINAL) for m in verdict.metrics)
+        skipped = sum(m.outcome is Outcome.INCONCLUSIVE for m in verdict.metrics)
+        return ('<?xml version="1.0" encoding="UTF-8"?>\n'
+                f'<testsuite name="canary gate {html.escape(gate)}: {verdict.outcome.value}" '
+                f'tests="{len(verdict.metrics)}" failures="{failures}" skipped="{skipped}" '
+                f'time="{verdict.ended_at - verdict.started_at:.0f}">\n'
+                f'  <properties><property name="result" value="{verdict.outcome.value}"/>'
+                f'<property name="reason" value="{html.escape(verdict.reason)}"/></properties>\n'
+                + "\n".join(cases) + "\n</testsuite>\n")
+    raise GateError(f"report format {fmt!r}: expected junit, json or markdown")
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4g}"

@@ -1,0 +1,437 @@
+"""The canary judge: canary pods against baseline pods serving at the same time, anytime-valid.
+
+Pure: the caller hands in the rollout's intervals so far. Each interval holds, per metric and per
+arm, what the engines export for it over that interval (`Dist`): histogram bucket deltas with their
+sum and count as vLLM exports them, raw samples, or event counts (errors among requests).
+
+Per metric:
+
+1. Consecutive intervals are merged into blocks until each arm holds `min_count` observations. The
+   rule reads counts only, never values, so it cannot bias the test; it is how low traffic is handled.
+2. Each block gives the shift of the canary's statistic against the baseline's in the same block:
+   the log ratio for latencies, the difference for rates. Pairing in time cancels what both arms
+   share (load, prompt mix, time of day), and the block, not the request, is the unit, since
+   requests batched together share their step time (a request-level rank test, as Kayenta runs, is
+   overconfident on such data).
+3. A confidence sequence for the mean shift: Robbins' normal mixture with the running variance
+   (Waudby-Smith et al., "Time-uniform central limit theory and asymptotic confidence sequences",
+   2021), its tail read on Student's t for the few blocks a canary starts with. It holds at every
+   consultation at once, so the gate may be asked every interval and stop at the first answer with
+   its false-fail rate still bounded by `alpha`.
+4. Fail when the whole interval lies on the worse side of `margin` and the estimate reaches the
+   allowed shift; pass when the worst end of the interval stays within the allowed shift. A large
+   shift with a wide interval is never a pass; too few blocks is inconclusive, never a pass.
+
+The gate's verdict combines the metrics: a failed critical metric fails it at once; once every
+metric is decided, the share that passed is the score, judged against `pass_score` and
+`marginal_score` as Kayenta judges its score.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+from pydantic import Field, model_validator
+from scipy.stats import norm
+from scipy.stats import t as student_t
+
+from catalog.settings import Seconds, Settings
+
+__all__ = [
+    "Direction",
+    "Dist",
+    "GateSettings",
+    "Interval",
+    "MetricRule",
+    "MetricVerdict",
+    "Outcome",
+    "Scale",
+    "Verdict",
+    "blocks",
+    "confidence_sequence",
+    "judge",
+]
+
+
+class Outcome(StrEnum):
+    """A metric's or a gate's result."""
+
+    PASS = "pass"
+    MARGINAL = "marginal"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+
+
+class Direction(StrEnum):
+    """Which way a change is a regression."""
+
+    INCREASE = "increase"  # latencies, error rates
+    DECREASE = "decrease"  # throughput, hit rates
+    EITHER = "either"
+
+
+class Scale(StrEnum):
+    """How the canary's statistic is compared with the baseline's."""
+
+    RATIO = "ratio"  # canary / baseline; `allowed` 0.05 is +5 %
+    DIFFERENCE = "difference"  # canary - baseline; `allowed` in the metric's own unit
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """One arm's observations of one metric over an interval: a count and a sum, with bucket deltas
+    (cumulative, `(le, count)`, `+Inf` last) or the raw samples when the source has them."""
+
+    count: float
+    total: float = 0.0
+    buckets: tuple[tuple[float, float], ...] = ()
+    samples: tuple[float, ...] = ()
+
+    @classmethod
+    def of_samples(cls, values: Sequence[float]) -> Dist:
+        """Raw observations."""
+        return cls(float(len(values)), float(sum(values)), samples=tuple(float(v) for v in values))
+
+    @classmethod
+    def of_events(cls, events: float, trials: float) -> Dist:
+        """`events` among `trials` (errors among requests): its mean is the event ratio."""
+        return cls(float(trials), float(events))
+
+    def merge(self, other: Dist) -> Dist:
+        """Both intervals' observations together; buckets survive only where both have the same bounds."""
+        same = [le for le, _ in self.buckets] == [le for le, _ in other.buckets]
+        buckets = tuple((le, a + b) for (le, a), (_, b) in zip(self.buckets, other.buckets, strict=True)) \
+            if same and self.buckets else ()
+        samples = self.samples + other.samples if self.samples and other.samples else ()
+        return Dist(self.count + other.count, self.total + other.total, buckets, samples)
+
+    def statistic(self, name: str) -> float | None:
+        """`mean` (exact: sum over count), or `p50`, `p90`, `p95`, `p99` from the samples or the buckets
+        (interpolated inside the bucket, as PromQL's `histogram_quantile`); None when it cannot be had."""
+        if self.count <= 0:
+            return None
+        if name == "mean":
+            return self.total / self.count
+        q = _quantile_level(name)
+        if self.samples:
+            return float(np.quantile(np.asarray(self.samples), q))
+        if len(self.buckets) >= 2:
+            return _bucket_quantile(q, self.buckets)
+        return None
+
+
+def _quantile_level(name: str) -> float:
+    if not (name.startswith("p") and name[1:].isdigit() and 0 < int(name[1:]) < 100):
+        raise ValueError(f"statistic {name!r}: expected mean or p50, p90, p95, p99 (pNN)")
+    return int(name[1:]) / 100.0
+
+
+def _bucket_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile of cumulative buckets, interpolated linearly inside its bucket from a lower bound of 0."""
+    finite = [(le, c) for le, c in buckets if math.isfinite(le)]
+    total = buckets[-1][1]
+    if total <= 0 or not finite:
+        return None
+    rank = q * total
+    lower_le, lower_c = 0.0, 0.0
+    for le, c in finite:
+        if c >= rank:
+            return lower_le + (le - lower_le) * (rank - lower_c) / (c - lower_c) if c > lower_c else le
+        lower_le, lower_c = le, c
+    return finite[-1][0]  # in the +Inf bucket: the highest finite bound, as PromQL answers
+
+
+class MetricRule(Settings):
+    """One metric the gate judges, with what counts as a regression."""
+
+    name: str  # ttft, tpot, itl, e2e, error_rate, or any signal the source knows
+    statistic: str = "mean"  # mean, or pNN (needs buckets or samples)
+    direction: Direction = Direction.INCREASE
+    scale: Scale = Scale.RATIO
+    allowed: float = Field(0.05, ge=0)  # the shift that matters: +5 % on a ratio, or in the metric's unit
+    margin: float = Field(0.0, ge=0)  # a shift below this counts as no change (the spread between healthy pods)
+    critical: bool = False  # a fail fails the gate at once
+    min_count: int = Field(20, ge=1)  # observations per arm in a block
+    noise_floor: float | None = Field(None, gt=0)  # least spread of block shifts assumed (ratio: log units)
+
+    @model_validator(mode="after")
+    def _known(self) -> MetricRule:
+        if self.statistic != "mean":
+            _quantile_level(self.statistic)
+        if self.margin > self.allowed:
+            raise ValueError(f"margin {self.margin:g} exceeds allowed {self.allowed:g}: the canary could fail "
+                             f"on a shift the rule allows")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name if self.statistic == "mean" else f"{self.name} {self.statistic}"
+
+    def floor(self) -> float:
+        if self.noise_floor is not None:
+            return self.noise_floor
+        return 0.01 if self.scale is Scale.RATIO else max(self.allowed / 10.0, 1e-6)
+
+
+DEFAULT_METRICS = (
+    MetricRule(name="ttft", critical=True),
+    MetricRule(name="tpot", critical=True),
+    MetricRule(name="e2e", allowed=0.10),
+    MetricRule(name="error_rate", scale=Scale.DIFFERENCE, allowed=0.01, critical=True, min_count=50),
+)
+
+
+class GateSettings(Settings):
+    """How the gate judges: the metrics, the error bound and the window."""
+
+    metrics: tuple[MetricRule, ...] = DEFAULT_METRICS
+    alpha: float = Field(0.01, gt=0, lt=0.5)  # bound on a false verdict over the whole window, all metrics
+    min_blocks: int = Field(6, ge=3)  # blocks before any metric is decided
+    target_blocks: int = Field(10, ge=2)  # where the confidence sequence is tightest
+    step: Seconds = 30.0  # one interval
+    max_window: Seconds = 1800.0  # the gate answers by then
+    pass_score: float = Field(95.0, ge=0, le=100)
+    marginal_score: float = Field(75.0, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GateSettings:
+        names = [m.label for m in self.metrics]
+        if not names:
+            raise ValueError("metrics: a gate judges at least one metric")
+        if len(set(names)) != len(names):
+            raise ValueError(f"metrics: {sorted({n for n in names if names.count(n) > 1})} listed twice")
+        if self.marginal_score > self.pass_score:
+            raise ValueError("marginal_score exceeds pass_score")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """One step of a rollout: each metric's observations in both arms."""
+
+    start: float
+    end: float
+    baseline: Mapping[str, Dist]
+    canary: Mapping[str, Dist]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricVerdict:
+    """One metric's judgement, with everything a person needs to check it."""
+
+    name: str
+    outcome: Outcome
+    decided: bool
+    reason: str
+    critical: bool
+    scale: Scale
+    estimate: float | None = None  # ratio (1.07 is +7 %) or difference
+    lower: float | None = None
+    upper: float | None = None
+    threshold: float | None = None  # the estimate at which the shift matters
+    baseline: float | None = None  # the arm's statistic over the whole window
+    canary: float | None = None
+    blocks: int = 0
+    baseline_count: float = 0.0
+    canary_count: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "result": self.outcome.value, "decided": self.decided, "critical": self.critical,
+                "scale": self.scale.value, "estimate": self.estimate, "lower": self.lower, "upper": self.upper,
+                "threshold": self.threshold, "baseline": self.baseline, "canary": self.canary, "blocks": self.blocks,
+                "baseline_count": self.baseline_count, "canary_count": self.canary_count, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The gate's answer now: decided (pass or fail, or anything at the end of the window) or keep watching."""
+
+    outcome: Outcome
+    decided: bool
+    score: float | None
+    reason: str
+    metrics: tuple[MetricVerdict, ...]
+    started_at: float
+    ended_at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"result": self.outcome.value, "decided": self.decided, "score": self.score, "reason": self.reason,
+                "started_at": self.started_at, "ended_at": self.ended_at,
+                "metrics": [m.as_dict() for m in self.metrics]}
+
+
+def blocks(intervals: Sequence[Interval], rule: MetricRule) -> list[tuple[Dist, Dist]]:
+    """Consecutive intervals merged until both arms hold `min_count` observations; an unfinished tail is left out."""
+    out: list[tuple[Dist, Dist]] = []
+    base: Dist | None = None
+    can: Dist | None = None
+    for iv in intervals:
+        b, c = iv.baseline.get(rule.name), iv.canary.get(rule.name)
+        if b is not None:
+            base = b if base is None else base.merge(b)
+        if c is not None:
+            can = c if can is None else can.merge(c)
+        if base is not None and can is not None and base.count >= rule.min_count and can.count >= rule.min_count:
+            out.append((base, can))
+            base = can = None
+    return out
+
+
+def confidence_sequence(shifts: Sequence[float], alpha: float, target: int, floor: float) -> tuple[float, float, float]:
+    """Mean of `shifts` and its two-sided (1 - alpha) confidence sequence, tightest after `target` shifts.
+
+    Robbins' normal mixture: |mean - mu| <= s * sqrt(2 (n r² + 1) / (n² r²) * log(sqrt(n r² + 1) / alpha)).
+    With the spread `s` estimated from a handful of blocks the boundary is too tight (a 5 % sequence
+    looked at from the third block misses a fifth of the time), so its normal tail probability is
+    read back on Student's t with n - 1 degrees of freedom, as a t interval corrects a z interval;
+    and `s` is shrunk towards `floor` with two pseudo-observations, since identical blocks are not
+    proof of no noise.
+    """
+    n = len(shifts)
+    x = np.asarray(shifts, dtype=float)
+    mean = float(x.mean())
+    ss = float(((x - mean) ** 2).sum()) if n > 1 else 0.0
+    s = math.sqrt((ss + 2.0 * floor * floor) / (n - 1 + 2.0))
+    log_a = -2.0 * math.log(alpha)
+    r2 = (log_a + math.log(log_a + 1.0)) / target
+    half = s * math.sqrt(2.0 * (n * r2 + 1.0) / (n * n * r2) * math.log(math.sqrt(n * r2 + 1.0) / alpha))
+    se = s / math.sqrt(n)
+    tail = float(norm.sf(half / se))
+    half = float(student_t.isf(tail, max(n - 1, 1))) * se
+    return mean, mean - half, mean + half
+
+
+def judge(intervals: Sequence[Interval], settings: GateSettings, *, final: bool = False) -> Verdict:
+    """The gate's verdict from every interval since the canary started; `final` when the window is over."""
+    alpha = settings.alpha / len(settings.metrics)  # each metric's share: the gate's bound holds over all of them
+    verdicts = tuple(_judge_metric(intervals, rule, settings, alpha, final) for rule in settings.metrics)
+    started = intervals[0].start if intervals else 0.0
+    ended = intervals[-1].end if intervals else 0.0
+    outcome, decided, score, reason = _combine(verdicts, settings, final)
+    return Verdict(outcome, decided, score, reason, verdicts, started, ended)
+
+
+def _combine(verdicts: Sequence[MetricVerdict], s: GateSettings,
+             final: bool) -> tuple[Outcome, bool, float | None, str]:
+    failed_critical = [v for v in verdicts if v.critical and v.outcome is Outcome.FAIL]
+    if failed_critical:
+        return Outcome.FAIL, True, 0.0, "critical metric failed: " + "; ".join(v.reason for v in failed_critical)
+    if not final and not all(v.decided for v in verdicts):
+        waiting = ", ".join(v.name for v in verdicts if not v.decided)
+        return Outcome.INCONCLUSIVE, False, None, f"still collecting evidence on {waiting}"
+    unknown_critical = [v for v in verdicts if v.critical and v.outcome is Outcome.INCONCLUSIVE]
+    if unknown_critical:
+        return (Outcome.INCONCLUSIVE, True, None, "no verdict on critical metric(s) by the end of the window: "
+                + "; ".join(v.reason for v in unknown_critical))
+    judged = [v for v in verdicts if v.outcome is not Outcome.INCONCLUSIVE]
+    if not judged:
+        return Outcome.INCONCLUSIVE, True, None, "no metric could be judged: " + "; ".join(v.reason for v in verdicts)
+    score = round(100.0 * sum(v.outcome is Outcome.PASS for v in judged) / len(judged), 2)
+    below = [v for v in judged if v.outcome is not Outcome.PASS]
+    detail = "; ".join(v.reason for v in below) if below else "every metric within its allowance"
+    if score >= s.pass_score:
+        return Outcome.PASS, True, score, f"score {score:g} >= {s.pass_score:g}: {detail}"
+    if score >= s.marginal_score:
+        return Outcome.MARGINAL, True, score, f"score {score:g} >= {s.marginal_score:g} (marginal): {detail}"
+    return Outcome.FAIL, True, score, f"score {score:g} < {s.marginal_score:g}: {detail}"
+
+
+def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettings, alpha: float,
+                  final: bool) -> MetricVerdict:
+    whole_b = _whole(intervals, rule.name, baseline=True)
+    whole_c = _whole(intervals, rule.name, baseline=False)
+    counts = {"baseline_count": whole_b.count if whole_b else 0.0, "canary_count": whole_c.count if whole_c else 0.0}
+    values = {"baseline": whole_b.statistic(rule.statistic) if whole_b else None,
+              "canary": whole_c.statistic(rule.statistic) if whole_c else None}
+    common = {"name": rule.label, "critical": rule.critical, "scale": rule.scale, **counts, **values}
+    shifts = [d for b, c in blocks(intervals, rule) if (d := _shift(b, c, rule)) is not None]
+    if counts["baseline_count"] <= 0 or counts["canary_count"] <= 0:
+        arm = "baseline" if counts["baseline_count"] <= 0 else "canary"
+        return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=f"{rule.label}: no data from the {arm}",
+                             **common)  # type: ignore[arg-type]
+    if len(shifts) < s.min_blocks:
+        reason = (f"{rule.label}: {len(shifts)} of {s.min_blocks} blocks with {rule.min_count} observations per arm "
+                  f"(canary has {counts['canary_count']:.0f}, baseline {counts['baseline_count']:.0f}): too little "
+                  f"traffic to judge yet")
+        return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=reason, blocks=len(shifts),
+                             **common)  # type: ignore[arg-type]
+    mean, lo, hi = confidence_sequence(shifts, alpha, s.target_blocks, rule.floor())
+    ratio = rule.scale is Scale.RATIO
+    allowed = math.log1p(rule.allowed) if ratio else rule.allowed
+    margin = math.log1p(rule.margin) if ratio else rule.margin
+    worse_up = _fails(mean, lo, allowed, margin) if rule.direction is not Direction.DECREASE else False
+    worse_down = _fails(-mean, -hi, allowed, margin) if rule.direction is not Direction.INCREASE else False
+    within = (hi <= allowed if rule.direction is not Direction.DECREASE else True) and \
+             (lo >= -allowed if rule.direction is not Direction.INCREASE else True)
+    if worse_up or worse_down:
+        outcome, decided = Outcome.FAIL, True
+    elif within:
+        outcome, decided = Outcome.PASS, True
+    elif final:
+        significant = (lo > margin and rule.direction is not Direction.DECREASE) or \
+                      (hi < -margin and rule.direction is not Direction.INCREASE)
+        outcome, decided = (Outcome.MARGINAL if significant else Outcome.INCONCLUSIVE), True
+    else:
+        outcome, decided = Outcome.INCONCLUSIVE, False
+    shown = (math.exp(mean), math.exp(lo), math.exp(hi)) if ratio else (mean, lo, hi)
+    threshold = 1.0 + rule.allowed if ratio else rule.allowed
+    return MetricVerdict(outcome=outcome, decided=decided, estimate=shown[0], lower=shown[1], upper=shown[2],
+                         threshold=threshold, blocks=len(shifts),
+                         reason=_explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha),
+                         **common)  # type: ignore[arg-type]
+
+
+def _fails(mean: float, lo: float, allowed: float, margin: float) -> bool:
+    return lo > margin and mean >= allowed
+
+
+def _whole(intervals: Sequence[Interval], name: str, *, baseline: bool) -> Dist | None:
+    out: Dist | None = None
+    for iv in intervals:
+        d = (iv.baseline if baseline else iv.canary).get(name)
+        if d is not None:
+            out = d if out is None else out.merge(d)
+    return out
+
+
+def _shift(base: Dist, can: Dist, rule: MetricRule) -> float | None:
+    b, c = base.statistic(rule.statistic), can.statistic(rule.statistic)
+    if b is None or c is None:
+        return None
+    if rule.scale is Scale.DIFFERENCE:
+        return c - b
+    if b <= 0 or c <= 0:
+        return None
+    return math.log(c / b)
+
+
+def _fmt(v: float | None, scale: Scale) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.4g}"
+
+
+def _shift_text(v: float, scale: Scale) -> str:
+    return f"{(v - 1) * 100:+.1f}%" if scale is Scale.RATIO else f"{v:+.4g}"
+
+
+def _explain(rule: MetricRule, outcome: Outcome, decided: bool, shown: tuple[float, float, float], n: int,
+             values: Mapping[str, float | None], level: float) -> str:
+    est, lo, hi = shown
+    allowed = f"+{rule.allowed * 100:.1f}%" if rule.scale is Scale.RATIO else f"{rule.allowed:+.4g}"
+    head = (f"{rule.label}: canary {_fmt(values['canary'], rule.scale)} vs baseline {_fmt(values['baseline'], rule.scale)}, "
+            f"shift {_shift_text(est, rule.scale)} (interval {_shift_text(lo, rule.scale)} to "
+            f"{_shift_text(hi, rule.scale)}, {level:.1%} anytime-valid, {n} blocks), allowed {allowed}")
+    why = {
+        Outcome.FAIL: "the whole interval is worse than the baseline and the shift reaches the allowance",
+        Outcome.PASS: "even the worst end of the interval stays within the allowance",
+        Outcome.MARGINAL: "worse than the baseline with confidence, but not shown to reach the allowance",
+        Outcome.INCONCLUSIVE: ("the interval still straddles the allowance" if not decided
+                               else "the window ended with the interval straddling the allowance"),
+    }[outcome]
+    return f"{head}: {outcome.value}, {why}"

@@ -1,0 +1,335 @@
+"""The canary gate around the judge: selectors, the three sources, the consult-every-step loop, the
+registry the HTTP API runs, the reports CI reads, and the endpoints Argo Rollouts and Flagger call."""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import httpx
+import pytest
+
+from collectors.prometheus_api import PrometheusSource
+from collectors.scraper import Scraper
+from collectors.types import Signal
+from controlplane.clock import VirtualClock
+from controlplane.errors import GateError
+from controlplane.gate import (
+    ArmSelector,
+    GateBook,
+    GateKey,
+    GateSession,
+    PromGateSource,
+    StoreGateSource,
+    TargetsGateSource,
+    report,
+    run_gate,
+)
+from controlplane.lab.engine import free_port
+from controlplane.loop import ControlLoop
+from controlplane.server import start_server
+from controlplane.sim.fleet import SimFleet
+from controlplane.sim.server import SimServer
+from controlplane.store.memory import MemoryStore
+from controlplane.store.records import NewVerdict
+from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome
+
+TPOT_ONLY = GateSettings(metrics=(MetricRule(name="tpot", critical=True),), max_window=1200)
+
+
+# selectors -------------------------------------------------------------------------------------------
+
+
+def test_selectors_match_labels_and_regexes_and_become_promql() -> None:
+    sel = ArmSelector.parse("pool=decode,pod=~decode-canary-.*,role in (decode,unified)")
+    assert sel.matches({"pool": "decode", "pod": "decode-canary-0", "role": "decode"})
+    assert not sel.matches({"pool": "decode", "pod": "decode-1", "role": "decode"})
+    assert not sel.matches({"pool": "decode", "pod": "xdecode-canary-0", "role": "decode"})  # matched in full
+    assert sel.promql() == [("pool", "=", "decode"), ("role", "=~", "decode|unified"), ("pod", "=~", "decode-canary-.*")]
+    assert ArmSelector.parse("pod!~decode-canary-.*,!version").matches({"pod": "decode-1"})
+
+
+@pytest.mark.parametrize(("text", "why"), [("", "selects every pod"), ("pod=~(", "not a regular expression"),
+                                           ("a in (b", "unbalanced")])
+def test_bad_selectors_are_refused_naming_them(text: str, why: str) -> None:
+    with pytest.raises(GateError, match=why):
+        ArmSelector.parse(text)
+
+
+# the simulated fleet, scraped over HTTP -------------------------------------------------------------
+
+
+@pytest.fixture
+def rollout(request: pytest.FixtureRequest) -> Iterator[tuple[SimFleet, SimServer, VirtualClock]]:
+    """The demo's fleet with a third of its decode pool rolled out as `canary`, `param` times slower."""
+    from controlplane.demo import demo_fleet
+
+    clock = VirtualClock()
+    fleet = demo_fleet(now=clock.now())
+    fleet.advance_to(clock.now() + 300)
+    clock.advance(300)
+    fleet.rollout("decode", "canary", 0.34, slowdown=request.param)
+    clock.advance(fleet.pool_specs["decode"].startup_s + 1)  # the canary starts
+    fleet.advance_to(clock.now())
+    server = SimServer(fleet, gpu=False, nixl=False)
+    server.sync()
+    yield fleet, server, clock
+    server.close()
+
+
+async def _gate_over_http(fleet: SimFleet, server: SimServer, clock: VirtualClock) -> tuple[Outcome, float]:
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        scraper = Scraper(client, timeout_s=2.0)
+        targets = [t for t in server.targets() if t.pool == "decode" and t.source == "vllm"]
+        base, can = ArmSelector.parse("pod!~decode-canary-.*"), ArmSelector.parse("pod=~decode-canary-.*")
+        labels = lambda t: {"pool": t.pool, "pod": t.pod}  # noqa: E731
+        source = TargetsGateSource(scraper, [t for t in targets if base.matches(labels(t))],
+                                   [t for t in targets if can.matches(labels(t))], TPOT_ONLY.metrics)
+        session = GateSession(source, TPOT_ONLY, clock.now())
+        await source.interval(clock.now() - 30, clock.now())  # the first scrape is the baseline of the deltas
+        while True:
+            clock.advance(30)
+            fleet.advance_to(clock.now())
+            server.sync()
+            verdict = await session.consult(clock.now())
+            if verdict.decided:
+                return verdict.outcome, verdict.ended_at - verdict.started_at
+
+
+@pytest.mark.parametrize("rollout", [1.3], indirect=True)
+async def test_a_slower_canary_fails_from_the_pods_own_metrics(rollout: tuple[SimFleet, SimServer, VirtualClock]) -> None:
+    outcome, after = await _gate_over_http(*rollout)
+    assert outcome is Outcome.FAIL and after <= 600
+
+
+@pytest.mark.parametrize("rollout", [1.0], indirect=True)
+async def test_the_same_version_as_a_canary_does_not_fail(rollout: tuple[SimFleet, SimServer, VirtualClock]) -> None:
+    outcome, _ = await _gate_over_http(*rollout)
+    assert outcome in (Outcome.PASS, Outcome.INCONCLUSIVE)
+
+
+# the store -------------------------------------------------------------------------------------------
+
+
+async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> None:
+    store = MemoryStore()
+    signals = []
+    for k, ts in enumerate((100.0, 115.0, 130.0)):
+        for pod, rate, tpot in (("decode-0", 2.0, 0.010), ("decode-1", 4.0, 0.013), ("decode-canary-0", 1.0, 0.020)):
+            subject = f"engine/decode/{pod}/0"
+            signals += [Signal(ts, subject, "request_rate", rate), Signal(ts, subject, "tpot_mean", tpot + k * 0.001),
+                        Signal(ts, subject, "request_error_rate", 0.1 if "canary" in pod else 0.0)]
+    signals.append(Signal(130.0, "engine/prefill/decode-canary-0/0", "tpot_mean", 9.0))  # another pool: ignored
+    await store.write_signals(signals)
+    rules = (MetricRule(name="tpot"), MetricRule(name="error_rate", allowed=0.01))
+    src = StoreGateSource(store, "decode", ArmSelector.parse("pod!~.*canary.*"), ArmSelector.parse("pod=~.*canary.*"),
+                          rules)
+    iv = await src.interval(100.0, 130.0)
+    # two points in (100, 130], each 15 s of requests: baseline (2*15 at .011, 4*15 at .014) then (.012, .015)
+    b = iv.baseline["tpot"]
+    assert b.count == pytest.approx(2 * (2 + 4) * 15)
+    assert b.statistic("mean") == pytest.approx((30 * 0.011 + 60 * 0.014 + 30 * 0.012 + 60 * 0.015) / 180)
+    assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.0215)
+    assert iv.canary["error_rate"].statistic("mean") == pytest.approx(0.1) and iv.baseline["error_rate"].total == 0
+    with pytest.raises(GateError, match="cannot be merged"):
+        StoreGateSource(store, "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"),
+                        (MetricRule(name="tpot", statistic="p95"),))
+    with pytest.raises(GateError, match=r"\['kv_cache_usage'\] cannot be read"):
+        StoreGateSource(store, "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"),
+                        (MetricRule(name="kv_cache_usage"),))
+
+
+# Prometheus ------------------------------------------------------------------------------------------
+
+
+class FakePrometheus:
+    """A `PrometheusConnect` stand-in that answers the gate's queries from canned numbers (a double: the
+    real Prometheus is exercised by the collectors' agreement tests)."""
+
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+        self.queries.append(query)
+        canary = 'pod=~".*canary.*"' in query
+        if query.startswith("count(last_over_time(vllm:request_time_per_output_token_seconds_count"):
+            return [{"metric": {}, "value": [0, "3"]}]
+        if query.startswith("count(last_over_time("):
+            return []
+        if "_bucket" in query:
+            counts = (5, 40, 50) if canary else (50, 90, 100)
+            return [{"metric": {"le": le}, "value": [0, str(c)]} for le, c in zip(("0.01", "0.025", "+Inf"), counts,
+                                                                                    strict=True)]
+        if "_sum" in query:
+            return [{"metric": {}, "value": [0, "1.0" if canary else "1.5"]}]
+        if "_count" in query:
+            return [{"metric": {}, "value": [0, "50" if canary else "100"]}]
+        if 'finished_reason="error"' in query:
+            return [{"metric": {}, "value": [0, "1" if canary else "0"]}]
+        if "request_success_total" in query:
+            return [{"metric": {}, "value": [0, "50" if canary else "100"]}]
+        raise AssertionError(query)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_arm() -> None:
+    fake = FakePrometheus()
+    prom = PrometheusSource("http://prometheus.invalid", client=fake)
+    rules = (MetricRule(name="tpot"), MetricRule(name="error_rate", allowed=0.01))
+    src = PromGateSource(prom, ArmSelector.parse('pool=decode,pod!~.*canary.*'),
+                         ArmSelector.parse('pool=decode,pod=~.*canary.*,team=~a"b'), rules)
+    iv = await src.interval(0.0, 30.0)
+    assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.02) and iv.baseline["tpot"].count == 100
+    assert iv.canary["tpot"].buckets[-1] == (math.inf, 50.0)
+    assert iv.canary["error_rate"].statistic("mean") == pytest.approx(0.02)
+    assert any('team=~"a\\"b"' in q for q in fake.queries)  # label values escaped
+    assert all("[30s]" in q for q in fake.queries)
+    # the spelling this Prometheus has is looked up once and kept for both arms
+    assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 1
+
+
+# the loop, the registry, the reports ------------------------------------------------------------------
+
+
+class Scripted:
+    """A gate source that answers from a list of intervals, failing where an entry is None."""
+
+    def __init__(self, intervals: Sequence[Interval | None]) -> None:
+        self.intervals = list(intervals)
+        self.calls = 0
+
+    async def interval(self, start: float, end: float) -> Interval:
+        self.calls += 1
+        nxt = self.intervals.pop(0) if self.intervals else self.make(1.0)
+        if nxt is None:
+            raise GateError("target down")
+        return Interval(start, end, nxt.baseline, nxt.canary)
+
+    @staticmethod
+    def make(ratio: float) -> Interval:
+        return Interval(0, 30, {"tpot": Dist(100.0, 100.0 * 0.01)}, {"tpot": Dist(30.0, 30.0 * 0.01 * ratio)})
+
+
+def jittered(ratio: float, n: int) -> list[Interval | None]:
+    return [Scripted.make(ratio * (1 + 0.01 * ((i * 7) % 5 - 2))) for i in range(n)]
+
+
+async def test_run_gate_consults_every_step_and_stops_at_the_first_decision() -> None:
+    clock = VirtualClock()
+    seen: list[Outcome] = []
+    verdict = await run_gate(Scripted(jittered(1.2, 60)), TPOT_ONLY, clock, on_step=lambda v: seen.append(v.outcome))
+    assert verdict.outcome is Outcome.FAIL and verdict.decided
+    assert seen[-1] is Outcome.FAIL and all(o is Outcome.INCONCLUSIVE for o in seen[:-1]) and len(seen) >= 6
+    assert clock.now() - verdict.started_at == pytest.approx(30 * len(seen))
+
+
+async def test_a_source_down_for_a_while_is_tolerated_and_one_that_stays_down_is_an_error() -> None:
+    flaky = Scripted([None, None, None, *jittered(1.0, 80)])
+    verdict = await run_gate(flaky, TPOT_ONLY, VirtualClock())
+    assert verdict.outcome is Outcome.PASS
+    with pytest.raises(GateError, match="5 steps in a row without data: target down"):
+        await run_gate(Scripted([None] * 10), TPOT_ONLY, VirtualClock())
+
+
+async def test_a_past_start_judges_the_history_at_once() -> None:
+    clock = VirtualClock()
+    verdict = await run_gate(Scripted(jittered(1.2, 60)), TPOT_ONLY, clock, start=clock.now() - 1800)
+    assert verdict.outcome is Outcome.FAIL and clock.now() == pytest.approx(1_767_225_600.0)
+
+
+async def test_the_gate_book_keeps_one_session_per_rollout_and_records_the_decision_once() -> None:
+    recorded: list[NewVerdict] = []
+
+    async def record(v: NewVerdict) -> int:
+        recorded.append(v)
+        return len(recorded)
+
+    sources: list[Scripted] = []
+
+    def make(pool: str, base: ArmSelector, can: ArmSelector, rules: Sequence[MetricRule]) -> Scripted:
+        sources.append(Scripted(jittered(1.2, 100)))
+        return sources[-1]
+
+    book = GateBook(make, TPOT_ONLY, record)
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    t = 1000.0
+    first = await book.consult(key, t)
+    assert first.outcome is Outcome.INCONCLUSIVE and not first.decided and len(sources) == 1
+    while not (v := await book.consult(key, t)).decided:
+        t += 30
+    assert v.outcome is Outcome.FAIL and len(sources) == 1
+    assert (await book.consult(key, t + 600)).outcome is Outcome.FAIL
+    assert len(recorded) == 1 and recorded[0].result == "fail" and recorded[0].details["revision"] == "rev-2"
+    await book.consult(GateKey("decode", "pod=a", "pod=b", "rev-3"), t)  # a new revision: a new gate
+    assert len(sources) == 2
+    with pytest.raises(GateError, match="selects every pod"):
+        await book.consult(GateKey("decode", "", "pod=b"), t)
+
+
+def test_reports_for_ci() -> None:
+    ivs = [Interval(30.0 * i, 30.0 * (i + 1), {"tpot": Dist(100.0, 1.0)}, {"tpot": Dist(30.0, 0.36 + 0.003 * (i % 3))})
+           for i in range(10)]
+    from policies.canary import judge
+
+    v = judge(ivs, TPOT_ONLY)
+    args = {"gate": "ci", "pool": "decode", "baseline": "pod=a", "canary": "pod=b"}
+    suite = ET.fromstring(report(v, "junit", **args))
+    assert suite.get("failures") == "1" and suite.find("testcase/failure") is not None
+    assert "tpot: canary" in suite.find("testcase/failure").get("message", "")  # type: ignore[union-attr]
+    data = json.loads(report(v, "json", **args))
+    assert data["result"] == "fail" and data["metrics"][0]["lower"] > 1 and data["pool"] == "decode"
+    md = report(v, "markdown", **args)
+    assert "**fail**" in md and "| tpot (critical) | fail |" in md
+    with pytest.raises(GateError, match="report format 'xml'"):
+        report(v, "xml", **args)
+
+
+# the HTTP endpoints -------------------------------------------------------------------------------------
+
+
+class _Loop:
+    """What the gate endpoints use of the loop: its clock."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+
+
+async def test_argo_and_flagger_endpoints() -> None:
+    clock = VirtualClock()
+    made: list[str] = []
+
+    def make(pool: str, base: ArmSelector, can: ArmSelector, rules: Sequence[MetricRule]) -> Scripted:
+        made.append(can.text)
+        return Scripted(jittered(1.3 if "slow" in can.text else 1.0, 200))
+
+    book = GateBook(make, TPOT_ONLY)
+    port = free_port()
+    http = start_server(cast(ControlLoop, _Loop(clock)), "127.0.0.1", port, token=None, gates=book)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            params = {"pool": "decode", "baseline": "pod=old", "canary": "pod=slow", "revision": "abc"}
+            r = await c.get("/api/v1/gate", params=params)
+            assert r.status_code == 200 and r.json()["result"] == "inconclusive" and r.json()["decided"] is False
+            hook = {"name": "decode", "namespace": "llm", "phase": "Progressing", "checksum": "7f",
+                    "metadata": {"pool": "decode", "baseline": "pod=old", "canary": "pod=fine"}}
+            for _ in range(40):
+                clock.advance(30)
+                argo = (await c.post("/api/v1/gate", json=params)).json()
+                rollback = await c.post("/api/v1/gate/flagger/rollback", json=hook)
+                promote = await c.post("/api/v1/gate/flagger/promotion", json=hook)
+            assert argo["result"] == "fail" and argo["metrics"][0]["name"] == "tpot" and argo["revision"] == "abc"
+            assert rollback.status_code == 403 and promote.status_code == 200 and promote.json()["result"] == "pass"
+            bad = await c.get("/api/v1/gate", params={"pool": "decode"})
+            assert bad.status_code == 400 and "missing baseline, canary" in bad.json()["error"]
+            worse = await c.get("/api/v1/gate", params={**params, "canary": "pod=~("})
+            assert worse.status_code == 400 and "not a regular expression" in worse.json()["error"]
+            nometa = await c.post("/api/v1/gate/flagger/rollback", json={"name": "x"})
+            assert nometa.status_code == 400
+    finally:
+        http.stop()
+    assert made.count("pod=slow") == 1  # one session for the Argo rollout, however often it asked

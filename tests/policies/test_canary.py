@@ -1,0 +1,258 @@
+"""The canary judge: its statistics, its verdicts and their explanations, and the reference judges."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from policies.canary import (
+    Direction,
+    Dist,
+    GateSettings,
+    Interval,
+    MetricRule,
+    Outcome,
+    Scale,
+    blocks,
+    confidence_sequence,
+    judge,
+)
+from policies.canary_reference import hodges_lehmann, kayenta_judge, threshold_judge
+
+TPOT = MetricRule(name="tpot", critical=True)
+ONLY_TPOT = GateSettings(metrics=(TPOT,))
+
+
+def intervals(shift: float, n: int, *, seed: int = 0, canary_n: int = 25, base_n: int = 475, spread: float = 0.15,
+              common: float = 0.1) -> list[Interval]:
+    """Per-request TPOTs of both arms; the load moves both arms together, the canary is `shift` slower."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        load = rng.lognormal(0.0, common)
+        b = rng.lognormal(math.log(0.004 * load), spread, base_n)
+        c = rng.lognormal(math.log(0.004 * load * (1 + shift)), spread, canary_n)
+        out.append(Interval(30.0 * i, 30.0 * (i + 1), {"tpot": Dist.of_samples(b)}, {"tpot": Dist.of_samples(c)}))
+    return out
+
+
+def first_decision(ivs: list[Interval], s: GateSettings = ONLY_TPOT) -> tuple[Outcome, int]:
+    for k in range(1, len(ivs) + 1):
+        v = judge(ivs[:k], s, final=k == len(ivs))
+        if v.decided:
+            return v.outcome, k
+    raise AssertionError("the final consultation always decides")
+
+
+# the data types ------------------------------------------------------------------------------------
+
+
+def test_dist_mean_is_exact_and_buckets_merge_as_sum_by_le() -> None:
+    a = Dist(4.0, 2.0, ((0.1, 1.0), (1.0, 3.0), (math.inf, 4.0)))
+    b = Dist(6.0, 9.0, ((0.1, 0.0), (1.0, 2.0), (math.inf, 6.0)))
+    m = a.merge(b)
+    assert m.count == 10 and m.total == 11 and m.statistic("mean") == pytest.approx(1.1)
+    assert m.buckets == ((0.1, 1.0), (1.0, 5.0), (math.inf, 10.0))
+    # median: rank 5 of 10 lies at the top of the (0.1, 1.0] bucket
+    assert m.statistic("p50") == pytest.approx(1.0)
+    # a rank in +Inf answers the highest finite bound, as PromQL does
+    assert m.statistic("p99") == pytest.approx(1.0)
+    # different bucket layouts cannot be merged: the mean survives, quantiles are gone
+    c = Dist(1.0, 1.0, ((0.5, 1.0), (math.inf, 1.0)))
+    assert a.merge(c).buckets == () and a.merge(c).statistic("p50") is None and a.merge(c).statistic("mean") == 0.6
+
+
+def test_dist_of_samples_and_events() -> None:
+    d = Dist.of_samples([1.0, 2.0, 3.0, 4.0])
+    assert d.statistic("mean") == 2.5 and d.statistic("p50") == pytest.approx(2.5)
+    assert Dist.of_events(3, 200).statistic("mean") == pytest.approx(0.015)
+    assert Dist(0.0).statistic("mean") is None
+    with pytest.raises(ValueError, match="statistic 'p100'"):
+        d.statistic("p100")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 50.0), min_size=2, max_size=12, unique=True),
+       st.lists(st.integers(0, 30), min_size=13, max_size=13), st.floats(0.01, 0.99))
+def test_bucket_quantile_lies_in_the_bucket_holding_its_rank(bounds: list[float], counts: list[int], q: float) -> None:
+    les = sorted(bounds)
+    per = counts[: len(les) + 1]
+    cum, running = [], 0.0
+    for le, c in zip([*les, math.inf], per, strict=True):
+        running += c
+        cum.append((le, running))
+    d = Dist(running, 0.0, tuple(cum))
+    v = d.statistic(f"p{max(1, min(99, round(q * 100)))}")
+    if running == 0:
+        assert v is None
+        return
+    assert v is not None and 0.0 <= v <= les[-1]
+    rank = max(1, min(99, round(q * 100))) / 100 * running
+    holding = next((le for le, c in cum if c >= rank), math.inf)
+    assert v <= (holding if math.isfinite(holding) else les[-1]) + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=30), st.integers(1, 50))
+def test_blocks_hold_min_count_in_both_arms_and_lose_only_the_tail(counts: list[tuple[int, int]], min_count: int) -> None:
+    ivs = [Interval(i, i + 1, {"x": Dist(float(b), float(b))}, {"x": Dist(float(c), 2.0 * c)})
+           for i, (b, c) in enumerate(counts)]
+    rule = MetricRule(name="x", min_count=min_count)
+    got = blocks(ivs, rule)
+    assert all(b.count >= min_count and c.count >= min_count for b, c in got)
+    used_b = sum(b.count for b, _ in got)
+    assert used_b <= sum(b for b, _ in counts)
+    assert all(c.statistic("mean") == 2.0 for _, c in got)
+
+
+# the confidence sequence ------------------------------------------------------------------------------
+
+
+def test_confidence_sequence_covers_the_mean_at_every_look() -> None:
+    """Anytime-valid: over 400 null sequences looked at after every block, the interval excludes the true
+    mean at some look in at most about alpha of them (a fixed-n interval looked at 40 times would not)."""
+    rng = np.random.default_rng(3)
+    alpha, misses, naive = 0.05, 0, 0
+    for _ in range(400):
+        x = rng.normal(0.0, 0.05, 40)
+        missed = naive_missed = False
+        for n in range(3, 41):
+            _, lo, hi = confidence_sequence(list(x[:n]), alpha, 10, 0.01)
+            missed |= lo > 0 or hi < 0
+            half = 1.96 * x[:n].std(ddof=1) / math.sqrt(n)
+            naive_missed |= abs(x[:n].mean()) > half
+        misses += missed
+        naive += naive_missed
+    assert misses / 400 <= alpha + 0.02
+    assert naive / 400 > 2 * alpha  # peeking at a fixed-n interval: the false alarms the gate avoids
+
+
+def test_confidence_sequence_narrows_and_floors_a_spread_too_good_to_be_true() -> None:
+    wide = confidence_sequence([0.1, 0.12, 0.08, 0.11], 0.01, 10, 0.01)
+    narrow = confidence_sequence([0.1, 0.12, 0.08, 0.11] * 10, 0.01, 10, 0.01)
+    assert (narrow[2] - narrow[1]) < (wide[2] - wide[1])
+    flat = confidence_sequence([0.05] * 6, 0.01, 10, 0.02)
+    assert flat[2] - flat[1] > 0.02  # identical blocks still leave the floor's uncertainty
+
+
+# verdicts --------------------------------------------------------------------------------------------
+
+
+def test_a_ten_percent_slower_canary_fails_early_with_its_numbers_in_the_reason() -> None:
+    outcome, k = first_decision(intervals(0.10, 40))
+    assert outcome is Outcome.FAIL and k <= 20
+    v = judge(intervals(0.10, 40)[:k], ONLY_TPOT)
+    m = v.metrics[0]
+    assert m.outcome is Outcome.FAIL and m.lower is not None and m.lower > 1.0 and m.estimate is not None
+    assert m.estimate >= 1.05 and m.threshold == pytest.approx(1.05)
+    assert "tpot: canary" in m.reason and "allowed +5.0%" in m.reason and "anytime-valid" in m.reason
+    assert v.reason.startswith("critical metric failed")
+
+
+def test_identical_versions_pass_and_no_look_fails_them() -> None:
+    fails = 0
+    for seed in range(60):
+        outcome, _ = first_decision(intervals(0.0, 40, seed=seed))
+        fails += outcome is Outcome.FAIL
+    assert fails == 0
+
+
+def test_too_little_traffic_is_inconclusive_never_pass() -> None:
+    ivs = intervals(0.0, 40, canary_n=1)  # one canary request per interval: 20 intervals per block
+    v = judge(ivs, ONLY_TPOT, final=True)
+    assert v.outcome is Outcome.INCONCLUSIVE and v.decided
+    assert "too little traffic" in v.metrics[0].reason and "2 of 6 blocks" in v.metrics[0].reason
+    early = judge(ivs[:10], ONLY_TPOT)
+    assert early.outcome is Outcome.INCONCLUSIVE and not early.decided
+
+
+def test_no_canary_data_says_so() -> None:
+    ivs = [Interval(i, i + 1, {"tpot": Dist.of_samples([0.01] * 30)}, {}) for i in range(10)]
+    v = judge(ivs, ONLY_TPOT, final=True)
+    assert v.outcome is Outcome.INCONCLUSIVE and "no data from the canary" in v.metrics[0].reason
+
+
+def test_a_large_shift_with_a_wide_interval_is_never_a_pass() -> None:
+    """Kayenta's known failure (spinnaker#6278): a big shift whose interval is wide passes its tolerance band."""
+    rng = np.random.default_rng(1)
+    ivs = []
+    for i in range(8):
+        b = Dist.of_samples([1.0] * 30)
+        c = Dist.of_samples(list(rng.choice([1.0, 100.0], 30)) if i % 2 else [1.0] * 30)
+        ivs.append(Interval(i, i + 1, {"tpot": b}, {"tpot": c}))
+    v = judge(ivs, ONLY_TPOT, final=True)
+    assert v.outcome is not Outcome.PASS
+
+
+def test_a_shift_within_the_allowance_is_marginal_at_worst_and_passes_when_shown_small() -> None:
+    small = judge(intervals(0.02, 60, spread=0.02, common=0.02), ONLY_TPOT, final=True)
+    assert small.outcome in (Outcome.PASS, Outcome.MARGINAL)
+    loose = GateSettings(metrics=(MetricRule(name="tpot", critical=True, allowed=0.10),))
+    assert judge(intervals(0.02, 60, spread=0.02, common=0.02), loose, final=True).outcome is Outcome.PASS
+
+
+def test_direction_and_difference_scale() -> None:
+    # error ratio up by 5 points against an allowance of 1 point: fail; the same drop: fine for `increase`
+    def errors(canary_ratio: float) -> list[Interval]:
+        return [Interval(i, i + 1, {"err": Dist.of_events(2, 1000)}, {"err": Dist.of_events(canary_ratio * 100, 100)})
+                for i in range(12)]
+    rule = MetricRule(name="err", scale=Scale.DIFFERENCE, allowed=0.01, critical=True)
+    s = GateSettings(metrics=(rule,))
+    assert judge(errors(0.07), s).outcome is Outcome.FAIL
+    assert judge(errors(0.0), s).outcome is Outcome.PASS
+    # throughput: lower is worse
+    down = GateSettings(metrics=(MetricRule(name="tpot", direction=Direction.DECREASE, critical=True),))
+    assert first_decision(intervals(-0.15, 40), down)[0] is Outcome.FAIL
+    assert first_decision(intervals(0.15, 40), down)[0] is Outcome.PASS
+
+
+def test_scoring_non_critical_metrics_like_kayenta() -> None:
+    rules = (MetricRule(name="tpot", critical=True), MetricRule(name="e2e", allowed=0.02),
+             MetricRule(name="ttft"), MetricRule(name="itl"))
+    s = GateSettings(metrics=rules)
+    base = intervals(0.0, 30, spread=0.02, common=0.02)
+    slow = intervals(0.10, 30, spread=0.02, common=0.02, seed=5)
+    ivs = [Interval(b.start, b.end, {"tpot": b.baseline["tpot"], "e2e": s_.baseline["tpot"], "ttft": b.baseline["tpot"],
+                                     "itl": b.baseline["tpot"]},
+                    {"tpot": b.canary["tpot"], "e2e": s_.canary["tpot"], "ttft": b.canary["tpot"], "itl": b.canary["tpot"]})
+           for b, s_ in zip(base, slow, strict=True)]
+    v = judge(ivs, s, final=True)
+    assert [m.outcome for m in v.metrics] == [Outcome.PASS, Outcome.FAIL, Outcome.PASS, Outcome.PASS]
+    assert v.score == 75.0 and v.outcome is Outcome.MARGINAL and "e2e" in v.reason
+
+
+def test_settings_refuse_what_cannot_work() -> None:
+    with pytest.raises(ValidationError, match="listed twice"):
+        GateSettings(metrics=(TPOT, TPOT))
+    with pytest.raises(ValidationError, match="margin 0.1 exceeds allowed 0.05"):
+        MetricRule(name="tpot", margin=0.1)
+    with pytest.raises(ValidationError, match="statistic 'p95x'"):
+        MetricRule(name="tpot", statistic="p95x")
+    with pytest.raises(ValidationError, match="at least one metric"):
+        GateSettings(metrics=())
+
+
+# the reference judges ---------------------------------------------------------------------------------
+
+
+def test_hodges_lehmann_is_the_median_pairwise_shift_with_a_distribution_free_interval() -> None:
+    x, y = [3.0, 4.0, 5.0, 6.0, 7.0] * 4, [1.0, 2.0, 3.0, 4.0, 5.0] * 4
+    est, lo, hi = hodges_lehmann(x, y, 0.98)
+    assert est == 2.0 and lo <= 2.0 <= hi and lo > 0
+
+
+def test_peeking_at_kayenta_and_argo_every_interval_fails_identical_versions_more_often_than_ours() -> None:
+    s = GateSettings(metrics=(MetricRule(name="tpot", critical=True),))
+    ours = kay = argo = 0
+    for seed in range(40):
+        ivs = intervals(0.0, 40, seed=seed, common=0.02)
+        ours += first_decision(ivs, s)[0] is Outcome.FAIL
+        kay += any(kayenta_judge(ivs[:k], s) is Outcome.FAIL for k in range(2, 41))
+        argo += any(threshold_judge(ivs[:k], s) is Outcome.FAIL for k in range(1, 41))
+    assert ours == 0 and argo > ours
+    assert kay >= ours
