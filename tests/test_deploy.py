@@ -98,3 +98,76 @@ def test_prometheus_finds_the_control_plane_and_its_rules_are_the_export() -> No
     for rule in (r for g in one("PrometheusRule", "fleet-controlplane-self")["spec"]["groups"] for r in g["rules"]):
         metrics = {w for w in rule["expr"].replace("(", " ").replace(")", " ").split() if w.startswith("fleet_")}
         assert metrics and all(m.split("{")[0].removesuffix("_total") in names for m in metrics), rule["alert"]
+
+
+# examples: Argo Rollouts, Flagger and a CI Job gating on the canary gate ------------------------------
+
+EXAMPLES = BASE.parent / "examples"
+CRDS = Path(__file__).resolve().parent / "fixtures" / "crds"
+
+
+def _example(name: str) -> dict[str, Any]:
+    doc = yaml.safe_load((EXAMPLES / name).read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _unknown_fields(doc: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields the structural schema does not know: the API server would prune them without a word."""
+    if isinstance(doc, dict) and schema.get("type") == "object":
+        if schema.get("x-kubernetes-preserve-unknown-fields") or "additionalProperties" in schema \
+                or "properties" not in schema:  # metadata: the API server checks ObjectMeta itself
+            return []
+        props = schema.get("properties", {})
+        out = [f"{path}.{k}" for k in doc if k not in props]
+        return out + [e for k, v in doc.items() if k in props for e in _unknown_fields(v, props[k], f"{path}.{k}")]
+    if isinstance(doc, list) and "items" in schema:
+        return [e for i, v in enumerate(doc) for e in _unknown_fields(v, schema["items"], f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize(("name", "crd"), [("argo-analysistemplate.yaml", "argoproj.io_v1alpha1_AnalysisTemplate"),
+                                           ("flagger-canary.yaml", "flagger.app_v1beta1_Canary")])
+def test_the_argo_and_flagger_examples_are_valid_against_their_crds(name: str, crd: str) -> None:
+    import gzip
+    import json
+
+    import jsonschema
+
+    schema = json.loads(gzip.decompress((CRDS / f"{crd}.json.gz").read_bytes()))
+    doc = _example(name)
+    group_version, kind = crd.rsplit("_", 1)
+    assert (doc["apiVersion"], doc["kind"]) == (group_version.replace("_", "/"), kind)
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=str)
+    assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
+    assert _unknown_fields(doc, schema) == []
+
+
+def test_the_ci_job_is_a_valid_job_that_runs_the_gate() -> None:
+    doc = _example("ci-gate-job.yaml")
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    [container] = doc["spec"]["template"]["spec"]["containers"]
+    from controlplane.cli import gate
+
+    assert container["args"][0] == "gate"
+    ctx = gate.make_context("gate", list(container["args"][1:]))  # every option exists and parses
+    assert ctx.params["pool"] == "decode" and ctx.params["report_fmt"] == "junit"
+    assert doc["spec"]["backoffLimit"] == 0  # a failed gate must not be retried into a pass
+
+
+def test_the_examples_call_the_endpoints_and_selectors_the_gate_has() -> None:
+    from controlplane.gate import ArmSelector
+
+    service = one("Service")
+    port = service["spec"]["ports"][0]["port"]
+    argo = _example("argo-analysistemplate.yaml")["spec"]["metrics"][0]
+    web = argo["provider"]["web"]
+    assert web["url"] == f"http://fleet-controlplane.fleet-system.svc:{port}/api/v1/gate"
+    assert web["jsonPath"] == "{$.result}" and set(web["jsonBody"]) == {"pool", "baseline", "canary", "revision"}
+    assert argo["successCondition"] == 'result == "pass"' and argo["failureCondition"] == 'result == "fail"'
+    for hook in _example("flagger-canary.yaml")["spec"]["analysis"]["webhooks"]:
+        verb = {"rollback": "rollback", "confirm-promotion": "promotion"}[hook["type"]]
+        assert hook["url"] == f"http://fleet-controlplane.fleet-system.svc:{port}/api/v1/gate/flagger/{verb}"
+        assert ArmSelector.parse(hook["metadata"]["baseline"]).matches({"pod": "decode-primary-7d9f-x2"})
+        canary = ArmSelector.parse(hook["metadata"]["canary"])
+        assert canary.matches({"pod": "decode-6c4b-q1"}) and not canary.matches({"pod": "decode-primary-7d9f-x2"})
