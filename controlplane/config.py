@@ -26,6 +26,7 @@ from catalog.settings import NonNegativeSeconds, Seconds, Settings
 from controlplane.errors import ConfigError
 from controlplane.selectors import LabelSelector
 from policies.autoscale import AutoscaleSettings
+from policies.canary_rollout import CanaryRolloutSettings
 from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
 from policies.inputs import StaleInputsSettings
@@ -37,7 +38,7 @@ from policies.spec_decode import SpecDecodeSettings
 from policies.types import ActionKind
 
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
-                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings)
+                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | CanaryRolloutSettings)
 
 __all__ = ["FleetConfig", "Mode", "Seconds", "load_config", "parse_config", "parse_yaml"]
 
@@ -254,6 +255,7 @@ class Policies(Settings):
     gpu_health: GpuHealthSettings = GpuHealthSettings()
     ep_imbalance: EpImbalanceSettings = EpImbalanceSettings()
     stale_inputs: StaleInputsSettings = StaleInputsSettings()
+    canary_regression: CanaryRolloutSettings = CanaryRolloutSettings()
 
     def enabled(self) -> dict[str, PolicySettings]:
         """The enabled sections by their fleet-file name."""

@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from controlplane.evaluation import run_all
-from controlplane.gate import ERRORS, HISTOGRAMS
+from controlplane.gate import HISTOGRAMS
 from controlplane.goals import Goal, at_least, at_most, goals_json
 from controlplane.sim.engine import SimEngine
 from controlplane.sim.fleet import Member, SimFleet
 from controlplane.sim.scenario import Scenario, load_scenario
-from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome, Scale, judge
+from policies.canary import ERRORS, Dist, GateSettings, Interval, MetricRule, Outcome, Scale, judge
 from policies.canary_reference import kayenta_judge, threshold_judge
 
 __all__ = ["JUDGES", "GateEvalReport", "evaluate_gate", "pool_settings"]

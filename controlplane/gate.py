@@ -29,7 +29,19 @@ from controlplane.clock import Clock
 from controlplane.errors import GateError
 from controlplane.selectors import LabelSelector
 from controlplane.store.records import NewVerdict
-from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome, Verdict, judge
+from policies.canary import (
+    ENGINE_MEANS,
+    ERRORS,
+    Dist,
+    GateSettings,
+    Interval,
+    MetricRule,
+    Outcome,
+    Verdict,
+    engine_dists,
+    judge,
+    merge_into,
+)
 
 __all__ = [
     "EXIT_CODES",
@@ -48,7 +60,6 @@ __all__ = [
 
 # A marginal canary is not promoted without a person, as Argo treats Kayenta's marginal score: inconclusive.
 EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INCONCLUSIVE: 2}
-ERRORS = "error_rate"  # errors among finished requests: vLLM's request_success_total{finished_reason="error"}
 # Gate metric -> the vLLM histogram it reads (the current spelling first, as the collector reads them).
 HISTOGRAMS: Mapping[str, tuple[str, ...]] = {k: FAMILIES.histograms[k] for k in ("ttft", "tpot", "itl", "e2e", "queue_time")}
 MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as Argo's consecutiveErrorLimit
@@ -249,12 +260,6 @@ class SignalReader(Protocol):
     async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]: ...
 
 
-# Gate metric -> (the stored per-engine mean, the rate its observations come at).
-_STORED = {"ttft": ("ttft_mean", "request_rate"), "tpot": ("tpot_mean", "request_rate"),
-           "e2e": ("e2e_mean", "request_rate"), "queue_time": ("queue_time_mean", "request_rate"),
-           "itl": ("itl_mean", "generation_tokens_rate")}
-
-
 class StoreGateSource:
     """The control plane's own store: each engine's interval mean, weighted by how many observations it holds.
 
@@ -264,7 +269,7 @@ class StoreGateSource:
 
     def __init__(self, store: SignalReader, pool: str, baseline: ArmSelector, canary: ArmSelector,
                  rules: Sequence[MetricRule]) -> None:
-        _check_rules(rules, [*_STORED, ERRORS], "the store")
+        _check_rules(rules, [*ENGINE_MEANS, ERRORS], "the store")
         quantiles = [r.label for r in rules if r.statistic != "mean"]
         if quantiles:
             raise GateError(f"rule(s) {quantiles}: the store keeps per-engine quantiles, which cannot be merged "
@@ -274,50 +279,21 @@ class StoreGateSource:
 
     async def interval(self, start: float, end: float) -> Interval:
         wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
-                  *(_STORED[n][0] for n in self._names if n in _STORED)}
-        # One step back, so the first point in the window knows how long its interval was.
+                  *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
+        # Two steps back, so the first point in the window knows how long its interval was.
         signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
-        series: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
-        for s in signals:
+        engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
-                series[(s.subject, s.name)].append((s.ts, s.value))
+                engines[s.subject][s.name].append((s.ts, s.value))
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
-        for subject in {subj for subj, _ in series}:
+        for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
             arm = next((a for a, sel in self._arms.items() if sel.matches({"pool": pool, "pod": pod})), None)
-            if arm is None:
-                continue
-            counts = _counts(series.get((subject, "request_rate"), []), start, end)
-            tokens = _counts(series.get((subject, "generation_tokens_rate"), []), start, end)
-            for name in self._names:
-                if name == ERRORS:
-                    errors = sum(_counts(series.get((subject, "request_error_rate"), []), start, end).values())
-                    trials = sum(counts.values())
-                    if trials > 0:
-                        _add(arms[arm], name, Dist.of_events(errors, trials))
-                    continue
-                mean_name, rate = _STORED[name]
-                weights = tokens if rate == "generation_tokens_rate" else counts
-                for ts, value in series.get((subject, mean_name), []):
-                    n = weights.get(ts, 0.0)
-                    if start < ts <= end and n > 0 and math.isfinite(value):
-                        _add(arms[arm], name, Dist(n, value * n))
+            if arm is not None:
+                for name, d in engine_dists(series, self._names, start, end).items():
+                    merge_into(arms[arm], name, d)
         return Interval(start, end, arms["baseline"], arms["canary"])
-
-
-def _counts(points: Sequence[tuple[float, float]], start: float, end: float) -> dict[float, float]:
-    """Observations per point in (start, end]: each rate times the time since the point before it."""
-    out: dict[float, float] = {}
-    prev: float | None = None
-    for ts, rate in sorted(points):
-        if prev is not None and start < ts <= end and math.isfinite(rate):
-            out[ts] = max(0.0, rate) * (ts - prev)
-        prev = ts
-    return out
-
-
-def _add(arm: dict[str, Dist], name: str, d: Dist) -> None:
-    arm[name] = d if name not in arm else arm[name].merge(d)
 
 
 class GateSession:

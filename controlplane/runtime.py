@@ -28,6 +28,7 @@ from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 from policies.autoscale import Sizer
+from policies.canary_rollout import CanaryRegression
 from policies.ep_imbalance import EpImbalance
 from policies.gpu_health import GpuHealth
 from policies.inputs import StaleInputs
@@ -69,6 +70,7 @@ POLICIES: dict[str, Callable[[Any], Policy]] = {
     "gpu_health": GpuHealth,
     "ep_imbalance": EpImbalance,
     "stale_inputs": StaleInputs,
+    "canary_regression": CanaryRegression,
 }
 
 

@@ -23,8 +23,9 @@ Per metric:
    shift with a wide interval is never a pass; too few blocks is inconclusive, never a pass.
 
 The gate's verdict combines the metrics: a failed critical metric fails it at once; once every
-metric is decided, the share that passed is the score, judged against `pass_score` and
-`marginal_score` as Kayenta judges its score.
+metric is decided, the share that passed is the score (a marginal metric counts half), judged
+against `pass_score` and `marginal_score` as Kayenta judges its score; a marginal metric keeps the
+gate from passing, and a gate no metric failed is never worse than marginal.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from scipy.stats import t as student_t
 from catalog.settings import Seconds, Settings
 
 __all__ = [
+    "ENGINE_MEANS",
+    "ERRORS",
     "Direction",
     "Dist",
     "GateSettings",
@@ -54,8 +57,16 @@ __all__ = [
     "Verdict",
     "blocks",
     "confidence_sequence",
+    "engine_dists",
     "judge",
+    "merge_into",
 ]
+
+ERRORS = "error_rate"  # errors among finished requests (vLLM's request_success_total{finished_reason="error"})
+# Gate metric -> the per-engine interval mean the collectors store, and the rate its observations come at.
+ENGINE_MEANS: Mapping[str, tuple[str, str]] = {
+    "ttft": ("ttft_mean", "request_rate"), "tpot": ("tpot_mean", "request_rate"), "e2e": ("e2e_mean", "request_rate"),
+    "queue_time": ("queue_time_mean", "request_rate"), "itl": ("itl_mean", "generation_tokens_rate")}
 
 
 class Outcome(StrEnum):
@@ -265,6 +276,42 @@ class Verdict:
                 "metrics": [m.as_dict() for m in self.metrics]}
 
 
+def engine_dists(series: Mapping[str, Sequence[tuple[float, float]]], names: Sequence[str], start: float,
+                 end: float) -> dict[str, Dist]:
+    """One engine's observations in (start, end] from its stored signals (name -> points, oldest first): each
+    interval mean weighted by the observations its rate implies since the point before it. Only means: the
+    per-engine quantiles the collectors keep cannot be merged across engines."""
+    def counts(name: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        prev: float | None = None
+        for ts, rate in series.get(name, ()):
+            if prev is not None and start < ts <= end and math.isfinite(rate):
+                out[ts] = max(0.0, rate) * (ts - prev)
+            prev = ts
+        return out
+
+    out: dict[str, Dist] = {}
+    requests = counts("request_rate")
+    for name in names:
+        if name == ERRORS:
+            trials = sum(requests.values())
+            if trials > 0:
+                out[name] = Dist.of_events(sum(counts("request_error_rate").values()), trials)
+            continue
+        mean_name, rate_name = ENGINE_MEANS[name]
+        weights = requests if rate_name == "request_rate" else counts(rate_name)
+        for ts, value in series.get(mean_name, ()):
+            n = weights.get(ts, 0.0)
+            if start < ts <= end and n > 0 and math.isfinite(value):
+                merge_into(out, name, Dist(n, value * n))
+    return out
+
+
+def merge_into(arm: dict[str, Dist], name: str, d: Dist) -> None:
+    """Add `d` to an arm's observations of `name`."""
+    arm[name] = d if name not in arm else arm[name].merge(d)
+
+
 def blocks(intervals: Sequence[Interval], rule: MetricRule) -> list[tuple[Dist, Dist]]:
     """Consecutive intervals merged until both arms hold `min_count` observations; an unfinished tail is left out."""
     out: list[tuple[Dist, Dist]] = []
@@ -331,13 +378,15 @@ def _combine(verdicts: Sequence[MetricVerdict], s: GateSettings,
     judged = [v for v in verdicts if v.outcome is not Outcome.INCONCLUSIVE]
     if not judged:
         return Outcome.INCONCLUSIVE, True, None, "no metric could be judged: " + "; ".join(v.reason for v in verdicts)
-    score = round(100.0 * sum(v.outcome is Outcome.PASS for v in judged) / len(judged), 2)
+    # A marginal metric counts half, as Keptn scores a warning; it keeps the gate from passing.
+    points = sum(1.0 if v.outcome is Outcome.PASS else 0.5 if v.outcome is Outcome.MARGINAL else 0.0 for v in judged)
+    score = round(100.0 * points / len(judged), 2)
     below = [v for v in judged if v.outcome is not Outcome.PASS]
     detail = "; ".join(v.reason for v in below) if below else "every metric within its allowance"
-    if score >= s.pass_score:
-        return Outcome.PASS, True, score, f"score {score:g} >= {s.pass_score:g}: {detail}"
-    if score >= s.marginal_score:
-        return Outcome.MARGINAL, True, score, f"score {score:g} >= {s.marginal_score:g} (marginal): {detail}"
+    if not below and score >= s.pass_score:
+        return Outcome.PASS, True, score, f"score {score:g}: {detail}"
+    if score >= s.marginal_score or all(v.outcome is not Outcome.FAIL for v in judged):
+        return Outcome.MARGINAL, True, score, f"score {score:g} (marginal): {detail}"
     return Outcome.FAIL, True, score, f"score {score:g} < {s.marginal_score:g}: {detail}"
 
 

@@ -37,8 +37,8 @@ class SimActuator:
 
     async def observe(self) -> FleetView:
         f = self.fleet
-        pools = {pool: PoolReplicas(f.desired[pool], len([m for m in f.ready(pool) if m.version == "stable"]))
-                 for pool in f.members}
+        # Ready as a workload counts them: old and new revisions alike, draining ones not.
+        pools = {pool: PoolReplicas(f.desired[pool], len(f.ready(pool))) for pool in f.members}
         return FleetView(pools, dict(f.changed_at))
 
     async def carry_out(self, order: Order) -> dict[str, Any]:

@@ -251,13 +251,15 @@ class SimFleet:
     # actions --------------------------------------------------------------------------------
 
     def scale(self, pool: str, replicas: int) -> None:
-        """Set a pool's stable replicas: new engines serve after the startup time, removed ones drain."""
+        """Set a pool's replicas, a canary's engines included (as a Deployment counts its old and new pods):
+        new engines run the stable version and serve after the startup time; removed ones drain, stable first."""
         spec = self.pool_specs[pool]
         self.desired[pool] = replicas
-        live = [m for m in self.members[pool] if not m.draining and m.version == "stable"]
+        live = [m for m in self.members[pool] if not m.draining]
         for _ in range(replicas - len(live)):
             self._add(spec, ready_at=self.now + spec.startup_s)
-        for m in sorted(live, key=lambda m: m.ready_at, reverse=True)[: max(0, len(live) - replicas)]:
+        surplus = sorted(live, key=lambda m: (m.version == "stable", m.ready_at), reverse=True)
+        for m in surplus[: max(0, len(live) - replicas)]:
             m.draining = True
 
     def set_router(self, kind: RouterKind | str) -> None:

@@ -1,0 +1,103 @@
+"""The rollout policy: the engines that started after a pool's change are judged against the others;
+a failed canary is rolled back, an overlapping rollout is held, an ended one resolves."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from policies.canary_rollout import KIND, CanaryRegression, CanaryRolloutSettings
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, RollBack, Severity
+from policies.windows import SignalWindows
+
+STEP = 15.0
+CHANGE = 3600.0  # the pool's workload changed an hour in; its canary engine reports from then on
+
+
+def fleet(slow: float, minutes: float = 20.0, pools: tuple[str, ...] = ("decode",),
+          canary_from: dict[str, float] | None = None) -> tuple[SignalWindows, float]:
+    """Three old engines per pool from the start, one new one from its pool's change, TPOT `slow` times theirs."""
+    w = SignalWindows(horizon_s=3 * 3600)
+    end = CHANGE + minutes * 60
+    for pool in pools:
+        since = (canary_from or {}).get(pool, CHANGE)
+        for pod, first, factor in ((f"{pool}-0", 0.0, 1.0), (f"{pool}-1", 0.0, 1.0), (f"{pool}-2", 0.0, 1.0),
+                                   (f"{pool}-7f9c-0", since + 20, slow)):
+            t, i = first, 0
+            while t <= end:
+                wobble = 1 + 0.03 * ((i * 7 + len(pod)) % 5 - 2)
+                subject = f"engine/{pool}/{pod}/0"
+                for name, value in (("request_rate", 4.0), ("tpot_mean", 0.02 * factor * wobble),
+                                    ("ttft_mean", 0.3 * wobble), ("e2e_mean", 4.0 * factor * wobble),
+                                    ("request_error_rate", 0.0)):
+                    w.add(t, subject, name, value)
+                t, i = t + STEP, i + 1
+    return w, end
+
+
+def run(w: SignalWindows, now: float, changed: dict[str, float], open_findings: dict | None = None,
+        settings: CanaryRolloutSettings | None = None):
+    pools = {p: PoolState(p, "decode", 4, 4, 1, 8) for p in ("decode", "prefill")}
+    return CanaryRegression(settings).evaluate(PolicyInput(now, w, pools, open_findings or {}, changed))
+
+
+def test_a_slower_new_revision_is_rolled_back_with_the_verdict_as_evidence() -> None:
+    w, now = fleet(1.15)
+    res = run(w, now, {"decode": CHANGE})
+    [f] = res.findings
+    assert f.key == FindingKey(KIND, "pool/decode") and f.severity is Severity.CRITICAL
+    assert "decode-7f9c-0" in f.summary and "tpot" in f.summary
+    [p] = f.proposals
+    assert p.kind is ActionKind.ROLLBACK and p.change == RollBack("decode") and "tpot +1" in p.reason
+    assert f.evidence["canary"] == ["decode-7f9c-0"] and f.evidence["baseline"] == ["decode-0", "decode-1", "decode-2"]
+    tpot = next(m for m in f.evidence["metrics"] if m["name"] == "tpot")
+    assert tpot["result"] == "fail" and tpot["lower"] > 1.0 and "canary" in tpot["reason"]
+    assert set(CanaryRegression().reads) >= {"tpot_mean", "request_rate"}
+
+
+def test_the_same_revision_is_not_a_finding_and_nothing_is_judged_without_a_change() -> None:
+    w, now = fleet(1.0)
+    assert run(w, now, {"decode": CHANGE}).findings == []
+    w, now = fleet(1.3)
+    assert run(w, now, {}).findings == []  # no rollout known: every engine is as old as the others
+
+
+def test_a_canary_pattern_names_the_canary_of_a_deployment_beside_the_stable_one() -> None:
+    w, now = fleet(1.3)
+    s = CanaryRolloutSettings(canary_pods={"decode": r"decode-7f9c-\d+"})
+    [f] = run(w, now, {}, settings=s).findings
+    assert f.severity is Severity.CRITICAL
+    with pytest.raises(ValidationError, match="not a regular expression"):
+        CanaryRolloutSettings(canary_pods={"decode": "(("})
+    with pytest.raises(ValidationError, match="quantiles need"):
+        CanaryRolloutSettings(gate={"metrics": [{"name": "tpot", "statistic": "p95"}]})
+
+
+def test_one_pool_at_a_time_and_an_ended_rollout_resolves() -> None:
+    w, now = fleet(1.3, pools=("decode", "prefill"), canary_from={"prefill": CHANGE + 300})
+    res = run(w, now, {"decode": CHANGE, "prefill": CHANGE + 300})
+    by = {f.key.subject: f for f in res.findings}
+    assert by["pool/decode"].severity is Severity.CRITICAL
+    assert by["pool/prefill"].severity is Severity.WARNING and "one pool at a time" in by["pool/prefill"].summary
+    assert by["pool/prefill"].proposals == ()
+    key = FindingKey(KIND, "pool/decode")
+    rolled_back, _ = fleet(1.0, minutes=20)
+    # after the rollback the canary is gone: only the three old engines report
+    gone = SignalWindows(horizon_s=3 * 3600)
+    for subject in rolled_back.subjects("request_rate"):
+        if "7f9c" not in subject:
+            for name in ("request_rate", "tpot_mean"):
+                for ts, v in rolled_back.series(subject, name):
+                    gone.add(ts, subject, name, v)
+    res = run(gone, now, {"decode": CHANGE}, {key: OpenFinding(key, now - 600, {})})
+    assert res.findings == [] and res.resolved[0][0] == key and "rollout ended" in res.resolved[0][1]
+
+
+def test_a_canary_still_undecided_when_the_window_ends_goes_to_a_person() -> None:
+    w, now = fleet(1.04, minutes=35)  # +4 %: below the allowed +5 %, near enough not to pass quickly
+    s = CanaryRolloutSettings(gate={"max_window": "30m", "metrics": [{"name": "tpot", "critical": True,
+                                                                       "allowed": 0.05}]})
+    res = run(w, now, {"decode": CHANGE}, settings=s)
+    if res.findings:
+        [f] = res.findings
+        assert f.severity is Severity.WARNING and "a person decides" in f.summary and f.proposals == ()
