@@ -73,6 +73,10 @@ class ActuationError(FleetError):
 
 
 class GateError(FleetError):
-    """A canary gate cannot judge: a bad selector or rule, or a source that keeps failing."""
+    """A canary gate cannot judge: its source keeps failing (or, as GateInputError, it was asked wrongly)."""
 
     exit_code = 3
+
+
+class GateInputError(GateError):
+    """A canary gate was asked wrongly: a bad selector, a metric its source cannot read, an unknown report format."""

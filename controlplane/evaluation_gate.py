@@ -171,7 +171,7 @@ class _Run:
         fleet.advance_to(WARMUP_S + 1.0)  # the canaries start (one-second start-up) and the replaced engines drain
         arms = self._arms(fleet)
         settings = {pool: pool_settings(pool) for pool in POOL_METRIC}
-        step = 30.0
+        step = settings["decode"].step
         intervals: dict[str, list[Interval]] = {label: [] for label in arms}
         t = fleet.now
         before = {m.engine.pod: _snapshot(m.engine) for ms in fleet.members.values() for m in ms}

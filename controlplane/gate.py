@@ -26,7 +26,7 @@ from collectors.scraper import Scraper
 from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
 from controlplane.clock import Clock
-from controlplane.errors import GateError
+from controlplane.errors import GateError, GateInputError
 from controlplane.selectors import LabelSelector
 from controlplane.store.records import NewVerdict
 from policies.canary import (
@@ -84,15 +84,15 @@ class ArmSelector:
                 try:
                     regexes.append((m["key"], m["op"] == "=~", re.compile(m["value"])))
                 except re.error as exc:
-                    raise GateError(f"selector {text!r}: clause {clause!r} is not a regular expression: {exc}") from None
+                    raise GateInputError(f"selector {text!r}: clause {clause!r} is not a regular expression: {exc}") from None
             else:
                 plain.append(clause)
         try:
             labels = LabelSelector.parse(",".join(plain))
         except ValueError as exc:
-            raise GateError(f"selector {text!r}: {exc}") from None
+            raise GateInputError(f"selector {text!r}: {exc}") from None
         if not labels.requirements and not regexes:
-            raise GateError(f"selector {text!r} selects every pod: name the canary's or the baseline's pods")
+            raise GateInputError(f"selector {text!r} selects every pod: name the canary's or the baseline's pods")
         return cls(text, labels, tuple(regexes))
 
     def matches(self, labels: Mapping[str, str]) -> bool:
@@ -158,7 +158,7 @@ class GateSource(Protocol):
 def _check_rules(rules: Sequence[MetricRule], known: Iterable[str], source: str) -> None:
     unknown = sorted({r.name for r in rules} - set(known))
     if unknown:
-        raise GateError(f"metric(s) {unknown} cannot be read from {source}; it knows {sorted(set(known))}")
+        raise GateInputError(f"metric(s) {unknown} cannot be read from {source}; it knows {sorted(set(known))}")
 
 
 class TargetsGateSource:
@@ -167,7 +167,7 @@ class TargetsGateSource:
     def __init__(self, scraper: Scraper, baseline: Sequence[Target], canary: Sequence[Target],
                  rules: Sequence[MetricRule]) -> None:
         if not baseline or not canary:
-            raise GateError(f"no {'baseline' if not baseline else 'canary'} target matches its selector")
+            raise GateInputError(f"no {'baseline' if not baseline else 'canary'} target matches its selector")
         _check_rules(rules, [*HISTOGRAMS, ERRORS], "the pods' /metrics")
         self._scraper, self._arms = scraper, {"baseline": list(baseline), "canary": list(canary)}
         self._names = [r.name for r in rules]
@@ -272,7 +272,7 @@ class StoreGateSource:
         _check_rules(rules, [*ENGINE_MEANS, ERRORS], "the store")
         quantiles = [r.label for r in rules if r.statistic != "mean"]
         if quantiles:
-            raise GateError(f"rule(s) {quantiles}: the store keeps per-engine quantiles, which cannot be merged "
+            raise GateInputError(f"rule(s) {quantiles}: the store keeps per-engine quantiles, which cannot be merged "
                             f"across pods; judge the mean, or read Prometheus or the pods")
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
@@ -448,7 +448,7 @@ def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, c
                 f'  <properties><property name="result" value="{verdict.outcome.value}"/>'
                 f'<property name="reason" value="{html.escape(verdict.reason)}"/></properties>\n'
                 + "\n".join(cases) + "\n</testsuite>\n")
-    raise GateError(f"report format {fmt!r}: expected junit, json or markdown")
+    raise GateInputError(f"report format {fmt!r}: expected junit, json or markdown")
 
 
 def _num(v: float | None) -> str:

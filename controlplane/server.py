@@ -24,7 +24,7 @@ import tornado.httpserver
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controlplane.errors import ActionConflict, ActionNotFound, FleetError, GateError
+from controlplane.errors import ActionConflict, ActionNotFound, FleetError, GateError, GateInputError
 from controlplane.gate import GateBook, GateKey, StoreGateSource
 from controlplane.loop import ControlLoop
 from policies.canary import GateSettings, Outcome, Verdict
@@ -183,8 +183,11 @@ class _Gate(_Json):
         key = GateKey(params["pool"], params["baseline"], params["canary"], params.get("revision", ""))
         try:
             verdict = await self.gates.consult(key, self.loop.clock.now(), settings)
+        except GateInputError as exc:
+            self.fail(400, str(exc))
+            return None
         except GateError as exc:
-            self.fail(400 if "selector" in str(exc) or "metric" in str(exc) else 503, str(exc))
+            self.fail(503, str(exc))
             return None
         except FleetError as exc:
             self.fail(503, f"the gate could not read its numbers: {exc}")

@@ -459,10 +459,8 @@ def _shift(base: Dist, can: Dist, rule: MetricRule) -> float | None:
     return math.log(c / b)
 
 
-def _fmt(v: float | None, scale: Scale) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.4g}"
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
 
 
 def _shift_text(v: float, scale: Scale) -> str:
@@ -473,7 +471,7 @@ def _explain(rule: MetricRule, outcome: Outcome, decided: bool, shown: tuple[flo
              values: Mapping[str, float | None], level: float) -> str:
     est, lo, hi = shown
     allowed = f"+{rule.allowed * 100:.1f}%" if rule.scale is Scale.RATIO else f"{rule.allowed:+.4g}"
-    head = (f"{rule.label}: canary {_fmt(values['canary'], rule.scale)} vs baseline {_fmt(values['baseline'], rule.scale)}, "
+    head = (f"{rule.label}: canary {_fmt(values['canary'])} vs baseline {_fmt(values['baseline'])}, "
             f"shift {_shift_text(est, rule.scale)} (interval {_shift_text(lo, rule.scale)} to "
             f"{_shift_text(hi, rule.scale)}, {level:.1%} anytime-valid, {n} blocks), allowed {allowed}")
     why = {

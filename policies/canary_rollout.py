@@ -141,8 +141,9 @@ class CanaryRegression:
         base: list[str] = []
         canary: list[str] = []
         first = math.inf
+        live_since = inp.now - 4 * self.settings.gate.step  # engines gone (rolled back, drained) are no arm
         for subject in inp.windows.subjects(_LOAD, prefix=f"engine/{pool}/"):
-            if inp.windows.latest_ts(subject, _LOAD) is None:
+            if (inp.windows.latest_ts(subject, _LOAD) or -math.inf) < live_since:
                 continue
             pod = subject.split("/")[2]
             points = inp.windows.series(subject, _LOAD)

@@ -10,7 +10,7 @@ import streamlit as st
 
 from dashboard import common as c
 
-RESULTS = alt.Scale(domain=["pass", "fail", "inconclusive"], range=["#2ca02c", "#d62728", "#7f7f7f"])
+RESULTS = alt.Scale(domain=["pass", "marginal", "fail", "inconclusive"], range=["#2ca02c", "#ff7f0e", "#d62728", "#7f7f7f"])
 
 
 def metric_rows(details: dict[str, Any]) -> list[dict[str, Any]]:
@@ -42,9 +42,9 @@ df = pd.DataFrame([{
     "duration": c.secs(v["finished_at"] - v["started_at"]),
 } for v in verdicts])
 counts = df["result"].value_counts()
-m = st.columns(4)
+m = st.columns(5)
 m[0].metric("Verdicts (newest 200)", len(df))
-for col, result in zip(m[1:], ("pass", "fail", "inconclusive"), strict=True):
+for col, result in zip(m[1:], ("pass", "marginal", "fail", "inconclusive"), strict=True):
     col.metric(result, int(counts.get(result, 0)))
 
 df["lane"] = df["gate"] + " · " + df["pool"]
@@ -68,7 +68,10 @@ choice = c.select("Verdict", list(by_id), "verdict", c.chosen("verdict"),
 v = by_id.get(choice or "", verdicts[0])
 st.markdown(f"**#{v['id']} {v['gate']}** on {v['pool']}: {v['baseline']} → {v['canary']} · **{v['result']}**"
             + ("" if v["score"] is None else f" · score {v['score']:.1f}"))
-rows = metric_rows(v["details"] or {})
+details = v["details"] or {}
+if details.get("reason"):
+    st.markdown(f"**Why:** {details['reason']}")
+rows = metric_rows(details)
 if rows:
     st.dataframe(pd.DataFrame(rows), hide_index=True)
 else:

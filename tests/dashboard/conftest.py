@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from sqlalchemy import insert
 
 from collectors.types import Signal
 from controlplane.demo import run_demo
-from controlplane.store.models import VerdictRow
+from controlplane.store.records import NewVerdict
 from controlplane.store.writer import SqlStore
+from policies.canary import Dist, GateSettings, Interval, Verdict, judge
 
 DEMO_MINUTES = 0.4
 
@@ -88,18 +88,26 @@ def add_fleet_extras(url: str) -> None:
                                       and s.value == 0.0)]
         out.append(Signal(times[-10], "gpu/gpu-node-b/3", "gpu_xid_last", 79.0))
         store.write_signals(out)
-        with store.engine.begin() as conn:
-            conn.execute(insert(VerdictRow), [
-                {"gate": "rollout", "pool": "decode", "baseline": "v1", "canary": f"v{2 + i}", "started_at": times[0] + 300 * i,
-                 "finished_at": times[0] + 300 * i + 240, "result": ("pass", "fail", "inconclusive")[i % 3],
-                 "score": 92.0 - 20 * i,
-                 "details": {"metrics": [{"name": "ttft_p95", "result": "pass", "explanation": "canary within 4% of baseline"},
-                                         {"name": "tpot_p95", "result": ("pass", "fail", "inconclusive")[i % 3],
-                                          "explanation": "Mann-Whitney U against the baseline"}]}}
-                for i in range(3)
-            ])
+        for i in range(3):  # verdicts as the gate records them: the judge's own output
+            verdict = _verdict(slow=(1.0, 1.2, 1.03)[i])
+            store.record_verdict(NewVerdict("rollout", "decode", "v1", f"v{2 + i}", times[0] + 300 * i,
+                                            times[0] + 300 * i + 240, verdict.outcome.value, verdict.score,
+                                            verdict.as_dict()))
     finally:
         store.close()
+
+
+def _verdict(slow: float) -> Verdict:
+    """The default gate on twenty steps of a canary `slow` times slower than its baseline."""
+    steps = [Interval(30.0 * k, 30.0 * (k + 1),
+                      {m: Dist(100.0, 100.0 * v * (1 + 0.01 * (k % 3))) for m, v in (("ttft", 0.2), ("tpot", 0.02),
+                                                                                    ("e2e", 3.0))}
+                      | {"error_rate": Dist.of_events(0, 100)},
+                      {m: Dist(40.0, 40.0 * v * slow * (1 + 0.01 * (k % 2))) for m, v in (("ttft", 0.2), ("tpot", 0.02),
+                                                                                          ("e2e", 3.0))}
+                      | {"error_rate": Dist.of_events(0, 60)})
+             for k in range(20)]
+    return judge(steps, GateSettings(), final=True)
 
 
 @pytest.fixture(scope="session")

@@ -135,7 +135,10 @@ def test_pages_read_what_the_store_holds(monkeypatch: pytest.MonkeyPatch, full_d
     kv = render(monkeypatch, url, "kv")
     assert "KV path probe (prefill → decode pairs)" in [h.value for h in kv.header]
     canary = render(monkeypatch, url, "canary")
-    assert "Mann-Whitney U against the baseline" in list(canary.dataframe[-1].value["explanation"])
+    metrics = canary.dataframe[-1].value
+    assert list(metrics["name"]) == ["ttft", "tpot", "e2e", "error_rate"]
+    assert any("anytime-valid" in r and "allowed +5.0%" in r for r in metrics["reason"])
+    assert {m.label: str(m.value) for m in canary.metric}["fail"] == "1", [(m.label, m.value) for m in canary.metric]
 
 
 def test_links_select_the_pool_the_incident_and_the_action(monkeypatch: pytest.MonkeyPatch, demo_db: Path) -> None:

@@ -101,3 +101,16 @@ def test_a_canary_still_undecided_when_the_window_ends_goes_to_a_person() -> Non
     if res.findings:
         [f] = res.findings
         assert f.severity is Severity.WARNING and "a person decides" in f.summary and f.proposals == ()
+
+
+def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
+    w, now = fleet(1.3)
+    stopped = SignalWindows(horizon_s=3 * 3600)
+    for subject in w.subjects("request_rate"):
+        for name in ("request_rate", "tpot_mean", "ttft_mean", "e2e_mean", "request_error_rate"):
+            for ts, v in w.series(subject, name):
+                if "7f9c" not in subject or ts < now - 300:  # the canary was deleted five minutes ago
+                    stopped.add(ts, subject, name, v)
+    key = FindingKey(KIND, "pool/decode")
+    res = run(stopped, now, {"decode": CHANGE}, {key: OpenFinding(key, now - 900, {})})
+    assert res.findings == [] and res.resolved and "rollout ended" in res.resolved[0][1]
