@@ -22,6 +22,10 @@ Per metric:
    allowed shift; pass when the worst end of the interval stays within the allowed shift. A large
    shift with a wide interval is never a pass; too few blocks is inconclusive, never a pass.
 
+Written here rather than taken from a library: `confseq` (quantile confidence sequences) builds
+from C++ with Boost and ships no wheels for current Pythons, and `savvi` tests multinomial counts
+against known proportions (sample-ratio mismatch), not a shift between two arms, and pulls in cvxpy.
+
 The gate's verdict combines the metrics: a failed critical metric fails it at once; once every
 metric is decided, the share that passed is the score (a marginal metric counts half), judged
 against `pass_score` and `marginal_score` as Kayenta judges its score; a marginal metric keeps the
