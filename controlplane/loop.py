@@ -28,9 +28,10 @@ from controlplane.observe import MetricSource, Observation
 from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, revert_of
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
-from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding
+from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, READY, TARGET, PoolPlan, Sizer
+from policies.canary_rollout import KIND as CANARY
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
@@ -335,6 +336,8 @@ class ControlLoop:
                     row = await self.store.open_finding(_new_finding(finding), now)
                     open_rows[finding.key] = row
                     report.opened.append(row)
+                    if finding.key.kind == CANARY and "result" in finding.evidence:
+                        await self._keep_verdict(finding, now)
                 else:
                     await self.store.update_finding(row.id, _new_finding(finding), now)
                     row = replace(row, severity=str(finding.severity), summary=finding.summary, cause=finding.cause,
@@ -352,6 +355,15 @@ class ControlLoop:
         for f in open_rows.values():
             self.telemetry.open_findings.labels(f.kind, f.severity).inc()
         return inp, proposals
+
+    async def _keep_verdict(self, finding: FindingReport, now: float) -> None:
+        """A rollout's verdict goes where `fleetctl gate` keeps its own: the dashboard's Canary page."""
+        e = finding.evidence
+        pool = finding.key.subject.removeprefix("pool/")
+        await self.store.record_verdict(NewVerdict(
+            "rollout", pool, ",".join(e.get("baseline", [])), ",".join(e.get("canary", [])),
+            float(e.get("started_at", now)), float(e.get("ended_at", now)), str(e["result"]), e.get("score"),
+            {**e, "finding": finding.summary}))
 
     # act --------------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from catalog.settings import Seconds, Settings
 __all__ = [
     "ENGINE_MEANS",
     "ERRORS",
+    "REQUESTS",
     "Direction",
     "Dist",
     "GateSettings",
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 ERRORS = "error_rate"  # errors among finished requests (vLLM's request_success_total{finished_reason="error"})
+REQUESTS = "requests"  # the finished requests themselves, as a count: how much load an arm carried
 # Gate metric -> the per-engine interval mean the collectors store, and the rate its observations come at.
 ENGINE_MEANS: Mapping[str, tuple[str, str]] = {
     "ttft": ("ttft_mean", "request_rate"), "tpot": ("tpot_mean", "request_rate"), "e2e": ("e2e_mean", "request_rate"),
@@ -297,6 +299,10 @@ def engine_dists(series: Mapping[str, Sequence[tuple[float, float]]], names: Seq
     out: dict[str, Dist] = {}
     requests = counts("request_rate")
     for name in names:
+        if name == REQUESTS:
+            if (total := sum(requests.values())) > 0:
+                out[name] = Dist(total, total)
+            continue
         if name == ERRORS:
             trials = sum(requests.values())
             if trials > 0:

@@ -16,7 +16,11 @@ each pool's workload last changed (`changed_at`, from the actuator). Per pool, e
   pass until the rollout ends;
 - a fail opens a critical finding with the verdict's explanation and proposes rolling the pool back
   to its previous revision (through the rails, like every action); a canary still undecided after
-  `max_window` gets a warning for a person.
+  `max_window` gets a warning for a person;
+- after a promotion (the old engines gone, the new ones serving) it keeps watching for
+  `watch_after_promotion`: each step of the new revision against the old one's level over its last
+  `lookback`, using only steps whose load per engine is within `load_match` of the old level's. That
+  is no concurrent baseline, so a fail here is a warning for a person, not a rollback.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from catalog.settings import Problem, Settings
+from catalog.settings import NonNegativeSeconds, Problem, Seconds, Settings
 from policies.canary import (
     ENGINE_MEANS,
     ERRORS,
+    REQUESTS,
     Dist,
     GateSettings,
     Interval,
@@ -63,6 +68,9 @@ class CanaryRolloutSettings(Settings):
     enabled: bool = True
     gate: GateSettings = GateSettings()
     canary_pods: dict[str, str] = Field(default_factory=dict)  # pool -> regex of its canary pods' names
+    watch_after_promotion: NonNegativeSeconds = 1800.0  # 0: stop at the promotion
+    lookback: Seconds = 600.0  # the old revision's level: its last this long before the promotion
+    load_match: float = Field(0.2, gt=0, le=1)  # post-promotion steps compared only at load per engine within this
 
     @field_validator("canary_pods")
     @classmethod
@@ -108,8 +116,10 @@ class CanaryRegression:
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         result = PolicyResult()
         rollouts = {pool: arms for pool in inp.pools if (arms := self._arms(inp, pool)) is not None}
+        promoted = {pool: p for pool in inp.pools if pool not in rollouts and (p := self._promoted(inp, pool))}
         for key in inp.open_findings:
-            if key.kind == KIND and key.subject.removeprefix("pool/") not in rollouts:
+            pool = key.subject.removeprefix("pool/")
+            if key.kind == KIND and pool not in rollouts and pool not in promoted:
                 result.resolved.append((key, "the rollout ended: no canary engines (rolled back or promoted), "
                                              "or no baseline left"))
         ordered = sorted(rollouts, key=lambda p: rollouts[p][2])
@@ -122,14 +132,14 @@ class CanaryRegression:
                 f"pool changes what the other's engines see, so neither canary can be judged cleanly. {pool} is "
                 f"judged once {first}'s rollout ends.",
                 {"overlaps": first, "canary": sorted(rollouts[pool][1])}, KIND))
-        if ordered:
-            pool = ordered[0]
-            finding = self._judge(inp, pool, *rollouts[pool])
+        judged = {pool: self._judge(inp, pool, *rollouts[pool]) for pool in ordered[:1]}
+        judged |= {pool: self._watch(inp, pool, *promoted[pool]) for pool in promoted}
+        for pool, finding in judged.items():
             key = FindingKey(KIND, f"pool/{pool}")
             if finding is not None:
                 result.findings.append(finding)
             elif key in inp.open_findings:
-                result.resolved.append((key, "the canary is no longer judged worse than its baseline"))
+                result.resolved.append((key, "the new revision is no longer judged worse than the old one"))
         return result
 
     def _arms(self, inp: PolicyInput, pool: str) -> tuple[list[str], list[str], float] | None:
@@ -155,6 +165,72 @@ class CanaryRegression:
         if not base or not canary:
             return None
         return base, canary, max(first, changed or -math.inf) if pattern is None else first
+
+    def _promoted(self, inp: PolicyInput, pool: str) -> tuple[list[str], list[str], float] | None:
+        """(old engines, new engines, when the last old one stopped) within the watch after a promotion."""
+        changed = inp.changed_at.get(pool)
+        pattern = self._patterns.get(pool)
+        if self.settings.watch_after_promotion <= 0 or (changed is None and pattern is None):
+            return None
+        live_since = inp.now - 4 * self.settings.gate.step
+        old: list[str] = []
+        new: list[str] = []
+        for subject in inp.windows.subjects(_LOAD, prefix=f"engine/{pool}/"):
+            points = inp.windows.series(subject, _LOAD)
+            pod = subject.split("/")[2]
+            is_new = bool(pattern.fullmatch(pod)) if pattern is not None else points[0][0] > (changed or math.inf)
+            if is_new and points[-1][0] >= live_since:
+                new.append(subject)
+            elif not is_new:
+                if points[-1][0] >= live_since:
+                    return None  # an old engine still serves: a rollout, or none
+                old.append(subject)
+        if not old or not new:
+            return None
+        promoted_at = max(inp.windows.series(s, _LOAD)[-1][0] for s in old)
+        if inp.now - promoted_at > self.settings.watch_after_promotion:
+            return None
+        return old, new, promoted_at
+
+    def _watch(self, inp: PolicyInput, pool: str, old: list[str], new: list[str],
+               promoted_at: float) -> FindingReport | None:
+        """The new revision's steps since the promotion against the old one's level, at matched load."""
+        s, gate = self.settings, self.settings.gate
+        before = promoted_at - s.lookback
+        level: dict[str, Dist] = {}
+        for subject in old:
+            series = {name: inp.windows.series(subject, name, since=before - 2 * gate.step) for name in self.reads}
+            for name, d in engine_dists(series, [*self._names, REQUESTS], before, promoted_at).items():
+                merge_into(level, name, d)
+        if REQUESTS not in level:
+            return None
+        per_engine = level[REQUESTS].count / s.lookback / len(old)
+        intervals = []
+        t = promoted_at
+        while t + gate.step <= inp.now:
+            step: dict[str, Dist] = {}
+            for subject in new:
+                series = {name: inp.windows.series(subject, name, since=t - 2 * gate.step) for name in self.reads}
+                for name, d in engine_dists(series, [*self._names, REQUESTS], t, t + gate.step).items():
+                    merge_into(step, name, d)
+            load = step[REQUESTS].count / gate.step / len(new) if REQUESTS in step else 0.0
+            if per_engine > 0 and abs(load / per_engine - 1.0) <= s.load_match:
+                intervals.append(Interval(t, t + gate.step, level, step))
+            t += gate.step
+        if not intervals:
+            return None
+        verdict = judge(intervals, gate)
+        if verdict.outcome is not Outcome.FAIL:
+            return None
+        failed = [m.name for m in verdict.metrics if m.outcome is Outcome.FAIL]
+        return FindingReport(
+            FindingKey(KIND, f"pool/{pool}"), Severity.WARNING,
+            f"since its promotion, {pool}'s new revision is worse than the old one was: {', '.join(failed)}",
+            f"{verdict.reason}. Compared with the old revision's level over its last {s.lookback / 60:g} min, at "
+            f"load per engine within {s.load_match:.0%} of it ({len(intervals)} steps): no concurrent baseline, so "
+            f"a person decides whether to roll back.",
+            {**verdict.as_dict(), "post_promotion": True, "promoted_at": promoted_at,
+             "old": sorted(x.split("/")[2] for x in old), "new": sorted(x.split("/")[2] for x in new)}, KIND)
 
     def _intervals(self, inp: PolicyInput, base: list[str], canary: list[str], start: float) -> list[Interval]:
         step = self.settings.gate.step

@@ -333,3 +333,28 @@ async def test_argo_and_flagger_endpoints() -> None:
     finally:
         http.stop()
     assert made.count("pod=slow") == 1  # one session for the Argo rollout, however often it asked
+
+
+# the loop rolls a failed canary back --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_the_loop_rolls_back_a_failed_canary_and_keeps_its_verdict(tmp_path: Any) -> None:
+    from controlplane.sim.run import run_scenario
+    from controlplane.sim.scenario import load_scenario
+    from controlplane.store import migrate
+    from controlplane.store.queries import ReadStore
+
+    db = f"sqlite:///{tmp_path / 'canary.db'}"
+    migrate.upgrade(db)
+    scenario = load_scenario("canary-tpot-regression").model_copy(update={"duration": 1380.0})
+    run = await run_scenario(scenario, db, mode="act")
+    store = ReadStore.open(db)
+    rollbacks = [a for a in store.actions() if a["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["pool"] == "decode" and rollbacks[0]["state"] == "succeeded"
+    finding = store.finding(rollbacks[0]["finding_id"])
+    assert finding is not None and finding["kind"] == "canary_regression" and finding["state"] == "resolved"
+    assert not [m for m in run.fleet.members["decode"] if m.version != "stable" and not m.draining]
+    [verdict] = store.verdicts()
+    assert verdict["gate"] == "rollout" and verdict["result"] == "fail" and "decode-canary-0" in verdict["canary"]
+    assert any(m["name"] == "tpot" and m["result"] == "fail" for m in verdict["details"]["metrics"])

@@ -114,3 +114,36 @@ def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
     key = FindingKey(KIND, "pool/decode")
     res = run(stopped, now, {"decode": CHANGE}, {key: OpenFinding(key, now - 900, {})})
     assert res.findings == [] and res.resolved and "rollout ended" in res.resolved[0][1]
+
+
+def promoted(slow: float, load: float = 1.0) -> tuple[SignalWindows, float]:
+    """Three old engines until ten minutes after the change, three new ones from the change on: a
+    promotion; then fifteen minutes of the new revision alone, at `load` times the old per-engine load."""
+    w = SignalWindows(horizon_s=3 * 3600)
+    promoted_at, end = CHANGE + 600, CHANGE + 1500
+    for pod, first, last, factor in [(f"decode-{i}", 0.0, promoted_at, 1.0) for i in range(3)] + \
+                                    [(f"decode-7f9c-{i}", CHANGE + 20, end, slow) for i in range(3)]:
+        t, i = first, 0
+        while t <= last:
+            wobble = 1 + 0.03 * ((i * 7 + len(pod)) % 5 - 2)
+            rate = 4.0 * (load if "7f9c" in pod and t > promoted_at else 1.0)
+            subject = f"engine/decode/{pod}/0"
+            for name, value in (("request_rate", rate), ("tpot_mean", 0.02 * factor * wobble),
+                                ("ttft_mean", 0.3 * wobble), ("e2e_mean", 4.0 * wobble), ("request_error_rate", 0.0)):
+                w.add(t, subject, name, value)
+            t, i = t + STEP, i + 1
+    return w, end
+
+
+def test_after_a_promotion_it_keeps_watching_against_the_old_level_at_matched_load() -> None:
+    w, now = promoted(1.15)
+    [f] = run(w, now, {"decode": CHANGE}).findings
+    assert f.severity is Severity.WARNING and f.proposals == () and f.evidence["post_promotion"]
+    assert "since its promotion" in f.summary and "tpot" in f.summary and "no concurrent baseline" in f.cause
+    assert run(*promoted(1.0), {"decode": CHANGE}).findings == []
+    # at twice the load per engine no step is comparable: nothing is concluded
+    assert run(*promoted(1.15, load=2.0), {"decode": CHANGE}).findings == []
+    # and the watch ends
+    w, now = promoted(1.15)
+    s = CanaryRolloutSettings(watch_after_promotion="10m")
+    assert run(w, now, {"decode": CHANGE}, settings=s).findings == []
