@@ -27,7 +27,7 @@ from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
 from controlplane.clock import Clock
 from controlplane.errors import GateError, GateInputError
-from controlplane.selectors import LabelSelector
+from controlplane.selectors import LabelSelector, split_clauses
 from controlplane.store.records import NewVerdict
 from policies.canary import (
     ENGINE_MEANS,
@@ -79,7 +79,11 @@ class ArmSelector:
     def parse(cls, text: str) -> ArmSelector:
         """GateError names the selector and the clause it cannot read."""
         plain, regexes = [], []
-        for clause in _clauses(text):
+        try:
+            clauses = split_clauses(text)
+        except ValueError as exc:
+            raise GateInputError(f"selector {text!r}: {exc}") from None
+        for clause in clauses:
             if m := _REGEX_CLAUSE.match(clause):
                 try:
                     regexes.append((m["key"], m["op"] == "=~", re.compile(m["value"])))
@@ -110,20 +114,6 @@ class ArmSelector:
                         "exists": (r.key, "!=", ""), "!exists": (r.key, "=", "")}[r.op])
         out.extend((key, "=~" if want else "!~", rx.pattern) for key, want, rx in self.regexes)
         return out
-
-
-def _clauses(text: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    out.append(cur)
-    return [c.strip() for c in out if c.strip()]
 
 
 def dists_of(deltas: Iterable[families.Delta], names: Iterable[str]) -> dict[str, Dist]:

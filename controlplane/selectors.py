@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["LabelSelector", "Requirement"]
+__all__ = ["LabelSelector", "Requirement", "split_clauses"]
 
 
 class Requirement(NamedTuple):
@@ -64,7 +64,7 @@ class LabelSelector:
     @classmethod
     def parse(cls, text: str) -> LabelSelector:
         """Parse `a=b,c!=d,e,!f,g in (x,y),h notin (z)`; ValueError names the clause it cannot read."""
-        return cls(tuple(_parse_clause(c) for c in _split_clauses(text)))
+        return cls(tuple(_parse_clause(c) for c in split_clauses(text)))
 
     def matches(self, labels: Mapping[str, str] | None) -> bool:
         """Whether a pod with these labels is selected."""
@@ -75,7 +75,8 @@ class LabelSelector:
         return ",".join(str(r) for r in self.requirements)
 
 
-def _split_clauses(text: str) -> list[str]:
+def split_clauses(text: str) -> list[str]:
+    """The comma-separated clauses of a selector, commas inside parentheses kept; ValueError when unbalanced."""
     clauses, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         if ch == "(":
