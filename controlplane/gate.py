@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import logging
 import math
 import re
 from collections import defaultdict
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from collectors import families
-from collectors.exposition import Parser
+from collectors.exposition import ExpositionError, Parser
 from collectors.prometheus_api import PrometheusError, PrometheusSource, escape_regex, selector
 from collectors.scraper import Scraper
 from collectors.types import Signal, Target
@@ -57,6 +58,8 @@ __all__ = [
     "report",
     "run_gate",
 ]
+
+log = logging.getLogger(__name__)
 
 # A marginal canary is not promoted without a person, as Argo treats Kayenta's marginal score: inconclusive.
 EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INCONCLUSIVE: 2}
@@ -172,7 +175,11 @@ class TargetsGateSource:
             for res in results:
                 if not res.ok:
                     continue  # the next good scrape spans the gap
-                for entity, reading in read_engines(self._parser.parse(res.body)).items():
+                errors: list[ExpositionError] = []  # a malformed line is skipped, the rest still counts
+                samples = list(self._parser.parse(res.body, errors=errors))
+                if errors:
+                    log.warning("%s: %d malformed exposition line(s), first: %s", res.target.url, len(errors), errors[0])
+                for entity, reading in read_engines(samples).items():
                     prev = self._prev.get((res.target.key, entity))
                     self._prev[(res.target.key, entity)] = reading
                     if prev is not None and (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:

@@ -358,3 +358,40 @@ async def test_the_loop_rolls_back_a_failed_canary_and_keeps_its_verdict(tmp_pat
     [verdict] = store.verdicts()
     assert verdict["gate"] == "rollout" and verdict["result"] == "fail" and "decode-canary-0" in verdict["canary"]
     assert any(m["name"] == "tpot" and m["result"] == "fail" for m in verdict["details"]["metrics"])
+
+
+async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog: pytest.LogCaptureFixture) -> None:
+    import tornado.web
+    from tornado.httpserver import HTTPServer
+
+    from tests.collectors.expositions import histogram
+
+    bodies = {"base": [0.01] * 40, "can": [0.012] * 40}
+    calls = {"n": 0}
+
+    class Metrics(tornado.web.RequestHandler):
+        def get(self, arm: str) -> None:
+            n = calls["n"] = calls["n"] + 1
+            obs = tuple(bodies[arm] * n)
+            self.set_header("Content-Type", "text/plain; version=0.0.4")
+            self.write(histogram("vllm:request_time_per_output_token_seconds", {}, ("0.01", "0.05"), obs)
+                       + "vllm:broken_line{ 1\n")
+
+    port = free_port()
+    server = HTTPServer(tornado.web.Application([(r"/(base|can)/metrics", Metrics)]))
+    server.listen(port, "127.0.0.1")
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            from collectors.types import Target
+
+            scraper = Scraper(client, timeout_s=2.0)
+            base = [Target(f"http://127.0.0.1:{port}/base/metrics", "decode", "decode-0")]
+            can = [Target(f"http://127.0.0.1:{port}/can/metrics", "decode", "decode-canary-0")]
+            source = TargetsGateSource(scraper, base, can, TPOT_ONLY.metrics)
+            await source.interval(0, 30)
+            iv = await source.interval(30, 60)
+    finally:
+        server.stop()
+    assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.012)
+    assert iv.baseline["tpot"].count > 0
+    assert "malformed exposition line" in caplog.text
