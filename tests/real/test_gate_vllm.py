@@ -34,9 +34,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "tests" / "artifacts"
 WORDS = "the a of to and in is that for on with cache prefix token engine request decode model pool fleet".split()
+# Two engines on a two-core machine that also runs the traffic and the test differ by up to ~20 % at
+# the same load (their cores are not equally busy): that spread is the margin, as it would be for
+# pods on unequal nodes.
 SETTINGS = GateSettings(
-    metrics=(MetricRule(name="ttft", critical=True, allowed=0.25, min_count=8),
-             MetricRule(name="tpot", critical=True, allowed=0.25, min_count=8),
+    metrics=(MetricRule(name="ttft", critical=True, allowed=0.25, margin=0.2, min_count=8),
+             MetricRule(name="tpot", critical=True, allowed=0.25, margin=0.2, min_count=8),
              MetricRule(name="error_rate", scale=Scale.DIFFERENCE, allowed=0.05, critical=True, min_count=8)),
     step=5.0, max_window=150.0, min_blocks=6, target_blocks=12)
 CONCURRENCY = 3
