@@ -34,12 +34,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "tests" / "artifacts"
 WORDS = "the a of to and in is that for on with cache prefix token engine request decode model pool fleet".split()
-# Two engines on a two-core machine that also runs the traffic and the test differ by up to ~20 % at
-# the same load (their cores are not equally busy): that spread is the margin, as it would be for
-# pods on unequal nodes.
+# One core per engine on a two-core machine that also runs the test (traffic, scrapes): the engine
+# that shares its core with the test is slower, and identical engines differ by up to half their
+# TTFT. That spread is the margin, as it would be for pods on unequal nodes (sharing one core
+# instead, the two engines disturb each other so much that no interval narrows in the window).
 SETTINGS = GateSettings(
-    metrics=(MetricRule(name="ttft", critical=True, allowed=0.25, margin=0.2, min_count=8),
-             MetricRule(name="tpot", critical=True, allowed=0.25, margin=0.2, min_count=8),
+    metrics=(MetricRule(name="ttft", critical=True, allowed=0.5, margin=0.5, min_count=8),
+             MetricRule(name="tpot", critical=True, allowed=0.5, margin=0.5, min_count=8),
              MetricRule(name="error_rate", scale=Scale.DIFFERENCE, allowed=0.05, critical=True, min_count=8)),
     step=5.0, max_window=150.0, min_blocks=6, target_blocks=12)
 CONCURRENCY = 3
@@ -118,7 +119,7 @@ async def test_the_gate_fails_a_heavier_canary_and_not_an_identical_one(tmp_path
         assert verdict.outcome is Outcome.FAIL, verdict.reason
         assert time.monotonic() - started < 10 + SETTINGS.max_window + 30
         ttft = next(m for m in verdict.metrics if m.name == "ttft")
-        assert ttft.outcome is Outcome.FAIL and ttft.lower is not None and ttft.lower > 1.25
+        assert ttft.outcome is Outcome.FAIL and ttft.lower is not None and ttft.lower > 1.5
     finally:
         same.stop()
         baseline.stop()
