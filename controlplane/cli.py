@@ -722,7 +722,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
                 raise click.UsageError("--source prometheus needs --prometheus-url or a fleet file with a prometheus section")
             stack.callback(prom.close)
             pool_sel = ArmSelector.parse(f"{prom.labels.pool}={pool}")
-            source = PromGateSource(prom, _both(pool_sel, base_sel), _both(pool_sel, can_sel), settings.metrics)
+            source = PromGateSource(prom, pool_sel.narrowed(base_sel), pool_sel.narrowed(can_sel), settings.metrics)
         else:
             if cfg is None:
                 raise click.UsageError("--source targets needs --fleet with the targets (a static list or discovery)")
@@ -749,12 +749,6 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
                                                         verdict.as_dict()))
             err.print(f"verdict #{vid} recorded")
     return verdict
-
-
-def _both(a: Any, b: Any) -> Any:
-    from controlplane.gate import ArmSelector
-
-    return ArmSelector.parse(f"{a.text},{b.text}")
 
 
 @gate.command("eval")

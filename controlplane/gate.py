@@ -102,6 +102,11 @@ class ArmSelector:
             raise GateInputError(f"selector {text!r} selects every pod: name the canary's or the baseline's pods")
         return cls(text, labels, tuple(regexes))
 
+    def narrowed(self, other: ArmSelector) -> ArmSelector:
+        """The pods both select."""
+        return ArmSelector(f"{self.text},{other.text}", LabelSelector(self.labels.requirements + other.labels.requirements),
+                           self.regexes + other.regexes)
+
     def matches(self, labels: Mapping[str, str]) -> bool:
         if not self.labels.matches(labels):
             return False

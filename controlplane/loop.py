@@ -13,7 +13,7 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,7 +31,6 @@ from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, READY, TARGET, PoolPlan, Sizer
-from policies.canary_rollout import KIND as CANARY
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
@@ -336,8 +335,8 @@ class ControlLoop:
                     row = await self.store.open_finding(_new_finding(finding), now)
                     open_rows[finding.key] = row
                     report.opened.append(row)
-                    if finding.key.kind == CANARY and "result" in finding.evidence:
-                        await self._keep_verdict(finding, now)
+                    if finding.verdict is not None:
+                        await self._keep_verdict(finding, finding.verdict)
                 else:
                     await self.store.update_finding(row.id, _new_finding(finding), now)
                     row = replace(row, severity=str(finding.severity), summary=finding.summary, cause=finding.cause,
@@ -356,14 +355,12 @@ class ControlLoop:
             self.telemetry.open_findings.labels(f.kind, f.severity).inc()
         return inp, proposals
 
-    async def _keep_verdict(self, finding: FindingReport, now: float) -> None:
-        """A rollout's verdict goes where `fleetctl gate` keeps its own: the dashboard's Canary page."""
-        e = finding.evidence
-        pool = finding.key.subject.removeprefix("pool/")
+    async def _keep_verdict(self, finding: FindingReport, v: Mapping[str, Any]) -> None:
+        """A finding's gate verdict goes where `fleetctl gate` keeps its own: the dashboard's Canary page."""
         await self.store.record_verdict(NewVerdict(
-            "rollout", pool, ",".join(e.get("baseline", [])), ",".join(e.get("canary", [])),
-            float(e.get("started_at", now)), float(e.get("ended_at", now)), str(e["result"]), e.get("score"),
-            {**e, "finding": finding.summary}))
+            str(v["gate"]), finding.key.subject.removeprefix("pool/"), str(v["baseline"]), str(v["canary"]),
+            float(v["started_at"]), float(v["ended_at"]), str(v["result"]), v.get("score"),
+            {**v, "finding": finding.summary}))
 
     # act --------------------------------------------------------------------------------------
 

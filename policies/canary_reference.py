@@ -97,8 +97,10 @@ def threshold_judge(intervals: Sequence[Interval], settings: GateSettings, *, fi
             vc = c.statistic(rule.statistic) if c is not None else None
             if vb is None or vc is None:
                 continue  # an empty result is a measurement error, not a failure
-            limit = vb * (1.0 + rule.allowed) if rule.scale is Scale.RATIO else vb + rule.allowed
-            failed += vc > limit if rule.direction is not Direction.DECREASE else vc < vb - (limit - vb)
+            slack = vb * rule.allowed if rule.scale is Scale.RATIO else rule.allowed
+            worse_up = rule.direction is not Direction.DECREASE and vc > vb + slack
+            worse_down = rule.direction is not Direction.INCREASE and vc < vb - slack
+            failed += worse_up or worse_down
         if failed > failure_limit:
             return Outcome.FAIL
     return Outcome.PASS if final else Outcome.INCONCLUSIVE

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -115,8 +116,10 @@ class CanaryRegression:
 
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         result = PolicyResult()
-        rollouts = {pool: arms for pool in inp.pools if (arms := self._arms(inp, pool)) is not None}
-        promoted = {pool: p for pool in inp.pools if pool not in rollouts and (p := self._promoted(inp, pool))}
+        engines = {pool: e for pool in inp.pools if (e := self._engines(inp, pool))}
+        rollouts = {pool: arms for pool, e in engines.items() if (arms := _rollout(e)) is not None}
+        promoted = {pool: p for pool, e in engines.items()
+                    if pool not in rollouts and (p := self._promoted(inp, e)) is not None}
         for key in inp.open_findings:
             pool = key.subject.removeprefix("pool/")
             if key.kind == KIND and pool not in rollouts and pool not in promoted:
@@ -131,7 +134,7 @@ class CanaryRegression:
                 f"{pool}'s canary started while {first}'s rollout was still being judged; a new revision in one "
                 f"pool changes what the other's engines see, so neither canary can be judged cleanly. {pool} is "
                 f"judged once {first}'s rollout ends.",
-                {"overlaps": first, "canary": sorted(rollouts[pool][1])}, KIND))
+                {"overlaps": first, "canary": _pods(rollouts[pool][1])}, KIND))
         judged = {pool: self._judge(inp, pool, *rollouts[pool]) for pool in ordered[:1]}
         judged |= {pool: self._watch(inp, pool, *promoted[pool]) for pool in promoted}
         for pool, finding in judged.items():
@@ -142,81 +145,62 @@ class CanaryRegression:
                 result.resolved.append((key, "the new revision is no longer judged worse than the old one"))
         return result
 
-    def _arms(self, inp: PolicyInput, pool: str) -> tuple[list[str], list[str], float] | None:
-        """(baseline engines, canary engines, when the canary first reported), or None when no rollout runs."""
-        pattern = self._patterns.get(pool)
-        changed = inp.changed_at.get(pool)
+    def _engines(self, inp: PolicyInput, pool: str) -> list[_Engine]:
+        """The pool's engines in the windows, each told new (on the pool's last revision) or old; none
+        when nothing says which revision an engine runs."""
+        pattern, changed = self._patterns.get(pool), inp.changed_at.get(pool)
         if pattern is None and changed is None:
-            return None
-        base: list[str] = []
-        canary: list[str] = []
-        first = math.inf
+            return []
         live_since = inp.now - 4 * self.settings.gate.step  # engines gone (rolled back, drained) are no arm
+        out = []
         for subject in inp.windows.subjects(_LOAD, prefix=f"engine/{pool}/"):
-            if (inp.windows.latest_ts(subject, _LOAD) or -math.inf) < live_since:
-                continue
-            pod = subject.split("/")[2]
             points = inp.windows.series(subject, _LOAD)
-            started = points[0][0] if points else math.inf
-            new = bool(pattern.fullmatch(pod)) if pattern is not None else started > (changed or math.inf)
-            (canary if new else base).append(subject)
-            if new:
-                first = min(first, started)
-        if not base or not canary:
-            return None
-        return base, canary, max(first, changed or -math.inf) if pattern is None else first
+            pod = subject.split("/")[2]
+            new = bool(pattern.fullmatch(pod)) if pattern is not None else points[0][0] > (changed or math.inf)
+            # Without a pattern the canary is judged from the change on, however early its engines started.
+            first = points[0][0] if pattern is not None else max(points[0][0], changed or -math.inf)
+            out.append(_Engine(subject, pod, new, first, points[-1][0], points[-1][0] >= live_since))
+        return out
 
-    def _promoted(self, inp: PolicyInput, pool: str) -> tuple[list[str], list[str], float] | None:
+    def _promoted(self, inp: PolicyInput, engines: list[_Engine]) -> tuple[list[_Engine], list[_Engine], float] | None:
         """(old engines, new engines, when the last old one stopped) within the watch after a promotion."""
-        changed = inp.changed_at.get(pool)
-        pattern = self._patterns.get(pool)
-        if self.settings.watch_after_promotion <= 0 or (changed is None and pattern is None):
+        old = [e for e in engines if not e.new]
+        new = [e for e in engines if e.new and e.live]
+        if self.settings.watch_after_promotion <= 0 or not old or not new or any(e.live for e in old):
             return None
-        live_since = inp.now - 4 * self.settings.gate.step
-        old: list[str] = []
-        new: list[str] = []
-        for subject in inp.windows.subjects(_LOAD, prefix=f"engine/{pool}/"):
-            points = inp.windows.series(subject, _LOAD)
-            pod = subject.split("/")[2]
-            is_new = bool(pattern.fullmatch(pod)) if pattern is not None else points[0][0] > (changed or math.inf)
-            if is_new and points[-1][0] >= live_since:
-                new.append(subject)
-            elif not is_new:
-                if points[-1][0] >= live_since:
-                    return None  # an old engine still serves: a rollout, or none
-                old.append(subject)
-        if not old or not new:
-            return None
-        promoted_at = max(inp.windows.series(s, _LOAD)[-1][0] for s in old)
+        promoted_at = max(e.last for e in old)
         if inp.now - promoted_at > self.settings.watch_after_promotion:
             return None
         return old, new, promoted_at
 
-    def _watch(self, inp: PolicyInput, pool: str, old: list[str], new: list[str],
+    def _steps(self, inp: PolicyInput, engines: list[_Engine], start: float, width: float, n: int,
+               names: list[str]) -> list[dict[str, Dist]]:
+        """The engines' observations merged, in `n` consecutive steps of `width` seconds from `start`."""
+        out: list[dict[str, Dist]] = [{} for _ in range(n)]
+        for e in engines:
+            series = {name: inp.windows.series(e.subject, name, since=start - 2 * self.settings.gate.step)
+                      for name in self.reads}
+            for k in range(n):
+                for name, d in engine_dists(series, names, start + k * width, start + (k + 1) * width).items():
+                    merge_into(out[k], name, d)
+        return out
+
+    def _watch(self, inp: PolicyInput, pool: str, old: list[_Engine], new: list[_Engine],
                promoted_at: float) -> FindingReport | None:
         """The new revision's steps since the promotion against the old one's level, at matched load."""
         s, gate = self.settings, self.settings.gate
-        before = promoted_at - s.lookback
-        level: dict[str, Dist] = {}
-        for subject in old:
-            series = {name: inp.windows.series(subject, name, since=before - 2 * gate.step) for name in self.reads}
-            for name, d in engine_dists(series, [*self._names, REQUESTS], before, promoted_at).items():
-                merge_into(level, name, d)
+        names = [*self._names, REQUESTS]
+        [level] = self._steps(inp, old, promoted_at - s.lookback, s.lookback, 1, names)
         if REQUESTS not in level:
             return None
         per_engine = level[REQUESTS].count / s.lookback / len(old)
+        n = int((inp.now - promoted_at) // gate.step)
         intervals = []
-        t = promoted_at
-        while t + gate.step <= inp.now:
-            step: dict[str, Dist] = {}
-            for subject in new:
-                series = {name: inp.windows.series(subject, name, since=t - 2 * gate.step) for name in self.reads}
-                for name, d in engine_dists(series, [*self._names, REQUESTS], t, t + gate.step).items():
-                    merge_into(step, name, d)
+        for k, step in enumerate(self._steps(inp, new, promoted_at, gate.step, n, names)):
             load = step[REQUESTS].count / gate.step / len(new) if REQUESTS in step else 0.0
-            if per_engine > 0 and abs(load / per_engine - 1.0) <= s.load_match:
+            if abs(load / per_engine - 1.0) <= s.load_match:
+                t = promoted_at + k * gate.step
                 intervals.append(Interval(t, t + gate.step, level, step))
-            t += gate.step
         if not intervals:
             return None
         verdict = judge(intervals, gate)
@@ -229,34 +213,21 @@ class CanaryRegression:
             f"{verdict.reason}. Compared with the old revision's level over its last {s.lookback / 60:g} min, at "
             f"load per engine within {s.load_match:.0%} of it ({len(intervals)} steps): no concurrent baseline, so "
             f"a person decides whether to roll back.",
-            {**verdict.as_dict(), "post_promotion": True, "promoted_at": promoted_at,
-             "old": sorted(x.split("/")[2] for x in old), "new": sorted(x.split("/")[2] for x in new)}, KIND)
+            {**verdict.as_dict(), "post_promotion": True, "promoted_at": promoted_at, "old": _pods(old),
+             "new": _pods(new)}, KIND)
 
-    def _intervals(self, inp: PolicyInput, base: list[str], canary: list[str], start: float) -> list[Interval]:
-        step = self.settings.gate.step
-        n = int((inp.now - start) // step)
-        if n <= 0:
-            return []
-        arms: list[tuple[dict[str, Dist], dict[str, Dist]]] = [({}, {}) for _ in range(n)]
-        names = {*self.reads}
-        for side, subjects in ((0, base), (1, canary)):
-            for subject in subjects:
-                series = {name: inp.windows.series(subject, name, since=start - 2 * step) for name in names}
-                for k in range(n):
-                    for name, d in engine_dists(series, self._names, start + k * step, start + (k + 1) * step).items():
-                        merge_into(arms[k][side], name, d)
-        return [Interval(start + k * step, start + (k + 1) * step, b, c) for k, (b, c) in enumerate(arms)]
-
-    def _judge(self, inp: PolicyInput, pool: str, base: list[str], canary: list[str],
+    def _judge(self, inp: PolicyInput, pool: str, base: list[_Engine], canary: list[_Engine],
                start: float) -> FindingReport | None:
         gate = self.settings.gate
-        intervals = self._intervals(inp, base, canary, start)
-        if not intervals:
+        n = int((inp.now - start) // gate.step)
+        if n <= 0:
             return None
+        steps = zip(self._steps(inp, base, start, gate.step, n, self._names),
+                    self._steps(inp, canary, start, gate.step, n, self._names), strict=True)
+        intervals = [Interval(start + k * gate.step, start + (k + 1) * gate.step, b, c) for k, (b, c) in enumerate(steps)]
         final = inp.now - start >= gate.max_window
         verdict = judge(intervals, gate, final=final)
-        pods = {"baseline": sorted(s.split("/")[2] for s in base), "canary": sorted(s.split("/")[2] for s in canary)}
-        evidence: dict[str, Any] = {**verdict.as_dict(), **pods}
+        pods = {"baseline": _pods(base), "canary": _pods(canary)}
         key = FindingKey(KIND, f"pool/{pool}")
         if verdict.outcome is Outcome.FAIL:
             failed = [m.name for m in verdict.metrics if m.outcome is Outcome.FAIL]
@@ -265,16 +236,47 @@ class CanaryRegression:
                 f"{pool}'s canary ({', '.join(pods['canary'])}) is worse than its baseline: {', '.join(failed)}",
                 f"{verdict.reason}. The canary runs the pool's new revision beside engines on the old one, under "
                 f"the same load, so the difference is the revision's.",
-                evidence, KIND,
+                {**verdict.as_dict(), **pods}, KIND,
                 (Proposal(ActionKind.ROLLBACK, pool, RollBack(pool),
                           f"roll {pool} back to its previous revision: its canary failed the gate ({_worst(verdict)})",
-                          inputs=self.reads),))
+                          inputs=self.reads),),
+                verdict=_verdict_record(verdict, pods))
         if final and verdict.outcome is not Outcome.PASS:
             return FindingReport(
                 key, Severity.WARNING,
                 f"{pool}'s canary is {verdict.outcome.value} after {gate.max_window / 60:g} min: a person decides",
-                verdict.reason, evidence, KIND)
+                verdict.reason, {**verdict.as_dict(), **pods}, KIND, verdict=_verdict_record(verdict, pods))
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Engine:
+    """One engine of a pool as the rollout sees it."""
+
+    subject: str
+    pod: str
+    new: bool  # on the pool's last revision
+    first: float  # when it counts from: its first report (or the change, if later)
+    last: float  # its latest report
+    live: bool  # reported within the last few steps
+
+
+def _rollout(engines: list[_Engine]) -> tuple[list[_Engine], list[_Engine], float] | None:
+    """(baseline, canary, when the canary started) while both serve, else None."""
+    base = [e for e in engines if e.live and not e.new]
+    canary = [e for e in engines if e.live and e.new]
+    if not base or not canary:
+        return None
+    return base, canary, min(e.first for e in canary)
+
+
+def _pods(engines: list[_Engine]) -> list[str]:
+    return sorted({e.pod for e in engines})
+
+
+def _verdict_record(verdict: Verdict, pods: dict[str, list[str]]) -> dict[str, Any]:
+    return {"gate": "rollout", "baseline": ",".join(pods["baseline"]), "canary": ",".join(pods["canary"]),
+            **verdict.as_dict()}
 
 
 def _worst(verdict: Verdict) -> str:

@@ -231,6 +231,9 @@ class FindingReport:
     evidence: dict[str, Any]
     runbook: str
     proposals: tuple[Proposal, ...] = ()
+    # A gate's verdict behind the finding (gate, baseline, canary and the judge's own fields), kept where
+    # `fleetctl gate` keeps its verdicts when the finding opens.
+    verdict: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
