@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench dashboard clean
+.PHONY: demo test lint bench bench-dynamo bench-dynamo-venv dashboard clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,7 @@ test: $(VENV)/.installed-test
 	scripts/ensure-prometheus.sh
 	scripts/ensure-nixl.sh $(VENV)
 	scripts/setup-vllm-lab.sh
+	scripts/setup-dynamo-bench.sh
 	$(MAKE) lint
 	$(BIN)/python -m pytest
 
@@ -34,6 +35,14 @@ lint: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed
 	$(BIN)/fleetctl bench ingest
+
+# NVIDIA Dynamo's planner in its own environment, for the autoscaling shoot-out.
+bench-dynamo-venv:
+	scripts/setup-dynamo-bench.sh
+
+# Every autoscaling strategy and Dynamo's planner in each configuration, on the four traces (about 45 min on 2 cores).
+bench-dynamo: $(VENV)/.installed bench-dynamo-venv
+	$(BIN)/fleetctl autoscale eval --peers dynamo --jobs 2 --plot autoscale-shootout.png
 
 dashboard: $(VENV)/.installed
 	$(BIN)/fleetctl dashboard --db sqlite:///demo.db

@@ -579,14 +579,37 @@ def autoscale_plan(config_file: Path, db: str, pools: tuple[str, ...], as_json: 
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Replays run at once.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw load, replicas and SLO attainment over time into this .png, .svg or .html file.")
+@click.option("--peers", type=click.Choice(["dynamo"]), multiple=True,
+              help="Also run a peer's autoscaler on the same replays, in every configuration tried (dynamo: NVIDIA "
+                   "Dynamo's planner, from `make bench-dynamo-venv`).")
+@click.option("--dynamo-python", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The Dynamo environment's python (default $FLEET_DYNAMO_PYTHON, else the one the make target builds).")
+@click.option("--dynamo-config", "dynamo_configs", multiple=True,
+              help="Only these of Dynamo's configurations (repeatable; default all).")
 @click.option("--json", "as_json", is_flag=True)
-def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, plot: Path | None, as_json: bool) -> None:
-    """Static peak, HPA-style, this autoscaler and the oracle on the same replays: GPU-hours and SLO attainment."""
-    from controlplane.evaluation_autoscale import TRACES, evaluate_autoscaling
+def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, plot: Path | None, peers: tuple[str, ...],
+                   dynamo_python: Path | None, dynamo_configs: tuple[str, ...], as_json: bool) -> None:
+    """Static peak, HPA-style, this autoscaler and the oracle (and any peers) on the same replays: GPU-hours and SLO
+    attainment."""
+    from controlplane.evaluation_autoscale import TRACES, Peer, evaluate_autoscaling, peer_goal
     from controlplane.evaluation_chart import CHART_FORMATS, CHART_SUFFIXES, save_autoscale_chart
 
     if plot is not None and plot.suffix.lower() not in CHART_SUFFIXES:
         raise click.BadParameter(f"{plot}: write the chart as {CHART_FORMATS}", param_hint="--plot")
+    peer_list: list[Peer] = []
+    if "dynamo" in peers:
+        from bench.dynamo_shootout import CONFIGURATIONS, DynamoError, DynamoPeer, check_environment, default_python
+
+        unknown = sorted(set(dynamo_configs) - set(CONFIGURATIONS))
+        if unknown:
+            raise click.BadParameter(f"{', '.join(unknown)}: not one of {', '.join(CONFIGURATIONS)}",
+                                     param_hint="--dynamo-config")
+        python = dynamo_python or default_python()
+        try:
+            err.print(f"Dynamo's planner: ai-dynamo {check_environment(python)} at {python}")
+        except DynamoError as exc:
+            raise click.ClickException(str(exc)) from None
+        peer_list.append(DynamoPeer(python, dynamo_configs or tuple(CONFIGURATIONS)))
 
     def progress(name: str, result: Any) -> None:
         if result is not None:
@@ -595,8 +618,9 @@ def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, pl
     reports = []
     for trace in traces or tuple(TRACES):
         err.print(f"[bold]{trace}[/] ...")
-        reports.append(evaluate_autoscaling(trace, minutes=minutes, jobs=jobs, progress=progress))
+        reports.append(evaluate_autoscaling(trace, minutes=minutes, jobs=jobs, peers=peer_list, progress=progress))
     data = {"goals": [g for r in reports for g in r.as_json()["goals"]], "traces": [r.as_json() for r in reports]}
+    data["goals"] += [peer_goal(reports, p.name).as_dict() for p in peer_list]
     if plot is not None:
         err.print(f"chart: {save_autoscale_chart(data, plot)}")
     if as_json:
@@ -608,10 +632,19 @@ def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, pl
             t.add_column(col)
         for row in r.rows():
             ratio = "-" if row["vs_oracle"] is None else f"{row['vs_oracle']:.2f}"
-            t.add_row(row["strategy"], f"{row['gpu_hours']:.2f}",
+            name = f"{row['strategy']} ({row['configuration']})" if row["configuration"] else row["strategy"]
+            t.add_row(name, f"{row['gpu_hours']:.2f}",
                       f"{row['attainment']:.1%} ({row['minutes_within']}/{row['minutes']})", str(row["scale_events"]),
                       ratio)
         out.print(t)
+        if r.peers:
+            t = Table(title=f"{r.trace}: every peer configuration tried")
+            for col in ("peer", "configuration", "GPU-hours", "minutes within both SLOs", "scale events"):
+                t.add_column(col)
+            for row in r.peer_rows():
+                t.add_row(row["strategy"], row["configuration"], f"{row['gpu_hours']:.2f}",
+                          f"{row['attainment']:.1%} ({row['minutes_within']}/{row['minutes']})", str(row["scale_events"]))
+            out.print(t)
     _goals(data, as_json, gate=False)
 
 

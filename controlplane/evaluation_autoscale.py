@@ -29,10 +29,10 @@ import asyncio
 import math
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,7 +49,8 @@ from controlplane.sim.scenario import PoolModel, Scenario, load_scenario
 from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
-__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "StrategyRun", "evaluate_autoscaling"]
+__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StrategyRun", "best_configuration",
+           "evaluate_autoscaling", "peer_goal", "summarise"]
 
 STRATEGIES = ("static", "hpa", "ours", "oracle")
 # The traces of the evaluation, each a scenario with the fleet it runs through.
@@ -131,12 +132,12 @@ def _within(meter: MinuteMeter, pool: PoolModel, minute: int) -> bool:
 # the oracle -----------------------------------------------------------------------------------------
 
 
-def _sized(scenario: Scenario, replicas: Mapping[str, int]) -> Scenario:
+def resized(scenario: Scenario, replicas: Mapping[str, int]) -> Scenario:
     pools = [p.model_copy(update={"replicas": replicas.get(p.name, p.replicas)}) for p in scenario.fleet.pools]
     return scenario.model_copy(update={"fleet": scenario.fleet.model_copy(update={"pools": pools})})
 
 
-def _ceiling(p: PoolModel) -> int:
+def pool_ceiling(p: PoolModel) -> int:
     return p.max_replicas or p.replicas * 2
 
 
@@ -144,7 +145,7 @@ def replay(scenario: Scenario, replicas: Mapping[str, int],
            schedule: Callable[[float], Mapping[str, int]] | None = None) -> tuple[MinuteMeter, int]:
     """Replay the trace without the control plane: pools at fixed sizes, or set every scrape interval to
     what `schedule` says for that moment (seconds from the start). Returns the meter and the scale events."""
-    sized = _sized(scenario, replicas)
+    sized = resized(scenario, replicas)
     fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
     meter = MinuteMeter(fleet, 0.0, {p.name: (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools})
     interval, events = scenario.scrape_interval, 0
@@ -166,7 +167,7 @@ def oracle_needs(scenario: Scenario, jobs: int = 1,
     minute needs more) or the pool's maximum; the other pools stay at their maximum meanwhile.
     """
     minutes = math.ceil(scenario.duration / 60.0)
-    ceiling = {p.name: _ceiling(p) for p in scenario.fleet.pools}
+    ceiling = {p.name: pool_ceiling(p) for p in scenario.fleet.pools}
     needs: dict[str, list[int]] = {}
     for p in scenario.fleet.pools:
         need: list[int | None] = [None] * minutes
@@ -234,7 +235,7 @@ class StrategyRun:
 
 def _config(scenario: Scenario, db_url: str, settings: AutoscaleSettings, strategy: str) -> FleetConfig:
     base = scenario.controlplane_config(db_url, Mode.ACT)
-    pools = [p.model_copy(update={"replicas": p.replicas.model_copy(update={"max": _ceiling(m)})})
+    pools = [p.model_copy(update={"replicas": p.replicas.model_copy(update={"max": pool_ceiling(m)})})
              for p, m in zip(base.pools, scenario.fleet.pools, strict=True)]
     # Detection runs as it would beside any sizer; only SLO burn and saturation, whose findings are the
     # autoscaler's inputs: nothing else may change the fleet during the comparison.
@@ -260,16 +261,15 @@ class _Strategy:
 
     async def _run(self) -> StrategyRun:
         peak = {pool: max(n) for pool, n in self.needs.items()}
-        minutes = math.ceil(self.scenario.duration / 60.0)
         if self.strategy == "oracle":
             # The oracle needs no control plane: its schedule is known, so it is applied as it falls due.
             lead = {p.name: p.startup + self.scenario.scrape_interval for p in self.scenario.fleet.pools}
             schedule = OracleSchedule(self.needs, lead)
             wall = time.perf_counter()
             meter, events = replay(self.scenario, schedule(0.0), schedule)
-            return self._result(meter, events, time.perf_counter() - wall, minutes)
+            return self._result(meter, events, time.perf_counter() - wall)
         # Static holds the peak; the others start where the first minute needs them, as a running fleet would be.
-        scenario = _sized(self.scenario, peak if self.strategy == "static" else {p: n[0] for p, n in self.needs.items()})
+        scenario = resized(self.scenario, peak if self.strategy == "static" else {p: n[0] for p, n in self.needs.items()})
         gpus = {p.name: (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools}
         meters: list[MinuteMeter] = []
         events = 0
@@ -287,43 +287,88 @@ class _Strategy:
             sizer: Sizer | None = build_sizer(config) if self.strategy == "ours" else (
                 HpaRule() if self.strategy == "hpa" else None)
             run = await run_scenario(scenario, db, mode="act", config=config, sizer=sizer, on_tick=on_tick, start=0.0)
-        return self._result(meters[0], events, run.wall_s, minutes)
+        return self._result(meters[0], events, run.wall_s)
 
-    def _result(self, meter: MinuteMeter, events: int, wall_s: float, minutes: int) -> StrategyRun:
-        within = [all(_within(meter, p, m) for p in self.scenario.fleet.pools) for m in range(minutes)]
-        return StrategyRun(self.trace, self.strategy, meter.gpu_s / 3600.0, minutes, sum(within), events, wall_s,
-                           meter.replicas[::4], within, [meter.arrivals.get(m, 0) for m in range(minutes)])
+    def _result(self, meter: MinuteMeter, events: int, wall_s: float) -> StrategyRun:
+        return summarise(self.trace, self.strategy, self.scenario, meter, events, wall_s)
+
+
+def summarise(trace: str, strategy: str, scenario: Scenario, meter: MinuteMeter, events: int,
+              wall_s: float) -> StrategyRun:
+    """A strategy's replay judged minute by minute against every pool's SLOs."""
+    minutes = math.ceil(scenario.duration / 60.0)
+    within = [all(_within(meter, p, m) for p in scenario.fleet.pools) for m in range(minutes)]
+    return StrategyRun(trace, strategy, meter.gpu_s / 3600.0, minutes, sum(within), events, wall_s,
+                       meter.replicas[::4], within, [meter.arrivals.get(m, 0) for m in range(minutes)])
 
 
 # the report -----------------------------------------------------------------------------------------
 
 
+class Peer(Protocol):
+    """Another project's autoscaler, run beside the strategies: one replay per configuration it is tried in."""
+
+    @property
+    def name(self) -> str:
+        """The peer's name in the table."""
+        ...
+
+    def runs(self, trace: str, scenario: Scenario, needs: Mapping[str, list[int]]) -> Sequence[Callable[[], StrategyRun]]:
+        """Picklable replays, each returning a run whose strategy is `<name>:<configuration>`."""
+        ...
+
+
+def best_configuration(runs: Sequence[StrategyRun]) -> StrategyRun:
+    """A peer's best configuration on a trace: the cheapest that keeps the attainment goal, else the most attaining."""
+    keeping = [r for r in runs if r.attainment >= ATTAINMENT_GOAL]
+    if keeping:
+        return min(keeping, key=lambda r: r.gpu_hours)
+    return max(runs, key=lambda r: (r.attainment, -r.gpu_hours))
+
+
 @dataclass(slots=True)
 class AutoscaleReport:
-    """Every strategy on one trace, with the oracle's needs and the goals."""
+    """Every strategy on one trace, with the oracle's needs, any peers' configurations and the goals."""
 
     trace: str
     runs: list[StrategyRun]
     needs: dict[str, list[int]]
+    peers: dict[str, list[StrategyRun]] = field(default_factory=dict)  # peer -> one run per configuration
 
     def run(self, strategy: str) -> StrategyRun:
-        """The run of one strategy."""
+        """The run of one strategy, or a peer's best configuration."""
+        if strategy in self.peers:
+            return best_configuration(self.peers[strategy])
         return next(r for r in self.runs if r.strategy == strategy)
 
+    def _row(self, r: StrategyRun, oracle: float | None, strategy: str | None = None) -> dict[str, Any]:
+        name, _, configuration = r.strategy.partition(":")
+        return {"strategy": strategy or name, "configuration": configuration or None,
+                "gpu_hours": round(r.gpu_hours, 3), "attainment": round(r.attainment, 4),
+                "minutes_within": r.minutes_within, "minutes": r.minutes, "scale_events": r.scale_events,
+                "vs_oracle": round(r.gpu_hours / oracle, 3) if oracle else None, "wall_s": round(r.wall_s, 1)}
+
     def rows(self) -> list[dict[str, Any]]:
-        """The table: per strategy, GPU-hours, attainment, scale events, GPU-hours over the oracle's."""
+        """The table: per strategy (a peer by its best configuration), GPU-hours, attainment, scale events,
+        GPU-hours over the oracle's."""
         oracle = self.run("oracle").gpu_hours if any(r.strategy == "oracle" for r in self.runs) else None
-        return [{"strategy": r.strategy, "gpu_hours": round(r.gpu_hours, 3), "attainment": round(r.attainment, 4),
-                 "minutes_within": r.minutes_within, "minutes": r.minutes, "scale_events": r.scale_events,
-                 "vs_oracle": round(r.gpu_hours / oracle, 3) if oracle else None, "wall_s": round(r.wall_s, 1)}
-                for r in self.runs]
+        shown = [r.strategy for r in self.runs]
+        order = shown[:shown.index("ours")] + list(self.peers) + shown[shown.index("ours"):] if "ours" in shown \
+            else shown + list(self.peers)
+        return [self._row(self.run(s), oracle, s) for s in order]
+
+    def peer_rows(self) -> list[dict[str, Any]]:
+        """Every configuration of every peer, as rows of the table."""
+        oracle = self.run("oracle").gpu_hours if any(r.strategy == "oracle" for r in self.runs) else None
+        return [self._row(r, oracle) for runs in self.peers.values() for r in runs]
 
     def goals(self) -> list[Goal]:
         """At least 99 % of minutes within both SLOs, 25 % fewer GPU-hours than HPA at equal or better
-        attainment, at most 1.10 times the oracle's GPU-hours."""
+        attainment, at most 1.10 times the oracle's GPU-hours; against each peer's best configuration, equal
+        or better attainment with fewer GPU-hours."""
         ours, hpa, oracle = self.run("ours"), self.run("hpa"), self.run("oracle")
         vs_hpa = ours.gpu_hours / hpa.gpu_hours if hpa.gpu_hours else None
-        return [
+        goals = [
             at_least(f"{self.trace}: share of minutes within both SLOs", round(ours.attainment, 4), ATTAINMENT_GOAL),
             at_least(f"{self.trace}: attainment against the HPA-style rule's", round(ours.attainment - hpa.attainment, 4),
                      0.0),
@@ -332,21 +377,49 @@ class AutoscaleReport:
             at_most(f"{self.trace}: GPU-hours over the oracle's",
                     round(ours.gpu_hours / oracle.gpu_hours, 3) if oracle.gpu_hours else None, VS_ORACLE_GOAL),
         ]
+        for peer in self.peers:
+            best = self.run(peer)
+            goals.append(at_least(f"{self.trace}: attainment against {peer}'s best configuration",
+                                  round(ours.attainment - best.attainment, 4), 0.0))
+            goals.append(at_most(f"{self.trace}: GPU-hours over {peer}'s best configuration's",
+                                 round(ours.gpu_hours / best.gpu_hours, 3) if best.gpu_hours else None, 0.999))
+        return goals
+
+    def beats(self, peer: str) -> bool:
+        """Whether ours keeps equal or better attainment than the peer's best configuration with fewer GPU-hours."""
+        ours, best = self.run("ours"), self.run(peer)
+        return ours.attainment >= best.attainment and ours.gpu_hours < best.gpu_hours
 
     def as_json(self) -> dict[str, Any]:
-        """The report as JSON: the goals, the table, the oracle's needs and each run's timeline."""
-        return {"goals": goals_json(self.goals()), "trace": self.trace, "strategies": self.rows(), "oracle_needs": self.needs,
-                "runs": [asdict(r) for r in self.runs]}
+        """The report as JSON: the goals, the table, every peer configuration, the oracle's needs and each run's
+        timeline."""
+        return {"goals": goals_json(self.goals()), "trace": self.trace, "strategies": self.rows(),
+                "peer_configurations": self.peer_rows(), "oracle_needs": self.needs,
+                "runs": [asdict(r) for r in self.runs] + [asdict(r) for runs in self.peers.values() for r in runs]}
+
+
+def peer_goal(reports: Sequence[AutoscaleReport], peer: str, at_least_traces: int = 3) -> Goal:
+    """Across traces: on how many ours beats the peer's best configuration (equal or better attainment, fewer
+    GPU-hours)."""
+    won = sum(1 for r in reports if peer in r.peers and r.beats(peer))
+    return at_least(f"traces where ours beats {peer}'s best configuration", won, min(at_least_traces, len(reports)))
 
 
 def evaluate_autoscaling(trace: str, *, minutes: float | None = None, jobs: int = 1,
-                         settings: AutoscaleSettings | None = None,
+                         settings: AutoscaleSettings | None = None, peers: Sequence[Peer] = (),
                          progress: Callable[[str, Any], None] | None = None) -> AutoscaleReport:
-    """Run every strategy on one trace (a name of `TRACES`, or a scenario name or file) and judge them."""
+    """Run every strategy (and every peer configuration) on one trace, a name of `TRACES` or a scenario, and judge them."""
     scenario = load_scenario(TRACES.get(trace, trace))
     if minutes is not None:
         scenario = scenario.model_copy(update={"duration": minutes * 60.0})
     needs = oracle_needs(scenario, jobs, progress)
     settings = settings or AutoscaleSettings(enabled=True)
-    runs = run_all([(f"{trace}: {s}", _Strategy(trace, scenario, s, needs, settings)) for s in STRATEGIES], jobs, progress)
-    return AutoscaleReport(trace, runs, needs)
+    tasks: list[tuple[str, Callable[[], StrategyRun]]] = [
+        (f"{trace}: {s}", _Strategy(trace, scenario, s, needs, settings)) for s in STRATEGIES]
+    for peer in peers:
+        tasks += [(f"{trace}: {peer.name} #{i}", run) for i, run in enumerate(peer.runs(trace, scenario, needs))]
+    done = run_all(tasks, jobs, progress)
+    report = AutoscaleReport(trace, done[:len(STRATEGIES)], needs)
+    for run in done[len(STRATEGIES):]:
+        report.peers.setdefault(run.strategy.partition(":")[0], []).append(run)
+    return report

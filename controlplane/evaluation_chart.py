@@ -73,20 +73,26 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-_STRATEGY_COLORS = alt.Scale(domain=["static", "hpa", "ours", "oracle"], range=["#bbbbbb", "#ff7f0e", "#1f77b4", "#2ca02c"])
+_STRATEGY_COLORS = alt.Scale(domain=["static", "hpa", "dynamo", "ours", "oracle"],
+                             range=["#bbbbbb", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c"])
 
 
 def autoscale_chart(report: dict[str, Any]) -> alt.VConcatChart:
     """Per trace, from `fleetctl autoscale eval --json`: the load (requests per minute), the engines each
-    strategy held per pool (dashed: the second pool), and the minutes each strategy missed an SLO."""
+    strategy held per pool (dashed: the second pool), and the minutes each strategy missed an SLO; a peer by
+    its best configuration."""
     panels = []
     for trace in report["traces"]:
         held, missed = [], []
+        shown = {f"{r['strategy']}:{r['configuration']}" if r.get("configuration") else r["strategy"]: r["strategy"]
+                 for r in trace["strategies"]}
         for run in trace["runs"]:
+            name = shown.get(run["strategy"])
+            if name is None:
+                continue
             for t, pools in run["replicas"]:
-                held += [{"minute": t / 60.0, "engines": n, "strategy": run["strategy"], "pool": pool}
-                         for pool, n in pools.items()]
-            missed += [{"minute": m + 0.5, "strategy": run["strategy"]} for m, ok in enumerate(run["within"]) if not ok]
+                held += [{"minute": t / 60.0, "engines": n, "strategy": name, "pool": pool} for pool, n in pools.items()]
+            missed += [{"minute": m + 0.5, "strategy": name} for m, ok in enumerate(run["within"]) if not ok]
         load = [{"minute": m + 0.5, "requests": n} for m, n in enumerate(trace["runs"][0]["arrivals"])]
         color = alt.Color("strategy:N", scale=_STRATEGY_COLORS, title=None)
         x = alt.X("minute:Q", title="minute of the replay")

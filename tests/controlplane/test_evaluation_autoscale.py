@@ -12,7 +12,18 @@ import numpy as np
 import pytest
 
 from collectors.types import Signal
-from controlplane.evaluation_autoscale import METRICS, TRACES, AutoscaleReport, MinuteMeter, OracleSchedule, StrategyRun, _within
+from controlplane.evaluation_autoscale import (
+    METRICS,
+    TRACES,
+    AutoscaleReport,
+    MinuteMeter,
+    OracleSchedule,
+    StrategyRun,
+    _within,
+    best_configuration,
+    peer_goal,
+)
+from controlplane.evaluation_chart import autoscale_chart
 from controlplane.sim.engine import HISTOGRAMS
 from controlplane.sim.scenario import builtin_scenarios, load_scenario
 from controlplane.store import migrate
@@ -75,6 +86,51 @@ def test_the_report_judges_ours_against_hpa_and_the_oracle() -> None:
     worse = AutoscaleReport("t", [run("static", 20.0, 100), run("hpa", 12.0, 99), run("ours", 11.0, 95),
                                   run("oracle", 10.0, 98)], {})
     assert [g.holds for g in worse.goals()] == [False, False, False, True]
+
+
+def test_a_peer_is_reported_by_its_cheapest_configuration_that_keeps_the_goal_else_its_most_attaining() -> None:
+    keeps = [run("dynamo:sla-arima", 14.0, 99), run("dynamo:sla-constant", 12.0, 100), run("dynamo:throughput", 6.0, 40)]
+    assert best_configuration(keeps).strategy == "dynamo:sla-constant", "the cheapest of those at 99 % or more"
+    misses = [run("dynamo:a", 9.0, 90), run("dynamo:b", 8.0, 95), run("dynamo:c", 7.0, 95)]
+    assert best_configuration(misses).strategy == "dynamo:c", "none keeps it: the most attaining, then the cheapest"
+
+
+def test_the_report_places_a_peer_beside_the_strategies_and_judges_ours_against_its_best() -> None:
+    base = [run("static", 20.0, 100), run("hpa", 16.0, 97), run("ours", 11.0, 99), run("oracle", 10.0, 98)]
+    peers = {"dynamo": [run("dynamo:sla-arima", 13.0, 99), run("dynamo:throughput", 6.0, 20)]}
+    report = AutoscaleReport("t", base, {"chat": [1]}, peers)
+    rows = report.rows()
+    assert [r["strategy"] for r in rows] == ["static", "hpa", "dynamo", "ours", "oracle"]
+    assert rows[2]["configuration"] == "sla-arima" and rows[2]["vs_oracle"] == pytest.approx(1.3)
+    assert [r["configuration"] for r in report.peer_rows()] == ["sla-arima", "throughput"]
+    goals = {g.name.split(": ", 1)[1]: g for g in report.goals()}
+    assert goals["attainment against dynamo's best configuration"].holds
+    assert goals["GPU-hours over dynamo's best configuration's"].value == pytest.approx(0.846)
+    assert report.beats("dynamo")
+    pricier = AutoscaleReport("u", [*base[:2], run("ours", 14.0, 99), base[3]], {}, peers)
+    assert not pricier.beats("dynamo")
+    assert not AutoscaleReport("v", [*base[:2], run("ours", 9.0, 98), base[3]], {}, peers).beats("dynamo"), (
+        "fewer GPU-hours bought with attainment is no win")
+    goal = peer_goal([report, pricier], "dynamo")
+    assert goal.value == 1 and goal.goal == ">= 2" and not goal.holds, "three of four, or all when fewer traces ran"
+    data = report.as_json()
+    assert len(data["runs"]) == 6 and data["peer_configurations"][1]["attainment"] == 0.2
+
+
+def test_the_chart_draws_a_peer_by_its_best_configuration_only() -> None:
+    peers = {"dynamo": [run("dynamo:sla-arima", 13.0, 99), run("dynamo:throughput", 6.0, 20)]}
+    report = AutoscaleReport("t", [run(s, 10.0, 99) for s in ("static", "hpa", "ours", "oracle")], {}, peers)
+    for r in [*report.runs, *peers["dynamo"]]:
+        r.replicas, r.within, r.arrivals = [(0.0, {"chat": 2})], [True, False], [5, 6]
+    spec = autoscale_chart({"traces": [report.as_json()]}).to_dict()
+
+    def rows(node: object) -> list[dict]:
+        if isinstance(node, dict):
+            return [*(node.get("values") or []), *(r for v in node.values() for r in rows(v))]
+        return [r for v in node for r in rows(v)] if isinstance(node, list) else []
+
+    drawn = {v["strategy"] for v in rows(spec) if isinstance(v, dict) and "engines" in v}
+    assert drawn == {"static", "hpa", "dynamo", "ours", "oracle"}
 
 
 @pytest.mark.slow
