@@ -36,7 +36,7 @@ from catalog.fleet import Role
 from controlplane.evaluation_autoscale import MinuteMeter, StrategyRun, pool_ceiling, resized, summarise
 from controlplane.sim.engine import BLOCK_TOKENS, SimEngine
 from controlplane.sim.fleet import SimFleet
-from controlplane.sim.perf import PerfModel
+from controlplane.sim.perf import PerfModel, load_model
 from controlplane.sim.scenario import PoolModel, Scenario
 
 __all__ = ["CONFIGURATIONS", "DynamoError", "DynamoPeer", "DynamoRun", "FleetObserver", "PlannerProcess", "benchmark_fpms",
@@ -83,7 +83,8 @@ def _fpm(wall_time: float, **scheduled: int) -> dict[str, Any]:
 
 def benchmark_fpms(model: PerfModel, pool: PoolModel, granularity: int = 8) -> dict[str, list[dict[str, Any]]]:
     """Forward-pass metrics on the grid Dynamo's replay benchmarks (one prefill of 100 tokens up to the
-    batch budget; batches up to `max_num_seqs` at 500 to 8,000 tokens of context), timed by the engine's model."""
+    batch budget; batches up to `max_num_seqs` at 500 to 8,000 tokens of context), and mixed iterations
+    for an aggregated engine, timed by the engine's model."""
     top = pool.max_batched_tokens
     prefill = [_fpm(model.prefill_batch_seconds([(isl, 0)]), num_prefill_requests=1, sum_prefill_tokens=isl)
                for isl in range(100, top + 1, max(1, (top - 100) // granularity))]
@@ -95,7 +96,15 @@ def benchmark_fpms(model: PerfModel, pool: PoolModel, granularity: int = 8) -> d
                 break
             decode.append(_fpm(model.decode_step_seconds(bs, ctx), num_decode_requests=bs,
                                sum_decode_kv_tokens=bs * ctx))
-    return {"prefill": prefill, "decode": decode}
+    # An aggregated engine runs prefill chunks beside its decode batch; the AIC regression cannot time such
+    # an iteration from pure ones, and Dynamo's replay leaves it to the live stream, so the grid's mixed
+    # points are timed here as the engine times them.
+    mixed = [_fpm(model.prefill_batch_seconds([(chunk, 0)]) + model.decode_step_seconds(bs, ctx),
+                  num_prefill_requests=1, sum_prefill_tokens=chunk, num_decode_requests=bs,
+                  sum_decode_kv_tokens=bs * ctx)
+             for chunk in (512, 2048, top) for ctx in (500, 2000, 8000)
+             for bs in range(1, pool.max_num_seqs + 1, max(1, pool.max_num_seqs // 4)) if bs * ctx <= max_kv]
+    return {"prefill": prefill, "decode": decode, "mixed": mixed}
 
 
 def capabilities(pool: PoolModel) -> dict[str, Any]:
@@ -316,12 +325,13 @@ class DynamoRun:
         events = 0
         planner = PlannerProcess(self.python)
         try:
-            seeds = {role: benchmark_fpms(fleet._model(fleet.pool_specs[p.name]), p)
+            seeds = {role: benchmark_fpms(load_model(p.profile, p.speed), p)
                      for role, p in (("prefill", prefill or decode), ("decode", decode))}
             caps = {"prefill": capabilities(prefill) if prefill else None, "decode": capabilities(decode)}
             next_tick: float | None = planner.ask({
                 "op": "start", "config": planner_config(s, self.configuration), "capabilities": caps,
-                "benchmark": {"prefill": seeds["prefill"]["prefill"], "decode": seeds["decode"]["decode"]},
+                "benchmark": {"prefill": seeds["prefill"]["prefill"], "decode": seeds["decode"]["decode"],
+                              "mixed": [] if prefill else seeds["decode"]["mixed"]},
             })["first_tick_s"]
             interval = s.scrape_interval
             sample_at = interval
@@ -334,8 +344,9 @@ class DynamoRun:
                     if prefill is not None:
                         targets[prefill.name] = answer["target_prefill"]
                     for pool, n in targets.items():
+                        n = None if n is None else max(1, min(pool_ceiling(by_name[pool]), int(n)))
                         if n is not None and n != fleet.desired[pool]:
-                            fleet.scale(pool, max(1, min(pool_ceiling(by_name[pool]), int(n))))
+                            fleet.scale(pool, n)
                             events += 1
                     next_tick = answer["next_tick_s"]
                 if t >= sample_at - 1e-9:

@@ -17,6 +17,9 @@ minute needs (static: at the peak); only what sets replica counts differs:
   bound: a minute's need is judged one size at a time, with caches as warm as a fleet of that size
   keeps them, so the moves between sizes can cost it minutes.
 
+Peers (`fleetctl autoscale eval --peers dynamo`) run beside them on the same replays, one run per
+configuration tried; the table shows each peer by its best configuration (`best_configuration`).
+
 Measured from the simulated engines themselves (not from the scrape the strategies act on): per
 minute, each pool's TTFT p95 and TPOT p95 from its engines' histogram deltas, as PromQL's
 `histogram_quantile` computes them; a minute is within SLO when every pool's are; GPU-hours count
@@ -133,11 +136,13 @@ def _within(meter: MinuteMeter, pool: PoolModel, minute: int) -> bool:
 
 
 def resized(scenario: Scenario, replicas: Mapping[str, int]) -> Scenario:
+    """The scenario with its pools starting at these sizes."""
     pools = [p.model_copy(update={"replicas": replicas.get(p.name, p.replicas)}) for p in scenario.fleet.pools]
     return scenario.model_copy(update={"fleet": scenario.fleet.model_copy(update={"pools": pools})})
 
 
 def pool_ceiling(p: PoolModel) -> int:
+    """The most engines any strategy may give the pool."""
     return p.max_replicas or p.replicas * 2
 
 

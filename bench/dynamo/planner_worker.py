@@ -4,7 +4,7 @@ The benchmark (`bench/dynamo_shootout.py`) starts this with the Dynamo environme
 one object per line, so Dynamo's pinned dependencies never meet the product's. Requests:
 
 - `{"op": "start", "config": {...}, "capabilities": {"prefill": {...} | null, "decode": {...}},
-  "benchmark": {"prefill": [fpm, ...], "decode": [fpm, ...]}}`: builds the planner through Dynamo's own
+  "benchmark": {"prefill": [fpm, ...], "decode": [fpm, ...], "mixed": [fpm, ...]}}`: builds the planner through Dynamo's own
   offline replay adapter, installs the benchmark forward-pass metrics as its replay does, and answers
   `{"first_tick_s": t}`;
 - `{"op": "tick", "result": {...}}`: one planner tick on the snapshot the adapter reads (the keys of
@@ -57,9 +57,10 @@ def start(msg: dict[str, Any]) -> tuple[ReplayPlannerAdapter, dict[str, Any]]:
     bench = msg.get("benchmark") or {}
     prefill = [_fpm(d) for d in bench.get("prefill", [])]
     decode = [_fpm(d) for d in bench.get("decode", [])]
+    mixed = [_fpm(d) for d in bench.get("mixed", [])]
     if config.optimization_target == "sla" and (prefill or decode):
         if config.mode == "agg":
-            adapter.install_benchmark_fpms(agg_fpms=prefill + decode)
+            adapter.install_benchmark_fpms(agg_fpms=prefill + decode + mixed)
         else:
             adapter.install_benchmark_fpms(prefill_fpms=prefill, decode_fpms=decode)
     adapter.start()

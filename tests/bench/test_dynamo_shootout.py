@@ -41,6 +41,12 @@ def test_the_planner_is_seeded_on_dynamo_s_benchmark_grid_timed_by_the_pool_s_en
     assert slow["prefill"][-1]["wall_time"] == pytest.approx(2 * fast["prefill"][-1]["wall_time"], rel=0.01), (
         "a pool at half an H200's speed is benchmarked at half the speed")
     assert capabilities(pool)["max_kv_tokens"] == pool.kv_blocks * 16
+    model = load_model(speed=1.0)
+    mixed = fast["mixed"][0]
+    assert mixed["num_prefill_requests"] == 1 and mixed["num_decode_requests"] >= 1, "an aggregated engine's iteration"
+    assert mixed["wall_time"] == pytest.approx(
+        model.prefill_batch_seconds([(mixed["sum_prefill_tokens"], 0)])
+        + model.decode_step_seconds(mixed["num_decode_requests"], mixed["sum_decode_kv_tokens"] // mixed["num_decode_requests"]))
 
 
 def test_dynamo_gets_the_same_slos_budget_and_floor_as_ours() -> None:
