@@ -7,7 +7,7 @@ replay adapter. This side replays the trace through the same simulated fleet the
 fleet in its own terms:
 
 - worker counts: engines serving per pool, with the ones still starting or draining apart;
-- one forward-pass-metrics snapshot per ready engine, its current iteration as vLLM's instrumented
+- one forward-pass-metrics snapshot per serving engine, its current iteration as vLLM's instrumented
   scheduler would report it: prefill and decode requests scheduled with their tokens and KV tokens, what
   waits in the queue, and the iteration's wall time from the engine's own performance model;
 - the traffic window since the last tick, as Dynamo's frontend reports it: requests that arrived, mean
@@ -16,7 +16,8 @@ fleet in its own terms:
 Its `target_prefill`/`target_decode` are applied to the pools at once (new engines serve after the pool's
 start-up time; removed ones drain). Its performance regressions are seeded as Dynamo's replay seeds them,
 with benchmark forward-pass metrics on the same grid, here measured from the simulated engine itself (the
-calibrated profile at the pool's speed) instead of NVIDIA's hosted performance model.
+calibrated profile at the pool's speed) instead of NVIDIA's simulator, which its replay uses and this
+environment cannot install.
 """
 
 from __future__ import annotations
@@ -133,15 +134,13 @@ def fpm_snapshot(engine: SimEngine, worker_id: int) -> dict[str, Any]:
             prefills.append(r)
             chunks.append((take, r.computed))
             budget -= take
-    step = engine.model.prefill_batch_seconds(chunks) if chunks else 0.0
-    if decoders:
-        step += engine.model.decode_step_seconds(len(decoders), sum(r.context for r in decoders) / len(decoders))
+    step = engine.step_seconds(chunks, decoders)
     decode_kv, decode_var = _moments([r.context for r in decoders])
     queued = list(engine.waiting)
     queued_prompt, queued_var = _moments([r.input_tokens for r in queued if r.generated < 1])
     requeued_kv, requeued_var = _moments([r.context for r in queued if r.generated >= 1])
     return {
-        "worker_id": str(worker_id), "dp_rank": 0, "wall_time": step * engine.slowdown,
+        "worker_id": str(worker_id), "dp_rank": 0, "wall_time": step,
         "num_prefill_requests": len(prefills), "sum_prefill_tokens": int(sum(c for c, _ in chunks)),
         "var_prefill_length": float(np.var([r.input_tokens for r in prefills])) if prefills else 0.0,
         "sum_prefill_kv_tokens": int(sum(done for _, done in chunks)),

@@ -291,7 +291,8 @@ class SimEngine:
         self.ranks[victim.rank].add("vllm:num_preemptions", 1)
         return victim
 
-    def _step_seconds(self, chunks: Sequence[tuple[int, int]], decoders: Sequence[SimRequest]) -> float:
+    def step_seconds(self, chunks: Sequence[tuple[int, int]], decoders: Sequence[SimRequest]) -> float:
+        """How long one iteration of these prefill chunks (tokens, tokens already cached) and decoders takes."""
         seconds = self.model.prefill_batch_seconds(chunks) if chunks else 0.0
         if decoders:
             ctx = sum(r.context for r in decoders) / len(decoders)
@@ -326,7 +327,7 @@ class SimEngine:
             # Bulk decode up to the next thing that changes the batch: a request finishing, the
             # blocks running out, or the time asked for. Waiting requests could not be admitted
             # above, and only a completion frees what they wait for.
-            step = self._step_seconds(chunks, decoders)
+            step = self.step_seconds(chunks, decoders)
             left = min(r.output_tokens - r.generated for r in decoders)
             growth = len(decoders) * per_seq / BLOCK_TOKENS
             k = max(1, min(math.ceil(left / per_seq), math.floor((until - self.t) / step) if step > 0 else 1,
@@ -347,7 +348,7 @@ class SimEngine:
             if not self.running:  # everything waits for blocks nobody holds: a stall until `until`
                 self.t = until
             return
-        step = self._step_seconds(chunks, decoders)
+        step = self.step_seconds(chunks, decoders)
         elapsed = step * k
         self.t += elapsed
         self.busy_s += elapsed
