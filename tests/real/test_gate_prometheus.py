@@ -3,8 +3,11 @@ tests share: one decode engine as the canary, the others as the baseline, over t
 
 `increase()` extrapolates a histogram's `_sum` and `_count` by the same factor (they are scraped
 together), so each arm's mean, the statistic the gate judges, must match what our collectors
-derived from the same engines' expositions (their per-window means weighted by their requests)
-within 2 %; the buckets come back cumulative with `+Inf` last, and the same versions do not fail.
+derived from the same engines' expositions (their per-window means weighted by their requests).
+Prometheus scrapes at its own instants, up to a couple of seconds from ours, so the requests at the
+edges of the run differ: the means agree within 4 % and the request counts within 10 %, which a
+wrong arm (one pod against two) misses by far. The buckets come back cumulative with `+Inf` last,
+and the same versions do not fail.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from tests.real.scenario import Run, rel_diff
 pytestmark = pytest.mark.slow
 
 
-def _ours(run: Run, pods: list[str], signal: str) -> float:
-    """Our collectors' mean of `signal` over the run for these decode pods, weighted by requests."""
+def _ours(run: Run, pods: list[str], signal: str) -> tuple[float, float]:
+    """Our collectors' mean of `signal` over the run for these decode pods, weighted by requests, and the requests."""
     total = weight = 0.0
     for w in run.windows:
         for pod in pods:
@@ -31,7 +34,7 @@ def _ours(run: Run, pods: list[str], signal: str) -> float:
             if mean is not None and rate:
                 total += mean * rate * w.seconds
                 weight += rate * w.seconds
-    return total / weight
+    return total / weight, weight
 
 
 async def test_the_prometheus_source_reads_each_arm_as_our_collectors_do(prometheus_run: Run) -> None:
@@ -53,8 +56,10 @@ async def test_the_prometheus_source_reads_each_arm_as_our_collectors_do(prometh
         e2e = arm["e2e"]
         assert e2e.count > 10 and e2e.buckets[-1][0] == math.inf and e2e.buckets[-1][1] == pytest.approx(e2e.count)
         got = e2e.statistic("mean")
+        mean, requests = _ours(run, pods, "e2e_mean")
         assert got is not None
-        assert rel_diff(got, _ours(run, pods, "e2e_mean")) < 0.02, (pods, got, _ours(run, pods, "e2e_mean"))
+        assert rel_diff(got, mean) < 0.04, (pods, got, mean)
+        assert rel_diff(e2e.count, requests) < 0.10, (pods, e2e.count, requests)
         assert arm["error_rate"].statistic("mean") == 0.0
     verdict = judge(steps, GateSettings(metrics=rules, min_blocks=3, step=2.0), final=True)
     assert verdict.outcome is not Outcome.FAIL, verdict.reason
