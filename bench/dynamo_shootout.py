@@ -110,7 +110,7 @@ def benchmark_fpms(model: PerfModel, pool: PoolModel, granularity: int = 8) -> d
 
 def capabilities(pool: PoolModel) -> dict[str, Any]:
     """What Dynamo reads from an engine's card: batch limits, KV capacity, GPUs."""
-    return {"num_gpu": pool.moe.ranks if pool.moe else 1, "max_num_batched_tokens": pool.max_batched_tokens,
+    return {"num_gpu": pool.gpus, "max_num_batched_tokens": pool.max_batched_tokens,
             "max_num_seqs": pool.max_num_seqs, "context_length": CONTEXT_LENGTH,
             "max_kv_tokens": pool.kv_blocks * BLOCK_TOKENS, "kv_cache_block_size": BLOCK_TOKENS}
 
@@ -291,12 +291,12 @@ def planner_config(scenario: Scenario, configuration: Mapping[str, Any]) -> dict
     config: dict[str, Any] = {
         "namespace": "fleet-bench", "environment": "virtual", "backend": "vllm", "mode": "disagg" if disagg else "agg",
         "ttft_ms": 1000.0 * (ttft or 2.0), "itl_ms": 1000.0 * (tpot or 0.1), "min_endpoint": 1,
-        "max_gpu_budget": sum(pool_ceiling(p) * (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools),
-        "decode_engine_num_gpu": last.moe.ranks if last.moe else 1,
+        "max_gpu_budget": sum(pool_ceiling(p) * p.gpus for p in scenario.fleet.pools),
+        "decode_engine_num_gpu": last.gpus,
         "throughput_adjustment_interval_seconds": SLA_INTERVAL_S,
     }
     if disagg:
-        config["prefill_engine_num_gpu"] = first.moe.ranks if first.moe else 1
+        config["prefill_engine_num_gpu"] = first.gpus
     return {**config, **configuration}
 
 
@@ -319,7 +319,7 @@ class DynamoRun:
         by_name = {p.name: p for p in s.fleet.pools}
         sized = resized(s, self.start)
         fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
-        meter = MinuteMeter(fleet, 0.0, {p.name: (p.moe.ranks if p.moe else 1) for p in s.fleet.pools})
+        meter = MinuteMeter(fleet, 0.0, {p.name: p.gpus for p in s.fleet.pools})
         observer = FleetObserver(prefill.name if prefill else None, decode.name)
         events = 0
         planner = PlannerProcess(self.python)

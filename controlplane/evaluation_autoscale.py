@@ -152,7 +152,7 @@ def replay(scenario: Scenario, replicas: Mapping[str, int],
     what `schedule` says for that moment (seconds from the start). Returns the meter and the scale events."""
     sized = resized(scenario, replicas)
     fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
-    meter = MinuteMeter(fleet, 0.0, {p.name: (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools})
+    meter = MinuteMeter(fleet, 0.0, {p.name: p.gpus for p in scenario.fleet.pools})
     interval, events = scenario.scrape_interval, 0
     for i in range(1, int(scenario.duration // interval) + 1):
         for pool, n in (schedule((i - 1) * interval) if schedule else {}).items():
@@ -275,7 +275,7 @@ class _Strategy:
             return self._result(meter, events, time.perf_counter() - wall)
         # Static holds the peak; the others start where the first minute needs them, as a running fleet would be.
         scenario = resized(self.scenario, peak if self.strategy == "static" else {p: n[0] for p, n in self.needs.items()})
-        gpus = {p.name: (p.moe.ranks if p.moe else 1) for p in scenario.fleet.pools}
+        gpus = {p.name: p.gpus for p in scenario.fleet.pools}
         meters: list[MinuteMeter] = []
         events = 0
 

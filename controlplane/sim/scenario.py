@@ -129,6 +129,11 @@ class PoolModel(Settings):
     eplb: EplbModel | None = None
     slo: Slo = Slo()
 
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine of the pool holds: its expert-parallel ranks, else one."""
+        return self.moe.ranks if self.moe else 1
+
     @model_validator(mode="after")
     def _checks(self) -> PoolModel:
         if self.eplb is not None and self.moe is None:
