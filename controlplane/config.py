@@ -25,6 +25,7 @@ from catalog.fleet import Role, Source
 from catalog.settings import NonNegativeSeconds, Seconds, Settings
 from controlplane.errors import ConfigError
 from controlplane.selectors import LabelSelector
+from policies.advice import AdviceSettings
 from policies.autoscale import AutoscaleSettings
 from policies.canary_rollout import CanaryRolloutSettings
 from policies.ep_imbalance import EpImbalanceSettings
@@ -40,7 +41,7 @@ from policies.types import ActionKind
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
                   | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | CanaryRolloutSettings)
 
-__all__ = ["FleetConfig", "Mode", "Seconds", "load_config", "parse_config", "parse_yaml"]
+__all__ = ["FleetConfig", "Mode", "Seconds", "Speculative", "load_config", "parse_config", "parse_yaml"]
 
 class Mode(StrEnum):
     """How far the control plane may go: detect only, propose for approval, or act."""
@@ -121,6 +122,13 @@ class Slo(Settings):
     tpot_p95: Seconds | None = None
 
 
+class Speculative(Settings):
+    """A pool's `--speculative-config`: method and draft length; `none` serves without speculation."""
+
+    method: str = Field("none", pattern=r"^(none|ngram|eagle|eagle3|mtp|medusa)$")
+    num_speculative_tokens: int = Field(0, ge=0, le=16)
+
+
 class Engine(Settings):
     """What one engine of a pool is, for the autoscaler's prior until the fleet's own data take over:
     a measured profile (shipped by name, or a folder or CSV by path) scaled by `speed`, and its vLLM flags."""
@@ -131,6 +139,15 @@ class Engine(Settings):
     max_num_seqs: int = Field(256, ge=1)
     max_batched_tokens: int = Field(8192, ge=64)
     gpus: int = Field(1, ge=1)  # per engine: what a replica costs
+    # For the advisor: what the GPUs are (a type priced in `advisor.gpu_types`), and the flags it weighs.
+    gpu_type: str = "h200"
+    kv_cache_dtype: str = Field("auto", pattern=r"^(auto|fp8)$")  # --kv-cache-dtype
+    kv_bytes_per_token: float = Field(131072.0, gt=0)  # all layers at the model's dtype: 2 x layers x kv_heads x head_dim x 2 B
+    tensor_parallel: int = Field(1, ge=1)
+    kv_heads: int = Field(8, ge=1)
+    speculative: Speculative = Speculative()
+    eplb: bool = False  # --enable-eplb
+    native_mtp: bool = False  # the model ships multi-token-prediction heads
 
 
 class Pool(Settings):
@@ -375,6 +392,7 @@ class FleetConfig(Settings):
     alerting: Alerting | None = None
     kubernetes: Kubernetes | None = None
     autoscaling: AutoscaleSettings = AutoscaleSettings()
+    advisor: AdviceSettings = AdviceSettings()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> FleetConfig:
@@ -399,6 +417,12 @@ class FleetConfig(Settings):
         if self.kubernetes is not None:
             problems += [f"pools[{i}].workload is required to act on Kubernetes (kubernetes is set)"
                          for i, p in enumerate(self.pools) if p.workload is None]
+        priced = self.advisor.gpu_types
+        problems += [f"pools[{i}].engine.gpu_type {p.engine.gpu_type!r} has no price in advisor.gpu_types "
+                     f"({', '.join(sorted(priced))})" for i, p in enumerate(self.pools) if p.engine.gpu_type not in priced]
+        problems += [f"advisor.{name} {value!r} has no price in advisor.gpu_types ({', '.join(sorted(priced))})"
+                     for name, value in (("prefill_gpu", self.advisor.prefill_gpu), ("decode_gpu", self.advisor.decode_gpu))
+                     if value is not None and value not in priced]
         if self.telemetry.tracing is Tracing.OTLP and not self.telemetry.otlp_endpoint:
             problems.append("telemetry.otlp_endpoint is required when telemetry.tracing is 'otlp'")
         if problems:

@@ -28,6 +28,7 @@ from controlplane.config import (
     Replicas,
     Scrape,
     Slo,
+    Speculative,
     Store,
     parse_yaml,
 )
@@ -124,6 +125,7 @@ class PoolModel(Settings):
     max_batched_tokens: int = Field(8192, ge=64)
     startup: Seconds = 120.0
     profile: str = DYNAMO_PROFILE  # a shipped profile's name, or a Dynamo profile folder or Splitwise CSV by path
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8: half the bytes per token, so twice the blocks
     spec: SpecModel = SpecModel()
     moe: MoeModel | None = None
     eplb: EplbModel | None = None
@@ -133,6 +135,11 @@ class PoolModel(Settings):
     def gpus(self) -> int:
         """GPUs one engine of the pool holds: its expert-parallel ranks, else one."""
         return self.moe.ranks if self.moe else 1
+
+    @property
+    def engine_kv_blocks(self) -> int:
+        """KV blocks an engine holds: `kv_blocks` at the model's dtype, twice as many in FP8."""
+        return self.kv_blocks * (2 if self.kv_cache_dtype == "fp8" else 1)
 
     @model_validator(mode="after")
     def _checks(self) -> PoolModel:
@@ -253,7 +260,7 @@ class Scenario(Settings):
         pools = tuple(
             PoolSpec(
                 p.name, p.role, p.replicas, speed=p.speed,
-                engine=EngineConfig(kv_blocks=p.kv_blocks, max_num_seqs=p.max_num_seqs,
+                engine=EngineConfig(kv_blocks=p.engine_kv_blocks, max_num_seqs=p.max_num_seqs,
                                     max_batched_tokens=p.max_batched_tokens),
                 spec=SpecConfig(p.spec.method, p.spec.num_speculative_tokens),
                 moe=MoeSpec(p.moe.experts, p.moe.ranks, p.moe.zipf_s, p.moe.moe_share, seed=self.seed) if p.moe else None,
@@ -271,8 +278,11 @@ class Scenario(Settings):
         """The fleet file the control plane runs with against this scenario's fleet."""
         pools = [Pool(name=p.name, role=p.role, model=self.fleet.model, slo=p.slo,
                       replicas=Replicas(min=1, max=p.max_replicas or p.replicas * 2),
-                      engine=Engine(profile=p.profile, speed=p.speed, kv_blocks=p.kv_blocks, max_num_seqs=p.max_num_seqs,
-                                    max_batched_tokens=p.max_batched_tokens, gpus=p.moe.ranks if p.moe else 1))
+                      engine=Engine(profile=p.profile, speed=p.speed, kv_blocks=p.engine_kv_blocks,
+                                    max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, gpus=p.gpus,
+                                    kv_cache_dtype=p.kv_cache_dtype, eplb=p.eplb is not None,
+                                    speculative=Speculative(method=p.spec.method,
+                                                            num_speculative_tokens=p.spec.num_speculative_tokens)))
                  for p in self.fleet.pools]
         # Each simulated engine has a node of its own, named after it (see exporters.node_of).
         policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"),

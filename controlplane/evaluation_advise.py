@@ -1,0 +1,248 @@
+"""`fleetctl advise eval`: the advisor on scenarios whose right answer is known, its savings measured.
+
+Each case is a shipped scenario (`scenarios/advise/`) built so that one answer is right: a
+prefill-heavy RAG trace and a decode-heavy chat trace (disaggregate), a KV-bound pool (FP8 KV
+cache), a JSON-heavy pool (disable speculation), a small fleet (keep one pool). For each:
+
+1. the scenario runs through the full loop in observe mode, so the store holds what a live fleet's
+   would; the advisor reads it as `fleetctl advise` does and gives its recommendation;
+2. the simulator measures the truth: for the layout as it is and the layout the recommendation
+   asks for (for "keep one pool", the split it advised against), per pool the fewest engines that
+   meet the pool's SLOs in the busy minutes (the 95th percentile of the per-minute needs the
+   autoscaler evaluation's oracle search finds, replaying the trace once per size);
+3. the measured saving is the difference of the two layouts' GPU cost per day at the advisor's
+   prices; the advisor's estimate must be within 20 % of it, and its answer the known one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from catalog.fleet import Role
+from controlplane.advice import advisor_input
+from controlplane.evaluation_autoscale import oracle_needs, replay
+from controlplane.goals import Goal, at_least, at_most, equal, goals_json
+from controlplane.sim.run import run_scenario
+from controlplane.sim.scenario import PoolModel, Scenario, SpecModel, load_scenario
+from controlplane.store.threaded import ThreadedStore
+from policies.advice import AdviceKind, AdviceSettings, Recommendation, advise
+from policies.windows import SignalWindows
+
+__all__ = ["CASES", "AdviceCase", "CaseResult", "apply", "evaluate_advice", "run_case"]
+
+SAVING_TOLERANCE = 0.20
+NEED_QUANTILE = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class AdviceCase:
+    """A scenario and the answer known to be right for its pool."""
+
+    scenario: str
+    pool: str
+    kind: AdviceKind
+    act: bool  # the right answer calls for a change (False: keep things as they are)
+    change: Mapping[str, Any] = field(default_factory=dict)  # what the change must include
+    fewer_draft_tokens: bool = False  # speculation: disabling or shortening the drafts are both right
+
+
+CASES: dict[str, AdviceCase] = {
+    "rag-prefill-heavy": AdviceCase("advise/rag-prefill-heavy", "rag", AdviceKind.DISAGGREGATION, True,
+                                    {"layout": "disaggregated"}),
+    "chat-decode-heavy": AdviceCase("advise/chat-decode-heavy", "chat", AdviceKind.DISAGGREGATION, True,
+                                    {"layout": "disaggregated"}),
+    "kv-bound": AdviceCase("advise/kv-bound", "chat", AdviceKind.KV_PRECISION, True, {"kv_cache_dtype": "fp8"}),
+    "json-heavy": AdviceCase("advise/json-heavy", "tools", AdviceKind.SPECULATION, True, fewer_draft_tokens=True),
+    "small-fleet": AdviceCase("advise/small-fleet", "chat", AdviceKind.DISAGGREGATION, False, {"layout": "unified"}),
+}
+
+
+@dataclass(slots=True)
+class CaseResult:
+    """One case: the advice, the truth the simulator measured, and how far apart they are."""
+
+    case: str
+    kind: str
+    advice: str
+    right_answer: bool
+    estimated_saving_per_day: float | None
+    measured_saving_per_day: float
+    error: float | None  # |estimated - measured| / |measured|
+    engines_before: dict[str, int]  # the fewest engines per pool that meet the SLOs, as it is
+    engines_after: dict[str, int]  # ... and as the recommendation has it
+    advised_engines: dict[str, int]  # what the advisor said the new layout needs
+    advised_attainment: float | None  # minutes within the SLOs with the advised engines, applied
+    evidence: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def within(self) -> bool:
+        return self.error is not None and self.error <= SAVING_TOLERANCE
+
+
+# applying a recommendation to a scenario ---------------------------------------------------------
+
+
+def _with_pools(scenario: Scenario, pools: list[PoolModel]) -> Scenario:
+    return scenario.model_copy(update={"fleet": scenario.fleet.model_copy(update={"pools": pools})})
+
+
+def split(scenario: Scenario, pool: str, replicas: tuple[int, int] | None = None) -> Scenario:
+    """The scenario with `pool` served by a prefill and a decode pool of its engines: TTFT the prefill's SLO,
+    TPOT the decode's."""
+    out: list[PoolModel] = []
+    for p in scenario.fleet.pools:
+        if p.name != pool:
+            out.append(p)
+            continue
+        n_p, n_d = replicas or (p.replicas, p.replicas)
+        ceiling = p.max_replicas or p.replicas * 2
+        out.append(p.model_copy(update={"name": f"{pool}-prefill", "role": Role.PREFILL, "replicas": n_p,
+                                        "max_replicas": ceiling, "slo": p.slo.model_copy(update={"tpot_p95": None})}))
+        out.append(p.model_copy(update={"name": f"{pool}-decode", "role": Role.DECODE, "replicas": n_d,
+                                        "max_replicas": ceiling, "slo": p.slo.model_copy(update={"ttft_p95": None})}))
+    return _with_pools(scenario, out)
+
+
+def apply(scenario: Scenario, pool: str, kind: AdviceKind, change: Mapping[str, Any]) -> Scenario:
+    """The scenario with the recommended layout in place of the pool's (a split for "keep one pool": the
+    layout advised against, so its cost can be measured too)."""
+    if kind is AdviceKind.DISAGGREGATION:
+        if change.get("layout") == "disaggregated" and "prefill" in change:
+            return split(scenario, pool, (int(change["prefill"]["replicas"]), int(change["decode"]["replicas"])))
+        return split(scenario, pool)
+    pools = []
+    for p in scenario.fleet.pools:
+        if p.name == pool and kind is AdviceKind.KV_PRECISION:
+            p = p.model_copy(update={"kv_cache_dtype": change.get("kv_cache_dtype", "fp8")})
+        elif p.name == pool and kind is AdviceKind.SPECULATION:
+            spec = change.get("speculative", {})
+            method = spec.get("method", p.spec.method)
+            k = 0 if method == "none" else int(spec.get("num_speculative_tokens", p.spec.num_speculative_tokens))
+            p = p.model_copy(update={"spec": SpecModel(method=method, num_speculative_tokens=k)})
+        pools.append(p)
+    return _with_pools(scenario, pools)
+
+
+# measuring ---------------------------------------------------------------------------------------
+
+
+def needed(scenario: Scenario, jobs: int, progress: Callable[[str, Any], None] | None = None) -> dict[str, int]:
+    """Per pool, the fewest engines that meet its SLOs in the busy minutes (the 95th percentile of the minutes'
+    needs: the busiest few are allowed to miss, as the advisor sizes for its load's 95th percentile)."""
+    needs = oracle_needs(scenario, jobs, progress)
+    return {pool: math.ceil(float(np.quantile(n, NEED_QUANTILE, method="higher"))) for pool, n in needs.items()}
+
+
+def cost_per_day(scenario: Scenario, engines: Mapping[str, int], settings: AdviceSettings,
+                 gpu_types: Mapping[str, str]) -> float:
+    """GPU dollars per day of these engine counts."""
+    return 24.0 * sum(n * p.gpus * settings.price(gpu_types.get(p.name, "h200"))
+                      for p in scenario.fleet.pools if (n := engines.get(p.name)) is not None)
+
+
+def attainment(scenario: Scenario, engines: Mapping[str, int]) -> float:
+    """Share of minutes within every pool's SLOs with the pools fixed at these sizes."""
+    meter, _ = replay(scenario, engines)
+    minutes = math.ceil(scenario.duration / 60.0)
+    ok = 0
+    for m in range(minutes):
+        ok += all(_within(meter, p, m) for p in scenario.fleet.pools)
+    return ok / minutes if minutes else 1.0
+
+
+def _within(meter: Any, pool: PoolModel, minute: int) -> bool:
+    for metric, slo in (("ttft", pool.slo.ttft_p95), ("tpot", pool.slo.tpot_p95)):
+        value = meter.p95(pool.name, metric, minute)
+        if slo is not None and value is not None and value > slo:
+            return False
+    return True
+
+
+async def _observe(scenario: Scenario, settings: AdviceSettings) -> list[Recommendation]:
+    with tempfile.TemporaryDirectory() as tmp:
+        db = f"sqlite:///{Path(tmp) / 'observe.db'}"
+        config = scenario.controlplane_config(db).model_copy(update={"advisor": settings})
+        run = await run_scenario(scenario, db, mode="observe", config=config, policies=[], start=0.0)
+        store = ThreadedStore.open(db)
+        try:
+            windows = SignalWindows(scenario.duration + 120.0)
+            windows.extend((s.ts, s.subject, s.name, s.value) for s in await store.load_signals(0.0))
+        finally:
+            store.close()
+    # The first minutes warm the caches and fill the batches: the advisor reads the fleet in its steady state.
+    now = run.fleet.now
+    return advise(advisor_input(config, windows, now, min(now, 180.0)), settings)
+
+
+def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
+             progress: Callable[[str, Any], None] | None = None) -> CaseResult:
+    """One case end to end: observe, advise, measure both layouts, compare."""
+    import time
+
+    wall = time.perf_counter()
+    case = CASES[name]
+    settings = settings or AdviceSettings()
+    scenario = load_scenario(case.scenario)
+    recs = asyncio.run(_observe(scenario, settings))
+    rec = next((r for r in recs if r.kind is case.kind and r.pool == case.pool), None)
+    right = rec is not None and rec.act == case.act and _answers(case, rec, scenario)
+    change = rec.change if rec is not None else case.change
+    after = apply(scenario, case.pool, case.kind, change)
+    before_n = needed(scenario, jobs, progress)
+    after_n = needed(after, jobs, progress)
+    gpu = {p.name: "h200" for p in after.fleet.pools}
+    measured = cost_per_day(scenario, before_n, settings, gpu) - cost_per_day(after, after_n, settings, gpu)
+    estimated = None if rec is None else rec.effect.saving_per_day
+    advised = _advised_engines(rec, case, after_n)
+    reached = attainment(after, advised) if advised else None
+    err = None
+    if estimated is not None:
+        err = abs(estimated - measured) / abs(measured) if measured else (0.0 if abs(estimated) < 1e-9 else math.inf)
+    return CaseResult(name, case.kind.value, rec.advice if rec else "(no recommendation)", right,
+                      None if estimated is None else round(estimated, 2), round(measured, 2),
+                      None if err is None else round(err, 4), before_n, after_n, advised, reached,
+                      dict(rec.evidence) if rec else {}, round(time.perf_counter() - wall, 1))
+
+
+def _answers(case: AdviceCase, rec: Recommendation, scenario: Scenario) -> bool:
+    """Whether the recommendation is the known answer."""
+    if case.fewer_draft_tokens:
+        spec = rec.change.get("speculative", {})
+        now = next(p.spec.num_speculative_tokens for p in scenario.fleet.pools if p.name == case.pool)
+        return spec.get("method") == "none" or int(spec.get("num_speculative_tokens", now)) < now
+    return all(rec.change.get(k) == v for k, v in case.change.items())
+
+
+def _advised_engines(rec: Recommendation | None, case: AdviceCase, truth: Mapping[str, int]) -> dict[str, int]:
+    """The engine counts the advice itself names for the new layout (pool names as the applied scenario has them)."""
+    if rec is None:
+        return {}
+    ev = rec.evidence
+    if case.kind is AdviceKind.DISAGGREGATION and "prefill_pool" in ev:
+        return {f"{case.pool}-prefill": int(ev["prefill_pool"]["engines"]),
+                f"{case.pool}-decode": int(ev["decode_pool"]["engines"])}
+    if rec.effect.metric == "engines_needed":
+        return {case.pool: int(rec.effect.after)}
+    return dict(truth)
+
+
+def evaluate_advice(cases: list[str] | None = None, jobs: int = 1,
+                    progress: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+    """Every case (or the named ones): the table's rows and the goals."""
+    names = cases or list(CASES)
+    results = [run_case(n, jobs, progress=progress) for n in names]
+    goals: list[Goal] = []
+    for r in results:
+        goals.append(equal(f"{r.case}: the known answer", r.right_answer, True))
+        goals.append(at_most(f"{r.case}: estimated saving's error vs the simulator", r.error, SAVING_TOLERANCE))
+    goals.append(at_least("cases answered right", sum(r.right_answer for r in results), len(results)))
+    return {"cases": [asdict(r) for r in results], "goals": goals_json(goals)}

@@ -1,0 +1,101 @@
+"""Which speculative decoding suits a pool's traffic: keep, retune, switch method, or disable.
+
+From what the pool measures: the acceptance of each draft position (so the tokens a step would yield
+with fewer positions), and the step's cost (k draft tokens cost about 1 + k·(draft + verify) plain
+steps; the ngram drafter drafts for free). The speed-up of k positions is (1 + Σ accepted) / cost;
+the pool is then sized at its SLOs with the best choice against today's, and the engines saved are
+the effect. Constrained traffic (JSON, tool calls) shows as acceptance that no number of positions
+makes pay: disable. A KV-bound pool on a draft model is pointed at ngram (no draft weights or draft
+KV); a model that ships MTP heads at MTP.
+"""
+
+from __future__ import annotations
+
+from policies.advice.disaggregation import peak_load, sized
+from policies.advice.kv import kv_bound
+from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
+
+__all__ = ["best_positions", "speculation"]
+
+
+def _per_token_cost(facts: PoolFacts, s: AdviceSettings) -> float:
+    return (0.0 if facts.spec.method == "ngram" else s.draft_cost) + s.verify_cost
+
+
+def best_positions(positions: tuple[float, ...], per_token_cost: float) -> tuple[int, float]:
+    """(positions, speed-up) that speculate best given each position's acceptance; (0, 1.0) when none pays."""
+    best, best_k, accepted = 1.0, 0, 0.0
+    for k, p in enumerate(positions, start=1):
+        accepted += p
+        speedup = (1.0 + accepted) / (1.0 + k * per_token_cost)
+        if speedup > best:
+            best, best_k = speedup, k
+    return best_k, best
+
+
+def speculation(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation]:
+    """A recommendation per pool that speculates (or whose model ships MTP heads) and decodes."""
+    out = []
+    for facts in inp.pools.values():
+        obs = inp.observed.get(facts.name)
+        if obs is None or facts.role == "prefill" or obs.arrivals <= 0:
+            continue
+        if facts.spec.enabled and obs.spec_length is not None:
+            out.append(_judge(facts, obs, s))
+        elif facts.spec.native_mtp and not facts.spec.enabled:
+            out.append(Recommendation(
+                AdviceKind.SPECULATION, facts.name,
+                f"{facts.name}'s model ships MTP heads: try --speculative-config method=mtp (the field reports "
+                f"acceptance over 80 % out of the box) behind a canary", {"speculative": {"method": "mtp"}},
+                Effect("tpot_p95", obs.tpot_p95 or 0.0, obs.tpot_p95 or 0.0), 0.3, {}, act=True))
+    return out
+
+
+def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendation:
+    k = facts.spec.num_speculative_tokens
+    unit = _per_token_cost(facts, s)
+    length = max(1.0, obs.spec_length or 1.0)
+    now_speedup = length / (1.0 + k * unit)
+    positions = obs.spec_positions[:k]
+    best_k, best_speedup = best_positions(positions, unit) if positions else (k, now_speedup)
+    load = peak_load(obs)
+    now = sized(facts.role, facts, load, s, cost=(1.0 + k * unit, length))
+    if best_speedup < s.spec_pays:
+        choice, then = 0, sized(facts.role, facts, load, s)
+    else:
+        choice = best_k
+        tokens = 1.0 + sum(positions[:best_k]) if positions else length
+        then = sized(facts.role, facts, load, s, cost=(1.0 + best_k * unit, tokens))
+    saved = now.engines - then.engines
+    price = s.price(facts.gpu_type) * facts.gpus
+    evidence = {"method": facts.spec.method, "num_speculative_tokens": k, "mean_acceptance_length": round(length, 3),
+                "acceptance_rate": None if obs.spec_acceptance is None else round(obs.spec_acceptance, 3),
+                "per_position": [round(p, 3) for p in positions], "step_cost": round(1.0 + k * unit, 3),
+                "speedup_now": round(now_speedup, 3), "best_positions": best_k, "best_speedup": round(best_speedup, 3),
+                "engines_now": now.as_dict(), "engines_then": then.as_dict()}
+    effect = Effect("engines_needed", now.engines, then.engines, saving_per_day=24 * price * saved,
+                    gpu_hours_per_day=24 * facts.gpus * saved)
+    conf = round(min(1.0, obs.minutes / 60.0) * 0.85, 2)
+    if choice == 0:
+        return Recommendation(
+            AdviceKind.SPECULATION, facts.name,
+            f"disable speculative decoding on {facts.name}: {facts.spec.method} with {k} tokens yields {length:.2f} "
+            f"tokens a step for {1 + k * unit:.2f} steps' cost (x{now_speedup:.2f}), no shorter draft pays "
+            f"(constrained traffic rejects drafts); {now.engines} -> {then.engines} engines at the SLOs",
+            {"speculative": {"method": "none"}}, effect, conf, evidence)
+    if choice < k and best_speedup > now_speedup * 1.02:
+        return Recommendation(
+            AdviceKind.SPECULATION, facts.name,
+            f"retune {facts.name} to num_speculative_tokens={choice}: x{best_speedup:.2f} instead of "
+            f"x{now_speedup:.2f}; {now.engines} -> {then.engines} engines at the SLOs",
+            {"speculative": {"method": facts.spec.method, "num_speculative_tokens": choice}}, effect, conf, evidence)
+    if facts.spec.method in ("eagle", "eagle3") and kv_bound(obs, s):
+        return Recommendation(
+            AdviceKind.SPECULATION, facts.name,
+            f"{facts.name} is KV-bound with a draft model: ngram speculation needs no draft weights or KV; "
+            f"try it behind a canary (draft models pay x{now_speedup:.2f} now)",
+            {"speculative": {"method": "ngram"}}, Effect("engines_needed", now.engines, now.engines), 0.3, evidence)
+    return Recommendation(
+        AdviceKind.SPECULATION, facts.name,
+        f"keep {facts.spec.method} with {k} tokens on {facts.name}: x{now_speedup:.2f} decode speed-up",
+        {}, Effect("engines_needed", now.engines, now.engines), conf, evidence, act=False)

@@ -1,0 +1,179 @@
+"""What the advisor reads and what it says: a pool's facts and its observed load in, recommendations out.
+
+Pure values: the control plane fills `AdvisorInput` from the fleet file and the store (or the
+evaluation from a simulated run); every recommendation carries its evidence, the effect it predicts
+as one measurable metric before and after, and how sure it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field
+
+from catalog.settings import Settings
+from policies.autoscale import EngineCurves
+
+__all__ = ["AdviceKind", "AdviceSettings", "AdvisorInput", "Effect", "GpuType", "PoolFacts", "PoolObserved",
+           "Recommendation", "SpecFacts"]
+
+
+class AdviceKind(StrEnum):
+    """The questions the advisor answers; each is a runbook section (`fleetctl runbook advice`)."""
+
+    DISAGGREGATION = "disaggregation"
+    POOL_RATIO = "pool_ratio"
+    KV_TIERING = "kv_tiering"
+    KV_PRECISION = "kv_precision"
+    SPECULATION = "speculation"
+    PARALLEL_LAYOUT = "parallel_layout"
+
+
+class GpuType(Settings):
+    """A kind of GPU the fleet may run on: what an hour costs, and how fast it runs the pool's profile."""
+
+    price_per_hour: float = Field(gt=0)
+    speed: float = Field(1.0, gt=0)  # relative to the hardware the pool's profile was measured on
+
+
+class AdviceSettings(Settings):
+    """`advisor` in the fleet file: prices, the layouts it may propose, and when a gain is worth a change."""
+
+    gpu_types: dict[str, GpuType] = Field(default_factory=lambda: {"h200": GpuType(price_per_hour=3.5)})
+    prefill_gpu: str | None = None  # the GPU a split-off prefill pool runs on (default: the pool's own)
+    decode_gpu: str | None = None  # ... and a decode pool
+    # Size for p95s at this share of the SLOs: 1.0 is the fewest engines that meet them (the autoscaler adds headroom).
+    margin: float = Field(1.0, gt=0.1, le=1.0)
+    load_quantile: float = Field(0.95, ge=0.5, le=1.0)  # of the per-minute arrivals: the load a static size must carry
+    kv_usage_max: float = Field(0.85, gt=0.1, le=1.0)
+    max_utilization: float = Field(0.9, gt=0.1, lt=1.0)
+    min_saving: float = Field(0.10, ge=0, lt=1)  # a layout change must save this share of the fleet's cost
+    tier_factors: tuple[float, ...] = (2.0, 5.0, 10.0)  # cache sizes (times HBM) a KV tier is judged at
+    min_hit_gain: float = Field(0.05, gt=0, lt=1)  # hit-rate points a tier must add to be worth running
+    kv_bound_usage: float = Field(0.8, gt=0, le=1)  # KV usage from which a pool counts as KV-bound
+    draft_cost: float = Field(0.10, ge=0)  # a draft token's step cost in plain decode steps when ITL can't tell
+    verify_cost: float = Field(0.03, ge=0)
+    spec_pays: float = Field(1.05, ge=1)  # speculation pays while its speed-up is at least this
+    imbalance: float = Field(1.3, gt=1)  # max over mean rank load from which EPLB is worth its overhead
+    chat_ratio: tuple[float, float] = (3.0, 5.0)  # the field's first cut: 1:3 to 1:5 prefill to decode for chat
+    link_gbps: float = Field(400.0, gt=0)  # the KV-transfer link a split fleet would move prompts' KV over
+
+    def price(self, gpu_type: str) -> float:
+        """Dollars per GPU-hour; an unknown type names the ones configured."""
+        try:
+            return self.gpu_types[gpu_type].price_per_hour
+        except KeyError:
+            raise KeyError(f"GPU type {gpu_type!r} has no price in advisor.gpu_types "
+                           f"({', '.join(sorted(self.gpu_types))})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SpecFacts:
+    """A pool's `--speculative-config`."""
+
+    method: str = "none"  # none | ngram | eagle | eagle3 | mtp | medusa
+    num_speculative_tokens: int = 0
+    native_mtp: bool = False  # the model ships MTP heads
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFacts:
+    """A pool as configured: its engines, what they run on, and its SLOs."""
+
+    name: str
+    role: str  # unified | prefill | decode
+    replicas: int
+    curves: EngineCurves  # the profile at the pool's speed: what one engine does
+    gpu_type: str = "h200"
+    ttft_p95_slo: float | None = None
+    tpot_p95_slo: float | None = None
+    spec: SpecFacts = SpecFacts()
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8
+    kv_bytes_per_token: float = 131072.0  # across all layers, at the model's dtype (Llama-3.1-8B in BF16)
+    tensor_parallel: int = 1
+    kv_heads: int = 8
+    expert_parallel: int = 1
+    eplb: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.curves.gpus
+
+
+@dataclass(frozen=True, slots=True)
+class PoolObserved:
+    """What a pool did over the window, from its stored signals (means unless named otherwise)."""
+
+    arrivals: float  # requests per second, mean
+    arrivals_peak: float  # the load quantile of per-minute arrivals
+    prompt_tokens: float  # per request
+    output_tokens: float  # per request
+    hit_rate: float
+    engines: float  # engines reporting, mean
+    running: float = 0.0  # requests in the batch per engine
+    kv_usage: float = 0.0
+    kv_usage_max: float = 0.0
+    preemptions: float = 0.0  # per second, the pool
+    ttft_p95: float | None = None
+    tpot_p95: float | None = None
+    itl_mean: float | None = None
+    spec_acceptance: float | None = None
+    spec_length: float | None = None  # mean acceptance length: tokens per verification step
+    spec_yield: float | None = None
+    spec_positions: tuple[float, ...] = ()  # acceptance of each draft position, per draft
+    rank_imbalance: float | None = None  # max over mean per-rank load (EP groups)
+    minutes: float = 0.0  # how much history this rests on
+
+
+@dataclass(frozen=True, slots=True)
+class AdvisorInput:
+    """Everything the advisor may look at: the pools, what they did since `since`, and the time."""
+
+    now: float
+    since: float
+    pools: Mapping[str, PoolFacts]
+    observed: Mapping[str, PoolObserved]
+    # Per pool, the prompts' prefix-block hashes in arrival order, where the fleet records them
+    # (llm-d's KV events, LMCache, the simulator): an LRU replay then answers the tiering question exactly.
+    prefix_blocks: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """A predicted change of one metric the fleet reports, and what it saves per day."""
+
+    metric: str  # e.g. gpu_hours_per_day, prefix_cache_hit_rate, engines_needed
+    before: float
+    after: float
+    saving_per_day: float | None = None  # dollars; negative: the change would cost this much
+    gpu_hours_per_day: float | None = None  # GPU-hours saved per day (negative: more)
+
+    @property
+    def change(self) -> float:
+        """Relative change of the metric (after over before, less one)."""
+        return self.after / self.before - 1.0 if self.before else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    """One piece of advice: what to change on which pool, why, what it would do, and how sure that is."""
+
+    kind: AdviceKind
+    pool: str  # a pool, or the pools it concerns joined by "+"
+    advice: str  # one line a person reads
+    change: Mapping[str, Any]  # the layout it recommends, in fleet-file terms (how it is later recognised)
+    effect: Effect
+    confidence: float  # 0..1: how much evidence it rests on and how well the model fits it
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    act: bool = True  # False: keep things as they are (the answer is "no"), said with its effect
+
+    @property
+    def runbook(self) -> str:
+        return f"advice#{self.kind.value.replace('_', '-')}"

@@ -1,0 +1,211 @@
+"""The advisor's pure parts: the what-if sizing, the LRU replay, and each question's answer on known inputs."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.advice import (
+    AdviceKind,
+    AdviceSettings,
+    AdvisorInput,
+    GpuType,
+    PoolFacts,
+    PoolObserved,
+    SpecFacts,
+    advise,
+    lru_hit_rates,
+)
+from policies.advice.capacity import Load, size_pool
+from policies.advice.speculation import best_positions
+from policies.autoscale import EngineCurves
+
+# The shipped H200 profile's fit (controlplane.autoscaling.engine_curves), rounded.
+CURVES = EngineCurves(prefill=(0.02, 1.37e-5, 5.6e-10), decode=(0.0045, 4.5e-5, 2.7e-8), kv_tokens=480_000)
+
+
+def facts(**kw: object) -> PoolFacts:
+    base = PoolFacts(name="chat", role="unified", replicas=4, curves=CURVES, ttft_p95_slo=2.0, tpot_p95_slo=0.05)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def seen(**kw: object) -> PoolObserved:
+    base = PoolObserved(arrivals=10.0, arrivals_peak=12.0, prompt_tokens=1500, output_tokens=250, hit_rate=0.5,
+                        engines=4, minutes=60)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def inp(pools: list[PoolFacts], observed: dict[str, PoolObserved], **kw: object) -> AdvisorInput:
+    return AdvisorInput(now=3600.0, since=0.0, pools={p.name: p for p in pools}, observed=observed, **kw)  # type: ignore[arg-type]
+
+
+# sizing --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["unified", "prefill", "decode"])
+def test_more_load_never_needs_fewer_engines(role: str) -> None:
+    sizes = [size_pool(role, Load(rate, 3000, 300, 0.2), CURVES, ttft_slo=1.0, tpot_slo=0.04).engines
+             for rate in (1, 5, 20, 60, 120)]
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+
+
+def test_a_small_kv_cache_limits_the_batch() -> None:
+    load = Load(30.0, 2000, 400)
+    roomy = size_pool("decode", load, CURVES, ttft_slo=None, tpot_slo=0.05)
+    tight = size_pool("decode", load, replace(CURVES, kv_tokens=48_000), ttft_slo=None, tpot_slo=0.05)
+    assert tight.engines > roomy.engines and tight.limited_by == "kv"
+    assert tight.batch <= 0.85 * 48_000 / 2400 + 1e-6
+
+
+def test_a_unified_pool_pays_for_prefill_stalls_in_its_tpot() -> None:
+    """Long prompts landing during a request's decode stretch its TPOT: a unified engine predicts a worse TPOT
+    than a decode engine at the same per-engine load."""
+    load = Load(4.0, 12000, 300)
+    unified = size_pool("unified", load, CURVES, ttft_slo=None, tpot_slo=None, limit=4)
+    decode = size_pool("decode", load, CURVES, ttft_slo=None, tpot_slo=None, limit=4)
+    assert unified.tpot_p95 is not None and decode.tpot_p95 is not None
+    assert unified.tpot_p95 > 1.5 * decode.tpot_p95
+
+
+def test_no_load_needs_one_engine() -> None:
+    assert size_pool("unified", Load(0.0, 1000, 100), CURVES, ttft_slo=1.0, tpot_slo=0.05).engines == 1
+
+
+# the LRU replay ------------------------------------------------------------------------------------
+
+
+def _brute_lru(prompts: list[list[int]], capacity: int) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for blocks in prompts:
+        leading = True
+        for h in blocks:
+            total += 1
+            if leading and h in cache:
+                hits += 1
+            else:
+                leading = False
+        for h in blocks:
+            cache[h] = None
+            cache.move_to_end(h)
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits / total if total else 0.0
+
+
+def test_lru_replay_on_a_known_sequence() -> None:
+    prompts = [[1, 2, 3], [1, 2, 4], [5, 6], [1, 2, 3]]
+    # With room for 3 blocks: [1,2,4] hits 1,2; [1,2,3] finds 1 evicted by 5 and 6.
+    assert lru_hit_rates(prompts, [3, 6]) == pytest.approx([2 / 11, 5 / 11])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), min_size=1, max_size=40),
+       st.lists(st.integers(1, 30), min_size=1, max_size=4))
+def test_lru_replay_matches_a_plain_lru_at_every_size(prompts: list[list[int]], capacities: list[int]) -> None:
+    rates = lru_hit_rates(prompts, capacities)
+    assert rates == pytest.approx([_brute_lru(prompts, c) for c in capacities])
+    ordered = lru_hit_rates(prompts, sorted(capacities))
+    assert ordered == sorted(ordered)
+
+
+# the questions -------------------------------------------------------------------------------------
+
+
+def test_a_small_fleet_keeps_one_pool_and_says_what_a_split_would_cost() -> None:
+    s = AdviceSettings()
+    recs = advise(inp([facts(replicas=2)], {"chat": seen(arrivals=1.0, arrivals_peak=1.5)}), s)
+    [rec] = [r for r in recs if r.kind is AdviceKind.DISAGGREGATION]
+    assert not rec.act and rec.change == {"layout": "unified"}
+    assert rec.effect.saving_per_day is not None and rec.effect.saving_per_day < 0
+    assert rec.evidence["one_pool"]["engines"] == 1
+
+
+def test_cheap_decode_gpus_make_a_decode_heavy_split_pay() -> None:
+    """The field's rule: a split pays when decode-class GPUs cost less than the ones prefill needs."""
+    s = AdviceSettings(gpu_types={"h200": GpuType(price_per_hour=3.5), "l40s": GpuType(price_per_hour=1.0, speed=0.8)},
+                       decode_gpu="l40s")
+    recs = advise(inp([facts()], {"chat": seen(arrivals=40.0, arrivals_peak=45.0)}), s)
+    [rec] = [r for r in recs if r.kind is AdviceKind.DISAGGREGATION]
+    assert rec.act and rec.change["layout"] == "disaggregated" and rec.change["decode"]["gpu"] == "l40s"
+    assert rec.effect.saving_per_day is not None and rec.effect.saving_per_day > 0
+    assert rec.change["decode"]["replicas"] >= rec.change["prefill"]["replicas"]
+
+
+def test_a_split_fleet_gets_its_ratio_against_the_chat_first_cut() -> None:
+    pools = [facts(name="pre", role="prefill", replicas=1, tpot_p95_slo=None),
+             facts(name="dec", role="decode", replicas=8, ttft_p95_slo=None)]
+    observed = {"pre": seen(arrivals=20.0, arrivals_peak=22.0, output_tokens=1),
+                "dec": seen(arrivals=20.0, arrivals_peak=22.0)}
+    recs = advise(inp(pools, observed), AdviceSettings())
+    [ratio] = [r for r in recs if r.kind is AdviceKind.POOL_RATIO]
+    assert ratio.pool == "pre+dec" and "1:3 to 1:5" in ratio.advice
+    assert set(ratio.change) == {"pre", "dec"}
+
+
+def test_constrained_traffic_disables_speculation() -> None:
+    spec = SpecFacts("eagle", 4)
+    obs = seen(spec_length=1.13, spec_acceptance=0.03, spec_positions=(0.1, 0.02, 0.01, 0.0))
+    recs = advise(inp([facts(spec=spec)], {"chat": obs}), AdviceSettings())
+    [rec] = [r for r in recs if r.kind is AdviceKind.SPECULATION]
+    assert rec.act and rec.change == {"speculative": {"method": "none"}}
+    assert rec.effect.after <= rec.effect.before
+    # Mostly constrained, some free text: the first position still pays, the rest do not.
+    mixed = seen(spec_length=1.5, spec_positions=(0.39, 0.08, 0.02, 0.01))
+    [retune] = [r for r in advise(inp([facts(spec=spec)], {"chat": mixed}), AdviceSettings())
+                if r.kind is AdviceKind.SPECULATION]
+    assert retune.change == {"speculative": {"method": "eagle", "num_speculative_tokens": 1}}
+
+
+def test_speculation_that_pays_is_kept_or_shortened() -> None:
+    assert best_positions((0.8, 0.7, 0.6), 0.13) == (3, pytest.approx(3.1 / 1.39))
+    assert best_positions((0.1, 0.05), 0.13)[0] == 0
+    good = seen(spec_length=3.0, spec_positions=(0.8, 0.7, 0.5))
+    [rec] = [r for r in advise(inp([facts(spec=SpecFacts("eagle", 3))], {"chat": good}), AdviceSettings())
+             if r.kind is AdviceKind.SPECULATION]
+    assert not rec.act and rec.advice.startswith("keep")
+
+
+def test_fp8_kv_for_a_kv_bound_pool_only() -> None:
+    tight = replace(CURVES, kv_tokens=64_000)
+    bound = seen(arrivals=100.0, arrivals_peak=100.0, kv_usage_max=0.97, preemptions=0.5)
+    [rec] = [r for r in advise(inp([facts(curves=tight)], {"chat": bound}), AdviceSettings())
+             if r.kind is AdviceKind.KV_PRECISION]
+    assert rec.act and rec.change["kv_cache_dtype"] == "fp8" and rec.effect.after < rec.effect.before
+    assert "evaluation set" in rec.evidence["caveat"]
+    relaxed = advise(inp([facts()], {"chat": seen(kv_usage_max=0.3)}), AdviceSettings())
+    assert not [r for r in relaxed if r.kind is AdviceKind.KV_PRECISION]
+    on_fp8 = advise(inp([facts(curves=tight, kv_cache_dtype="fp8")], {"chat": bound}), AdviceSettings())
+    assert not [r for r in on_fp8 if r.kind is AdviceKind.KV_PRECISION]
+
+
+def test_kv_tier_from_a_prefix_replay() -> None:
+    """Prompts cycling over more shared prefixes than the cache holds: a larger cache turns misses into hits."""
+    prompts = [[1000 * (i % 40) + b for b in range(8)] for i in range(800)]
+    pool = facts(curves=replace(CURVES, kv_tokens=16 * 200))
+    obs = seen(kv_usage=0.0, hit_rate=0.0, engines=1)
+    recs = advise(inp([pool], {"chat": obs}, prefix_blocks={"chat": prompts}), AdviceSettings())
+    [rec] = [r for r in recs if r.kind is AdviceKind.KV_TIERING]
+    assert rec.act and rec.change == {"kv_tier_factor": 2.0}
+    assert rec.effect.after > 0.9 and rec.evidence["lru_hit_rate"]["1x"] < 0.05
+
+
+def test_layout_eplb_and_dcp_from_their_evidence() -> None:
+    moe = facts(expert_parallel=8)
+    recs = advise(inp([moe], {"chat": seen(rank_imbalance=1.8)}), AdviceSettings())
+    assert [r.change for r in recs if r.kind is AdviceKind.PARALLEL_LAYOUT] == [{"enable_eplb": True}]
+    assert not [r for r in advise(inp([replace(moe, eplb=True)], {"chat": seen(rank_imbalance=1.8)}), AdviceSettings())
+                if r.kind is AdviceKind.PARALLEL_LAYOUT]
+    dup = facts(tensor_parallel=8, kv_heads=2, curves=replace(CURVES, kv_tokens=64_000))
+    bound = seen(arrivals=20.0, arrivals_peak=22.0, kv_usage_max=0.97)
+    [dcp] = [r for r in advise(inp([dup], {"chat": bound}), AdviceSettings()) if r.kind is AdviceKind.PARALLEL_LAYOUT]
+    assert dcp.change == {"decode_context_parallel_size": 4} and dcp.effect.after <= dcp.effect.before
+
+
+def test_unknown_gpu_type_names_the_known_ones() -> None:
+    with pytest.raises(KeyError, match="h100.*h200"):
+        AdviceSettings().price("h100")
