@@ -96,6 +96,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s(f"itl_{Q}", "s", _E, _V, "inter-token latency"),
     _s(f"e2e_{Q}", "s", _E, _V, "end-to-end request latency"),
     _s(f"queue_time_{Q}", "s", _E, _V, "time waiting in the scheduler queue"),
+    _s(f"prompt_len_{Q}", "tokens", _E, _V, "prompt length of finished requests (the distribution prefill cost depends on)"),
+    _s(f"output_len_{Q}", "tokens", _E, _V, "output length of finished requests"),
     _s("kv_cache_usage", "ratio", _E, _V, "KV-cache blocks in use, mean over engines"),
     _s("kv_cache_usage_max", "ratio", _E, _V, "KV-cache blocks in use, fullest engine"),
     _s("requests_running", "count", _E, _V, "requests in the running batch"),

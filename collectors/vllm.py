@@ -48,6 +48,8 @@ FAMILIES = FamilyMap(
         "nixl_xfer_time": ("vllm:nixl_xfer_time_seconds",),
         "nixl_post_time": ("vllm:nixl_post_time_seconds",),
         "nixl_bytes": ("vllm:nixl_bytes_transferred",),
+        "prompt_len": ("vllm:request_prompt_tokens",),
+        "output_len": ("vllm:request_generation_tokens",),
     },
     split_by={"spec_accepted_pos": "position", "finished": "finished_reason", "waiting_by_reason": "reason"},
     expected=(
@@ -64,7 +66,8 @@ FAMILIES = FamilyMap(
 _INDEX = FAMILIES.index()
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 # Histograms whose quantiles are signals (the byte-size one only needs its throughput).
-_LATENCIES = ("ttft", "itl", "tpot", "e2e", "queue_time", "nixl_xfer_time", "nixl_post_time")
+_QUANTILED = ("ttft", "itl", "tpot", "e2e", "queue_time", "nixl_xfer_time", "nixl_post_time", "prompt_len",
+              "output_len")
 
 
 def _engine(labels: Mapping[str, str]) -> str:
@@ -115,7 +118,7 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     hists = dict(d.histograms)
     if "tpot" not in hists and "itl" in hists:
         hists["tpot"] = hists["itl"]  # older engines: per-token latency is the closest TPOT
-    for key in _LATENCIES:
+    for key in _QUANTILED:
         hist = hists.get(key)
         if hist is None or hist.count <= 0:
             continue

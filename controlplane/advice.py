@@ -1,8 +1,11 @@
 """The advisor wired to a fleet: its input from the fleet file and the stored signals, `fleetctl advise`.
 
-Owns turning `pools[]` (engine profile, flags, GPU type, SLOs) into `PoolFacts`, and a window of a
-pool's stored signals into `PoolObserved` (means, the busy-minute quantile of arrivals, the fullest
-KV); the recommendations themselves are `policies.advice`'s.
+Owns turning `pools[]` (engine profile, flags, GPU type, SLOs) into `PoolFacts`, a window of a
+pool's stored signals into `PoolObserved` (means, the busy-minute quantiles, the fullest KV),
+keeping every recommendation with its predicted effect, and scoring it once the fleet runs the
+way it advised (changed by the control plane or by hand): the metric it predicted, measured on the
+signals since, at the load it was advised for, and the error. The recommendations themselves are
+`policies.advice`'s.
 """
 
 from __future__ import annotations
@@ -11,19 +14,23 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from controlplane.autoscaling import engine_curves
 from controlplane.config import FleetConfig, Pool
 from controlplane.store.base import Store
-from policies.advice import AdvisorInput, PoolFacts, PoolObserved, Recommendation, SpecFacts, advise
+from controlplane.store.records import AdviceRecord, NewAdvice
+from policies.advice import AdviceKind, AdvisorInput, PoolFacts, PoolObserved, Recommendation, SpecFacts, advise
 from policies.windows import SignalWindows
 
-__all__ = ["advise_from_store", "advisor_input", "observed", "pool_facts"]
+__all__ = ["AdviceRun", "accuracy", "advise_and_score", "advisor_input", "followed", "observed",
+           "pool_facts"]
 
 MAX_POSITIONS = 16
+MIN_MINUTES_AFTER = 10.0  # a change is judged on at least this much history after it
 
 
 def pool_facts(pool: Pool) -> PoolFacts:
@@ -48,11 +55,16 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
     rates = w.series(subject, "request_rate", since=since)
     if not rates:
         return None
-    per_minute: dict[int, list[float]] = defaultdict(list)
-    for ts, v in rates:
-        per_minute[int(ts // 60)].append(v)
-    minutes = [statistics.fmean(v) for _, v in sorted(per_minute.items())]
     finished = statistics.fmean(v for _, v in rates)
+
+    def busy(name: str) -> float | None:
+        """The quantile of a series' per-minute means: what the busy minutes saw."""
+        per_minute: dict[int, list[float]] = defaultdict(list)
+        for ts, v in w.series(subject, name, since=since):
+            if math.isfinite(v):
+                per_minute[int(ts // 60)].append(v)
+        means = [statistics.fmean(v) for v in per_minute.values()]
+        return float(np.quantile(means, quantile)) if means else None
 
     def mean(name: str) -> float | None:
         return _mean(w, subject, name, since)
@@ -67,16 +79,18 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
             break
         positions.append(p)
     return PoolObserved(
-        arrivals=finished, arrivals_peak=float(np.quantile(minutes, quantile)),
+        arrivals=finished, arrivals_peak=busy("request_rate") or finished,
         prompt_tokens=prompt / finished if finished > 0 else 0.0,
         output_tokens=gen / finished if finished > 0 else 0.0,
         hit_rate=min(1.0, max(0.0, mean("prefix_cache_hit_rate") or 0.0)), engines=engines,
         running=(mean("requests_running") or 0.0) / max(engines, 1.0), kv_usage=mean("kv_cache_usage") or 0.0,
         kv_usage_max=float(np.quantile(kv_max, quantile)) if kv_max else 0.0,
         preemptions=mean("preemption_rate") or 0.0, ttft_p95=mean("ttft_p95"), tpot_p95=mean("tpot_p95"),
+        ttft_p95_peak=busy("ttft_p95"), tpot_p95_peak=busy("tpot_p95"),
         itl_mean=mean("itl_mean"), spec_acceptance=mean("spec_acceptance_rate"),
         spec_length=mean("spec_mean_acceptance_length"), spec_yield=mean("spec_yield"),
-        spec_positions=tuple(positions), minutes=(rates[-1][0] - rates[0][0]) / 60.0)
+        spec_positions=tuple(positions), prompt_p50=mean("prompt_len_p50"), prompt_p95=mean("prompt_len_p95"),
+        minutes=(rates[-1][0] - rates[0][0]) / 60.0)
 
 
 def advisor_input(config: FleetConfig, windows: SignalWindows, now: float, since: float,
@@ -92,10 +106,104 @@ def advisor_input(config: FleetConfig, windows: SignalWindows, now: float, since
     return AdvisorInput(now=now, since=since, pools=facts, observed=seen, prefix_blocks=dict(prefix_blocks or {}))
 
 
-async def advise_from_store(config: FleetConfig, store: Store, now: float, since: float, *,
-                            pools: Sequence[str] = (),
-                            prefix_blocks: Mapping[str, Sequence[Sequence[int]]] | None = None) -> list[Recommendation]:
-    """The recommendations for what the store holds over `[since, now]`."""
+@dataclass(slots=True)
+class AdviceRun:
+    """One run of the advisor over the store: what it advises now, and the earlier advice it scored."""
+
+    recommendations: list[Recommendation]
+    stored: list[AdviceRecord] = field(default_factory=list)
+    scored: list[AdviceRecord] = field(default_factory=list)
+
+
+def _new(rec: Recommendation, seen: Mapping[str, PoolObserved]) -> NewAdvice:
+    arrivals = sum(o.arrivals for name, o in seen.items() if name in rec.pool.split("+"))
+    return NewAdvice(rec.kind.value, rec.pool, rec.act, rec.advice, dict(rec.change), rec.effect.metric,
+                     rec.effect.before, rec.effect.after, rec.effect.saving_per_day, rec.confidence,
+                     {**rec.evidence, "advised_at_arrivals": round(arrivals, 4)})
+
+
+def followed(rec: AdviceRecord, config: FleetConfig) -> list[str] | None:
+    """The pools that now run the way `rec` advised, or None while the fleet file does not show it."""
+    pools = {p.name: p for p in config.pools}
+    change = rec.change
+    names = rec.pool.split("+")
+    kind = AdviceKind(rec.kind)
+    if kind is AdviceKind.DISAGGREGATION and change.get("layout") == "disaggregated":
+        split = [p.name for p in config.pools if str(p.role) in ("prefill", "decode")]
+        return split if rec.pool not in pools and {"prefill", "decode"} <= {str(pools[n].role) for n in split} else None
+    if kind is AdviceKind.DISAGGREGATION and change.get("layout") == "unified":
+        merged = [p.name for p in config.pools if str(p.role) == "unified"]
+        return merged if merged and not any(n in pools for n in names) else None
+    pool = pools.get(rec.pool)
+    if pool is None:
+        return None
+    e = pool.engine
+    if kind is AdviceKind.KV_PRECISION and e.kv_cache_dtype == change.get("kv_cache_dtype"):
+        return [pool.name]
+    if kind is AdviceKind.SPECULATION and "speculative" in change:
+        want = change["speculative"]
+        k = want.get("num_speculative_tokens", e.speculative.num_speculative_tokens)
+        same = e.speculative.method == want.get("method") and (want.get("method") == "none"
+                                                                or e.speculative.num_speculative_tokens == k)
+        return [pool.name] if same else None
+    if kind is AdviceKind.PARALLEL_LAYOUT and change.get("enable_eplb") and e.eplb:
+        return [pool.name]
+    return None  # KV tiers, DCP and ratios are not in the fleet file: scored when they are
+
+
+def _measure(rec: AdviceRecord, pools: Sequence[str], config: FleetConfig,
+             seen: Mapping[str, PoolObserved]) -> float | None:
+    """The advised metric as the fleet shows it now, scaled to the load it was advised for."""
+    obs = [seen[p] for p in pools if p in seen]
+    if not obs or min(o.minutes for o in obs) < MIN_MINUTES_AFTER:
+        return None
+    then = float(rec.evidence.get("advised_at_arrivals") or 0.0)
+    # A split fleet counts its requests once, where they enter (the prefill pool).
+    entry = [seen[p] for p in pools if p in seen and str(config.pool(p).role) != "decode"] or obs
+    now = sum(o.arrivals for o in entry)
+    scale = then / now if then > 0 and now > 0 else 1.0
+    if rec.metric == "gpu_dollars_per_hour":
+        return scale * sum(seen[p].engines * config.pool(p).engine.gpus
+                           * config.advisor.price(config.pool(p).engine.gpu_type) for p in pools if p in seen)
+    if rec.metric == "engines_needed":
+        return scale * sum(o.engines for o in obs)
+    if rec.metric == "prefix_cache_hit_rate":
+        return statistics.fmean(o.hit_rate for o in obs)
+    if rec.metric == "tpot_p95":
+        values = [o.tpot_p95 for o in obs if o.tpot_p95 is not None]
+        return max(values) if values else None
+    return None
+
+
+async def advise_and_score(config: FleetConfig, store: Store, now: float, since: float, *, pools: Sequence[str] = (),
+                           prefix_blocks: Mapping[str, Sequence[Sequence[int]]] | None = None,
+                           record: bool = True) -> AdviceRun:
+    """Score the open advice the fleet has since followed, then advise on `[since, now]` and keep the advice."""
     windows = SignalWindows(now - since + 60.0)
     windows.extend((s.ts, s.subject, s.name, s.value) for s in await store.load_signals(since))
-    return advise(advisor_input(config, windows, now, since, prefix_blocks, pools), config.advisor)
+    scored = []
+    for rec in await store.advice(states=("open",)):
+        if not rec.act or (done := followed(rec, config)) is None:
+            continue
+        after = {p: o for p in done if (o := observed(windows, p, max(since, rec.updated_at),
+                                                      config.advisor.load_quantile))}
+        measured = _measure(rec, done, config, after)
+        if measured is None:
+            continue
+        error = (measured - rec.predicted) / rec.predicted if rec.predicted else 0.0
+        await store.score_advice(rec.id, measured, error, now)
+        scored.append(replace(rec, state="applied", applied_at=now, measured=measured, error=error))
+    inp = advisor_input(config, windows, now, since, prefix_blocks, pools)
+    recs = advise(inp, config.advisor)
+    stored = await store.record_advice([_new(r, inp.observed) for r in recs], now) if record and recs else []
+    return AdviceRun(recs, stored, scored)
+
+
+def accuracy(records: Sequence[AdviceRecord]) -> dict[str, Any]:
+    """How far the advisor's predictions were from what the fleet showed: per kind, the scored count and the
+    median absolute error."""
+    out: dict[str, Any] = {}
+    for kind in sorted({r.kind for r in records if r.error is not None}):
+        errors = sorted(abs(r.error) for r in records if r.kind == kind and r.error is not None)
+        out[kind] = {"scored": len(errors), "median_abs_error": round(statistics.median(errors), 4)}
+    return out

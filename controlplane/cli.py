@@ -537,18 +537,20 @@ def autoscale() -> None:
 @_db_option
 @click.option("--pool", "pools", multiple=True, help="Only this pool; repeatable. Default: every pool.")
 @click.option("--since", default="24h", show_default=True, help="How much history to read (e.g. 30m, 24h, 7d).")
+@click.option("--record/--no-record", default=True, show_default=True,
+              help="Keep the advice with its predicted effect, and score earlier advice the fleet has followed since.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def advise(ctx: click.Context, config_file: Path | None, db: str, pools: tuple[str, ...], since: str,
+def advise(ctx: click.Context, config_file: Path | None, db: str, pools: tuple[str, ...], since: str, record: bool,
            as_json: bool) -> None:
     """The deployment advisor: disaggregation, pool ratio, KV tier, FP8 KV, speculation and parallel layout,
-    each with its evidence, estimated effect and confidence."""
+    each with its evidence, estimated effect and confidence; and how right its earlier advice turned out."""
     if ctx.invoked_subcommand is not None:
         return
     import time
 
     from catalog.settings import duration
-    from controlplane.advice import advise_from_store
+    from controlplane.advice import accuracy, advise_and_score
     from controlplane.config import load_config
     from controlplane.store.threaded import ThreadedStore
 
@@ -564,18 +566,31 @@ def advise(ctx: click.Context, config_file: Path | None, db: str, pools: tuple[s
         raise click.BadParameter(f"{', '.join(unknown)} is not a pool of {config_file}", param_hint="--pool")
     now = time.time()
     store = ThreadedStore.open(db)
+    async def run() -> tuple[Any, Any]:
+        done = await advise_and_score(cfg, store, now, now - window, pools=pools, record=record)
+        return done, accuracy(await store.advice(states=("applied",)))
+
     try:
-        recs = asyncio.run(advise_from_store(cfg, store, now, now - window, pools=pools))
+        result, scores = asyncio.run(run())
     finally:
         store.close()
+    recs = result.recommendations
     rows: list[dict[str, Any]] = [
         {"kind": r.kind.value, "pool": r.pool, "act": r.act, "advice": r.advice, "change": dict(r.change),
              "effect": {"metric": r.effect.metric, "before": r.effect.before, "after": r.effect.after,
                         "saving_per_day": r.effect.saving_per_day, "gpu_hours_per_day": r.effect.gpu_hours_per_day},
              "confidence": r.confidence, "evidence": dict(r.evidence), "runbook": r.runbook} for r in recs]
+    scored = [{"id": r.id, "kind": r.kind, "pool": r.pool, "metric": r.metric, "predicted": r.predicted,
+               "measured": r.measured, "error": r.error} for r in result.scored]
     if as_json:
-        _emit_json({"recommendations": rows})
+        _emit_json({"recommendations": rows, "scored_now": scored, "accuracy": scores})
         return
+    for r in scored:
+        out.print(f"advice #{r['id']} ({r['kind']} on {r['pool']}) was followed: {r['metric']} predicted "
+                  f"{r['predicted']:.4g}, measured {r['measured']:.4g} ({r['error']:+.0%})")
+    if scores:
+        out.print("advisor accuracy so far: " + "; ".join(
+            f"{k}: {v['scored']} scored, median error {v['median_abs_error']:.0%}" for k, v in scores.items()))
     if not rows:
         out.print(f"no pool reported load in the last {since}: nothing to advise on")
         return

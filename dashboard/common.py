@@ -415,3 +415,24 @@ def pool_of(subject: str) -> str | None:
 def link(page: str, label: str, **query: Any) -> None:
     """A link to another page, with its selection in the URL."""
     st.page_link(PAGE_FILES[page], label=label, query_params={k: str(v) for k, v in query.items() if v is not None})
+
+
+def advice_section(rows: list[dict[str, Any]]) -> None:
+    """The advisor's open recommendations with their evidence, and how its followed advice turned out."""
+    st.subheader("Advice")
+    open_rows = [r for r in rows if r["state"] == "open"]
+    if not open_rows:
+        st.caption("No advice recorded yet: `fleetctl advise --config FLEET.yaml` computes and keeps it.")
+    for r in open_rows:
+        saving = r["saving_per_day"]
+        money = "" if saving is None else f" ({saving:+,.0f} $/day)"
+        with st.expander(f"{r['kind']} · {r['pool']}{money}: {r['advice']}", expanded=False):
+            st.caption(f"confidence {r['confidence']:.2f}; predicted {r['metric']} {r['before']:.4g} -> "
+                       f"{r['predicted']:.4g}; runbook: `fleetctl runbook advice`, section {r['kind']}")
+            st.json(r["evidence"], expanded=False)
+    scored = [r for r in rows if r["state"] == "applied" and r["error"] is not None]
+    if scored:
+        st.markdown("**Followed advice, predicted against measured**")
+        st.dataframe(pd.DataFrame([{"advice": r["advice"], "metric": r["metric"], "predicted": r["predicted"],
+                                    "measured": r["measured"], "error": f"{r['error']:+.0%}"} for r in scored]),
+                     hide_index=True)

@@ -65,6 +65,7 @@ def fleet_page(store: ReadStore, start: float, end: float) -> dict[str, Any]:
         "open_findings": store.findings(limit=20),
         "recent_findings": store.findings_between(start, end, limit=10),
         "actions": store.actions(limit=10),
+        "advice": store.advice(limit=10),
     }
 
 
@@ -88,6 +89,7 @@ def pool_page(store: ReadStore, start: float, end: float, pool: str | None = Non
         "engines": len(engines),
         "scale_actions": [a for a in store.actions_where(pool=pool) if a["kind"] == "scale_pool"],
         "reporting": store.buckets(["engines_reporting"], [f"pool/{p}" for p in pools], start, end),
+        "advice": store.advice(pool),
     }
 
 

@@ -115,7 +115,11 @@ TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
               40.0, 80.0)
+# vLLM's build_1_2_5_buckets up to the longest context the traces hold.
+TOKEN_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 HISTOGRAMS = {
+    "vllm:request_prompt_tokens": TOKEN_BOUNDS,
+    "vllm:request_generation_tokens": TOKEN_BOUNDS,
     "vllm:time_to_first_token_seconds": TTFT_BOUNDS,
     "vllm:inter_token_latency_seconds": ITL_BOUNDS,
     "vllm:request_time_per_output_token_seconds": ITL_BOUNDS,
@@ -414,6 +418,8 @@ class SimEngine:
         if reason != "error" and self.error_share and (r.rid * 2654435761 % 1000) / 1000 < self.error_share:
             reason = "error"
         stats.finished[reason] = stats.finished.get(reason, 0.0) + 1
+        stats.hists["vllm:request_prompt_tokens"].observe(r.input_tokens)
+        stats.hists["vllm:request_generation_tokens"].observe(r.generated)
         start = r.handoff_at if r.remote_kv and r.handoff_at is not None else r.arrival
         stats.hists["vllm:e2e_request_latency_seconds"].observe(self.t - start)
         if r.first_token is not None and r.generated > 1:

@@ -34,6 +34,8 @@ DOCS = {
     "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
     "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
     "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:request_prompt_tokens": "Number of prefill tokens processed.",
+    "vllm:request_generation_tokens": "Number of generation tokens processed.",
     "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "vllm:request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",

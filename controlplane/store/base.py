@@ -18,8 +18,10 @@ from controlplane.store.compaction import CompactionReport, Retention
 from controlplane.store.records import (
     ActionEvent,
     ActionRecord,
+    AdviceRecord,
     FindingRecord,
     NewAction,
+    NewAdvice,
     NewFinding,
     NewVerdict,
     Pause,
@@ -112,6 +114,18 @@ class Store(Protocol):
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
         """Keep a canary gate's verdict; returns its id."""
+        ...
+
+    async def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
+        """Keep recommendations: one open per kind and pool, superseded when the advice changes."""
+        ...
+
+    async def advice(self, states: Collection[str] | None = None) -> list[AdviceRecord]:
+        """Stored recommendations (in these states), newest first."""
+        ...
+
+    async def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
+        """Mark an open recommendation applied, with the metric measured after it and the error."""
         ...
 
     async def pause_state(self) -> Pause | None:

@@ -15,7 +15,17 @@ from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict, Pause
+from controlplane.store.records import (
+    ActionEvent,
+    ActionRecord,
+    AdviceRecord,
+    FindingRecord,
+    NewAction,
+    NewAdvice,
+    NewFinding,
+    NewVerdict,
+    Pause,
+)
 from controlplane.store.writer import expected_states, jsonable
 
 __all__ = ["MemoryStore"]
@@ -35,6 +45,7 @@ class MemoryStore:
         self.verdicts: list[NewVerdict] = []
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
+        self.advice_rows: dict[int, AdviceRecord] = {}
 
     # signals and targets ---------------------------------------------------------------------
 
@@ -62,6 +73,34 @@ class MemoryStore:
     async def record_verdict(self, verdict: NewVerdict) -> int:
         self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))
         return len(self.verdicts)
+
+    async def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
+        out = []
+        for item in items:
+            change = jsonable(item.change)
+            row = next((r for r in self.advice_rows.values()
+                        if (r.kind, r.pool, r.state) == (item.kind, item.pool, "open")), None)
+            if row is not None and row.change != change:
+                self.advice_rows[row.id] = replace(row, state="superseded", updated_at=now)
+                row = None
+            rid = row.id if row is not None else len(self.advice_rows) + 1
+            created = row.created_at if row is not None else now
+            fresh = AdviceRecord(rid, item.kind, item.pool, item.act, item.advice, change, item.metric, item.before,
+                                 item.predicted, item.saving_per_day, item.confidence, jsonable(item.evidence), "open",
+                                 created, now)
+            self.advice_rows[rid] = fresh
+            out.append(fresh)
+        return out
+
+    async def advice(self, states: Collection[str] | None = None) -> list[AdviceRecord]:
+        return [r for _, r in sorted(self.advice_rows.items(), reverse=True) if states is None or r.state in states]
+
+    async def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
+        row = self.advice_rows.get(advice_id)
+        if row is None or row.state != "open":
+            raise StoreConflict(f"advice {advice_id} is not open")
+        self.advice_rows[advice_id] = replace(row, state="applied", applied_at=now, updated_at=now, measured=measured,
+                                              error=error)
 
     async def pause_state(self) -> Pause | None:
         return self.pause

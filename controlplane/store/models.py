@@ -15,6 +15,7 @@ from controlplane.actions import ACTIVE_STATES
 __all__ = [
     "ActionEventRow",
     "ActionRow",
+    "AdviceRow",
     "Base",
     "FindingRow",
     "MetaRow",
@@ -192,6 +193,33 @@ class VerdictRow(Base):
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
     __table_args__ = (Index(None, "pool", "finished_at"),)
+
+
+class AdviceRow(Base):
+    """A recommendation of the advisor, its predicted effect and, once applied, the measured one."""
+
+    __tablename__ = "advice"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    pool: Mapped[str] = mapped_column(String(255))
+    act: Mapped[bool] = mapped_column(Boolean)
+    advice: Mapped[str] = mapped_column(Text)
+    change: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    metric: Mapped[str] = mapped_column(String(64))
+    before: Mapped[float] = mapped_column(Float)
+    predicted: Mapped[float] = mapped_column(Float)
+    saving_per_day: Mapped[float | None] = mapped_column(Float)
+    confidence: Mapped[float] = mapped_column(Float)
+    evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    state: Mapped[str] = mapped_column(String(16))  # open | superseded | applied
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    applied_at: Mapped[float | None] = mapped_column(Float)
+    measured: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (Index(None, "kind", "pool", "state"),)
 
 
 class MetaRow(Base):

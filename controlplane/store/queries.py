@@ -26,6 +26,7 @@ from controlplane.store.db import make_engine, redact
 from controlplane.store.models import (
     ActionEventRow,
     ActionRow,
+    AdviceRow,
     FindingRow,
     MetaRow,
     SignalRollupRow,
@@ -433,6 +434,16 @@ class ReadStore:
     def action_events(self, action_id: int) -> list[dict[str, Any]]:
         """Every audit event of one action, in order."""
         q = select(ActionEventRow).where(ActionEventRow.action_id == action_id).order_by(ActionEventRow.id)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def advice(self, pool: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The advisor's open recommendations (those of one pool, or naming it in a pair) and its scored ones,
+        newest first."""
+        q = (select(AdviceRow).where(AdviceRow.state.in_(("open", "applied")))
+             .order_by(AdviceRow.state.desc(), AdviceRow.id.desc()).limit(limit))
+        if pool is not None:
+            q = q.where(or_(AdviceRow.pool == pool, AdviceRow.pool.like(f"{pool}+%"), AdviceRow.pool.like(f"%+{pool}")))
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from controlplane.actions import ActionState
 
-__all__ = ["ActionEvent", "ActionRecord", "FindingRecord", "NewAction", "NewFinding", "NewVerdict", "Pause"]
+__all__ = ["ActionEvent", "ActionRecord", "AdviceRecord", "FindingRecord", "NewAction", "NewAdvice", "NewFinding", "NewVerdict",
+           "Pause"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +108,44 @@ class ActionEvent:
     ts: float
     event: str
     detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NewAdvice:
+    """A recommendation to keep with the effect it predicts: `metric` from `before` to `predicted`."""
+
+    kind: str
+    pool: str
+    act: bool
+    advice: str
+    change: dict[str, Any]
+    metric: str
+    before: float
+    predicted: float
+    saving_per_day: float | None
+    confidence: float
+    evidence: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class AdviceRecord:
+    """A stored recommendation: open until superseded by different advice or applied, then scored."""
+
+    id: int
+    kind: str
+    pool: str
+    act: bool
+    advice: str
+    change: dict[str, Any]
+    metric: str
+    before: float
+    predicted: float
+    saving_per_day: float | None
+    confidence: float
+    evidence: dict[str, Any]
+    state: str  # open | superseded | applied
+    created_at: float
+    updated_at: float
+    applied_at: float | None = None
+    measured: float | None = None  # the metric as the fleet showed it after the change
+    error: float | None = None  # (measured - predicted) / predicted

@@ -15,7 +15,17 @@ from typing import Any, TypeVar
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.store.compaction import CompactionReport, Retention
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict, Pause
+from controlplane.store.records import (
+    ActionEvent,
+    ActionRecord,
+    AdviceRecord,
+    FindingRecord,
+    NewAction,
+    NewAdvice,
+    NewFinding,
+    NewVerdict,
+    Pause,
+)
 from controlplane.store.writer import SqlStore
 
 __all__ = ["ThreadedStore"]
@@ -101,6 +111,15 @@ class ThreadedStore:
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
         return await self._run(self.sql.record_verdict, verdict)
+
+    async def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
+        return await self._run(self.sql.record_advice, items, now)
+
+    async def advice(self, states: Collection[str] | None = None) -> list[AdviceRecord]:
+        return await self._run(self.sql.advice, states)
+
+    async def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
+        await self._run(self.sql.score_advice, advice_id, measured, error, now)
 
     async def pause_state(self) -> Pause | None:
         return await self._run(self.sql.pause_state)

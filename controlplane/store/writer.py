@@ -25,8 +25,28 @@ from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict, S
 from controlplane.store import migrate
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
-from controlplane.store.models import ActionEventRow, ActionRow, Base, FindingRow, MetaRow, SignalRow, TargetRow, VerdictRow
-from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict, Pause
+from controlplane.store.models import (
+    ActionEventRow,
+    ActionRow,
+    AdviceRow,
+    Base,
+    FindingRow,
+    MetaRow,
+    SignalRow,
+    TargetRow,
+    VerdictRow,
+)
+from controlplane.store.records import (
+    ActionEvent,
+    ActionRecord,
+    AdviceRecord,
+    FindingRecord,
+    NewAction,
+    NewAdvice,
+    NewFinding,
+    NewVerdict,
+    Pause,
+)
 
 __all__ = ["SqlStore", "expected_states", "jsonable"]
 
@@ -60,6 +80,12 @@ def _action(row: ActionRow) -> ActionRecord:
         row.reason, row.created_at, row.started_at, row.finished_at, row.outcome, row.approved_by,
         row.actuator, bool(row.dry_run), row.error,
     )
+
+
+def _advice(row: AdviceRow) -> AdviceRecord:
+    return AdviceRecord(row.id, row.kind, row.pool, bool(row.act), row.advice, dict(row.change), row.metric, row.before,
+                        row.predicted, row.saving_per_day, row.confidence, dict(row.evidence), row.state,
+                        row.created_at, row.updated_at, row.applied_at, row.measured, row.error)
 
 
 def _translated(fn: Callable[P, R]) -> Callable[P, R]:
@@ -328,6 +354,47 @@ class SqlStore(metaclass=_Translating):
             s.add(row)
             s.flush()
             return row.id
+
+    # advice ------------------------------------------------------------------------------------
+
+    def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
+        """Keep recommendations: one open per kind and pool, refreshed while the advice stays the same, superseded
+        by a new row when it changes."""
+        out = []
+        with self._write() as s:
+            for item in items:
+                q = select(AdviceRow).where(AdviceRow.kind == item.kind, AdviceRow.pool == item.pool,
+                                            AdviceRow.state == "open")
+                row = s.scalars(q).first()
+                change = jsonable(item.change)
+                if row is not None and row.change != change:
+                    row.state, row.updated_at = "superseded", now
+                    row = None
+                if row is None:
+                    row = AdviceRow(kind=item.kind, pool=item.pool, change=change, state="open", created_at=now)
+                    s.add(row)
+                row.act, row.advice, row.metric, row.before = item.act, item.advice, item.metric, item.before
+                row.predicted, row.saving_per_day, row.confidence = item.predicted, item.saving_per_day, item.confidence
+                row.evidence, row.updated_at = jsonable(item.evidence), now
+                s.flush()
+                out.append(_advice(row))
+        return out
+
+    def advice(self, states: Collection[str] | None = None) -> list[AdviceRecord]:
+        """Stored recommendations (in these states), newest first."""
+        q = select(AdviceRow).order_by(AdviceRow.id.desc())
+        if states is not None:
+            q = q.where(AdviceRow.state.in_(list(states)))
+        with self._session() as s:
+            return [_advice(r) for r in s.scalars(q)]
+
+    def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
+        """An open recommendation the fleet has followed: the metric it measured afterwards and the error."""
+        with self._write() as s:
+            done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == "open").values(
+                state="applied", applied_at=now, updated_at=now, measured=measured, error=error))
+            if done.rowcount != 1:  # type: ignore[attr-defined]
+                raise StoreConflict(f"advice {advice_id} is not open")
 
     def pause_state(self) -> Pause | None:
         """The kill switch: set (who, why, when) or None."""

@@ -142,3 +142,5 @@ with right:
         c.link("actions", f"#{a['id']} {a['kind']} {a['pool']}: {a['state']}"
                + (f", {a['outcome']}" if a["outcome"] else "") + f" ({c.when(a['created_at'])})", action=a["id"])
     c.link("actions", "All actions and approvals")
+
+c.advice_section(data["advice"])

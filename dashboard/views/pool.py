@@ -170,3 +170,5 @@ with right:
             st.caption(f"Now {by['prefill'].iloc[-1]:.0f} prefill : {by['decode'].iloc[-1]:.0f} decode engines.")
         else:
             st.caption("The fleet needs both a prefill and a decode pool (roles from the targets) for a ratio.")
+
+c.advice_section(data["advice"])

@@ -3,17 +3,19 @@
 From the engine's profile curves (`EngineCurves`, the autoscaler's prior) and a steady load, per
 engine count N with arrivals λ = Λ/N to each engine:
 
-- prefill work: each request's new prompt tokens, `request_prefill_seconds` s_p; its share of engine
-  time ρ_p = λ · s_p, stretched on a unified engine by the decode step every iteration also pays
-  (a full chunk's prefill takes P, so each prefill second costs 1 + step/P);
+- prefill work: each request's new prompt tokens (`prefill_cost`, mean S over the prompt lengths); its
+  share of engine time ρ_p = λ · S, stretched on a unified engine by the decode step every pass also
+  pays (a full chunk's prefill takes P, so each prefill second costs 1 + step/P);
 - decode: the batch B that Little's law and the step time agree on, B = λ · output · TPOT(B), with
   TPOT(B) = step(B, C) · cost / L / (1 - ρ_p): a speculative step costs `cost` plain steps and
   yields L tokens; the batch must fit `kv_usage_max` of the KV cache and `max_num_seqs`;
-- TTFT p95: twice a lone prompt's prefill, plus queueing as an M/D/1 queue's p95 wait (1.5 services
-  per ρ/(1-ρ)), plus the KV transfer for a prefill pool;
+- prompt lengths as a lognormal through the pool's measured mean, median and 95th percentile: prefill
+  cost is quadratic in the prompt (attention), so its mean is taken over the lengths, not at the mean;
+- TTFT p95: a 95th-percentile prompt's prefill alone, plus three times the M/G/1 mean wait
+  (Pollaczek-Khinchine, from the prefill cost's second moment), plus the KV transfer for a prefill pool;
 - TPOT p95: a fifth over the mean step, plus, on a unified engine, the prefills that land during a
-  request's decode: the 95th percentile of a Poisson count of arrivals over its decode, each
-  stalling it for s_p, spread over its output tokens.
+  request's decode: the 95th percentile of their total (a compound Poisson sum over its decode),
+  spread over its output tokens.
 
 The pool needs the fewest N whose predictions fit `margin` of both SLOs.
 """
@@ -25,25 +27,70 @@ from dataclasses import dataclass
 
 from policies.autoscale import EngineCurves
 
-__all__ = ["Load", "Sizing", "size_pool", "transfer_seconds"]
+__all__ = ["Load", "Prefill", "Sizing", "lognormal_sigma", "predict", "prefill_cost", "size_pool", "transfer_seconds"]
 
 P95_OVER_MEAN_TPOT = 1.2
-IDLE_TTFT_FACTOR = 2.0
-QUEUE_P95_SERVICES = 1.5
+QUEUE_P95_WAITS = 3.0  # a queue's 95th-percentile wait over its mean (an exponential tail: ln 20)
 
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """A steady load on a pool: arrivals per second and what each request asks."""
+    """A steady load on a pool: arrivals per second and what each request asks (prompt lengths lognormal with
+    shape `prompt_sigma`: 0 for all alike)."""
 
     arrivals: float
     prompt_tokens: float
     output_tokens: float
     hit_rate: float = 0.0
+    prompt_sigma: float = 0.0
+    max_prompt: float = 131072.0  # the engine's context limit: no prompt is longer
 
     @property
     def context(self) -> float:
         return self.prompt_tokens + self.output_tokens / 2.0
+
+    def prompt_moment(self, k: int) -> float:
+        """E[prompt^k] of a lognormal with this mean and shape, over the prompts up to the context limit (the
+        lognormal's far tail would otherwise rule the higher moments)."""
+        s = self.prompt_sigma
+        mu = math.log(max(self.prompt_tokens, 1.0)) - s * s / 2.0
+        full = math.exp(k * mu + k * k * s * s / 2.0)
+        if s <= 0:
+            return full
+        z = (math.log(self.max_prompt) - mu - k * s * s) / s
+        return full * 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def lognormal_sigma(median: float | None, p95: float | None, cap: float = 1.5) -> float:
+    """The shape of a lognormal through a median and a 95th percentile (0 when either is unknown)."""
+    if not median or not p95 or p95 <= median:
+        return 0.0
+    return min(cap, math.log(p95 / median) / 1.645)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """What prefilling one request costs an engine: mean and second moment over the prompt lengths, and the
+    time a 95th-percentile prompt takes alone."""
+
+    mean: float
+    second: float
+    p95_alone: float
+
+
+def prefill_cost(curves: EngineCurves, load: Load) -> Prefill:
+    """Prefill seconds per request. A prompt of P tokens, a share h cached, costs its new tokens' share of full
+    passes plus attention over the tokens before them: beta*P + gamma*P^2 with beta = (1-h)(a/T + b) and
+    gamma = c(1-h)(1+h). The quadratic makes long prompts dominate: the mean is taken over the lengths."""
+    a, b, c = curves.prefill
+    h = min(max(load.hit_rate, 0.0), 1.0)
+    beta = (1.0 - h) * (a / curves.max_batched_tokens + b)
+    gamma = c * (1.0 - h) * (1.0 + h)
+    m1, m2, m3, m4 = (load.prompt_moment(k) for k in (1, 2, 3, 4))
+    mean = beta * m1 + gamma * m2
+    second = beta * beta * m2 + 2 * beta * gamma * m3 + gamma * gamma * m4
+    p95 = load.prompt_tokens * math.exp(1.645 * load.prompt_sigma - load.prompt_sigma ** 2 / 2.0)
+    return Prefill(mean, second, a + curves.request_prefill_seconds(p95, p95 * h))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +119,10 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
     lam = load.arrivals / n
     prefill = role != "decode" and load.prompt_tokens > 0
     decode = role != "prefill" and load.output_tokens > 1
-    s_p = curves.request_prefill_seconds(load.prompt_tokens, load.prompt_tokens * load.hit_rate) if prefill else 0.0
+    cost = prefill_cost(curves, load) if prefill else Prefill(0.0, 0.0, 0.0)
+    stretch = 1.0  # prefill seconds per second of prefill work: a unified engine pays a decode step each pass
     batch, tpot, step = 0.0, None, 0.0
-    rho_p = lam * s_p
+    rho_p = lam * cost.mean
     if decode:
         ctx = load.context
         b_max = min(float(curves.max_num_seqs),
@@ -91,27 +139,35 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
             b = nxt
             if done:
                 break
-            # Every iteration pays the decode step once: prefill shares the engine with it.
-            rho_p = lam * s_p * (1.0 + curves.step_seconds(b, ctx) * step_cost / curves.prefill_seconds(
-                curves.max_batched_tokens))
+            if prefill:
+                stretch = 1.0 + curves.step_seconds(b, ctx) * step_cost / curves.prefill_seconds(
+                    curves.max_batched_tokens)
+                rho_p = lam * cost.mean * stretch
         batch = b
         step = curves.step_seconds(b, ctx) * step_cost
     if rho_p >= max_utilization:
         return "ttft" if prefill else "tpot", Sizing(n, batch, rho_p, None, None, "ttft")
     if decode:
-        # A request's decode lasts T; the prompts that arrive meanwhile each stall it for their prefill.
-        # Its TPOT p95 counts the 95th percentile of those stalls (Poisson, normal approximation).
+        # A request's decode lasts `span`; the prompts that arrive meanwhile each stall it for their prefill.
+        # Its TPOT p95 counts the 95th percentile of those stalls (a compound Poisson sum, normal approximation).
         per_token = step / tokens_per_step
         span = load.output_tokens * per_token / (1.0 - rho_p)
         m = lam * span if prefill else 0.0
-        stalls = m + 1.645 * math.sqrt(m) if m > 0 else 0.0
-        tpot = P95_OVER_MEAN_TPOT * per_token + stalls * s_p / max(load.output_tokens - 1.0, 1.0)
+        stalls = (m * cost.mean + 1.645 * math.sqrt(m * cost.second)) * stretch if m > 0 else 0.0
+        tpot = P95_OVER_MEAN_TPOT * per_token + stalls / max(load.output_tokens - 1.0, 1.0)
     ttft = None
     if prefill:
-        alone = curves.prefill_seconds(max(1.0, load.prompt_tokens * (1.0 - load.hit_rate)))
-        service = s_p * (rho_p / (lam * s_p)) if lam * s_p > 0 else s_p
-        ttft = IDLE_TTFT_FACTOR * alone + QUEUE_P95_SERVICES * service * rho_p / (1.0 - rho_p) + transfer_s
+        # M/G/1 (Pollaczek-Khinchine) mean wait, its 95th percentile about three times that.
+        wait = lam * cost.second * stretch * stretch / (2.0 * (1.0 - rho_p))
+        ttft = cost.p95_alone * stretch + QUEUE_P95_WAITS * wait + transfer_s
     return None, Sizing(n, batch, rho_p, ttft, tpot, "none")
+
+
+def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
+            tokens_per_step: float = 1.0, transfer_s: float = 0.0, kv_usage_max: float = 0.85,
+            max_utilization: float = 0.9) -> Sizing:
+    """The model's p95s with `n` engines (None where a limit breaks: the load does not fit)."""
+    return _at(n, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max, max_utilization)[1]
 
 
 def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | None, tpot_slo: float | None,

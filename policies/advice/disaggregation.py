@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from policies.advice.capacity import Load, Sizing, size_pool, transfer_seconds
+from policies.advice.capacity import Load, Sizing, prefill_cost, transfer_seconds
 from policies.advice.types import (
     AdviceKind,
     AdviceSettings,
@@ -23,42 +23,9 @@ from policies.advice.types import (
     PoolObserved,
     Recommendation,
 )
-from policies.autoscale import EngineCurves
+from policies.advice.whatif import Calibration, calibrate, on_gpu, peak_load, sized, step_cost
 
-__all__ = ["disaggregation", "on_gpu", "peak_load", "pool_pairs", "sized", "step_cost"]
-
-
-def on_gpu(facts: PoolFacts, gpu_type: str, s: AdviceSettings) -> EngineCurves:
-    """The pool's engine curves on another GPU type, times scaled by the types' relative speed."""
-    here = s.gpu_types.get(facts.gpu_type)
-    there = s.gpu_types.get(gpu_type)
-    if here is None or there is None or here.speed == there.speed:
-        return facts.curves
-    k = here.speed / there.speed
-    c = facts.curves
-    return replace(c, prefill=tuple(x * k for x in c.prefill), decode=tuple(x * k for x in c.decode))  # type: ignore[arg-type]
-
-
-def peak_load(obs: PoolObserved) -> Load:
-    """The load a static size must carry: the busy-minute arrivals with the window's request shape."""
-    return Load(max(obs.arrivals_peak, obs.arrivals), obs.prompt_tokens, obs.output_tokens, obs.hit_rate)
-
-
-def step_cost(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> tuple[float, float]:
-    """(cost of a decode step in plain steps, tokens it yields) under the pool's speculation now."""
-    if not facts.spec.enabled or obs.spec_length is None:
-        return 1.0, 1.0
-    k = facts.spec.num_speculative_tokens
-    drafter = 0.0 if facts.spec.method == "ngram" else s.draft_cost
-    return 1.0 + k * (drafter + s.verify_cost), max(1.0, obs.spec_length)
-
-
-def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: EngineCurves | None = None, *,
-          cost: tuple[float, float] = (1.0, 1.0), transfer_s: float = 0.0) -> Sizing:
-    """`size_pool` with the pool's SLOs and the advisor's settings."""
-    return size_pool(role, load, curves or facts.curves, ttft_slo=facts.ttft_p95_slo, tpot_slo=facts.tpot_p95_slo,
-                     margin=s.margin, step_cost=cost[0], tokens_per_step=cost[1], transfer_s=transfer_s,
-                     kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization)
+__all__ = ["disaggregation", "pool_pairs"]
 
 
 def pool_pairs(inp: AdvisorInput) -> Iterator[tuple[PoolFacts, PoolFacts]]:
@@ -91,7 +58,7 @@ def disaggregation(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation]
 def _phases(facts: PoolFacts, load: Load, sizing: Sizing, cost: tuple[float, float]) -> tuple[float, float]:
     """Engine-seconds per second of traffic spent in prefill and in decode, at the sized batch."""
     c = facts.curves
-    prefill = load.arrivals * c.request_prefill_seconds(load.prompt_tokens, load.prompt_tokens * load.hit_rate)
+    prefill = load.arrivals * prefill_cost(c, load).mean
     b = max(1.0, sizing.batch)
     decode = load.arrivals * load.output_tokens * c.step_seconds(b, load.context) * cost[0] / cost[1] / b
     return prefill, decode
@@ -100,11 +67,12 @@ def _phases(facts: PoolFacts, load: Load, sizing: Sizing, cost: tuple[float, flo
 def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendation:
     load = peak_load(obs)
     cost = step_cost(facts, obs, s)
-    one = sized("unified", facts, load, s, cost=cost)
+    cal = calibrate(facts, obs, s)
+    one = sized("unified", facts, load, s, cost=cost, calibration=cal)
     p_gpu, d_gpu = s.prefill_gpu or facts.gpu_type, s.decode_gpu or facts.gpu_type
     xfer = transfer_seconds(load.prompt_tokens, facts.kv_bytes_per_token, s.link_gbps)
-    pre = sized("prefill", facts, load, s, on_gpu(facts, p_gpu, s), transfer_s=xfer)
-    dec = sized("decode", facts, load, s, on_gpu(facts, d_gpu, s), cost=cost)
+    pre = sized("prefill", facts, load, s, on_gpu(facts, p_gpu, s), transfer_s=xfer, calibration=cal)
+    dec = sized("decode", facts, load, s, on_gpu(facts, d_gpu, s), cost=cost, calibration=cal)
     g = facts.gpus
     one_cost = one.engines * g * s.price(facts.gpu_type)
     two_cost = pre.engines * g * s.price(p_gpu) + dec.engines * g * s.price(d_gpu)
@@ -126,6 +94,7 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
         "kv_transfer_s_per_request": round(xfer, 4),
         "kv_transfer_gbps": round(load.arrivals * load.prompt_tokens * facts.kv_bytes_per_token * 8 / 1e9, 2),
         "current_engines": facts.replicas,
+        "model_check": cal.as_dict(),
     }
     change = {"layout": "disaggregated", "prefill": {"replicas": pre.engines, "gpu": p_gpu},
               "decode": {"replicas": dec.engines, "gpu": d_gpu}}
@@ -146,12 +115,13 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
 
 def _pair(inp: AdvisorInput, p: PoolFacts, d: PoolFacts, po: PoolObserved, do: PoolObserved,
           s: AdviceSettings) -> list[Recommendation]:
-    load = Load(max(po.arrivals_peak, po.arrivals), po.prompt_tokens, do.output_tokens or po.output_tokens, po.hit_rate)
+    load = replace(peak_load(po), output_tokens=do.output_tokens or po.output_tokens)
     cost = step_cost(d, do, s)
     xfer = transfer_seconds(load.prompt_tokens, p.kv_bytes_per_token, s.link_gbps)
-    pre = sized("prefill", p, load, s, transfer_s=xfer)
-    dec = sized("decode", d, load, s, cost=cost)
-    one = sized("unified", d, load, s, cost=cost)
+    p_cal, d_cal = calibrate(p, po, s), calibrate(d, do, s)
+    pre = sized("prefill", p, load, s, transfer_s=xfer, calibration=p_cal)
+    dec = sized("decode", d, load, s, cost=cost, calibration=d_cal)
+    one = sized("unified", d, load, s, cost=cost, calibration=Calibration(p_cal.ttft, d_cal.tpot))
     price_p, price_d = s.price(p.gpu_type), s.price(d.gpu_type)
     two_cost = pre.engines * p.gpus * price_p + dec.engines * d.gpus * price_d
     one_cost = one.engines * d.gpus * price_d
@@ -161,7 +131,8 @@ def _pair(inp: AdvisorInput, p: PoolFacts, d: PoolFacts, po: PoolObserved, do: P
     out = []
     merge = one_cost < two_cost * (1.0 - s.min_saving) and one.limited_by != "none"
     evidence = {"prefill_pool": pre.as_dict(), "decode_pool": dec.as_dict(), "one_pool": one.as_dict(),
-                "kv_transfer_s_per_request": round(xfer, 4)}
+                "kv_transfer_s_per_request": round(xfer, 4),
+                "model_check": {p.name: p_cal.as_dict(), d.name: d_cal.as_dict()}}
     out.append(Recommendation(
         AdviceKind.DISAGGREGATION, pair,
         (f"merge {pair} into one pool of {one.engines} engines: ${24 * (two_cost - one_cost):,.0f}/day less than "

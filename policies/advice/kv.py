@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from policies.advice.capacity import Load
-from policies.advice.disaggregation import peak_load, sized, step_cost
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
+from policies.advice.whatif import calibrate, peak_load, sized, step_cost
 
 __all__ = ["kv_precision", "kv_tiering", "lru_hit_rates"]
 
@@ -108,8 +108,9 @@ def kv_tiering(inp: AdvisorInput, s: AdviceSettings, block_tokens: int = 16) -> 
         after = min(1.0, obs.hit_rate + (gains[pick] if pick else 0.0))
         load = peak_load(obs)
         cost = step_cost(facts, obs, s)
-        now_n = sized(facts.role, facts, load, s, cost=cost).engines
-        then_n = sized(facts.role, facts, replace(load, hit_rate=after), s, cost=cost).engines
+        cal = calibrate(facts, obs, s)
+        now_n = sized(facts.role, facts, load, s, cost=cost, calibration=cal).engines
+        then_n = sized(facts.role, facts, replace(load, hit_rate=after), s, cost=cost, calibration=cal).engines
         price = s.price(facts.gpu_type) * facts.gpus
         evidence = {"replayed_prompts": len(prompts), "cache_blocks": base, "block_tokens": block_tokens,
                     "lru_hit_rate": {f"{f:g}x": round(r, 3) for f, r in zip((1.0, *s.tier_factors), rates, strict=True)},
@@ -145,14 +146,16 @@ def kv_precision(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation]:
 def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendation:
     load: Load = peak_load(obs)
     cost = step_cost(facts, obs, s)
-    now = sized(facts.role, facts, load, s, cost=cost)
+    cal = calibrate(facts, obs, s)
+    now = sized(facts.role, facts, load, s, cost=cost, calibration=cal)
     fp8_curves = replace(facts.curves, kv_tokens=facts.curves.kv_tokens * 2)
-    then = sized(facts.role, facts, load, s, fp8_curves, cost=cost)
+    then = sized(facts.role, facts, load, s, fp8_curves, cost=cost, calibration=cal)
     price = s.price(facts.gpu_type) * facts.gpus
     saved = now.engines - then.engines
     act = saved > 0 and saved >= s.min_saving * now.engines
     evidence = {"kv_usage_max": round(obs.kv_usage_max, 3), "preemptions_per_s": round(obs.preemptions, 3),
                 "bf16": now.as_dict(), "fp8": then.as_dict(), "kv_tokens_per_engine": facts.curves.kv_tokens,
+                "model_check": cal.as_dict(),
                 "caveat": FP8_CAVEAT}
     advice = (f"serve {facts.name} with --kv-cache-dtype fp8: a batch of {then.batch:.0f} instead of "
               f"{now.batch:.0f} per engine, {then.engines} engines instead of {now.engines} at the SLOs ({FP8_CAVEAT})"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from policies.advice.disaggregation import peak_load, sized, step_cost
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, Recommendation
+from policies.advice.whatif import calibrate, peak_load, sized, step_cost
 
 __all__ = ["parallel_layout"]
 
@@ -38,9 +38,10 @@ def parallel_layout(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation
         if facts.role != "prefill" and dup >= 2 and kv_bound(obs, s):
             load = peak_load(obs)
             cost = step_cost(facts, obs, s)
-            now = sized(facts.role, facts, load, s, cost=cost)
+            cal = calibrate(facts, obs, s)
+            now = sized(facts.role, facts, load, s, cost=cost, calibration=cal)
             then = sized(facts.role, facts, load, s, replace(facts.curves, kv_tokens=facts.curves.kv_tokens * dup),
-                         cost=cost)
+                         cost=cost, calibration=cal)
             saved = now.engines - then.engines
             out.append(Recommendation(
                 AdviceKind.PARALLEL_LAYOUT, facts.name,

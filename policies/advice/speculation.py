@@ -11,9 +11,9 @@ KV); a model that ships MTP heads at MTP.
 
 from __future__ import annotations
 
-from policies.advice.disaggregation import peak_load, sized
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
+from policies.advice.whatif import calibrate, peak_load, sized
 
 __all__ = ["best_positions", "speculation"]
 
@@ -59,20 +59,21 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
     positions = obs.spec_positions[:k]
     best_k, best_speedup = best_positions(positions, unit) if positions else (k, now_speedup)
     load = peak_load(obs)
-    now = sized(facts.role, facts, load, s, cost=(1.0 + k * unit, length))
+    cal = calibrate(facts, obs, s)
+    now = sized(facts.role, facts, load, s, cost=(1.0 + k * unit, length), calibration=cal)
     if best_speedup < s.spec_pays:
-        choice, then = 0, sized(facts.role, facts, load, s)
+        choice, then = 0, sized(facts.role, facts, load, s, calibration=cal)
     else:
         choice = best_k
         tokens = 1.0 + sum(positions[:best_k]) if positions else length
-        then = sized(facts.role, facts, load, s, cost=(1.0 + best_k * unit, tokens))
+        then = sized(facts.role, facts, load, s, cost=(1.0 + best_k * unit, tokens), calibration=cal)
     saved = now.engines - then.engines
     price = s.price(facts.gpu_type) * facts.gpus
     evidence = {"method": facts.spec.method, "num_speculative_tokens": k, "mean_acceptance_length": round(length, 3),
                 "acceptance_rate": None if obs.spec_acceptance is None else round(obs.spec_acceptance, 3),
                 "per_position": [round(p, 3) for p in positions], "step_cost": round(1.0 + k * unit, 3),
                 "speedup_now": round(now_speedup, 3), "best_positions": best_k, "best_speedup": round(best_speedup, 3),
-                "engines_now": now.as_dict(), "engines_then": then.as_dict()}
+                "engines_now": now.as_dict(), "engines_then": then.as_dict(), "model_check": cal.as_dict()}
     effect = Effect("engines_needed", now.engines, then.engines, saving_per_day=24 * price * saved,
                     gpu_hours_per_day=24 * facts.gpus * saved)
     conf = round(min(1.0, obs.minutes / 60.0) * 0.85, 2)

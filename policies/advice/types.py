@@ -129,6 +129,10 @@ class PoolObserved:
     spec_yield: float | None = None
     spec_positions: tuple[float, ...] = ()  # acceptance of each draft position, per draft
     rank_imbalance: float | None = None  # max over mean per-rank load (EP groups)
+    ttft_p95_peak: float | None = None  # the load quantile of per-minute TTFT p95s: the busy minutes
+    tpot_p95_peak: float | None = None
+    prompt_p50: float | None = None  # prompt length quantiles (`vllm:request_prompt_tokens`)
+    prompt_p95: float | None = None
     minutes: float = 0.0  # how much history this rests on
 
 

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.advice import advisor_input, observed
+from collectors.types import Signal
+from controlplane.advice import accuracy, advise_and_score, advisor_input, observed
 from controlplane.config import parse_config
 from controlplane.errors import ConfigError
 from controlplane.evaluation_advise import CASES, apply, run_case, split
 from controlplane.sim.scenario import load_scenario
+from controlplane.store.memory import MemoryStore
 from policies.advice import AdviceKind
 from policies.windows import SignalWindows
 
@@ -71,6 +73,41 @@ def test_applying_advice_to_a_scenario() -> None:
     assert set(CASES) == {"rag-prefill-heavy", "chat-decode-heavy", "kv-bound", "json-heavy", "small-fleet"}
 
 
+def pool_signals(start: float, minutes: int, engines: float, spec: dict[str, float]) -> list[Signal]:
+    out = []
+    for i in range(minutes * 4):
+        ts = start + i * 15.0
+        values = {"request_rate": 20.0, "prompt_tokens_rate": 20_000.0, "generation_tokens_rate": 4_000.0,
+                  "prefix_cache_hit_rate": 0.5, "engines_reporting": engines, "ttft_p95": 0.2, "tpot_p95": 0.03,
+                  **spec}
+        out += [Signal(ts, "pool/chat", name, v) for name, v in values.items()]
+    return out
+
+
+async def test_followed_advice_is_scored_against_what_the_fleet_showed() -> None:
+    """Speculation that does not pay is advised off; once the fleet file turns it off, the advice is scored on the
+    engines the pool then runs, scaled to the load it was advised at."""
+    store = MemoryStore()
+    collapsed = {"spec_mean_acceptance_length": 1.1, "spec_acceptance_pos_0": 0.08, "spec_acceptance_pos_1": 0.02,
+                 "spec_acceptance_pos_2": 0.0}
+    await store.write_signals(pool_signals(0.0, 30, 6.0, collapsed))
+    on = parse_config(FLEET % "h200", "f.yaml")
+    first = await advise_and_score(on, store, 1800.0, 0.0)
+    [spec] = [r for r in first.stored if r.kind == "speculation"]
+    assert spec.act and spec.change == {"speculative": {"method": "none"}} and spec.state == "open"
+    assert spec.evidence["advised_at_arrivals"] == 20.0
+    # Nothing changed yet: asking again scores nothing and keeps one open recommendation.
+    again = await advise_and_score(on, store, 1800.0, 0.0)
+    assert again.scored == [] and len([r for r in await store.advice(states=("open",)) if r.kind == "speculation"]) == 1
+    off = parse_config((FLEET % "h200").replace("method: eagle, num_speculative_tokens: 3", "method: none"), "f.yaml")
+    await store.write_signals(pool_signals(1800.0 + 15, 20, 4.0, {}))
+    later = await advise_and_score(off, store, 3000.0, 0.0)
+    [scored] = later.scored
+    assert scored.id == spec.id and scored.measured == pytest.approx(4.0, rel=0.01)
+    assert scored.error == pytest.approx((4.0 - spec.predicted) / spec.predicted, rel=0.01)
+    assert accuracy(await store.advice(states=("applied",)))["speculation"]["scored"] == 1
+
+
 def fleetctl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
@@ -81,7 +118,7 @@ def test_advise_cli(tmp_path: Path) -> None:
     assert fleetctl("db", "upgrade", "--db", db).returncode == 0
     res = fleetctl("advise", "--config", "deploy/fleet.example.yaml", "--db", db, "--json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout) == {"recommendations": []}
+    assert json.loads(res.stdout) == {"recommendations": [], "scored_now": [], "accuracy": {}}
     bad = fleetctl("advise", "--config", "deploy/fleet.example.yaml", "--db", db, "--since", "yesterday")
     assert bad.returncode == 3 and "--since" in bad.stderr
     nope = fleetctl("advise", "eval", "--case", "nope")

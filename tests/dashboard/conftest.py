@@ -17,7 +17,7 @@ from rich.console import Console
 
 from collectors.types import Signal
 from controlplane.demo import run_demo
-from controlplane.store.records import NewVerdict
+from controlplane.store.records import NewAdvice, NewVerdict
 from controlplane.store.writer import SqlStore
 from policies.canary import Dist, GateSettings, Interval, Verdict, judge
 
@@ -93,6 +93,13 @@ def add_fleet_extras(url: str) -> None:
             store.record_verdict(NewVerdict("rollout", "decode", "v1", f"v{2 + i}", times[0] + 300 * i,
                                             times[0] + 300 * i + 240, verdict.outcome.value, verdict.score,
                                             verdict.as_dict()))
+        # The advisor's advice: one open, one followed and scored.
+        fp8, spec = store.record_advice([
+            NewAdvice("kv_precision", "decode", True, "serve decode with --kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"},
+                      "engines_needed", 6.0, 4.0, 168.0, 0.8, {"bf16": {"engines": 6}, "fp8": {"engines": 4}}),
+            NewAdvice("speculation", "prefill", True, "disable speculative decoding on prefill",
+                      {"speculative": {"method": "none"}}, "engines_needed", 5.0, 4.0, 84.0, 0.7, {})], times[-20])
+        store.score_advice(spec.id, 4.4, 0.1, times[-1])
     finally:
         store.close()
 

@@ -139,6 +139,9 @@ def test_pages_read_what_the_store_holds(monkeypatch: pytest.MonkeyPatch, full_d
     assert list(metrics["name"]) == ["ttft", "tpot", "e2e", "error_rate"]
     assert any("anytime-valid" in r and "allowed +5.0%" in r for r in metrics["reason"])
     assert {m.label: str(m.value) for m in canary.metric}["fail"] == "1", [(m.label, m.value) for m in canary.metric]
+    fleet = render(monkeypatch, url, "fleet")
+    assert any("kv_precision · decode (+168 $/day)" in e.label for e in fleet.expander)
+    assert list(fleet.dataframe[-1].value["error"]) == ["+10%"]
 
 
 def test_links_select_the_pool_the_incident_and_the_action(monkeypatch: pytest.MonkeyPatch, demo_db: Path) -> None:

@@ -22,7 +22,7 @@ from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
 from controlplane.store import migrate
 from controlplane.store.base import Store
 from controlplane.store.memory import MemoryStore
-from controlplane.store.records import NewAction, NewFinding, NewVerdict
+from controlplane.store.records import NewAction, NewAdvice, NewFinding, NewVerdict
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 
@@ -109,6 +109,26 @@ async def test_verdicts_are_kept_with_their_explanations(any_store: Store) -> No
         assert rows[1]["details"]["metrics"][0]["interval"] == [1.04, 1.17]
     elif isinstance(any_store, MemoryStore):
         assert any_store.verdicts[0].details["metrics"][0]["interval"] == [1.04, 1.17]
+
+
+def advice(change: dict, predicted: float = 7.0) -> NewAdvice:
+    return NewAdvice("kv_precision", "chat", True, "serve chat with fp8", change, "engines_needed", 10.0, predicted,
+                     84.0, 0.8, {"fp8": {"engines": predicted}})
+
+
+async def test_advice_is_refreshed_superseded_and_scored(any_store: Store) -> None:
+    [first] = await any_store.record_advice([advice({"kv_cache_dtype": "fp8"})], now=10.0)
+    [again] = await any_store.record_advice([advice({"kv_cache_dtype": "fp8"}, predicted=6.0)], now=20.0)
+    assert again.id == first.id and again.predicted == 6.0 and again.created_at == 10.0 and again.updated_at == 20.0
+    [other] = await any_store.record_advice([advice({"kv_cache_dtype": "fp8", "replicas": 5})], now=30.0)
+    assert other.id != first.id
+    assert [(r.id, r.state) for r in await any_store.advice()] == [(other.id, "open"), (first.id, "superseded")]
+    await any_store.score_advice(other.id, 6.5, (6.5 - 7.0) / 7.0, now=40.0)
+    [applied] = await any_store.advice(states=("applied",))
+    assert applied.measured == 6.5 and applied.error == pytest.approx(-0.0714, abs=1e-3) and applied.applied_at == 40.0
+    assert applied.evidence == {"fp8": {"engines": 7.0}}
+    with pytest.raises(StoreConflict, match=f"advice {other.id} is not open"):
+        await any_store.score_advice(other.id, 6.5, 0.0, now=50.0)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
