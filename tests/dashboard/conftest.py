@@ -94,7 +94,7 @@ def add_fleet_extras(url: str) -> None:
                                             times[0] + 300 * i + 240, verdict.outcome.value, verdict.score,
                                             verdict.as_dict()))
         # The advisor's advice: one open, one followed and scored.
-        fp8, spec = store.record_advice([
+        _, spec = store.record_advice([
             NewAdvice("kv_precision", "decode", True, "serve decode with --kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"},
                       "engines_needed", 6.0, 4.0, 168.0, 0.8, {"bf16": {"engines": 6}, "fp8": {"engines": 4}}),
             NewAdvice("speculation", "prefill", True, "disable speculative decoding on prefill",
