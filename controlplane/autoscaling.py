@@ -25,7 +25,7 @@ _DECODE_GRID = [(b, c) for b in (1, 8, 32, 64, 128, 256) for c in (512, 2048, 81
 
 def engine_curves(engine: Engine) -> EngineCurves:
     """The profile's prefill and decode-step times at the pool's speed, as the sizer's quadratic and plane."""
-    model = load_model(engine.profile, engine.speed)
+    model = load_model(engine.profile, engine.speed, engine.decode_speed)
     t = np.array(_PREFILL_TOKENS, dtype=float)
     prefill = np.array([model.prefill_batch_seconds([(int(x), 0)]) for x in t])
     a, b, c = np.linalg.lstsq(np.column_stack([np.ones_like(t), t, t * t]), prefill, rcond=None)[0]

@@ -135,6 +135,7 @@ class Engine(Settings):
 
     profile: str = "dynamo/h200/llama3.1-8b-fp8"
     speed: float = Field(1.0, gt=0)  # times as fast as the profiled hardware
+    decode_speed: float | None = Field(None, gt=0)  # decode steps' own factor when it differs (memory-bound GPUs)
     kv_blocks: int = Field(30_000, ge=64)  # of 16 tokens
     max_num_seqs: int = Field(256, ge=1)
     max_batched_tokens: int = Field(8192, ge=64)

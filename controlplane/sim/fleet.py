@@ -39,6 +39,7 @@ class PoolSpec:
     profile: str = DYNAMO_PROFILE
     speed: float = 1.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    decode_speed: float | None = None  # decode steps' speed factor when it differs from `speed`
     spec: SpecConfig = field(default_factory=SpecConfig)
     moe: MoeSpec | None = None
     eplb: EplbConfig | None = None
@@ -193,9 +194,9 @@ class SimFleet:
     # shape -----------------------------------------------------------------------------------
 
     def _model(self, pool: PoolSpec) -> PerfModel:
-        key = f"{pool.profile}@{pool.speed}"
+        key = f"{pool.profile}@{pool.speed}/{pool.decode_speed}"
         if key not in self._models:
-            self._models[key] = load_model(pool.profile, pool.speed)
+            self._models[key] = load_model(pool.profile, pool.speed, pool.decode_speed)
         return self._models[key]
 
     def _add(self, pool: PoolSpec, ready_at: float, version: str = "stable",

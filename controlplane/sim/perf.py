@@ -85,12 +85,15 @@ class PerfModel:
     decode_rows: tuple[tuple[float, tuple[float, ...], tuple[float, ...]], ...]  # context, batches, measured seconds
     max_batch: int | None = None
     speed: float = 1.0
+    decode_speed: float | None = None  # decode steps' own factor (memory-bound), when it differs from `speed`
 
-    def with_speed(self, speed: float) -> PerfModel:
-        """The same model for a pool `speed` times as fast as the profiled hardware."""
-        if not (speed > 0 and math.isfinite(speed)):
-            raise ValueError(f"speed must be a finite number > 0, got {speed}")
-        return replace(self, speed=speed)
+    def with_speed(self, speed: float, decode_speed: float | None = None) -> PerfModel:
+        """The same model for a pool `speed` times as fast as the profiled hardware (`decode_speed` for decode
+        steps: a GPU whose memory bandwidth and compute differ from the profiled one's in different ratios)."""
+        for name, value in (("speed", speed), ("decode_speed", speed if decode_speed is None else decode_speed)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        return replace(self, speed=speed, decode_speed=decode_speed)
 
     # prefill --------------------------------------------------------------------------------
 
@@ -140,7 +143,8 @@ class PerfModel:
             raise ValueError(f"batch_size and context_tokens must be >= 0, got {batch_size}, {context_tokens}")
         if batch_size == 0:
             return 0.0
-        return self.decode_fit_seconds(batch_size, context_tokens) * self._decode_ratio(batch_size, context_tokens) / self.speed
+        speed = self.speed if self.decode_speed is None else self.decode_speed
+        return self.decode_fit_seconds(batch_size, context_tokens) * self._decode_ratio(batch_size, context_tokens) / speed
 
     def _row_ratio(self, row: tuple[float, tuple[float, ...], tuple[float, ...]], n: float) -> float:
         ctx, xs, ys = row
@@ -344,6 +348,6 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 @functools.cache
-def load_model(name: str = DYNAMO_PROFILE, speed: float = 1.0) -> PerfModel:
+def load_model(name: str = DYNAMO_PROFILE, speed: float = 1.0, decode_speed: float | None = None) -> PerfModel:
     """The fitted model of a profile (a shipped name or a path, see `load_profile`) at a pool speed factor."""
-    return fit(load_profile(name)).with_speed(speed)
+    return fit(load_profile(name)).with_speed(speed, decode_speed)

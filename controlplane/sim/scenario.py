@@ -120,6 +120,8 @@ class PoolModel(Settings):
     replicas: int = Field(ge=1)
     max_replicas: int | None = Field(None, ge=1)
     speed: float = Field(1.0, gt=0)
+    decode_speed: float | None = Field(None, gt=0)  # decode steps' own factor (a memory-bound GPU's), default `speed`
+    gpu_type: str = "h200"  # what the advisor prices the pool's GPUs as
     kv_blocks: int = Field(30_000, ge=64)
     max_num_seqs: int = Field(256, ge=1)
     max_batched_tokens: int = Field(8192, ge=64)
@@ -252,14 +254,14 @@ class Scenario(Settings):
         """Read what the run will need (the trace window, every pool's profile), so a bad file fails before it starts."""
         next(self.requests())
         for p in self.fleet.pools:
-            load_model(p.profile, p.speed)
+            load_model(p.profile, p.speed, p.decode_speed)
 
     def fleet_spec(self) -> FleetSpec:
         """The simulator's fleet."""
         f = self.fleet
         pools = tuple(
             PoolSpec(
-                p.name, p.role, p.replicas, speed=p.speed,
+                p.name, p.role, p.replicas, speed=p.speed, decode_speed=p.decode_speed,
                 engine=EngineConfig(kv_blocks=p.engine_kv_blocks, max_num_seqs=p.max_num_seqs,
                                     max_batched_tokens=p.max_batched_tokens),
                 spec=SpecConfig(p.spec.method, p.spec.num_speculative_tokens),
@@ -278,7 +280,8 @@ class Scenario(Settings):
         """The fleet file the control plane runs with against this scenario's fleet."""
         pools = [Pool(name=p.name, role=p.role, model=self.fleet.model, slo=p.slo,
                       replicas=Replicas(min=1, max=p.max_replicas or p.replicas * 2),
-                      engine=Engine(profile=p.profile, speed=p.speed, kv_blocks=p.engine_kv_blocks,
+                      engine=Engine(profile=p.profile, speed=p.speed, decode_speed=p.decode_speed,
+                                    gpu_type=p.gpu_type, kv_blocks=p.engine_kv_blocks,
                                     max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, gpus=p.gpus,
                                     kv_cache_dtype=p.kv_cache_dtype, eplb=p.eplb is not None,
                                     speculative=Speculative(method=p.spec.method,

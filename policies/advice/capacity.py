@@ -11,23 +11,27 @@ engine count N with arrivals λ = Λ/N to each engine:
   yields L tokens; the batch must fit `kv_usage_max` of the KV cache and `max_num_seqs`;
 - prompt lengths as a lognormal through the pool's measured mean, median and 95th percentile: prefill
   cost is quadratic in the prompt (attention), so its mean is taken over the lengths, not at the mean;
-- TTFT p95: a 95th-percentile prompt's prefill alone, plus three times the M/G/1 mean wait
-  (Pollaczek-Khinchine, from the prefill cost's second moment), plus the KV transfer for a prefill pool;
+- TTFT p95: the pass in flight (a prompt waits it out) plus its own pass or, for a long prompt, its
+  prefill alone (passes grow with the tokens that arrive while one runs, up to the token budget),
+  plus three times the M/G/1 mean wait (Pollaczek-Khinchine, from the prefill cost's second moment),
+  plus the KV transfer for a prefill pool;
 - TPOT p95: a fifth over the mean step, plus, on a unified engine, the prefills that land during a
   request's decode: the 95th percentile of their total (a compound Poisson sum over its decode),
   spread over its output tokens.
 
-The pool needs the fewest N whose predictions fit `margin` of both SLOs.
+The pool needs the fewest N whose predictions fit `margin` of both SLOs. A `Calibration` from the pool's
+own measured p95s scales the queueing parts (or the whole, where they vanish).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.autoscale import EngineCurves
 
-__all__ = ["Load", "Prefill", "Sizing", "lognormal_sigma", "predict", "prefill_cost", "size_pool", "transfer_seconds"]
+__all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "lognormal_sigma", "predict", "prefill_cost",
+           "size_pool", "transfer_seconds"]
 
 P95_OVER_MEAN_TPOT = 1.2
 QUEUE_P95_WAITS = 3.0  # a queue's 95th-percentile wait over its mean (an exponential tail: ln 20)
@@ -78,13 +82,14 @@ class Prefill:
     p95_alone: float
 
 
-def prefill_cost(curves: EngineCurves, load: Load) -> Prefill:
-    """Prefill seconds per request. A prompt of P tokens, a share h cached, costs its new tokens' share of full
-    passes plus attention over the tokens before them: beta*P + gamma*P^2 with beta = (1-h)(a/T + b) and
+def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float = 0.0) -> Prefill:
+    """Prefill seconds per request. A prompt of P tokens, a share h cached, costs its new tokens' share of the
+    passes it rides (X tokens each: the profile's pass time grows with X squared, which every token of a shared
+    pass pays) plus attention over the tokens before it: beta*P + gamma*P^2 with beta = (1-h)(a/T + b + cX) and
     gamma = c(1-h)(1+h). The quadratic makes long prompts dominate: the mean is taken over the lengths."""
     a, b, c = curves.prefill
     h = min(max(load.hit_rate, 0.0), 1.0)
-    beta = (1.0 - h) * (a / curves.max_batched_tokens + b)
+    beta = (1.0 - h) * (a / curves.max_batched_tokens + b + c * pass_tokens)
     gamma = c * (1.0 - h) * (1.0 + h)
     m1, m2, m3, m4 = (load.prompt_moment(k) for k in (1, 2, 3, 4))
     mean = beta * m1 + gamma * m2
@@ -103,6 +108,11 @@ class Sizing:
     ttft_p95: float | None
     tpot_p95: float | None
     limited_by: str  # ttft | tpot | kv | load (one engine is plenty) | none (no size up to the limit fits)
+    # The parts of the p95s: what the profile fixes (a pass, a step) and what the queueing approximations add.
+    ttft_floor: float = 0.0
+    ttft_queue: float = 0.0
+    tpot_base: float = 0.0
+    tpot_stall: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {"engines": self.engines, "batch": round(self.batch, 1), "utilisation": round(self.utilisation, 3),
@@ -113,13 +123,46 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """How the pool's own busy-minute p95s differ from the model at its own size: the queueing parts (TTFT's wait,
+    TPOT's prefill stalls) scaled where they exist, the whole p95 where they do not."""
+
+    ttft_queue: float = 1.0
+    ttft_scale: float = 1.0
+    tpot_stall: float = 1.0
+    tpot_scale: float = 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(getattr(self, k), 3) for k in ("ttft_queue", "ttft_scale", "tpot_stall", "tpot_scale")}
+
+
+NO_CALIBRATION = Calibration()
+
+
+def _pass(curves: EngineCurves, tokens_per_s: float, extra: float) -> tuple[float, float]:
+    """(tokens, seconds) of a pass when prompts arrive at `tokens_per_s`: the tokens that arrived during the
+    last pass, up to the token budget (a fixed point), plus `extra` (a unified engine's decode step)."""
+    x = 1.0
+    for _ in range(50):
+        d = curves.prefill_seconds(x) + extra
+        nxt = min(float(curves.max_batched_tokens), max(1.0, tokens_per_s * d))
+        if abs(nxt - x) < 0.5:
+            break
+        x = nxt
+    return x, curves.prefill_seconds(x) + extra
+
+
 def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, tokens_per_step: float,
-        transfer_s: float, kv_usage_max: float, max_utilization: float) -> tuple[str | None, Sizing]:
+        transfer_s: float, kv_usage_max: float, max_utilization: float,
+        cal: Calibration = NO_CALIBRATION) -> tuple[str | None, Sizing]:
     """Predicted p95s with `n` engines, and the first limit they break (None: none)."""
     lam = load.arrivals / n
     prefill = role != "decode" and load.prompt_tokens > 0
     decode = role != "prefill" and load.output_tokens > 1
-    cost = prefill_cost(curves, load) if prefill else Prefill(0.0, 0.0, 0.0)
+    tokens_per_s = lam * max(load.prompt_tokens * (1.0 - load.hit_rate), 1.0)
+    x, d = _pass(curves, tokens_per_s, 0.0) if prefill else (0.0, 0.0)
+    cost = prefill_cost(curves, load, x) if prefill else Prefill(0.0, 0.0, 0.0)
     stretch = 1.0  # prefill seconds per second of prefill work: a unified engine pays a decode step each pass
     batch, tpot, step = 0.0, None, 0.0
     rho_p = lam * cost.mean
@@ -147,6 +190,8 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
         step = curves.step_seconds(b, ctx) * step_cost
     if rho_p >= max_utilization:
         return "ttft" if prefill else "tpot", Sizing(n, batch, rho_p, None, None, "ttft")
+    tpot = ttft = None
+    base = stall = floor = queue = 0.0
     if decode:
         # A request's decode lasts `span`; the prompts that arrive meanwhile each stall it for their prefill.
         # Its TPOT p95 counts the 95th percentile of those stalls (a compound Poisson sum, normal approximation).
@@ -154,25 +199,29 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
         span = load.output_tokens * per_token / (1.0 - rho_p)
         m = lam * span if prefill else 0.0
         stalls = (m * cost.mean + 1.645 * math.sqrt(m * cost.second)) * stretch if m > 0 else 0.0
-        tpot = P95_OVER_MEAN_TPOT * per_token + stalls / max(load.output_tokens - 1.0, 1.0)
-    ttft = None
+        base, stall = P95_OVER_MEAN_TPOT * per_token, stalls / max(load.output_tokens - 1.0, 1.0)
+        tpot = base * cal.tpot_scale + stall * cal.tpot_stall
     if prefill:
-        # M/G/1 (Pollaczek-Khinchine) mean wait, its 95th percentile about three times that.
-        wait = lam * cost.second * stretch * stretch / (2.0 * (1.0 - rho_p))
-        ttft = cost.p95_alone * stretch + QUEUE_P95_WAITS * wait + transfer_s
-    return None, Sizing(n, batch, rho_p, ttft, tpot, "none")
+        # A prompt waits out the pass in flight, then rides its own: passes grow with the tokens that arrive
+        # while one runs. Behind that, an M/G/1 queue (Pollaczek-Khinchine) mean wait, its p95 about thrice that.
+        d += step if decode else 0.0
+        floor = 0.95 * d + max(d, cost.p95_alone * stretch) + transfer_s
+        queue = QUEUE_P95_WAITS * lam * cost.second * stretch * stretch / (2.0 * (1.0 - rho_p))
+        ttft = floor * cal.ttft_scale + queue * cal.ttft_queue
+    return None, Sizing(n, batch, rho_p, ttft, tpot, "none", floor, queue, base, stall)
 
 
 def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
             tokens_per_step: float = 1.0, transfer_s: float = 0.0, kv_usage_max: float = 0.85,
             max_utilization: float = 0.9) -> Sizing:
-    """The model's p95s with `n` engines (None where a limit breaks: the load does not fit)."""
+    """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit)."""
     return _at(n, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max, max_utilization)[1]
 
 
 def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | None, tpot_slo: float | None,
               margin: float = 1.0, step_cost: float = 1.0, tokens_per_step: float = 1.0, transfer_s: float = 0.0,
-              kv_usage_max: float = 0.85, max_utilization: float = 0.9, limit: int = 4096) -> Sizing:
+              kv_usage_max: float = 0.85, max_utilization: float = 0.9, limit: int = 4096,
+              calibration: Calibration = NO_CALIBRATION) -> Sizing:
     """The fewest engines of `role` that carry `load` within `margin` of the SLOs (`limited_by` "none" when
     even `limit` engines do not: a lone request already misses, or the numbers are nonsense)."""
     if load.arrivals <= 0:
@@ -184,7 +233,7 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     fits: Sizing | None = None
     while n <= limit:
         broke, sizing = _at(n, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max,
-                            max_utilization)
+                            max_utilization, calibration)
         broke = broke or _over(sizing, ttft_slo, tpot_slo, margin)
         if broke is None:
             fits = sizing
@@ -197,14 +246,13 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     while hi - lo > 1:
         mid = (lo + hi) // 2
         broke, sizing = _at(mid, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max,
-                            max_utilization)
+                            max_utilization, calibration)
         broke = broke or _over(sizing, ttft_slo, tpot_slo, margin)
         if broke is None:
             hi, fits = mid, sizing
         else:
             lo, last_limit = mid, broke
-    return Sizing(fits.engines, fits.batch, fits.utilisation, fits.ttft_p95, fits.tpot_p95,
-                  last_limit if fits.engines > 1 else "load")
+    return replace(fits, limited_by=last_limit if fits.engines > 1 else "load")
 
 
 def _over(s: Sizing, ttft_slo: float | None, tpot_slo: float | None, margin: float) -> str | None:

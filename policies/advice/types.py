@@ -33,10 +33,16 @@ class AdviceKind(StrEnum):
 
 
 class GpuType(Settings):
-    """A kind of GPU the fleet may run on: what an hour costs, and how fast it runs the pool's profile."""
+    """A kind of GPU the fleet may run on: what an hour costs, and how fast it runs the pool's profile: prefill
+    (compute-bound) and decode (memory-bound) apart, since GPU classes differ in exactly that."""
 
     price_per_hour: float = Field(gt=0)
-    speed: float = Field(1.0, gt=0)  # relative to the hardware the pool's profile was measured on
+    speed: float = Field(1.0, gt=0)  # prefill, relative to the hardware the pool's profile was measured on
+    decode_speed: float | None = Field(None, gt=0)  # decode steps; default `speed`
+
+    @property
+    def decode(self) -> float:
+        return self.speed if self.decode_speed is None else self.decode_speed
 
 
 class AdviceSettings(Settings):

@@ -66,6 +66,13 @@ def test_applying_advice_to_a_scenario() -> None:
     assert [(p.name, str(p.role), p.replicas) for p in two.fleet.pools] == [("chat-prefill", "prefill", 1),
                                                                             ("chat-decode", "decode", 3)]
     assert two.fleet.pools[0].slo.tpot_p95 is None and two.fleet.pools[1].slo.ttft_p95 is None
+    chat = CASES["chat-decode-heavy"].settings
+    cheap = apply(sc, "chat", AdviceKind.DISAGGREGATION,
+                  {"layout": "disaggregated", "prefill": {"replicas": 1, "gpu": "h200"},
+                   "decode": {"replicas": 2, "gpu": "h20"}}, chat)
+    decode = cheap.fleet.pools[1]
+    assert (decode.gpu_type, decode.speed, decode.decode_speed, decode.replicas) == ("h20", 0.15, 0.85, 2)
+    assert cheap.fleet_spec().pools[1].decode_speed == 0.85
     fp8 = apply(sc, "chat", AdviceKind.KV_PRECISION, {"kv_cache_dtype": "fp8"})
     assert fp8.fleet.pools[0].engine_kv_blocks == 2 * sc.fleet.pools[0].kv_blocks
     off = apply(load_scenario("advise/json-heavy"), "tools", AdviceKind.SPECULATION, {"speculative": {"method": "none"}})

@@ -22,6 +22,7 @@ from policies.advice import (
 )
 from policies.advice.capacity import Load, size_pool
 from policies.advice.speculation import best_positions
+from policies.advice.whatif import on_gpu
 from policies.autoscale import EngineCurves
 
 # The shipped H200 profile's fit (controlplane.autoscaling.engine_curves), rounded.
@@ -127,13 +128,18 @@ def test_a_small_fleet_keeps_one_pool_and_says_what_a_split_would_cost() -> None
 
 def test_cheap_decode_gpus_make_a_decode_heavy_split_pay() -> None:
     """The field's rule: a split pays when decode-class GPUs cost less than the ones prefill needs."""
-    s = AdviceSettings(gpu_types={"h200": GpuType(price_per_hour=3.5), "l40s": GpuType(price_per_hour=1.0, speed=0.8)},
+    s = AdviceSettings(gpu_types={"h200": GpuType(price_per_hour=3.5),
+                                  "l40s": GpuType(price_per_hour=1.0, speed=0.3, decode_speed=0.8)},
                        decode_gpu="l40s")
     recs = advise(inp([facts()], {"chat": seen(arrivals=40.0, arrivals_peak=45.0)}), s)
     [rec] = [r for r in recs if r.kind is AdviceKind.DISAGGREGATION]
     assert rec.act and rec.change["layout"] == "disaggregated" and rec.change["decode"]["gpu"] == "l40s"
     assert rec.effect.saving_per_day is not None and rec.effect.saving_per_day > 0
     assert rec.change["decode"]["replicas"] >= rec.change["prefill"]["replicas"]
+    # Decode steps on the l40s take 1/0.8 of the H200's, prefill passes 1/0.3.
+    curves = on_gpu(facts(), "l40s", s)
+    assert curves.decode[1] == pytest.approx(CURVES.decode[1] / 0.8)
+    assert curves.prefill[1] == pytest.approx(CURVES.prefill[1] / 0.3)
 
 
 def test_a_split_fleet_gets_its_ratio_against_the_chat_first_cut() -> None:

@@ -178,6 +178,12 @@ def test_speed_factor_scales_every_time(models: dict[str, PerfModel]) -> None:
             m.with_speed(bad)
     with pytest.raises(DataError, match="no such profile"):
         load_model("nope")
+    # A decode-class GPU: a fifth of the compute, most of the memory bandwidth.
+    h20 = m.with_speed(0.2, decode_speed=0.8)
+    assert h20.prefill_seconds(5000) == pytest.approx(m.prefill_seconds(5000) * 5)
+    assert h20.decode_step_seconds(32, 4000) == pytest.approx(m.decode_step_seconds(32, 4000) / 0.8)
+    with pytest.raises(ValueError, match="decode_speed"):
+        m.with_speed(1.0, decode_speed=0.0)
 
 
 def test_fit_needs_points() -> None:
