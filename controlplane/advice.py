@@ -177,7 +177,7 @@ def _measure(rec: AdviceRecord, pools: Sequence[str], config: FleetConfig,
 
 async def advise_and_score(config: FleetConfig, store: Store, now: float, since: float, *, pools: Sequence[str] = (),
                            prefix_blocks: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                           record: bool = True) -> AdviceRun:
+                           prefix_block_tokens: int = 16, record: bool = True) -> AdviceRun:
     """Score the open advice the fleet has since followed, then advise on `[since, now]` and keep the advice."""
     windows = SignalWindows(now - since + 60.0)
     windows.extend((s.ts, s.subject, s.name, s.value) for s in await store.load_signals(since))
@@ -194,7 +194,7 @@ async def advise_and_score(config: FleetConfig, store: Store, now: float, since:
         await store.score_advice(rec.id, measured, error, now)
         scored.append(replace(rec, state="applied", applied_at=now, measured=measured, error=error))
     inp = advisor_input(config, windows, now, since, prefix_blocks, pools)
-    recs = advise(inp, config.advisor)
+    recs = advise(inp, config.advisor, prefix_block_tokens=prefix_block_tokens)
     stored = await store.record_advice([_new(r, inp.observed) for r in recs], now) if record and recs else []
     return AdviceRun(recs, stored, scored)
 

@@ -532,111 +532,6 @@ def autoscale() -> None:
     """The SLO-driven autoscaler: what it would set now, and how it compares."""
 
 
-@cli.group(invoke_without_command=True)
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
-@_db_option
-@click.option("--pool", "pools", multiple=True, help="Only this pool; repeatable. Default: every pool.")
-@click.option("--since", default="24h", show_default=True, help="How much history to read (e.g. 30m, 24h, 7d).")
-@click.option("--record/--no-record", default=True, show_default=True,
-              help="Keep the advice with its predicted effect, and score earlier advice the fleet has followed since.")
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def advise(ctx: click.Context, config_file: Path | None, db: str, pools: tuple[str, ...], since: str, record: bool,
-           as_json: bool) -> None:
-    """The deployment advisor: disaggregation, pool ratio, KV tier, FP8 KV, speculation and parallel layout,
-    each with its evidence, estimated effect and confidence; and how right its earlier advice turned out."""
-    if ctx.invoked_subcommand is not None:
-        return
-    import time
-
-    from catalog.settings import duration
-    from controlplane.advice import accuracy, advise_and_score
-    from controlplane.config import load_config
-    from controlplane.store.threaded import ThreadedStore
-
-    if config_file is None:
-        raise click.UsageError("give the fleet file with --config")
-    try:
-        window = float(duration(since))
-    except (TypeError, ValueError) as exc:
-        raise click.BadParameter(f"{since!r}: {exc}", param_hint="--since") from None
-    cfg = load_config(config_file)
-    unknown = sorted(set(pools) - {p.name for p in cfg.pools})
-    if unknown:
-        raise click.BadParameter(f"{', '.join(unknown)} is not a pool of {config_file}", param_hint="--pool")
-    now = time.time()
-    store = ThreadedStore.open(db)
-    async def run() -> tuple[Any, Any]:
-        done = await advise_and_score(cfg, store, now, now - window, pools=pools, record=record)
-        return done, accuracy(await store.advice(states=("applied",)))
-
-    try:
-        result, scores = asyncio.run(run())
-    finally:
-        store.close()
-    recs = result.recommendations
-    rows: list[dict[str, Any]] = [
-        {"kind": r.kind.value, "pool": r.pool, "act": r.act, "advice": r.advice, "change": dict(r.change),
-             "effect": {"metric": r.effect.metric, "before": r.effect.before, "after": r.effect.after,
-                        "saving_per_day": r.effect.saving_per_day, "gpu_hours_per_day": r.effect.gpu_hours_per_day},
-             "confidence": r.confidence, "evidence": dict(r.evidence), "runbook": r.runbook} for r in recs]
-    scored = [{"id": r.id, "kind": r.kind, "pool": r.pool, "metric": r.metric, "predicted": r.predicted,
-               "measured": r.measured, "error": r.error} for r in result.scored]
-    if as_json:
-        _emit_json({"recommendations": rows, "scored_now": scored, "accuracy": scores})
-        return
-    for r in scored:
-        out.print(f"advice #{r['id']} ({r['kind']} on {r['pool']}) was followed: {r['metric']} predicted "
-                  f"{r['predicted']:.4g}, measured {r['measured']:.4g} ({r['error']:+.0%})")
-    if scores:
-        out.print("advisor accuracy so far: " + "; ".join(
-            f"{k}: {v['scored']} scored, median error {v['median_abs_error']:.0%}" for k, v in scores.items()))
-    if not rows:
-        out.print(f"no pool reported load in the last {since}: nothing to advise on")
-        return
-    t = Table(title=f"Advice from the last {since}")
-    for col in ("pool", "question", "advice", "$/day", "confidence", "runbook"):
-        t.add_column(col)
-    for r in rows:
-        saving = r["effect"]["saving_per_day"]
-        t.add_row(r["pool"], r["kind"], ("" if r["act"] else "[dim]") + r["advice"],
-                  "-" if saving is None else f"{saving:+,.0f}", f"{r['confidence']:.2f}", r["runbook"])
-    out.print(t)
-
-
-@advise.command("eval")
-@click.option("--case", "cases", multiple=True, help="Only this case; repeatable. Default: all five.")
-@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Replays run at once.")
-@click.option("--json", "as_json", is_flag=True)
-def advise_eval(cases: tuple[str, ...], jobs: int, as_json: bool) -> None:
-    """The advisor on scenarios whose answer is known: right answers, and estimated savings against what the
-    simulator measures with the advice applied."""
-    from controlplane.evaluation_advise import CASES, evaluate_advice
-
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        raise click.BadParameter(f"{', '.join(unknown)}: not one of {', '.join(CASES)}", param_hint="--case")
-
-    def progress(name: str, result: Any) -> None:
-        if result is not None:
-            err.print(f"  {name}: done")
-
-    data = evaluate_advice(list(cases) or None, jobs, progress)
-    if as_json:
-        _emit_json(data)
-        return
-    t = Table(title="The advisor on known-answer scenarios")
-    for col in ("case", "advice", "right", "estimated $/day", "measured $/day", "error", "engines as is -> advised"):
-        t.add_column(col)
-    for c in data["cases"]:
-        err_ = "-" if c["error"] is None else f"{c['error']:.0%}"
-        est = "-" if c["estimated_saving_per_day"] is None else f"{c['estimated_saving_per_day']:+,.0f}"
-        t.add_row(c["case"], c["advice"], "yes" if c["right_answer"] else "NO", est,
-                  f"{c['measured_saving_per_day']:+,.0f}", err_, f"{c['engines_before']} -> {c['engines_after']}")
-    out.print(t)
-    _goals(data, as_json, gate=False)
-
-
 @autoscale.command("plan")
 @click.option("--config", "config_file", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @_db_option
@@ -750,6 +645,124 @@ def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, pl
                 t.add_row(row["strategy"], row["configuration"], f"{row['gpu_hours']:.2f}",
                           f"{row['attainment']:.1%} ({row['minutes_within']}/{row['minutes']})", str(row["scale_events"]))
             out.print(t)
+    _goals(data, as_json, gate=False)
+
+
+@cli.group(invoke_without_command=True)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@_db_option
+@click.option("--pool", "pools", multiple=True, help="Only this pool; repeatable. Default: every pool.")
+@click.option("--since", default="24h", show_default=True, help="How much history to read (e.g. 30m, 24h, 7d).")
+@click.option("--record/--no-record", default=True, show_default=True,
+              help="Keep the advice with its predicted effect, and score earlier advice the fleet has followed since.")
+@click.option("--prefix-trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The prompts' prefix-block hashes in arrival order (Mooncake JSONL: hash_ids of 512-token blocks, "
+                   "e.g. exported from llm-d KV events): the KV-tier question is then answered by an LRU replay.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def advise(ctx: click.Context, config_file: Path | None, db: str, pools: tuple[str, ...], since: str, record: bool,
+           prefix_trace: Path | None, as_json: bool) -> None:
+    """The deployment advisor: disaggregation, pool ratio, KV tier, FP8 KV, speculation and parallel layout,
+    each with its evidence, estimated effect and confidence; and how right its earlier advice turned out."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import time
+
+    from catalog.settings import duration
+    from controlplane.advice import accuracy, advise_and_score
+    from controlplane.config import load_config
+    from controlplane.store.threaded import ThreadedStore
+
+    if config_file is None:
+        raise click.UsageError("give the fleet file with --config")
+    try:
+        window = float(duration(since))
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(f"{since!r}: {exc}", param_hint="--since") from None
+    cfg = load_config(config_file)
+    unknown = sorted(set(pools) - {p.name for p in cfg.pools})
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)} is not a pool of {config_file}", param_hint="--pool")
+    blocks: dict[str, list[tuple[int, ...]]] = {}
+    block_tokens = 16
+    if prefix_trace is not None:
+        from controlplane.sim.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake
+
+        hashes = [tuple(r.hash_ids) for r in load_mooncake(prefix_trace) if r.hash_ids]
+        blocks = {p.name: hashes for p in cfg.pools if str(p.role) != "decode" and (not pools or p.name in pools)}
+        block_tokens = MOONCAKE_BLOCK_TOKENS
+    now = time.time()
+    store = ThreadedStore.open(db)
+
+    async def run() -> tuple[Any, Any]:
+        done = await advise_and_score(cfg, store, now, now - window, pools=pools, record=record, prefix_blocks=blocks,
+                                      prefix_block_tokens=block_tokens)
+        return done, accuracy(await store.advice(states=("applied",)))
+
+    try:
+        result, scores = asyncio.run(run())
+    finally:
+        store.close()
+    recs = result.recommendations
+    rows: list[dict[str, Any]] = [
+        {"kind": r.kind.value, "pool": r.pool, "act": r.act, "advice": r.advice, "change": dict(r.change),
+         "effect": {"metric": r.effect.metric, "before": r.effect.before, "after": r.effect.after,
+                    "saving_per_day": r.effect.saving_per_day, "gpu_hours_per_day": r.effect.gpu_hours_per_day},
+             "confidence": r.confidence, "evidence": dict(r.evidence), "runbook": r.runbook} for r in recs]
+    scored = [{"id": r.id, "kind": r.kind, "pool": r.pool, "metric": r.metric, "predicted": r.predicted,
+               "measured": r.measured, "error": r.error} for r in result.scored]
+    if as_json:
+        _emit_json({"recommendations": rows, "scored_now": scored, "accuracy": scores})
+        return
+    for r in scored:
+        out.print(f"advice #{r['id']} ({r['kind']} on {r['pool']}) was followed: {r['metric']} predicted "
+                  f"{r['predicted']:.4g}, measured {r['measured']:.4g} ({r['error']:+.0%})")
+    if scores:
+        out.print("advisor accuracy so far: " + "; ".join(
+            f"{k}: {v['scored']} scored, median error {v['median_abs_error']:.0%}" for k, v in scores.items()))
+    if not rows:
+        out.print(f"no pool reported load in the last {since}: nothing to advise on")
+        return
+    t = Table(title=f"Advice from the last {since}")
+    for col in ("pool", "question", "advice", "$/day", "confidence", "runbook"):
+        t.add_column(col)
+    for r in rows:
+        saving = r["effect"]["saving_per_day"]
+        t.add_row(r["pool"], r["kind"], ("" if r["act"] else "[dim]") + r["advice"],
+                  "-" if saving is None else f"{saving:+,.0f}", f"{r['confidence']:.2f}", r["runbook"])
+    out.print(t)
+
+
+@advise.command("eval")
+@click.option("--case", "cases", multiple=True, help="Only this case; repeatable. Default: all five.")
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Replays run at once.")
+@click.option("--json", "as_json", is_flag=True)
+def advise_eval(cases: tuple[str, ...], jobs: int, as_json: bool) -> None:
+    """The advisor on scenarios whose answer is known: right answers, and estimated savings against what the
+    simulator measures with the advice applied."""
+    from controlplane.evaluation_advise import CASES, evaluate_advice
+
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: not one of {', '.join(CASES)}", param_hint="--case")
+
+    def progress(name: str, result: Any) -> None:
+        if result is not None:
+            err.print(f"  {name}: done")
+
+    data = evaluate_advice(list(cases) or None, jobs, progress)
+    if as_json:
+        _emit_json(data)
+        return
+    t = Table(title="The advisor on known-answer scenarios")
+    for col in ("case", "advice", "right", "estimated $/day", "measured $/day", "error", "engines as is -> advised"):
+        t.add_column(col)
+    for c in data["cases"]:
+        err_ = "-" if c["error"] is None else f"{c['error']:.0%}"
+        est = "-" if c["estimated_saving_per_day"] is None else f"{c['estimated_saving_per_day']:+,.0f}"
+        t.add_row(c["case"], c["advice"], "yes" if c["right_answer"] else "NO", est,
+                  f"{c['measured_saving_per_day']:+,.0f}", err_, f"{c['engines_before']} -> {c['engines_after']}")
+    out.print(t)
     _goals(data, as_json, gate=False)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 
 from catalog.fleet import Role
 from controlplane.advice import advisor_input
-from controlplane.evaluation_autoscale import oracle_needs, replay
+from controlplane.evaluation_autoscale import oracle_needs, replay, within_slo
 from controlplane.goals import Goal, at_least, at_most, equal, goals_json
 from controlplane.sim.run import run_scenario
 from controlplane.sim.scenario import PoolModel, Scenario, SpecModel, load_scenario
@@ -180,16 +181,8 @@ def attainment(scenario: Scenario, engines: Mapping[str, int]) -> float:
     """Share of minutes within every pool's SLOs with the pools fixed at these sizes."""
     meter, _ = replay(scenario, engines)
     minutes = range(int(WARMUP_S // 60), math.ceil(scenario.duration / 60.0))
-    ok = sum(all(_within(meter, p, m) for p in scenario.fleet.pools) for m in minutes)
+    ok = sum(all(within_slo(meter, p, m) for p in scenario.fleet.pools) for m in minutes)
     return ok / len(minutes) if minutes else 1.0
-
-
-def _within(meter: Any, pool: PoolModel, minute: int) -> bool:
-    for metric, slo in (("ttft", pool.slo.ttft_p95), ("tpot", pool.slo.tpot_p95)):
-        value = meter.p95(pool.name, metric, minute)
-        if slo is not None and value is not None and value > slo:
-            return False
-    return True
 
 
 async def _observe(scenario: Scenario, settings: AdviceSettings) -> list[Recommendation]:
@@ -210,8 +203,6 @@ async def _observe(scenario: Scenario, settings: AdviceSettings) -> list[Recomme
 def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
              progress: Callable[[str, Any], None] | None = None) -> CaseResult:
     """One case end to end: observe, advise, measure both layouts, compare."""
-    import time
-
     wall = time.perf_counter()
     case = CASES[name]
     settings = settings or case.settings

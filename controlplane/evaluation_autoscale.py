@@ -53,7 +53,8 @@ from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
 __all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StrategyRun", "best_configuration",
-           "evaluate_autoscaling", "peer_goal", "summarise"]
+           "evaluate_autoscaling", "peer_goal", "summarise",
+           "within_slo"]
 
 STRATEGIES = ("static", "hpa", "ours", "oracle")
 # The traces of the evaluation, each a scenario with the fleet it runs through.
@@ -122,7 +123,8 @@ class MinuteMeter:
         return histogram_quantile(0.95, list(zip(bounds, np.cumsum(counts), strict=True)))
 
 
-def _within(meter: MinuteMeter, pool: PoolModel, minute: int) -> bool:
+def within_slo(meter: MinuteMeter, pool: PoolModel, minute: int) -> bool:
+    """Whether the pool's TTFT and TPOT p95 met its SLOs in that minute (a minute where nothing finished does)."""
     for metric, slo in (("ttft", pool.slo.ttft_p95), ("tpot", pool.slo.tpot_p95)):
         if slo is None:
             continue
@@ -183,7 +185,7 @@ def oracle_needs(scenario: Scenario, jobs: int = 1,
                               for k in sizes], jobs, progress)
             for k, meter in zip(sizes, meters, strict=True):
                 for m in range(minutes):
-                    if need[m] is None and _within(meter, p, m):
+                    if need[m] is None and within_slo(meter, p, m):
                         need[m] = k
             n = sizes[-1] + 1
         needs[p.name] = [ceiling[p.name] if x is None else x for x in need]
@@ -302,7 +304,7 @@ def summarise(trace: str, strategy: str, scenario: Scenario, meter: MinuteMeter,
               wall_s: float) -> StrategyRun:
     """A strategy's replay judged minute by minute against every pool's SLOs."""
     minutes = math.ceil(scenario.duration / 60.0)
-    within = [all(_within(meter, p, m) for p in scenario.fleet.pools) for m in range(minutes)]
+    within = [all(within_slo(meter, p, m) for p in scenario.fleet.pools) for m in range(minutes)]
     return StrategyRun(trace, strategy, meter.gpu_s / 3600.0, minutes, sum(within), events, wall_s,
                        meter.replicas[::4], within, [meter.arrivals.get(m, 0) for m in range(minutes)])
 

@@ -115,6 +115,22 @@ async def test_followed_advice_is_scored_against_what_the_fleet_showed() -> None
     assert accuracy(await store.advice(states=("applied",)))["speculation"]["scored"] == 1
 
 
+async def test_a_kv_tier_is_judged_by_replaying_recorded_prefix_hashes() -> None:
+    """Mooncake's conversation prompts (real prefix-block hashes) replayed through LRU caches of each size."""
+    from controlplane.sim.traces import MOONCAKE_BLOCK_TOKENS, load_trace
+
+    store = MemoryStore()
+    await store.write_signals(pool_signals(0.0, 30, 2.0, {"kv_cache_usage": 0.6, "kv_cache_usage_max": 0.9}))
+    hashes = [r.hash_ids for r in load_trace("mooncake/conversation", duration_s=600) if r.hash_ids]
+    run = await advise_and_score(parse_config(FLEET % "h200", "f.yaml"), store, 1800.0, 0.0,
+                                 prefix_blocks={"chat": hashes}, prefix_block_tokens=MOONCAKE_BLOCK_TOKENS, record=False)
+    [tier] = [r for r in run.recommendations if r.kind is AdviceKind.KV_TIERING]
+    rates = tier.evidence["lru_hit_rate"]
+    assert tier.evidence["replayed_prompts"] == len(hashes) > 1000
+    assert rates["1x"] <= rates["2x"] <= rates["5x"] <= rates["10x"] and rates["10x"] > rates["1x"]
+    assert run.stored == []  # --no-record
+
+
 def fleetctl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
@@ -128,6 +144,8 @@ def test_advise_cli(tmp_path: Path) -> None:
     assert json.loads(res.stdout) == {"recommendations": [], "scored_now": [], "accuracy": {}}
     bad = fleetctl("advise", "--config", "deploy/fleet.example.yaml", "--db", db, "--since", "yesterday")
     assert bad.returncode == 3 and "--since" in bad.stderr
+    missing = fleetctl("advise", "--config", "deploy/fleet.example.yaml", "--db", db, "--prefix-trace", "no.jsonl")
+    assert missing.returncode == 3 and "no.jsonl" in missing.stderr
     nope = fleetctl("advise", "eval", "--case", "nope")
     assert nope.returncode == 3 and "small-fleet" in nope.stderr
 
