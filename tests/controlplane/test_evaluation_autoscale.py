@@ -19,9 +19,9 @@ from controlplane.evaluation_autoscale import (
     MinuteMeter,
     OracleSchedule,
     StrategyRun,
-    _within,
     best_configuration,
     peer_goal,
+    within_slo,
 )
 from controlplane.evaluation_chart import autoscale_chart
 from controlplane.sim.engine import HISTOGRAMS
@@ -60,12 +60,12 @@ def test_a_minute_is_within_slo_when_every_objective_of_the_pool_is() -> None:
     tpot[HISTOGRAMS[METRICS["tpot"]].index(0.05)] = 100
     meter.counts[(pool.name, "ttft", 0)] = ttft
     meter.counts[(pool.name, "tpot", 0)] = tpot
-    assert meter.p95(pool.name, "ttft", 0) <= 0.5 and _within(meter, pool, 0)
+    assert meter.p95(pool.name, "ttft", 0) <= 0.5 and within_slo(meter, pool, 0)
     slow = tpot.copy()
     slow[HISTOGRAMS[METRICS["tpot"]].index(0.3)] = 100  # half the requests at 300 ms per token
     meter.counts[(pool.name, "tpot", 1)] = slow
-    assert not _within(meter, pool, 1)
-    assert _within(meter, pool, 2), "nothing finished: nothing missed"
+    assert not within_slo(meter, pool, 1)
+    assert within_slo(meter, pool, 2), "nothing finished: nothing missed"
 
 
 def run(strategy: str, gpu_hours: float, within: int) -> StrategyRun:
