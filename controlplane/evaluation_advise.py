@@ -108,10 +108,9 @@ def on_gpu(p: PoolModel, gpu_type: str | None, settings: AdviceSettings) -> dict
     """A pool's fields moved to another GPU type: its speeds scaled by the types' relative speeds."""
     if gpu_type is None or gpu_type == p.gpu_type:
         return {}
-    here, there = settings.gpu_types[p.gpu_type], settings.gpu_types[gpu_type]
+    kp, kd = settings.gpu_types[gpu_type].relative_to(settings.gpu_types[p.gpu_type])
     decode = p.speed if p.decode_speed is None else p.decode_speed
-    return {"gpu_type": gpu_type, "speed": p.speed * there.speed / here.speed,
-            "decode_speed": decode * there.decode / here.decode}
+    return {"gpu_type": gpu_type, "speed": p.speed * kp, "decode_speed": decode * kd}
 
 
 def split(scenario: Scenario, pool: str, replicas: tuple[int, int] | None = None,

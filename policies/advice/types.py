@@ -44,6 +44,10 @@ class GpuType(Settings):
     def decode(self) -> float:
         return self.speed if self.decode_speed is None else self.decode_speed
 
+    def relative_to(self, other: GpuType) -> tuple[float, float]:
+        """(prefill, decode) speed of this type over `other`'s."""
+        return self.speed / other.speed, self.decode / other.decode
+
 
 class AdviceSettings(Settings):
     """`advisor` in the fleet file: prices, the layouts it may propose, and when a gain is worth a change."""

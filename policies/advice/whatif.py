@@ -28,7 +28,7 @@ def on_gpu(facts: PoolFacts, gpu_type: str, s: AdviceSettings) -> EngineCurves:
     there = s.gpu_types.get(gpu_type)
     if here is None or there is None:
         return facts.curves
-    kp, kd = here.speed / there.speed, here.decode / there.decode
+    kp, kd = here.relative_to(there)  # times scale by the inverse of speed
     c = facts.curves
     return replace(c, prefill=(c.prefill[0] * kp, c.prefill[1] * kp, c.prefill[2] * kp),
                    decode=(c.decode[0] * kd, c.decode[1] * kd, c.decode[2] * kd))
