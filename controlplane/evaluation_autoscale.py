@@ -48,7 +48,7 @@ from controlplane.loop import TickReport
 from controlplane.sim.engine import HISTOGRAMS
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.run import ScenarioRun, run_scenario
-from controlplane.sim.scenario import PoolModel, Scenario, load_scenario
+from controlplane.sim.scenario import FaultTimeline, PoolModel, Scenario, load_scenario
 from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
@@ -155,12 +155,14 @@ def replay(scenario: Scenario, replicas: Mapping[str, int],
     sized = resized(scenario, replicas)
     fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
     meter = MinuteMeter(fleet, 0.0, {p.name: p.gpus for p in scenario.fleet.pools})
+    faults = FaultTimeline(scenario.faults, 0.0)
     interval, events = scenario.scrape_interval, 0
     for i in range(1, int(scenario.duration // interval) + 1):
         for pool, n in (schedule((i - 1) * interval) if schedule else {}).items():
             if fleet.desired[pool] != n:
                 fleet.scale(pool, n)
                 events += 1
+        faults.advance(fleet, i * interval)
         fleet.advance_to(i * interval)
         meter.sample(fleet)
     return meter, events

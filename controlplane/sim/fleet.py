@@ -69,6 +69,10 @@ class FleetSpec:
     system_prompts: SystemPrompts | None = None
     seed: int = 7
     load: float = 1.0  # every trace arrival counted this many times on average: a trace at a multiple of its load
+    # The copies of one arrival come in uniformly over this many seconds after it. At 0 they come at the same
+    # instant: a trace at 20x its load arrives in bursts of 20 prompts, which a prefill-only engine queues as
+    # one long prompt, unlike 20x as many users would.
+    load_spread_s: float = 0.0
 
 
 # vLLM's NIXL connector histograms (seconds) and NIXL's telemetry exporter (microseconds).
@@ -163,6 +167,7 @@ class SimFleet:
         self.rng = np.random.default_rng(spec.seed)
         self._requests: Iterator[Request] = iter(requests)
         self._next: Request | None = next(self._requests, None)
+        self._spread: list[tuple[float, int, SimRequest]] = []  # copies of arrivals not yet due
         self._events: list[tuple[float, int, SimRequest, Member]] = []  # KV landing on a decode worker
         self._handoffs: list[tuple[float, int, SimEngine, SimRequest]] = []
         self._seq = count()
@@ -404,12 +409,15 @@ class SimFleet:
             trace_req = self._next
             self._next = next(self._requests, None)
             for req in self._admit(trace_req, te):
-                self._route(req, te)
+                heapq.heappush(self._spread, (req.arrival, req.rid, req))
+        while self._spread and self._spread[0][0] <= stop:
+            t, _, req = heapq.heappop(self._spread)
+            self._route(req, t)
 
     def _admit(self, r: Request, t: float) -> list[SimRequest]:
         """Trace request -> engine requests, with the scenario's traffic knobs applied."""
         copies = int(self.rate_scale) + (1 if self.rng.random() < self.rate_scale % 1 else 0)
-        out = []
+        out: list[SimRequest] = []
         for _ in range(copies):
             rid = next(self._rid)
             hash_ids, block_tokens, tokens = r.hash_ids, r.block_tokens, r.input_tokens
@@ -430,7 +438,8 @@ class SimFleet:
                     cls = name
                     break
                 u -= share
-            out.append(SimRequest(rid, t, max(1, tokens), max(1, r.output_tokens), hash_ids, block_tokens, cls))
+            at = t + (self.rng.random() * self.spec.load_spread_s if out and self.spec.load_spread_s else 0.0)
+            out.append(SimRequest(rid, at, max(1, tokens), max(1, r.output_tokens), hash_ids, block_tokens, cls))
             self.arrived += 1
         return out
 

@@ -20,7 +20,7 @@ from controlplane.loop import ControlLoop, TickReport
 from controlplane.runtime import build_loop, scrape_client
 from controlplane.sim.actuator import SimActuator
 from controlplane.sim.fleet import SimFleet
-from controlplane.sim.scenario import Fault, Scenario, apply_fault
+from controlplane.sim.scenario import Fault, FaultTimeline, Scenario
 from controlplane.sim.server import SimServer, SimTargets
 from controlplane.store import migrate
 from controlplane.store.threaded import ThreadedStore
@@ -112,8 +112,7 @@ async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe"
     fleet = SimFleet(scenario.fleet_spec(), scenario.requests(), now=t0)
     server = SimServer(fleet)
     interval = scenario.scrape_interval
-    pending: list[Fault] = sorted(scenario.faults, key=lambda f: f.at)
-    undo: list[tuple[float, Fault, Callable[[], Any]]] = []
+    faults = FaultTimeline(scenario.faults, t0)
     wall0 = time.perf_counter()
     try:
         async with scrape_client(config) as client:
@@ -125,18 +124,8 @@ async def run_scenario(scenario: Scenario, db_url: str, *, mode: str = "observe"
                 tick_wall = time.perf_counter()
                 clock.advance(interval)
                 now = clock.now()
-                while pending and t0 + pending[0].at <= now:
-                    fault = pending.pop(0)
-                    fleet.advance_to(t0 + fault.at)
-                    end = t0 + (fault.end if fault.end is not None else float("inf"))
-                    undo.append((end, fault, apply_fault(fleet, fault)))
-                    run.events.append((fault.at, f"fault {fault.kind} starts" + _where(fault)))
-                for item in sorted(undo, key=lambda u: u[0]):
-                    if item[0] <= now:
-                        fleet.advance_to(item[0])
-                        item[2]()
-                        undo.remove(item)
-                        run.events.append((item[0] - t0, f"fault {item[1].kind} ends" + _where(item[1])))
+                for at, fault, started in faults.advance(fleet, now):
+                    run.events.append((at, f"fault {fault.kind} {'starts' if started else 'ends'}" + _where(fault)))
                 fleet.advance_to(now)
                 server.sync()
                 report = await loop.tick()

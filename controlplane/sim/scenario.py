@@ -8,7 +8,8 @@ without faults are fault-free replays: every finding they produce is a false ala
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -44,7 +45,8 @@ from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
 from policies.types import ActionKind
 
-__all__ = ["FAULT_KINDS", "Fault", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios", "load_scenario"]
+__all__ = ["FAULT_KINDS", "Fault", "FaultTimeline", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios",
+           "load_scenario"]
 
 # ServeGen's language models publish no lengths: requests get these (prompt, output) tokens.
 SERVEGEN_LENGTHS = (1500, 250)
@@ -166,6 +168,8 @@ class FleetModel(Settings):
     link_gbps: float = Field(400.0, gt=0)
     system_prompts: SystemPromptModel | None = None
     load: float = Field(1.0, gt=0)  # every arrival of the trace counted this many times (on average)
+    # Seconds over which an arrival's copies come in (uniformly after it); 0: all at the same instant.
+    load_spread: Seconds = Field(0.0, ge=0)
     pools: list[PoolModel] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -274,7 +278,7 @@ class Scenario(Settings):
         sp = f.system_prompts
         prompts = SystemPrompts(sp.count, sp.blocks, sp.block_tokens, sp.zipf_s) if sp else None
         return FleetSpec(f.model, pools, f.router, f.decode_router, f.link_gbps, system_prompts=prompts, seed=self.seed,
-                         load=f.load)
+                         load=f.load, load_spread_s=f.load_spread)
 
     def controlplane_config(self, db_url: str, mode: str = "observe") -> FleetConfig:
         """The fleet file the control plane runs with against this scenario's fleet."""
@@ -342,6 +346,33 @@ def builtin_scenarios() -> list[str]:
     """Names of the scenarios shipped with the package."""
     folder = resources.files("controlplane.sim").joinpath("scenarios")
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+class FaultTimeline:
+    """A scenario's faults on a fleet as time passes: each made at its `at`, undone at its `end`, in time order."""
+
+    def __init__(self, faults: list[Fault], t0: float) -> None:
+        self.t0 = t0
+        self._pending = sorted(faults, key=lambda f: f.at)
+        self._undo: list[tuple[float, Fault, Callable[[], Any]]] = []
+
+    def advance(self, fleet: SimFleet, now: float) -> list[tuple[float, Fault, bool]]:
+        """Start and end what is due by `now` (the fleet simulated up to each moment first); returns what happened
+        as (seconds since t0, fault, started)."""
+        events: list[tuple[float, Fault, bool]] = []
+        while self._pending and self.t0 + self._pending[0].at <= now:
+            fault = self._pending.pop(0)
+            fleet.advance_to(self.t0 + fault.at)
+            end = self.t0 + (fault.end if fault.end is not None else math.inf)
+            self._undo.append((end, fault, apply_fault(fleet, fault)))
+            events.append((fault.at, fault, True))
+        for item in sorted(self._undo, key=lambda u: u[0]):
+            if item[0] <= now:
+                fleet.advance_to(item[0])
+                item[2]()
+                self._undo.remove(item)
+                events.append((item[0] - self.t0, item[1], False))
+        return events
 
 
 def apply_fault(fleet: SimFleet, fault: Fault) -> Any:

@@ -12,7 +12,7 @@ from controlplane.sim.exporters import render_dcgm
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
 from controlplane.sim.moe import EplbConfig, ExpertParallel, MoeSpec
 from controlplane.sim.perf import load_model
-from controlplane.sim.scenario import FAULT_KINDS, builtin_scenarios, load_scenario
+from controlplane.sim.scenario import FAULT_KINDS, Fault, FaultTimeline, builtin_scenarios, load_scenario
 from controlplane.sim.speculation import SpecConfig, step_gain
 from controlplane.sim.traces import Request
 
@@ -120,6 +120,32 @@ def test_cache_aware_routing_keeps_hit_rates_that_round_robin_loses() -> None:
 
     cache_aware, round_robin = hit_rate("cache_aware"), hit_rate("round_robin")
     assert cache_aware > round_robin + 0.15
+
+
+def test_a_scaled_trace_arrives_in_bursts_unless_its_copies_are_spread() -> None:
+    """At 8x its load each arrival is 8 prompts: at one instant they queue behind each other; spread over a
+    second they mostly find the engine free. Either way every copy arrives."""
+    trace = [Request(i * 2.0, 1500, 20) for i in range(30)]
+
+    def ttft(spread: float) -> tuple[float, float]:
+        fleet = SimFleet(FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 1),), load=8, load_spread_s=spread), trace)
+        fleet.advance_to(70.0)
+        h = fleet.members["u"][0].engine.ranks[0].hists["vllm:time_to_first_token_seconds"]
+        return h.sum / sum(h.counts), sum(h.counts)
+
+    (burst, n_burst), (spread, n_spread) = ttft(0.0), ttft(1.0)
+    assert n_burst == n_spread == 240
+    assert spread < burst / 2
+
+
+def test_a_fault_timeline_makes_and_undoes_each_fault_in_time() -> None:
+    fleet = SimFleet(FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 1),), load=2), [Request(i * 1.0, 500, 20) for i in range(60)])
+    timeline = FaultTimeline([Fault(kind="burst", at=10.0, end=20.0, params={"factor": 3.0})], 0.0)
+    assert timeline.advance(fleet, 5.0) == [] and fleet.rate_scale == 2
+    (at, fault, started), = timeline.advance(fleet, 15.0)
+    assert (at, fault.kind, started) == (10.0, "burst", True) and fleet.rate_scale == 6 and fleet.now == 10.0
+    (at, _, started), = timeline.advance(fleet, 25.0)
+    assert (at, started) == (20.0, False) and fleet.rate_scale == 2
 
 
 def test_gpus_are_sampled_by_the_fleet_not_by_whoever_reads_the_exporter() -> None:
