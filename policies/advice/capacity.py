@@ -3,9 +3,11 @@
 From the engine's profile curves (`EngineCurves`, the autoscaler's prior) and a steady load, per
 engine count N with arrivals λ = Λ/N to each engine:
 
-- prefill work: each request's new prompt tokens (`prefill_cost`, mean S over the prompt lengths); its
-  share of engine time ρ_p = λ · S, stretched on a unified engine by the decode step every pass also
-  pays (a full chunk's prefill takes P, so each prefill second costs 1 + step/P);
+- prefill work: each request's new prompt tokens (`prefill_cost`, mean S over the prompt lengths) with
+  its share of the passes it rides (a pass takes the prompts that arrived during the last one: at
+  light load one or two, each paying much of the pass's fixed cost); its share of engine time
+  ρ_p = λ · S, stretched on a unified engine by the decode step every pass also pays (a full
+  chunk's prefill takes P, so each prefill second costs 1 + step/P);
 - decode: the batch B that Little's law and the step time agree on, B = λ · output · TPOT(B), with
   TPOT(B) = step(B, C) · cost / L / (1 - ρ_p): a speculative step costs `cost` plain steps and
   yields L tokens; the batch must fit `kv_usage_max` of the KV cache and `max_num_seqs`;
@@ -15,7 +17,8 @@ engine count N with arrivals λ = Λ/N to each engine:
   prefill alone (passes grow with the tokens that arrive while one runs, up to the token budget),
   plus three times the M/G/1 mean wait (Pollaczek-Khinchine, from the prefill cost's second moment),
   plus the KV transfer for a prefill pool;
-- TPOT p95: a fifth over the mean step, plus, on a unified engine, the prefills that land during a
+- TPOT p95: a fifth over the step of a busy decode span's batch (its arrivals a 95th-percentile
+  Poisson count above the mean), plus, on a unified engine, the prefills that land during a
   request's decode: the 95th percentile of their total (a compound Poisson sum over its decode),
   spread over its output tokens.
 
@@ -82,14 +85,16 @@ class Prefill:
     p95_alone: float
 
 
-def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float = 0.0) -> Prefill:
-    """Prefill seconds per request. A prompt of P tokens, a share h cached, costs its new tokens' share of the
-    passes it rides (X tokens each: the profile's pass time grows with X squared, which every token of a shared
-    pass pays) plus attention over the tokens before it: beta*P + gamma*P^2 with beta = (1-h)(a/T + b + cX) and
-    gamma = c(1-h)(1+h). The quadratic makes long prompts dominate: the mean is taken over the lengths."""
+def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float | None = None) -> Prefill:
+    """Prefill seconds per request. A prompt of P tokens, a share h cached, rides passes of X new tokens (default: full
+    passes of the token budget T): it pays its tokens' share of each pass's fixed cost and of its quadratic term
+    (which every token of a shared pass pays), plus attention over the tokens before it: beta*P + gamma*P^2 with
+    beta = (1-h)(a/X + b + cX) and gamma = c(1-h)(1+h). The quadratic makes long prompts dominate: the mean is taken
+    over the lengths."""
     a, b, c = curves.prefill
     h = min(max(load.hit_rate, 0.0), 1.0)
-    beta = (1.0 - h) * (a / curves.max_batched_tokens + b + c * pass_tokens)
+    x = float(curves.max_batched_tokens) if pass_tokens is None else max(1.0, pass_tokens)
+    beta = (1.0 - h) * (a / x + b + c * x)
     gamma = c * (1.0 - h) * (1.0 + h)
     m1, m2, m3, m4 = (load.prompt_moment(k) for k in (1, 2, 3, 4))
     mean = beta * m1 + gamma * m2
@@ -140,17 +145,76 @@ class Calibration:
 NO_CALIBRATION = Calibration()
 
 
-def _pass(curves: EngineCurves, tokens_per_s: float, extra: float) -> tuple[float, float]:
-    """(tokens, seconds) of a pass when prompts arrive at `tokens_per_s`: the tokens that arrived during the
-    last pass, up to the token budget (a fixed point), plus `extra` (a unified engine's decode step)."""
-    x = 1.0
+def _pass(curves: EngineCurves, arrivals: float, new_tokens: float, extra: float) -> tuple[float, float]:
+    """(new tokens, seconds) of a pass when prompts of `new_tokens` arrive at `arrivals` per second: the prompts that
+    arrived during the last pass, at least one (a zero-truncated Poisson count, m / (1 - e^-m) for m arrivals expected
+    in a pass), up to the token budget; a fixed point. `extra`: a unified engine's decode step in every pass. Light
+    load means small passes, each paying the profile's fixed cost for few prompts."""
+    x = max(1.0, new_tokens)
     for _ in range(50):
-        d = curves.prefill_seconds(x) + extra
-        nxt = min(float(curves.max_batched_tokens), max(1.0, tokens_per_s * d))
+        m = arrivals * (curves.prefill_seconds(x) + extra)
+        per_pass = m / -math.expm1(-m) if m > 1e-9 else 1.0
+        nxt = min(float(curves.max_batched_tokens), max(1.0, new_tokens * per_pass))
         if abs(nxt - x) < 0.5:
+            x = nxt
             break
         x = nxt
     return x, curves.prefill_seconds(x) + extra
+
+
+@dataclass(frozen=True, slots=True)
+class _Steady:
+    """One engine at a steady arrival rate: its decode batch and step, the passes its prompts ride, their cost, and
+    the share of its time prefill takes (None in `broke`: it fits; else the limit it breaks)."""
+
+    broke: str | None
+    batch: float
+    step: float
+    rho: float
+    stretch: float
+    pass_s: float
+    cost: Prefill
+
+
+def _steady(lam: float, role: str, load: Load, curves: EngineCurves, step_cost: float, tokens_per_step: float,
+            kv_usage_max: float, max_utilization: float) -> _Steady:
+    """The batch that Little's law and the step time agree on at `lam` arrivals per second, with the prefill passes
+    riding its steps (longer iterations gather more prompts each): a fixed point."""
+    prefill = role != "decode" and load.prompt_tokens > 0
+    decode = role != "prefill" and load.output_tokens > 1
+    new = max(load.prompt_tokens * (1.0 - load.hit_rate), 1.0)
+    x, d = _pass(curves, lam, new, 0.0) if prefill else (0.0, 0.0)
+    cost = prefill_cost(curves, load, x) if prefill else Prefill(0.0, 0.0, 0.0)
+    stretch = 1.0  # prefill seconds per second of prefill work: a unified engine pays a decode step each pass
+    rho = lam * cost.mean
+    b = step = 0.0
+    if decode:
+        ctx = load.context
+        b_max = min(float(curves.max_num_seqs),
+                    kv_usage_max * curves.kv_tokens / max(load.prompt_tokens + load.output_tokens, 1.0))
+        b = 1.0
+        for _ in range(200):
+            if rho >= max_utilization:
+                break
+            per_token = curves.step_seconds(b, ctx) * step_cost / tokens_per_step / (1.0 - rho)
+            nxt = max(1.0, lam * load.output_tokens * per_token)
+            if nxt > b_max:  # the batch stops at its limit; arrivals queue behind it
+                return _Steady("kv" if b_max < curves.max_num_seqs else "tpot", b_max,
+                               curves.step_seconds(b_max, ctx) * step_cost, rho, stretch, d, cost)
+            done = abs(nxt - b) < 1e-3
+            b = nxt
+            if done:
+                break
+            if prefill:
+                step_b = curves.step_seconds(b, ctx) * step_cost
+                x, _ = _pass(curves, lam, new, step_b)
+                d = curves.prefill_seconds(x)
+                cost = prefill_cost(curves, load, x)
+                stretch = 1.0 + step_b / curves.prefill_seconds(curves.max_batched_tokens)
+                rho = lam * cost.mean * stretch
+        step = curves.step_seconds(b, ctx) * step_cost
+    broke = ("ttft" if prefill else "tpot") if rho >= max_utilization else None
+    return _Steady(broke, b, step, rho, stretch, d, cost)
 
 
 def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, tokens_per_step: float,
@@ -160,55 +224,35 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
     lam = load.arrivals / n
     prefill = role != "decode" and load.prompt_tokens > 0
     decode = role != "prefill" and load.output_tokens > 1
-    tokens_per_s = lam * max(load.prompt_tokens * (1.0 - load.hit_rate), 1.0)
-    x, d = _pass(curves, tokens_per_s, 0.0) if prefill else (0.0, 0.0)
-    cost = prefill_cost(curves, load, x) if prefill else Prefill(0.0, 0.0, 0.0)
-    stretch = 1.0  # prefill seconds per second of prefill work: a unified engine pays a decode step each pass
-    batch, tpot, step = 0.0, None, 0.0
-    rho_p = lam * cost.mean
-    if decode:
-        ctx = load.context
-        b_max = min(float(curves.max_num_seqs),
-                    kv_usage_max * curves.kv_tokens / max(load.prompt_tokens + load.output_tokens, 1.0))
-        b = 1.0
-        for _ in range(200):
-            if rho_p >= max_utilization:
-                break
-            per_token = curves.step_seconds(b, ctx) * step_cost / tokens_per_step / (1.0 - rho_p)
-            nxt = max(1.0, lam * load.output_tokens * per_token)
-            if nxt > b_max:
-                return ("kv" if b_max < curves.max_num_seqs else "tpot"), Sizing(n, nxt, rho_p, None, None, "kv")
-            done = abs(nxt - b) < 1e-3
-            b = nxt
-            if done:
-                break
-            if prefill:
-                stretch = 1.0 + curves.step_seconds(b, ctx) * step_cost / curves.prefill_seconds(
-                    curves.max_batched_tokens)
-                rho_p = lam * cost.mean * stretch
-        batch = b
-        step = curves.step_seconds(b, ctx) * step_cost
-    if rho_p >= max_utilization:
-        return "ttft" if prefill else "tpot", Sizing(n, batch, rho_p, None, None, "ttft")
+    at = _steady(lam, role, load, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization)
+    if at.broke:
+        return at.broke, Sizing(n, at.batch, at.rho, None, None, at.broke)
     tpot = ttft = None
     base = stall = floor = queue = 0.0
     if decode:
-        # A request's decode lasts `span`; the prompts that arrive meanwhile each stall it for their prefill.
-        # Its TPOT p95 counts the 95th percentile of those stalls (a compound Poisson sum, normal approximation).
-        per_token = step / tokens_per_step
-        span = load.output_tokens * per_token / (1.0 - rho_p)
+        # A request's TPOT is set by the batch during its own decode (`span` long). Over a minute of many spans the
+        # p95 request sees a busy one: arrivals a 95th-percentile Poisson count above the mean, and near the knee
+        # of the step curve the batch grows several times faster than they do.
+        span = load.output_tokens * at.step / tokens_per_step / (1.0 - at.rho)
+        busy = _steady(lam + 1.645 * math.sqrt(lam / span), role, load, curves, step_cost, tokens_per_step,
+                       kv_usage_max, max_utilization)
+        if busy.broke and busy.step <= 0.0:  # prefill takes the engine
+            return busy.broke, Sizing(n, at.batch, at.rho, None, None, busy.broke)
+        # The prompts that arrive during a decode each stall it for their prefill: the 95th percentile of those
+        # stalls (a compound Poisson sum, normal approximation).
+        per_token = busy.step / tokens_per_step
         m = lam * span if prefill else 0.0
-        stalls = (m * cost.mean + 1.645 * math.sqrt(m * cost.second)) * stretch if m > 0 else 0.0
+        stalls = (m * at.cost.mean + 1.645 * math.sqrt(m * at.cost.second)) * at.stretch if m > 0 else 0.0
         base, stall = P95_OVER_MEAN_TPOT * per_token, stalls / max(load.output_tokens - 1.0, 1.0)
         tpot = base * cal.tpot_scale + stall * cal.tpot_stall
     if prefill:
         # A prompt waits out the pass in flight, then rides its own: passes grow with the tokens that arrive
         # while one runs. Behind that, an M/G/1 queue (Pollaczek-Khinchine) mean wait, its p95 about thrice that.
-        d += step if decode else 0.0
-        floor = 0.95 * d + max(d, cost.p95_alone * stretch) + transfer_s
-        queue = QUEUE_P95_WAITS * lam * cost.second * stretch * stretch / (2.0 * (1.0 - rho_p))
+        d = at.pass_s + (at.step if decode else 0.0)
+        floor = 0.95 * d + max(d, at.cost.p95_alone * at.stretch) + transfer_s
+        queue = QUEUE_P95_WAITS * lam * at.cost.second * at.stretch ** 2 / (2.0 * (1.0 - at.rho))
         ttft = floor * cal.ttft_scale + queue * cal.ttft_queue
-    return None, Sizing(n, batch, rho_p, ttft, tpot, "none", floor, queue, base, stall)
+    return None, Sizing(n, at.batch, at.rho, ttft, tpot, "none", floor, queue, base, stall)
 
 
 def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,

@@ -59,7 +59,9 @@ class AdviceSettings(Settings):
     margin: float = Field(1.0, gt=0.1, le=1.0)
     load_quantile: float = Field(0.95, ge=0.5, le=1.0)  # of the per-minute arrivals: the load a static size must carry
     kv_usage_max: float = Field(0.85, gt=0.1, le=1.0)
-    max_utilization: float = Field(0.9, gt=0.1, lt=1.0)
+    # The busiest an engine's prefill may be at the sized load: past this the p95 wait grows faster than an M/G/1
+    # queue predicts under bursty arrivals.
+    max_utilization: float = Field(0.8, gt=0.1, lt=1.0)
     min_saving: float = Field(0.10, ge=0, lt=1)  # a layout change must save this share of the fleet's cost
     tier_factors: tuple[float, ...] = (2.0, 5.0, 10.0)  # cache sizes (times HBM) a KV tier is judged at
     min_hit_gain: float = Field(0.05, gt=0, lt=1)  # hit-rate points a tier must add to be worth running

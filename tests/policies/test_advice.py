@@ -20,7 +20,7 @@ from policies.advice import (
     advise,
     lru_hit_rates,
 )
-from policies.advice.capacity import Load, size_pool
+from policies.advice.capacity import Load, predict, size_pool
 from policies.advice.speculation import best_positions
 from policies.advice.whatif import on_gpu
 from policies.autoscale import EngineCurves
@@ -70,6 +70,31 @@ def test_a_unified_pool_pays_for_prefill_stalls_in_its_tpot() -> None:
     decode = size_pool("decode", load, CURVES, ttft_slo=None, tpot_slo=None, limit=4)
     assert unified.tpot_p95 is not None and decode.tpot_p95 is not None
     assert unified.tpot_p95 > 1.5 * decode.tpot_p95
+
+
+def test_a_lightly_loaded_prefill_engine_pays_each_pass_for_few_prompts() -> None:
+    """A pass takes the prompts that came while the last one ran: at light load about one, which pays the profile's
+    fixed cost alone; under heavy load passes fill and the fixed cost is shared."""
+    a, b, c = CURVES.prefill
+    alone = a + b * 400 + c * 400 * 400
+    light = predict(1, "prefill", Load(2.0, 400, 1), CURVES)
+    assert light.utilisation / 2.0 == pytest.approx(alone, rel=0.05)
+    busy = predict(1, "prefill", Load(60.0, 400, 1), CURVES)
+    assert busy.utilisation / 60.0 < 0.8 * alone
+
+
+def test_near_the_knee_the_p95_tpot_outgrows_the_mean_batch() -> None:
+    """A request's TPOT follows the batch during its own decode; the busier spans' batches grow faster than
+    their arrivals where each added sequence slows the step for all: the p95 over the mean batch's step rises
+    with the load."""
+    def over_mean(lam: float) -> float:
+        load = Load(lam, 1427, 255)
+        s = predict(1, "decode", load, CURVES)
+        assert s.tpot_p95 is not None
+        return s.tpot_p95 / (1.2 * CURVES.step_seconds(s.batch, load.context))
+
+    light, busy, knee = over_mean(5.0), over_mean(20.0), over_mean(31.0)
+    assert 1.0 < light < busy < knee and knee > 1.4
 
 
 def test_no_load_needs_one_engine() -> None:
