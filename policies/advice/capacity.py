@@ -234,10 +234,9 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
         # p95 request sees a busy one: arrivals a 95th-percentile Poisson count above the mean, and near the knee
         # of the step curve the batch grows several times faster than they do.
         span = load.output_tokens * at.step / tokens_per_step / (1.0 - at.rho)
+        # A busy span past a limit still has a step: the batch capped at it (see `_steady`).
         busy = _steady(lam + 1.645 * math.sqrt(lam / span), role, load, curves, step_cost, tokens_per_step,
                        kv_usage_max, max_utilization)
-        if busy.broke and busy.step <= 0.0:  # prefill takes the engine
-            return busy.broke, Sizing(n, at.batch, at.rho, None, None, busy.broke)
         # The prompts that arrive during a decode each stall it for their prefill: the 95th percentile of those
         # stalls (a compound Poisson sum, normal approximation).
         per_token = busy.step / tokens_per_step
