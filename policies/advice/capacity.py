@@ -10,20 +10,20 @@ engine count N with arrivals λ = Λ/N to each engine:
   chunk's prefill takes P, so each prefill second costs 1 + step/P);
 - decode: the batch B that Little's law and the step time agree on, B = λ · output · TPOT(B), with
   TPOT(B) = step(B, C) · cost / L / (1 - ρ_p): a speculative step costs `cost` plain steps and
-  yields L tokens; the batch must fit `kv_usage_max` of the KV cache and `max_num_seqs`;
+  yields L tokens; the batch must fit `kv_usage_max` of the KV cache (a decoding sequence holds its
+  prompt and half its answer on average) and `max_num_seqs`;
 - prompt lengths as a lognormal through the pool's measured mean, median and 95th percentile: prefill
   cost is quadratic in the prompt (attention), so its mean is taken over the lengths, not at the mean;
 - TTFT p95: the pass in flight (a prompt waits it out) plus its own pass or, for a long prompt, its
   prefill alone (passes grow with the tokens that arrive while one runs, up to the token budget),
   plus three times the M/G/1 mean wait (Pollaczek-Khinchine, from the prefill cost's second moment),
   plus the KV transfer for a prefill pool;
-- TPOT p95: a fifth over the step of a busy decode span's batch (its arrivals a 95th-percentile
-  Poisson count above the mean), plus, on a unified engine, the prefills that land during a
-  request's decode: the 95th percentile of their total (a compound Poisson sum over its decode),
-  spread over its output tokens.
+- TPOT p95: over drawn requests (`_tpot`), each with its answer's length, the batch at the arrival
+  rate around its decode, the contexts that batch holds and, on a unified engine, the prompts that
+  land during its decode and stall it; the 95th percentile of their TPOTs.
 
 The pool needs the fewest N whose predictions fit `margin` of both SLOs. A `Calibration` from the pool's
-own measured p95s scales the queueing parts (or the whole, where they vanish).
+own measurements (TTFT's p95, TPOT's mean) scales the queueing parts (or the whole, where they vanish).
 """
 
 from __future__ import annotations
@@ -31,12 +31,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from policies.autoscale import EngineCurves
 
 __all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "lognormal_sigma", "predict", "prefill_cost",
            "size_pool", "transfer_seconds"]
 
-P95_OVER_MEAN_TPOT = 1.2
+TPOT_SAMPLES = 4096
+TPOT_SEED = 16
+MAX_OUTPUT_OVER_MEAN = 16.0  # the longest answer drawn, over the mean (the engine's max_tokens cuts the tail)
 QUEUE_P95_WAITS = 3.0  # a queue's 95th-percentile wait over its mean (an exponential tail: ln 20)
 
 
@@ -51,6 +55,7 @@ class Load:
     hit_rate: float = 0.0
     prompt_sigma: float = 0.0
     max_prompt: float = 131072.0  # the engine's context limit: no prompt is longer
+    output_sigma: float = 0.0  # output lengths lognormal with this shape (0: all alike)
 
     @property
     def context(self) -> float:
@@ -91,16 +96,21 @@ def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float | None = N
     (which every token of a shared pass pays), plus attention over the tokens before it: beta*P + gamma*P^2 with
     beta = (1-h)(a/X + b + cX) and gamma = c(1-h)(1+h). The quadratic makes long prompts dominate: the mean is taken
     over the lengths."""
-    a, b, c = curves.prefill
+    beta, gamma = _prefill_terms(curves, load, pass_tokens)
     h = min(max(load.hit_rate, 0.0), 1.0)
-    x = float(curves.max_batched_tokens) if pass_tokens is None else max(1.0, pass_tokens)
-    beta = (1.0 - h) * (a / x + b + c * x)
-    gamma = c * (1.0 - h) * (1.0 + h)
     m1, m2, m3, m4 = (load.prompt_moment(k) for k in (1, 2, 3, 4))
     mean = beta * m1 + gamma * m2
     second = beta * beta * m2 + 2 * beta * gamma * m3 + gamma * gamma * m4
     p95 = load.prompt_tokens * math.exp(1.645 * load.prompt_sigma - load.prompt_sigma ** 2 / 2.0)
-    return Prefill(mean, second, a + curves.request_prefill_seconds(p95, p95 * h))
+    return Prefill(mean, second, curves.prefill[0] + curves.request_prefill_seconds(p95, p95 * h))
+
+
+def _prefill_terms(curves: EngineCurves, load: Load, pass_tokens: float | None) -> tuple[float, float]:
+    """(beta, gamma) of `prefill_cost`: one prompt of P tokens costs beta*P + gamma*P^2 seconds."""
+    a, b, c = curves.prefill
+    h = min(max(load.hit_rate, 0.0), 1.0)
+    x = float(curves.max_batched_tokens) if pass_tokens is None else max(1.0, pass_tokens)
+    return (1.0 - h) * (a / x + b + c * x), c * (1.0 - h) * (1.0 + h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +123,8 @@ class Sizing:
     ttft_p95: float | None
     tpot_p95: float | None
     limited_by: str  # ttft | tpot | kv | load (one engine is plenty) | none (no size up to the limit fits)
-    # The parts of the p95s: what the profile fixes (a pass, a step) and what the queueing approximations add.
+    # The parts of the predictions: what the profile fixes (a pass, a step) and what queueing adds; TTFT's p95, TPOT's
+    # mean (the steps, the prefill stalls).
     ttft_floor: float = 0.0
     ttft_queue: float = 0.0
     tpot_base: float = 0.0
@@ -130,8 +141,8 @@ def _r(v: float | None) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """How the pool's own busy-minute p95s differ from the model at its own size: the queueing parts (TTFT's wait,
-    TPOT's prefill stalls) scaled where they exist, the whole p95 where they do not."""
+    """How the pool's own busy minutes differ from the model at its own size (TTFT's p95, TPOT's mean): the queueing
+    parts (TTFT's wait, TPOT's prefill stalls) scaled where they exist, the whole where they do not."""
 
     ttft_queue: float = 1.0
     ttft_scale: float = 1.0
@@ -173,6 +184,7 @@ class _Steady:
     rho: float
     stretch: float
     pass_s: float
+    pass_tokens: float
     cost: Prefill
 
 
@@ -190,8 +202,7 @@ def _steady(lam: float, role: str, load: Load, curves: EngineCurves, step_cost: 
     b = step = 0.0
     if decode:
         ctx = load.context
-        b_max = min(float(curves.max_num_seqs),
-                    kv_usage_max * curves.kv_tokens / max(load.prompt_tokens + load.output_tokens, 1.0))
+        b_max = _batch_limit(curves, load, kv_usage_max)
         b = 1.0
         for _ in range(200):
             if rho >= max_utilization:
@@ -200,7 +211,7 @@ def _steady(lam: float, role: str, load: Load, curves: EngineCurves, step_cost: 
             nxt = max(1.0, lam * load.output_tokens * per_token)
             if nxt > b_max:  # the batch stops at its limit; arrivals queue behind it
                 return _Steady("kv" if b_max < curves.max_num_seqs else "tpot", b_max,
-                               curves.step_seconds(b_max, ctx) * step_cost, rho, stretch, d, cost)
+                               curves.step_seconds(b_max, ctx) * step_cost, rho, stretch, d, x, cost)
             done = abs(nxt - b) < 1e-3
             b = nxt
             if done:
@@ -214,7 +225,63 @@ def _steady(lam: float, role: str, load: Load, curves: EngineCurves, step_cost: 
                 rho = lam * cost.mean * stretch
         step = curves.step_seconds(b, ctx) * step_cost
     broke = ("ttft" if prefill else "tpot") if rho >= max_utilization else None
-    return _Steady(broke, b, step, rho, stretch, d, cost)
+    return _Steady(broke, b, step, rho, stretch, d, x, cost)
+
+
+def _batch_limit(curves: EngineCurves, load: Load, kv_usage_max: float) -> float:
+    """The most sequences an engine decodes at once: `max_num_seqs`, or what fits the usable KV cache (a decoding
+    sequence holds its prompt and, on average, half its answer: blocks are allocated as it grows)."""
+    return min(float(curves.max_num_seqs), kv_usage_max * curves.kv_tokens / max(load.context, 1.0))
+
+
+def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap: float) -> np.ndarray:
+    """`n` draws of a lognormal with this mean and shape, none above `cap`."""
+    if sigma <= 0:
+        return np.full(n, min(mean, cap))
+    return np.minimum(np.exp(math.log(max(mean, 1.0)) - sigma * sigma / 2.0 + sigma * rng.standard_normal(n)), cap)
+
+
+def _tpot(lam: float, role: str, load: Load, curves: EngineCurves, at: _Steady, step_cost: float,
+          tokens_per_step: float, kv_usage_max: float, max_utilization: float,
+          cal: Calibration) -> tuple[float, float, float]:
+    """(p95, mean step part, mean stall part) of requests' TPOT, by drawing requests. Each has its answer's length,
+    the arrivals around its decode (a Poisson count over a decode span either side of it: its batch-mates) and at
+    that rate the batch where Little's law and the step time agree, so near the knee of the step curve a burst grows
+    the batch several times faster than the arrivals; the contexts its batch holds, which the step reads; and on a
+    unified engine the prompts that arrive during its decode, each stalling it for its prefill. A short answer
+    that meets one long prompt, a batch that holds one very long context: the p95 is set by such draws, which a
+    formula over the means does not see. Seeded, the same draws for every engine count: the p95 falls as engines
+    are added."""
+    rng = np.random.default_rng(TPOT_SEED)
+    n = TPOT_SAMPLES
+    out = np.maximum(2.0, np.round(_lognormal(rng, load.output_tokens, load.output_sigma, n,
+                                              MAX_OUTPUT_OVER_MEAN * load.output_tokens)))
+    window = max(2.0 * load.output_tokens * at.step / tokens_per_step / (1.0 - at.rho), 1e-6)
+    counts = rng.poisson(lam * window, n)
+    b_max = _batch_limit(curves, load, kv_usage_max)
+    batch_at = {}
+    for c in np.unique(counts):
+        burst = _steady(c / window, role, load, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization)
+        batch_at[int(c)] = b_max if burst.broke else burst.batch  # past a limit the batch sits at the KV's
+    batch = np.array([batch_at[int(c)] for c in counts])
+    # A step reads the KV of every sequence in the batch: the batch's contexts drawn, its own and the others', since
+    # with long-tailed prompts one long context in a small batch slows every step it shares.
+    others = np.maximum(np.round(batch).astype(int) - 1, 0)
+    drawn = _lognormal(rng, load.prompt_tokens, load.prompt_sigma, n + int(others.sum()), load.max_prompt)
+    own = drawn[:n] + out / 2.0
+    rest = (np.bincount(np.repeat(np.arange(n), others), weights=drawn[n:], minlength=n)
+            + others * load.output_tokens / 2.0)
+    d, e, f = curves.decode  # `step_seconds` over arrays: f reads every context in the batch
+    per_token = (d + e * batch + f * (own + rest)) * step_cost / tokens_per_step
+    stall = np.zeros(n)
+    if role != "decode" and load.prompt_tokens > 0 and lam > 0:
+        arrived = rng.poisson(lam * (out - 1.0) * per_token / (1.0 - at.rho))
+        beta, gamma = _prefill_terms(curves, load, at.pass_tokens)
+        prompts = _lognormal(rng, load.prompt_tokens, load.prompt_sigma, int(arrived.sum()), load.max_prompt)
+        seconds = (beta * prompts + gamma * prompts * prompts) * at.stretch
+        stall = np.bincount(np.repeat(np.arange(n), arrived), weights=seconds, minlength=n) / (out - 1.0)
+    tpot = per_token * cal.tpot_scale + stall * cal.tpot_stall
+    return float(np.quantile(tpot, 0.95)), float(per_token.mean()), float(stall.mean())
 
 
 def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, tokens_per_step: float,
@@ -230,20 +297,8 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
     tpot = ttft = None
     base = stall = floor = queue = 0.0
     if decode:
-        # A request's TPOT is set by the batch during its own decode (`span` long). Over a minute of many spans the
-        # p95 request sees a busy one: arrivals a 95th-percentile Poisson count above the mean, and near the knee
-        # of the step curve the batch grows several times faster than they do.
-        span = load.output_tokens * at.step / tokens_per_step / (1.0 - at.rho)
-        # A busy span past a limit still has a step: the batch capped at it (see `_steady`).
-        busy = _steady(lam + 1.645 * math.sqrt(lam / span), role, load, curves, step_cost, tokens_per_step,
-                       kv_usage_max, max_utilization)
-        # The prompts that arrive during a decode each stall it for their prefill: the 95th percentile of those
-        # stalls (a compound Poisson sum, normal approximation).
-        per_token = busy.step / tokens_per_step
-        m = lam * span if prefill else 0.0
-        stalls = (m * at.cost.mean + 1.645 * math.sqrt(m * at.cost.second)) * at.stretch if m > 0 else 0.0
-        base, stall = P95_OVER_MEAN_TPOT * per_token, stalls / max(load.output_tokens - 1.0, 1.0)
-        tpot = base * cal.tpot_scale + stall * cal.tpot_stall
+        tpot, base, stall = _tpot(lam, role, load, curves, at, step_cost, tokens_per_step, kv_usage_max,
+                                  max_utilization, cal)
     if prefill:
         # A prompt waits out the pass in flight, then rides its own: passes grow with the tokens that arrive
         # while one runs. Behind that, an M/G/1 queue (Pollaczek-Khinchine) mean wait, its p95 about thrice that.
@@ -255,15 +310,15 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
 
 
 def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
-            tokens_per_step: float = 1.0, transfer_s: float = 0.0, kv_usage_max: float = 0.85,
-            max_utilization: float = 0.9) -> Sizing:
+            tokens_per_step: float = 1.0, transfer_s: float = 0.0, kv_usage_max: float = 0.95,
+            max_utilization: float = 0.8) -> Sizing:
     """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit)."""
     return _at(n, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max, max_utilization)[1]
 
 
 def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | None, tpot_slo: float | None,
               margin: float = 1.0, step_cost: float = 1.0, tokens_per_step: float = 1.0, transfer_s: float = 0.0,
-              kv_usage_max: float = 0.85, max_utilization: float = 0.9, limit: int = 4096,
+              kv_usage_max: float = 0.95, max_utilization: float = 0.8, limit: int = 4096,
               calibration: Calibration = NO_CALIBRATION) -> Sizing:
     """The fewest engines of `role` that carry `load` within `margin` of the SLOs (`limited_by` "none" when
     even `limit` engines do not: a lone request already misses, or the numbers are nonsense)."""

@@ -58,7 +58,9 @@ class AdviceSettings(Settings):
     # Size for p95s at this share of the SLOs: 1.0 is the fewest engines that meet them (the autoscaler adds headroom).
     margin: float = Field(1.0, gt=0.1, le=1.0)
     load_quantile: float = Field(0.95, ge=0.5, le=1.0)  # of the per-minute arrivals: the load a static size must carry
-    kv_usage_max: float = Field(0.85, gt=0.1, le=1.0)
+    # The share of the KV cache the mean batch may fill: vLLM admits until the blocks run out and preempts past
+    # that, so a little room is left for the batch's swings, not a planning margin (that is `margin`'s).
+    kv_usage_max: float = Field(0.95, gt=0.1, le=1.0)
     # The busiest an engine's prefill may be at the sized load: past this the p95 wait grows faster than an M/G/1
     # queue predicts under bursty arrivals.
     max_utilization: float = Field(0.8, gt=0.1, lt=1.0)
@@ -143,8 +145,14 @@ class PoolObserved:
     rank_imbalance: float | None = None  # max over mean per-rank load (EP groups)
     ttft_p95_peak: float | None = None  # the load quantile of per-minute TTFT p95s: the busy minutes
     tpot_p95_peak: float | None = None
+    # Means over the busy minutes, exact where a histogram's p95 is an interpolation within a bucket (vLLM's TPOT
+    # buckets are 10, 25, 50 ms: a p95 of 12 ms can read as 19).
+    ttft_mean_peak: float | None = None
+    tpot_mean_peak: float | None = None
     prompt_p50: float | None = None  # prompt length quantiles (`vllm:request_prompt_tokens`)
     prompt_p95: float | None = None
+    output_p50: float | None = None  # output length quantiles (`vllm:request_generation_tokens`)
+    output_p95: float | None = None
     minutes: float = 0.0  # how much history this rests on
 
 

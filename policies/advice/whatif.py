@@ -2,8 +2,8 @@
 
 Shared by every recommendation: the load a static size must carry (the busy-minute arrivals with the
 window's request shape and prompt-length spread), the step cost of the pool's speculation, the
-engine curves on another GPU type, and a calibration: the model's TTFT and TPOT p95 at the pool's
-own size and busy-minute load against what the pool measured in its busy minutes. The queueing
+engine curves on another GPU type, and a calibration: the model's TTFT p95 and TPOT mean at the
+pool's own size and busy-minute load against what the pool measured in its busy minutes. The queueing
 parts of the model (a prompt's wait, a decode's prefill stalls) carry the difference, so a model
 that runs optimistic on this traffic (routing imbalance, bursts within a minute) is held to what
 the fleet showed, while what the profile fixes (a pass, a step) stays as measured.
@@ -37,7 +37,8 @@ def on_gpu(facts: PoolFacts, gpu_type: str, s: AdviceSettings) -> EngineCurves:
 def peak_load(obs: PoolObserved) -> Load:
     """The load a static size must carry: the busy-minute arrivals with the window's request shape."""
     return Load(max(obs.arrivals_peak, obs.arrivals), obs.prompt_tokens, obs.output_tokens, obs.hit_rate,
-                lognormal_sigma(obs.prompt_p50, obs.prompt_p95))
+                lognormal_sigma(obs.prompt_p50, obs.prompt_p95),
+                output_sigma=lognormal_sigma(obs.output_p50, obs.output_p95))
 
 
 def step_cost(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> tuple[float, float]:
@@ -59,7 +60,7 @@ def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: En
 
 
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:
-    """The pool's TTFT and TPOT p95 in its busy minutes over the model's at its own size and busy-minute load."""
+    """The pool's TTFT p95 and TPOT mean in its busy minutes over the model's at its own size and busy-minute load."""
     cost, tokens = step_cost(facts, obs, s)
     at = predict(max(1, facts.replicas), facts.role, peak_load(obs), facts.curves, step_cost=cost,
                  tokens_per_step=tokens, kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization)
@@ -75,7 +76,9 @@ def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibra
         return 1.0, min(MAX_FACTOR, max(MIN_FACTOR, measured / model))
 
     tq, ts = factors(obs.ttft_p95_peak or obs.ttft_p95, at.ttft_floor, at.ttft_queue)
-    pq, ps = factors(obs.tpot_p95_peak or obs.tpot_p95, at.tpot_base, at.tpot_stall)
+    # TPOT on its mean: its p95 read from vLLM's coarse buckets is an interpolation, high whenever the true p95
+    # lies inside one; the sum over the count is exact.
+    pq, ps = factors(obs.tpot_mean_peak, at.tpot_base, at.tpot_stall)
     return Calibration(tq, ts, pq, ps)
 
 
