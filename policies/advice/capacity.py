@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+from scipy.stats import poisson
 
 from policies.autoscale import EngineCurves
 
@@ -174,6 +175,28 @@ def _pass(curves: EngineCurves, arrivals: float, new_tokens: float, extra: float
 
 
 @dataclass(frozen=True, slots=True)
+class _Engine:
+    """One engine of the pool as the model runs it: its profile, the step cost and yield of its speculation, the
+    limits it is sized to, and whether its router weighs queues."""
+
+    role: str
+    curves: EngineCurves
+    step_cost: float
+    tokens_per_step: float
+    kv_usage_max: float
+    max_utilization: float
+    load_aware: bool
+
+    @property
+    def prefill(self) -> bool:
+        return self.role != "decode"
+
+    @property
+    def decode(self) -> bool:
+        return self.role != "prefill"
+
+
+@dataclass(frozen=True, slots=True)
 class _Steady:
     """One engine at a steady arrival rate: its decode batch and step, the passes its prompts ride, their cost, and
     the share of its time prefill takes (None in `broke`: it fits; else the limit it breaks)."""
@@ -188,12 +211,12 @@ class _Steady:
     cost: Prefill
 
 
-def _steady(lam: float, role: str, load: Load, curves: EngineCurves, step_cost: float, tokens_per_step: float,
-            kv_usage_max: float, max_utilization: float) -> _Steady:
+def _steady(lam: float, load: Load, eng: _Engine) -> _Steady:
     """The batch that Little's law and the step time agree on at `lam` arrivals per second, with the prefill passes
     riding its steps (longer iterations gather more prompts each): a fixed point."""
-    prefill = role != "decode" and load.prompt_tokens > 0
-    decode = role != "prefill" and load.output_tokens > 1
+    curves, step_cost, max_utilization = eng.curves, eng.step_cost, eng.max_utilization
+    prefill = eng.prefill and load.prompt_tokens > 0
+    decode = eng.decode and load.output_tokens > 1
     new = max(load.prompt_tokens * (1.0 - load.hit_rate), 1.0)
     x, d = _pass(curves, lam, new, 0.0) if prefill else (0.0, 0.0)
     cost = prefill_cost(curves, load, x) if prefill else Prefill(0.0, 0.0, 0.0)
@@ -202,12 +225,12 @@ def _steady(lam: float, role: str, load: Load, curves: EngineCurves, step_cost: 
     b = step = 0.0
     if decode:
         ctx = load.context
-        b_max = _batch_limit(curves, load, kv_usage_max)
+        b_max = _batch_limit(curves, load, eng.kv_usage_max)
         b = 1.0
         for _ in range(200):
             if rho >= max_utilization:
                 break
-            per_token = curves.step_seconds(b, ctx) * step_cost / tokens_per_step / (1.0 - rho)
+            per_token = curves.step_seconds(b, ctx) * step_cost / eng.tokens_per_step / (1.0 - rho)
             nxt = max(1.0, lam * load.output_tokens * per_token)
             if nxt > b_max:  # the batch stops at its limit; arrivals queue behind it
                 return _Steady("kv" if b_max < curves.max_num_seqs else "tpot", b_max,
@@ -241,9 +264,7 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap:
     return np.minimum(np.exp(math.log(max(mean, 1.0)) - sigma * sigma / 2.0 + sigma * rng.standard_normal(n)), cap)
 
 
-def _tpot(lam: float, role: str, load: Load, curves: EngineCurves, at: _Steady, step_cost: float,
-          tokens_per_step: float, kv_usage_max: float, max_utilization: float,
-          cal: Calibration) -> tuple[float, float, float]:
+def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -> tuple[float, float, float]:
     """(p95, mean step part, mean stall part) of requests' TPOT, by drawing requests. Each has its answer's length,
     the arrivals around its decode (a Poisson count over a decode span either side of it: its batch-mates) and at
     that rate the batch where Little's law and the step time agree, so near the knee of the step curve a burst grows
@@ -252,16 +273,17 @@ def _tpot(lam: float, role: str, load: Load, curves: EngineCurves, at: _Steady, 
     that meets one long prompt, a batch that holds one very long context: the p95 is set by such draws, which a
     formula over the means does not see. Seeded, the same draws for every engine count: the p95 falls as engines
     are added."""
+    curves, per_step = eng.curves, eng.step_cost / eng.tokens_per_step
     rng = np.random.default_rng(TPOT_SEED)
     n = TPOT_SAMPLES
     out = np.maximum(2.0, np.round(_lognormal(rng, load.output_tokens, load.output_sigma, n,
                                               MAX_OUTPUT_OVER_MEAN * load.output_tokens)))
-    window = max(2.0 * load.output_tokens * at.step / tokens_per_step / (1.0 - at.rho), 1e-6)
+    window = max(2.0 * load.output_tokens * at.step / eng.tokens_per_step / (1.0 - at.rho), 1e-6)
     counts = rng.poisson(lam * window, n)
-    b_max = _batch_limit(curves, load, kv_usage_max)
+    b_max = _batch_limit(curves, load, eng.kv_usage_max)
     batch_at = {}
     for c in np.unique(counts):
-        burst = _steady(c / window, role, load, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization)
+        burst = _steady(c / window, load, eng)
         batch_at[int(c)] = b_max if burst.broke else burst.batch  # past a limit the batch sits at the KV's
     batch = np.array([batch_at[int(c)] for c in counts])
     # A step reads the KV of every sequence in the batch: the batch's contexts drawn, its own and the others', since
@@ -272,10 +294,15 @@ def _tpot(lam: float, role: str, load: Load, curves: EngineCurves, at: _Steady, 
     rest = (np.bincount(np.repeat(np.arange(n), others), weights=drawn[n:], minlength=n)
             + others * load.output_tokens / 2.0)
     d, e, f = curves.decode  # `step_seconds` over arrays: f reads every context in the batch
-    per_token = (d + e * batch + f * (own + rest)) * step_cost / tokens_per_step
+    per_token = (d + e * batch + f * (own + rest)) * per_step
     stall = np.zeros(n)
-    if role != "decode" and load.prompt_tokens > 0 and lam > 0:
-        arrived = rng.poisson(lam * (out - 1.0) * per_token / (1.0 - at.rho))
+    if eng.prefill and load.prompt_tokens > 0 and lam > 0:
+        # A router that weighs engines' queues (llm-d's queue scorer, the least-loaded pick) sends a prompt to an
+        # engine with nothing decoding while there is one: only when all of them decode does a prompt stall anyone.
+        engines = load.arrivals / lam
+        decoding = load.arrivals * window / 2.0  # in the pool, by Little's law (`at.batch` is at least one)
+        busy = float(poisson.sf(math.ceil(engines) - 1, decoding)) if eng.load_aware else 1.0
+        arrived = rng.poisson(lam * busy * (out - 1.0) * per_token / (1.0 - at.rho))
         beta, gamma = _prefill_terms(curves, load, at.pass_tokens)
         prompts = _lognormal(rng, load.prompt_tokens, load.prompt_sigma, int(arrived.sum()), load.max_prompt)
         seconds = (beta * prompts + gamma * prompts * prompts) * at.stretch
@@ -284,21 +311,18 @@ def _tpot(lam: float, role: str, load: Load, curves: EngineCurves, at: _Steady, 
     return float(np.quantile(tpot, 0.95)), float(per_token.mean()), float(stall.mean())
 
 
-def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, tokens_per_step: float,
-        transfer_s: float, kv_usage_max: float, max_utilization: float,
-        cal: Calibration = NO_CALIBRATION) -> tuple[str | None, Sizing]:
+def _at(n: int, load: Load, eng: _Engine, transfer_s: float, cal: Calibration) -> tuple[str | None, Sizing]:
     """Predicted p95s with `n` engines, and the first limit they break (None: none)."""
     lam = load.arrivals / n
-    prefill = role != "decode" and load.prompt_tokens > 0
-    decode = role != "prefill" and load.output_tokens > 1
-    at = _steady(lam, role, load, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization)
+    prefill = eng.prefill and load.prompt_tokens > 0
+    decode = eng.decode and load.output_tokens > 1
+    at = _steady(lam, load, eng)
     if at.broke:
         return at.broke, Sizing(n, at.batch, at.rho, None, None, at.broke)
     tpot = ttft = None
     base = stall = floor = queue = 0.0
     if decode:
-        tpot, base, stall = _tpot(lam, role, load, curves, at, step_cost, tokens_per_step, kv_usage_max,
-                                  max_utilization, cal)
+        tpot, base, stall = _tpot(lam, load, eng, at, cal)
     if prefill:
         # A prompt waits out the pass in flight, then rides its own: passes grow with the tokens that arrive
         # while one runs. Behind that, an M/G/1 queue (Pollaczek-Khinchine) mean wait, its p95 about thrice that.
@@ -311,17 +335,19 @@ def _at(n: int, role: str, load: Load, curves: EngineCurves, step_cost: float, t
 
 def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
             tokens_per_step: float = 1.0, transfer_s: float = 0.0, kv_usage_max: float = 0.95,
-            max_utilization: float = 0.8) -> Sizing:
+            max_utilization: float = 0.8, load_aware_routing: bool = True) -> Sizing:
     """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit)."""
-    return _at(n, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max, max_utilization)[1]
+    eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
+    return _at(n, load, eng, transfer_s, NO_CALIBRATION)[1]
 
 
 def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | None, tpot_slo: float | None,
               margin: float = 1.0, step_cost: float = 1.0, tokens_per_step: float = 1.0, transfer_s: float = 0.0,
-              kv_usage_max: float = 0.95, max_utilization: float = 0.8, limit: int = 4096,
-              calibration: Calibration = NO_CALIBRATION) -> Sizing:
+              kv_usage_max: float = 0.95, max_utilization: float = 0.8, load_aware_routing: bool = True,
+              limit: int = 4096, calibration: Calibration = NO_CALIBRATION) -> Sizing:
     """The fewest engines of `role` that carry `load` within `margin` of the SLOs (`limited_by` "none" when
     even `limit` engines do not: a lone request already misses, or the numbers are nonsense)."""
+    eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
     if load.arrivals <= 0:
         return Sizing(1, 0.0, 0.0, None, None, "load")
     last_limit = "load"
@@ -330,8 +356,7 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     # Grow geometrically to a size that fits, then bisect down: needs are monotone in the engine count.
     fits: Sizing | None = None
     while n <= limit:
-        broke, sizing = _at(n, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max,
-                            max_utilization, calibration)
+        broke, sizing = _at(n, load, eng, transfer_s, calibration)
         broke = broke or _over(sizing, ttft_slo, tpot_slo, margin)
         if broke is None:
             fits = sizing
@@ -343,8 +368,7 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     lo, hi = hi_checked, fits.engines
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        broke, sizing = _at(mid, role, load, curves, step_cost, tokens_per_step, transfer_s, kv_usage_max,
-                            max_utilization, calibration)
+        broke, sizing = _at(mid, load, eng, transfer_s, calibration)
         broke = broke or _over(sizing, ttft_slo, tpot_slo, margin)
         if broke is None:
             hi, fits = mid, sizing

@@ -64,6 +64,9 @@ class AdviceSettings(Settings):
     # The busiest an engine's prefill may be at the sized load: past this the p95 wait grows faster than an M/G/1
     # queue predicts under bursty arrivals.
     max_utilization: float = Field(0.8, gt=0.1, lt=1.0)
+    # The router weighs engines' queues (llm-d's queue scorer, a least-loaded pick): a new prompt goes to an engine
+    # with nothing decoding while there is one, so on a lightly loaded unified pool fewer decodes are stalled.
+    load_aware_routing: bool = True
     min_saving: float = Field(0.10, ge=0, lt=1)  # a layout change must save this share of the fleet's cost
     tier_factors: tuple[float, ...] = (2.0, 5.0, 10.0)  # cache sizes (times HBM) a KV tier is judged at
     min_hit_gain: float = Field(0.05, gt=0, lt=1)  # hit-rate points a tier must add to be worth running

@@ -56,14 +56,16 @@ def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: En
     """`size_pool` with the pool's SLOs, the advisor's settings and the pool's calibration."""
     return size_pool(role, load, curves or facts.curves, ttft_slo=facts.ttft_p95_slo, tpot_slo=facts.tpot_p95_slo,
                      margin=s.margin, step_cost=cost[0], tokens_per_step=cost[1], transfer_s=transfer_s,
-                     kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization, calibration=calibration)
+                     kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
+                     load_aware_routing=s.load_aware_routing, calibration=calibration)
 
 
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:
     """The pool's TTFT p95 and TPOT mean in its busy minutes over the model's at its own size and busy-minute load."""
     cost, tokens = step_cost(facts, obs, s)
     at = predict(max(1, facts.replicas), facts.role, peak_load(obs), facts.curves, step_cost=cost,
-                 tokens_per_step=tokens, kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization)
+                 tokens_per_step=tokens, kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
+                 load_aware_routing=s.load_aware_routing)
 
     def factors(measured: float | None, fixed: float, queueing: float) -> tuple[float, float]:
         """(queueing factor, whole factor): the queueing part carries the difference where it is a fifth of the
