@@ -300,7 +300,7 @@ def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -
         # A router that weighs engines' queues (llm-d's queue scorer, the least-loaded pick) sends a prompt to an
         # engine with nothing decoding while there is one: only when all of them decode does a prompt stall anyone.
         engines = load.arrivals / lam
-        decoding = load.arrivals * window / 2.0  # in the pool, by Little's law (`at.batch` is at least one)
+        decoding = load.arrivals * window / 2.0  # requests decoding in the pool (Little's law; `at.batch` is >= 1)
         busy = float(poisson.sf(math.ceil(engines) - 1, decoding)) if eng.load_aware else 1.0
         arrived = rng.poisson(lam * busy * (out - 1.0) * per_token / (1.0 - at.rho))
         beta, gamma = _prefill_terms(curves, load, at.pass_tokens)

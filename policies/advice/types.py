@@ -148,9 +148,8 @@ class PoolObserved:
     rank_imbalance: float | None = None  # max over mean per-rank load (EP groups)
     ttft_p95_peak: float | None = None  # the load quantile of per-minute TTFT p95s: the busy minutes
     tpot_p95_peak: float | None = None
-    # Means over the busy minutes, exact where a histogram's p95 is an interpolation within a bucket (vLLM's TPOT
-    # buckets are 10, 25, 50 ms: a p95 of 12 ms can read as 19).
-    ttft_mean_peak: float | None = None
+    # TPOT's mean over the busy minutes: exact, where a histogram's p95 is an interpolation within a bucket (vLLM's
+    # TPOT buckets are 10, 25, 50 ms: a p95 of 12 ms can read as 19).
     tpot_mean_peak: float | None = None
     prompt_p50: float | None = None  # prompt length quantiles (`vllm:request_prompt_tokens`)
     prompt_p95: float | None = None
