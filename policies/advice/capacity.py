@@ -187,13 +187,13 @@ class _Engine:
     max_utilization: float
     load_aware: bool
 
-    @property
-    def prefill(self) -> bool:
-        return self.role != "decode"
+    def prefills(self, load: Load) -> bool:
+        """Whether this engine computes the load's prompts."""
+        return self.role != "decode" and load.prompt_tokens > 0
 
-    @property
-    def decode(self) -> bool:
-        return self.role != "prefill"
+    def decodes(self, load: Load) -> bool:
+        """Whether this engine generates the load's answers (past their first token)."""
+        return self.role != "prefill" and load.output_tokens > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +215,7 @@ def _steady(lam: float, load: Load, eng: _Engine) -> _Steady:
     """The batch that Little's law and the step time agree on at `lam` arrivals per second, with the prefill passes
     riding its steps (longer iterations gather more prompts each): a fixed point."""
     curves, step_cost, max_utilization = eng.curves, eng.step_cost, eng.max_utilization
-    prefill = eng.prefill and load.prompt_tokens > 0
-    decode = eng.decode and load.output_tokens > 1
+    prefill, decode = eng.prefills(load), eng.decodes(load)
     new = max(load.prompt_tokens * (1.0 - load.hit_rate), 1.0)
     x, d = _pass(curves, lam, new, 0.0) if prefill else (0.0, 0.0)
     cost = prefill_cost(curves, load, x) if prefill else Prefill(0.0, 0.0, 0.0)
@@ -296,7 +295,7 @@ def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -
     d, e, f = curves.decode  # `step_seconds` over arrays: f reads every context in the batch
     per_token = (d + e * batch + f * (own + rest)) * per_step
     stall = np.zeros(n)
-    if eng.prefill and load.prompt_tokens > 0 and lam > 0:
+    if eng.prefills(load) and lam > 0:
         # A router that weighs engines' queues (llm-d's queue scorer, the least-loaded pick) sends a prompt to an
         # engine with nothing decoding while there is one: only when all of them decode does a prompt stall anyone.
         engines = load.arrivals / lam
@@ -314,8 +313,7 @@ def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -
 def _at(n: int, load: Load, eng: _Engine, transfer_s: float, cal: Calibration) -> tuple[str | None, Sizing]:
     """Predicted p95s with `n` engines, and the first limit they break (None: none)."""
     lam = load.arrivals / n
-    prefill = eng.prefill and load.prompt_tokens > 0
-    decode = eng.decode and load.output_tokens > 1
+    prefill, decode = eng.prefills(load), eng.decodes(load)
     at = _steady(lam, load, eng)
     if at.broke:
         return at.broke, Sizing(n, at.batch, at.rho, None, None, at.broke)
