@@ -11,7 +11,8 @@ Pure: the caller hands in the signal windows, the pools, the open findings and t
 3. Curves: TTFT p95 against prefill utilisation and TPOT p95 against the batch per engine and its
    context, fitted (scikit-learn) on the pool's own points since the workload last changed shape
    (prompt or output length moving by more than `shape_shift`); the engine profile is the prior
-   until `min_points` exist.
+   until `min_points` exist, over the pool's prompt-length distribution (a long tail raises the mean
+   prefill and, more, the wait behind it: an M/G/1 queue).
 4. Target: the fewest engines whose predicted TTFT p95 and TPOT p95 stay within `margin` of the SLOs at
    the forecast load, the KV cache included. A target below the current size holds only once every
    target of the last `scale_down_after` was as low (a lull between bursts sheds nothing); an open
@@ -33,6 +34,7 @@ from pydantic import Field
 from sklearn.linear_model import LinearRegression
 
 from catalog.settings import Seconds, Settings
+from policies.stats import MAX_CONTEXT, lognormal_moment, lognormal_sigma
 from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
 from policies.windows import SignalWindows
 
@@ -112,6 +114,16 @@ class EngineCurves:
         share = new / self.max_batched_tokens  # of full passes: the fixed cost is shared by the batch
         return a * share + b * new + c * (new * new + 2.0 * new * cached)
 
+    def request_prefill_moments(self, prompt: float, hit: float, sigma: float) -> tuple[float, float]:
+        """Mean and second moment of `request_prefill_seconds` over lognormal prompt lengths with mean `prompt` and
+        shape `sigma`, a share `hit` of each cached: beta*P + gamma*P^2 per prompt, so a long tail costs more than
+        its mean says, and costs far more in the queue behind it (sigma 0: the mean prompt, squared)."""
+        a, b, c = self.prefill
+        h = min(max(hit, 0.0), 1.0)
+        beta, gamma = (1.0 - h) * (a / self.max_batched_tokens + b), c * (1.0 - h) * (1.0 + h)
+        m1, m2, m3, m4 = (lognormal_moment(prompt, sigma, k) for k in (1, 2, 3, 4))
+        return beta * m1 + gamma * m2, beta * beta * m2 + 2.0 * beta * gamma * m3 + gamma * gamma * m4
+
     def step_seconds(self, batch: float, context: float) -> float:
         """One decode step: the inter-token latency of a batch."""
         d, e, f = self.decode
@@ -126,6 +138,7 @@ class PoolLoad:
     prompt_tokens: float  # per request, before the prefix cache
     output_tokens: float  # per request
     hit_rate: float  # prefix-cache hit share of prompt tokens
+    prompt_sigma: float = 0.0  # lognormal shape of the prompt lengths (0: unknown, or all alike)
 
     @property
     def net_prompt_tokens(self) -> float:
@@ -206,7 +219,8 @@ def _recent(w: SignalWindows, subject: str, name: str, points: int = 4) -> float
 
 def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float]]) -> PoolLoad | None:
     """The pool's load over its last few scrapes (arrivals, from `arrival_series`, over the last minute;
-    lengths over five), or None when it reports nothing."""
+    lengths and their spread, where the pool reports prompt-length quantiles, over five), or None when it
+    reports nothing."""
     subject = f"pool/{pool}"
     if not arrivals:
         return None
@@ -219,6 +233,7 @@ def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float
         prompt_tokens=prompt / finished if finished > 0 else 0.0,
         output_tokens=gen / finished if finished > 0 else 0.0,
         hit_rate=min(1.0, max(0.0, _recent(w, subject, "prefix_cache_hit_rate", 20) or 0.0)),
+        prompt_sigma=lognormal_sigma(_recent(w, subject, "prompt_len_p50", 20), _recent(w, subject, "prompt_len_p95", 20)),
     )
 
 
@@ -380,6 +395,7 @@ class Autoscaler:
             "horizon_s": round(fc.horizon_s), "startup_s": None if startup is None else round(startup),
             "startup_measured_from": scale_ups, "prompt_tokens": round(load.prompt_tokens),
             "output_tokens": round(load.output_tokens), "hit_rate": round(load.hit_rate, 3),
+            "prompt_sigma": round(load.prompt_sigma, 3),
         }
         prefill = pool.role != "decode" and load.prompt_tokens > 0
         decode = pool.role != "prefill" and load.output_tokens > 0
@@ -440,7 +456,7 @@ class Autoscaler:
         def service(prompt: float, output: float, hit: float, b: float) -> float:
             """Engine-seconds per request by the profile; throughput takes the mean step time."""
             b = max(1.0, b)
-            pre = prior.request_prefill_seconds(prompt, prompt * hit) if prefill else 0.0
+            pre = prior.request_prefill_moments(prompt, hit, load.prompt_sigma)[0] if prefill else 0.0
             return pre + (output * prior.step_seconds(b, prompt + output / 2.0) / b if decode else 0.0)
 
         factor = _throughput_factor(w, subject, since, engines, running, service)
@@ -449,9 +465,14 @@ class Autoscaler:
         evidence["profile_correction"] = round(factor, 3)
         u_max = s.max_utilization
         if prefill and pool.ttft_p95_slo is not None:
+            # A queue's wait grows with the service's second moment (Pollaczek-Khinchine): long prompts make
+            # everyone behind them wait. Only the prefill varies with the prompt; the rest of a request is as is.
+            pre, pre_second = prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma)
+            rest = max(0.0, per_request / factor - pre)
+            spread = (pre_second + 2.0 * rest * pre + rest * rest) / (pre + rest) ** 2 if pre + rest > 0 else 1.0
             u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, rates, evidence,
                                       lambda b: factor * service(load.prompt_tokens, load.output_tokens, load.hit_rate, b),
-                                      per_request)
+                                      per_request, spread)
         return u_max / per_request if per_request > 0 else float("inf")
 
     def _batch(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
@@ -486,8 +507,9 @@ class Autoscaler:
     def _utilisation(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                      shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
                      rates: Mapping[float, float], evidence: dict[str, Any], per_request_at: Callable[[float], float],
-                     per_request: float) -> float:
-        """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation."""
+                     per_request: float, spread: float) -> float:
+        """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation (`spread`:
+        the service time's second moment over its mean squared, 1 when every request costs the same)."""
         s = self.settings
         assert pool.ttft_p95_slo is not None
         loads: list[tuple[float]] = []
@@ -501,8 +523,12 @@ class Autoscaler:
             u = min(0.98, rate * per_request_at((running.get(ts) or 0.0) / n) / n)
             loads.append((u / (1.0 - u),))
             waits.append(value)
-        # Idle: twice the prefill of a mean prompt alone; queueing: an M/D/1 queue's p95 wait, 1.5 services per u/(1-u).
-        prior_fit = _Fit((1.5 * per_request,), 2.0 * prior.prefill_seconds(max(load.net_prompt_tokens, 1.0)), 0, "prior")
+        # Idle: the pass in flight, then a 95th-percentile prompt's own prefill (at least a mean one's); queueing:
+        # an M/G/1 queue's p95 wait, about thrice its mean, 1.5 * E[S²]/E[S] per u/(1-u).
+        p95 = min(MAX_CONTEXT, load.prompt_tokens * math.exp(1.645 * load.prompt_sigma - load.prompt_sigma ** 2 / 2.0))
+        in_flight = prior.prefill_seconds(max(load.net_prompt_tokens, 1.0))
+        idle = in_flight + max(in_flight, prior.request_prefill_seconds(p95, p95 * load.hit_rate))
+        prior_fit = _Fit((1.5 * per_request * spread,), idle, 0, "prior")
         ttft = _fit(loads, waits, prior_fit, s.min_points)
         budget = s.margin * pool.ttft_p95_slo
         # The fit may lower what the prior allows, but raise it only as far as the pool has been seen to go.
@@ -523,7 +549,9 @@ def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Ma
                        running: Mapping[float, float], service: Callable[[float, float, float, float], float]) -> float:
     """Engine time per request the pool showed while backlogged, over what the profile says for the same
     requests: what it finished then was all its engines could do. 1.0 until it has been backlogged at four
-    scrapes (more than two waiting per engine at two in a row: a lump of arrivals clears in one)."""
+    scrapes (more than two waiting per engine at two in a row: a lump of arrivals clears in one, and at least
+    one request running per engine: a queue behind one long prompt beside idle engines is not the profile's
+    error)."""
     finished = dict(w.series(subject, "request_rate", since=since))
     prompt = dict(w.series(subject, "prompt_tokens_rate", since=since))
     gen = dict(w.series(subject, "generation_tokens_rate", since=since))
@@ -533,7 +561,9 @@ def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Ma
     for (_, before), (ts, waiting) in itertools.pairwise(w.series(subject, "requests_waiting", since=since)):
         # Engines that take work: a draining one still reports, but is finishing, not taking more.
         n, done = min(engines.get(ts) or 0.0, ready.get(ts) or math.inf), finished.get(ts)
-        if not n or not done or min(before, waiting) <= 2 * n:
+        # Every engine must be working for what finished to be all they can do: a backlog on some engines (a long
+        # prompt at the head of one queue) beside idle ones says nothing about the profile.
+        if not n or not done or min(before, waiting) <= 2 * n or (running.get(ts) or 0.0) < n:
             continue
         model = service(prompt.get(ts, 0.0) / done, gen.get(ts, 0.0) / done, hit.get(ts, 0.0), (running.get(ts) or 0.0) / n)
         if model > 0:

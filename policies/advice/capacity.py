@@ -35,8 +35,9 @@ import numpy as np
 from scipy.stats import poisson
 
 from policies.autoscale import EngineCurves
+from policies.stats import MAX_CONTEXT, lognormal_moment
 
-__all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "lognormal_sigma", "predict", "prefill_cost",
+__all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "predict", "prefill_cost",
            "size_pool", "transfer_seconds"]
 
 TPOT_SAMPLES = 4096
@@ -55,7 +56,7 @@ class Load:
     output_tokens: float
     hit_rate: float = 0.0
     prompt_sigma: float = 0.0
-    max_prompt: float = 131072.0  # the engine's context limit: no prompt is longer
+    max_prompt: float = MAX_CONTEXT  # the engine's context limit: no prompt is longer
     output_sigma: float = 0.0  # output lengths lognormal with this shape (0: all alike)
 
     @property
@@ -63,22 +64,8 @@ class Load:
         return self.prompt_tokens + self.output_tokens / 2.0
 
     def prompt_moment(self, k: int) -> float:
-        """E[prompt^k] of a lognormal with this mean and shape, over the prompts up to the context limit (the
-        lognormal's far tail would otherwise rule the higher moments)."""
-        s = self.prompt_sigma
-        mu = math.log(max(self.prompt_tokens, 1.0)) - s * s / 2.0
-        full = math.exp(k * mu + k * k * s * s / 2.0)
-        if s <= 0:
-            return full
-        z = (math.log(self.max_prompt) - mu - k * s * s) / s
-        return full * 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
-
-
-def lognormal_sigma(median: float | None, p95: float | None, cap: float = 1.5) -> float:
-    """The shape of a lognormal through a median and a 95th percentile (0 when either is unknown)."""
-    if not median or not p95 or p95 <= median:
-        return 0.0
-    return min(cap, math.log(p95 / median) / 1.645)
+        """E[prompt^k] over the prompts up to the context limit."""
+        return lognormal_moment(self.prompt_tokens, self.prompt_sigma, k, self.max_prompt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from policies.advice.capacity import NO_CALIBRATION, Calibration, Load, Sizing, lognormal_sigma, predict, size_pool
+from policies.advice.capacity import NO_CALIBRATION, Calibration, Load, Sizing, predict, size_pool
 from policies.advice.types import AdviceSettings, PoolFacts, PoolObserved
 from policies.autoscale import EngineCurves
+from policies.stats import lognormal_sigma
 
 __all__ = ["calibrate", "on_gpu", "peak_load", "sized", "step_cost"]
 

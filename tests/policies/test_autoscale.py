@@ -38,8 +38,10 @@ def pool(desired: int = 4, ready: int | None = None, role: str = "unified", lo: 
 
 def windows(minutes: float, rate: float | list[float], *, engines: int = 4, prompt: float = 1000.0,
             output: float = 200.0, hit: float = 0.0, ttft: float = 0.3, tpot: float = 0.03, running: float = 40.0,
-            waiting: float | list[float] = 0.0, start: float = 0.0) -> SignalWindows:
-    """A pool's aggregates every 15 s; `rate` and `waiting` are one value or one per scrape."""
+            waiting: float | list[float] = 0.0, start: float = 0.0,
+            prompt_quantiles: tuple[float, float] | None = None) -> SignalWindows:
+    """A pool's aggregates every 15 s; `rate` and `waiting` are one value or one per scrape; prompt lengths' median and
+    95th percentile where given."""
     w = SignalWindows(3 * 3600)
     n = int(minutes * 60 / STEP)
     rates = rate if isinstance(rate, list) else [rate] * n
@@ -51,6 +53,9 @@ def windows(minutes: float, rate: float | list[float], *, engines: int = 4, prom
                             ("ttft_p95", ttft), ("tpot_p95", tpot), ("engines_reporting", float(engines)),
                             (DESIRED, float(engines)), (READY, float(engines))):
             w.add(ts, "pool/chat", name, value)
+        if prompt_quantiles:
+            w.add(ts, "pool/chat", "prompt_len_p50", prompt_quantiles[0])
+            w.add(ts, "pool/chat", "prompt_len_p95", prompt_quantiles[1])
     return w
 
 
@@ -229,3 +234,44 @@ def test_what_a_backlogged_pool_finished_corrects_the_profile() -> None:
     assert p.recommended >= 6, "50 arrivals a second at under 10 per engine"
     calm = plan(windows(30, 20.0, engines=4), pool(4))
     assert calm.evidence["profile_correction"] == 1.0, "never backlogged: the profile stands"
+
+
+def test_a_backlog_beside_idle_engines_does_not_correct_the_profile() -> None:
+    # The queue grows, but fewer requests run than there are engines: a long prompt holds up one engine's queue
+    # while others idle. What finished then is not what the engines can do.
+    w = windows(30, 40.0, engines=4, running=3.0, waiting=[200.0 + 150.0 * i for i in range(120)])
+    assert plan(w, pool(4)).evidence["profile_correction"] == 1.0
+
+
+@given(st.floats(100.0, 50_000.0), st.floats(0.0, 0.9), st.floats(0.0, 1.5))
+def test_prefill_moments_over_prompt_lengths(prompt: float, hit: float, sigma: float) -> None:
+    mean, second = CURVES.request_prefill_moments(prompt, hit, sigma)
+    alike = CURVES.request_prefill_seconds(prompt, prompt * hit)
+    assert second >= mean * mean * (1 - 1e-9), "a second moment is at least the mean squared"
+    if sigma == 0.0:
+        assert mean == pytest.approx(alike) and second == pytest.approx(alike * alike)
+
+
+def test_prefill_moments_agree_with_drawn_prompts() -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    sigma, mean_prompt, hit = 1.0, 12_000.0, 0.3
+    drawn = np.exp(math.log(mean_prompt) - sigma * sigma / 2 + sigma * rng.standard_normal(400_000))
+    drawn = drawn[drawn <= 131072.0]  # the context limit
+    seconds = np.array([CURVES.request_prefill_seconds(p, p * hit) for p in drawn[:100_000]])
+    mean, second = CURVES.request_prefill_moments(mean_prompt, hit, sigma)
+    assert mean == pytest.approx(seconds.mean(), rel=0.05)
+    assert second == pytest.approx((seconds ** 2).mean(), rel=0.15)
+
+
+def test_a_long_prompt_tail_asks_for_more_prefill_engines_than_its_mean() -> None:
+    # The same mean prompt, once all alike and once long-tailed (median 7k, p95 40k, as Mooncake's): the tail's
+    # own prefill sets the idle TTFT and everyone queued behind it waits longer.
+    prefill = PoolState("chat", "prefill", 8, 8, 1, 64, ttft_p95_slo=4.0)
+    alike = plan(windows(30, 5.0, engines=8, prompt=12_000.0, output=300.0), prefill)
+    tail = plan(windows(30, 5.0, engines=8, prompt=12_000.0, output=300.0, prompt_quantiles=(7_000.0, 40_000.0)),
+                prefill)
+    assert alike.evidence["prompt_sigma"] == 0.0 and tail.evidence["prompt_sigma"] > 1.0
+    assert tail.evidence["ttft_curve"]["k0_s"] > 2 * alike.evidence["ttft_curve"]["k0_s"]
+    assert tail.recommended >= 2 * alike.recommended, (alike.recommended, tail.recommended)
