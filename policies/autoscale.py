@@ -34,7 +34,7 @@ from pydantic import Field
 from sklearn.linear_model import LinearRegression
 
 from catalog.settings import Seconds, Settings
-from policies.stats import MAX_CONTEXT, lognormal_moment, lognormal_sigma
+from policies.stats import MAX_CONTEXT, lognormal_p95, lognormal_sigma, quadratic_moments
 from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
 from policies.windows import SignalWindows
 
@@ -121,8 +121,7 @@ class EngineCurves:
         a, b, c = self.prefill
         h = min(max(hit, 0.0), 1.0)
         beta, gamma = (1.0 - h) * (a / self.max_batched_tokens + b), c * (1.0 - h) * (1.0 + h)
-        m1, m2, m3, m4 = (lognormal_moment(prompt, sigma, k) for k in (1, 2, 3, 4))
-        return beta * m1 + gamma * m2, beta * beta * m2 + 2.0 * beta * gamma * m3 + gamma * gamma * m4
+        return quadratic_moments(beta, gamma, prompt, sigma)
 
     def step_seconds(self, batch: float, context: float) -> float:
         """One decode step: the inter-token latency of a batch."""
@@ -525,7 +524,7 @@ class Autoscaler:
             waits.append(value)
         # Idle: the pass in flight, then a 95th-percentile prompt's own prefill (at least a mean one's); queueing:
         # an M/G/1 queue's p95 wait, about thrice its mean, 1.5 * E[S²]/E[S] per u/(1-u).
-        p95 = min(MAX_CONTEXT, load.prompt_tokens * math.exp(1.645 * load.prompt_sigma - load.prompt_sigma ** 2 / 2.0))
+        p95 = min(MAX_CONTEXT, lognormal_p95(load.prompt_tokens, load.prompt_sigma))
         in_flight = prior.prefill_seconds(max(load.net_prompt_tokens, 1.0))
         idle = in_flight + max(in_flight, prior.request_prefill_seconds(p95, p95 * load.hit_rate))
         prior_fit = _Fit((1.5 * per_request * spread,), idle, 0, "prior")

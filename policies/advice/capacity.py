@@ -35,7 +35,7 @@ import numpy as np
 from scipy.stats import poisson
 
 from policies.autoscale import EngineCurves
-from policies.stats import MAX_CONTEXT, lognormal_moment
+from policies.stats import MAX_CONTEXT, lognormal_location, lognormal_p95, quadratic_moments
 
 __all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "predict", "prefill_cost",
            "size_pool", "transfer_seconds"]
@@ -63,10 +63,6 @@ class Load:
     def context(self) -> float:
         return self.prompt_tokens + self.output_tokens / 2.0
 
-    def prompt_moment(self, k: int) -> float:
-        """E[prompt^k] over the prompts up to the context limit."""
-        return lognormal_moment(self.prompt_tokens, self.prompt_sigma, k, self.max_prompt)
-
 
 @dataclass(frozen=True, slots=True)
 class Prefill:
@@ -86,10 +82,8 @@ def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float | None = N
     over the lengths."""
     beta, gamma = _prefill_terms(curves, load, pass_tokens)
     h = min(max(load.hit_rate, 0.0), 1.0)
-    m1, m2, m3, m4 = (load.prompt_moment(k) for k in (1, 2, 3, 4))
-    mean = beta * m1 + gamma * m2
-    second = beta * beta * m2 + 2 * beta * gamma * m3 + gamma * gamma * m4
-    p95 = load.prompt_tokens * math.exp(1.645 * load.prompt_sigma - load.prompt_sigma ** 2 / 2.0)
+    mean, second = quadratic_moments(beta, gamma, load.prompt_tokens, load.prompt_sigma, load.max_prompt)
+    p95 = lognormal_p95(load.prompt_tokens, load.prompt_sigma)
     return Prefill(mean, second, curves.prefill[0] + curves.request_prefill_seconds(p95, p95 * h))
 
 
@@ -247,7 +241,7 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap:
     """`n` draws of a lognormal with this mean and shape, none above `cap`."""
     if sigma <= 0:
         return np.full(n, min(mean, cap))
-    return np.minimum(np.exp(math.log(max(mean, 1.0)) - sigma * sigma / 2.0 + sigma * rng.standard_normal(n)), cap)
+    return np.minimum(np.exp(lognormal_location(mean, sigma) + sigma * rng.standard_normal(n)), cap)
 
 
 def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -> tuple[float, float, float]:
