@@ -560,8 +560,6 @@ def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Ma
     for (_, before), (ts, waiting) in itertools.pairwise(w.series(subject, "requests_waiting", since=since)):
         # Engines that take work: a draining one still reports, but is finishing, not taking more.
         n, done = min(engines.get(ts) or 0.0, ready.get(ts) or math.inf), finished.get(ts)
-        # Every engine must be working for what finished to be all they can do: a backlog on some engines (a long
-        # prompt at the head of one queue) beside idle ones says nothing about the profile.
         if not n or not done or min(before, waiting) <= 2 * n or (running.get(ts) or 0.0) < n:
             continue
         model = service(prompt.get(ts, 0.0) / done, gen.get(ts, 0.0) / done, hit.get(ts, 0.0), (running.get(ts) or 0.0) / n)
