@@ -196,27 +196,29 @@ class KubernetesActuator:
     # observing ----------------------------------------------------------------------------------
 
     async def observe(self) -> FleetView:
-        pools: dict[str, PoolReplicas] = {}
-        changed: dict[str, float] = {}
-        for pool, w in self.workloads.items():
-            obj = await self._read(w)
-            kind = KINDS[w.kind]
-            desired = int(_dig(obj, ("spec", "replicas"), 1))
-            size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
-            pools[pool] = PoolReplicas(
-                desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
-                max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
-                                        desired) if kind.max_unavailable else None,
-                gang=size)
-            when = await self._revision_time(w, obj)
-            if when is not None:
-                changed[pool] = when
+        # The pools' reads are independent: one tick waits for the slowest, not for their sum.
+        seen = await asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values()))
+        pools = {pool: replicas for pool, (replicas, _) in zip(self.workloads, seen, strict=True)}
+        changed = {pool: when for pool, (_, when) in zip(self.workloads, seen, strict=True) if when is not None}
         if self.settings.router is not None:
             router = self.settings.router
             when = await self._revision_time(router, await self._read(router))
             if when is not None:
                 changed["router"] = when
         return FleetView(pools, changed)
+
+    async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None]:
+        """One pool's replicas as its workload reports them, and when its current revision replaced another."""
+        obj = await self._read(w)
+        kind = KINDS[w.kind]
+        desired = int(_dig(obj, ("spec", "replicas"), 1))
+        size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
+        replicas = PoolReplicas(
+            desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
+            max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
+                                    desired) if kind.max_unavailable else None,
+            gang=size)
+        return replicas, await self._revision_time(w, obj)
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The Deployment's ReplicaSets, newest revision first."""
