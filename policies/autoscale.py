@@ -452,25 +452,31 @@ class Autoscaler:
         if decode:
             batch = self._batch(w, subject, pool, prior, load, shape_since, engines, running, evidence)
 
-        def service(prompt: float, output: float, hit: float, b: float) -> float:
-            """Engine-seconds per request by the profile; throughput takes the mean step time."""
+        def decoding(prompt: float, output: float, b: float) -> float:
+            """A request's share of the decode steps by the profile; throughput takes the mean step time."""
             b = max(1.0, b)
+            return output * prior.step_seconds(b, prompt + output / 2.0) / b if decode else 0.0
+
+        def service(prompt: float, output: float, hit: float, b: float) -> float:
+            """Engine-seconds per request by the profile."""
             pre = prior.request_prefill_moments(prompt, hit, load.prompt_sigma)[0] if prefill else 0.0
-            return pre + (output * prior.step_seconds(b, prompt + output / 2.0) / b if decode else 0.0)
+            return pre + decoding(prompt, output, b)
 
         factor = _throughput_factor(w, subject, since, engines, running, service)
-        per_request = factor * service(load.prompt_tokens, load.output_tokens, load.hit_rate, batch)
+        # The load's own prefill, once: every TTFT point and the queue's spread read it.
+        pre, pre_second = (prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma)
+                           if prefill else (0.0, 0.0))
+        rest = decoding(load.prompt_tokens, load.output_tokens, batch)
+        per_request = factor * (pre + rest)
         evidence["engine_s_per_request"] = round(per_request, 5)
         evidence["profile_correction"] = round(factor, 3)
         u_max = s.max_utilization
         if prefill and pool.ttft_p95_slo is not None:
             # A queue's wait grows with the service's second moment (Pollaczek-Khinchine): long prompts make
             # everyone behind them wait. Only the prefill varies with the prompt; the rest of a request is as is.
-            pre, pre_second = prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma)
-            rest = max(0.0, per_request / factor - pre)
             spread = (pre_second + 2.0 * rest * pre + rest * rest) / (pre + rest) ** 2 if pre + rest > 0 else 1.0
             u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, rates, evidence,
-                                      lambda b: factor * service(load.prompt_tokens, load.output_tokens, load.hit_rate, b),
+                                      lambda b: factor * (pre + decoding(load.prompt_tokens, load.output_tokens, b)),
                                       per_request, spread)
         return u_max / per_request if per_request > 0 else float("inf")
 

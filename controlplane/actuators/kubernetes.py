@@ -196,16 +196,19 @@ class KubernetesActuator:
     # observing ----------------------------------------------------------------------------------
 
     async def observe(self) -> FleetView:
-        # The pools' reads are independent: one tick waits for the slowest, not for their sum.
-        seen = await asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values()))
+        # The reads are independent: one tick waits for the slowest, not for their sum.
+        seen, router_changed = await asyncio.gather(
+            asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values())), self._router_changed())
         pools = {pool: replicas for pool, (replicas, _) in zip(self.workloads, seen, strict=True)}
         changed = {pool: when for pool, (_, when) in zip(self.workloads, seen, strict=True) if when is not None}
-        if self.settings.router is not None:
-            router = self.settings.router
-            when = await self._revision_time(router, await self._read(router))
-            if when is not None:
-                changed["router"] = when
+        if router_changed is not None:
+            changed["router"] = router_changed
         return FleetView(pools, changed)
+
+    async def _router_changed(self) -> float | None:
+        """When the router's current revision replaced another (None: no router, or no change)."""
+        router = self.settings.router
+        return None if router is None else await self._revision_time(router, await self._read(router))
 
     async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None]:
         """One pool's replicas as its workload reports them, and when its current revision replaced another."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -253,8 +254,6 @@ def test_prefill_moments_over_prompt_lengths(prompt: float, hit: float, sigma: f
 
 
 def test_prefill_moments_agree_with_drawn_prompts() -> None:
-    import numpy as np
-
     rng = np.random.default_rng(3)
     sigma, mean_prompt, hit = 1.0, 12_000.0, 0.3
     drawn = np.exp(math.log(mean_prompt) - sigma * sigma / 2 + sigma * rng.standard_normal(400_000))
