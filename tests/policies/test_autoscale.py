@@ -17,6 +17,7 @@ from policies.autoscale import (
     AutoscaleSettings,
     EngineCurves,
     arrival_series,
+    burst_factor,
     forecast,
     learned_startup,
     pool_load,
@@ -274,3 +275,29 @@ def test_a_long_prompt_tail_asks_for_more_prefill_engines_than_its_mean() -> Non
     assert alike.evidence["prompt_sigma"] == 0.0 and tail.evidence["prompt_sigma"] > 1.0
     assert tail.evidence["ttft_curve"]["k0_s"] > 2 * alike.evidence["ttft_curve"]["k0_s"]
     assert tail.recommended >= 2 * alike.recommended, (alike.recommended, tail.recommended)
+
+
+def test_poisson_arrivals_are_no_burst_and_one_scrape_a_minute_is() -> None:
+    rng = np.random.default_rng(7)
+    poisson = [((i + 1) * STEP, c / STEP) for i, c in enumerate(rng.poisson(40.0 * STEP, 240))]
+    factor, interval = burst_factor(poisson)
+    assert interval == STEP and factor == pytest.approx(1.0, abs=0.05)
+    # Each minute's requests all in one scrape (Azure's code trace comes close): four times the minute's mean.
+    lumped = [((i + 1) * STEP, (160.0 if i % 4 == 1 else 0.0)) for i in range(240)]
+    assert burst_factor(lumped)[0] == pytest.approx(4.0, rel=0.05)
+    idle = [((i + 1) * STEP, 0.1 if i % 4 == 1 else 0.0) for i in range(240)]
+    assert burst_factor(idle)[0] == 1.0, "a few requests a minute say nothing about bursts"
+
+
+@given(st.lists(st.floats(0.0, 1000.0), min_size=0, max_size=200))
+def test_the_burst_factor_is_at_least_one_and_at_most_the_scrapes_in_a_minute(rates: list[float]) -> None:
+    factor, _ = burst_factor([((i + 1) * STEP, r) for i, r in enumerate(rates)])
+    assert 1.0 <= factor <= 60.0 / STEP + 1e-9
+
+
+def test_bursts_inside_the_minute_ask_for_more_engines_than_the_same_mean_spread_evenly() -> None:
+    even = plan(windows(30, 40.0, prompt=3000.0, output=20.0), pool(8))
+    lumped = plan(windows(30, [160.0 if i % 4 == 1 else 0.0 for i in range(120)], prompt=3000.0, output=20.0), pool(8))
+    assert even.evidence["ttft_curve"]["burst"] == pytest.approx(1.0, abs=0.05)
+    assert lumped.evidence["ttft_curve"]["burst"] > 3.5
+    assert lumped.recommended >= 3 * even.recommended, (even.recommended, lumped.recommended)
