@@ -109,22 +109,26 @@ class EngineCurves:
         a, b, c = self.prefill
         return a + b * tokens + c * tokens * tokens
 
-    def request_prefill_seconds(self, prompt: float, cached: float) -> float:
-        """Engine time to compute one prompt's `prompt - cached` new tokens, in chunks of the token budget, each
-        attending over what is already in the cache (the profile's quadratic term), when passes are full."""
+    def prefill_terms(self, hit: float) -> tuple[float, float]:
+        """A prompt's prefill seconds as beta*P + gamma*P^2 with a share `hit` of it cached: its new tokens in
+        chunks of the token budget (the fixed cost shared by full passes), each attending over what is already
+        in the cache (the profile's quadratic term)."""
         a, b, c = self.prefill
-        new = max(0.0, prompt - cached)
-        share = new / self.max_batched_tokens  # of full passes: the fixed cost is shared by the batch
-        return a * share + b * new + c * (new * new + 2.0 * new * cached)
+        h = min(max(hit, 0.0), 1.0)
+        return (1.0 - h) * (a / self.max_batched_tokens + b), c * (1.0 - h) * (1.0 + h)
+
+    def request_prefill_seconds(self, prompt: float, cached: float) -> float:
+        """Engine time to compute one prompt's `prompt - cached` new tokens, when passes are full."""
+        if prompt <= 0:
+            return 0.0
+        beta, gamma = self.prefill_terms(cached / prompt)
+        return beta * prompt + gamma * prompt * prompt
 
     def request_prefill_moments(self, prompt: float, hit: float, sigma: float) -> tuple[float, float]:
         """Mean and second moment of `request_prefill_seconds` over lognormal prompt lengths with mean `prompt` and
-        shape `sigma`, a share `hit` of each cached: beta*P + gamma*P^2 per prompt, so a long tail costs more than
-        its mean says, and costs far more in the queue behind it (sigma 0: the mean prompt, squared)."""
-        a, b, c = self.prefill
-        h = min(max(hit, 0.0), 1.0)
-        beta, gamma = (1.0 - h) * (a / self.max_batched_tokens + b), c * (1.0 - h) * (1.0 + h)
-        return quadratic_moments(beta, gamma, prompt, sigma)
+        shape `sigma`, a share `hit` of each cached: a long tail costs more than its mean says, and costs far
+        more in the queue behind it (sigma 0: the mean prompt, squared)."""
+        return quadratic_moments(*self.prefill_terms(hit), prompt, sigma)
 
     def step_seconds(self, batch: float, context: float) -> float:
         """One decode step: the inter-token latency of a batch."""
