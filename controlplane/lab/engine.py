@@ -116,6 +116,7 @@ class VllmEngine:
 
     `start()` returns once `/health` answers 200; `stop()` sends SIGTERM to the server's process
     group (the API server and its engine-core child), then SIGKILL. Usable as a context manager.
+    `cpus` keeps the server and every process it starts on those cores.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class VllmEngine:
         served_model_name: str = SERVED_MODEL_NAME,
         log_path: Path | None = None,
         env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.venv = Path(venv)
         self.model_dir = Path(model_dir)
@@ -136,6 +138,7 @@ class VllmEngine:
         self.served_model_name = served_model_name
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"fleet-vllm-{port}.log"
         self.env = {**LAB_ENV, **(env or {})}
+        self.cpus = tuple(cpus) if cpus else None
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = 0.0
@@ -200,6 +203,10 @@ class VllmEngine:
                 env={**os.environ, **self.env},
                 start_new_session=True,  # own process group: stop() reaches the engine core too
             )
+        if self.cpus is not None:
+            # The whole process tree, not only the model's OpenMP threads: the API server and the engine core
+            # it spawns (seconds later, inheriting this) would otherwise float onto another engine's core.
+            os.sched_setaffinity(self._proc.pid, self.cpus)
 
     def exit_code(self) -> int | None:
         """The server's exit code once it has exited, else None (also when never launched)."""
