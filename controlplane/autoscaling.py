@@ -40,14 +40,16 @@ def engine_curves(engine: Engine) -> EngineCurves:
 
 def build_sizer(config: FleetConfig) -> Autoscaler | None:
     """The autoscaler for the fleet file's pools, or None when `autoscaling.enabled` is off."""
-    if not config.autoscaling.enabled:
-        return None
+    return _autoscaler(config) if config.autoscaling.enabled else None
+
+
+def _autoscaler(config: FleetConfig) -> Autoscaler:
     return Autoscaler(config.autoscaling, {p.name: engine_curves(p.engine) for p in config.pools})
 
 
 async def plan_from_store(config: FleetConfig, store: Store, now: float) -> list[PoolPlan]:
     """What the sizer would set each pool to at `now`, from the signals and findings in the store."""
-    sizer = Autoscaler(config.autoscaling, {p.name: engine_curves(p.engine) for p in config.pools})
+    sizer = _autoscaler(config)  # enabled or not: the plan is what it would do
     windows = SignalWindows(HISTORY_S)
     windows.extend((s.ts, s.subject, s.name, s.value) for s in await store.load_signals(now - HISTORY_S))
     pools = {}

@@ -162,7 +162,7 @@ class LabSettings:
     log_dir: Path | None = None  # engine logs; None: a fresh temporary folder
     startup_timeout_s: float = 300.0
     trace_requests: int = 5000  # trace rows read; the timeline wraps around them if it needs more
-    bind_cpus: bool = True  # one OpenMP CPU per engine, so engines do not fight over cores
+    bind_cpus: bool = True  # one CPU per engine (its processes and OpenMP threads), so engines do not fight over cores
 
 
 @dataclass(slots=True)
@@ -300,8 +300,10 @@ class Lab:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cpus = sorted(os.sched_getaffinity(0))
         for i in range(s.engines):
-            env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[i % len(cpus)])} if s.bind_cpus else {}
-            engine = VllmEngine(venv, model, free_port(), LAB_ENGINE_ARGS, log_path=self.log_dir / f"vllm-{i}.log", env=env)
+            cpu = cpus[i % len(cpus)]
+            engine = VllmEngine(venv, model, free_port(), LAB_ENGINE_ARGS, log_path=self.log_dir / f"vllm-{i}.log",
+                                env={"VLLM_CPU_OMP_THREADS_BIND": str(cpu)} if s.bind_cpus else {},
+                                cpus=(cpu,) if s.bind_cpus else None)
             self.engines.append(engine)
             self.pods.append(f"vllm-{i}")
         for engine in self.engines:
