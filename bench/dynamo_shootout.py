@@ -124,16 +124,7 @@ def _moments(values: Sequence[float]) -> tuple[int, float]:
 
 def fpm_snapshot(engine: SimEngine, worker_id: int) -> dict[str, Any]:
     """The engine's current iteration as vLLM's instrumented scheduler reports it (Dynamo's replay field names)."""
-    budget = engine.config.max_batched_tokens
-    decoders = [r for r in engine.running if r.computed >= r.prefill_target]
-    budget -= len(decoders)
-    prefills, chunks = [], []
-    for r in engine.running:
-        if r.computed < r.prefill_target and budget > 0:
-            take = min(budget, r.prefill_target - r.computed)
-            prefills.append(r)
-            chunks.append((take, r.computed))
-            budget -= take
+    decoders, prefills, chunks = engine.next_iteration()
     step = engine.step_seconds(chunks, decoders)
     decode_kv, decode_var = _moments([r.context for r in decoders])
     queued = list(engine.waiting)

@@ -305,23 +305,33 @@ class SimEngine:
             seconds *= self.moe.step_factor()
         return seconds * self.slowdown
 
-    def _iterate(self, until: float) -> None:
-        decoding = sum(1 for r in self.running if r.computed >= r.prefill_target)
-        pending = sum(r.prefill_target - r.computed for r in self.running if r.computed < r.prefill_target)
-        self._admit(self.config.max_batched_tokens - decoding - pending)
+    def next_iteration(self) -> tuple[list[SimRequest], list[SimRequest], list[tuple[int, int]]]:
+        """What the next iteration runs, as vLLM's scheduler takes it: every decoding request, then the running
+        prompts in order, each a chunk (tokens, tokens already computed) of what the token budget leaves.
+        Returns (decoders, prefilling requests, their chunks); changes nothing."""
         decoders = [r for r in self.running if r.computed >= r.prefill_target]
         budget = self.config.max_batched_tokens - len(decoders)
+        prefills: list[SimRequest] = []
         chunks: list[tuple[int, int]] = []
-        done_prefill: list[SimRequest] = []
         for r in self.running:
             if budget <= 0:
                 break
             if r.computed >= r.prefill_target:
                 continue
             take = min(budget, r.prefill_target - r.computed)
+            prefills.append(r)
             chunks.append((take, r.computed))
-            r.computed += take
             budget -= take
+        return decoders, prefills, chunks
+
+    def _iterate(self, until: float) -> None:
+        decoding = sum(1 for r in self.running if r.computed >= r.prefill_target)
+        pending = sum(r.prefill_target - r.computed for r in self.running if r.computed < r.prefill_target)
+        self._admit(self.config.max_batched_tokens - decoding - pending)
+        decoders, prefills, chunks = self.next_iteration()
+        done_prefill: list[SimRequest] = []
+        for r, (take, _) in zip(prefills, chunks, strict=True):
+            r.computed += take
             if r.computed >= r.prefill_target:
                 done_prefill.append(r)
         gain = step_gain(self.spec, [r.cls for r in decoders]) if decoders else None
