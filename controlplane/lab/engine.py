@@ -116,7 +116,7 @@ class VllmEngine:
 
     `start()` returns once `/health` answers 200; `stop()` sends SIGTERM to the server's process
     group (the API server and its engine-core child), then SIGKILL. Usable as a context manager.
-    `cpus` keeps the server and every process it starts on those cores.
+    `cpus` keeps the server, every process it starts and the model's OpenMP threads on those cores.
     """
 
     def __init__(
@@ -137,8 +137,10 @@ class VllmEngine:
         self.extra_args = tuple(extra_args)
         self.served_model_name = served_model_name
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"fleet-vllm-{port}.log"
-        self.env = {**LAB_ENV, **(env or {})}
         self.cpus = tuple(cpus) if cpus else None
+        # The model's OpenMP threads bound to the same cores (vLLM's CPU build binds them itself otherwise).
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus))} if self.cpus else {}
+        self.env = {**LAB_ENV, **bind, **(env or {})}
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = 0.0

@@ -300,10 +300,8 @@ class Lab:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cpus = sorted(os.sched_getaffinity(0))
         for i in range(s.engines):
-            cpu = cpus[i % len(cpus)]
             engine = VllmEngine(venv, model, free_port(), LAB_ENGINE_ARGS, log_path=self.log_dir / f"vllm-{i}.log",
-                                env={"VLLM_CPU_OMP_THREADS_BIND": str(cpu)} if s.bind_cpus else {},
-                                cpus=(cpu,) if s.bind_cpus else None)
+                                cpus=(cpus[i % len(cpus)],) if s.bind_cpus else None)
             self.engines.append(engine)
             self.pods.append(f"vllm-{i}")
         for engine in self.engines:

@@ -38,6 +38,7 @@ def test_cpus_pin_the_server_and_every_process_it_starts(tmp_path: Path) -> None
     log = tmp_path / "engine.log"
     engine = _StandIn(_venv(tmp_path), tmp_path, free_port(), log_path=log, cpus=(cpu,))
     try:
+        assert engine.env["VLLM_CPU_OMP_THREADS_BIND"] == str(cpu), "the model's threads go to the same core"
         engine.launch()
         assert engine.pid is not None and os.sched_getaffinity(engine.pid) == {cpu}
         for _ in range(100):
@@ -51,6 +52,7 @@ def test_cpus_pin_the_server_and_every_process_it_starts(tmp_path: Path) -> None
 
 def test_without_cpus_the_server_keeps_the_callers_cores(tmp_path: Path) -> None:
     engine = _StandIn(_venv(tmp_path), tmp_path, free_port(), log_path=tmp_path / "engine.log")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine.env
     try:
         engine.launch()
         assert engine.pid is not None and os.sched_getaffinity(engine.pid) == os.sched_getaffinity(0)

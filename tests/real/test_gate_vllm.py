@@ -92,8 +92,7 @@ async def _gate(baseline: VllmEngine, canary: VllmEngine) -> tuple[Verdict, list
 
 def _engine(venv: Path, model: Path, name: str, extra: Sequence[str], cpu: int) -> VllmEngine:
     return VllmEngine(venv, model, free_port(), (*LAB_ARGS, "--enforce-eager", *extra),
-                      log_path=ARTIFACTS / f"gate-vllm-{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": str(cpu)},
-                      cpus=(cpu,))
+                      log_path=ARTIFACTS / f"gate-vllm-{name}.log", cpus=(cpu,))
 
 
 def _keep(name: str, verdict: Verdict, answered: list[int]) -> None:
