@@ -12,7 +12,9 @@ Pure: the caller hands in the signal windows, the pools, the open findings and t
    context, fitted (scikit-learn) on the pool's own points since the workload last changed shape
    (prompt or output length moving by more than `shape_shift`); the engine profile is the prior
    until `min_points` exist, over the pool's prompt-length distribution (a long tail raises the mean
-   prefill and, more, the wait behind it: an M/G/1 queue). Bursts inside the minute cap the utilisation
+   prefill and, more, the wait behind it: an M/G/1 queue). A prefill engine's passes hold the prompts
+   that arrived during the last one, so at light load each prompt pays most of a pass's fixed cost; the
+   cost per request is taken at the size planned. Bursts inside the minute cap the utilisation
    further: the busiest scrape's excess over the engines must clear within the TTFT budget.
 4. Target: the fewest engines whose predicted TTFT p95 and TPOT p95 stay within `margin` of the SLOs at
    the forecast load, the KV cache included. A target below the current size holds only once every
@@ -109,13 +111,30 @@ class EngineCurves:
         a, b, c = self.prefill
         return a + b * tokens + c * tokens * tokens
 
-    def prefill_terms(self, hit: float) -> tuple[float, float]:
+    def prefill_terms(self, hit: float, pass_tokens: float | None = None) -> tuple[float, float]:
         """A prompt's prefill seconds as beta*P + gamma*P^2 with a share `hit` of it cached: its new tokens in
-        chunks of the token budget (the fixed cost shared by full passes), each attending over what is already
-        in the cache (the profile's quadratic term)."""
+        passes of `pass_tokens` (default: full passes of the token budget), sharing each pass's fixed cost, each
+        attending over what is already in the cache (the profile's quadratic term)."""
         a, b, c = self.prefill
         h = min(max(hit, 0.0), 1.0)
-        return (1.0 - h) * (a / self.max_batched_tokens + b), c * (1.0 - h) * (1.0 + h)
+        x = float(self.max_batched_tokens) if pass_tokens is None else max(1.0, pass_tokens)
+        return (1.0 - h) * (a / x + b), c * (1.0 - h) * (1.0 + h)
+
+    def pass_tokens(self, arrivals: float, new_tokens: float, extra: float = 0.0) -> float:
+        """New tokens in a pass when prompts of `new_tokens` arrive at `arrivals` per second: the prompts that came
+        during the last pass, at least one (a zero-truncated Poisson count, m / (1 - e^-m) for m expected), up to
+        the token budget; a fixed point. `extra`: what else each pass runs (a unified engine's decode step). At
+        light load a pass carries one or two prompts, each paying most of its fixed cost."""
+        x = max(1.0, new_tokens)
+        for _ in range(50):
+            m = arrivals * (self.prefill_seconds(x) + extra)
+            per_pass = m / -math.expm1(-m) if m > 1e-9 else 1.0
+            nxt = min(float(self.max_batched_tokens), max(1.0, new_tokens * per_pass))
+            done = abs(nxt - x) < 0.5
+            x = nxt
+            if done:
+                break
+        return x
 
     def request_prefill_seconds(self, prompt: float, cached: float) -> float:
         """Engine time to compute one prompt's `prompt - cached` new tokens, when passes are full."""
@@ -124,11 +143,12 @@ class EngineCurves:
         beta, gamma = self.prefill_terms(cached / prompt)
         return beta * prompt + gamma * prompt * prompt
 
-    def request_prefill_moments(self, prompt: float, hit: float, sigma: float) -> tuple[float, float]:
-        """Mean and second moment of `request_prefill_seconds` over lognormal prompt lengths with mean `prompt` and
-        shape `sigma`, a share `hit` of each cached: a long tail costs more than its mean says, and costs far
-        more in the queue behind it (sigma 0: the mean prompt, squared)."""
-        return quadratic_moments(*self.prefill_terms(hit), prompt, sigma)
+    def request_prefill_moments(self, prompt: float, hit: float, sigma: float,
+                                pass_tokens: float | None = None) -> tuple[float, float]:
+        """Mean and second moment of a prompt's prefill seconds over lognormal prompt lengths with mean `prompt` and
+        shape `sigma`, a share `hit` of each cached, in passes of `pass_tokens`: a long tail costs more than its
+        mean says, and costs far more in the queue behind it (sigma 0: the mean prompt, squared)."""
+        return quadratic_moments(*self.prefill_terms(hit, pass_tokens), prompt, sigma)
 
     def step_seconds(self, batch: float, context: float) -> float:
         """One decode step: the inter-token latency of a batch."""
@@ -432,9 +452,18 @@ class Autoscaler:
         decode = pool.role != "prefill" and load.output_tokens > 0
         if not (prefill or decode) or (pool.ttft_p95_slo is None and pool.tpot_p95_slo is None):
             return None
-        per_engine = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode, evidence,
-                                    dict(arrivals), plan_rate / max(fc.expected, load.arrivals, 1e-9))
-        recommended = max(1, math.ceil(plan_rate / per_engine - 1e-9))
+        headroom = plan_rate / max(fc.expected, load.arrivals, 1e-9)
+        # A prefill engine's passes carry the prompts that arrive while one runs: fewer engines, fuller passes,
+        # each prompt paying less of a pass's fixed cost. So the capacity depends on the size planned: from the
+        # size now, to the size that its capacity calls for (a few rounds; the last one counts).
+        recommended = max(1, pool.desired)
+        for _ in range(4 if pool.role == "prefill" else 1):
+            per_engine = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode,
+                                        evidence, dict(arrivals), headroom, plan_rate / recommended)
+            engines = max(1, math.ceil(plan_rate / per_engine - 1e-9))
+            if engines == recommended:
+                break
+            recommended = engines
         reason = (f"{pool.name}: {recommended} engines at {per_engine:.2f} req/s each keep TTFT and TPOT p95 within "
                   f"{s.margin:.0%} of the SLOs at {plan_rate:.2f} req/s (forecast {fc.expected:.2f} req/s "
                   f"{fc.horizon_s:.0f}s ahead, now {load.arrivals:.2f})")
@@ -467,7 +496,7 @@ class Autoscaler:
 
     def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                   since: float, shape_since: float, prefill: bool, decode: bool, evidence: dict[str, Any],
-                  rates: Mapping[float, float], headroom: float) -> float:
+                  rates: Mapping[float, float], headroom: float, rate_per_engine: float) -> float:
         """Requests per second one engine serves with TTFT and TPOT p95 within the margin of the SLOs.
 
         An engine's time per request is its prefill (the new prompt tokens, attending over the cached
@@ -475,7 +504,9 @@ class Autoscaler:
         B), from the profile, times what the pool showed while backlogged (its finished requests are
         then all its engines can do). B is the largest batch whose TPOT p95 fits the margin and whose
         KV fits the cache; the utilisation that keeps TTFT p95 within the margin comes from the TTFT
-        curve, `k0 + k1 * u/(1-u)`. Both curves are fitted on the pool's scrapes since the shape changed.
+        curve, `k0 + k1 * u/(1-u)`. Both curves are fitted on the pool's scrapes since the shape changed. A
+        prefill-only engine's prompts ride passes as full as `rate_per_engine` (or, for a TTFT point, that
+        scrape's rate) fills them; a unified engine's ride its decode steps, taken as full.
         """
         s = self.settings
         engines = dict(w.series(subject, "engines_reporting", since=since))
@@ -494,10 +525,17 @@ class Autoscaler:
             pre = prior.request_prefill_moments(prompt, hit, load.prompt_sigma)[0] if prefill else 0.0
             return pre + decoding(prompt, output, b)
 
+        # Backlogged scrapes run full passes: the factor compares them with full passes.
         factor = _throughput_factor(w, subject, since, engines, running, service)
-        # The load's own prefill, once: every TTFT point and the queue's spread read it.
-        pre, pre_second = (prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma)
-                           if prefill else (0.0, 0.0))
+
+        def prefill_at(rate: float) -> tuple[float, float]:
+            """The load's prefill seconds (mean, second moment) at `rate` requests per second per engine."""
+            if not prefill:
+                return 0.0, 0.0
+            x = prior.pass_tokens(rate, max(load.net_prompt_tokens, 1.0)) if pool.role == "prefill" else None
+            return prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma, x)
+
+        pre, pre_second = prefill_at(rate_per_engine)
         rest = decoding(load.prompt_tokens, load.output_tokens, batch)
         per_request = factor * (pre + rest)
         evidence["engine_s_per_request"] = round(per_request, 5)
@@ -509,7 +547,8 @@ class Autoscaler:
             spread = (pre_second + 2.0 * rest * pre + rest * rest) / (pre + rest) ** 2 if pre + rest > 0 else 1.0
             u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, rates, headroom,
                                       evidence,
-                                      lambda b: factor * (pre + decoding(load.prompt_tokens, load.output_tokens, b)),
+                                      lambda b, r: factor * (prefill_at(r)[0]
+                                                             + decoding(load.prompt_tokens, load.output_tokens, b)),
                                       per_request, spread)
         return u_max / per_request if per_request > 0 else float("inf")
 
@@ -545,7 +584,7 @@ class Autoscaler:
     def _utilisation(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                      shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
                      rates: Mapping[float, float], headroom: float, evidence: dict[str, Any],
-                     per_request_at: Callable[[float], float],
+                     per_request_at: Callable[[float, float], float],
                      per_request: float, spread: float) -> float:
         """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation (`spread`:
         the service time's second moment over its mean squared, 1 when every request costs the same)."""
@@ -559,7 +598,7 @@ class Autoscaler:
             # A backlog a burst left behind stretches TTFT at any utilisation: it says nothing about the curve.
             if not n or not rate or waiting.get(ts, 0.0) > n:
                 continue
-            u = min(0.98, rate * per_request_at((running.get(ts) or 0.0) / n) / n)
+            u = min(0.98, rate * per_request_at((running.get(ts) or 0.0) / n, rate / n) / n)
             loads.append((u / (1.0 - u),))
             waits.append(value)
         # Idle: the pass in flight, then a 95th-percentile prompt's own prefill (at least a mean one's); queueing:

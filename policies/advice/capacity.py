@@ -139,19 +139,9 @@ NO_CALIBRATION = Calibration()
 
 
 def _pass(curves: EngineCurves, arrivals: float, new_tokens: float, extra: float) -> tuple[float, float]:
-    """(new tokens, seconds) of a pass when prompts of `new_tokens` arrive at `arrivals` per second: the prompts that
-    arrived during the last pass, at least one (a zero-truncated Poisson count, m / (1 - e^-m) for m arrivals expected
-    in a pass), up to the token budget; a fixed point. `extra`: a unified engine's decode step in every pass. Light
-    load means small passes, each paying the profile's fixed cost for few prompts."""
-    x = max(1.0, new_tokens)
-    for _ in range(50):
-        m = arrivals * (curves.prefill_seconds(x) + extra)
-        per_pass = m / -math.expm1(-m) if m > 1e-9 else 1.0
-        nxt = min(float(curves.max_batched_tokens), max(1.0, new_tokens * per_pass))
-        if abs(nxt - x) < 0.5:
-            x = nxt
-            break
-        x = nxt
+    """(new tokens, seconds) of a pass when prompts of `new_tokens` arrive at `arrivals` per second (see
+    `EngineCurves.pass_tokens`). `extra`: a unified engine's decode step in every pass."""
+    x = curves.pass_tokens(arrivals, new_tokens, extra)
     return x, curves.prefill_seconds(x) + extra
 
 

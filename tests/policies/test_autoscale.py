@@ -301,3 +301,28 @@ def test_bursts_inside_the_minute_ask_for_more_engines_than_the_same_mean_spread
     assert even.evidence["ttft_curve"]["burst"] == pytest.approx(1.0, abs=0.05)
     assert lumped.evidence["ttft_curve"]["burst"] > 3.5
     assert lumped.recommended >= 3 * even.recommended, (even.recommended, lumped.recommended)
+
+
+# A slow prefill engine (the H200 profile at 0.15 of its speed): a pass costs 0.13 s before its first token.
+SLOW = EngineCurves(prefill=(0.133, 9.1e-05, 3.75e-09), decode=(0.03, 3e-04, 1.8e-07), kv_tokens=160_000)
+
+
+@given(st.floats(0.0, 500.0), st.floats(1.0, 20_000.0))
+def test_a_pass_carries_at_least_one_prompt_and_at_most_the_token_budget(rate: float, new: float) -> None:
+    x = SLOW.pass_tokens(rate, new)
+    assert min(new, SLOW.max_batched_tokens) - 0.5 <= x <= SLOW.max_batched_tokens
+    assert SLOW.pass_tokens(rate * 2, new) >= x - 0.5, "more arrivals never empty a pass"
+
+
+def test_short_prompts_at_light_load_each_pay_a_passs_fixed_cost() -> None:
+    # 12 req/s of 2,200-token prompts, 87 % cached, over 6 prefill engines: 2 req/s each, so a pass (0.16 s) mostly
+    # carries one prompt. Amortised over full passes of 8,192 tokens, a prompt's 290 new tokens would cost 0.03 s.
+    prefill = PoolState("chat", "prefill", 6, 6, 1, 64, ttft_p95_slo=0.5)
+    w = windows(30, 12.0, engines=6, prompt=2200.0, output=1.0, hit=0.87, ttft=0.4)
+    inp = PolicyInput(now=30 * 60.0, windows=w, pools={"chat": prefill}, open_findings={})
+    [p] = Autoscaler(SETTINGS, {"chat": SLOW}).plan(inp)
+    alone = SLOW.prefill_seconds(2200.0 * 0.13)
+    assert p.evidence["engine_s_per_request"] >= 0.8 * alone, p.evidence
+    # At that cost 12 req/s keep about 12 * 0.16 = 1.9 engines busy; within a 0.4 s budget over a 0.3 s idle
+    # TTFT, each may run about a quarter busy.
+    assert p.recommended >= 6, p.reason
