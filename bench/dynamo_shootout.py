@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from catalog.fleet import Role
+from collectors.derive import counter_increase
 from controlplane.evaluation_autoscale import MinuteMeter, StrategyRun, pool_ceiling, resized, summarise
 from controlplane.sim.engine import BLOCK_TOKENS, SimEngine
 from controlplane.sim.fleet import SimFleet
@@ -166,8 +167,7 @@ class FleetObserver:
         total = 0.0
         for e in engines:
             value = float(sum(read(r) for r in e.ranks))
-            last = self._last.get((e.pod, key), 0.0)
-            total += value - last if value >= last else value
+            total += counter_increase(self._last.get((e.pod, key), 0.0), value) or 0.0
             self._last[(e.pod, key)] = value
         return total
 

