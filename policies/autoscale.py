@@ -528,14 +528,19 @@ class Autoscaler:
         # Backlogged scrapes run full passes: the factor compares them with full passes.
         factor = _throughput_factor(w, subject, since, engines, running, service)
 
+        def passes(rate: float) -> float | None:
+            """New tokens per pass on a prefill-only engine at `rate` requests per second (None: full passes)."""
+            return prior.pass_tokens(rate, max(load.net_prompt_tokens, 1.0)) if pool.role == "prefill" else None
+
         def prefill_at(rate: float) -> tuple[float, float]:
             """The load's prefill seconds (mean, second moment) at `rate` requests per second per engine."""
             if not prefill:
                 return 0.0, 0.0
-            x = prior.pass_tokens(rate, max(load.net_prompt_tokens, 1.0)) if pool.role == "prefill" else None
-            return prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma, x)
+            return prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma, passes(rate))
 
         pre, pre_second = prefill_at(rate_per_engine)
+        if prefill and (x := passes(rate_per_engine)) is not None:
+            evidence["pass_tokens"] = round(x)
         rest = decoding(load.prompt_tokens, load.output_tokens, batch)
         per_request = factor * (pre + rest)
         evidence["engine_s_per_request"] = round(per_request, 5)
