@@ -22,7 +22,8 @@ engine count N with arrivals λ = Λ/N to each engine:
   rate around its decode, the contexts that batch holds and, on a unified engine, the prompts that
   land during its decode and stall it; the 95th percentile of their TPOTs.
 
-The pool needs the fewest N whose predictions fit `margin` of both SLOs. A `Calibration` from the pool's
+The pool needs the fewest N whose predictions fit `margin` of both SLOs; what N - 1 would give is kept
+beside it, since a saving that hangs on one engine is only as good as the model's last few per cent. A `Calibration` from the pool's
 own measurements (TTFT's p95, TPOT's mean) scales the queueing parts (or the whole, where they vanish).
 """
 
@@ -111,10 +112,17 @@ class Sizing:
     ttft_queue: float = 0.0
     tpot_base: float = 0.0
     tpot_stall: float = 0.0
+    # The predictions with one engine fewer and the limit they break: how near the answer is to the next size
+    # down, so a reader sees when a saving hangs on one engine.
+    one_fewer: dict[str, object] | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {"engines": self.engines, "batch": round(self.batch, 1), "utilisation": round(self.utilisation, 3),
-                "ttft_p95_s": _r(self.ttft_p95), "tpot_p95_s": _r(self.tpot_p95), "limited_by": self.limited_by}
+        out: dict[str, object] = {
+            "engines": self.engines, "batch": round(self.batch, 1), "utilisation": round(self.utilisation, 3),
+            "ttft_p95_s": _r(self.ttft_p95), "tpot_p95_s": _r(self.tpot_p95), "limited_by": self.limited_by}
+        if self.one_fewer is not None:
+            out["one_fewer"] = self.one_fewer
+        return out
 
 
 def _r(v: float | None) -> float | None:
@@ -343,7 +351,12 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
             hi, fits = mid, sizing
         else:
             lo, last_limit = mid, broke
-    return replace(fits, limited_by=last_limit if fits.engines > 1 else "load")
+    one_fewer: dict[str, object] | None = None
+    if fits.engines > 1:
+        broke, fewer = _at(fits.engines - 1, load, eng, transfer_s, calibration)
+        one_fewer = {"engines": fits.engines - 1, "ttft_p95_s": _r(fewer.ttft_p95), "tpot_p95_s": _r(fewer.tpot_p95),
+                     "breaks": broke or _over(fewer, ttft_slo, tpot_slo, margin)}
+    return replace(fits, limited_by=last_limit if fits.engines > 1 else "load", one_fewer=one_fewer)
 
 
 def _over(s: Sizing, ttft_slo: float | None, tpot_slo: float | None, margin: float) -> str | None:

@@ -54,6 +54,18 @@ def test_more_load_never_needs_fewer_engines(role: str) -> None:
     assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
 
 
+@pytest.mark.parametrize("role", ["unified", "prefill", "decode"])
+def test_a_sizing_says_what_one_engine_fewer_would_break(role: str) -> None:
+    sized = size_pool(role, Load(120.0, 3000, 300, 0.2), CURVES, ttft_slo=1.0, tpot_slo=0.04)
+    assert sized.engines > 1
+    fewer = sized.as_dict()["one_fewer"]
+    assert isinstance(fewer, dict) and fewer["engines"] == sized.engines - 1
+    assert fewer["breaks"] in ("ttft", "tpot", "kv"), fewer
+    if fewer["breaks"] == "tpot" and role != "prefill":
+        assert fewer["tpot_p95_s"] is None or fewer["tpot_p95_s"] > 0.04
+    assert "one_fewer" not in size_pool(role, Load(0.1, 300, 30), CURVES, ttft_slo=1.0, tpot_slo=0.04).as_dict()
+
+
 def test_a_small_kv_cache_limits_the_batch() -> None:
     load = Load(30.0, 2000, 400)
     roomy = size_pool("decode", load, CURVES, ttft_slo=None, tpot_slo=0.05)
