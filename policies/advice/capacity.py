@@ -23,8 +23,9 @@ engine count N with arrivals λ = Λ/N to each engine:
   land during its decode and stall it; the 95th percentile of their TPOTs.
 
 The pool needs the fewest N whose predictions fit `margin` of both SLOs; what N - 1 would give is kept
-beside it, since a saving that hangs on one engine is only as good as the model's last few per cent. A `Calibration` from the pool's
-own measurements (TTFT's p95, TPOT's mean) scales the queueing parts (or the whole, where they vanish).
+beside it, since a saving that hangs on one engine is only as good as the model's last few per cent.
+A `Calibration` from the pool's own measurements (TTFT's p95, TPOT's mean) scales the queueing parts
+(or the whole, where they vanish).
 """
 
 from __future__ import annotations
