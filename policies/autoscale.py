@@ -366,6 +366,16 @@ class _Fit:
     r2: float | None = None  # how much of the points' variance the fit explains
 
 
+_NO_PRIOR = _Fit((0.0,), 0.0, 0, "prior")  # `_fit`'s stand-in where the prior is known only later
+
+
+@dataclass(frozen=True, slots=True)
+class _TtftPoints:
+    loads: list[tuple[float]]  # u/(1-u) per scrape
+    waits: list[float]  # TTFT p95 per scrape
+    fit: _Fit  # the line through them, or `_NO_PRIOR` with the points' count and R² where it does not hold
+
+
 def _fit(rows: Sequence[tuple[float, ...]], y: Sequence[float], prior: _Fit, min_points: int) -> _Fit:
     """A non-negative linear fit of y on rows when enough spread points exist, else the prior."""
     if len(rows) < min_points:
@@ -456,10 +466,11 @@ class Autoscaler:
         # A prefill engine's passes carry the prompts that arrive while one runs: fewer engines, fuller passes,
         # each prompt paying less of a pass's fixed cost. So the capacity depends on the size planned: from the
         # size now, to the size that its capacity calls for (a few rounds; the last one counts).
+        per_engine_at = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode, evidence,
+                                       dict(arrivals), headroom)
         recommended = max(1, pool.desired)
         for _ in range(4 if pool.role == "prefill" else 1):
-            per_engine = self._capacity(w, subject, pool, prior, load, since, shape_since, prefill, decode,
-                                        evidence, dict(arrivals), headroom, plan_rate / recommended)
+            per_engine = per_engine_at(plan_rate / recommended)
             engines = max(1, math.ceil(plan_rate / per_engine - 1e-9))
             if engines == recommended:
                 break
@@ -496,8 +507,9 @@ class Autoscaler:
 
     def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                   since: float, shape_since: float, prefill: bool, decode: bool, evidence: dict[str, Any],
-                  rates: Mapping[float, float], headroom: float, rate_per_engine: float) -> float:
-        """Requests per second one engine serves with TTFT and TPOT p95 within the margin of the SLOs.
+                  rates: Mapping[float, float], headroom: float) -> Callable[[float], float]:
+        """Requests per second one engine serves with TTFT and TPOT p95 within the margin of the SLOs, as a function
+        of the requests per second each engine gets (the pool's signals read and its curves fitted once).
 
         An engine's time per request is its prefill (the new prompt tokens, attending over the cached
         prefix) plus its share of the decode steps (output tokens times the step time at batch B, over
@@ -505,8 +517,8 @@ class Autoscaler:
         then all its engines can do). B is the largest batch whose TPOT p95 fits the margin and whose
         KV fits the cache; the utilisation that keeps TTFT p95 within the margin comes from the TTFT
         curve, `k0 + k1 * u/(1-u)`. Both curves are fitted on the pool's scrapes since the shape changed. A
-        prefill-only engine's prompts ride passes as full as `rate_per_engine` (or, for a TTFT point, that
-        scrape's rate) fills them; a unified engine's ride its decode steps, taken as full.
+        prefill-only engine's prompts ride passes as full as the rate per engine (for a TTFT point, that
+        scrape's) fills them; a unified engine's ride its decode steps, taken as full.
         """
         s = self.settings
         engines = dict(w.series(subject, "engines_reporting", since=since))
@@ -538,24 +550,30 @@ class Autoscaler:
                 return 0.0, 0.0
             return prior.request_prefill_moments(load.prompt_tokens, load.hit_rate, load.prompt_sigma, passes(rate))
 
-        pre, pre_second = prefill_at(rate_per_engine)
-        if prefill and (x := passes(rate_per_engine)) is not None:
-            evidence["pass_tokens"] = round(x)
         rest = decoding(load.prompt_tokens, load.output_tokens, batch)
-        per_request = factor * (pre + rest)
-        evidence["engine_s_per_request"] = round(per_request, 5)
-        evidence["profile_correction"] = round(factor, 3)
-        u_max = s.max_utilization
+        ttft = None
         if prefill and pool.ttft_p95_slo is not None:
-            # A queue's wait grows with the service's second moment (Pollaczek-Khinchine): long prompts make
-            # everyone behind them wait. Only the prefill varies with the prompt; the rest of a request is as is.
-            spread = (pre_second + 2.0 * rest * pre + rest * rest) / (pre + rest) ** 2 if pre + rest > 0 else 1.0
-            u_max = self._utilisation(w, subject, pool, prior, load, shape_since, engines, running, rates, headroom,
-                                      evidence,
-                                      lambda b, r: factor * (prefill_at(r)[0]
-                                                             + decoding(load.prompt_tokens, load.output_tokens, b)),
-                                      per_request, spread)
-        return u_max / per_request if per_request > 0 else float("inf")
+            ttft = self._ttft_points(w, subject, load, shape_since, engines, running, rates,
+                                     lambda b, r: factor * (prefill_at(r)[0]
+                                                            + decoding(load.prompt_tokens, load.output_tokens, b)))
+
+        def per_engine_at(rate: float) -> float:
+            pre, pre_second = prefill_at(rate)
+            if prefill and (x := passes(rate)) is not None:
+                evidence["pass_tokens"] = round(x)
+            per_request = factor * (pre + rest)
+            evidence["engine_s_per_request"] = round(per_request, 5)
+            evidence["profile_correction"] = round(factor, 3)
+            u_max = s.max_utilization
+            if ttft is not None:
+                # A queue's wait grows with the service's second moment (Pollaczek-Khinchine): long prompts make
+                # everyone behind them wait. Only the prefill varies with the prompt; the rest of a request is as is.
+                spread = (pre_second + 2.0 * rest * pre + rest * rest) / (pre + rest) ** 2 if pre + rest > 0 else 1.0
+                u_max = self._utilisation(w, subject, pool, prior, load, rates, headroom, evidence, ttft,
+                                          per_request, spread)
+            return u_max / per_request if per_request > 0 else float("inf")
+
+        return per_engine_at
 
     def _batch(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
@@ -586,15 +604,11 @@ class Autoscaler:
                                   "limited_by": "kv" if by_kv < by_latency else "latency"}
         return batch
 
-    def _utilisation(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
-                     shape_since: float, engines: Mapping[float, float], running: Mapping[float, float],
-                     rates: Mapping[float, float], headroom: float, evidence: dict[str, Any],
-                     per_request_at: Callable[[float, float], float],
-                     per_request: float, spread: float) -> float:
-        """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation (`spread`:
-        the service time's second moment over its mean squared, 1 when every request costs the same)."""
-        s = self.settings
-        assert pool.ttft_p95_slo is not None
+    def _ttft_points(self, w: SignalWindows, subject: str, load: PoolLoad, shape_since: float,
+                     engines: Mapping[float, float], running: Mapping[float, float], rates: Mapping[float, float],
+                     per_request_at: Callable[[float, float], float]) -> _TtftPoints:
+        """The pool's TTFT p95 against `u/(1-u)` at its scrapes since the shape changed, and the line through them
+        (before it is judged against a prior: `_fit` with a stand-in)."""
         loads: list[tuple[float]] = []
         waits: list[float] = []
         waiting = dict(w.series(subject, "requests_waiting", since=shape_since))
@@ -606,13 +620,24 @@ class Autoscaler:
             u = min(0.98, rate * per_request_at((running.get(ts) or 0.0) / n, rate / n) / n)
             loads.append((u / (1.0 - u),))
             waits.append(value)
+        return _TtftPoints(loads, waits, _fit(loads, waits, _NO_PRIOR, self.settings.min_points))
+
+    def _utilisation(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
+                     rates: Mapping[float, float], headroom: float, evidence: dict[str, Any], points: _TtftPoints,
+                     per_request: float, spread: float) -> float:
+        """How busy an engine may run with TTFT p95 within the margin: the TTFT curve over utilisation (`spread`:
+        the service time's second moment over its mean squared, 1 when every request costs the same)."""
+        s = self.settings
+        assert pool.ttft_p95_slo is not None
+        loads, waits = points.loads, points.waits
         # Idle: the pass in flight, then a 95th-percentile prompt's own prefill (at least a mean one's); queueing:
         # an M/G/1 queue's p95 wait, about thrice its mean, 1.5 * E[S²]/E[S] per u/(1-u).
         p95 = min(MAX_CONTEXT, lognormal_p95(load.prompt_tokens, load.prompt_sigma))
         in_flight = prior.prefill_seconds(max(load.net_prompt_tokens, 1.0))
         idle = in_flight + max(in_flight, prior.request_prefill_seconds(p95, p95 * load.hit_rate))
         prior_fit = _Fit((1.5 * per_request * spread,), idle, 0, "prior")
-        ttft = _fit(loads, waits, prior_fit, s.min_points)
+        ttft = points.fit if points.fit.source == "fitted" else replace(prior_fit, points=points.fit.points,
+                                                                         r2=points.fit.r2)
         budget = s.margin * pool.ttft_p95_slo
         # The fit may lower what the prior allows, but raise it only as far as the pool has been seen to go.
         seen = max((x / (1.0 + x) for (x,), v in zip(loads, waits, strict=True) if v <= budget), default=0.0)
