@@ -328,36 +328,36 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
     if load.arrivals <= 0:
         return Sizing(1, 0.0, 0.0, None, None, "load")
-    last_limit = "load"
-    n = 1
-    hi_checked = 0
-    # Grow geometrically to a size that fits, then bisect down: needs are monotone in the engine count.
-    fits: Sizing | None = None
-    while n <= limit:
+
+    def judge(n: int) -> tuple[str | None, Sizing]:
         broke, sizing = _at(n, load, eng, transfer_s, calibration)
-        broke = broke or _over(sizing, ttft_slo, tpot_slo, margin)
+        return broke or _over(sizing, ttft_slo, tpot_slo, margin), sizing
+
+    # Grow geometrically to a size that fits, then bisect down: needs are monotone in the engine count. `below`
+    # is the largest size known not to fit, with the limit it breaks; it ends one under the answer.
+    below: tuple[str, Sizing] | None = None
+    fits: Sizing | None = None
+    n = 1
+    while n <= limit:
+        broke, sizing = judge(n)
         if broke is None:
             fits = sizing
             break
-        last_limit, hi_checked = broke, n
+        below = (broke, sizing)
         n *= 2
     if fits is None:
         return Sizing(limit, 0.0, 0.0, None, None, "none")
-    lo, hi = hi_checked, fits.engines
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        broke, sizing = _at(mid, load, eng, transfer_s, calibration)
-        broke = broke or _over(sizing, ttft_slo, tpot_slo, margin)
+    while below is not None and fits.engines - below[1].engines > 1:
+        broke, sizing = judge((below[1].engines + fits.engines) // 2)
         if broke is None:
-            hi, fits = mid, sizing
+            fits = sizing
         else:
-            lo, last_limit = mid, broke
-    one_fewer: dict[str, object] | None = None
-    if fits.engines > 1:
-        broke, fewer = _at(fits.engines - 1, load, eng, transfer_s, calibration)
-        one_fewer = {"engines": fits.engines - 1, "ttft_p95_s": _r(fewer.ttft_p95), "tpot_p95_s": _r(fewer.tpot_p95),
-                     "breaks": broke or _over(fewer, ttft_slo, tpot_slo, margin)}
-    return replace(fits, limited_by=last_limit if fits.engines > 1 else "load", one_fewer=one_fewer)
+            below = (broke, sizing)
+    if below is None:  # one engine is plenty
+        return replace(fits, limited_by="load")
+    broke, fewer = below
+    return replace(fits, limited_by=broke, one_fewer={"engines": fewer.engines, "ttft_p95_s": _r(fewer.ttft_p95),
+                                                      "tpot_p95_s": _r(fewer.tpot_p95), "breaks": broke})
 
 
 def _over(s: Sizing, ttft_slo: float | None, tpot_slo: float | None, margin: float) -> str | None:
