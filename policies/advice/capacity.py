@@ -90,11 +90,12 @@ def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float | None = N
 
 
 def _prefill_terms(curves: EngineCurves, load: Load, pass_tokens: float | None) -> tuple[float, float]:
-    """(beta, gamma) of `prefill_cost`: one prompt of P tokens costs beta*P + gamma*P^2 seconds."""
-    a, b, c = curves.prefill
+    """(beta, gamma) of `prefill_cost`: one prompt of P tokens costs beta*P + gamma*P^2 seconds. The profile's terms
+    (`EngineCurves.prefill_terms`) plus the pass's own quadratic, which every new token of a shared pass pays."""
     h = min(max(load.hit_rate, 0.0), 1.0)
     x = float(curves.max_batched_tokens) if pass_tokens is None else max(1.0, pass_tokens)
-    return (1.0 - h) * (a / x + b + c * x), c * (1.0 - h) * (1.0 + h)
+    beta, gamma = curves.prefill_terms(h, x)
+    return beta + (1.0 - h) * curves.prefill[2] * x, gamma
 
 
 @dataclass(frozen=True, slots=True)
