@@ -65,6 +65,8 @@ TARGET, FORECAST = "autoscale_target_replicas", "autoscale_forecast_rate"
 # which alone sets replica counts.
 CAPACITY_FINDINGS = ("slo_burn", "saturation")
 MIN_BURST_COUNT = 5.0  # requests per scrape under which a minute says nothing about bursts
+LENGTH_SCRAPES = 20  # scrapes the lengths per request are averaged over, and the blocks shapes are compared in
+SHIFT_CONFIRM = 4  # scrapes in a row, all moved the same way, that mark a new shape at once
 MIN_R2 = 0.3  # a fitted curve replaces the prior only when it explains this share of its points' variance
 READS = ("request_rate", "prompt_tokens_rate", "generation_tokens_rate", "prefix_cache_hit_rate", "requests_running",
          "requests_waiting", "ttft_p95", "tpot_p95", "kv_cache_usage", "engines_reporting")
@@ -238,28 +240,35 @@ def arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[f
     return out
 
 
-def _recent(w: SignalWindows, subject: str, name: str, points: int = 4) -> float | None:
-    values = w.last(subject, name, points)
+def _recent(w: SignalWindows, subject: str, name: str, points: int = 4, since: float | None = None) -> float | None:
+    """The mean of a series' newest `points` values, of those at or after `since` where there are any."""
+    values = [v for _, v in w.series(subject, name, since=since)[-points:]] if since is not None else []
+    values = values or w.last(subject, name, points)
     return statistics.fmean(values) if values else None
 
 
-def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float]]) -> PoolLoad | None:
+def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float]],
+              shape_since: float | None = None) -> PoolLoad | None:
     """The pool's load over its last few scrapes (arrivals, from `arrival_series`, over the last minute;
-    lengths and their spread, where the pool reports prompt-length quantiles, over five), or None when it
-    reports nothing."""
+    lengths and their spread, where the pool reports prompt-length quantiles, over `LENGTH_SCRAPES`, or
+    those since `shape_since` when the workload changed shape more recently), or None when it reports nothing."""
     subject = f"pool/{pool}"
     if not arrivals:
         return None
+
+    def recent(name: str) -> float | None:
+        return _recent(w, subject, name, LENGTH_SCRAPES, shape_since)
+
     rate = statistics.fmean(v for _, v in arrivals[-4:])
-    prompt = _recent(w, subject, "prompt_tokens_rate", 20) or 0.0
-    gen = _recent(w, subject, "generation_tokens_rate", 20) or 0.0
-    finished = _recent(w, subject, "request_rate", 20) or 0.0
+    prompt = recent("prompt_tokens_rate") or 0.0
+    gen = recent("generation_tokens_rate") or 0.0
+    finished = recent("request_rate") or 0.0
     return PoolLoad(
         arrivals=rate,
         prompt_tokens=prompt / finished if finished > 0 else 0.0,
         output_tokens=gen / finished if finished > 0 else 0.0,
-        hit_rate=min(1.0, max(0.0, _recent(w, subject, "prefix_cache_hit_rate", 20) or 0.0)),
-        prompt_sigma=lognormal_sigma(_recent(w, subject, "prompt_len_p50", 20), _recent(w, subject, "prompt_len_p95", 20)),
+        hit_rate=min(1.0, max(0.0, recent("prefix_cache_hit_rate") or 0.0)),
+        prompt_sigma=lognormal_sigma(recent("prompt_len_p50"), recent("prompt_len_p95")),
     )
 
 
@@ -391,24 +400,45 @@ def _fit(rows: Sequence[tuple[float, ...]], y: Sequence[float], prior: _Fit, min
     return _Fit(tuple(float(c) for c in model.coef_), max(0.0, float(model.intercept_)), len(rows), "fitted", r2)
 
 
+def _lengths(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float, float]]:
+    """(time, prompt tokens, output tokens) per finished request, per scrape that finished at least
+    `MIN_BURST_COUNT` requests (with fewer, a prompt counted before its request finished skews the ratio)."""
+    req = dict(w.series(subject, "request_rate", since=since))
+    gen = dict(w.series(subject, "generation_tokens_rate", since=since))
+    interval = _interval(w, subject)
+    return [(ts, p / r, gen.get(ts, 0.0) / r) for ts, p in w.series(subject, "prompt_tokens_rate", since=since)
+            if (r := req.get(ts)) and r * interval >= MIN_BURST_COUNT]
+
+
 def _since_shape(w: SignalWindows, subject: str, since: float, shift: float) -> float:
     """The start of the current workload shape: the last time prompt or output length per request
-    moved by more than `shift` against the last five minutes (llm-d's throughput analyzer resets likewise)."""
-    req = dict(w.series(subject, "request_rate", since=since))
-    lengths: list[tuple[float, float, float]] = []
-    gen = dict(w.series(subject, "generation_tokens_rate", since=since))
-    for ts, p in w.series(subject, "prompt_tokens_rate", since=since):
-        r = req.get(ts)
-        if r and r > 0:
-            lengths.append((ts, p / r, gen.get(ts, 0.0) / r))
-    if len(lengths) < 40:
+    moved by more than `shift` (llm-d's throughput analyzer resets likewise).
+
+    A jump shows at once: the last `SHIFT_CONFIRM` scrapes all beyond `shift` of the median of the (up
+    to `LENGTH_SCRAPES`, at least twice as many) before them, on one side; the shape starts where that run of
+    scrapes does. A slower move shows once the last `LENGTH_SCRAPES` scrapes' median differs from an earlier
+    block's."""
+    lengths = _lengths(w, subject, since)
+    n = LENGTH_SCRAPES
+    if len(lengths) >= 3 * SHIFT_CONFIRM:
+        base = lengths[-n - SHIFT_CONFIRM:-SHIFT_CONFIRM]
+        for k in (1, 2):  # prompt, output
+            centre = max(statistics.median(x[k] for x in base), 1.0)
+            moved = [(x[k] - centre) / centre for x in lengths]
+            for side in (1.0, -1.0):
+                start = len(moved)
+                while start > 0 and side * moved[start - 1] > shift:
+                    start -= 1
+                if len(moved) - start >= SHIFT_CONFIRM:
+                    return lengths[start][0]
+    if len(lengths) < 2 * n:
         return since
-    tail = lengths[-20:]
+    tail = lengths[-n:]
     isl = statistics.median(x[1] for x in tail)
     osl = statistics.median(x[2] for x in tail)
-    # Walk back in blocks of 20 scrapes until one block's lengths differ.
-    for end in range(len(lengths) - 20, 19, -20):
-        block = lengths[end - 20:end]
+    # Walk back in blocks until one block's lengths differ.
+    for end in range(len(lengths) - n, n - 1, -n):
+        block = lengths[end - n:end]
         b_isl = statistics.median(x[1] for x in block)
         b_osl = statistics.median(x[2] for x in block)
         if abs(b_isl - isl) > shift * max(isl, 1.0) or abs(b_osl - osl) > shift * max(osl, 1.0):
@@ -438,7 +468,8 @@ class Autoscaler:
         since = inp.now - s.history
         subject = f"pool/{pool.name}"
         arrivals = arrival_series(w, subject, since)  # once: the load, the forecast and the TTFT curve read it
-        load = pool_load(w, pool.name, arrivals)
+        shape_since = _since_shape(w, subject, since, s.shape_shift)
+        load = pool_load(w, pool.name, arrivals, shape_since)
         if load is None or pool.desired <= 0:
             return None
         startup, scale_ups = learned_startup(w, pool.name, since)
@@ -450,13 +481,13 @@ class Autoscaler:
         if fc is None:
             return None
         plan_rate = max(fc.upper, load.arrivals)
-        shape_since = _since_shape(w, subject, since, s.shape_shift)
         evidence: dict[str, Any] = {
             "arrivals": round(load.arrivals, 3), "forecast": round(fc.expected, 3), "planned_for": round(plan_rate, 3),
             "horizon_s": round(fc.horizon_s), "startup_s": None if startup is None else round(startup),
             "startup_measured_from": scale_ups, "prompt_tokens": round(load.prompt_tokens),
             "output_tokens": round(load.output_tokens), "hit_rate": round(load.hit_rate, 3),
             "prompt_sigma": round(load.prompt_sigma, 3),
+            "shape_age_s": round(inp.now - shape_since) if shape_since > since else None,
         }
         prefill = pool.role != "decode" and load.prompt_tokens > 0
         decode = pool.role != "prefill" and load.output_tokens > 0

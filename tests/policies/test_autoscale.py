@@ -326,3 +326,36 @@ def test_short_prompts_at_light_load_each_pay_a_passs_fixed_cost() -> None:
     # At that cost 12 req/s keep about 12 * 0.16 = 1.9 engines busy; within a 0.4 s budget over a 0.3 s idle
     # TTFT, each may run about a quarter busy.
     assert p.recommended >= 6, p.reason
+
+
+def _more_scrapes(w: SignalWindows, prompts: list[float], rate: float = 10.0) -> None:
+    """Scrapes after the last one in `w`, one per prompt length, the rest as `windows` writes it."""
+    last = max(ts for ts, _ in w.series("pool/chat", "request_rate"))
+    for i, prompt in enumerate(prompts):
+        ts = last + (i + 1) * STEP
+        for name, value in (("request_rate", rate), ("prompt_tokens_rate", rate * prompt),
+                            ("generation_tokens_rate", rate * 200.0), ("prefix_cache_hit_rate", 0.0),
+                            ("requests_running", 40.0), ("requests_waiting", 0.0), ("ttft_p95", 0.3),
+                            ("tpot_p95", 0.03), ("engines_reporting", 4.0), (DESIRED, 4.0), (READY, 4.0)):
+            w.add(ts, "pool/chat", name, value)
+
+
+def test_a_jump_in_prompt_length_is_planned_for_after_four_scrapes_not_twenty() -> None:
+    before = plan(windows(20, 10.0), pool())
+    three = windows(20, 10.0)
+    _more_scrapes(three, [4000.0] * 3)
+    assert plan(three, pool()).evidence["prompt_tokens"] < 2000, "three scrapes are not yet a new shape"
+    w = windows(20, 10.0)
+    _more_scrapes(w, [4000.0] * 4)
+    after = plan(w, pool())
+    assert after.evidence["prompt_tokens"] == pytest.approx(4000, rel=0.01)
+    assert after.evidence["shape_age_s"] == 3 * STEP
+    assert after.recommended > before.recommended
+
+
+def test_prompt_lengths_that_only_scatter_are_no_new_shape() -> None:
+    w = windows(20, 10.0)
+    _more_scrapes(w, [1300.0, 700.0, 1300.0, 1300.0, 700.0, 1300.0])
+    p = plan(w, pool())
+    assert p.evidence["shape_age_s"] is None
+    assert p.evidence["prompt_tokens"] == pytest.approx(1000 + 300 * 2 / 20, rel=0.01)
