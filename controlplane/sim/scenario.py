@@ -294,9 +294,11 @@ class Scenario(Settings):
         # Each simulated engine has a node of its own, named after it (see exporters.node_of).
         policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"),
                             gpu_health=GpuHealthSettings(pod_host="node-{pod}"))
+        # Replicas change by as many at once as in the autoscaling evaluation (an HPA's default allows 4
+        # pods or 100 % per 15 s); the remedies keep a cooldown of their own.
         return FleetConfig(mode=Mode(mode), store=Store(url=db_url), pools=pools, policies=policies,
                            scrape=Scrape(interval=self.scrape_interval, timeout=2.0, spread=0.0),
-                           rails=Rails(cooldown=600.0, cooldowns={ActionKind.SCALE_POOL: 60.0}, max_step=4,
+                           rails=Rails(cooldown=600.0, cooldowns={ActionKind.SCALE_POOL: 60.0}, max_step=8,
                                        max_actions_per_hour=20, verify_after=600.0))
 
     def truth_windows(self) -> list[tuple[float, float, Truth]]:
