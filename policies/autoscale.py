@@ -10,7 +10,8 @@ Pure: the caller hands in the signal windows, the pools, the open findings and t
    it), with headroom from the upper quantile of the forecast's own errors at that horizon.
 3. Curves: TTFT p95 against prefill utilisation and TPOT p95 against the batch per engine and its
    context, fitted (scikit-learn) on the pool's own points since the workload last changed shape
-   (prompt or output length moving by more than `shape_shift`); the engine profile is the prior
+   (prompt or output length moving by more than `shape_shift`, a jump seen within four scrapes; the
+   load's lengths are averaged over the new shape's scrapes only); the engine profile is the prior
    until `min_points` exist, over the pool's prompt-length distribution (a long tail raises the mean
    prefill and, more, the wait behind it: an M/G/1 queue). A prefill engine's passes hold the prompts
    that arrived during the last one, so at light load each prompt pays most of a pass's fixed cost; the
