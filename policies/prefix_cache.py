@@ -7,6 +7,7 @@ finding's evidence when it opens, so a long incident cannot become its own new n
 
 from __future__ import annotations
 
+import itertools
 from enum import StrEnum
 
 from pydantic import Field
@@ -28,6 +29,7 @@ __all__ = ["Cause", "PrefixCacheHitDrop", "PrefixCacheSettings"]
 
 KIND = "prefix_cache_hit_drop"
 SIGNAL = "prefix_cache_hit_rate"
+DESIRED = "replicas_desired"  # engines the pool's workload asks for, as the actuator reads it
 
 
 class Cause(StrEnum):
@@ -62,6 +64,24 @@ class PrefixCacheSettings(Settings):
         return least_window("baseline", self.baseline_s, need, interval, why)
 
 
+def _low_since(inp: PolicyInput, subject: str, bar: float, until: float | None) -> float | None:
+    """When the run of hit-rate points below `bar` that reaches `until` (the latest point when None) began."""
+    began = None
+    for ts, value in reversed(inp.windows.series(subject, SIGNAL)):
+        if until is not None and ts > until:
+            continue
+        if value >= bar:
+            break
+        began = ts
+    return began
+
+
+def _shed(inp: PolicyInput, subject: str, after: float, until: float) -> float | None:
+    """The last time in (`after`, `until`] the pool's desired engine count fell, if it did."""
+    points = inp.windows.series(subject, DESIRED, since=after)
+    return max((ts for (_, a), (ts, b) in itertools.pairwise(points) if b < a and after < ts <= until), default=None)
+
+
 class PrefixCacheHitDrop:
     """Detects pool-level prefix-cache hit-rate drops and proposes a fix by cause."""
 
@@ -84,7 +104,7 @@ class PrefixCacheHitDrop:
                 if self._recovered(inp, subject, baseline, threshold):
                     result.resolved.append((key, "hit rate back near its baseline"))
                     continue
-                report = self._report(inp, subject, baseline, threshold)
+                report = self._report(inp, subject, baseline, threshold, open_finding.opened_at)
                 if report is not None:
                     result.findings.append(report)
                 continue
@@ -123,7 +143,8 @@ class PrefixCacheHitDrop:
         bar = baseline - s.recover_fraction * threshold
         return len(recent) == s.resolve_points and all(v >= bar for v in recent)
 
-    def _report(self, inp: PolicyInput, subject: str, baseline: float, threshold: float) -> FindingReport | None:
+    def _report(self, inp: PolicyInput, subject: str, baseline: float, threshold: float,
+                opened_at: float | None = None) -> FindingReport | None:
         s = self.settings
         current = inp.windows.latest(subject, SIGNAL)
         if current is None:
@@ -179,7 +200,17 @@ class PrefixCacheHitDrop:
             changed = inp.changed_at.get("router")
             recent = changed is not None and 0 <= inp.now - changed <= s.router_change_window_s
             evidence["router_changed_s_ago"] = None if changed is None else round(inp.now - changed)
-            if recent:
+            # The drop began with the run of low points that opened the finding, whatever it did since.
+            began = _low_since(inp, subject, baseline - threshold, opened_at)
+            shed = _shed(inp, subject, changed, began) if recent and changed is not None and began is not None else None
+            evidence["pool_shed_s_ago"] = None if shed is None else round(inp.now - shed)
+            if shed is not None:
+                # The hit rate held after the router's revision and fell when the pool shed engines: their
+                # cached prefixes went with them, and a rollback of the router would not bring them back.
+                text += (f" The router's last revision came {(inp.now - (changed or 0)) / 60:.0f} min ago, but the "
+                         f"hit rate held until the pool shed engines {(inp.now - shed) / 60:.0f} min ago and their "
+                         "cached prefixes went with them: no rollback.")
+            elif recent:
                 # The cause, not the symptom: extra prefill replicas would only pay for the misses.
                 text += (f" The router got a new revision {(inp.now - (changed or 0)) / 60:.0f} min ago, just before "
                          "the drop: roll it back.")

@@ -99,6 +99,45 @@ def test_a_recent_router_change_is_rolled_back(ago: float | None, rolls_back: bo
     assert finding.evidence["router_changed_s_ago"] == (None if ago is None else round(ago))
 
 
+@pytest.mark.parametrize(("sizes", "shed_ago"), [
+    pytest.param([3, 3, 2, 2, 2], 30.0, id="shed-then-fell"),
+    pytest.param([3, 3, 3, 2, 2], 15.0, id="shed-as-it-fell"),
+    pytest.param([3, 3, 3, 3, 2], None, id="fell-then-shed"),
+    pytest.param([3, 3, 3, 3, 3], None, id="no-shed"),
+    pytest.param([2, 2, 2, 3, 3], None, id="grew"),
+    pytest.param([3, 2, 2, 2, 2], None, id="shed-before-the-router-changed"),
+])
+def test_a_drop_that_began_when_the_pool_shed_engines_is_not_the_routers(sizes: list[int],
+                                                                         shed_ago: float | None) -> None:
+    """The router changed a minute before; the hit rate held, and fell only when engines (and their caches) went."""
+    w = windows(STABLE[:8] + [0.80, 0.80, 0.80, 0.4, 0.4], waiting=9.0)
+    now = 12 * STEP
+    for i, n in enumerate(sizes):  # desired engines over the last five scrapes
+        w.add(now - (4 - i) * STEP, POOL, "replicas_desired", float(n))
+    [finding] = run(w, router_changed_ago=3.5 * STEP).findings
+    assert finding.evidence["pool_shed_s_ago"] == shed_ago
+    assert bool(finding.proposals) is (shed_ago is None)
+    assert ("no rollback" in finding.cause) is (shed_ago is not None)
+
+
+def test_an_open_findings_drop_keeps_the_onset_that_opened_it() -> None:
+    """A point back above the bar and down again after the pool shed engines does not move the blame to the router."""
+    hits = STABLE[:8] + [0.80, 0.80, 0.80, 0.4, 0.4]
+    w = windows(hits, waiting=9.0)
+    opened = 12 * STEP
+    for i, n in enumerate([3, 3, 3, 2, 2]):
+        w.add(opened - (4 - i) * STEP, POOL, "replicas_desired", float(n))
+    [finding] = run(w, router_changed_ago=3.5 * STEP).findings
+    for i, h in enumerate([0.70, 0.4, 0.4], start=13):  # above the bar once, then down again
+        for name, value in (("prefix_cache_hit_rate", h), ("kv_cache_usage_max", 0.3), ("preemption_rate", 0.0),
+                            ("requests_waiting", 9.0), ("ttft_p95", 0.1), ("prefix_cache_query_rate", 1000.0),
+                            ("replicas_desired", 2.0)):
+            w.add(i * STEP, POOL, name, value)
+    open_findings = {KEY: OpenFinding(KEY, opened, finding.evidence)}
+    [later] = run(w, open_findings, router_changed_ago=6.5 * STEP).findings
+    assert later.proposals == () and later.evidence["pool_shed_s_ago"] == 4 * STEP
+
+
 def _open(hits: list[float]) -> dict:
     [finding] = run(windows(hits)).findings
     return {KEY: OpenFinding(KEY, 0.0, finding.evidence)}
