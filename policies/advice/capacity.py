@@ -114,16 +114,17 @@ class Sizing:
     ttft_queue: float = 0.0
     tpot_base: float = 0.0
     tpot_stall: float = 0.0
-    # The predictions with one engine fewer and the limit they break: how near the answer is to the next size
-    # down, so a reader sees when a saving hangs on one engine.
-    one_fewer: dict[str, object] | None = None
+    # The sizing with one engine fewer, its `limited_by` the limit it breaks: how near the answer is to the next
+    # size down, so a reader sees when a saving hangs on one engine.
+    one_fewer: Sizing | None = None
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
             "engines": self.engines, "batch": round(self.batch, 1), "utilisation": round(self.utilisation, 3),
             "ttft_p95_s": _r(self.ttft_p95), "tpot_p95_s": _r(self.tpot_p95), "limited_by": self.limited_by}
-        if self.one_fewer is not None:
-            out["one_fewer"] = self.one_fewer
+        if (fewer := self.one_fewer) is not None:
+            out["one_fewer"] = {"engines": fewer.engines, "ttft_p95_s": _r(fewer.ttft_p95),
+                                "tpot_p95_s": _r(fewer.tpot_p95), "breaks": fewer.limited_by}
         return out
 
 
@@ -357,8 +358,7 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     if below is None:  # one engine is plenty
         return replace(fits, limited_by="load")
     broke, fewer = below
-    return replace(fits, limited_by=broke, one_fewer={"engines": fewer.engines, "ttft_p95_s": _r(fewer.ttft_p95),
-                                                      "tpot_p95_s": _r(fewer.tpot_p95), "breaks": broke})
+    return replace(fits, limited_by=broke, one_fewer=replace(fewer, limited_by=broke))
 
 
 def _over(s: Sizing, ttft_slo: float | None, tpot_slo: float | None, margin: float) -> str | None:
