@@ -331,34 +331,34 @@ def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | 
     if load.arrivals <= 0:
         return Sizing(1, 0.0, 0.0, None, None, "load")
 
-    def judge(n: int) -> tuple[str | None, Sizing]:
+    def judge(n: int) -> Sizing:
+        """The sizing at `n` engines, its `limited_by` the limit it breaks ("" when it fits)."""
         broke, sizing = _at(n, load, eng, transfer_s, calibration)
-        return broke or _over(sizing, ttft_slo, tpot_slo, margin), sizing
+        return replace(sizing, limited_by=broke or _over(sizing, ttft_slo, tpot_slo, margin) or "")
 
     # Grow geometrically to a size that fits, then bisect down: needs are monotone in the engine count. `below`
-    # is the largest size known not to fit, with the limit it breaks; it ends one under the answer.
-    below: tuple[str, Sizing] | None = None
+    # is the largest size known not to fit; it ends one under the answer.
+    below: Sizing | None = None
     fits: Sizing | None = None
     n = 1
     while n <= limit:
-        broke, sizing = judge(n)
-        if broke is None:
+        sizing = judge(n)
+        if not sizing.limited_by:
             fits = sizing
             break
-        below = (broke, sizing)
+        below = sizing
         n *= 2
     if fits is None:
         return Sizing(limit, 0.0, 0.0, None, None, "none")
-    while below is not None and fits.engines - below[1].engines > 1:
-        broke, sizing = judge((below[1].engines + fits.engines) // 2)
-        if broke is None:
-            fits = sizing
+    while below is not None and fits.engines - below.engines > 1:
+        sizing = judge((below.engines + fits.engines) // 2)
+        if sizing.limited_by:
+            below = sizing
         else:
-            below = (broke, sizing)
+            fits = sizing
     if below is None:  # one engine is plenty
         return replace(fits, limited_by="load")
-    broke, fewer = below
-    return replace(fits, limited_by=broke, one_fewer=replace(fewer, limited_by=broke))
+    return replace(fits, limited_by=below.limited_by, one_fewer=below)
 
 
 def _over(s: Sizing, ttft_slo: float | None, tpot_slo: float | None, margin: float) -> str | None:
