@@ -28,7 +28,7 @@ from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from tests.kvprobe.test_probe import KIB, run_in_thread, start_target
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 SUBJECT = "kvpath/prefill-0->decode-0"
 

@@ -33,7 +33,7 @@ from controlplane.kvprobe.probe import Peer, ProbeMetrics, Prober
 from controlplane.kvprobe.stats import TransferRecord, percentile
 from controlplane.lab.engine import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -21,7 +21,7 @@ from controlplane.gate import ArmSelector, PromGateSource
 from policies.canary import GateSettings, MetricRule, Outcome, judge
 from tests.real.scenario import Run, rel_diff
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 
 def _ours(run: Run, pods: list[str], signal: str) -> tuple[float, float]:

@@ -30,7 +30,7 @@ from controlplane.lab.engine import LAB_ARGS, VllmEngine, ensure_model, free_por
 from policies.canary import GateSettings, MetricRule, Outcome, Scale, Verdict
 from tests.real.vllm_setup import ensure_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.timeout(1500)]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "tests" / "artifacts"
 WORDS = "the a of to and in is that for on with cache prefix token engine request decode model pool fleet".split()

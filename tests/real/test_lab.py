@@ -333,6 +333,7 @@ def _group_members(pgid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 @pytest.mark.timeout(900)  # a fresh machine installs vLLM first (minutes)
 async def test_lab_faults_move_the_real_signals(tmp_path: Path) -> None:
     venv = ensure_vllm()

@@ -42,7 +42,7 @@ import pytest
 from collectors.types import pool_subject
 from tests.real.scenario import TOLERANCE, Run, rel_diff
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 QUANTILES = (("ttft_p50", 0.5), ("ttft_p95", 0.95))
 TTFT = "vllm:time_to_first_token_seconds_bucket"

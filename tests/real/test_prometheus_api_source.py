@@ -19,7 +19,7 @@ from collectors.prometheus_api import SIGNALS, CounterMode, Labels, PrometheusSo
 from collectors.types import Signal
 from tests.real.scenario import TOLERANCE, Run, rel_diff
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 NAMES = {spec.name for spec in SIGNALS}
 NOT_IN_SIM = {"spec_acceptance_rate", "spec_mean_acceptance_length"}  # the simulator has no speculative decoding

@@ -37,7 +37,7 @@ from collectors.types import Target, engine_subject, pool_subject
 from controlplane.lab.engine import EngineStartError, VllmEngine, ensure_model, free_port, lab_venv, venv_ready
 
 # Installing vLLM on a fresh machine takes minutes; the module fixture runs inside the first test.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP = REPO / "scripts" / "setup-vllm-lab.sh"
