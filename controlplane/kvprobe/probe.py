@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from controlplane.kvprobe.metadata import MetadataDoc, MetadataExchangeError, fetch_metadata
 from controlplane.kvprobe.nixlapi import failure_reason, make_agent
@@ -67,12 +68,26 @@ class ExchangeStats:
                 "last_error": self.last_error, "instance": self.instance}
 
 
+class _SlotRegistry(CollectorRegistry):
+    """A registry rendered under `lock`: a slot's outcome spans several families (the transfer, its bytes, its
+    times), and a scrape must see it in all of them or in none, or bytes per transfer read wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            families = list(super().collect())
+        yield from families
+
+
 class ProbeMetrics:
     """The probe's Prometheus metrics in a registry of their own, optionally served on a loopback port."""
 
     def __init__(self, src: str) -> None:
         self.src = src
-        self.registry = CollectorRegistry()
+        self.registry = _SlotRegistry()
         pair = ["src", "dst", "block_bytes"]
         self.transfer = Histogram("fleet_kvprobe_transfer_seconds", "NIXL transfer time of a probe WRITE (telemetry)",
                                   pair, buckets=BUCKETS, registry=self.registry)
@@ -108,17 +123,18 @@ class ProbeMetrics:
     def observe(self, rec: TransferRecord) -> None:
         """Count one slot's outcome."""
         labels = (self.src, rec.dst, str(rec.block_bytes))
-        self.transfers.labels(*labels).inc()
-        if not rec.ok:
-            self.failures.labels(*labels, rec.reason or "error").inc()
-            return
-        self.bytes.labels(*labels).inc(rec.bytes)
-        if rec.xfer_s is not None:
-            self.transfer.labels(*labels).observe(rec.xfer_s)
-        if rec.post_s is not None:
-            self.post.labels(*labels).observe(rec.post_s)
-        if rec.wall_s is not None:
-            self.wall.labels(*labels).observe(rec.wall_s)
+        with self.registry.lock:
+            self.transfers.labels(*labels).inc()
+            if not rec.ok:
+                self.failures.labels(*labels, rec.reason or "error").inc()
+                return
+            self.bytes.labels(*labels).inc(rec.bytes)
+            if rec.xfer_s is not None:
+                self.transfer.labels(*labels).observe(rec.xfer_s)
+            if rec.post_s is not None:
+                self.post.labels(*labels).observe(rec.post_s)
+            if rec.wall_s is not None:
+                self.wall.labels(*labels).observe(rec.wall_s)
 
     def set_up(self, dst: str, up: bool) -> None:
         """Mark the path to dst up or down."""

@@ -4,6 +4,7 @@ and the exporter/collector contract (what `ProbeMetrics` exposes is what `collec
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 
 import pytest
@@ -147,6 +148,31 @@ def test_buckets_cover_sub_millisecond_to_seconds() -> None:
     assert BUCKETS[0] <= 0.0001 and BUCKETS[-1] >= 5.0
     assert list(BUCKETS) == sorted(BUCKETS)
     assert sum(1 for b in BUCKETS if b < 0.001) >= 5  # loopback writes of small blocks are sub-millisecond
+
+
+def test_a_scrape_sees_each_slot_in_every_family_or_in_none() -> None:
+    # The probe thread counts a slot in several families while the HTTP thread renders them one after
+    # another: without one lock over both, a scrape could count a transfer's bytes but not the transfer.
+    m = ProbeMetrics("prefill-0")
+    m.prepare("decode-0", [MIB])
+    stop = threading.Event()
+
+    def observe() -> None:
+        while not stop.is_set():
+            m.observe(ok(MIB, 0.001))
+
+    worker = threading.Thread(target=observe)
+    worker.start()
+    try:
+        for _ in range(300):
+            values = {(s.name, s.labels.get("le")): s.value for s in parse(m.exposition())
+                      if s.labels.get("block_bytes") == str(MIB)}
+            n = values[("fleet_kvprobe_transfers_total", None)]
+            assert values[("fleet_kvprobe_bytes_total", None)] == n * MIB
+            assert values[("fleet_kvprobe_transfer_seconds_count", None)] == n
+    finally:
+        stop.set()
+        worker.join()
 
 
 def test_probe_metrics_read_back_by_the_collector() -> None:
