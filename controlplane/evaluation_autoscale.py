@@ -48,7 +48,7 @@ from controlplane.loop import TickReport
 from controlplane.sim.engine import HISTOGRAMS
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.run import ScenarioRun, run_scenario
-from controlplane.sim.scenario import FaultTimeline, PoolModel, Scenario, load_scenario
+from controlplane.sim.scenario import SCALE_STEP, FaultTimeline, PoolModel, Scenario, load_scenario
 from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
@@ -72,7 +72,7 @@ VS_ORACLE_GOAL = 1.10
 
 def eval_rails() -> Rails:
     """The rails every strategy runs under: replica changes as fast as a Kubernetes HPA makes them."""
-    return Rails(cooldown=60.0, max_step=8, max_actions_per_hour=240, verify_after=600.0)
+    return Rails(cooldown=60.0, max_step=SCALE_STEP, max_actions_per_hour=240, verify_after=600.0)
 
 
 # measuring ----------------------------------------------------------------------------------------

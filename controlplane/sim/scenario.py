@@ -45,8 +45,12 @@ from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
 from policies.types import ActionKind
 
-__all__ = ["FAULT_KINDS", "Fault", "FaultTimeline", "Scenario", "TraceSpec", "Truth", "apply_fault", "builtin_scenarios",
-           "load_scenario"]
+__all__ = ["FAULT_KINDS", "SCALE_STEP", "Fault", "FaultTimeline", "Scenario", "TraceSpec", "Truth", "apply_fault",
+           "builtin_scenarios", "load_scenario"]
+
+# The most replicas one scale action may add or remove in a replay, every strategy alike: as fast as a Kubernetes
+# HPA's default allows (4 pods or 100 % per 15 s).
+SCALE_STEP = 8
 
 # ServeGen's language models publish no lengths: requests get these (prompt, output) tokens.
 SERVEGEN_LENGTHS = (1500, 250)
@@ -294,11 +298,10 @@ class Scenario(Settings):
         # Each simulated engine has a node of its own, named after it (see exporters.node_of).
         policies = Policies(ep_imbalance=EpImbalanceSettings(pod_host="node-{pod}"),
                             gpu_health=GpuHealthSettings(pod_host="node-{pod}"))
-        # Replicas change by as many at once as in the autoscaling evaluation (an HPA's default allows 4
-        # pods or 100 % per 15 s); the remedies keep a cooldown of their own.
+        # Scaling is as fast as in the autoscaling evaluation; the remedies keep a cooldown of their own.
         return FleetConfig(mode=Mode(mode), store=Store(url=db_url), pools=pools, policies=policies,
                            scrape=Scrape(interval=self.scrape_interval, timeout=2.0, spread=0.0),
-                           rails=Rails(cooldown=600.0, cooldowns={ActionKind.SCALE_POOL: 60.0}, max_step=8,
+                           rails=Rails(cooldown=600.0, cooldowns={ActionKind.SCALE_POOL: 60.0}, max_step=SCALE_STEP,
                                        max_actions_per_hour=20, verify_after=600.0))
 
     def truth_windows(self) -> list[tuple[float, float, Truth]]:
