@@ -91,11 +91,13 @@ def prefill_cost(curves: EngineCurves, load: Load, pass_tokens: float | None = N
 
 def _prefill_terms(curves: EngineCurves, load: Load, pass_tokens: float | None) -> tuple[float, float]:
     """(beta, gamma) of `prefill_cost`: one prompt of P tokens costs beta*P + gamma*P^2 seconds. The profile's terms
-    (`EngineCurves.prefill_terms`) plus the pass's own quadratic, which every new token of a shared pass pays."""
+    (`EngineCurves.prefill_terms`) plus the pass's quadratic across prompts: a prompt of N new tokens sharing a pass
+    of X pays c*N*(X - N) for the others' tokens in it, nothing once it fills its passes alone (taken at the mean N)."""
     h = min(max(load.hit_rate, 0.0), 1.0)
     x = float(curves.max_batched_tokens) if pass_tokens is None else max(1.0, pass_tokens)
     beta, gamma = curves.prefill_terms(h, x)
-    return beta + (1.0 - h) * curves.prefill[2] * x, gamma
+    shared = max(0.0, x - (1.0 - h) * load.prompt_tokens)
+    return beta + (1.0 - h) * curves.prefill[2] * shared, gamma
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from policies.advice import (
     advise,
     lru_hit_rates,
 )
-from policies.advice.capacity import Load, predict, size_pool
+from policies.advice.capacity import Load, predict, prefill_cost, size_pool
 from policies.advice.speculation import best_positions
 from policies.advice.whatif import calibrate, on_gpu, peak_load
 from policies.autoscale import EngineCurves
@@ -94,6 +94,17 @@ def test_a_lightly_loaded_prefill_engine_pays_each_pass_for_few_prompts() -> Non
     assert light.utilisation / 2.0 == pytest.approx(alone, rel=0.05)
     busy = predict(1, "prefill", Load(60.0, 400, 1), CURVES)
     assert busy.utilisation / 60.0 < 0.8 * alone
+
+
+def test_a_prompt_pays_the_pass_quadratic_only_for_the_others_tokens_in_its_pass() -> None:
+    """A pass of X tokens costs c*X^2: a prompt of N new tokens sharing it pays c*N*(X - N) beside its own c*N^2, and
+    one long enough to fill its passes alone pays its own attention and nothing more (the simulator's pass cost)."""
+    a, b, c = CURVES.prefill
+    x = float(CURVES.max_batched_tokens)
+    short = prefill_cost(CURVES, Load(1.0, 1000, 1), x).mean
+    assert short == pytest.approx(1000 * (a / x + b) + c * 1000 * 1000 + c * 1000 * (x - 1000), rel=1e-6)
+    long = prefill_cost(CURVES, Load(1.0, 40_000, 1), x).mean
+    assert long == pytest.approx(40_000 * (a / x + b) + c * 40_000 * 40_000, rel=1e-6)
 
 
 def test_near_the_knee_the_p95_tpot_outgrows_the_mean_batch() -> None:
