@@ -21,7 +21,9 @@ Pure: the caller hands in the signal windows, the pools, the open findings and t
    the forecast load, the KV cache included. A target below the current size holds only once every
    target of the last `scale_down_after` was as low (a lull between bursts sheds nothing); an open
    SLO-burn or saturation finding on a pool the curves call big enough adds an engine, since the
-   curves are wrong then. One component owns replica counts: the symptom policies only report.
+   curves are wrong then, and so does the pool's own record: a minute of the history in which it broke
+   TTFT with requests queued and its engines unchanged keeps it above that many engines for as much
+   load. One component owns replica counts: the symptom policies only report.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ CAPACITY_FINDINGS = ("slo_burn", "saturation")
 MIN_BURST_COUNT = 5.0  # requests per scrape under which a minute says nothing about bursts
 LENGTH_SCRAPES = 20  # scrapes the lengths per request are averaged over, and the blocks shapes are compared in
 SHIFT_CONFIRM = 4  # scrapes in a row, all moved the same way, that mark a new shape at once
+STEADY_S = 120.0  # a minute judges the pool's size only this long after its engines last changed
 MIN_R2 = 0.3  # a fitted curve replaces the prior only when it explains this share of its points' variance
 READS = ("request_rate", "prompt_tokens_rate", "generation_tokens_rate", "prefix_cache_hit_rate", "requests_running",
          "requests_waiting", "ttft_p95", "tpot_p95", "kv_cache_usage", "engines_reporting")
@@ -317,6 +320,30 @@ def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
     return any(statistics.median(v) > slo for v in minutes.values())
 
 
+def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
+                    arrivals: Mapping[float, float]) -> list[tuple[float, float, float]]:
+    """(minute end, engines, arrivals per second) of each whole minute since `since` in which, in most scrapes, TTFT
+    p95 broke `slo` with requests waiting for an engine (a slow first token with nothing queued is the prompt's own
+    prefill, which more engines do not shorten), the same engines serving since `STEADY_S` before it (engines just
+    added start with cold prefix caches, and routers reshuffle sessions onto them: no measure of the size)."""
+    engines = w.series(subject, "engines_reporting", since=since - STEADY_S)
+    changes = [t for (_, a), (t, b) in itertools.pairwise(engines) if a != b]
+    waiting = dict(w.series(subject, "requests_waiting", since=since))
+    minutes: dict[int, list[bool]] = {}
+    for ts, ttft in w.series(subject, "ttft_p95", since=since):
+        minutes.setdefault(math.ceil(ts / 60.0), []).append(ttft > slo and waiting.get(ts, 0.0) > 0)
+    counts, out = dict(engines), []
+    for m, broke in sorted(minutes.items()):
+        start, end = (m - 1) * 60.0, m * 60.0
+        if len(broke) < 4 or 2 * sum(broke) <= len(broke) or any(start - STEADY_S < t <= end for t in changes):
+            continue
+        n = [v for t, v in counts.items() if start < t <= end]
+        r = [v for t, v in arrivals.items() if start < t <= end]
+        if n and r and statistics.fmean(r) > 0:
+            out.append((end, statistics.fmean(n), statistics.fmean(r)))
+    return out
+
+
 def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
     buckets: dict[int, list[float]] = {}
@@ -510,6 +537,19 @@ class Autoscaler:
         reason = (f"{pool.name}: {recommended} engines at {per_engine:.2f} req/s each keep TTFT and TPOT p95 within "
                   f"{s.margin:.0%} of the SLOs at {plan_rate:.2f} req/s (forecast {fc.expected:.2f} req/s "
                   f"{fc.horizon_s:.0f}s ahead, now {load.arrivals:.2f})")
+        # Where the curves are wrong the pool says so: a steady minute in which it broke TTFT with requests queued, n
+        # engines at r req/s, proves n too few for r whatever the model allows (Mooncake's long prompts: a queue
+        # behind one prompt's prefill at a fifth of the engines' time). So at least n + 1 for as much load, for as
+        # long as the history holds that minute.
+        broke = _broken_minutes(w, subject, pool.ttft_p95_slo, since, dict(arrivals)) \
+            if prefill and pool.ttft_p95_slo is not None else []
+        if broke:
+            evidence["broke_with"] = [{"minute_end": t, "engines": round(n, 1), "arrivals": round(r, 3)}
+                                      for t, n, r in broke]
+            floor, n, r = max((math.floor(n * min(1.0, plan_rate / r) + 1e-9) + 1, n, r) for _, n, r in broke)
+            if floor > recommended:
+                recommended = floor
+                reason += f"; at least {floor}: {n:.0f} engines broke TTFT with requests queued at {r:.2f} req/s"
         short = sorted({key.kind for key, f in inp.open_findings.items()
                         if key.kind in CAPACITY_FINDINGS and pool.name in f.evidence.get("short_pools", ())})
         breaching = any(slo is not None and (v := _recent(w, subject, name, 2)) is not None and v > slo

@@ -38,22 +38,26 @@ def pool(desired: int = 4, ready: int | None = None, role: str = "unified", lo: 
                      tpot_p95_slo=0.1)
 
 
-def windows(minutes: float, rate: float | list[float], *, engines: int = 4, prompt: float = 1000.0,
-            output: float = 200.0, hit: float = 0.0, ttft: float = 0.3, tpot: float = 0.03, running: float = 40.0,
-            waiting: float | list[float] = 0.0, start: float = 0.0,
+def windows(minutes: float, rate: float | list[float], *, engines: int | list[int] = 4, prompt: float = 1000.0,
+            output: float = 200.0, hit: float = 0.0, ttft: float | list[float] = 0.3, tpot: float = 0.03,
+            running: float = 40.0, waiting: float | list[float] = 0.0, start: float = 0.0,
             prompt_quantiles: tuple[float, float] | None = None) -> SignalWindows:
-    """A pool's aggregates every 15 s; `rate` and `waiting` are one value or one per scrape; prompt lengths' median and
-    95th percentile where given."""
+    """A pool's aggregates every 15 s; `rate`, `engines`, `ttft` and `waiting` are one value or one per scrape; prompt
+    lengths' median and 95th percentile where given."""
     w = SignalWindows(3 * 3600)
     n = int(minutes * 60 / STEP)
     rates = rate if isinstance(rate, list) else [rate] * n
-    queue = waiting if isinstance(waiting, list) else [waiting] * len(rates)
+
+    def per_scrape(v: float | list[float] | list[int]) -> list[float]:
+        return [float(x) for x in v] if isinstance(v, list) else [float(v)] * len(rates)
+
+    queue, ttfts, sizes = per_scrape(waiting), per_scrape(ttft), per_scrape(engines)
     for i, r in enumerate(rates):
         ts = start + (i + 1) * STEP
         for name, value in (("request_rate", r), ("prompt_tokens_rate", r * prompt), ("generation_tokens_rate", r * output),
                             ("prefix_cache_hit_rate", hit), ("requests_running", running), ("requests_waiting", queue[i]),
-                            ("ttft_p95", ttft), ("tpot_p95", tpot), ("engines_reporting", float(engines)),
-                            (DESIRED, float(engines)), (READY, float(engines))):
+                            ("ttft_p95", ttfts[i]), ("tpot_p95", tpot), ("engines_reporting", sizes[i]),
+                            (DESIRED, sizes[i]), (READY, sizes[i])):
             w.add(ts, "pool/chat", name, value)
         if prompt_quantiles:
             w.add(ts, "pool/chat", "prompt_len_p50", prompt_quantiles[0])
@@ -359,3 +363,41 @@ def test_prompt_lengths_that_only_scatter_are_no_new_shape() -> None:
     p = plan(w, pool())
     assert p.evidence["shape_age_s"] is None
     assert p.evidence["prompt_tokens"] == pytest.approx(1000 + 300 * 2 / 20, rel=0.01)
+
+
+def _broken_at(minute: int, scrapes: int = 4, minutes: int = 30, value: float = 2.5) -> list[float]:
+    """TTFT p95 per scrape of `minutes`: over the 2 s SLO in `scrapes` of the four scrapes of `minute` (1-based)."""
+    return [value if (minute - 1) * 4 <= i < (minute - 1) * 4 + scrapes else 0.3 for i in range(minutes * 4)]
+
+
+def test_a_steady_minute_that_broke_ttft_with_requests_waiting_keeps_an_engine_more_than_it_had() -> None:
+    """The curves call one engine enough; the pool broke its TTFT SLO with six and requests queued: six are too few
+    for that load, whatever the model says, for as long as the history holds the minute."""
+    broke = plan(windows(30, 5.0, engines=6, ttft=_broken_at(20), waiting=3.0), pool(6))
+    assert broke.recommended == 7 and broke.target == 7
+    assert "6 engines broke TTFT with requests queued at 5.00 req/s" in broke.reason
+    assert broke.evidence["broke_with"] == [{"minute_end": 1200.0, "engines": 6.0, "arrivals": 5.0}]
+
+
+def test_a_lower_load_than_the_breach_scales_its_floor_down() -> None:
+    w = windows(20, 10.0, engines=6, ttft=_broken_at(10, minutes=20), waiting=3.0)
+    for ts, name, value in [(1200.0 + (i + 1) * STEP, name, value) for i in range(40)
+                            for name, value in (("request_rate", 5.0), ("prompt_tokens_rate", 5000.0),
+                                                ("generation_tokens_rate", 1000.0), ("ttft_p95", 0.3),
+                                                ("requests_waiting", 0.0), ("engines_reporting", 6.0))]:
+        w.add(ts, "pool/chat", name, value)
+    p = plan(w, pool(6))
+    assert p.evidence["broke_with"][0]["engines"] == 6.0
+    assert p.recommended == math.floor(6 * p.evidence["planned_for"] / 10.0) + 1 < 7
+
+
+@pytest.mark.parametrize(("case", "ttft", "waiting", "engines"), [
+    ("one slow scrape is noise", _broken_at(20, scrapes=1), 3.0, 6),
+    ("nothing queued: the prompts' own prefill is slow", _broken_at(20), 0.0, 6),
+    ("engines added a minute before: cold caches", _broken_at(20), 3.0, [5] * 75 + [6] * 45),
+])
+def test_breaches_that_say_nothing_about_the_size_set_no_floor(case: str, ttft: list[float], waiting: float,
+                                                              engines: int | list[int]) -> None:
+    p = plan(windows(30, 5.0, engines=engines, ttft=ttft, waiting=waiting), pool(6))
+    assert "broke_with" not in p.evidence, case
+    assert p.recommended < 6, case
