@@ -31,9 +31,9 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from pydantic import Field
@@ -72,6 +72,7 @@ LENGTH_SCRAPES = 20  # scrapes the lengths per request are averaged over, and th
 SHIFT_CONFIRM = 4  # scrapes in a row, all moved the same way, that mark a new shape at once
 STEADY_S = 120.0  # a minute judges the pool's size only this long after its engines last changed
 MIN_R2 = 0.3  # a fitted curve replaces the prior only when it explains this share of its points' variance
+T = TypeVar("T")
 READS = ("request_rate", "prompt_tokens_rate", "generation_tokens_rate", "prefix_cache_hit_rate", "requests_running",
          "requests_waiting", "ttft_p95", "tpot_p95", "kv_cache_usage", "engines_reporting")
 
@@ -312,12 +313,17 @@ def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: Autosca
     return Forecast(values[-1], expected, expected + headroom, steps * step)
 
 
+def _by_minute(points: Iterable[tuple[float, T]]) -> dict[int, list[T]]:
+    """Values grouped by the minute they fall in, each minute numbered by its end (`ceil(ts / 60)`)."""
+    minutes: dict[int, list[T]] = {}
+    for ts, v in points:
+        minutes.setdefault(math.ceil(ts / 60.0), []).append(v)
+    return minutes
+
+
 def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
     """Whether in some minute most scrapes' p95 broke the SLO (one slow scrape is noise every fleet has)."""
-    minutes: dict[int, list[float]] = {}
-    for ts, v in series:
-        minutes.setdefault(math.ceil(ts / 60.0), []).append(v)
-    return any(statistics.median(v) > slo for v in minutes.values())
+    return any(statistics.median(v) > slo for v in _by_minute(series).values())
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
@@ -325,31 +331,26 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     """(minute end, engines, arrivals per second) of each whole minute since `since` in which, in most scrapes, TTFT
     p95 broke `slo` with requests waiting for an engine (a slow first token with nothing queued is the prompt's own
     prefill, which more engines do not shorten), the same engines serving since `STEADY_S` before it (engines just
-    added start with cold prefix caches, and routers reshuffle sessions onto them: no measure of the size)."""
+    added start with cold prefix caches: no measure of the size)."""
     engines = w.series(subject, "engines_reporting", since=since - STEADY_S)
     changes = [t for (_, a), (t, b) in itertools.pairwise(engines) if a != b]
     waiting = dict(w.series(subject, "requests_waiting", since=since))
-    minutes: dict[int, list[bool]] = {}
-    for ts, ttft in w.series(subject, "ttft_p95", since=since):
-        minutes.setdefault(math.ceil(ts / 60.0), []).append(ttft > slo and waiting.get(ts, 0.0) > 0)
-    counts, out = dict(engines), []
-    for m, broke in sorted(minutes.items()):
+    broken = _by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
+                        for ts, ttft in w.series(subject, "ttft_p95", since=since))
+    sizes, rates = _by_minute(engines), _by_minute(arrivals.items())
+    out = []
+    for m, broke in sorted(broken.items()):
         start, end = (m - 1) * 60.0, m * 60.0
         if len(broke) < 4 or 2 * sum(broke) <= len(broke) or any(start - STEADY_S < t <= end for t in changes):
             continue
-        n = [v for t, v in counts.items() if start < t <= end]
-        r = [v for t, v in arrivals.items() if start < t <= end]
-        if n and r and statistics.fmean(r) > 0:
-            out.append((end, statistics.fmean(n), statistics.fmean(r)))
+        if sizes.get(m) and rates.get(m) and (r := statistics.fmean(rates[m])) > 0:
+            out.append((end, statistics.fmean(sizes[m]), r))
     return out
 
 
 def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
-    buckets: dict[int, list[float]] = {}
-    for ts, v in series:
-        buckets.setdefault(math.ceil(ts / 60.0), []).append(v)
-    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(buckets.items())]
+    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(_by_minute(series).items())]
 
 
 def burst_factor(arrivals: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -361,11 +362,8 @@ def burst_factor(arrivals: Sequence[tuple[float, float]]) -> tuple[float, float]
     """
     ts = [t for t, _ in arrivals]
     interval = statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
-    minutes: dict[int, list[float]] = {}
-    for t, rate in arrivals:
-        minutes.setdefault(math.ceil(t / 60.0), []).append(rate * interval)
     ratios = []
-    for counts in minutes.values():
+    for counts in _by_minute((t, rate * interval) for t, rate in arrivals).values():
         mean = statistics.fmean(counts)
         if len(counts) < 3 or mean < MIN_BURST_COUNT:
             continue
