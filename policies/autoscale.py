@@ -327,7 +327,7 @@ def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
-                    arrivals: Mapping[float, float]) -> list[tuple[float, float, float]]:
+                    arrivals: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
     """(minute end, engines, arrivals per second) of each whole minute since `since` in which, in most scrapes, TTFT
     p95 broke `slo` with requests waiting for an engine (a slow first token with nothing queued is the prompt's own
     prefill, which more engines do not shorten), the same engines serving since `STEADY_S` before it (engines just
@@ -337,7 +337,7 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     waiting = dict(w.series(subject, "requests_waiting", since=since))
     broken = _by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
                         for ts, ttft in w.series(subject, "ttft_p95", since=since))
-    sizes, rates = _by_minute(engines), _by_minute(arrivals.items())
+    sizes, rates = _by_minute(engines), _by_minute(arrivals)
     out = []
     for m, broke in sorted(broken.items()):
         start, end = (m - 1) * 60.0, m * 60.0
@@ -539,7 +539,7 @@ class Autoscaler:
         # engines at r req/s, proves n too few for r whatever the model allows (Mooncake's long prompts: a queue
         # behind one prompt's prefill at a fifth of the engines' time). So at least n + 1 for as much load, for as
         # long as the history holds that minute.
-        broke = _broken_minutes(w, subject, pool.ttft_p95_slo, since, dict(arrivals)) \
+        broke = _broken_minutes(w, subject, pool.ttft_p95_slo, since, arrivals) \
             if prefill and pool.ttft_p95_slo is not None else []
         if broke:
             evidence["broke_with"] = [{"minute_end": t, "engines": round(n, 1), "arrivals": round(r, 3)}
