@@ -736,11 +736,13 @@ def advise(ctx: click.Context, config_file: Path | None, db: str, pools: tuple[s
 @advise.command("eval")
 @click.option("--case", "cases", multiple=True, help="Only this case; repeatable. Default: all five.")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Replays run at once.")
+@click.option("--seeds", default=None, type=click.IntRange(min=1),
+              help="Seeds whose minutes the simulator's truth is taken over. Default: 5.")
 @click.option("--json", "as_json", is_flag=True)
-def advise_eval(cases: tuple[str, ...], jobs: int, as_json: bool) -> None:
+def advise_eval(cases: tuple[str, ...], jobs: int, seeds: int | None, as_json: bool) -> None:
     """The advisor on scenarios whose answer is known: right answers, and estimated savings against what the
     simulator measures with the advice applied."""
-    from controlplane.evaluation_advise import CASES, evaluate_advice
+    from controlplane.evaluation_advise import CASES, SEEDS, evaluate_advice
 
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -750,7 +752,7 @@ def advise_eval(cases: tuple[str, ...], jobs: int, as_json: bool) -> None:
         if result is not None:
             err.print(f"  {name}: done")
 
-    data = evaluate_advice(list(cases) or None, jobs, progress)
+    data = evaluate_advice(list(cases) or None, jobs, progress, seeds or SEEDS)
     if as_json:
         _emit_json(data)
         return

@@ -11,7 +11,8 @@ tokens), a small fleet (keep one pool). For each:
    asks for (for "keep one pool", the split it advised against), per pool the fewest engines that
    meet the pool's SLOs in the busy minutes after the warm-up (the 95th percentile of the
    per-minute needs the autoscaler evaluation's oracle search finds, replaying the trace once per
-   size);
+   size), over the minutes of `SEEDS` seeds: one seed's answer moves by an engine where the need
+   lies between two sizes, and a seed's arrivals and routing decide which;
 3. the measured saving is the difference of the two layouts' GPU cost per day at the case's
    prices; the advisor's estimate must be within 20 % of it, and its answer the known one. The
    advised engine counts are also replayed, for the share of minutes they keep within the SLOs.
@@ -45,6 +46,7 @@ __all__ = ["CASES", "AdviceCase", "CaseResult", "apply", "evaluate_advice", "run
 SAVING_TOLERANCE = 0.20
 NEED_QUANTILE = 0.95
 WARMUP_S = 180.0  # caches warm and batches fill first: the advisor reads, and the truth is taken, after this
+SEEDS = 5  # the truth's seeds: the scenario's own and the next ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,10 @@ class CaseResult:
     engines_after: dict[str, int]  # ... and as the recommendation has it
     advised_engines: dict[str, int]  # what the advisor said the new layout needs
     advised_attainment: float | None  # minutes within the SLOs with the advised engines, applied
+    seeds: int = 1  # the truth is taken over this many seeds' minutes
+    # Per pool, the need each seed alone would give (as is, and as advised): the spread the seeds pool over.
+    before_by_seed: dict[str, list[int]] = field(default_factory=dict)
+    after_by_seed: dict[str, list[int]] = field(default_factory=dict)
     evidence: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
 
@@ -161,13 +167,29 @@ def apply(scenario: Scenario, pool: str, kind: AdviceKind, change: Mapping[str, 
 # measuring ---------------------------------------------------------------------------------------
 
 
-def needed(scenario: Scenario, jobs: int, progress: Callable[[str, Any], None] | None = None) -> dict[str, int]:
+def seeded(scenario: Scenario, seeds: int) -> list[Scenario]:
+    """The scenario under its own seed and the `seeds - 1` after it."""
+    return [scenario.model_copy(update={"seed": scenario.seed + i}) for i in range(max(1, seeds))]
+
+
+def _need(minutes: list[int]) -> int:
+    return math.ceil(float(np.quantile(minutes, NEED_QUANTILE, method="higher")))
+
+
+def needed(scenario: Scenario, jobs: int, progress: Callable[[str, Any], None] | None = None,
+           seeds: int = 1) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Per pool, the fewest engines that meet its SLOs in the busy minutes (the 95th percentile of the minutes'
-    needs: the busiest few are allowed to miss, as the advisor sizes for its load's 95th percentile)."""
-    needs = oracle_needs(scenario, jobs, progress)
+    needs, the minutes of every seed pooled: the busiest few are allowed to miss, as the advisor sizes for its
+    load's 95th percentile); beside it, what each seed alone gives."""
     skip = int(WARMUP_S // 60)
-    return {pool: math.ceil(float(np.quantile(n[skip:] or n, NEED_QUANTILE, method="higher")))
-            for pool, n in needs.items()}
+    pooled: dict[str, list[int]] = {}
+    by_seed: dict[str, list[int]] = {}
+    for run in seeded(scenario, seeds):
+        for pool, n in oracle_needs(run, jobs, progress).items():
+            busy = n[skip:] or n
+            pooled.setdefault(pool, []).extend(busy)
+            by_seed.setdefault(pool, []).append(_need(busy))
+    return {pool: _need(n) for pool, n in pooled.items()}, by_seed
 
 
 def cost_per_day(scenario: Scenario, engines: Mapping[str, int], settings: AdviceSettings) -> float:
@@ -176,12 +198,15 @@ def cost_per_day(scenario: Scenario, engines: Mapping[str, int], settings: Advic
                       for p in scenario.fleet.pools if (n := engines.get(p.name)) is not None)
 
 
-def attainment(scenario: Scenario, engines: Mapping[str, int]) -> float:
-    """Share of minutes within every pool's SLOs with the pools fixed at these sizes."""
-    meter, _ = replay(scenario, engines)
+def attainment(scenario: Scenario, engines: Mapping[str, int], seeds: int = 1) -> float:
+    """Share of busy minutes within every pool's SLOs with the pools fixed at these sizes, over the seeds."""
     minutes = range(int(WARMUP_S // 60), math.ceil(scenario.duration / 60.0))
-    ok = sum(all(within_slo(meter, p, m) for p in scenario.fleet.pools) for m in minutes)
-    return ok / len(minutes) if minutes else 1.0
+    ok = total = 0
+    for run in seeded(scenario, seeds):
+        meter, _ = replay(run, engines)
+        ok += sum(all(within_slo(meter, p, m) for p in run.fleet.pools) for m in minutes)
+        total += len(minutes)
+    return ok / total if total else 1.0
 
 
 async def _observe(scenario: Scenario, settings: AdviceSettings) -> list[Recommendation]:
@@ -200,8 +225,9 @@ async def _observe(scenario: Scenario, settings: AdviceSettings) -> list[Recomme
 
 
 def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
-             progress: Callable[[str, Any], None] | None = None) -> CaseResult:
-    """One case end to end: observe, advise, measure both layouts, compare."""
+             progress: Callable[[str, Any], None] | None = None, seeds: int = SEEDS) -> CaseResult:
+    """One case end to end: observe (under the scenario's seed), advise, measure both layouts over `seeds` seeds,
+    compare."""
     wall = time.perf_counter()
     case = CASES[name]
     settings = settings or case.settings
@@ -211,12 +237,12 @@ def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
     right = rec is not None and rec.act == case.act and _answers(case, rec, scenario)
     change = rec.change if rec is not None else case.change
     after = apply(scenario, case.pool, case.kind, change, settings)
-    before_n = needed(scenario, jobs, progress)
-    after_n = needed(after, jobs, progress)
+    before_n, before_seeds = needed(scenario, jobs, progress, seeds)
+    after_n, after_seeds = needed(after, jobs, progress, seeds)
     measured = cost_per_day(scenario, before_n, settings) - cost_per_day(after, after_n, settings)
     estimated = None if rec is None else rec.effect.saving_per_day
     advised = _advised_engines(rec, case, after_n)
-    reached = attainment(after, advised) if advised else None
+    reached = attainment(after, advised, seeds) if advised else None
     err = None
     # Relative to the measured saving; undefined (None: the goal fails) when the simulator measured none and the
     # advisor promised some.
@@ -224,8 +250,9 @@ def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
         err = abs(estimated - measured) / abs(measured) if measured else 0.0
     return CaseResult(name, case.kind.value, rec.advice if rec else "(no recommendation)", right,
                       None if estimated is None else round(estimated, 2), round(measured, 2),
-                      None if err is None else round(err, 4), before_n, after_n, advised, reached,
-                      dict(rec.evidence) if rec else {}, round(time.perf_counter() - wall, 1))
+                      None if err is None else round(err, 4), before_n, after_n, advised, reached, seeds=seeds,
+                      before_by_seed=before_seeds, after_by_seed=after_seeds,
+                      evidence=dict(rec.evidence) if rec else {}, wall_s=round(time.perf_counter() - wall, 1))
 
 
 def _answers(case: AdviceCase, rec: Recommendation, scenario: Scenario) -> bool:
@@ -251,10 +278,10 @@ def _advised_engines(rec: Recommendation | None, case: AdviceCase, truth: Mappin
 
 
 def evaluate_advice(cases: list[str] | None = None, jobs: int = 1,
-                    progress: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[str, Any], None] | None = None, seeds: int = SEEDS) -> dict[str, Any]:
     """Every case (or the named ones): the table's rows and the goals."""
     names = cases or list(CASES)
-    results = [run_case(n, jobs, progress=progress) for n in names]
+    results = [run_case(n, jobs, progress=progress, seeds=seeds) for n in names]
     goals: list[Goal] = []
     for r in results:
         goals.append(equal(f"{r.case}: the known answer", r.right_answer, True))
