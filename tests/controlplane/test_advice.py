@@ -16,7 +16,7 @@ from controlplane.advice import accuracy, advise_and_score, advisor_input, obser
 from controlplane.config import parse_config
 from controlplane.errors import ConfigError
 from controlplane.evaluation_advise import CASES, apply, needed, run_case, split
-from controlplane.sim.scenario import load_scenario
+from controlplane.sim.scenario import Scenario, load_scenario
 from controlplane.store.memory import MemoryStore
 from policies.advice import AdviceKind
 from policies.windows import SignalWindows
@@ -144,10 +144,9 @@ def test_the_truth_pools_the_busy_minutes_of_every_seed(monkeypatch: pytest.Monk
     warm = [99] * 3  # warm-up minutes are never counted
     extra: dict[int, int] = {}
 
-    def needs(run, jobs, progress):  # type: ignore[no-untyped-def]
-        busy = [14] * 20
-        busy[: extra.get(run.seed - scenario.seed, 0)] = [15] * extra.get(run.seed - scenario.seed, 0)
-        return {"rag": warm + busy}
+    def needs(run: Scenario, jobs: int, progress: object) -> dict[str, list[int]]:
+        k = extra.get(run.seed - scenario.seed, 0)  # this seed's minutes that need a 15th engine
+        return {"rag": warm + [15] * k + [14] * (20 - k)}
 
     monkeypatch.setattr(evaluation_advise, "oracle_needs", needs)
     extra.update({1: 1})
