@@ -46,6 +46,7 @@ __all__ = ["CASES", "AdviceCase", "CaseResult", "apply", "evaluate_advice", "run
 SAVING_TOLERANCE = 0.20
 NEED_QUANTILE = 0.95
 WARMUP_S = 180.0  # caches warm and batches fill first: the advisor reads, and the truth is taken, after this
+FIRST_BUSY_MINUTE = int(WARMUP_S // 60)  # the first minute the truth counts
 SEEDS = 5  # the truth's seeds: the scenario's own and the next ones
 
 
@@ -181,12 +182,11 @@ def needed(scenario: Scenario, jobs: int, progress: Callable[[str, Any], None] |
     """Per pool, the fewest engines that meet its SLOs in the busy minutes (the 95th percentile of the minutes'
     needs, the minutes of every seed pooled: the busiest few are allowed to miss, as the advisor sizes for its
     load's 95th percentile); beside it, what each seed alone gives."""
-    skip = int(WARMUP_S // 60)
     pooled: dict[str, list[int]] = {}
     by_seed: dict[str, list[int]] = {}
     for run in seeded(scenario, seeds):
         for pool, n in oracle_needs(run, jobs, progress).items():
-            busy = n[skip:] or n
+            busy = n[FIRST_BUSY_MINUTE:] or n
             pooled.setdefault(pool, []).extend(busy)
             by_seed.setdefault(pool, []).append(_need(busy))
     return {pool: _need(n) for pool, n in pooled.items()}, by_seed
@@ -200,7 +200,7 @@ def cost_per_day(scenario: Scenario, engines: Mapping[str, int], settings: Advic
 
 def attainment(scenario: Scenario, engines: Mapping[str, int], seeds: int = 1) -> float:
     """Share of busy minutes within every pool's SLOs with the pools fixed at these sizes, over the seeds."""
-    minutes = range(int(WARMUP_S // 60), math.ceil(scenario.duration / 60.0))
+    minutes = range(FIRST_BUSY_MINUTE, math.ceil(scenario.duration / 60.0))
     ok = total = 0
     for run in seeded(scenario, seeds):
         meter, _ = replay(run, engines)
