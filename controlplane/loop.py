@@ -114,6 +114,8 @@ class ControlLoop:
         self._derived: list[Signal] = []  # replica counts and plans of this tick, stored once it has planned
         # Per pool, this tick's inputs not fit to act on (a target down, a series absent), with why.
         self._unfit: dict[str, dict[str, str]] = {}
+        # Per pool, the engine pods whose /metrics answered this tick (down once is noise), when scraped here.
+        self._answering: dict[str, set[str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
         self.on_report: Callable[[TickReport], Awaitable[None]] | None = None
 
@@ -133,8 +135,7 @@ class ControlLoop:
         except (KeyError, TypeError, ValueError):  # a row from before changes were typed
             await self._unknown(action, now, "its change is not recorded in a form that can be checked")
             return
-        order = Order(action.id, ActionKind(action.kind), action.pool, change, action.reason,
-                      busy=self._busy(action.pool))
+        order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, change, action.reason))
         waits = [e.detail["wait"] for e in await self.store.audit_log(action.id) if e.event == "waiting"]
         if waits:  # it was waiting (an engine draining): wait on, from where the audit log says it was
             self._waiting[action.id] = (order, waits[-1])
@@ -236,6 +237,7 @@ class ControlLoop:
         self.telemetry.signals_written.inc(report.signals)
         await self._record_targets(obs, now)
         self._unfit = obs.unfit_inputs([p.name for p in self.config.pools])
+        self._answering = obs.answering_engines()
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in obs.signals)
         self.windows.trim(now)
 
@@ -460,8 +462,8 @@ class ControlLoop:
             log.info("action %d was not started here: %s", action.id, exc)
             return
         history.append(action)
-        order = Order(action.id, ActionKind(action.kind), action.pool, decision.change, action.reason,
-                      busy=self._busy(action.pool))
+        order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, decision.change,
+                                         action.reason))
         await self._run(order, self.actuator.carry_out(order), now, report)
 
     async def _advance_waiting(self, now: float, report: TickReport) -> None:
@@ -470,7 +472,7 @@ class ControlLoop:
         for order, wait in list(self._waiting.values()):
             if not self.leading() or await self.switch.paused() is not None:
                 return
-            fresh = replace(order, busy=self._busy(order.pool))
+            fresh = self._with_engines(order)
             await self._run(fresh, self.actuator.resume(fresh, wait, now), now, report)
 
     async def _run(self, order: Order, call: Awaitable[dict[str, Any]], now: float, report: TickReport) -> None:
@@ -502,17 +504,19 @@ class ControlLoop:
         await self.store.transition(order.action_id, ActionState.STARTED, state, self.clock.now(), detail)
         self.telemetry.actions.labels(kind, str(state)).inc()
 
-    def _busy(self, pool: str) -> dict[str, float]:
-        """Requests running or waiting on each engine pod of `pool` at its latest fresh scrape."""
+    def _with_engines(self, order: Order) -> Order:
+        """`order` with the loop's view of its pool's engines: requests running or waiting on each at its
+        latest fresh scrape, and which still answer (None where this tick scraped none of them itself)."""
         fresh = self.clock.now() - 2 * self.config.scrape.interval
         busy: dict[str, float] = {}
         for name in ("requests_running", "requests_waiting"):
-            for subject in self.windows.subjects(name, prefix=f"engine/{pool}/"):
+            for subject in self.windows.subjects(name, prefix=f"engine/{order.pool}/"):
                 points = self.windows.series(subject, name, since=fresh)
                 if points:
                     pod = subject.split("/")[2]
                     busy[pod] = busy.get(pod, 0.0) + points[-1][1]
-        return busy
+        answering = self._answering.get(order.pool)
+        return replace(order, busy=busy, answering=None if answering is None else frozenset(answering))
 
     # verify -----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from catalog.fleet import Role
+from catalog.fleet import Role, Source
 from collectors.pipeline import SignalDeriver
 from collectors.prometheus_api import PrometheusError, PrometheusSource
 from collectors.scraper import Scraper
@@ -22,6 +22,10 @@ from controlplane.errors import FleetError
 
 __all__ = ["MetricSource", "MetricSourceUnavailable", "Observation", "PrometheusApiSource", "PrometheusTargets",
            "ScrapeSource"]
+
+
+# Failed scrapes in a row after which a target counts as down: one timeout is noise.
+DOWN_AFTER = 2
 
 
 class MetricSourceUnavailable(FleetError):
@@ -41,6 +45,19 @@ class Observation:
     parse_errors: dict[str, list[str]] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
 
+    def answering_engines(self) -> dict[str, set[str]]:
+        """Per pool scraped here, the engine pods whose vLLM target answers (down twice in a row is down,
+        as for `unfit_inputs`); a pod no longer discovered is in none."""
+        out: dict[str, set[str]] = {}
+        for r in self.results:
+            if r.target.source != Source.VLLM:
+                continue
+            pods = out.setdefault(r.target.pool, set())
+            health = self.health.get(r.target.key)
+            if r.ok or health is None or health.consecutive_failures < DOWN_AFTER:
+                pods.add(r.target.pod)
+        return out
+
     def unfit_inputs(self, pools: Sequence[str]) -> dict[str, dict[str, str]]:
         """What this observation says cannot be trusted, per pool, with why: a producer when one of
         the pool's targets is down (twice in a row: one timeout is noise) or lacks an expected
@@ -48,7 +65,7 @@ class Observation:
         out: dict[str, dict[str, str]] = {}
         for r in self.results:
             health = self.health.get(r.target.key)
-            if not r.ok and (health is None or health.consecutive_failures >= 2):
+            if not r.ok and (health is None or health.consecutive_failures >= DOWN_AFTER):
                 out.setdefault(r.target.pool, {})[r.target.source] = \
                     f"target {r.target.key} is down ({r.error or 'scrape failed'})"
         for key, names in self.missing.items():

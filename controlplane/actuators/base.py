@@ -42,7 +42,17 @@ class Order:
     pool: str
     change: Change
     reason: str
-    busy: Mapping[str, float] = field(default_factory=dict)  # pod -> requests running or waiting on it now
+    busy: Mapping[str, float] = field(default_factory=dict)  # pod -> requests running or waiting at a fresh scrape
+    # The pool's engine pods whose /metrics still answer (a single failed scrape is noise); None where
+    # the source cannot tell (Prometheus keeps no per-target health for us).
+    answering: frozenset[str] | None = None
+
+    def idle(self, pod: str) -> bool:
+        """Whether `pod` has nothing left to finish: a fresh count of 0, or it stopped answering (its
+        target down, the pod gone). A count that is only late is not idle: that would act on stale numbers."""
+        if pod in self.busy:
+            return self.busy[pod] <= 0.0
+        return self.answering is not None and pod not in self.answering
 
 
 class Actuator(Protocol):

@@ -37,6 +37,7 @@ import copy
 import datetime
 import json
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,13 @@ VERBS: frozenset[tuple[str, str, str]] = frozenset({
     ("", "nodes", "patch"), ("events.k8s.io", "events", "create"), ("", "configmaps", "get"),
 })
 
+
+
+def _load(order: Order, pod: str) -> float:
+    """Requests on `pod` for choosing whom to drain: a dead engine leaves first, one not heard from lately last."""
+    if pod in order.busy:
+        return order.busy[pod]
+    return -1.0 if order.idle(pod) else math.inf
 
 def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
     for key in path:
@@ -299,7 +307,7 @@ class KubernetesActuator:
         leaving = desired - change.replicas
         # Pods this action already took out of routing come first (a leader taking over redoes it).
         mine = {name for name, annotations in pods.items() if annotations.get(ACTION_ANNOTATION) == str(order.action_id)}
-        victims = sorted(pods, key=lambda p: (p not in mine, order.busy.get(p, 0.0), p))[:leaving]
+        victims = sorted(pods, key=lambda p: (p not in mine, _load(order, p), p))[:leaving]
         for pod in victims:
             await self._unroute(order, w.namespace, pod, cost=-1000)
             await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
@@ -432,7 +440,7 @@ class KubernetesActuator:
 
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         pods: list[str] = list(wait["pods"])
-        idle = [p for p in pods if order.busy.get(p, 0.0) <= 0.0]
+        idle = [p for p in pods if order.idle(p)]
         late = now >= float(wait["deadline"])
         if wait["then"] == "evict":
             # Evict once idle (or at the grace's end): the Eviction API honours PodDisruptionBudgets.

@@ -97,6 +97,8 @@ class Pools:
     kinds: frozenset[ActionKind] = frozenset({ActionKind.SCALE_POOL})
     already: bool | None = None  # what `applied` answers
     waits: list[dict[str, Any]] = field(default_factory=list)  # the waits `resume` was called with
+    resumed: list[Order] = field(default_factory=list)  # and the orders, with the loop's view of the engines
+    hold: bool = False  # `resume` keeps waiting
 
     async def observe(self) -> FleetView:
         return FleetView({"prefill": PoolReplicas(self.desired, self.ready)})
@@ -112,7 +114,8 @@ class Pools:
 
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         self.waits.append(wait)
-        return {"drained": wait["pods"]}
+        self.resumed.append(order)
+        return {"wait": wait} if self.hold else {"drained": wait["pods"]}
 
     async def applied(self, order: Order) -> bool | None:
         return self.already
@@ -290,6 +293,22 @@ async def test_a_take_over_resumes_a_wait_from_the_audit_log(clock: VirtualClock
     [action] = await store.actions()
     assert action.state is S.SUCCEEDED
     assert [e.event for e in store.action_events(action_id)][-3:] == ["waiting", "taken_over", "succeeded"]
+
+
+async def test_a_wait_is_resumed_knowing_which_engines_still_answer(clock: VirtualClock) -> None:
+    store, pools, source = MemoryStore(), Pools(hold=True), NoMetrics()
+    action_id = await started_elsewhere(store, clock.now())
+    wait = {"phase": "draining", "pods": ["prefill-0"], "then": "scale", "deadline": clock.now() + 120}
+    await store.note(action_id, "waiting", clock.now(), {"wait": wait})
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
+    await loop.start()
+    await tick(loop, clock)  # nothing scraped here this tick: the loop cannot tell
+    source.down = 1
+    await tick(loop, clock)  # one failed scrape is noise: still answering, its count only late
+    await tick(loop, clock)  # down twice in a row: it stopped answering
+    assert [o.answering for o in pools.resumed] == [None, frozenset({"prefill-0"}), frozenset()]
+    assert [o.idle("prefill-0") for o in pools.resumed] == [False, False, True]
+    assert (await store.actions())[0].state is S.STARTED
 
 
 async def test_the_kill_switch_holds_a_waiting_change_too(clock: VirtualClock) -> None:

@@ -99,8 +99,9 @@ def actuator(api: client.ApiClient, clock: Clock | None = None, **settings: Any)
 
 
 def order(kind: ActionKind, change: Change, pool: str = "decode", action_id: int = 7,
-          busy: dict[str, float] | None = None) -> Order:
-    return Order(action_id, kind, pool, change, "a test", busy=busy or {})
+          busy: dict[str, float] | None = None, answering: set[str] | None = None) -> Order:
+    return Order(action_id, kind, pool, change, "a test", busy=busy or {},
+                 answering=None if answering is None else frozenset(answering))
 
 
 def events(server: ApiServer) -> list[dict[str, Any]]:
@@ -178,6 +179,28 @@ async def test_a_drain_that_does_not_go_idle_ends_at_the_grace(server: ApiServer
     done = await act.resume(o, first["wait"], clock.t)
     assert done == {"drained": ["vllm-decode-a"], "idle": False, "waited_s": 61.0}
     assert server.get(PODS, NS, "vllm-decode-a") is None, "deleted; its Deployment replaces it"
+
+
+async def test_a_late_count_is_waited_for_and_a_silent_engine_is_not(server: ApiServer,
+                                                                      api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    clock = Clock()
+    act = actuator(api, clock)
+    everyone = {"vllm-decode-a", "vllm-decode-b", "vllm-decode-c"}
+    # b's scrape is late and c stopped answering: c goes first, then a (1 request), never b (unknown).
+    o = order(ActionKind.SCALE_POOL, ScaleTo(1), busy={"vllm-decode-a": 1.0},
+              answering=everyone - {"vllm-decode-c"})
+    first = await act.carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-c", "vllm-decode-a"]
+    late = order(ActionKind.SCALE_POOL, ScaleTo(1), answering=everyone)  # a's count is late this tick
+    assert "wait" in await act.resume(late, first["wait"], clock.t + 5), "a late count is not a count of 0"
+    unknown = order(ActionKind.SCALE_POOL, ScaleTo(1))  # the source keeps no per-target health
+    assert "wait" in await act.resume(unknown, first["wait"], clock.t + 5)
+    gone = order(ActionKind.SCALE_POOL, ScaleTo(1), busy={"vllm-decode-a": 0.0}, answering={"vllm-decode-a"})
+    done = await act.resume(gone, first["wait"], clock.t + 6)  # c is no longer discovered; a is idle
+    assert done["idle"] is True and done["replicas"] == 1
 
 
 async def test_engine_arguments_for_eplb_and_speculation(server: ApiServer, api: client.ApiClient) -> None:
@@ -269,7 +292,8 @@ async def test_cordon_evicts_once_the_budget_allows(server: ApiServer, api: clie
     server.pdb_blocks["vllm-decode-a"] = 1  # the PodDisruptionBudget holds it back once
     clock = Clock()
     act = actuator(api, clock)
-    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"))
+    # The node failed: its engine no longer answers, so there is nothing to wait for.
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), answering={"vllm-decode-b"})
     first = await act.carry_out(o)
     assert first["wait"]["pods"] == ["vllm-decode-a"]
     assert server.get(NODES, None, "gpu-node-1")["spec"]["unschedulable"] is True  # type: ignore[index]
