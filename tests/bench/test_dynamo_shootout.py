@@ -56,6 +56,9 @@ def test_dynamo_gets_the_same_slos_budget_and_floor_as_ours() -> None:
     pd = planner_config(load_scenario("autoscale/mooncake-conversation"), CONFIGURATIONS["load"])
     assert pd["mode"] == "disagg" and pd["ttft_ms"] == 4000 and pd["itl_ms"] == pytest.approx(80)
     assert pd["max_gpu_budget"] == 32 and pd["prefill_engine_num_gpu"] == pd["decode_engine_num_gpu"] == 1
+    tight = planner_config(load_scenario("autoscale/azure-conv"), CONFIGURATIONS["sla-prophet-tight"])
+    assert tight["ttft_ms"] == 1000 and tight["itl_ms"] == pytest.approx(50), "half our objectives, for a p95"
+    assert "slo_scale" not in tight, "not a field of Dynamo's PlannerConfig"
 
 
 def test_the_observer_reports_serving_engines_their_iterations_and_the_traffic_window() -> None:
