@@ -33,7 +33,8 @@ import numpy as np
 
 from catalog.fleet import Role
 from controlplane.advice import advisor_input
-from controlplane.evaluation_autoscale import oracle_needs, replay, within_slo
+from controlplane.evaluation import run_all
+from controlplane.evaluation_autoscale import StaticReplay, oracle_needs, within_slo
 from controlplane.goals import Goal, at_least, at_most, equal, goals_json
 from controlplane.sim.run import run_scenario
 from controlplane.sim.scenario import PoolModel, Scenario, SpecModel, load_scenario
@@ -198,14 +199,13 @@ def cost_per_day(scenario: Scenario, engines: Mapping[str, int], settings: Advic
                       for p in scenario.fleet.pools if (n := engines.get(p.name)) is not None)
 
 
-def attainment(scenario: Scenario, engines: Mapping[str, int], seeds: int = 1) -> float:
+def attainment(scenario: Scenario, engines: Mapping[str, int], seeds: int = 1, jobs: int = 1) -> float:
     """Share of busy minutes within every pool's SLOs with the pools fixed at these sizes, over the seeds."""
     minutes = range(FIRST_BUSY_MINUTE, math.ceil(scenario.duration / 60.0))
-    ok = total = 0
-    for run in seeded(scenario, seeds):
-        meter, _ = replay(run, engines)
-        ok += sum(all(within_slo(meter, p, m) for p in run.fleet.pools) for m in minutes)
-        total += len(minutes)
+    meters = run_all([(f"{scenario.name}: as advised, seed {run.seed}", StaticReplay(run, dict(engines)))
+                      for run in seeded(scenario, seeds)], jobs)
+    ok = sum(all(within_slo(meter, p, m) for p in scenario.fleet.pools) for meter in meters for m in minutes)
+    total = len(meters) * len(minutes)
     return ok / total if total else 1.0
 
 
@@ -242,7 +242,7 @@ def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
     measured = cost_per_day(scenario, before_n, settings) - cost_per_day(after, after_n, settings)
     estimated = None if rec is None else rec.effect.saving_per_day
     advised = _advised_engines(rec, case, after_n)
-    reached = attainment(after, advised, seeds) if advised else None
+    reached = attainment(after, advised, seeds, jobs) if advised else None
     err = None
     # Relative to the measured saving; undefined (None: the goal fails) when the simulator measured none and the
     # advisor promised some.

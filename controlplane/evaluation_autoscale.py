@@ -52,7 +52,7 @@ from controlplane.sim.scenario import SCALE_STEP, FaultTimeline, PoolModel, Scen
 from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
-__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StrategyRun", "best_configuration",
+__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StaticReplay", "StrategyRun", "best_configuration",
            "evaluate_autoscaling", "peer_goal", "summarise",
            "within_slo"]
 
@@ -183,7 +183,7 @@ def oracle_needs(scenario: Scenario, jobs: int = 1,
         n = 1
         while n <= ceiling[p.name] and any(x is None for x in need):
             sizes = list(range(n, min(ceiling[p.name], n + max(1, jobs) - 1) + 1))
-            meters = run_all([(f"{scenario.name}: {p.name} at {k}", _Static(scenario, {**ceiling, p.name: k}))
+            meters = run_all([(f"{scenario.name}: {p.name} at {k}", StaticReplay(scenario, {**ceiling, p.name: k}))
                               for k in sizes], jobs, progress)
             for k, meter in zip(sizes, meters, strict=True):
                 for m in range(minutes):
@@ -195,7 +195,9 @@ def oracle_needs(scenario: Scenario, jobs: int = 1,
 
 
 @dataclass(frozen=True)
-class _Static:
+class StaticReplay:
+    """One replay with the pools fixed at `replicas`, picklable for a worker process."""
+
     scenario: Scenario
     replicas: dict[str, int]
 
