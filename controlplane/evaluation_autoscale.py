@@ -52,9 +52,8 @@ from controlplane.sim.scenario import SCALE_STEP, FaultTimeline, PoolModel, Scen
 from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
-__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StaticReplay", "StrategyRun", "best_configuration",
-           "evaluate_autoscaling", "peer_goal", "summarise",
-           "within_slo"]
+__all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StaticReplay", "StrategyRun",
+           "best_configuration", "evaluate_autoscaling", "peer_goal", "summarise", "within_slo"]
 
 STRATEGIES = ("static", "hpa", "ours", "oracle")
 # The traces of the evaluation, each a scenario with the fleet it runs through.

@@ -104,12 +104,12 @@ VERBS: frozenset[tuple[str, str, str]] = frozenset({
 })
 
 
-
 def _load(order: Order, pod: str) -> float:
     """Requests on `pod` for choosing whom to drain: a dead engine leaves first, one not heard from lately last."""
     if pod in order.busy:
         return order.busy[pod]
     return -1.0 if order.idle(pod) else math.inf
+
 
 def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
     for key in path:
