@@ -348,6 +348,43 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     return out
 
 
+def _record_floor(w: SignalWindows, subject: str, slo: float, since: float, arrivals: Sequence[tuple[float, float]],
+                  plan_rate: float, recommended: int, reason: str, evidence: dict[str, Any]) -> tuple[int, str]:
+    """At least one engine more than the pool had in a steady minute of its history in which it broke TTFT with
+    requests queued, for as much load.
+
+    Where the curves are wrong the pool says so: n engines at r req/s that broke TTFT with a queue prove n too
+    few for r whatever the model allows (Mooncake's long prompts: a queue behind one prompt's prefill at a fifth
+    of the engines' time), for as long as the history holds that minute.
+    """
+    broke = _broken_minutes(w, subject, slo, since, arrivals)
+    if not broke:
+        return recommended, reason
+    evidence["broke_with"] = [{"minute_end": t, "engines": round(n, 1), "arrivals": round(r, 3)} for t, n, r in broke]
+    floor, n, r = max((math.floor(n * min(1.0, plan_rate / r) + 1e-9) + 1, n, r) for _, n, r in broke)
+    if floor <= recommended:
+        return recommended, reason
+    return floor, reason + f"; at least {floor}: {n:.0f} engines broke TTFT with requests queued at {r:.2f} req/s"
+
+
+def _short_findings(inp: PolicyInput, pool: PoolState) -> list[str]:
+    """The open capacity findings (SLO burn, saturation) that name the pool short."""
+    return sorted({key.kind for key, f in inp.open_findings.items()
+                   if key.kind in CAPACITY_FINDINGS and pool.name in f.evidence.get("short_pools", ())})
+
+
+def _findings_floor(inp: PolicyInput, pool: PoolState, short: Sequence[str], recommended: int,
+                    reason: str) -> tuple[int, str]:
+    """One engine more than the pool has while a capacity finding names it short and its SLO breaks now, though
+    the curves call it enough (level-triggered: not for a burn that is clearing)."""
+    w, subject = inp.windows, f"pool/{pool.name}"
+    breaching = any(slo is not None and (v := _recent(w, subject, name, 2)) is not None and v > slo
+                    for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
+    if short and breaching and recommended <= pool.desired and pool.ready == pool.desired:
+        return pool.desired + 1, f"{pool.name}: {', '.join(short)} open although the curves call {pool.desired} enough: add one"
+    return recommended, reason
+
+
 def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
     return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(_by_minute(series).items())]
@@ -535,27 +572,19 @@ class Autoscaler:
         reason = (f"{pool.name}: {recommended} engines at {per_engine:.2f} req/s each keep TTFT and TPOT p95 within "
                   f"{s.margin:.0%} of the SLOs at {plan_rate:.2f} req/s (forecast {fc.expected:.2f} req/s "
                   f"{fc.horizon_s:.0f}s ahead, now {load.arrivals:.2f})")
-        # Where the curves are wrong the pool says so: a steady minute in which it broke TTFT with requests queued, n
-        # engines at r req/s, proves n too few for r whatever the model allows (Mooncake's long prompts: a queue
-        # behind one prompt's prefill at a fifth of the engines' time). So at least n + 1 for as much load, for as
-        # long as the history holds that minute.
-        broke = _broken_minutes(w, subject, pool.ttft_p95_slo, since, arrivals) \
-            if prefill and pool.ttft_p95_slo is not None else []
-        if broke:
-            evidence["broke_with"] = [{"minute_end": t, "engines": round(n, 1), "arrivals": round(r, 3)}
-                                      for t, n, r in broke]
-            floor, n, r = max((math.floor(n * min(1.0, plan_rate / r) + 1e-9) + 1, n, r) for _, n, r in broke)
-            if floor > recommended:
-                recommended = floor
-                reason += f"; at least {floor}: {n:.0f} engines broke TTFT with requests queued at {r:.2f} req/s"
-        short = sorted({key.kind for key, f in inp.open_findings.items()
-                        if key.kind in CAPACITY_FINDINGS and pool.name in f.evidence.get("short_pools", ())})
-        breaching = any(slo is not None and (v := _recent(w, subject, name, 2)) is not None and v > slo
-                        for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
-        # Level-triggered: one more engine only while the SLO breaks now, not for a burn that is clearing.
-        if short and breaching and recommended <= pool.desired and pool.ready == pool.desired:
-            recommended = pool.desired + 1
-            reason = f"{pool.name}: {', '.join(short)} open although the curves call {pool.desired} enough: add one"
+        if prefill and pool.ttft_p95_slo is not None:
+            recommended, reason = _record_floor(w, subject, pool.ttft_p95_slo, since, arrivals, plan_rate,
+                                                recommended, reason, evidence)
+        short = _short_findings(inp, pool)
+        recommended, reason = _findings_floor(inp, pool, short, recommended, reason)
+        target, reason = self._held(inp, pool, bool(short), recommended, reason)
+        evidence["per_engine_rate"] = round(per_engine, 3)
+        return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
+
+    def _held(self, inp: PolicyInput, pool: PoolState, short: bool, recommended: int, reason: str) -> tuple[int, str]:
+        """The target from the recommendation: a scale-down held while capacity is short or the SLO broke within
+        the hold window, else until lower recommendations last it, and a quarter of the engines at most at once."""
+        s, w, subject = self.settings, inp.windows, f"pool/{pool.name}"
         # An open capacity finding, or a breach within the hold window, holds every scale-down: the curves
         # said enough then too. Otherwise a lower target must last the hold window, and a pool sheds at
         # most a quarter of its engines at once, so the next breach finds it one step lower, not at the floor.
@@ -572,8 +601,7 @@ class Autoscaler:
         if held and target == pool.desired:
             why = "the SLO broke within" if breached_since or short else "lower targets last"
             reason += f"; held at {pool.desired} until {why} {s.scale_down_after:.0f}s"
-        evidence["per_engine_rate"] = round(per_engine, 3)
-        return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
+        return target, reason
 
     def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
                   since: float, shape_since: float, prefill: bool, decode: bool, evidence: dict[str, Any],
