@@ -108,6 +108,8 @@ class MinuteMeter:
                     counts = np.sum([r.hists[hist].counts for r in m.engine.ranks], axis=0)
                     key = (m.pod, metric)
                     last = self._last.get(key)
+                    # Not `histogram_increase`: these are the engine's own per-bucket counts, read every scrape for
+                    # every engine, and an engine's first reading is all it served since it became ready.
                     delta = counts if last is None or (counts < last).any() else counts - last
                     self._last[key] = counts
                     slot = (pool, metric, minute)
