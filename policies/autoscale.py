@@ -321,9 +321,14 @@ def _by_minute(points: Iterable[tuple[float, T]]) -> dict[int, list[T]]:
     return minutes
 
 
+def _most(flags: Sequence[bool]) -> bool:
+    """Whether most of a minute's scrapes say so (one slow scrape is noise every fleet has)."""
+    return 2 * sum(flags) > len(flags)
+
+
 def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
-    """Whether in some minute most scrapes' p95 broke the SLO (one slow scrape is noise every fleet has)."""
-    return any(statistics.median(v) > slo for v in _by_minute(series).values())
+    """Whether in some minute most scrapes' p95 broke the SLO."""
+    return any(_most([v > slo for v in values]) for values in _by_minute(series).values())
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
@@ -341,7 +346,7 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     out = []
     for m, broke in sorted(broken.items()):
         start, end = (m - 1) * 60.0, m * 60.0
-        if len(broke) < 4 or 2 * sum(broke) <= len(broke) or any(start - STEADY_S < t <= end for t in changes):
+        if len(broke) < 4 or not _most(broke) or any(start - STEADY_S < t <= end for t in changes):
             continue
         if sizes.get(m) and rates.get(m) and (r := statistics.fmean(rates[m])) > 0:
             out.append((end, statistics.fmean(sizes[m]), r))
