@@ -557,9 +557,32 @@ class Autoscaler:
             "prompt_sigma": round(load.prompt_sigma, 3),
             "shape_age_s": round(inp.now - shape_since) if shape_since > since else None,
         }
+        if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
+            return None
+        if plan_rate > 0:
+            sized = self._sized(w, subject, pool, prior, load, since, shape_since, arrivals, fc, plan_rate, evidence)
+            if sized is None:
+                return None
+            recommended, reason = sized
+        else:
+            # Nothing arrives and nothing is forecast a start-up time ahead: no engine's rate matters (nor the
+            # lengths, unknown once nothing finishes), so one engine is enough, shed through the hold as ever.
+            recommended = 1
+            reason = f"{pool.name}: no arrivals now nor forecast {fc.horizon_s:.0f}s ahead: one engine is enough"
+        short = _short_findings(inp, pool)
+        recommended, reason = _findings_floor(inp, pool, short, recommended, reason)
+        target, reason = self._held(inp, pool, bool(short), recommended, reason)
+        return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
+
+    def _sized(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
+               since: float, shape_since: float, arrivals: Sequence[tuple[float, float]], fc: Forecast,
+               plan_rate: float, evidence: dict[str, Any]) -> tuple[int, str] | None:
+        """The engines `plan_rate` needs by the pool's capacity, at least what its own record says, and why; None
+        while the lengths its work is sized by are unknown."""
+        s = self.settings
         prefill = pool.role != "decode" and load.prompt_tokens > 0
         decode = pool.role != "prefill" and load.output_tokens > 0
-        if not (prefill or decode) or (pool.ttft_p95_slo is None and pool.tpot_p95_slo is None):
+        if not (prefill or decode):
             return None
         headroom = plan_rate / max(fc.expected, load.arrivals, 1e-9)
         # A prefill engine's passes carry the prompts that arrive while one runs: fewer engines, fuller passes,
@@ -574,17 +597,14 @@ class Autoscaler:
             if engines == recommended:
                 break
             recommended = engines
+        evidence["per_engine_rate"] = round(per_engine, 3)
         reason = (f"{pool.name}: {recommended} engines at {per_engine:.2f} req/s each keep TTFT and TPOT p95 within "
                   f"{s.margin:.0%} of the SLOs at {plan_rate:.2f} req/s (forecast {fc.expected:.2f} req/s "
                   f"{fc.horizon_s:.0f}s ahead, now {load.arrivals:.2f})")
         if prefill and pool.ttft_p95_slo is not None:
-            recommended, reason = _record_floor(w, subject, pool.ttft_p95_slo, since, arrivals, plan_rate,
-                                                recommended, reason, evidence)
-        short = _short_findings(inp, pool)
-        recommended, reason = _findings_floor(inp, pool, short, recommended, reason)
-        target, reason = self._held(inp, pool, bool(short), recommended, reason)
-        evidence["per_engine_rate"] = round(per_engine, 3)
-        return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
+            return _record_floor(w, subject, pool.ttft_p95_slo, since, arrivals, plan_rate, recommended, reason,
+                                 evidence)
+        return recommended, reason
 
     def _held(self, inp: PolicyInput, pool: PoolState, short: bool, recommended: int, reason: str) -> tuple[int, str]:
         """The target from the recommendation: a scale-down held while capacity is short or the SLO broke within

@@ -140,6 +140,21 @@ def test_a_lull_sheds_nothing_until_lower_targets_last_the_hold_window() -> None
     assert shed.recommended < 6 and shed.target == 6, "a quarter of the engines at once"
 
 
+def test_a_pool_whose_load_stops_plans_one_engine_and_sheds_it_through_the_hold() -> None:
+    # Arrivals stop: 18 scrapes on, the forecast a start-up time ahead is zero while the lengths are still known;
+    # once the whole history is idle, nothing has finished for longer than the lengths are averaged over.
+    for minutes, idle in ((30, 18), (90, 250)):
+        w = windows(minutes, [10.0] * (minutes * 4 - idle) + [0.0] * idle, engines=8)
+        idle_plan = plan(w, pool(8))
+        assert idle_plan.evidence["planned_for"] == 0.0 and idle_plan.recommended == 1
+        assert idle_plan.target == 8 and "no arrivals" in idle_plan.reason
+    for i in range(40):
+        w.add(90 * 60 + (i + 1) * STEP, "pool/chat", TARGET, 1.0)
+        w.add(90 * 60 + (i + 1) * STEP, "pool/chat", "request_rate", 0.0)
+    assert plan(w, pool(8)).target == 6, "after the hold window, a quarter of the engines at once"
+    assert plan(w, pool(8, lo=7)).target == 7, "never under the pool's minimum"
+
+
 def test_stabilisation_takes_the_highest_recommendation_of_the_window() -> None:
     w = SignalWindows(3600)
     for i in range(50):
