@@ -559,16 +559,20 @@ class Autoscaler:
         }
         if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
             return None
-        if plan_rate > 0:
-            sized = self._sized(w, subject, pool, prior, load, since, shape_since, arrivals, fc, plan_rate, evidence)
-            if sized is None:
-                return None
+        sized = self._sized(w, subject, pool, prior, load, since, shape_since, arrivals, fc, plan_rate,
+                            evidence) if plan_rate > 0 else None
+        if sized is not None:
             recommended, reason = sized
+        elif load.arrivals > 0:
+            return None  # requests arrive but none has finished lately: nothing to size them by yet
         else:
-            # Nothing arrives and nothing is forecast a start-up time ahead: no engine's rate matters (nor the
-            # lengths, unknown once nothing finishes), so one engine is enough, shed through the hold as ever.
+            # The pool is idle: nothing is forecast a start-up time ahead, or nothing has finished for so long that
+            # the lengths to size a forecast by are unknown. One engine is enough, shed through the hold as ever;
+            # the first requests to finish size the pool again.
             recommended = 1
-            reason = f"{pool.name}: no arrivals now nor forecast {fc.horizon_s:.0f}s ahead: one engine is enough"
+            why = (f"nor forecast {fc.horizon_s:.0f}s ahead" if plan_rate <= 0 else
+                   f"and none finished lately to size the {plan_rate:.2f} req/s forecast by")
+            reason = f"{pool.name}: no arrivals now {why}: one engine is enough"
         short = _short_findings(inp, pool)
         recommended, reason = _findings_floor(inp, pool, short, recommended, reason)
         target, reason = self._held(inp, pool, bool(short), recommended, reason)
