@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.autoscale import (
@@ -154,6 +154,31 @@ def test_a_pool_whose_load_stops_plans_one_engine_and_sheds_it_through_the_hold(
         w.add(90 * 60 + (i + 1) * STEP, "pool/chat", "request_rate", 0.0)
     assert plan(w, pool(8)).target == 6, "after the hold window, a quarter of the engines at once"
     assert plan(w, pool(8, lo=7)).target == 7, "never under the pool's minimum"
+
+
+# Loads as fleets see them: up to four stretches of one rate each (idle ones among them), up to 20 minutes
+# each, then arrivals that stop for up to 10 minutes.
+LOADS = st.tuples(st.lists(st.tuples(st.one_of(st.just(0.0), st.floats(0.01, 300.0)), st.integers(1, 80)),
+                           min_size=1, max_size=4), st.integers(0, 40)).map(
+    lambda load: [r for r, n in load[0] for _ in range(n)][-200:] + [0.0] * load[1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(LOADS,
+       st.sampled_from(["unified", "prefill", "decode"]), st.integers(1, 24), st.floats(0.0, 20_000.0),
+       st.floats(0.0, 2_000.0), st.floats(0.0, 1.0), st.floats(0.01, 30.0), st.floats(0.0, 50.0),
+       st.floats(0.2, 1.0), st.floats(0.5, 0.99))
+def test_whatever_a_pool_reports_its_plan_is_a_count_within_its_bounds(
+        rates: list[float], role: str, engines: int, prompt: float, output: float, hit: float, ttft: float,
+        waiting: float, margin: float, quantile: float) -> None:
+    w = windows(len(rates) * STEP / 60, rates, engines=engines, prompt=prompt, output=output, hit=hit, ttft=ttft,
+                waiting=waiting)
+    state = PoolState("chat", role, engines, engines, 1, 32, ttft_p95_slo=2.0, tpot_p95_slo=0.1)
+    inp = PolicyInput(now=len(rates) * STEP, windows=w, pools={"chat": state}, open_findings={})
+    s = AutoscaleSettings(enabled=True, margin=margin, headroom_quantile=quantile)
+    for p in Autoscaler(s, {"chat": CURVES}).plan(inp):
+        assert 1 <= p.recommended and 1 <= p.target <= 32 and p.reason
+        assert p.target >= min(p.recommended, engines), "a scale-down is held, never overshot"
 
 
 def test_stabilisation_takes_the_highest_recommendation_of_the_window() -> None:
