@@ -531,7 +531,9 @@ class Autoscaler:
                 if name in self.curves and (p := self.plan_pool(inp, pool)) is not None]
 
     def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
-        """The plan for one pool, or None when it reports no load yet."""
+        """The plan for one pool, or None when it has no SLO to size for or reports no load yet."""
+        if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
+            return None
         s, w, prior = self.settings, inp.windows, self.curves[pool.name]
         since = inp.now - s.history
         subject = f"pool/{pool.name}"
@@ -557,8 +559,6 @@ class Autoscaler:
             "prompt_sigma": round(load.prompt_sigma, 3),
             "shape_age_s": round(inp.now - shape_since) if shape_since > since else None,
         }
-        if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
-            return None
         sized = self._sized(w, subject, pool, prior, load, since, shape_since, arrivals, fc, plan_rate,
                             evidence) if plan_rate > 0 else None
         if sized is not None:

@@ -65,10 +65,14 @@ def windows(minutes: float, rate: float | list[float], *, engines: int | list[in
     return w
 
 
-def plan(w: SignalWindows, state: PoolState, findings: dict | None = None, settings: AutoscaleSettings = SETTINGS):
+def plans(w: SignalWindows, state: PoolState, findings: dict | None = None, settings: AutoscaleSettings = SETTINGS):
     now = max(ts for ts, _ in w.series("pool/chat", "request_rate"))
     inp = PolicyInput(now=now, windows=w, pools={"chat": state}, open_findings=findings or {})
-    [p] = Autoscaler(settings, {"chat": CURVES}).plan(inp)
+    return Autoscaler(settings, {"chat": CURVES}).plan(inp)
+
+
+def plan(w: SignalWindows, state: PoolState, findings: dict | None = None, settings: AutoscaleSettings = SETTINGS):
+    [p] = plans(w, state, findings, settings)
     return p
 
 
@@ -173,10 +177,8 @@ def test_whatever_a_pool_reports_its_plan_is_a_count_within_its_bounds(
         waiting: float, margin: float, quantile: float) -> None:
     w = windows(len(rates) * STEP / 60, rates, engines=engines, prompt=prompt, output=output, hit=hit, ttft=ttft,
                 waiting=waiting)
-    state = PoolState("chat", role, engines, engines, 1, 32, ttft_p95_slo=2.0, tpot_p95_slo=0.1)
-    inp = PolicyInput(now=len(rates) * STEP, windows=w, pools={"chat": state}, open_findings={})
     s = AutoscaleSettings(enabled=True, margin=margin, headroom_quantile=quantile)
-    for p in Autoscaler(s, {"chat": CURVES}).plan(inp):
+    for p in plans(w, pool(engines, role=role), settings=s):
         assert 1 <= p.recommended and 1 <= p.target <= 32 and p.reason
         assert p.target >= min(p.recommended, engines), "a scale-down is held, never overshot"
 
