@@ -13,7 +13,7 @@ from controlplane.config import Engine, FleetConfig
 from controlplane.sim.engine import BLOCK_TOKENS
 from controlplane.sim.perf import load_model
 from controlplane.store.base import Store
-from policies.autoscale import DESIRED, READY, Autoscaler, EngineCurves, PoolPlan
+from policies.autoscale import DESIRED, READY, Autoscaler, EngineCurves, PoolPlan, plan_pools
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import HISTORY_S, SignalWindows
 
@@ -61,4 +61,4 @@ async def plan_from_store(config: FleetConfig, store: Store, now: float) -> list
                                   p.replicas.max, p.slo.ttft_p95, p.slo.tpot_p95)
     findings = {FindingKey(f.kind, f.subject): OpenFinding(FindingKey(f.kind, f.subject), f.opened_at, f.evidence)
                 for f in await store.open_findings()}
-    return sizer.plan(PolicyInput(now=now, windows=windows, pools=pools, open_findings=findings))
+    return plan_pools(sizer, PolicyInput(now=now, windows=windows, pools=pools, open_findings=findings))

@@ -297,7 +297,7 @@ class ControlLoop:
         if self.sizer is None:
             return []
         with self.telemetry.span(f"sizer.{self.sizer.name}"):
-            report.plans = self.sizer.plan(inp)
+            report.plans = self._plans(self.sizer, inp, report)
         self._keep([sig for p in report.plans for sig in (
             Signal(inp.now, f"pool/{p.pool}", TARGET, float(p.recommended)),
             *([Signal(inp.now, f"pool/{p.pool}", FORECAST, float(p.evidence["planned_for"]))]
@@ -312,6 +312,22 @@ class ControlLoop:
                 if a.kind == ActionKind.SCALE_POOL and a.finding_id is None and a.state is ActionState.ADVISORY}
             proposals = [(f, p) for f, p in proposals if advised.get(p.pool) != getattr(p.change, "replicas", None)]
         return proposals
+
+    def _plans(self, sizer: Sizer, inp: PolicyInput, report: TickReport) -> list[PoolPlan]:
+        """Every pool's plan. A pool whose numbers break the sizer keeps its size, and the failure is logged and
+        counted: the other pools are still sized and the rest of the tick (findings, outcomes, other actions) runs."""
+        plans = []
+        for name, pool in sorted(inp.pools.items()):
+            try:
+                plan = sizer.plan_pool(inp, pool)
+            except Exception as exc:
+                self.telemetry.sizing_failures.labels(name).inc()
+                report.errors[f"sizing {name}"] = f"{type(exc).__name__}: {exc}"
+                log.exception("sizer %s failed on pool %s: its size is kept this tick", sizer.name, name)
+                continue
+            if plan is not None:
+                plans.append(plan)
+        return plans
 
     # detect -----------------------------------------------------------------------------------
 

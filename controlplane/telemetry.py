@@ -43,6 +43,10 @@ class Telemetry:
         self.tick_failures = Counter(
             f"{ns}_tick_failures", "Ticks abandoned on an error (store outage, ...).", registry=self.registry
         )
+        self.sizing_failures = Counter(
+            f"{ns}_sizing_failures", "Pools the sizer failed on in a tick (the pool kept its size).", ["pool"],
+            registry=self.registry,
+        )
         self.scrape_errors = Counter(
             f"{ns}_scrape_errors", "Failed scrapes by target.", ["target"], registry=self.registry
         )

@@ -57,6 +57,7 @@ __all__ = [
     "burst_factor",
     "forecast",
     "learned_startup",
+    "plan_pools",
     "pool_load",
 ]
 
@@ -215,13 +216,19 @@ class PoolPlan:
 
 class Sizer(Protocol):
     """Anything that plans replica counts from one tick's input (the autoscaler, or a baseline to compare it with);
-    like a policy it must not perform I/O or read the clock."""
+    like a policy it must not perform I/O or read the clock. Pools are sized independently: the loop asks for one
+    at a time, so a pool whose numbers break the sizer keeps its size and the others are still sized."""
 
     name: str
 
-    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
-        """A plan per pool it sizes."""
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+        """The plan for one pool, or None when it does not size it now."""
         ...
+
+
+def plan_pools(sizer: Sizer, inp: PolicyInput) -> list[PoolPlan]:
+    """The sizer's plan for every pool of the input that it sizes, in name order."""
+    return [p for _, pool in sorted(inp.pools.items()) if (p := sizer.plan_pool(inp, pool)) is not None]
 
 
 # load -------------------------------------------------------------------------------------------
@@ -526,13 +533,9 @@ class Autoscaler:
         self.settings = settings
         self.curves = dict(curves)
 
-    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
-        return [p for name, pool in sorted(inp.pools.items())
-                if name in self.curves and (p := self.plan_pool(inp, pool)) is not None]
-
     def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
-        """The plan for one pool, or None when it has no SLO to size for or reports no load yet."""
-        if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
+        """The plan for one pool, or None when it has no profile or SLO to size by or reports no load yet."""
+        if pool.name not in self.curves or (pool.ttft_p95_slo is None and pool.tpot_p95_slo is None):
             return None
         s, w, prior = self.settings, inp.windows, self.curves[pool.name]
         since = inp.now - s.history

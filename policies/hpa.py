@@ -15,7 +15,7 @@ from pydantic import Field
 
 from catalog.settings import Seconds, Settings
 from policies.autoscale import PoolPlan, stabilised
-from policies.types import PolicyInput
+from policies.types import PolicyInput, PoolState
 
 __all__ = ["HpaRule", "HpaSettings"]
 
@@ -37,21 +37,19 @@ class HpaRule:
     def __init__(self, settings: HpaSettings | None = None) -> None:
         self.settings = settings or HpaSettings()
 
-    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
-        s, out = self.settings, []
-        for name, pool in sorted(inp.pools.items()):
-            subject = f"pool/{name}"
-            kv = inp.windows.latest(subject, "kv_cache_usage")
-            waiting = inp.windows.latest(subject, "requests_waiting")
-            if kv is None or waiting is None or pool.desired <= 0:
-                continue
-            engines = max(1.0, inp.windows.latest(subject, "engines_reporting") or pool.ready)
-            ratio = max(kv / s.kv_usage, waiting / engines / s.waiting_per_replica)
-            recommended = pool.desired if abs(ratio - 1.0) <= s.tolerance else math.ceil(pool.desired * ratio)
-            target = stabilised(inp.windows, subject, inp.now, s.scale_down_stabilization, recommended, pool.desired)
-            target = max(pool.min_replicas, min(pool.max_replicas, int(target)))
-            reason = (f"{name}: KV usage {kv:.0%} (target {s.kv_usage:.0%}), {waiting / engines:.1f} waiting per "
-                      f"replica (target {s.waiting_per_replica:g}): {recommended} replicas")
-            out.append(PoolPlan(name, pool.desired, pool.ready, target, recommended, reason,
-                                {"kv_usage": round(kv, 3), "waiting_per_replica": round(waiting / engines, 2)}))
-        return out
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+        """The replicas the rule sets the pool to, or None before it reports KV usage and a queue."""
+        s, subject = self.settings, f"pool/{pool.name}"
+        kv = inp.windows.latest(subject, "kv_cache_usage")
+        waiting = inp.windows.latest(subject, "requests_waiting")
+        if kv is None or waiting is None or pool.desired <= 0:
+            return None
+        engines = max(1.0, inp.windows.latest(subject, "engines_reporting") or pool.ready)
+        ratio = max(kv / s.kv_usage, waiting / engines / s.waiting_per_replica)
+        recommended = pool.desired if abs(ratio - 1.0) <= s.tolerance else math.ceil(pool.desired * ratio)
+        target = stabilised(inp.windows, subject, inp.now, s.scale_down_stabilization, recommended, pool.desired)
+        target = max(pool.min_replicas, min(pool.max_replicas, int(target)))
+        reason = (f"{pool.name}: KV usage {kv:.0%} (target {s.kv_usage:.0%}), {waiting / engines:.1f} waiting per "
+                  f"replica (target {s.waiting_per_replica:g}): {recommended} replicas")
+        return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason,
+                        {"kv_usage": round(kv, 3), "waiting_per_replica": round(waiting / engines, 2)})

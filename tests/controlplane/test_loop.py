@@ -34,7 +34,7 @@ from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 from policies.autoscale import PoolPlan
-from policies.types import PolicyInput
+from policies.types import PolicyInput, PoolState
 
 
 @dataclass
@@ -265,10 +265,24 @@ class AskFor:
     def __init__(self, pool: str, replicas: int) -> None:
         self.pool, self.replicas = pool, replicas
 
-    def plan(self, inp: PolicyInput) -> list[PoolPlan]:
-        p = inp.pools[self.pool]
-        return [PoolPlan(self.pool, p.desired, p.ready, self.replicas, self.replicas, f"{self.pool} wants {self.replicas}",
-                         {"planned_for": 12.5})]
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+        if pool.name != self.pool:
+            return None
+        return PoolPlan(pool.name, pool.desired, pool.ready, self.replicas, self.replicas,
+                        f"{pool.name} wants {self.replicas}", {"planned_for": 12.5})
+
+
+class BreaksOn(AskFor):
+    """`AskFor`, but its sizing of another pool raises, as a sizer bug on odd numbers would."""
+
+    def __init__(self, broken: str, pool: str, replicas: int) -> None:
+        super().__init__(pool, replicas)
+        self.broken = broken
+
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+        if pool.name == self.broken:
+            raise ZeroDivisionError("float division by zero")
+        return super().plan_pool(inp, pool)
 
 
 async def test_the_sizer_owns_replica_counts_through_the_rails_and_its_plans_are_signals(
@@ -289,6 +303,25 @@ async def test_the_sizer_owns_replica_counts_through_the_rails_and_its_plans_are
     signals = {(s.name, s.value) for s in sqlite_store.load_signals(0.0) if s.subject == "pool/decode"}
     assert {("replicas_desired", 5.0), ("autoscale_target_replicas", 5.0), ("autoscale_forecast_rate", 12.5)} <= signals
     assert ("replicas_ready", 3.0) in signals, "the new engines are still starting"
+
+
+async def test_a_pool_that_breaks_the_sizer_keeps_its_size_and_the_rest_of_the_tick_runs(
+        sim: tuple, sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+    fleet, server, clock = sim
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.ACT})
+    loop = build_loop(cfg, ThreadedStore(sqlite_store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=BreaksOn("prefill", "decode", 4))
+    h = Harness(loop, fleet, server, clock, sqlite_store)
+    prefill = fleet.desired["prefill"]
+    await h.loop.start()
+    [report] = await h.ticks(1)
+    assert [(a.pool, a.params["replicas"]) for a in report.actions] == [("decode", 4)], "the other pool is still sized"
+    assert report.errors == {"sizing prefill": "ZeroDivisionError: float division by zero"}
+    assert fleet.desired["prefill"] == prefill and [p.pool for p in report.plans] == ["decode"]
+    registry = loop.telemetry.registry
+    assert registry.get_sample_value("fleet_controlplane_sizing_failures_total", {"pool": "prefill"}) == 1
+    assert not registry.get_sample_value("fleet_controlplane_tick_failures_total")
+    assert registry.get_sample_value("fleet_controlplane_ticks_total") == 1
 
 
 async def test_observing_the_sizer_advises_each_target_once(sim: tuple, sqlite_store: SqlStore,

@@ -20,6 +20,7 @@ from policies.autoscale import (
     burst_factor,
     forecast,
     learned_startup,
+    plan_pools,
     pool_load,
     stabilised,
 )
@@ -68,7 +69,7 @@ def windows(minutes: float, rate: float | list[float], *, engines: int | list[in
 def plans(w: SignalWindows, state: PoolState, findings: dict | None = None, settings: AutoscaleSettings = SETTINGS):
     now = max(ts for ts, _ in w.series("pool/chat", "request_rate"))
     inp = PolicyInput(now=now, windows=w, pools={"chat": state}, open_findings=findings or {})
-    return Autoscaler(settings, {"chat": CURVES}).plan(inp)
+    return plan_pools(Autoscaler(settings, {"chat": CURVES}), inp)
 
 
 def plan(w: SignalWindows, state: PoolState, findings: dict | None = None, settings: AutoscaleSettings = SETTINGS):
@@ -253,7 +254,7 @@ def test_the_hpa_rule_scales_out_as_the_shipped_charts_do(kv: float, waiting: fl
     w = SignalWindows(3600)
     for name, value in (("kv_cache_usage", kv), ("requests_waiting", waiting), ("engines_reporting", float(desired))):
         w.add(100.0, "pool/chat", name, value)
-    [p] = HpaRule().plan(PolicyInput(100.0, w, {"chat": pool(desired)}, {}))
+    [p] = plan_pools(HpaRule(), PolicyInput(100.0, w, {"chat": pool(desired)}, {}))
     assert p.target == expected
 
 
@@ -265,11 +266,11 @@ def test_the_hpa_rule_holds_scale_down_for_its_stabilisation_window() -> None:
                             ("request_rate", 1.0)):
             w.add(ts, "pool/chat", name, value)
     now = 39 * STEP
-    [p] = HpaRule().plan(PolicyInput(now, w, {"chat": pool(8)}, {}))
+    [p] = plan_pools(HpaRule(), PolicyInput(now, w, {"chat": pool(8)}, {}))
     assert p.recommended == 1 and p.target == 8
     for i in range(40):
         w.add(i * STEP + 1, "pool/chat", TARGET, 1.0)
-    [p] = HpaRule().plan(PolicyInput(now + 2, w, {"chat": pool(8)}, {}))
+    [p] = plan_pools(HpaRule(), PolicyInput(now + 2, w, {"chat": pool(8)}, {}))
     assert p.target == 1
 
 
@@ -367,7 +368,7 @@ def test_short_prompts_at_light_load_each_pay_a_passs_fixed_cost() -> None:
     prefill = PoolState("chat", "prefill", 6, 6, 1, 64, ttft_p95_slo=0.5)
     w = windows(30, 12.0, engines=6, prompt=2200.0, output=1.0, hit=0.87, ttft=0.4)
     inp = PolicyInput(now=30 * 60.0, windows=w, pools={"chat": prefill}, open_findings={})
-    [p] = Autoscaler(SETTINGS, {"chat": SLOW}).plan(inp)
+    [p] = plan_pools(Autoscaler(SETTINGS, {"chat": SLOW}), inp)
     alone = SLOW.prefill_seconds(2200.0 * 0.13)
     assert p.evidence["engine_s_per_request"] >= 0.8 * alone, p.evidence
     # At that cost 12 req/s keep about 12 * 0.16 = 1.9 engines busy; within a 0.4 s budget over a 0.3 s idle
