@@ -30,7 +30,7 @@ from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
-from policies.autoscale import DESIRED, FORECAST, READY, TARGET, PoolPlan, Sizer
+from policies.autoscale import DESIRED, FORECAST, READY, TARGET, PoolPlan, Sizer, plan_each
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
@@ -316,18 +316,12 @@ class ControlLoop:
     def _plans(self, sizer: Sizer, inp: PolicyInput, report: TickReport) -> list[PoolPlan]:
         """Every pool's plan. A pool whose numbers break the sizer keeps its size, and the failure is logged and
         counted: the other pools are still sized and the rest of the tick (findings, outcomes, other actions) runs."""
-        plans = []
-        for name, pool in sorted(inp.pools.items()):
-            try:
-                plan = sizer.plan_pool(inp, pool)
-            except Exception as exc:
-                self.telemetry.sizing_failures.labels(name).inc()
-                report.errors[f"sizing {name}"] = f"{type(exc).__name__}: {exc}"
-                log.exception("sizer %s failed on pool %s: its size is kept this tick", sizer.name, name)
-                continue
-            if plan is not None:
-                plans.append(plan)
-        return plans
+        sizing = plan_each(sizer, inp)
+        for name, exc in sizing.failed.items():
+            self.telemetry.sizing_failures.labels(name).inc()
+            report.errors[f"sizing {name}"] = f"{type(exc).__name__}: {exc}"
+            log.error("sizer %s failed on pool %s: its size is kept this tick", sizer.name, name, exc_info=exc)
+        return sizing.plans
 
     # detect -----------------------------------------------------------------------------------
 

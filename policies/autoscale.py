@@ -53,11 +53,12 @@ __all__ = [
     "PoolLoad",
     "PoolPlan",
     "Sizer",
+    "Sizing",
     "arrival_series",
     "burst_factor",
     "forecast",
     "learned_startup",
-    "plan_pools",
+    "plan_each",
     "pool_load",
 ]
 
@@ -226,9 +227,28 @@ class Sizer(Protocol):
         ...
 
 
-def plan_pools(sizer: Sizer, inp: PolicyInput) -> list[PoolPlan]:
-    """The sizer's plan for every pool of the input that it sizes, in name order."""
-    return [p for _, pool in sorted(inp.pools.items()) if (p := sizer.plan_pool(inp, pool)) is not None]
+
+@dataclass(slots=True)
+class Sizing:
+    """Every pool's plan, and the pools the sizer failed on with what it raised."""
+
+    plans: list[PoolPlan] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
+
+
+def plan_each(sizer: Sizer, inp: PolicyInput) -> Sizing:
+    """The sizer run on one pool at a time, in name order: a pool whose numbers break it (a bug on data nobody
+    foresaw) is reported with its error and keeps its size, and the other pools are still planned."""
+    out = Sizing()
+    for name, pool in sorted(inp.pools.items()):
+        try:
+            plan = sizer.plan_pool(inp, pool)
+        except Exception as exc:  # any error in one pool's sizing is that pool's alone
+            out.failed[name] = exc
+            continue
+        if plan is not None:
+            out.plans.append(plan)
+    return out
 
 
 # load -------------------------------------------------------------------------------------------

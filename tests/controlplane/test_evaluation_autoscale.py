@@ -184,7 +184,9 @@ pools:
     res = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db", db,
                           "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
-    [plan] = json.loads(res.stdout)["plans"]
+    data = json.loads(res.stdout)
+    [plan], failed = data["plans"], data["failed"]
+    assert failed == {}
     assert plan["pool"] == "chat" and plan["desired"] == 2 and plan["target"] > 2, "80 req/s is more than two engines take"
     assert {"ttft_curve", "tpot_curve", "forecast", "per_engine_rate"} <= set(plan["evidence"])
     table = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db",
