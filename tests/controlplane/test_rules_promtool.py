@@ -36,6 +36,7 @@ from policies.windows import SignalWindows
 from tests.real.prometheus import PrometheusNotAvailable, prometheus_binary
 
 ENSURE_PROMETHEUS = Path(__file__).resolve().parents[2] / "scripts" / "ensure-prometheus.sh"
+SELF_ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "base" / "controlplane-alerts.yaml"
 STEP = 15
 STEPS = 100
 T0 = 1_767_225_600.0
@@ -92,6 +93,16 @@ def test_exported_groups_pass_promtool_check_rules(promtool: str, tmp_path: Path
     assert done.returncode == 0, done.stdout + done.stderr
     expected = len(STATIC_RULES) + (1 if with_slos else 0)  # TTFT: a copy for the pool with its own objective
     assert f"SUCCESS: {expected} rules found" in done.stdout + done.stderr
+
+
+def test_the_control_planes_own_alerts_pass_promtool_check_rules(promtool: str, tmp_path: Path) -> None:
+    manifest = yaml.safe_load(SELF_ALERTS.read_text())
+    rules_file = tmp_path / "self.yaml"
+    rules_file.write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}, sort_keys=False))
+    done = _run(promtool, "check", "rules", str(rules_file), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rules = sum(len(g["rules"]) for g in manifest["spec"]["groups"])
+    assert f"SUCCESS: {rules} rules found" in done.stdout + done.stderr
 
 
 # the scenario ---------------------------------------------------------------------------------
