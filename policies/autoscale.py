@@ -227,7 +227,6 @@ class Sizer(Protocol):
         ...
 
 
-
 @dataclass(slots=True)
 class Sizing:
     """Every pool's plan, and the pools the sizer failed on with what it raised."""
