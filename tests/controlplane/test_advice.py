@@ -15,7 +15,7 @@ from controlplane import evaluation_advise
 from controlplane.advice import accuracy, advise_and_score, advisor_input, observed
 from controlplane.config import parse_config
 from controlplane.errors import ConfigError
-from controlplane.evaluation_advise import CASES, apply, needed, run_case, split
+from controlplane.evaluation_advise import CASES, SEEDS, apply, needed, run_case, split
 from controlplane.sim.scenario import Scenario, load_scenario
 from controlplane.store.memory import MemoryStore
 from policies.advice import AdviceKind
@@ -168,6 +168,8 @@ def test_advise_cli(tmp_path: Path) -> None:
     assert missing.returncode == 3 and "no.jsonl" in missing.stderr
     nope = fleetctl("advise", "eval", "--case", "nope")
     assert nope.returncode == 3 and "small-fleet" in nope.stderr
+    usage = fleetctl("advise", "eval", "--help")
+    assert f"Default: {SEEDS}." in " ".join(usage.stdout.split()), "the help names the evaluation's own default"
 
 
 @pytest.mark.slow
