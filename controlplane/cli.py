@@ -555,7 +555,7 @@ def autoscale_plan(config_file: Path, db: str, pools: tuple[str, ...], as_json: 
     finally:
         store.close()
     plans = [p for p in sizing.plans if not pools or p.pool in pools]
-    failed = {pool: f"{type(exc).__name__}: {exc}" for pool, exc in sizing.failed.items() if not pools or pool in pools}
+    failed = {pool: error for pool, error in sizing.errors().items() if not pools or pool in pools}
     if as_json:
         _emit_json({"plans": [{"pool": p.pool, "desired": p.desired, "ready": p.ready, "target": p.target,
                                "recommended": p.recommended, "reason": p.reason, "evidence": p.evidence} for p in plans],

@@ -317,10 +317,11 @@ class ControlLoop:
         """Every pool's plan. A pool whose numbers break the sizer keeps its size, and the failure is logged and
         counted: the other pools are still sized and the rest of the tick (findings, outcomes, other actions) runs."""
         sizing = plan_each(sizer, inp)
-        for name, exc in sizing.failed.items():
+        for name, error in sizing.errors().items():
             self.telemetry.sizing_failures.labels(name).inc()
-            report.errors[f"sizing {name}"] = f"{type(exc).__name__}: {exc}"
-            log.error("sizer %s failed on pool %s: its size is kept this tick", sizer.name, name, exc_info=exc)
+            report.errors[f"sizing {name}"] = error
+            log.error("sizer %s failed on pool %s: its size is kept this tick", sizer.name, name,
+                      exc_info=sizing.failed[name])
         return sizing.plans
 
     # detect -----------------------------------------------------------------------------------

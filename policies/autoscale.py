@@ -234,6 +234,10 @@ class Sizing:
     plans: list[PoolPlan] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
 
+    def errors(self) -> dict[str, str]:
+        """Each failed pool's error as one line: the exception's type and message."""
+        return {pool: f"{type(exc).__name__}: {exc}" for pool, exc in self.failed.items()}
+
 
 def plan_each(sizer: Sizer, inp: PolicyInput) -> Sizing:
     """The sizer run on one pool at a time, in name order: a pool whose numbers break it (a bug on data nobody

@@ -246,6 +246,11 @@ def test_bounds_clamp_the_target() -> None:
     assert plan(windows(30, 500.0), pool(4, hi=10)).target == 10
     assert plan(windows(30, 0.1, engines=3), pool(3, lo=3)).target == 3
 
+def hpa(now: float, w: SignalWindows, state: PoolState) -> PoolPlan:
+    plan = HpaRule().plan_pool(PolicyInput(now, w, {state.name: state}, {}), state)
+    assert plan is not None
+    return plan
+
 
 @pytest.mark.parametrize(("kv", "waiting", "desired", "expected"), [
     (0.9, 0.0, 4, 5),  # ceil(4 * 0.9 / 0.8)
@@ -256,7 +261,7 @@ def test_the_hpa_rule_scales_out_as_the_shipped_charts_do(kv: float, waiting: fl
     w = SignalWindows(3600)
     for name, value in (("kv_cache_usage", kv), ("requests_waiting", waiting), ("engines_reporting", float(desired))):
         w.add(100.0, "pool/chat", name, value)
-    [p] = plan_each(HpaRule(), PolicyInput(100.0, w, {"chat": pool(desired)}, {})).plans
+    p = hpa(100.0, w, pool(desired))
     assert p.target == expected
 
 
@@ -268,11 +273,11 @@ def test_the_hpa_rule_holds_scale_down_for_its_stabilisation_window() -> None:
                             ("request_rate", 1.0)):
             w.add(ts, "pool/chat", name, value)
     now = 39 * STEP
-    [p] = plan_each(HpaRule(), PolicyInput(now, w, {"chat": pool(8)}, {})).plans
+    p = hpa(now, w, pool(8))
     assert p.recommended == 1 and p.target == 8
     for i in range(40):
         w.add(i * STEP + 1, "pool/chat", TARGET, 1.0)
-    [p] = plan_each(HpaRule(), PolicyInput(now + 2, w, {"chat": pool(8)}, {})).plans
+    p = hpa(now + 2, w, pool(8))
     assert p.target == 1
 
 
