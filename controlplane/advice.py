@@ -62,7 +62,8 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         per_minute: dict[int, list[float]] = defaultdict(list)
         for ts, v in w.series(subject, name, since=since):
             if math.isfinite(v):
-                per_minute[int(ts // 60)].append(v)
+                # A scrape reports the interval that ends at its timestamp: the one at 60 s closes minute 0.
+                per_minute[math.ceil(ts / 60.0) - 1].append(v)
         means = [statistics.fmean(v) for v in per_minute.values()]
         return float(np.quantile(means, quantile)) if means else None
 

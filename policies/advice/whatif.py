@@ -20,7 +20,9 @@ from policies.stats import lognormal_sigma
 
 __all__ = ["calibrate", "on_gpu", "peak_load", "sized", "step_cost"]
 
-MIN_FACTOR, MAX_FACTOR = 0.5, 4.0
+# How far the pool's own numbers may move the model, either way: a queueing part measured at a quarter of the model's
+# (a router that spares decodes better than the model counts on) is as plausible as one at four times.
+MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
 
 
 def on_gpu(facts: PoolFacts, gpu_type: str, s: AdviceSettings) -> EngineCurves:

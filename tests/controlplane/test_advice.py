@@ -61,6 +61,16 @@ def test_observed_load_from_pool_signals() -> None:
     assert inp.pools["chat"].replicas == 4 and inp.pools["chat"].spec.method == "eagle"
 
 
+def test_a_busy_minute_is_the_scrapes_that_close_it() -> None:
+    """A scrape at 60 s reports the 15 s before it: minute 0's, not minute 1's. Grouped by its start instead, every
+    busy minute would mix in a quieter one's scrape and its peak would read low."""
+    w = SignalWindows(600)
+    for i in range(1, 13):  # minute 1 (60 s to 120 s] three times as busy as the minutes either side
+        w.add(i * 15.0, "pool/chat", "request_rate", 30.0 if 4 < i <= 8 else 10.0)
+    o = observed(w, "chat", 0.0, quantile=1.0)
+    assert o is not None and o.arrivals_peak == pytest.approx(30.0)
+
+
 def test_applying_advice_to_a_scenario() -> None:
     sc = load_scenario("advise/small-fleet")
     two = split(sc, "chat", (1, 3))

@@ -132,6 +132,11 @@ def test_the_tpot_calibration_reads_the_mean_not_the_bucketed_p95() -> None:
     assert agrees.tpot_stall == pytest.approx(1.0) and agrees.tpot_scale == pytest.approx(1.0)
     slower = calibrate(pool, replace(load, tpot_mean_peak=1.5 * model_mean), AdviceSettings())
     assert max(slower.tpot_stall, slower.tpot_scale) > 1.2
+    # Stalls at a third of the model's (a router that spares decodes better than it counts on) are taken as
+    # measured, not held to half.
+    assert at.tpot_stall >= 0.2 * model_mean
+    fewer = calibrate(pool, replace(load, tpot_mean_peak=at.tpot_base + at.tpot_stall / 3), AdviceSettings())
+    assert fewer.tpot_stall == pytest.approx(1 / 3, rel=1e-6) and fewer.tpot_scale == pytest.approx(1.0)
 
 
 def test_a_queue_aware_router_spares_decodes_while_some_engine_is_idle() -> None:
