@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,7 +23,7 @@ from controlplane.config import FleetConfig, Pool
 from controlplane.store.base import Store
 from controlplane.store.records import AdviceRecord, NewAdvice
 from policies.advice import AdviceKind, AdvisorInput, PoolFacts, PoolObserved, Recommendation, SpecFacts, advise
-from policies.windows import SignalWindows
+from policies.windows import SignalWindows, by_minute
 
 __all__ = ["AdviceRun", "accuracy", "advise_and_score", "advisor_input", "followed", "observed",
            "pool_facts"]
@@ -59,11 +58,7 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
 
     def busy(name: str) -> float | None:
         """The quantile of a series' per-minute means: what the busy minutes saw."""
-        per_minute: dict[int, list[float]] = defaultdict(list)
-        for ts, v in w.series(subject, name, since=since):
-            if math.isfinite(v):
-                # A scrape reports the interval that ends at its timestamp: the one at 60 s closes minute 0.
-                per_minute[math.ceil(ts / 60.0) - 1].append(v)
+        per_minute = by_minute((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v))
         means = [statistics.fmean(v) for v in per_minute.values()]
         return float(np.quantile(means, quantile)) if means else None
 

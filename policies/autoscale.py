@@ -31,9 +31,9 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -42,7 +42,7 @@ from sklearn.linear_model import LinearRegression
 from catalog.settings import Seconds, Settings
 from policies.stats import MAX_CONTEXT, lognormal_p95, lognormal_sigma, quadratic_moments
 from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
-from policies.windows import SignalWindows
+from policies.windows import SignalWindows, by_minute
 
 __all__ = [
     "CAPACITY_FINDINGS",
@@ -74,7 +74,6 @@ LENGTH_SCRAPES = 20  # scrapes the lengths per request are averaged over, and th
 SHIFT_CONFIRM = 4  # scrapes in a row, all moved the same way, that mark a new shape at once
 STEADY_S = 120.0  # a minute judges the pool's size only this long after its engines last changed
 MIN_R2 = 0.3  # a fitted curve replaces the prior only when it explains this share of its points' variance
-T = TypeVar("T")
 READS = ("request_rate", "prompt_tokens_rate", "generation_tokens_rate", "prefix_cache_hit_rate", "requests_running",
          "requests_waiting", "ttft_p95", "tpot_p95", "kv_cache_usage", "engines_reporting")
 
@@ -343,14 +342,6 @@ def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: Autosca
     return Forecast(values[-1], expected, expected + headroom, steps * step)
 
 
-def _by_minute(points: Iterable[tuple[float, T]]) -> dict[int, list[T]]:
-    """Values grouped by the minute they fall in, each minute numbered by its end (`ceil(ts / 60)`)."""
-    minutes: dict[int, list[T]] = {}
-    for ts, v in points:
-        minutes.setdefault(math.ceil(ts / 60.0), []).append(v)
-    return minutes
-
-
 def _most(flags: Sequence[bool]) -> bool:
     """Whether most of a minute's scrapes say so (one slow scrape is noise every fleet has)."""
     return 2 * sum(flags) > len(flags)
@@ -358,7 +349,7 @@ def _most(flags: Sequence[bool]) -> bool:
 
 def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
     """Whether in some minute most scrapes' p95 broke the SLO."""
-    return any(_most([v > slo for v in values]) for values in _by_minute(series).values())
+    return any(_most([v > slo for v in values]) for values in by_minute(series).values())
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
@@ -370,9 +361,9 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     engines = w.series(subject, "engines_reporting", since=since - STEADY_S)
     changes = [t for (_, a), (t, b) in itertools.pairwise(engines) if a != b]
     waiting = dict(w.series(subject, "requests_waiting", since=since))
-    broken = _by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
+    broken = by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
                         for ts, ttft in w.series(subject, "ttft_p95", since=since))
-    sizes, rates = _by_minute(engines), _by_minute(arrivals)
+    sizes, rates = by_minute(engines), by_minute(arrivals)
     out = []
     for m, broke in sorted(broken.items()):
         start, end = (m - 1) * 60.0, m * 60.0
@@ -422,7 +413,7 @@ def _findings_floor(inp: PolicyInput, pool: PoolState, short: Sequence[str], rec
 
 def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
-    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(_by_minute(series).items())]
+    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(by_minute(series).items())]
 
 
 def burst_factor(arrivals: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -435,7 +426,7 @@ def burst_factor(arrivals: Sequence[tuple[float, float]]) -> tuple[float, float]
     ts = [t for t, _ in arrivals]
     interval = statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
     ratios = []
-    for counts in _by_minute((t, rate * interval) for t, rate in arrivals).values():
+    for counts in by_minute((t, rate * interval) for t, rate in arrivals).values():
         mean = statistics.fmean(counts)
         if len(counts) < 3 or mean < MIN_BURST_COUNT:
             continue

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
+from typing import TypeVar
 
-__all__ = ["HISTORY_S", "SignalWindows"]
+__all__ = ["HISTORY_S", "SignalWindows", "by_minute"]
+
+T = TypeVar("T")
 
 # How far back the loop keeps signals for the policies (and reloads them from the store on start):
 # no policy window may be longer, or it would never fill.
@@ -94,3 +98,12 @@ class SignalWindows:
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._series.values())
+
+
+def by_minute(points: Iterable[tuple[float, T]]) -> dict[int, list[T]]:
+    """Values grouped by the minute they close, each minute numbered by its end (`ceil(ts / 60)`): a scrape reports
+    the interval that ends at its timestamp, so the one at 60 s belongs to the first minute."""
+    minutes: dict[int, list[T]] = {}
+    for ts, v in points:
+        minutes.setdefault(math.ceil(ts / 60.0), []).append(v)
+    return minutes
