@@ -362,7 +362,7 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     changes = [t for (_, a), (t, b) in itertools.pairwise(engines) if a != b]
     waiting = dict(w.series(subject, "requests_waiting", since=since))
     broken = by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
-                        for ts, ttft in w.series(subject, "ttft_p95", since=since))
+                       for ts, ttft in w.series(subject, "ttft_p95", since=since))
     sizes, rates = by_minute(engines), by_minute(arrivals)
     out = []
     for m, broke in sorted(broken.items()):

@@ -1,4 +1,4 @@
-"""Sliding windows of recent signal values, keyed by (subject, name)."""
+"""Sliding windows of recent signal values, keyed by (subject, name), and their grouping by minute."""
 
 from __future__ import annotations
 
