@@ -23,7 +23,7 @@ from controlplane.config import FleetConfig, Pool
 from controlplane.store.base import Store
 from controlplane.store.records import AdviceRecord, NewAdvice
 from policies.advice import AdviceKind, AdvisorInput, PoolFacts, PoolObserved, Recommendation, SpecFacts, advise
-from policies.windows import SignalWindows, by_minute
+from policies.windows import SignalWindows, minute_means
 
 __all__ = ["AdviceRun", "accuracy", "advise_and_score", "advisor_input", "followed", "observed",
            "pool_facts"]
@@ -58,8 +58,8 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
 
     def busy(name: str) -> float | None:
         """The quantile of a series' per-minute means: what the busy minutes saw."""
-        per_minute = by_minute((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v))
-        means = [statistics.fmean(v) for v in per_minute.values()]
+        finite = ((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v))
+        means = [v for _, v in minute_means(finite)]
         return float(np.quantile(means, quantile)) if means else None
 
     def mean(name: str) -> float | None:

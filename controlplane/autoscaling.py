@@ -13,7 +13,7 @@ from controlplane.config import Engine, FleetConfig
 from controlplane.sim.engine import BLOCK_TOKENS
 from controlplane.sim.perf import load_model
 from controlplane.store.base import Store
-from policies.autoscale import DESIRED, READY, Autoscaler, EngineCurves, Sizing, plan_each
+from policies.autoscale import DESIRED, READY, Autoscaler, EngineCurves, SizerRun, plan_each
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import HISTORY_S, SignalWindows
 
@@ -47,7 +47,7 @@ def _autoscaler(config: FleetConfig) -> Autoscaler:
     return Autoscaler(config.autoscaling, {p.name: engine_curves(p.engine) for p in config.pools})
 
 
-async def plan_from_store(config: FleetConfig, store: Store, now: float) -> Sizing:
+async def plan_from_store(config: FleetConfig, store: Store, now: float) -> SizerRun:
     """What the sizer would set each pool to at `now`, from the signals and findings in the store."""
     sizer = _autoscaler(config)  # enabled or not: the plan is what it would do
     windows = SignalWindows(HISTORY_S)

@@ -42,7 +42,7 @@ from sklearn.linear_model import LinearRegression
 from catalog.settings import Seconds, Settings
 from policies.stats import MAX_CONTEXT, lognormal_p95, lognormal_sigma, quadratic_moments
 from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
-from policies.windows import SignalWindows, by_minute
+from policies.windows import SignalWindows, by_minute, minute_means
 
 __all__ = [
     "CAPACITY_FINDINGS",
@@ -53,7 +53,7 @@ __all__ = [
     "PoolLoad",
     "PoolPlan",
     "Sizer",
-    "Sizing",
+    "SizerRun",
     "arrival_series",
     "burst_factor",
     "forecast",
@@ -227,8 +227,8 @@ class Sizer(Protocol):
 
 
 @dataclass(slots=True)
-class Sizing:
-    """Every pool's plan, and the pools the sizer failed on with what it raised."""
+class SizerRun:
+    """One run of a sizer over the pools: every pool's plan, and the pools it failed on with what it raised."""
 
     plans: list[PoolPlan] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
@@ -238,10 +238,10 @@ class Sizing:
         return {pool: f"{type(exc).__name__}: {exc}" for pool, exc in self.failed.items()}
 
 
-def plan_each(sizer: Sizer, inp: PolicyInput) -> Sizing:
+def plan_each(sizer: Sizer, inp: PolicyInput) -> SizerRun:
     """The sizer run on one pool at a time, in name order: a pool whose numbers break it (a bug on data nobody
     foresaw) is reported with its error and keeps its size, and the other pools are still planned."""
-    out = Sizing()
+    out = SizerRun()
     for name, pool in sorted(inp.pools.items()):
         try:
             plan = sizer.plan_pool(inp, pool)
@@ -411,11 +411,6 @@ def _findings_floor(inp: PolicyInput, pool: PoolState, short: Sequence[str], rec
     return recommended, reason
 
 
-def _per_minute(series: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
-    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(by_minute(series).items())]
-
-
 def burst_factor(arrivals: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """How far a minute's busiest scrape runs above the minute's mean arrivals, beyond what Poisson noise
     gives: the median over the loaded minutes of the series (1.0 without any), and the scrape interval.
@@ -564,7 +559,7 @@ class Autoscaler:
         horizon = (startup if startup is not None else s.startup) + interval
         # Per minute: the forecast's errors measure how the minutes differ; a burst inside one is the TTFT
         # curve's to plan for (`burst_factor`).
-        fc = forecast(_per_minute(arrivals), horizon, s)
+        fc = forecast(minute_means(arrivals), horizon, s)
         if fc is None:
             return None
         plan_rate = max(fc.upper, load.arrivals)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import TypeVar
 
-__all__ = ["HISTORY_S", "SignalWindows", "by_minute"]
+__all__ = ["HISTORY_S", "SignalWindows", "by_minute", "minute_means"]
 
 T = TypeVar("T")
 
@@ -107,3 +108,8 @@ def by_minute(points: Iterable[tuple[float, T]]) -> dict[int, list[T]]:
     for ts, v in points:
         minutes.setdefault(math.ceil(ts / 60.0), []).append(v)
     return minutes
+
+
+def minute_means(series: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Mean of a series per minute, stamped with the minute's end (the newest minute may be partial)."""
+    return [(k * 60.0, statistics.fmean(v)) for k, v in sorted(by_minute(series).items())]

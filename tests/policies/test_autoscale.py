@@ -246,6 +246,7 @@ def test_bounds_clamp_the_target() -> None:
     assert plan(windows(30, 500.0), pool(4, hi=10)).target == 10
     assert plan(windows(30, 0.1, engines=3), pool(3, lo=3)).target == 3
 
+
 def hpa(now: float, w: SignalWindows, state: PoolState) -> PoolPlan:
     plan = HpaRule().plan_pool(PolicyInput(now, w, {state.name: state}, {}), state)
     assert plan is not None
