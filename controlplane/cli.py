@@ -762,13 +762,16 @@ def advise_eval(cases: tuple[str, ...], jobs: int, seeds: int | None, as_json: b
         _emit_json(data)
         return
     t = Table(title="The advisor on known-answer scenarios")
-    for col in ("case", "advice", "right", "estimated $/day", "measured $/day", "error", "engines as is -> advised"):
+    for col in ("case", "advice", "right", "estimated $/day", "measured $/day", "per seed", "error",
+                "engines as is -> advised"):
         t.add_column(col)
     for c in data["cases"]:
         err_ = "-" if c["error"] is None else f"{c['error']:.0%}"
         est = "-" if c["estimated_saving_per_day"] is None else f"{c['estimated_saving_per_day']:+,.0f}"
+        seeds_ = c["measured_by_seed"]
+        spread = f"{min(seeds_):+,.0f} to {max(seeds_):+,.0f}" if seeds_ else "-"
         t.add_row(c["case"], c["advice"], "yes" if c["right_answer"] else "NO", est,
-                  f"{c['measured_saving_per_day']:+,.0f}", err_, f"{c['engines_before']} -> {c['engines_after']}")
+                  f"{c['measured_saving_per_day']:+,.0f}", spread, err_, f"{c['engines_before']} -> {c['engines_after']}")
     out.print(t)
     _goals(data, as_json, gate=False)
 

@@ -42,7 +42,7 @@ from controlplane.store.threaded import ThreadedStore
 from policies.advice import AdviceKind, AdviceSettings, GpuType, Recommendation, advise
 from policies.windows import SignalWindows
 
-__all__ = ["CASES", "AdviceCase", "CaseResult", "apply", "evaluate_advice", "run_case"]
+__all__ = ["CASES", "AdviceCase", "CaseResult", "apply", "evaluate_advice", "run_case", "savings_by_seed"]
 
 SAVING_TOLERANCE = 0.20
 NEED_QUANTILE = 0.95
@@ -97,6 +97,8 @@ class CaseResult:
     # Per pool, the need each seed alone would give (as is, and as advised): the spread the seeds pool over.
     before_by_seed: dict[str, list[int]] = field(default_factory=dict)
     after_by_seed: dict[str, list[int]] = field(default_factory=dict)
+    # The saving each seed alone measures: how far the truth itself moves, against the tolerance the estimate has.
+    measured_by_seed: list[float] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
 
@@ -199,6 +201,18 @@ def cost_per_day(scenario: Scenario, engines: Mapping[str, int], settings: Advic
                       for p in scenario.fleet.pools if (n := engines.get(p.name)) is not None)
 
 
+def savings_by_seed(before: Scenario, before_seeds: Mapping[str, list[int]], after: Scenario,
+                    after_seeds: Mapping[str, list[int]], settings: AdviceSettings) -> list[float]:
+    """The saving per day each seed alone measures, from the engines each seed alone needs in either layout."""
+    seeds = min(len(n) for n in (*before_seeds.values(), *after_seeds.values()))
+
+    def at(by_seed: Mapping[str, list[int]], i: int) -> dict[str, int]:
+        return {pool: needs[i] for pool, needs in by_seed.items()}
+
+    return [round(cost_per_day(before, at(before_seeds, i), settings) - cost_per_day(after, at(after_seeds, i), settings),
+                  2) for i in range(seeds)]
+
+
 def attainment(scenario: Scenario, engines: Mapping[str, int], seeds: int = 1, jobs: int = 1) -> float:
     """Share of busy minutes within every pool's SLOs with the pools fixed at these sizes, over the seeds."""
     minutes = range(FIRST_BUSY_MINUTE, math.ceil(scenario.duration / 60.0))
@@ -240,6 +254,7 @@ def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
     before_n, before_seeds = needed(scenario, jobs, progress, seeds)
     after_n, after_seeds = needed(after, jobs, progress, seeds)
     measured = cost_per_day(scenario, before_n, settings) - cost_per_day(after, after_n, settings)
+    by_seed = savings_by_seed(scenario, before_seeds, after, after_seeds, settings)
     estimated = None if rec is None else rec.effect.saving_per_day
     advised = _advised_engines(rec, case, after_n)
     reached = attainment(after, advised, seeds, jobs) if advised else None
@@ -251,7 +266,7 @@ def run_case(name: str, jobs: int = 1, settings: AdviceSettings | None = None,
     return CaseResult(name, case.kind.value, rec.advice if rec else "(no recommendation)", right,
                       None if estimated is None else round(estimated, 2), round(measured, 2),
                       None if err is None else round(err, 4), before_n, after_n, advised, reached, seeds=seeds,
-                      before_by_seed=before_seeds, after_by_seed=after_seeds,
+                      before_by_seed=before_seeds, after_by_seed=after_seeds, measured_by_seed=by_seed,
                       evidence=dict(rec.evidence) if rec else {}, wall_s=round(time.perf_counter() - wall, 1))
 
 

@@ -15,7 +15,7 @@ from controlplane import evaluation_advise
 from controlplane.advice import accuracy, advise_and_score, advisor_input, observed
 from controlplane.config import parse_config
 from controlplane.errors import ConfigError
-from controlplane.evaluation_advise import CASES, SEEDS, apply, needed, run_case, split
+from controlplane.evaluation_advise import CASES, SEEDS, apply, needed, run_case, savings_by_seed, split
 from controlplane.sim.scenario import Scenario, load_scenario
 from controlplane.store.memory import MemoryStore
 from policies.advice import AdviceKind
@@ -166,6 +166,16 @@ def test_the_truth_pools_the_busy_minutes_of_every_seed(monkeypatch: pytest.Monk
     assert needed(scenario, 1) == ({"rag": 14}, {"rag": [14]})
 
 
+def test_each_seed_measures_its_own_saving() -> None:
+    """The spread of the truth: seed by seed, the layouts' costs from the engines that seed alone needs."""
+    sc = load_scenario("advise/small-fleet")
+    two = split(sc, "chat", (1, 1))
+    day = 24 * CASES["small-fleet"].settings.price("h200")  # one engine, one GPU
+    savings = savings_by_seed(sc, {"chat": [1, 3, 2]}, two, {"chat-prefill": [1, 1, 2], "chat-decode": [1, 1, 1]},
+                              CASES["small-fleet"].settings)
+    assert savings == [-day, day, -day]
+
+
 def test_advise_cli(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'fleet.db'}"
     assert fleetctl("db", "upgrade", "--db", db).returncode == 0
@@ -191,3 +201,4 @@ def test_small_fleet_case_end_to_end() -> None:
     assert r.error is not None and r.error <= 0.2
     assert r.engines_after == {"chat-prefill": 1, "chat-decode": 1}
     assert r.seeds == 2 and r.after_by_seed == {"chat-prefill": [1, 1], "chat-decode": [1, 1]}
+    assert r.measured_by_seed == [r.measured_saving_per_day] * 2  # every seed needs the same engines here
