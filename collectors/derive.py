@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Histogram", "counter_increase", "histogram_increase", "histogram_quantile", "ratio"]
+__all__ = ["Histogram", "counter_increase", "histogram_increase", "histogram_quantile", "ratio", "share_above"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,32 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
         return upper
     # min(): float rounding must not push the result past the bucket's own bound.
     return min(upper, lower + (upper - lower) * (rank - below) / in_bucket)
+
+
+def share_above(threshold: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The share of observations above `threshold`: exact at a bucket bound (an objective set on one), linear inside
+    a bucket as `histogram_quantile` reads it (the lowest bucket starting at 0), and, past the highest finite bound,
+    the share in `+Inf`. NaN when there are no observations."""
+    if not buckets or math.isnan(threshold):
+        return math.nan
+    ordered = sorted(buckets)
+    if ordered[-1][0] != math.inf:
+        return math.nan
+    fixed: list[tuple[float, float]] = []
+    running = 0.0
+    for le, c in ordered:
+        running = max(running, c)  # cumulative counts must not decrease: repaired as the quantile repairs them
+        fixed.append((le, running))
+    total = fixed[-1][1]
+    if total <= 0:
+        return math.nan
+    lower, below = min(0.0, fixed[0][0]), 0.0
+    for le, count in fixed[:-1]:
+        if threshold < le:
+            at = below + (count - below) * max(0.0, threshold - lower) / (le - lower) if le > lower else below
+            return 1.0 - at / total
+        lower, below = le, count
+    return 1.0 - below / total
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from collectors.derive import Histogram, counter_increase, histogram_increase
-from collectors.types import Sample, Signal
+from collectors.types import Objectives, Sample, Signal
 
 __all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "delta", "merge_all", "missing_families", "read"]
 
@@ -226,6 +226,9 @@ class FamilySource:
     read: Callable[[Iterable[Sample]], dict[str, Reading]]
     signals: Callable[[Delta, float, str], list[Signal]]
     subject_of: Callable[[Target, str], str]
+    # A pool's share of requests over its latency objectives, from its merged delta (sources whose histograms hold
+    # requests' latencies).
+    objective_signals: Callable[[Delta, float, str, Objectives], list[Signal]] | None = None
 
     def subject(self, target: Target, entity: str, reading: Reading) -> str:
         """The signal subject of one entity of one target."""

@@ -7,12 +7,12 @@ plane only costs one interval of rates). It performs no I/O and reads no clock.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from collectors import families, sources
 from collectors.exposition import ExpositionError, Parser
-from collectors.types import ScrapeResult, Signal, pod_subject, pool_subject, target_subject
+from collectors.types import Objectives, ScrapeResult, Signal, pod_subject, pool_subject, target_subject
 
 __all__ = ["DeriveOutput", "SignalDeriver"]
 
@@ -27,9 +27,11 @@ class DeriveOutput:
 
 
 class SignalDeriver:
-    """Turns rounds of scrape results into entity, pod and pool signals."""
+    """Turns rounds of scrape results into entity, pod and pool signals (with `objectives`, per pool, the share of its
+    requests over them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, objectives: Mapping[str, Objectives] | None = None) -> None:
+        self._objectives = dict(objectives or {})
         self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}
         # One series cache for all targets: engines of a fleet expose the same series texts
         # (the pod is not a label of its own exposition), so the cache stays small and hot.
@@ -90,5 +92,8 @@ class SignalDeriver:
         for (pool, source_name), deltas in pool_deltas.items():
             subject = pool_subject(pool)
             out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
-            out.signals.extend(sources.get(source_name).signals(families.merge_all(deltas), ts, subject))
+            source, merged = sources.get(source_name), families.merge_all(deltas)
+            out.signals.extend(source.signals(merged, ts, subject))
+            if (objectives := self._objectives.get(pool)) is not None and source.objective_signals is not None:
+                out.signals.extend(source.objective_signals(merged, ts, subject, objectives))
         return out

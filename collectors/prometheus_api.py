@@ -43,9 +43,11 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from urllib3.util.retry import Retry
 
 from catalog.fleet import Role
-from collectors.types import Signal, Target, engine_subject, pool_subject
+from collectors.derive import share_above
+from collectors.types import Objectives, Signal, Target, engine_subject, pool_subject
 
 __all__ = [
+    "OBJECTIVE_SIGNALS",
     "SIGNALS",
     "ApiOutput",
     "CounterMode",
@@ -193,6 +195,11 @@ SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec("kv_cache_usage_max", "max", _KV),
     SignalSpec("requests_running", "sum", (("vllm:num_requests_running",),)),
     SignalSpec("requests_waiting", "sum", (("vllm:num_requests_waiting",),)),
+)
+# A pool's share of requests over its objective (`Objectives`' field), from the pool's bucket increases.
+OBJECTIVE_SIGNALS: tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...] = (
+    ("ttft_over_slo", "ttft", (("vllm:time_to_first_token_seconds",),)),
+    ("tpot_over_slo", "tpot", (("vllm:request_time_per_output_token_seconds",), *_ITL)),
 )
 
 
@@ -372,8 +379,10 @@ class PrometheusSource:
 
     # signals ----------------------------------------------------------------------------------
 
-    def signals(self, ts: float, window_s: float, pools: Mapping[str, str] | None = None) -> ApiOutput:
-        """Every signal in `SIGNALS` per engine and per pool, evaluated at `ts` over `window_s`.
+    def signals(self, ts: float, window_s: float, pools: Mapping[str, str] | None = None,
+                objectives: Mapping[str, Objectives] | None = None) -> ApiOutput:
+        """Every signal in `SIGNALS` per engine and per pool, evaluated at `ts` over `window_s`, and for the pools
+        with `objectives` the share of their requests over them (`OBJECTIVE_SIGNALS`).
 
         A series' pool is its pool label; series without one take `pools[<pod label value>]`, and
         those with neither are listed in `unattributed`. Signals are stamped `ts`.
@@ -428,7 +437,34 @@ class PrometheusSource:
                             seen_pools.add((subject, spec.name))
                     if subject is not None:
                         out.signals.append(Signal(ts, subject, spec.name, value))
+        for name, field_name, alternatives in OBJECTIVE_SIGNALS:
+            wanted = {pool: v for pool, o in (objectives or {}).items() if (v := getattr(o, field_name)) is not None}
+            for _, sel, by, fixed_pool in scopes[1:] if wanted else ():
+                if fixed_pool is not None and fixed_pool not in wanted:
+                    continue
+                for pool, buckets in self._pool_buckets(alternatives, sel, by, fixed_pool, window, ts, out).items():
+                    share = share_above(wanted[pool], buckets) if pool in wanted else math.nan
+                    if math.isfinite(share) and (pool_subject(pool), name) not in seen_pools:
+                        seen_pools.add((pool_subject(pool), name))
+                        out.signals.append(Signal(ts, pool_subject(pool), name, share))
         return out
+
+    def _pool_buckets(self, alternatives: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
+                      fixed_pool: str | None, window: _Window, ts: float, out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
+        """Per pool, a histogram's cumulative bucket increases over the window (the first spelling that has any)."""
+        grouping = ", ".join((*by, "le"))
+        rows: list[tuple[dict[str, str], float]] = []
+        for families in alternatives:
+            rows = self.query(f"sum by ({grouping}) ({window.increase(f'{families[0]}_bucket{sel}')})", ts)
+            out.queries += 1
+            if rows:
+                break
+        buckets: dict[str, list[tuple[float, float]]] = {}
+        for labels, value in rows:
+            pool = fixed_pool if fixed_pool is not None else labels.get(self.labels.pool, "")
+            if pool and "le" in labels and math.isfinite(value):
+                buckets.setdefault(pool, []).append((float(labels["le"]), value))
+        return buckets
 
     def _engine_subject(self, labels: Mapping[str, str], pools: Mapping[str, str], seen: dict[str, str],
                         out: ApiOutput) -> str | None:

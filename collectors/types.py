@@ -34,6 +34,14 @@ class Sample(NamedTuple):
     timestamp: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Objectives:
+    """A pool's latency objectives (p95, seconds): the share of its requests over each is a signal of its own."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+
+
 class Signal(NamedTuple):
     """A derived number for one subject at one time; stored narrow."""
 

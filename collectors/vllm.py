@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from collectors.derive import histogram_quantile, ratio
+from collectors.derive import histogram_quantile, ratio, share_above
 from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
-from collectors.types import Sample, Signal, Target, engine_subject
+from collectors.types import Objectives, Sample, Signal, Target, engine_subject
 
-__all__ = ["FAMILIES", "SOURCE", "read_engines", "signals"]
+__all__ = ["FAMILIES", "SOURCE", "objective_signals", "read_engines", "signals"]
 
 FAMILIES = FamilyMap(
     counters={
@@ -147,9 +147,23 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     return out
 
 
+def objective_signals(d: Delta, ts: float, subject: str, objectives: Objectives) -> list[Signal]:
+    """The share of the interval's requests whose TTFT and TPOT went over the objectives (`ttft_over_slo`,
+    `tpot_over_slo`): exact where an objective sits on a bucket bound, where the p95 read from the same buckets is
+    an interpolation."""
+    out = SignalList(ts, subject)
+    tpot = d.histograms.get("tpot") or d.histograms.get("itl")
+    for name, hist, objective in (("ttft_over_slo", d.histograms.get("ttft"), objectives.ttft),
+                                  ("tpot_over_slo", tpot, objectives.tpot)):
+        if hist is not None and hist.count > 0 and objective is not None:
+            out.emit(name, share_above(objective, hist.buckets))
+    return out
+
+
 def _subject(target: Target, entity: str) -> str:
     return engine_subject(target.pool, target.pod, entity)
 
 
 # The vLLM engine source: entities are engines, pools aggregate their deltas.
-SOURCE = FamilySource("vllm", FAMILIES, aggregate=True, read=read_engines, signals=signals, subject_of=_subject)
+SOURCE = FamilySource("vllm", FAMILIES, aggregate=True, read=read_engines, signals=signals, subject_of=_subject,
+                      objective_signals=objective_signals)

@@ -8,7 +8,7 @@ any other failed tick.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,7 +16,7 @@ from catalog.fleet import Role, Source
 from collectors.pipeline import SignalDeriver
 from collectors.prometheus_api import PrometheusError, PrometheusSource
 from collectors.scraper import Scraper
-from collectors.types import ScrapeResult, Signal, Target, TargetHealth
+from collectors.types import Objectives, ScrapeResult, Signal, Target, TargetHealth
 from controlplane.actuators.base import TargetSource
 from controlplane.errors import FleetError
 
@@ -89,12 +89,13 @@ class MetricSource(Protocol):
 
 
 class ScrapeSource:
-    """The control plane scrapes every target itself and derives the signals."""
+    """The control plane scrapes every target itself and derives the signals (with each pool's share of requests over
+    its `objectives`)."""
 
-    def __init__(self, targets: TargetSource, scraper: Scraper) -> None:
+    def __init__(self, targets: TargetSource, scraper: Scraper, objectives: Mapping[str, Objectives] | None = None) -> None:
         self.targets = targets
         self.scraper = scraper
-        self.deriver = SignalDeriver()
+        self.deriver = SignalDeriver(objectives)
 
     async def observe(self, now: float) -> Observation:
         results = await self.scraper.scrape(list(await self.targets.targets()), now)
@@ -109,14 +110,16 @@ class ScrapeSource:
 class PrometheusApiSource:
     """Prometheus scrapes the fleet; each tick asks it for the same signals over `window_s`."""
 
-    def __init__(self, source: PrometheusSource, window_s: float, pools: dict[str, str] | None = None) -> None:
+    def __init__(self, source: PrometheusSource, window_s: float, pools: dict[str, str] | None = None,
+                 objectives: Mapping[str, Objectives] | None = None) -> None:
         self.source = source
         self.window_s = window_s
         self.pools = pools
+        self.objectives = objectives
 
     async def observe(self, now: float) -> Observation:
         try:
-            out = await asyncio.to_thread(self.source.signals, now, self.window_s, self.pools)
+            out = await asyncio.to_thread(self.source.signals, now, self.window_s, self.pools, self.objectives)
         except PrometheusError as exc:
             raise MetricSourceUnavailable(f"Prometheus at {self.source.url}: {exc}") from exc
         missing: dict[str, list[str]] = {}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors.prometheus_api import Labels, PrometheusSource
 from collectors.scraper import Scraper, http_client
-from collectors.types import Target
+from collectors.types import Objectives, Target
 from controlplane.actuators.base import Actuator, StaticTargets, TargetSource
 from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.alerting import AlertNotifier
@@ -42,7 +42,7 @@ from policies.types import Policy
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["POLICIES", "build_loop", "build_policies", "run_forever", "scrape_client", "static_targets"]
+__all__ = ["POLICIES", "build_loop", "build_policies", "objectives", "run_forever", "scrape_client", "static_targets"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,11 @@ def static_targets(config: FleetConfig) -> list[Target]:
             for t in config.targets]
 
 
+def objectives(config: FleetConfig) -> dict[str, Objectives]:
+    """Every pool's latency objectives, for the share of its requests over them."""
+    return {p.name: Objectives(p.slo.ttft_p95, p.slo.tpot_p95) for p in config.pools}
+
+
 def build_loop(
     config: FleetConfig,
     store: Store,
@@ -107,7 +112,7 @@ def build_loop(
     source: MetricSource
     if config.prometheus is not None and targets is None:
         api = prometheus_source(config)
-        source = PrometheusApiSource(api, config.prometheus.window)
+        source = PrometheusApiSource(api, config.prometheus.window, objectives=objectives(config))
         targets = PrometheusTargets(api, clock.now, {p.name: p.role for p in config.pools})
     else:
         targets = targets or StaticTargets(static_targets(config))
@@ -116,7 +121,7 @@ def build_loop(
             backoff_base_s=config.scrape.interval, backoff_max_s=config.scrape.backoff_max,
             spread_s=config.scrape.spread, sleep=clock.sleep,
         )
-        source = ScrapeSource(targets, scraper)
+        source = ScrapeSource(targets, scraper, objectives(config))
     return ControlLoop(
         config=config,
         source=source,

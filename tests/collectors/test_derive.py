@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collectors.derive import Histogram, counter_increase, histogram_increase, histogram_quantile, ratio
+from collectors.derive import Histogram, counter_increase, histogram_increase, histogram_quantile, ratio, share_above
 
 INF = math.inf
 
@@ -94,3 +94,35 @@ def test_merged_histogram_counts_add(a: list, b: list) -> None:
 
 def test_ratio_guards_empty_denominator() -> None:
     assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None and ratio(1.0, 4.0) == 0.25
+
+
+def test_share_above_an_objective_on_a_bound_is_exact() -> None:
+    buckets = [(0.01, 90.0), (0.025, 97.0), (0.05, 100.0), (math.inf, 100.0)]
+    assert share_above(0.01, buckets) == pytest.approx(0.10)
+    assert share_above(0.025, buckets) == pytest.approx(0.03)
+    assert share_above(0.0175, buckets) == pytest.approx(0.065)  # halfway through (0.01, 0.025]: linear
+    assert share_above(0.005, buckets) == pytest.approx(0.55)  # the lowest bucket starts at 0
+    assert share_above(1.0, [(0.5, 8.0), (math.inf, 10.0)]) == pytest.approx(0.2)  # past the bounds: the +Inf share
+    assert math.isnan(share_above(0.01, [(0.01, 0.0), (math.inf, 0.0)]))
+    assert math.isnan(share_above(0.01, [(0.01, 3.0)]))  # no +Inf bucket: not a histogram
+
+
+@settings(max_examples=300, deadline=None)
+@given(histograms(), st.floats(0.0, 20.0))
+def test_share_above_is_a_share_that_falls_as_the_threshold_rises(buckets: list, threshold: float) -> None:
+    if buckets[-1][1] == 0:
+        assert math.isnan(share_above(threshold, buckets))
+        return
+    a, b = share_above(threshold, buckets), share_above(threshold * 1.5 + 0.01, buckets)
+    assert 0.0 <= b <= a + 1e-12 <= 1.0 + 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(histograms(), st.floats(0.05, 0.95))
+def test_share_above_inverts_the_quantile(buckets: list, q: float) -> None:
+    """What `histogram_quantile` reads as the q-quantile has 1 - q of the observations above it, wherever it falls
+    strictly inside a bucket of finite bounds."""
+    value = histogram_quantile(q, buckets)
+    if buckets[-1][1] == 0 or value <= 0 or any(value == le for le, _ in buckets) or value > buckets[-2][0]:
+        return
+    assert share_above(value, buckets) == pytest.approx(1.0 - q, abs=1e-6)

@@ -39,7 +39,7 @@ from collectors.prometheus_api import (
     shorten,
 )
 from collectors.prometheus_api import _Window as Window
-from collectors.types import Signal, Target
+from collectors.types import Objectives, Signal, Target
 
 URL = "http://prometheus.test:9090"
 SPECS = {spec.name: spec for spec in SIGNALS}
@@ -445,3 +445,27 @@ def test_a_pool_both_labelled_and_mapped_keeps_the_labelled_aggregate() -> None:
     out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, pools={"p-9": "prefill"})
     assert {s.value for s in out.signals if s.subject == "pool/prefill"} == {5.0}
     assert out.unattributed == ["pool/prefill: some series carry the pool label and some are only mapped; kept the labelled"]
+
+
+def test_a_pool_with_objectives_gets_its_share_of_requests_over_them() -> None:
+    """From the pool's bucket increases: exact where the objective sits on a bound; the first spelling of the
+    histogram that has series; none for pools without an objective."""
+    queries: list[str] = []
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        queries.append(query)
+        if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
+            if "request_time_per_output_token" in query:
+                return []  # an older engine: TPOT falls back to the inter-token latency
+            return [_row(v, pool=pool, le=le) for pool in ("prefill", "decode")
+                    for le, v in (("0.01", 90.0), ("0.025", 97.0), ("+Inf", 100.0))]
+        return _answer(query)
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(
+        1.0, 30.0, objectives={"prefill": Objectives(ttft=0.025, tpot=0.01), "decode": Objectives(tpot=None)})
+    over = {(s.subject, s.name): s.value for s in out.signals if s.name.endswith("_over_slo")}
+    assert over == {("pool/prefill", "ttft_over_slo"): pytest.approx(0.03),
+                    ("pool/prefill", "tpot_over_slo"): pytest.approx(0.10)}
+    assert any("inter_token_latency_seconds_bucket" in q and "sum by (pool, le)" in q for q in queries)
+    plain = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
+    assert not any(s.name.endswith("_over_slo") for s in plain.signals)

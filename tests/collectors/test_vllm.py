@@ -7,7 +7,7 @@ import pytest
 from collectors import families, vllm
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
-from collectors.types import ScrapeResult, Target
+from collectors.types import Objectives, ScrapeResult, Target
 
 MODEL = 'model_name="m"'
 
@@ -81,6 +81,21 @@ def test_deriver_rates_quantiles_and_pool_rollup() -> None:
     assert sig[("engine/prefill/p0/0", "ttft_p50")] == pytest.approx(0.1)
     assert sig[("engine/prefill/p1/0", "ttft_p50")] == pytest.approx(0.55)
     assert sig[("pool/prefill", "targets_up")] == 2
+
+
+def test_a_pool_reports_its_share_of_requests_over_its_objectives() -> None:
+    """The share over an objective on a bucket bound is exact (the p95 from the same buckets is not); pools without
+    objectives, and the engines, get none."""
+    d = SignalDeriver({"prefill": Objectives(ttft=0.1), "other": Objectives(ttft=1.0)})
+    d.derive([_result(exposition(1000, 800, ttft=(10, 20, 20)), 0.0),
+              _result(exposition(1000, 100, ttft=(0, 10, 10)), 0.0, "p1")], 0.0)
+    out = d.derive([_result(exposition(2000, 1700, ttft=(20, 40, 40)), 15.0),
+                    _result(exposition(2000, 200, ttft=(0, 20, 20)), 15.0, "p1")], 15.0)
+    over = {(s.subject, s.name): s.value for s in out.signals if s.name.endswith("_over_slo")}
+    # 30 new requests: p0's 20 (10 within 0.1 s), p1's 10 (none within): 20 of 30 over.
+    assert over == {("pool/prefill", "ttft_over_slo"): pytest.approx(20 / 30)}
+    assert not any(s.name.endswith("_over_slo") for s in SignalDeriver().derive(
+        [_result(exposition(1000, 800, ttft=(10, 20, 20)), 30.0)], 30.0).signals)
 
 
 def test_deriver_handles_counter_reset_and_failed_scrape() -> None:

@@ -29,7 +29,7 @@ import httpx
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
 from collectors.scraper import Scraper
-from collectors.types import Target, engine_subject
+from collectors.types import Objectives, Target, engine_subject
 from collectors.vllm import read_engines
 from controlplane.demo import demo_scenario
 from controlplane.sim.fleet import SimFleet
@@ -43,6 +43,8 @@ PERIOD_S = 2.0
 PROMETHEUS_INTERVAL_S = 1.0
 WINDOWS = 13  # compared windows; one more scrape opens the first
 RESTART_AT = 7  # the window in which one engine restarts
+# Objectives on vLLM's bucket bounds, for the pools' share of requests over them.
+OBJECTIVES = {"prefill": Objectives(ttft=0.25, tpot=0.025), "decode": Objectives(ttft=0.25, tpot=0.025)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ def _best_offset(phases: list[float]) -> tuple[float, float]:
 
 
 async def _run(prom: RealPrometheus, fleet: SimFleet, server: SimServer, run: Run, u0: float) -> None:
-    deriver = SignalDeriver()
+    deriver = SignalDeriver(OBJECTIVES)
     restarted = fleet.members["prefill"][1]
     async with httpx.AsyncClient(timeout=2.0) as client:
         scraper = Scraper(client, timeout_s=1.0)

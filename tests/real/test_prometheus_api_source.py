@@ -15,13 +15,22 @@ from collections import defaultdict
 import pytest
 
 from catalog.fleet import Role
-from collectors.prometheus_api import SIGNALS, CounterMode, Labels, PrometheusSource, QueryFailed, escape_regex, selector
+from collectors.prometheus_api import (
+    OBJECTIVE_SIGNALS,
+    SIGNALS,
+    CounterMode,
+    Labels,
+    PrometheusSource,
+    QueryFailed,
+    escape_regex,
+    selector,
+)
 from collectors.types import Signal
-from tests.real.scenario import TOLERANCE, Run, rel_diff
+from tests.real.scenario import OBJECTIVES, TOLERANCE, Run, rel_diff
 
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
-NAMES = {spec.name for spec in SIGNALS}
+NAMES = {spec.name for spec in SIGNALS} | {name for name, _, _ in OBJECTIVE_SIGNALS}
 NOT_IN_SIM = {"spec_acceptance_rate", "spec_mean_acceptance_length"}  # the simulator has no speculative decoding
 
 
@@ -45,7 +54,7 @@ def test_delta_mode_agrees_with_our_collectors(prometheus_run: Run) -> None:
     counts: dict[str, int] = defaultdict(int)
     try:
         for w in run.windows:
-            out = source.signals(w.ts, w.seconds)
+            out = source.signals(w.ts, w.seconds, objectives=OBJECTIVES)
             assert out.unattributed == []
             assert {(m.signal, m.scope) for m in out.missing} == {(n, "engine") for n in NOT_IN_SIM}
             ours, theirs = _ours(run, w.k), _theirs(out.signals)
