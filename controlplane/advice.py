@@ -83,7 +83,7 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         kv_usage_max=float(np.quantile(kv_max, quantile)) if kv_max else 0.0,
         preemptions=mean("preemption_rate") or 0.0, ttft_p95=mean("ttft_p95"), tpot_p95=mean("tpot_p95"),
         ttft_p95_peak=busy("ttft_p95"), tpot_p95_peak=busy("tpot_p95"),
-        tpot_mean_peak=busy("tpot_mean"),
+        tpot_mean_peak=busy("tpot_mean"), tpot_over_slo_peak=busy("tpot_over_slo"),
         itl_mean=mean("itl_mean"), spec_acceptance=mean("spec_acceptance_rate"),
         spec_length=mean("spec_mean_acceptance_length"), spec_yield=mean("spec_yield"),
         spec_positions=tuple(positions), prompt_p50=mean("prompt_len_p50"), prompt_p95=mean("prompt_len_p95"),

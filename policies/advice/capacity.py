@@ -40,7 +40,7 @@ from policies.autoscale import EngineCurves
 from policies.stats import MAX_CONTEXT, lognormal_location, lognormal_p95, quadratic_moments
 
 __all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "predict", "prefill_cost",
-           "size_pool", "transfer_seconds"]
+           "size_pool", "tpot_parts", "transfer_seconds"]
 
 TPOT_SAMPLES = 4096
 TPOT_SEED = 16
@@ -248,7 +248,14 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap:
 
 
 def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -> tuple[float, float, float]:
-    """(p95, mean step part, mean stall part) of requests' TPOT, by drawing requests. Each has its answer's length,
+    """(p95, mean step part, mean stall part) of requests' TPOT, calibrated (see `_tpot_parts`)."""
+    per_token, stall = _tpot_parts(lam, load, eng, at)
+    tpot = per_token * cal.tpot_scale + stall * cal.tpot_stall
+    return float(np.quantile(tpot, 0.95)), float(per_token.mean()), float(stall.mean())
+
+
+def _tpot_parts(lam: float, load: Load, eng: _Engine, at: _Steady) -> tuple[np.ndarray, np.ndarray]:
+    """Drawn requests' TPOT in two parts, the steps' and the prefill stalls'. Each has its answer's length,
     the arrivals around its decode (a Poisson count over a decode span either side of it: its batch-mates) and at
     that rate the batch where Little's law and the step time agree, so near the knee of the step curve a burst grows
     the batch several times faster than the arrivals; the contexts its batch holds, which the step reads; and on a
@@ -290,8 +297,7 @@ def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -
         prompts = _lognormal(rng, load.prompt_tokens, load.prompt_sigma, int(arrived.sum()), load.max_prompt)
         seconds = (beta * prompts + gamma * prompts * prompts) * at.stretch
         stall = np.bincount(np.repeat(np.arange(n), arrived), weights=seconds, minlength=n) / (out - 1.0)
-    tpot = per_token * cal.tpot_scale + stall * cal.tpot_stall
-    return float(np.quantile(tpot, 0.95)), float(per_token.mean()), float(stall.mean())
+    return per_token, stall
 
 
 def _at(n: int, load: Load, eng: _Engine, transfer_s: float, cal: Calibration) -> tuple[str | None, Sizing]:
@@ -321,6 +327,19 @@ def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: f
     """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit)."""
     eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
     return _at(n, load, eng, transfer_s, NO_CALIBRATION)[1]
+
+
+def tpot_parts(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
+               tokens_per_step: float = 1.0, kv_usage_max: float = 0.95, max_utilization: float = 0.8,
+               load_aware_routing: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """With `n` engines, the model's drawn requests' TPOT as (step part, prefill stall part), uncalibrated; None where
+    the pool does not decode or a limit breaks."""
+    eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
+    lam = load.arrivals / n
+    at = _steady(lam, load, eng)
+    if at.broke or not eng.decodes(load):
+        return None
+    return _tpot_parts(lam, load, eng, at)
 
 
 def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | None, tpot_slo: float | None,

@@ -72,7 +72,10 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
     p_gpu, d_gpu = s.prefill_gpu or facts.gpu_type, s.decode_gpu or facts.gpu_type
     xfer = transfer_seconds(load.prompt_tokens, facts.kv_bytes_per_token, s.link_gbps)
     pre = sized("prefill", facts, load, s, on_gpu(facts, p_gpu, s), transfer_s=xfer, calibration=cal)
-    dec = sized("decode", facts, load, s, on_gpu(facts, d_gpu, s), cost=cost, calibration=cal)
+    # What a unified pool's TPOT shows beyond the model's steps is its prefill's (a chunk in a step slows every decode
+    # in it); a decode pool runs none, so its steps are the profile's.
+    dec = sized("decode", facts, load, s, on_gpu(facts, d_gpu, s), cost=cost,
+                calibration=replace(cal, tpot_stall=1.0, tpot_scale=1.0))
     g = facts.gpus
     one_cost = one.engines * g * s.price(facts.gpu_type)
     two_cost = pre.engines * g * s.price(p_gpu) + dec.engines * g * s.price(d_gpu)

@@ -151,6 +151,9 @@ class PoolObserved:
     # TPOT's mean over the busy minutes: exact, where a histogram's p95 is an interpolation within a bucket (vLLM's
     # TPOT buckets are 10, 25, 50 ms: a p95 of 12 ms can read as 19).
     tpot_mean_peak: float | None = None
+    # The share of requests over the pool's TPOT objective in the busy minutes: exact where the objective sits on a
+    # bucket bound, and what the p95 against the objective turns on.
+    tpot_over_slo_peak: float | None = None
     prompt_p50: float | None = None  # prompt length quantiles (`vllm:request_prompt_tokens`)
     prompt_p95: float | None = None
     output_p50: float | None = None  # output length quantiles (`vllm:request_generation_tokens`)

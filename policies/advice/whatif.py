@@ -6,19 +6,25 @@ engine curves on another GPU type, and a calibration: the model's TTFT p95 and T
 pool's own size and busy-minute load against what the pool measured in its busy minutes. The queueing
 parts of the model (a prompt's wait, a decode's prefill stalls) carry the difference, so a model
 that runs optimistic on this traffic (routing imbalance, bursts within a minute) is held to what
-the fleet showed, while what the profile fixes (a pass, a step) stays as measured.
+the fleet showed, while what the profile fixes (a pass, a step) stays as measured. Where the pool
+also reports the share of its requests over the TPOT objective (exact when the objective sits on a
+histogram bound), that share and the mean together say how much of the difference is the steps'
+and how much the stalls': the p95 against the objective turns on the split.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from policies.advice.capacity import NO_CALIBRATION, Calibration, Load, Sizing, predict, size_pool
+import numpy as np
+from scipy.optimize import brentq
+
+from policies.advice.capacity import NO_CALIBRATION, Calibration, Load, Sizing, predict, size_pool, tpot_parts
 from policies.advice.types import AdviceSettings, PoolFacts, PoolObserved
 from policies.autoscale import EngineCurves
 from policies.stats import lognormal_sigma
 
-__all__ = ["calibrate", "on_gpu", "peak_load", "sized", "step_cost"]
+__all__ = ["calibrate", "fit_tail", "on_gpu", "peak_load", "sized", "step_cost"]
 
 # How far the pool's own numbers may move the model, either way: a queueing part measured at a quarter of the model's
 # (a router that spares decodes better than the model counts on) is as plausible as one at four times.
@@ -63,11 +69,37 @@ def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: En
                      load_aware_routing=s.load_aware_routing, calibration=calibration)
 
 
+def fit_tail(steps: np.ndarray, stalls: np.ndarray, mean: float, share: float, objective: float) -> tuple[float, float] | None:
+    """(stall factor, step factor) with which the drawn TPOTs' mean is `mean` and `share` of them exceed `objective`;
+    None where no pair within the factors' bounds gives both, or where the share does not move with the split (the
+    tail is the steps' alone). The mean alone cannot tell steps from stalls; the tail can: stalls come in lumps, a
+    few requests' worth, where the steps slow every request alike."""
+    step_mean, stall_mean = float(steps.mean()), float(stalls.mean())
+    if step_mean <= 0 or stall_mean <= 0 or not 0.0 < share < 1.0:
+        return None
+
+    def step_factor(q: float) -> float:
+        return (mean - q * stall_mean) / step_mean
+
+    def excess(q: float) -> float:
+        return float(np.mean(step_factor(q) * steps + q * stalls > objective)) - share
+
+    # Where both factors stay within bounds; the share over the objective grows as the stalls take more of the mean.
+    lo = max(MIN_FACTOR, (mean - MAX_FACTOR * step_mean) / stall_mean)
+    hi = min(MAX_FACTOR, (mean - MIN_FACTOR * step_mean) / stall_mean)
+    if lo >= hi or excess(lo) >= 0 or excess(hi) <= 0:
+        return None
+    q = float(brentq(excess, lo, hi, xtol=1e-3))
+    return q, step_factor(q)
+
+
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:
-    """The pool's TTFT p95 and TPOT mean in its busy minutes over the model's at its own size and busy-minute load."""
+    """The pool's TTFT p95 and TPOT mean in its busy minutes over the model's at its own size and busy-minute load;
+    with the share of requests over the TPOT objective, the steps and the stalls apart."""
     cost, tokens = step_cost(facts, obs, s)
-    at = predict(max(1, facts.replicas), facts.role, peak_load(obs), facts.curves, step_cost=cost,
-                 tokens_per_step=tokens, kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
+    n, load = max(1, facts.replicas), peak_load(obs)
+    at = predict(n, facts.role, load, facts.curves, step_cost=cost, tokens_per_step=tokens,
+                 kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
                  load_aware_routing=s.load_aware_routing)
 
     def factors(measured: float | None, fixed: float, queueing: float) -> tuple[float, float]:
@@ -84,6 +116,13 @@ def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibra
     # TPOT on its mean: its p95 read from vLLM's coarse buckets is an interpolation, high whenever the true p95
     # lies inside one; the sum over the count is exact.
     pq, ps = factors(obs.tpot_mean_peak, at.tpot_base, at.tpot_stall)
+    share, mean, objective = obs.tpot_over_slo_peak, obs.tpot_mean_peak, facts.tpot_p95_slo
+    if share is not None and mean is not None and objective is not None:
+        parts = tpot_parts(n, facts.role, load, facts.curves, step_cost=cost, tokens_per_step=tokens,
+                           kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
+                           load_aware_routing=s.load_aware_routing)
+        fit = fit_tail(*parts, mean, share, objective) if parts is not None else None
+        pq, ps = fit or (pq, ps)
     return Calibration(tq, ts, pq, ps)
 
 

@@ -49,13 +49,15 @@ def test_observed_load_from_pool_signals() -> None:
         for name, value in (("request_rate", rate), ("prompt_tokens_rate", rate * 1000), ("generation_tokens_rate",
                             rate * 200), ("prefix_cache_hit_rate", 0.4), ("engines_reporting", 4.0),
                             ("kv_cache_usage_max", 0.5 + i / 1000), ("spec_mean_acceptance_length", 2.0),
-                            ("spec_acceptance_pos_0", 0.7), ("spec_acceptance_pos_1", 0.5)):
+                            ("spec_acceptance_pos_0", 0.7), ("spec_acceptance_pos_1", 0.5),
+                            ("tpot_over_slo", 0.01 if i < 120 else 0.04)):
             w.add(ts, "pool/chat", name, value)
     o = observed(w, "chat", 0.0)
     assert o is not None
     assert o.arrivals == pytest.approx(15.0) and o.arrivals_peak == pytest.approx(20.0)
     assert o.prompt_tokens == pytest.approx(1000) and o.output_tokens == pytest.approx(200)
     assert o.spec_positions == (0.7, 0.5) and o.minutes == pytest.approx(239 * 15 / 60)
+    assert o.tpot_over_slo_peak == pytest.approx(0.04)  # the busy minutes' share over the objective
     assert observed(w, "other", 0.0) is None
     inp = advisor_input(parse_config(FLEET % "h200", "f.yaml"), w, 3600.0, 0.0)
     assert inp.pools["chat"].replicas == 4 and inp.pools["chat"].spec.method == "eagle"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,9 +21,9 @@ from policies.advice import (
     advise,
     lru_hit_rates,
 )
-from policies.advice.capacity import Load, predict, prefill_cost, size_pool
+from policies.advice.capacity import Load, predict, prefill_cost, size_pool, tpot_parts
 from policies.advice.speculation import best_positions
-from policies.advice.whatif import calibrate, on_gpu, peak_load
+from policies.advice.whatif import calibrate, fit_tail, on_gpu, peak_load, sized
 from policies.autoscale import EngineCurves
 
 # The shipped H200 profile's fit (controlplane.autoscaling.engine_curves), rounded.
@@ -137,6 +138,51 @@ def test_the_tpot_calibration_reads_the_mean_not_the_bucketed_p95() -> None:
     assert at.tpot_stall >= 0.2 * model_mean
     fewer = calibrate(pool, replace(load, tpot_mean_peak=at.tpot_base + at.tpot_stall / 3), AdviceSettings())
     assert fewer.tpot_stall == pytest.approx(1 / 3, rel=1e-6) and fewer.tpot_scale == pytest.approx(1.0)
+
+
+def test_the_share_over_the_objective_tells_the_steps_from_the_stalls() -> None:
+    """The mean alone cannot say whether the model's steps or its stalls are off; the share of requests over the
+    objective can, since stalls come in lumps: a pool measured with known factors gets those factors back."""
+    load = seen(arrivals=10.0, arrivals_peak=12.0, prompt_tokens=8000, output_tokens=300, prompt_p50=4000,
+                prompt_p95=30000)
+    parts = tpot_parts(4, "unified", peak_load(load), CURVES)
+    assert parts is not None
+    steps, stalls = parts
+    assert stalls.mean() >= 0.2 * steps.mean()
+    measured = 1.2 * steps + 0.5 * stalls
+    objective = float(np.quantile(measured, 0.95))
+    share = float(np.mean(measured > objective))
+    cal = calibrate(facts(tpot_p95_slo=objective),
+                    replace(load, tpot_mean_peak=float(measured.mean()), tpot_over_slo_peak=share), AdviceSettings())
+    fitted = cal.tpot_scale * steps + cal.tpot_stall * stalls
+    assert fitted.mean() == pytest.approx(measured.mean()) and np.mean(fitted > objective) == pytest.approx(share, abs=0.002)
+    # Drawn requests are discrete, so the split is found to within a few per cent of the mean.
+    assert cal.tpot_stall == pytest.approx(0.5, abs=0.1) and cal.tpot_scale == pytest.approx(1.2, abs=0.05)
+    # Without the share, the mean's difference is all the stalls'.
+    alone = calibrate(facts(tpot_p95_slo=objective), replace(load, tpot_mean_peak=float(measured.mean())),
+                      AdviceSettings())
+    assert alone.tpot_scale == 1.0
+    assert alone.tpot_stall == pytest.approx((measured.mean() - steps.mean()) / stalls.mean(), rel=1e-6)
+    # A share no factors within bounds give (none over the objective, or most) leaves the mean to decide; so does a
+    # tail the steps set alone, which any split of the mean reproduces.
+    assert fit_tail(steps, stalls, float(measured.mean()), 0.0, objective) is None
+    assert fit_tail(steps, stalls, float(measured.mean()), 0.9, objective) is None
+    flat = np.full_like(stalls, stalls.mean())
+    assert fit_tail(steps, flat, float(measured.mean()), 0.05, float(np.quantile(1.2 * steps + 0.5 * flat, 0.95))) is None
+
+
+def test_a_split_decode_pool_takes_the_profiles_steps() -> None:
+    """A unified pool's TPOT beyond the model's steps is its prefill's; the decode pool of a split runs none, so it
+    is sized on the profile, however slow the unified pool ran."""
+    s = AdviceSettings()
+    load = seen(prompt_tokens=3000, output_tokens=300)
+    at = predict(4, "unified", peak_load(load), CURVES)
+    slow = replace(load, tpot_mean_peak=1.6 * (at.tpot_base + at.tpot_stall))
+    assert calibrate(facts(), slow, s).tpot_scale > 1.5  # the unified pool ran 60 % slower than its model
+    [rec] = [r for r in advise(inp([facts()], {"chat": slow}), s) if r.kind is AdviceKind.DISAGGREGATION]
+    plain = sized("decode", facts(), peak_load(slow), s)
+    assert rec.evidence["decode_pool"]["engines"] == plain.engines
+    assert rec.evidence["decode_pool"]["tpot_p95_s"] == pytest.approx(plain.tpot_p95, abs=1e-4)
 
 
 def test_a_queue_aware_router_spares_decodes_while_some_engine_is_idle() -> None:
