@@ -62,6 +62,20 @@ def histogram_increase(prev: Histogram | None, cur: Histogram) -> Histogram | No
     return Histogram(deltas, cur.sum - prev.sum, cur.count - prev.count)
 
 
+def _cumulative(buckets: Sequence[tuple[float, float]]) -> list[tuple[float, float]] | None:
+    """Buckets sorted by bound with their counts made non-decreasing (PromQL repairs small non-monotonicity the same
+    way); None without a `+Inf` bucket or observations."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][0] != math.inf:
+        return None
+    fixed: list[tuple[float, float]] = []
+    running = 0.0
+    for le, c in ordered:
+        running = max(running, c)
+        fixed.append((le, running))
+    return fixed if running > 0 else None
+
+
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
     """The q-quantile of cumulative buckets, as PromQL's `histogram_quantile` computes it.
 
@@ -75,18 +89,10 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
         return -math.inf
     if q > 1:
         return math.inf
-    ordered = sorted(buckets)
-    if ordered[-1][0] != math.inf:
+    fixed = _cumulative(buckets)
+    if fixed is None:
         return math.nan
-    # Cumulative counts must not decrease; PromQL repairs small non-monotonicity the same way.
-    fixed: list[tuple[float, float]] = []
-    running = 0.0
-    for le, c in ordered:
-        running = max(running, c)
-        fixed.append((le, running))
     total = fixed[-1][1]
-    if total <= 0:
-        return math.nan
     rank = q * total
     idx = next(i for i, (_, c) in enumerate(fixed) if c >= rank)
     if idx == len(fixed) - 1:
@@ -109,19 +115,10 @@ def share_above(threshold: float, buckets: Sequence[tuple[float, float]]) -> flo
     """The share of observations above `threshold`: exact at a bucket bound (an objective set on one), linear inside
     a bucket as `histogram_quantile` reads it (the lowest bucket starting at 0), and, past the highest finite bound,
     the share in `+Inf`. NaN when there are no observations."""
-    if not buckets or math.isnan(threshold):
+    fixed = None if math.isnan(threshold) else _cumulative(buckets)
+    if fixed is None:
         return math.nan
-    ordered = sorted(buckets)
-    if ordered[-1][0] != math.inf:
-        return math.nan
-    fixed: list[tuple[float, float]] = []
-    running = 0.0
-    for le, c in ordered:
-        running = max(running, c)  # cumulative counts must not decrease: repaired as the quantile repairs them
-        fixed.append((le, running))
     total = fixed[-1][1]
-    if total <= 0:
-        return math.nan
     lower, below = min(0.0, fixed[0][0]), 0.0
     for le, count in fixed[:-1]:
         if threshold < le:
