@@ -33,6 +33,7 @@ FLEET_NOW = ("targets", "targets_up", "engines_reporting", "request_rate", "requ
              "kv_cache_usage_max", "requests_waiting", "prefix_cache_hit_rate", "preemption_rate")
 FLEET_SERIES = ("request_rate", "ttft_p95", "tpot_p95")
 POOL_SERIES = ("request_rate", "request_error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95", "tpot_p99",
+               "ttft_over_slo", "tpot_over_slo",
                "queue_time_p95", "requests_running", "requests_waiting", "kv_cache_usage", "kv_cache_usage_max",
                "preemption_rate", "prefix_cache_hit_rate", "external_prefix_cache_hit_rate", "spec_acceptance_rate",
                "spec_mean_acceptance_length", "spec_yield", "engines_reporting", "targets", "targets_up", "replicas_desired",

@@ -66,6 +66,11 @@ with left:
           pick("request_rate", "request_error_rate", "autoscale_forecast_rate"), "requests/s")
     chart("Queue", pick("requests_waiting", "requests_running"), "requests")
     chart("Preemptions per second", pick("preemption_rate"), "preemptions/s")
+    # A p95 objective allows 5 % of requests over it; unlike the p95 read from the buckets, the share is exact when
+    # the objective sits on a bucket bound.
+    chart("Requests over the SLO (share; a p95 objective allows 5 %)", pick("ttft_over_slo", "tpot_over_slo"),
+          "share of requests", fmt=".1%", rules=[(0.05, "5 %")],
+          empty="no share yet (the pool has no objectives in the fleet file, or nothing finished)")
 with right:
     chart("TTFT quantiles", pick("ttft_p50", "ttft_p95", "ttft_p99"), "seconds", band=False,
           rules=[(ttft_slo, "TTFT p95 SLO")] if ttft_slo else ())

@@ -171,6 +171,8 @@ def test_choosing_a_pool_reloads_the_page_for_it(monkeypatch: pytest.MonkeyPatch
     assert any(c.value.startswith("prefill (prefill)") for c in at.caption)
     [engines] = [m.value for m in at.metric if m.label == "Engines reporting"]
     assert int(engines) > 3  # the demo scaled prefill up from 3
+    # Prefill's TTFT objective is in the demo's fleet file: the share of its requests over it is drawn.
+    assert "Requests over the SLO" in texts(at) and "no share yet" not in texts(at)
 
 
 def test_a_link_can_pin_the_time_range(monkeypatch: pytest.MonkeyPatch, demo_db: Path) -> None:
