@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from collectors.derive import histogram_quantile, ratio, share_above
+from collectors.derive import Histogram, histogram_quantile, ratio, share_above
 from collectors.families import Delta, FamilyMap, FamilySource, Reading, SignalList, read
 from collectors.types import Objectives, Sample, Signal, Target, engine_subject
 
@@ -79,6 +79,14 @@ def read_engines(samples: Iterable[Sample]) -> dict[str, Reading]:
     return read(samples, FAMILIES, _engine, index=_INDEX)
 
 
+def _with_tpot(d: Delta) -> dict[str, Histogram]:
+    """The delta's histograms, TPOT taken from the inter-token latency on older engines (the closest they have)."""
+    hists = dict(d.histograms)
+    if "tpot" not in hists and "itl" in hists:
+        hists["tpot"] = hists["itl"]
+    return hists
+
+
 def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     """Turn an engine or pool delta into named signals for `subject` at time `ts`."""
     out = SignalList(ts, subject)
@@ -115,9 +123,7 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
         if key.startswith("spec_accepted_pos:"):
             emit(f"spec_acceptance_pos_{key.split(':', 1)[1]}", ratio(value, inc.get("spec_drafts")))
 
-    hists = dict(d.histograms)
-    if "tpot" not in hists and "itl" in hists:
-        hists["tpot"] = hists["itl"]  # older engines: per-token latency is the closest TPOT
+    hists = _with_tpot(d)
     for key in _QUANTILED:
         hist = hists.get(key)
         if hist is None or hist.count <= 0:
@@ -152,9 +158,9 @@ def objective_signals(d: Delta, ts: float, subject: str, objectives: Objectives)
     `tpot_over_slo`): exact where an objective sits on a bucket bound, where the p95 read from the same buckets is
     an interpolation."""
     out = SignalList(ts, subject)
-    tpot = d.histograms.get("tpot") or d.histograms.get("itl")
-    for name, hist, objective in (("ttft_over_slo", d.histograms.get("ttft"), objectives.ttft),
-                                  ("tpot_over_slo", tpot, objectives.tpot)):
+    hists = _with_tpot(d)
+    for name, hist, objective in (("ttft_over_slo", hists.get("ttft"), objectives.ttft),
+                                  ("tpot_over_slo", hists.get("tpot"), objectives.tpot)):
         if hist is not None and hist.count > 0 and objective is not None:
             out.emit(name, share_above(objective, hist.buckets))
     return out
