@@ -52,6 +52,7 @@ __all__ = [
     "ApiOutput",
     "CounterMode",
     "Labels",
+    "Malformed",
     "Missing",
     "PrometheusClient",
     "PrometheusError",
@@ -258,12 +259,23 @@ class Missing:
     query: str
 
 
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A signal that could not be computed for `scope` because Prometheus answered with series it cannot read."""
+
+    signal: str
+    scope: str
+    problem: str
+    query: str
+
+
 @dataclass(slots=True)
 class ApiOutput:
     """Signals of one evaluation, what could not be computed, and series no pool could be given to."""
 
     signals: list[Signal] = field(default_factory=list)
     missing: list[Missing] = field(default_factory=list)
+    malformed: list[Malformed] = field(default_factory=list)
     unattributed: list[str] = field(default_factory=list)
     queries: int = 0
 
@@ -442,28 +454,45 @@ class PrometheusSource:
             for _, sel, by, fixed_pool in scopes[1:] if wanted else ():
                 if fixed_pool is not None and fixed_pool not in wanted:
                     continue
-                for pool, buckets in self._pool_buckets(alternatives, sel, by, fixed_pool, window, ts, out).items():
+                scope_wants = {fixed_pool} if fixed_pool is not None else set(wanted)
+                for pool, buckets in self._pool_buckets(name, alternatives, sel, by, fixed_pool, scope_wants,
+                                                        window, ts, out).items():
                     share = share_above(wanted[pool], buckets) if pool in wanted else math.nan
                     if math.isfinite(share) and (pool_subject(pool), name) not in seen_pools:
                         seen_pools.add((pool_subject(pool), name))
                         out.signals.append(Signal(ts, pool_subject(pool), name, share))
         return out
 
-    def _pool_buckets(self, alternatives: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
-                      fixed_pool: str | None, window: _Window, ts: float, out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
-        """Per pool, a histogram's cumulative bucket increases over the window (the first spelling that has any)."""
+    def _pool_buckets(self, signal: str, alternatives: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
+                      fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
+                      out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
+        """Per pool, a histogram's cumulative bucket increases over the window, each pool from the first spelling it
+        has series of (pools run different engine versions). A pool with a bucket bound that is no number gets
+        none, with the series in `out.malformed`: its share cannot be read, and the other pools' still can."""
         grouping = ", ".join((*by, "le"))
-        rows: list[tuple[dict[str, str], float]] = []
-        for families in alternatives:
-            rows = self.query(f"sum by ({grouping}) ({window.increase(f'{families[0]}_bucket{sel}')})", ts)
-            out.queries += 1
-            if rows:
-                break
         buckets: dict[str, list[tuple[float, float]]] = {}
-        for labels, value in rows:
-            pool = fixed_pool if fixed_pool is not None else labels.get(self.labels.pool, "")
-            if pool and "le" in labels and math.isfinite(value):
-                buckets.setdefault(pool, []).append((float(labels["le"]), value))
+        broken: set[str] = set()
+        for families in alternatives:
+            query = f"sum by ({grouping}) ({window.increase(f'{families[0]}_bucket{sel}')})"
+            rows = self.query(query, ts)
+            out.queries += 1
+            found: dict[str, list[tuple[float, float]]] = {}
+            for labels, value in rows:
+                pool = fixed_pool if fixed_pool is not None else labels.get(self.labels.pool, "")
+                if not pool or pool in buckets or pool in broken or "le" not in labels or not math.isfinite(value):
+                    continue
+                try:
+                    bound = float(labels["le"])
+                except ValueError:
+                    broken.add(pool)
+                    out.malformed.append(Malformed(signal, pool_subject(pool),
+                                                   f"bucket bound le={labels['le']!r} of {families[0]} is not a number",
+                                                   shorten(query)))
+                    continue
+                found.setdefault(pool, []).append((bound, value))
+            buckets.update((pool, b) for pool, b in found.items() if pool not in broken)
+            if wanted <= buckets.keys() | broken:
+                break
         return buckets
 
     def _engine_subject(self, labels: Mapping[str, str], pools: Mapping[str, str], seen: dict[str, str],

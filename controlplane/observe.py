@@ -125,7 +125,11 @@ class PrometheusApiSource:
         missing: dict[str, list[str]] = {}
         for m in out.missing:
             missing.setdefault(f"prometheus/{m.scope}", []).append(m.signal)
-        return Observation(out.signals, missing=missing)
+        malformed: dict[str, list[str]] = {}
+        for bad in out.malformed:
+            malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
+        errors = {key: f"{len(errs)} signal(s) unreadable, first: {errs[0]}" for key, errs in malformed.items()}
+        return Observation(out.signals, errors=errors, parse_errors=malformed, missing=missing)
 
 
 class PrometheusTargets:

@@ -469,3 +469,40 @@ def test_a_pool_with_objectives_gets_its_share_of_requests_over_them() -> None:
     assert any("inter_token_latency_seconds_bucket" in q and "sum by (pool, le)" in q for q in queries)
     plain = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
     assert not any(s.name.endswith("_over_slo") for s in plain.signals)
+
+
+def test_each_pool_reads_its_share_from_the_histogram_spelling_it_has() -> None:
+    """Pools on different engine versions: one exports the TPOT histogram, the other only the inter-token latency;
+    each pool's share comes from its own, never from the two mixed."""
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
+            if "request_time_per_output_token" in query:
+                return [_row(v, pool="new", le=le) for le, v in (("0.01", 90.0), ("+Inf", 100.0))]
+            if "inter_token_latency" in query:
+                return [_row(v, pool=pool, le=le) for pool in ("new", "old")
+                        for le, v in (("0.01", 50.0), ("0.02", 80.0), ("+Inf", 100.0))]
+            return []
+        return _answer(query)
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(
+        1.0, 30.0, objectives={"new": Objectives(tpot=0.01), "old": Objectives(tpot=0.01)})
+    over = {s.subject: s.value for s in out.signals if s.name == "tpot_over_slo"}
+    assert over == {"pool/new": pytest.approx(0.10), "pool/old": pytest.approx(0.50)}
+
+
+def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
+    def answer(query: str) -> list[dict[str, Any]]:
+        if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
+            if "time_to_first_token" not in query:
+                return []
+            return [_row(90.0, pool="a", le="0.5"), _row(100.0, pool="a", le="+Inf"),
+                    _row(90.0, pool="b", le="half"), _row(100.0, pool="b", le="+Inf")]
+        return _answer(query)
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(
+        1.0, 30.0, objectives={"a": Objectives(ttft=0.5), "b": Objectives(ttft=0.5)})
+    assert {s.subject: s.value for s in out.signals if s.name == "ttft_over_slo"} == {"pool/a": pytest.approx(0.10)}
+    [bad] = out.malformed
+    assert (bad.signal, bad.scope) == ("ttft_over_slo", "pool/b")
+    assert "le='half'" in bad.problem and "vllm:time_to_first_token_seconds" in bad.problem

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -242,6 +243,28 @@ async def test_prometheus_api_mode_feeds_the_same_loop(sqlite_store: SqlStore, c
     loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(refuse)), 60.0)
     with pytest.raises(MetricSourceUnavailable, match="prometheus:9090"):
         await loop.tick()
+
+
+async def test_an_unreadable_prometheus_histogram_is_a_tick_error_not_a_failed_tick(
+        sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
+    from collectors.prometheus_api import PrometheusSource
+    from collectors.types import Objectives
+    from controlplane.observe import PrometheusApiSource
+    from tests.collectors.test_prometheus_api import FakeClient, _answer, _row
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
+            return [_row(90.0, pool="prefill", le="soon"), _row(100.0, pool="prefill", le="+Inf")]
+        return _answer(query)
+
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
+    loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
+    loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(answer)), 60.0,
+                                      objectives={"prefill": Objectives(ttft=0.5)})
+    report = await loop.tick()
+    assert report.signals > 0
+    assert "le='soon'" in report.errors["prometheus/pool/prefill"]
+    assert loop.windows.latest("pool/prefill", "ttft_over_slo") is None
 
 
 async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: SqlStore,
