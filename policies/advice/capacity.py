@@ -31,7 +31,7 @@ A `Calibration` from the pool's own measurements (TTFT's p95, TPOT's mean) scale
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy.stats import poisson
@@ -39,8 +39,8 @@ from scipy.stats import poisson
 from policies.autoscale import EngineCurves
 from policies.stats import MAX_CONTEXT, lognormal_location, lognormal_p95, quadratic_moments
 
-__all__ = ["NO_CALIBRATION", "Calibration", "Load", "Prefill", "Sizing", "predict", "prefill_cost",
-           "size_pool", "tpot_parts", "transfer_seconds"]
+__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "predict", "prefill_cost",
+           "size_pool", "transfer_seconds"]
 
 TPOT_SAMPLES = 4096
 TPOT_SEED = 16
@@ -119,6 +119,8 @@ class Sizing:
     # The sizing with one engine fewer, its `limited_by` the limit it breaks: how near the answer is to the next
     # size down, so a reader sees when a saving hangs on one engine.
     one_fewer: Sizing | None = None
+    # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); None where the pool decodes not.
+    tpot_draws: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -159,17 +161,17 @@ def _pass(curves: EngineCurves, arrivals: float, new_tokens: float, extra: float
 
 
 @dataclass(frozen=True, slots=True)
-class _Engine:
-    """One engine of the pool as the model runs it: its profile, the step cost and yield of its speculation, the
-    limits it is sized to, and whether its router weighs queues."""
+class Engine:
+    """One engine of the pool as the model runs it: its role and profile, the step cost and yield of its speculation,
+    the limits it is sized to, and whether its router weighs queues."""
 
     role: str
     curves: EngineCurves
-    step_cost: float
-    tokens_per_step: float
-    kv_usage_max: float
-    max_utilization: float
-    load_aware: bool
+    step_cost: float = 1.0  # a decode step's cost in plain steps (a speculative step verifies several tokens)
+    tokens_per_step: float = 1.0  # tokens a decode step yields
+    kv_usage_max: float = 0.95
+    max_utilization: float = 0.8
+    load_aware: bool = True
 
     def prefills(self, load: Load) -> bool:
         """Whether this engine computes the load's prompts."""
@@ -195,7 +197,7 @@ class _Steady:
     cost: Prefill
 
 
-def _steady(lam: float, load: Load, eng: _Engine) -> _Steady:
+def _steady(lam: float, load: Load, eng: Engine) -> _Steady:
     """The batch that Little's law and the step time agree on at `lam` arrivals per second, with the prefill passes
     riding its steps (longer iterations gather more prompts each): a fixed point."""
     curves, step_cost, max_utilization = eng.curves, eng.step_cost, eng.max_utilization
@@ -247,14 +249,9 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap:
     return np.minimum(np.exp(lognormal_location(mean, sigma) + sigma * rng.standard_normal(n)), cap)
 
 
-def _tpot(lam: float, load: Load, eng: _Engine, at: _Steady, cal: Calibration) -> tuple[float, float, float]:
-    """(p95, mean step part, mean stall part) of requests' TPOT, calibrated (see `_tpot_parts`)."""
-    per_token, stall = _tpot_parts(lam, load, eng, at)
-    tpot = per_token * cal.tpot_scale + stall * cal.tpot_stall
-    return float(np.quantile(tpot, 0.95)), float(per_token.mean()), float(stall.mean())
 
 
-def _tpot_parts(lam: float, load: Load, eng: _Engine, at: _Steady) -> tuple[np.ndarray, np.ndarray]:
+def _tpot_parts(lam: float, load: Load, eng: Engine, at: _Steady) -> tuple[np.ndarray, np.ndarray]:
     """Drawn requests' TPOT in two parts, the steps' and the prefill stalls'. Each has its answer's length,
     the arrivals around its decode (a Poisson count over a decode span either side of it: its batch-mates) and at
     that rate the batch where Little's law and the step time agree, so near the knee of the step curve a burst grows
@@ -300,17 +297,20 @@ def _tpot_parts(lam: float, load: Load, eng: _Engine, at: _Steady) -> tuple[np.n
     return per_token, stall
 
 
-def _at(n: int, load: Load, eng: _Engine, transfer_s: float, cal: Calibration) -> tuple[str | None, Sizing]:
+def _at(n: int, load: Load, eng: Engine, transfer_s: float, cal: Calibration) -> tuple[str | None, Sizing]:
     """Predicted p95s with `n` engines, and the first limit they break (None: none)."""
     lam = load.arrivals / n
     prefill, decode = eng.prefills(load), eng.decodes(load)
     at = _steady(lam, load, eng)
     if at.broke:
         return at.broke, Sizing(n, at.batch, at.rho, None, None, at.broke)
-    tpot = ttft = None
+    tpot = ttft = draws = None
     base = stall = floor = queue = 0.0
     if decode:
-        tpot, base, stall = _tpot(lam, load, eng, at, cal)
+        draws = _tpot_parts(lam, load, eng, at)
+        steps, stalls = draws
+        tpot = float(np.quantile(steps * cal.tpot_scale + stalls * cal.tpot_stall, 0.95))
+        base, stall = float(steps.mean()), float(stalls.mean())
     if prefill:
         # A prompt waits out the pass in flight, then rides its own: passes grow with the tokens that arrive
         # while one runs. Behind that, an M/G/1 queue (Pollaczek-Khinchine) mean wait, its p95 about thrice that.
@@ -318,37 +318,18 @@ def _at(n: int, load: Load, eng: _Engine, transfer_s: float, cal: Calibration) -
         floor = 0.95 * d + max(d, at.cost.p95_alone * at.stretch) + transfer_s
         queue = QUEUE_P95_WAITS * lam * at.cost.second * at.stretch ** 2 / (2.0 * (1.0 - at.rho))
         ttft = floor * cal.ttft_scale + queue * cal.ttft_queue
-    return None, Sizing(n, at.batch, at.rho, ttft, tpot, "none", floor, queue, base, stall)
+    return None, Sizing(n, at.batch, at.rho, ttft, tpot, "none", floor, queue, base, stall, tpot_draws=draws)
 
 
-def predict(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
-            tokens_per_step: float = 1.0, transfer_s: float = 0.0, kv_usage_max: float = 0.95,
-            max_utilization: float = 0.8, load_aware_routing: bool = True) -> Sizing:
+def predict(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0) -> Sizing:
     """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit)."""
-    eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
     return _at(n, load, eng, transfer_s, NO_CALIBRATION)[1]
 
 
-def tpot_parts(n: int, role: str, load: Load, curves: EngineCurves, *, step_cost: float = 1.0,
-               tokens_per_step: float = 1.0, kv_usage_max: float = 0.95, max_utilization: float = 0.8,
-               load_aware_routing: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
-    """With `n` engines, the model's drawn requests' TPOT as (step part, prefill stall part), uncalibrated; None where
-    the pool does not decode or a limit breaks."""
-    eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
-    lam = load.arrivals / n
-    at = _steady(lam, load, eng)
-    if at.broke or not eng.decodes(load):
-        return None
-    return _tpot_parts(lam, load, eng, at)
-
-
-def size_pool(role: str, load: Load, curves: EngineCurves, *, ttft_slo: float | None, tpot_slo: float | None,
-              margin: float = 1.0, step_cost: float = 1.0, tokens_per_step: float = 1.0, transfer_s: float = 0.0,
-              kv_usage_max: float = 0.95, max_utilization: float = 0.8, load_aware_routing: bool = True,
-              limit: int = 4096, calibration: Calibration = NO_CALIBRATION) -> Sizing:
-    """The fewest engines of `role` that carry `load` within `margin` of the SLOs (`limited_by` "none" when
+def size_pool(load: Load, eng: Engine, *, ttft_slo: float | None, tpot_slo: float | None, margin: float = 1.0,
+              transfer_s: float = 0.0, limit: int = 4096, calibration: Calibration = NO_CALIBRATION) -> Sizing:
+    """The fewest engines like `eng` that carry `load` within `margin` of the SLOs (`limited_by` "none" when
     even `limit` engines do not: a lone request already misses, or the numbers are nonsense)."""
-    eng = _Engine(role, curves, step_cost, tokens_per_step, kv_usage_max, max_utilization, load_aware_routing)
     if load.arrivals <= 0:
         return Sizing(1, 0.0, 0.0, None, None, "load")
 

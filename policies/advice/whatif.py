@@ -19,12 +19,12 @@ from dataclasses import replace
 import numpy as np
 from scipy.optimize import brentq
 
-from policies.advice.capacity import NO_CALIBRATION, Calibration, Load, Sizing, predict, size_pool, tpot_parts
+from policies.advice.capacity import NO_CALIBRATION, Calibration, Engine, Load, Sizing, predict, size_pool
 from policies.advice.types import AdviceSettings, PoolFacts, PoolObserved
 from policies.autoscale import EngineCurves
 from policies.stats import lognormal_sigma
 
-__all__ = ["calibrate", "fit_tail", "on_gpu", "peak_load", "sized", "step_cost"]
+__all__ = ["calibrate", "engine", "fit_tail", "on_gpu", "peak_load", "sized", "step_cost"]
 
 # How far the pool's own numbers may move the model, either way: a queueing part measured at a quarter of the model's
 # (a router that spares decodes better than the model counts on) is as plausible as one at four times.
@@ -59,14 +59,18 @@ def step_cost(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> tuple[f
     return 1.0 + k * (drafter + s.verify_cost), max(1.0, obs.spec_length)
 
 
+def engine(role: str, curves: EngineCurves, s: AdviceSettings, cost: tuple[float, float] = (1.0, 1.0)) -> Engine:
+    """An engine of `role` with these curves, under speculation of this (step cost, tokens per step), as the advisor's
+    settings size it."""
+    return Engine(role, curves, cost[0], cost[1], s.kv_usage_max, s.max_utilization, s.load_aware_routing)
+
+
 def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: EngineCurves | None = None, *,
           cost: tuple[float, float] = (1.0, 1.0), transfer_s: float = 0.0,
           calibration: Calibration = NO_CALIBRATION) -> Sizing:
     """`size_pool` with the pool's SLOs, the advisor's settings and the pool's calibration."""
-    return size_pool(role, load, curves or facts.curves, ttft_slo=facts.ttft_p95_slo, tpot_slo=facts.tpot_p95_slo,
-                     margin=s.margin, step_cost=cost[0], tokens_per_step=cost[1], transfer_s=transfer_s,
-                     kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
-                     load_aware_routing=s.load_aware_routing, calibration=calibration)
+    return size_pool(load, engine(role, curves or facts.curves, s, cost), ttft_slo=facts.ttft_p95_slo,
+                     tpot_slo=facts.tpot_p95_slo, margin=s.margin, transfer_s=transfer_s, calibration=calibration)
 
 
 def fit_tail(steps: np.ndarray, stalls: np.ndarray, mean: float, share: float, objective: float) -> tuple[float, float] | None:
@@ -96,11 +100,7 @@ def fit_tail(steps: np.ndarray, stalls: np.ndarray, mean: float, share: float, o
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:
     """The pool's TTFT p95 and TPOT mean in its busy minutes over the model's at its own size and busy-minute load;
     with the share of requests over the TPOT objective, the steps and the stalls apart."""
-    cost, tokens = step_cost(facts, obs, s)
-    n, load = max(1, facts.replicas), peak_load(obs)
-    at = predict(n, facts.role, load, facts.curves, step_cost=cost, tokens_per_step=tokens,
-                 kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
-                 load_aware_routing=s.load_aware_routing)
+    at = predict(max(1, facts.replicas), peak_load(obs), engine(facts.role, facts.curves, s, step_cost(facts, obs, s)))
 
     def factors(measured: float | None, fixed: float, queueing: float) -> tuple[float, float]:
         """(queueing factor, whole factor): the queueing part carries the difference where it is a fifth of the
@@ -117,12 +117,8 @@ def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibra
     # lies inside one; the sum over the count is exact.
     pq, ps = factors(obs.tpot_mean_peak, at.tpot_base, at.tpot_stall)
     share, mean, objective = obs.tpot_over_slo_peak, obs.tpot_mean_peak, facts.tpot_p95_slo
-    if share is not None and mean is not None and objective is not None:
-        parts = tpot_parts(n, facts.role, load, facts.curves, step_cost=cost, tokens_per_step=tokens,
-                           kv_usage_max=s.kv_usage_max, max_utilization=s.max_utilization,
-                           load_aware_routing=s.load_aware_routing)
-        fit = fit_tail(*parts, mean, share, objective) if parts is not None else None
-        pq, ps = fit or (pq, ps)
+    if share is not None and mean is not None and objective is not None and at.tpot_draws is not None:
+        pq, ps = fit_tail(*at.tpot_draws, mean, share, objective) or (pq, ps)
     return Calibration(tq, ts, pq, ps)
 
 

@@ -21,7 +21,7 @@ from policies.advice import (
     advise,
     lru_hit_rates,
 )
-from policies.advice.capacity import Load, predict, prefill_cost, size_pool, tpot_parts
+from policies.advice.capacity import Engine, Load, predict, prefill_cost, size_pool
 from policies.advice.speculation import best_positions
 from policies.advice.whatif import calibrate, fit_tail, on_gpu, peak_load, sized
 from policies.autoscale import EngineCurves
@@ -50,27 +50,27 @@ def inp(pools: list[PoolFacts], observed: dict[str, PoolObserved], **kw: object)
 
 @pytest.mark.parametrize("role", ["unified", "prefill", "decode"])
 def test_more_load_never_needs_fewer_engines(role: str) -> None:
-    sizes = [size_pool(role, Load(rate, 3000, 300, 0.2), CURVES, ttft_slo=1.0, tpot_slo=0.04).engines
+    sizes = [size_pool(Load(rate, 3000, 300, 0.2), Engine(role, CURVES), ttft_slo=1.0, tpot_slo=0.04).engines
              for rate in (1, 5, 20, 60, 120)]
     assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
 
 
 @pytest.mark.parametrize("role", ["unified", "prefill", "decode"])
 def test_a_sizing_says_what_one_engine_fewer_would_break(role: str) -> None:
-    sized = size_pool(role, Load(120.0, 3000, 300, 0.2), CURVES, ttft_slo=1.0, tpot_slo=0.04)
+    sized = size_pool(Load(120.0, 3000, 300, 0.2), Engine(role, CURVES), ttft_slo=1.0, tpot_slo=0.04)
     assert sized.engines > 1
     fewer = sized.as_dict()["one_fewer"]
     assert isinstance(fewer, dict) and fewer["engines"] == sized.engines - 1
     assert fewer["breaks"] in ("ttft", "tpot", "kv"), fewer
     if fewer["breaks"] == "tpot" and role != "prefill":
         assert fewer["tpot_p95_s"] is None or fewer["tpot_p95_s"] > 0.04
-    assert "one_fewer" not in size_pool(role, Load(0.1, 300, 30), CURVES, ttft_slo=1.0, tpot_slo=0.04).as_dict()
+    assert "one_fewer" not in size_pool(Load(0.1, 300, 30), Engine(role, CURVES), ttft_slo=1.0, tpot_slo=0.04).as_dict()
 
 
 def test_a_small_kv_cache_limits_the_batch() -> None:
     load = Load(30.0, 2000, 400)
-    roomy = size_pool("decode", load, CURVES, ttft_slo=None, tpot_slo=0.05)
-    tight = size_pool("decode", load, replace(CURVES, kv_tokens=48_000), ttft_slo=None, tpot_slo=0.05)
+    roomy = size_pool(load, Engine("decode", CURVES), ttft_slo=None, tpot_slo=0.05)
+    tight = size_pool(load, Engine("decode", replace(CURVES, kv_tokens=48_000)), ttft_slo=None, tpot_slo=0.05)
     assert tight.engines > roomy.engines and tight.limited_by == "kv"
     # A decoding sequence holds its prompt and, on average, half its answer.
     assert tight.batch <= 0.95 * 48_000 / load.context + 1e-6 and load.context == 2200
@@ -80,8 +80,8 @@ def test_a_unified_pool_pays_for_prefill_stalls_in_its_tpot() -> None:
     """Long prompts landing during a request's decode stretch its TPOT: a unified engine predicts a worse TPOT
     than a decode engine at the same per-engine load."""
     load = Load(4.0, 12000, 300)
-    unified = size_pool("unified", load, CURVES, ttft_slo=None, tpot_slo=None, limit=4)
-    decode = size_pool("decode", load, CURVES, ttft_slo=None, tpot_slo=None, limit=4)
+    unified = size_pool(load, Engine("unified", CURVES), ttft_slo=None, tpot_slo=None, limit=4)
+    decode = size_pool(load, Engine("decode", CURVES), ttft_slo=None, tpot_slo=None, limit=4)
     assert unified.tpot_p95 is not None and decode.tpot_p95 is not None
     assert unified.tpot_p95 > 1.5 * decode.tpot_p95
 
@@ -91,9 +91,9 @@ def test_a_lightly_loaded_prefill_engine_pays_each_pass_for_few_prompts() -> Non
     fixed cost alone; under heavy load passes fill and the fixed cost is shared."""
     a, b, c = CURVES.prefill
     alone = a + b * 400 + c * 400 * 400
-    light = predict(1, "prefill", Load(2.0, 400, 1), CURVES)
+    light = predict(1, Load(2.0, 400, 1), Engine("prefill", CURVES))
     assert light.utilisation / 2.0 == pytest.approx(alone, rel=0.05)
-    busy = predict(1, "prefill", Load(60.0, 400, 1), CURVES)
+    busy = predict(1, Load(60.0, 400, 1), Engine("prefill", CURVES))
     assert busy.utilisation / 60.0 < 0.8 * alone
 
 
@@ -114,7 +114,7 @@ def test_near_the_knee_the_p95_tpot_outgrows_the_mean_batch() -> None:
     with the load."""
     def over_mean(lam: float) -> float:
         load = Load(lam, 1427, 255)
-        s = predict(1, "decode", load, CURVES)
+        s = predict(1, load, Engine("decode", CURVES))
         assert s.tpot_p95 is not None
         return s.tpot_p95 / CURVES.step_seconds(s.batch, load.context)
 
@@ -126,7 +126,7 @@ def test_the_tpot_calibration_reads_the_mean_not_the_bucketed_p95() -> None:
     """vLLM's TPOT buckets (10, 25, 50 ms) read a p95 inside one high: a pool whose exact mean agrees with the model
     keeps the model as it is, whatever its p95 read; one whose mean runs slower scales it."""
     pool, load = facts(replicas=4), seen(arrivals=30.0, arrivals_peak=34.0, prompt_tokens=3000, output_tokens=300)
-    at = predict(4, "unified", peak_load(load), CURVES)
+    at = predict(4, peak_load(load), Engine("unified", CURVES))
     assert at.tpot_p95 is not None
     model_mean = at.tpot_base + at.tpot_stall
     agrees = calibrate(pool, replace(load, tpot_mean_peak=model_mean, tpot_p95_peak=3 * at.tpot_p95), AdviceSettings())
@@ -145,7 +145,7 @@ def test_the_share_over_the_objective_tells_the_steps_from_the_stalls() -> None:
     objective can, since stalls come in lumps: a pool measured with known factors gets those factors back."""
     load = seen(arrivals=10.0, arrivals_peak=12.0, prompt_tokens=8000, output_tokens=300, prompt_p50=4000,
                 prompt_p95=30000)
-    parts = tpot_parts(4, "unified", peak_load(load), CURVES)
+    parts = predict(4, peak_load(load), Engine("unified", CURVES)).tpot_draws
     assert parts is not None
     steps, stalls = parts
     assert stalls.mean() >= 0.2 * steps.mean()
@@ -176,7 +176,7 @@ def test_a_split_decode_pool_takes_the_profiles_steps() -> None:
     is sized on the profile, however slow the unified pool ran."""
     s = AdviceSettings()
     load = seen(prompt_tokens=3000, output_tokens=300)
-    at = predict(4, "unified", peak_load(load), CURVES)
+    at = predict(4, peak_load(load), Engine("unified", CURVES))
     slow = replace(load, tpot_mean_peak=1.6 * (at.tpot_base + at.tpot_stall))
     assert calibrate(facts(), slow, s).tpot_scale > 1.5  # the unified pool ran 60 % slower than its model
     [rec] = [r for r in advise(inp([facts()], {"chat": slow}), s) if r.kind is AdviceKind.DISAGGREGATION]
@@ -189,7 +189,7 @@ def test_a_queue_aware_router_spares_decodes_while_some_engine_is_idle() -> None
     """Routed by queue, a prompt lands on an engine with nothing decoding while one exists: a lightly loaded unified
     pool's decodes see fewer prefill stalls than under random routing; once every engine decodes, no fewer."""
     def p95(lam: float, aware: bool) -> float:
-        s = predict(8, "unified", Load(lam, 12000, 300, prompt_sigma=1.0), CURVES, load_aware_routing=aware)
+        s = predict(8, Load(lam, 12000, 300, prompt_sigma=1.0), Engine("unified", CURVES, load_aware=aware))
         assert s.tpot_p95 is not None
         return s.tpot_p95
 
@@ -200,11 +200,11 @@ def test_a_queue_aware_router_spares_decodes_while_some_engine_is_idle() -> None
 def test_the_drawn_tpot_is_the_same_every_time() -> None:
     """The p95 comes from drawn requests: seeded, so a recommendation does not change between two runs."""
     load = Load(20.0, 3000, 300, 0.3, prompt_sigma=0.8, output_sigma=0.6)
-    assert predict(3, "unified", load, CURVES) == predict(3, "unified", load, CURVES)
+    assert predict(3, load, Engine("unified", CURVES)) == predict(3, load, Engine("unified", CURVES))
 
 
 def test_no_load_needs_one_engine() -> None:
-    assert size_pool("unified", Load(0.0, 1000, 100), CURVES, ttft_slo=1.0, tpot_slo=0.05).engines == 1
+    assert size_pool(Load(0.0, 1000, 100), Engine("unified", CURVES), ttft_slo=1.0, tpot_slo=0.05).engines == 1
 
 
 # the LRU replay ------------------------------------------------------------------------------------
