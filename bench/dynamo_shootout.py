@@ -35,7 +35,7 @@ import numpy as np
 
 from catalog.fleet import Role
 from collectors.derive import counter_increase
-from controlplane.evaluation_autoscale import MinuteMeter, StrategyRun, pool_ceiling, resized, summarise
+from controlplane.evaluation_autoscale import MinuteMeter, StrategyRun, pool_ceiling, resized, start_sizes, summarise
 from controlplane.sim.engine import BLOCK_TOKENS, SimEngine
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.perf import PerfModel, load_model
@@ -362,8 +362,8 @@ class DynamoPeer:
     name: str = "dynamo"
 
     def runs(self, trace: str, scenario: Scenario, needs: Mapping[str, list[int]]) -> list[DynamoRun]:
-        """One picklable run per configuration, each starting where the first minute needs the pools."""
-        start = {pool: n[0] for pool, n in needs.items()}
+        """One picklable run per configuration, each starting where every dynamic strategy does (`start_sizes`)."""
+        start = start_sizes(scenario, needs)
         return [DynamoRun(trace, scenario, c, CONFIGURATIONS[c], start, Path(self.python)) for c in self.configurations]
 
 

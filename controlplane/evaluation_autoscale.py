@@ -53,7 +53,7 @@ from policies.autoscale import CAPACITY_FINDINGS, AutoscaleSettings, Sizer
 from policies.hpa import HpaRule
 
 __all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StaticReplay", "StrategyRun",
-           "best_configuration", "evaluate_autoscaling", "peer_goal", "summarise", "within_slo"]
+           "best_configuration", "evaluate_autoscaling", "peer_goal", "replay", "start_sizes", "summarise", "within_slo"]
 
 STRATEGIES = ("static", "hpa", "ours", "oracle")
 # The traces of the evaluation, each a scenario with the fleet it runs through.
@@ -221,6 +221,18 @@ class OracleSchedule:
         return out
 
 
+def start_sizes(scenario: Scenario, needs: Mapping[str, list[int]]) -> dict[str, int]:
+    """The fleet every dynamic strategy starts with, the oracle's own first step: per pool, the most any minute within
+    the first start-up time needs. A running fleet would be sized for the load about to come; no strategy could have
+    planned for it before the trace began, and one that starts short pays the start-up time in missed minutes."""
+    return OracleSchedule(dict(needs), _leads(scenario))(0.0)
+
+
+def _leads(scenario: Scenario) -> dict[str, float]:
+    """Per pool, how far ahead the oracle asks: its start-up time and one scrape."""
+    return {p.name: p.startup + scenario.scrape_interval for p in scenario.fleet.pools}
+
+
 # one strategy ---------------------------------------------------------------------------------------
 
 
@@ -275,13 +287,12 @@ class _Strategy:
         peak = {pool: max(n) for pool, n in self.needs.items()}
         if self.strategy == "oracle":
             # The oracle needs no control plane: its schedule is known, so it is applied as it falls due.
-            lead = {p.name: p.startup + self.scenario.scrape_interval for p in self.scenario.fleet.pools}
-            schedule = OracleSchedule(self.needs, lead)
+            schedule = OracleSchedule(self.needs, _leads(self.scenario))
             wall = time.perf_counter()
             meter, events = replay(self.scenario, schedule(0.0), schedule)
             return self._result(meter, events, time.perf_counter() - wall)
-        # Static holds the peak; the others start where the first minute needs them, as a running fleet would be.
-        scenario = resized(self.scenario, peak if self.strategy == "static" else {p: n[0] for p, n in self.needs.items()})
+        # Static holds the peak; the others start where the oracle does.
+        scenario = resized(self.scenario, peak if self.strategy == "static" else start_sizes(self.scenario, self.needs))
         gpus = {p.name: p.gpus for p in scenario.fleet.pools}
         meters: list[MinuteMeter] = []
         events = 0

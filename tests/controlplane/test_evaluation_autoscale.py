@@ -21,6 +21,8 @@ from controlplane.evaluation_autoscale import (
     StrategyRun,
     best_configuration,
     peer_goal,
+    replay,
+    start_sizes,
     within_slo,
 )
 from controlplane.evaluation_chart import autoscale_chart
@@ -48,6 +50,27 @@ def test_the_oracle_asks_for_the_largest_need_until_a_start_up_time_ahead() -> N
     assert schedule(60.0) == {"chat": 7}, "from minute 1 the burst of minute 3 is within reach: start engines now"
     assert schedule(4 * 60.0) == {"chat": 3} and schedule(6 * 60.0) == {"chat": 1}
     assert schedule(99 * 60.0) == {"chat": 1}, "past the end: the last need"
+
+
+def test_every_dynamic_strategy_starts_where_the_oracle_does() -> None:
+    """Mooncake's first minute is light; the second needs twice the decode engines. A strategy that started at the
+    first minute's need would pay the start-up time in missed minutes the oracle never risks."""
+    sc = load_scenario(TRACES["mooncake-conversation"])  # 2 min start-up, 15 s scrapes: minutes 0 to 2 are in reach
+    needs = {"prefill": [10, 9, 11, 6], "decode": [1, 2, 2, 1]}
+    assert start_sizes(sc, needs) == {"prefill": 11, "decode": 2}
+
+
+def test_a_decode_pools_wait_for_its_first_token_is_judged() -> None:
+    """What a user waits beyond the prefill (a decode slot, the KV pulled) counts: one decode engine on Mooncake keeps
+    its TPOT while requests queue for its KV room, and the minute is missed; two engines keep both."""
+    sc = load_scenario(TRACES["mooncake-conversation"]).model_copy(update={"duration": 180.0})
+    decode = next(p for p in sc.fleet.pools if p.role == "decode")
+    assert decode.slo.tpot_p95 is not None and decode.slo.ttft_p95 is not None
+    short, _ = replay(sc, {"prefill": 16, "decode": 1})
+    assert all(short.p95("decode", "tpot", m) <= decode.slo.tpot_p95 for m in (1, 2))
+    assert short.p95("decode", "ttft", 2) > 5 * decode.slo.ttft_p95 and not within_slo(short, decode, 2)
+    enough, _ = replay(sc, {"prefill": 16, "decode": 2})
+    assert all(within_slo(enough, decode, m) for m in range(3))
 
 
 def test_a_minute_is_within_slo_when_every_objective_of_the_pool_is() -> None:
