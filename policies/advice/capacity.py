@@ -119,7 +119,7 @@ class Sizing:
     # The sizing with one engine fewer, its `limited_by` the limit it breaks: how near the answer is to the next
     # size down, so a reader sees when a saving hangs on one engine.
     one_fewer: Sizing | None = None
-    # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); None where the pool decodes not.
+    # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); None where nothing decodes.
     tpot_draws: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, object]:
@@ -247,8 +247,6 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap:
     if sigma <= 0:
         return np.full(n, min(mean, cap))
     return np.minimum(np.exp(lognormal_location(mean, sigma) + sigma * rng.standard_normal(n)), cap)
-
-
 
 
 def _tpot_parts(lam: float, load: Load, eng: Engine, at: _Steady) -> tuple[np.ndarray, np.ndarray]:
