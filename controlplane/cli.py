@@ -555,22 +555,24 @@ def autoscale_plan(config_file: Path, db: str, pools: tuple[str, ...], as_json: 
     finally:
         store.close()
     plans = [p for p in sizing.plans if not pools or p.pool in pools]
+    unplanned = {pool: why for pool, why in sizing.unplanned.items() if not pools or pool in pools}
     failed = {pool: error for pool, error in sizing.errors().items() if not pools or pool in pools}
     if as_json:
         _emit_json({"plans": [{"pool": p.pool, "desired": p.desired, "ready": p.ready, "target": p.target,
                                "recommended": p.recommended, "reason": p.reason, "evidence": p.evidence} for p in plans],
-                    "failed": failed})
-    elif plans:
-        t = Table(title="Autoscaler plan")
-        for col in ("pool", "now", "ready", "target", "why", "curves"):
-            t.add_column(col)
-        for p in plans:
-            curves = "; ".join(f"{k.split('_')[0].upper()}: {v['source']} ({v['points']} points)"
-                               for k, v in p.evidence.items() if k.endswith("_curve"))
-            t.add_row(p.pool, str(p.desired), str(p.ready), str(p.target), p.reason, curves)
-        out.print(t)
-    elif not failed:
-        out.print("no pool has load and an SLO to plan from yet")
+                    "unplanned": unplanned, "failed": failed})
+    else:
+        if plans:
+            t = Table(title="Autoscaler plan")
+            for col in ("pool", "now", "ready", "target", "why", "curves"):
+                t.add_column(col)
+            for p in plans:
+                curves = "; ".join(f"{k.split('_')[0].upper()}: {v['source']} ({v['points']} points)"
+                                   for k, v in p.evidence.items() if k.endswith("_curve"))
+                t.add_row(p.pool, str(p.desired), str(p.ready), str(p.target), p.reason, curves)
+            out.print(t)
+        for pool, why in sorted(unplanned.items()):
+            out.print(f"{pool} keeps its size, not planned now: {why}")
     for pool, error in sorted(failed.items()):
         err.print(f"the sizer failed on {pool}, which keeps its size: {error}")
     if failed:

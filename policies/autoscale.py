@@ -54,6 +54,7 @@ __all__ = [
     "PoolPlan",
     "Sizer",
     "SizerRun",
+    "Unplanned",
     "arrival_series",
     "burst_factor",
     "forecast",
@@ -214,6 +215,14 @@ class PoolPlan:
         return Proposal(ActionKind.SCALE_POOL, self.pool, ScaleTo(self.target), self.reason, inputs=READS)
 
 
+@dataclass(frozen=True, slots=True)
+class Unplanned:
+    """A pool the sizer does not size this tick, and why: it keeps its size."""
+
+    pool: str
+    reason: str
+
+
 class Sizer(Protocol):
     """Anything that plans replica counts from one tick's input (the autoscaler, or a baseline to compare it with);
     like a policy it must not perform I/O or read the clock. Pools are sized independently: the loop asks for one
@@ -221,16 +230,18 @@ class Sizer(Protocol):
 
     name: str
 
-    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
-        """The plan for one pool, or None when it does not size it now."""
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
+        """The plan for one pool, or why it does not size it now."""
         ...
 
 
 @dataclass(slots=True)
 class SizerRun:
-    """One run of a sizer over the pools: every pool's plan, and the pools it failed on with what it raised."""
+    """One run of a sizer over the pools: every pool's plan, the pools it left as they are with why, and the pools
+    it failed on with what it raised."""
 
     plans: list[PoolPlan] = field(default_factory=list)
+    unplanned: dict[str, str] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)
 
     def errors(self) -> dict[str, str]:
@@ -248,7 +259,9 @@ def plan_each(sizer: Sizer, inp: PolicyInput) -> SizerRun:
         except Exception as exc:  # any error in one pool's sizing is that pool's alone
             out.failed[name] = exc
             continue
-        if plan is not None:
+        if isinstance(plan, Unplanned):
+            out.unplanned[name] = plan.reason
+        else:
             out.plans.append(plan)
     return out
 
@@ -542,18 +555,23 @@ class Autoscaler:
         self.settings = settings
         self.curves = dict(curves)
 
-    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
-        """The plan for one pool, or None when it has no profile or SLO to size by or reports no load yet."""
-        if pool.name not in self.curves or (pool.ttft_p95_slo is None and pool.tpot_p95_slo is None):
-            return None
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
+        """The plan for one pool, or why not: no profile or SLO to size it by, no load reported yet, or requests
+        arriving of which none has finished to size them by."""
+        if pool.name not in self.curves:
+            return Unplanned(pool.name, "no engine profile to size it by")
+        if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
+            return Unplanned(pool.name, "no TTFT or TPOT objective to size it for (`pools[].slo`)")
         s, w, prior = self.settings, inp.windows, self.curves[pool.name]
         since = inp.now - s.history
         subject = f"pool/{pool.name}"
         arrivals = arrival_series(w, subject, since)  # once: the load, the forecast and the TTFT curve read it
         shape_since = _since_shape(w, subject, since, s.shape_shift)
         load = pool_load(w, pool.name, arrivals, shape_since)
-        if load is None or pool.desired <= 0:
-            return None
+        if pool.desired <= 0:
+            return Unplanned(pool.name, "scaled to zero: the sizer starts no pool from nothing")
+        if load is None:
+            return Unplanned(pool.name, "no load reported yet")
         startup, scale_ups = learned_startup(w, pool.name, since)
         interval = _interval(w, subject)
         horizon = (startup if startup is not None else s.startup) + interval
@@ -561,7 +579,7 @@ class Autoscaler:
         # curve's to plan for (`burst_factor`).
         fc = forecast(minute_means(arrivals), horizon, s)
         if fc is None:
-            return None
+            return Unplanned(pool.name, "no arrivals recorded yet to forecast from")
         plan_rate = max(fc.upper, load.arrivals)
         evidence: dict[str, Any] = {
             "arrivals": round(load.arrivals, 3), "forecast": round(fc.expected, 3), "planned_for": round(plan_rate, 3),
@@ -576,7 +594,8 @@ class Autoscaler:
         if sized is not None:
             recommended, reason = sized
         elif load.arrivals > 0:
-            return None  # requests arrive but none has finished lately: nothing to size them by yet
+            return Unplanned(pool.name, f"{load.arrivals:.2f} req/s arrive but none has finished lately: their "
+                                        "prompt and output lengths, which size the pool, are not known yet")
         else:
             # The pool is idle: nothing is forecast a start-up time ahead, or nothing has finished for so long that
             # the lengths to size a forecast by are unknown. One engine is enough, shed through the hold as ever;

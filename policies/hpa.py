@@ -14,7 +14,7 @@ import math
 from pydantic import Field
 
 from catalog.settings import Seconds, Settings
-from policies.autoscale import PoolPlan, stabilised
+from policies.autoscale import PoolPlan, Unplanned, stabilised
 from policies.types import PolicyInput, PoolState
 
 __all__ = ["HpaRule", "HpaSettings"]
@@ -37,13 +37,15 @@ class HpaRule:
     def __init__(self, settings: HpaSettings | None = None) -> None:
         self.settings = settings or HpaSettings()
 
-    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
-        """The replicas the rule sets the pool to, or None before it reports KV usage and a queue."""
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
+        """The replicas the rule sets the pool to, or why not: before it reports KV usage and a queue."""
         s, subject = self.settings, f"pool/{pool.name}"
         kv = inp.windows.latest(subject, "kv_cache_usage")
         waiting = inp.windows.latest(subject, "requests_waiting")
-        if kv is None or waiting is None or pool.desired <= 0:
-            return None
+        if pool.desired <= 0:
+            return Unplanned(pool.name, "scaled to zero: the rule starts no pool from nothing")
+        if kv is None or waiting is None:
+            return Unplanned(pool.name, "no KV usage or queue reported yet")
         engines = max(1.0, inp.windows.latest(subject, "engines_reporting") or pool.ready)
         ratio = max(kv / s.kv_usage, waiting / engines / s.waiting_per_replica)
         recommended = pool.desired if abs(ratio - 1.0) <= s.tolerance else math.ceil(pool.desired * ratio)

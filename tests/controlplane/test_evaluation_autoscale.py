@@ -188,6 +188,10 @@ pools:
     replicas: {{min: 1, max: 20}}
     slo: {{ttft_p95: 2s, tpot_p95: 100ms}}
     engine: {{profile: dynamo/h200/llama3.1-8b-fp8, speed: 1.0}}
+  - name: batch
+    role: unified
+    model: m
+    replicas: {{min: 1, max: 4}}
 """)
     migrate.upgrade(db)
     store = SqlStore.open(db)
@@ -209,12 +213,12 @@ pools:
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     [plan], failed = data["plans"], data["failed"]
-    assert failed == {}
+    assert failed == {} and "objective" in data["unplanned"]["batch"]
     assert plan["pool"] == "chat" and plan["desired"] == 2 and plan["target"] > 2, "80 req/s is more than two engines take"
     assert {"ttft_curve", "tpot_curve", "forecast", "per_engine_rate"} <= set(plan["evidence"])
     table = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db",
                             db], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert table.returncode == 0 and "chat" in table.stdout
+    assert table.returncode == 0 and "chat" in table.stdout and "batch keeps its size" in table.stdout
     bad = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db",
                           db, "--pool", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 3 and "nope is not a pool" in bad.stderr

@@ -34,7 +34,7 @@ from controlplane.store.records import NewAction
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
-from policies.autoscale import PoolPlan
+from policies.autoscale import PoolPlan, Unplanned
 from policies.types import PolicyInput, PoolState
 
 
@@ -288,9 +288,9 @@ class AskFor:
     def __init__(self, pool: str, replicas: int) -> None:
         self.pool, self.replicas = pool, replicas
 
-    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
         if pool.name != self.pool:
-            return None
+            return Unplanned(pool.name, "not this test's pool")
         return PoolPlan(pool.name, pool.desired, pool.ready, self.replicas, self.replicas,
                         f"{pool.name} wants {self.replicas}", {"planned_for": 12.5})
 
@@ -302,7 +302,7 @@ class BreaksOn(AskFor):
         super().__init__(pool, replicas)
         self.broken = broken
 
-    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
         if pool.name == self.broken:
             raise ZeroDivisionError("float division by zero")
         return super().plan_pool(inp, pool)

@@ -18,6 +18,7 @@ from policies.autoscale import (
     AutoscaleSettings,
     EngineCurves,
     PoolPlan,
+    Unplanned,
     arrival_series,
     burst_factor,
     forecast,
@@ -249,7 +250,7 @@ def test_bounds_clamp_the_target() -> None:
 
 def hpa(now: float, w: SignalWindows, state: PoolState) -> PoolPlan:
     plan = HpaRule().plan_pool(PolicyInput(now, w, {state.name: state}, {}), state)
-    assert plan is not None
+    assert isinstance(plan, PoolPlan)
     return plan
 
 
@@ -285,7 +286,7 @@ def test_the_hpa_rule_holds_scale_down_for_its_stabilisation_window() -> None:
 class _BreaksOnOnePool(HpaRule):
     """The HPA rule, but its sizing of pool `b` raises, as a sizer bug on numbers nobody foresaw would."""
 
-    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | None:
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
         if pool.name == "b":
             raise ValueError("math domain error")
         return super().plan_pool(inp, pool)
@@ -473,3 +474,21 @@ def test_breaches_that_say_nothing_about_the_size_set_no_floor(case: str, ttft: 
     p = plan(windows(30, 5.0, engines=engines, ttft=ttft, waiting=waiting), pool(6))
     assert "broke_with" not in p.evidence, case
     assert p.recommended < 6, case
+
+
+def test_a_pool_the_sizer_leaves_as_it_is_says_why() -> None:
+    """Requests flow in but none has finished: their lengths, which size the pool, are unknown, so the pool keeps its
+    size, and the run says so rather than leaving the pool out without a word. A pool without an SLO says that."""
+    w = SignalWindows(3600)
+    for i in range(8):
+        ts = (i + 1) * STEP
+        for name, value in (("request_rate", 0.0), ("prompt_tokens_rate", 0.0), ("generation_tokens_rate", 0.0),
+                            ("requests_running", 10.0 * i), ("requests_waiting", 0.0), ("engines_reporting", 4.0)):
+            w.add(ts, "pool/chat", name, value)
+    no_slo = replace(pool(4), name="batch", ttft_p95_slo=None, tpot_p95_slo=None)
+    inp = PolicyInput(now=8 * STEP, windows=w, pools={"chat": pool(4), "batch": no_slo}, open_findings={})
+    run = plan_each(Autoscaler(SETTINGS, {"chat": CURVES, "batch": CURVES}), inp)
+    assert run.plans == [] and run.failed == {}
+    assert "none has finished" in run.unplanned["chat"] and "0.67 req/s" in run.unplanned["chat"]
+    assert "objective" in run.unplanned["batch"]
+    assert isinstance(Autoscaler(SETTINGS, {}).plan_pool(inp, pool(4)), Unplanned), "no profile to size it by"
