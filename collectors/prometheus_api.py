@@ -197,11 +197,12 @@ SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec("requests_running", "sum", (("vllm:num_requests_running",),)),
     SignalSpec("requests_waiting", "sum", (("vllm:num_requests_waiting",),)),
 )
-# A pool's share of requests over its objective (`Objectives`' field), from the pool's bucket increases.
-OBJECTIVE_SIGNALS: tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...] = (
-    ("ttft_over_slo", "ttft", (("vllm:time_to_first_token_seconds",),)),
-    ("tpot_over_slo", "tpot", (("vllm:request_time_per_output_token_seconds",), *_ITL)),
-)
+# A pool's share of requests over its objective (signal, `Objectives`' field, the histogram's spellings), from the
+# pool's bucket increases.
+OBJECTIVE_SIGNALS: tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...] = tuple(
+    (Objectives.signal(objective), objective, spellings) for objective, spellings in (
+        ("ttft", (("vllm:time_to_first_token_seconds",),)),
+        ("tpot", (("vllm:request_time_per_output_token_seconds",), *_ITL))))
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,15 @@ class Objectives:
     ttft: float | None = None
     tpot: float | None = None
 
+    @staticmethod
+    def signal(objective: str) -> str:
+        """The signal holding the share of a pool's requests over this objective (a field's name)."""
+        return f"{objective}_over_slo"
+
+    def given(self) -> list[tuple[str, float]]:
+        """(field, seconds) of the objectives that are set."""
+        return [(name, v) for name in ("ttft", "tpot") if (v := getattr(self, name)) is not None]
+
 
 class Signal(NamedTuple):
     """A derived number for one subject at one time; stored narrow."""

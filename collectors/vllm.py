@@ -158,11 +158,11 @@ def objective_signals(d: Delta, ts: float, subject: str, objectives: Objectives)
     `tpot_over_slo`): exact where an objective sits on a bucket bound, where the p95 read from the same buckets is
     an interpolation."""
     out = SignalList(ts, subject)
-    hists = _with_tpot(d)
-    for name, hist, objective in (("ttft_over_slo", hists.get("ttft"), objectives.ttft),
-                                  ("tpot_over_slo", hists.get("tpot"), objectives.tpot)):
-        if hist is not None and hist.count > 0 and objective is not None:
-            out.emit(name, share_above(objective, hist.buckets))
+    hists = _with_tpot(d)  # keyed like the objectives: ttft, tpot
+    for objective, seconds in objectives.given():
+        hist = hists.get(objective)
+        if hist is not None and hist.count > 0:
+            out.emit(Objectives.signal(objective), share_above(seconds, hist.buckets))
     return out
 
 

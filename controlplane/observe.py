@@ -101,8 +101,7 @@ class ScrapeSource:
         results = await self.scraper.scrape(list(await self.targets.targets()), now)
         out = self.deriver.derive(results, now)
         errors = {r.target.key: r.error or "scrape failed" for r in results if not r.ok and not r.skipped}
-        for key, errs in out.parse_errors.items():
-            errors[key] = f"{len(errs)} malformed line(s), first: {errs[0]}"
+        errors.update(_counted(out.parse_errors, "malformed line(s)"))
         return Observation(out.signals, results, dict(self.scraper.health), errors, out.parse_errors,
                            out.missing_families)
 
@@ -128,8 +127,13 @@ class PrometheusApiSource:
         malformed: dict[str, list[str]] = {}
         for bad in out.malformed:
             malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
-        errors = {key: f"{len(errs)} signal(s) unreadable, first: {errs[0]}" for key, errs in malformed.items()}
-        return Observation(out.signals, errors=errors, parse_errors=malformed, missing=missing)
+        return Observation(out.signals, errors=_counted(malformed, "signal(s) unreadable"), parse_errors=malformed,
+                           missing=missing)
+
+
+def _counted(problems: Mapping[str, list[str]], what: str) -> dict[str, str]:
+    """Per key, its problems as one tick error: how many, and the first."""
+    return {key: f"{len(errs)} {what}, first: {errs[0]}" for key, errs in problems.items() if errs}
 
 
 class PrometheusTargets:
