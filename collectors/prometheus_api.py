@@ -458,7 +458,7 @@ class PrometheusSource:
                 scope_wants = {fixed_pool} if fixed_pool is not None else set(wanted)
                 for pool, buckets in self._pool_buckets(name, alternatives, sel, by, fixed_pool, scope_wants,
                                                         window, ts, out).items():
-                    share = share_above(wanted[pool], buckets) if pool in wanted else math.nan
+                    share = share_above(wanted[pool], buckets)
                     if math.isfinite(share) and (pool_subject(pool), name) not in seen_pools:
                         seen_pools.add((pool_subject(pool), name))
                         out.signals.append(Signal(ts, pool_subject(pool), name, share))
@@ -467,8 +467,8 @@ class PrometheusSource:
     def _pool_buckets(self, signal: str, alternatives: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
                       fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
                       out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
-        """Per pool, a histogram's cumulative bucket increases over the window, each pool from the first spelling it
-        has series of (pools run different engine versions). A pool with a bucket bound that is no number gets
+        """Per pool of `wanted`, a histogram's cumulative bucket increases over the window, each pool from the first
+        spelling it has series of (pools run different engine versions). A pool with a bucket bound that is no number gets
         none, with the series in `out.malformed`: its share cannot be read, and the other pools' still can."""
         grouping = ", ".join((*by, "le"))
         buckets: dict[str, list[tuple[float, float]]] = {}
@@ -480,7 +480,8 @@ class PrometheusSource:
             found: dict[str, list[tuple[float, float]]] = {}
             for labels, value in rows:
                 pool = fixed_pool if fixed_pool is not None else labels.get(self.labels.pool, "")
-                if not pool or pool in buckets or pool in broken or "le" not in labels or not math.isfinite(value):
+                if (pool not in wanted or pool in buckets or pool in broken or "le" not in labels
+                        or not math.isfinite(value)):
                     continue
                 try:
                     bound = float(labels["le"])

@@ -336,10 +336,11 @@ def _ahead(level: float, trend: float, phi: float, steps: int) -> float:
     return level + damped * trend
 
 
-def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: AutoscaleSettings) -> Forecast | None:
-    """Arrivals `horizon_s` ahead (Holt, damped trend) with the upper quantile of its own errors there."""
+def forecast(series: Sequence[tuple[float, float]], horizon_s: float, s: AutoscaleSettings) -> Forecast:
+    """Arrivals `horizon_s` ahead (Holt, damped trend) with the upper quantile of its own errors there; `series`
+    holds one point at least."""
     if not series:
-        return None
+        raise ValueError("forecast: no arrivals to forecast from")
     ts = [t for t, _ in series]
     values = [v for _, v in series]
     step = statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
@@ -577,9 +578,7 @@ class Autoscaler:
         horizon = (startup if startup is not None else s.startup) + interval
         # Per minute: the forecast's errors measure how the minutes differ; a burst inside one is the TTFT
         # curve's to plan for (`burst_factor`).
-        fc = forecast(minute_means(arrivals), horizon, s)
-        if fc is None:
-            return Unplanned(pool.name, "no arrivals recorded yet to forecast from")
+        fc = forecast(minute_means(arrivals), horizon, s)  # `load` exists: so do arrivals
         plan_rate = max(fc.upper, load.arrivals)
         evidence: dict[str, Any] = {
             "arrivals": round(load.arrivals, 3), "forecast": round(fc.expected, 3), "planned_for": round(plan_rate, 3),

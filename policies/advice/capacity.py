@@ -119,7 +119,8 @@ class Sizing:
     # The sizing with one engine fewer, its `limited_by` the limit it breaks: how near the answer is to the next
     # size down, so a reader sees when a saving hangs on one engine.
     one_fewer: Sizing | None = None
-    # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); None where nothing decodes.
+    # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); `predict`'s alone, None where
+    # nothing decodes.
     tpot_draws: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, object]:
@@ -295,8 +296,10 @@ def _tpot_parts(lam: float, load: Load, eng: Engine, at: _Steady) -> tuple[np.nd
     return per_token, stall
 
 
-def _at(n: int, load: Load, eng: Engine, transfer_s: float, cal: Calibration) -> tuple[str | None, Sizing]:
-    """Predicted p95s with `n` engines, and the first limit they break (None: none)."""
+def _at(n: int, load: Load, eng: Engine, transfer_s: float, cal: Calibration,
+        keep_draws: bool = False) -> tuple[str | None, Sizing]:
+    """Predicted p95s with `n` engines, and the first limit they break (None: none); with the drawn TPOT parts
+    where `keep_draws` (only a calibration reads them: a search would carry arrays through every step)."""
     lam = load.arrivals / n
     prefill, decode = eng.prefills(load), eng.decodes(load)
     at = _steady(lam, load, eng)
@@ -316,12 +319,14 @@ def _at(n: int, load: Load, eng: Engine, transfer_s: float, cal: Calibration) ->
         floor = 0.95 * d + max(d, at.cost.p95_alone * at.stretch) + transfer_s
         queue = QUEUE_P95_WAITS * lam * at.cost.second * at.stretch ** 2 / (2.0 * (1.0 - at.rho))
         ttft = floor * cal.ttft_scale + queue * cal.ttft_queue
-    return None, Sizing(n, at.batch, at.rho, ttft, tpot, "none", floor, queue, base, stall, tpot_draws=draws)
+    return None, Sizing(n, at.batch, at.rho, ttft, tpot, "none", floor, queue, base, stall,
+                        tpot_draws=draws if keep_draws else None)
 
 
 def predict(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0) -> Sizing:
-    """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit)."""
-    return _at(n, load, eng, transfer_s, NO_CALIBRATION)[1]
+    """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit), with the
+    drawn requests' TPOT parts."""
+    return _at(n, load, eng, transfer_s, NO_CALIBRATION, keep_draws=True)[1]
 
 
 def size_pool(load: Load, eng: Engine, *, ttft_slo: float | None, tpot_slo: float | None, margin: float = 1.0,

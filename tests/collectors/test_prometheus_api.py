@@ -506,3 +506,18 @@ def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
     [bad] = out.malformed
     assert (bad.signal, bad.scope) == ("ttft_over_slo", "pool/b")
     assert "le='half'" in bad.problem and "vllm:time_to_first_token_seconds" in bad.problem
+
+
+def test_a_pool_without_an_objective_is_not_read_for_a_share() -> None:
+    # Pool c has no TTFT objective: its buckets, bad bound and all, are none of the share's business.
+    def answer(query: str) -> list[dict[str, Any]]:
+        if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
+            if "time_to_first_token" not in query:
+                return []
+            return [_row(90.0, pool="a", le="0.5"), _row(100.0, pool="a", le="+Inf"),
+                    _row(90.0, pool="c", le="half"), _row(100.0, pool="c", le="+Inf")]
+        return _answer(query)
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, objectives={"a": Objectives(ttft=0.5)})
+    assert {s.subject: s.value for s in out.signals if s.name == "ttft_over_slo"} == {"pool/a": pytest.approx(0.10)}
+    assert out.malformed == []
