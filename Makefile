@@ -44,7 +44,7 @@ bench: $(VENV)/.installed
 bench-dynamo-venv:
 	scripts/setup-dynamo-bench.sh
 
-# Every autoscaling strategy and Dynamo's planner in each configuration, on the four traces (about 25 min on 2 cores).
+# Every autoscaling strategy and Dynamo's planner in each configuration, on the four traces (about 20 min on 2 cores).
 bench-dynamo: $(VENV)/.installed bench-dynamo-venv
 	$(BIN)/fleetctl autoscale eval --peers dynamo --jobs 2 --plot autoscale-shootout.png
 
