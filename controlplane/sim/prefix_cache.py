@@ -98,23 +98,7 @@ class ReplayResult:
 
 def replay(requests: Iterable[Request], capacity_blocks: int | None) -> ReplayResult:
     """Replay requests in order through one LRU cache of `capacity_blocks` (None: unbounded)."""
-    cache = PrefixCache(capacity_blocks)
-    n = blocks = hit_blocks = input_tokens = hit_tokens = 0
-    first = last = 0.0
-    for req in requests:
-        if n == 0:
-            first = req.arrival_s
-        last = req.arrival_s
-        n += 1
-        input_tokens += req.input_tokens
-        hashes = req.hash_ids
-        if not hashes:
-            continue
-        hit = cache.access(hashes)
-        blocks += len(hashes)
-        hit_blocks += hit
-        hit_tokens += min(hit * req.block_tokens, req.input_tokens)
-    return ReplayResult(n, blocks, hit_blocks, input_tokens, hit_tokens, first, last)
+    return replay_capacities(requests, [capacity_blocks])[capacity_blocks]
 
 
 def replay_capacities(requests: Iterable[Request], capacities: Sequence[int | None]) -> dict[int | None, ReplayResult]:
