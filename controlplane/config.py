@@ -303,6 +303,12 @@ class Rails(Settings):
         """The cooldown after an action of `kind` on a pool."""
         return self.cooldowns.get(ActionKind(kind), self.cooldown)
 
+    @property
+    def history_s(self) -> float:
+        """How far back, by creation, the rails must see actions: the rate limit's hour or the longest cooldown,
+        which counts from an action's finish, up to `proposal_ttl` and `verify_after` after its creation."""
+        return max(3600.0, self.cooldown, *self.cooldowns.values()) + self.proposal_ttl + self.verify_after
+
 
 class Tracing(StrEnum):
     """Where OpenTelemetry spans go."""

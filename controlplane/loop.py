@@ -395,7 +395,7 @@ class ControlLoop:
         await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
                            lambda a: now - a.created_at >= rails.proposal_ttl)
         await self._advance_waiting(now, report)
-        history: list[ActionRecord] = await self.store.recent_actions(since=now - max(3600.0, rails.cooldown))
+        history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
         for finding_id, proposal in proposals:
             decision = self._check(proposal, finding_id, pools, history, now, paused)
@@ -579,7 +579,8 @@ class ControlLoop:
             "it is a revert" if "reverts" in p else f"a {action.kind} is undone by hand")
         if proposal is not None:
             # The original's cooldown does not hold back its own undoing; every other rail does.
-            history = [a for a in await self.store.recent_actions(since=now - 3600.0) if a.id != action.id]
+            history = [a for a in await self.store.recent_actions(since=now - self.config.rails.history_s)
+                       if a.id != action.id]
             decision = self._check(proposal, None, pools, history, now, await self.switch.paused())
             why = f"revert held: {decision.note}"
             if decision.may_record and decision.change is not None:

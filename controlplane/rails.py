@@ -191,12 +191,21 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
 def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
     """The change as it may run on this pool: a scale resolved and clamped, a drain that leaves an engine."""
     if isinstance(change, ScaleBy | ScaleTo):
-        want = change.replicas if isinstance(change, ScaleTo) else pool.desired + change.delta
-        step = max(-rails.max_step, min(rails.max_step, want - pool.desired))
-        target = max(pool.min_replicas, min(pool.max_replicas, pool.desired + step))
-        if target == pool.desired:
+        asked = change.replicas if isinstance(change, ScaleTo) else pool.desired + change.delta
+        # A gang's engines (a LeaderWorkerSet group) come and go together: bounds and steps in whole groups, at
+        # least one group a step.
+        g = max(1, pool.gang)
+        lo, hi = -(-pool.min_replicas // g) * g, pool.max_replicas // g * g
+        # The bounds first, then the step: a pool above a lowered maximum that is asked for one more engine must
+        # not lose two, and one below its minimum steps up, not past what was asked.
+        bounded = max(lo, min(hi, asked))
+        if lo > hi or (bounded - pool.desired) * (asked - pool.desired) <= 0:
             return _held(RailsReason.AT_LIMIT,
-                         f"{pool.name} is at its bound ({pool.min_replicas}..{pool.max_replicas}, now {pool.desired})")
+                         f"{pool.name} is at its bound ({pool.min_replicas}..{pool.max_replicas}"
+                         f"{f' in groups of {g}' if g > 1 else ''}, now {pool.desired})")
+        step = max(g, rails.max_step // g * g)
+        target = pool.desired + max(-step, min(step, bounded - pool.desired))
+        target = -(-target // g) * g if target > pool.desired else target // g * g
         return RailsDecision(RailsReason.ALLOWED, ScaleTo(target), f"scale {pool.name} {pool.desired} -> {target}")
     if isinstance(change, Drain) and pool.ready <= 1:
         return _held(RailsReason.AT_LIMIT, f"{change.pod} is the last ready engine of {pool.name}: never drained")

@@ -12,10 +12,12 @@ subresource, list on ReplicaSets, patch on a Rollout's status (to abort it), lis
 on pods, create on `pods/eviction`, patch on nodes, create on Events, get on its ConfigMap (the
 kill switch).
 
-How: scaling goes through the scale subresource. Scaling down drains first: the least busy engines
-are taken out of routing (their `routing_label` removed), given the lowest
-`controller.kubernetes.io/pod-deletion-cost` so the workload removes those, and the scale-down
-follows once they are idle or `drain_grace` has passed (the loop resumes it each tick). New engine
+How: scaling goes through the scale subresource, a LeaderWorkerSet's in whole groups. Scaling down
+drains first: the engines that will go are taken out of routing (their `routing_label` removed), and
+the scale-down follows once they are idle or `drain_grace` has passed (the loop resumes it each
+tick). A Deployment or Rollout gives up the least busy, given the lowest
+`controller.kubernetes.io/pod-deletion-cost` so its ReplicaSet removes those; a StatefulSet gives up
+its highest ordinals and a LeaderWorkerSet its highest groups, which are the ones drained. New engine
 arguments (EPLB, speculative decoding) patch the engine container of the pod template once, with
 the object's resourceVersion; the rails have checked that the rollout restarts no more engines at
 once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
@@ -61,6 +63,9 @@ ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the id of the last action 
 SPEC_ANNOTATION = "fleet-controlplane.io/speculative-config"  # the config speculation was switched off with
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 REVISION = "deployment.kubernetes.io/revision"
+LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
+POD_INDEX = "apps.kubernetes.io/pod-index"
 CONTROLLER = "fleet-controlplane"
 T = TypeVar("T")
 
@@ -109,6 +114,31 @@ def _load(order: Order, pod: str) -> float:
     if pod in order.busy:
         return order.busy[pod]
     return -1.0 if order.idle(pod) else math.inf
+
+
+def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
+    """The pods a scale-down by `leaving` engines removes, to drain first. A Deployment's or Rollout's ReplicaSet
+    removes the pods of lowest deletion cost, so the least busy go (those this action already took out of routing
+    first: a leader taking over redoes it); a StatefulSet removes its highest ordinals and a LeaderWorkerSet its
+    highest groups, whatever their load, so those are the ones drained."""
+    if w.kind == "StatefulSet":
+        return sorted(pods, key=lambda p: _ordinal(p, pods[p], POD_INDEX), reverse=True)[:leaving]
+    if w.kind == "LeaderWorkerSet":
+        return sorted(pods, key=lambda p: (_ordinal(p, pods[p], LWS_GROUP), p), reverse=True)[:leaving]
+    mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == str(order.action_id)}
+    return sorted(pods, key=lambda p: (p not in mine, _load(order, p), p))[:leaving]
+
+
+def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
+    """A pod's ordinal (StatefulSet) or group index (LeaderWorkerSet): its label, else (a StatefulSet's pod on a
+    cluster older than the label) the number its name ends with."""
+    value = _dig(meta, ("labels", label))
+    if value is None and label == POD_INDEX:
+        value = pod.rsplit("-", 1)[-1]
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ActuationError(f"pod {pod}: no {label} to tell which engines the scale-down removes") from None
 
 
 def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
@@ -302,12 +332,8 @@ class KubernetesActuator:
         desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
-        # Scale down by draining: the least busy engines leave routing first.
-        pods = await self._pods_of(w, obj)
-        leaving = desired - change.replicas
-        # Pods this action already took out of routing come first (a leader taking over redoes it).
-        mine = {name for name, annotations in pods.items() if annotations.get(ACTION_ANNOTATION) == str(order.action_id)}
-        victims = sorted(pods, key=lambda p: (p not in mine, _load(order, p), p))[:leaving]
+        # Scale down by draining: the engines that will go leave routing first.
+        victims = _leaving(w, await self._pods_of(w, obj), desired - change.replicas, order)
         for pod in victims:
             await self._unroute(order, w.namespace, pod, cost=-1000)
             await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
@@ -396,13 +422,18 @@ class KubernetesActuator:
 
     # draining -------------------------------------------------------------------------------------
 
-    async def _pods_of(self, w: Workload, obj: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-        """The workload's live pods and their annotations."""
-        labels = _dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
+    async def _pods_of(self, w: Workload, obj: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The workload's live pods and their metadata."""
+        # A LeaderWorkerSet has no selector in its spec: its controller labels every pod with the set's name.
+        labels = ({LWS_NAME: w.name} if w.kind == "LeaderWorkerSet" else
+                  _dig(obj, ("spec", "selector", "matchLabels"), {}) or {})
+        if not labels:
+            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod selector: its engines cannot be told "
+                                 "from others in the namespace")
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         raw = await self._call(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                w.namespace, label_selector=selector, _preload_content=False)
-        return {p["metadata"]["name"]: dict(_dig(p, ("metadata", "annotations"), {}) or {})
+        return {p["metadata"]["name"]: p["metadata"]
                 for p in json.loads(raw.data)["items"] if not _dig(p, ("metadata", "deletionTimestamp"))}
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:

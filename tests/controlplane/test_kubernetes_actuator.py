@@ -37,6 +37,7 @@ from tests.controlplane.apiserver import (
 NS = "llm"
 LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 ROLLOUTS = kmock.resource("argoproj.io", "v1alpha1", "rollouts")
+STATEFULSETS = kmock.resource("apps", "v1", "statefulsets")
 ARGS = ["--model", "/models/llama", "--port", "8000",
         "--speculative-config", '{"method":"eagle","model":"/models/eagle","num_speculative_tokens":3}']
 
@@ -166,6 +167,56 @@ async def test_scale_down_drains_the_least_busy_engines_first(server: ApiServer,
     done = await act.resume(idle, first["wait"], clock.t + 5)
     assert done["replicas"] == 2 and done["idle"] is True and done["drained"] == ["vllm-decode-b"]
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+
+
+def lws(replicas: int = 2, size: int = 4) -> dict[str, Any]:
+    return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+            "metadata": {"name": "vllm-prefill", "namespace": NS},
+            "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": size}},
+            "status": {"readyReplicas": replicas}}
+
+
+def group_pod(group: int, worker: int) -> dict[str, Any]:
+    p = pod(f"vllm-prefill-{group}" + (f"-{worker}" if worker else ""), app="vllm-prefill")
+    p["metadata"]["labels"] |= {"leaderworkerset.sigs.k8s.io/name": "vllm-prefill",
+                                "leaderworkerset.sigs.k8s.io/group-index": str(group),
+                                "leaderworkerset.sigs.k8s.io/worker-index": str(worker)}
+    return p
+
+
+async def test_a_gang_scales_by_whole_groups_and_drains_the_group_that_goes(server: ApiServer,
+                                                                            api: client.ApiClient) -> None:
+    server.put(LWS, lws(replicas=2))
+    server.put(PODS, pod("vllm-decode-a"))  # another pool's engine in the namespace: never touched
+    for g in range(2):
+        for i in range(4):
+            server.put(PODS, group_pod(g, i))
+    act = actuator(api)
+    assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(12), pool="prefill")))["replicas"] == 3
+    server.put(LWS, lws(replicas=2))
+    # The LeaderWorkerSet removes its highest group, however busy: that group is drained, not the idlest engines.
+    busy = {f"vllm-prefill-1{'-' + str(i) if i else ''}": 9.0 for i in range(4)} | {"vllm-prefill-0": 0.0}
+    first = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), pool="prefill", busy=busy))
+    assert sorted(first["wait"]["pods"]) == ["vllm-prefill-1", "vllm-prefill-1-1", "vllm-prefill-1-2",
+                                             "vllm-prefill-1-3"]
+    other = server.get(PODS, NS, "vllm-decode-a")
+    assert other is not None and other["metadata"]["labels"]["llm-d.ai/routed"] == "true"
+    assert server.get(PODS, NS, "vllm-prefill-0")["metadata"]["labels"]["llm-d.ai/routed"] == "true"  # type: ignore[index]
+
+
+async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api: client.ApiClient) -> None:
+    sts = deployment("vllm-kv", replicas=3)
+    sts["kind"] = "StatefulSet"
+    sts["spec"] = {"replicas": 3, "selector": sts["spec"]["selector"], "serviceName": "vllm-kv",
+                   "template": sts["spec"]["template"]}
+    server.put(STATEFULSETS, sts)
+    for i in range(3):
+        server.put(PODS, pod(f"vllm-kv-{i}", app="vllm-kv"))
+    act = actuator(api)
+    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    busy = {"vllm-kv-0": 0.0, "vllm-kv-1": 0.0, "vllm-kv-2": 7.0}
+    first = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(2), pool="kv", busy=busy))
+    assert first["wait"]["pods"] == ["vllm-kv-2"], "the ordinal the StatefulSet removes, not the idlest"
 
 
 async def test_a_drain_that_does_not_go_idle_ends_at_the_grace(server: ApiServer, api: client.ApiClient) -> None:

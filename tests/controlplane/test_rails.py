@@ -99,6 +99,32 @@ def test_an_absolute_target_is_held_to_the_step_and_the_bounds() -> None:
     assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(3)), pool())[0] is RailsReason.AT_LIMIT
 
 
+def test_a_pool_outside_its_bounds_is_never_moved_against_what_was_asked() -> None:
+    # The fleet file's maximum was lowered to 6 under a pool of 8 (or its minimum raised to 2 over a pool of 1).
+    assert decide(up(), pool(desired=8))[0] is RailsReason.AT_LIMIT
+    assert decide(up(-3), pool(desired=8)) == (RailsReason.ALLOWED, ScaleTo(7))  # down, one step at a time
+    assert decide(up(-1), pool(desired=1))[0] is RailsReason.AT_LIMIT
+    assert decide(up(3), pool(desired=1)) == (RailsReason.ALLOWED, ScaleTo(2))
+
+
+def test_a_gang_pool_scales_by_whole_groups() -> None:
+    def lws(desired: int, lo: int = 4, hi: int = 16) -> PoolState:
+        return pool(desired, lo=lo, hi=hi, gang=4)
+
+    assert decide(up(), lws(8)) == (RailsReason.ALLOWED, ScaleTo(12))  # one engine more is one group more
+    assert decide(up(-1), lws(8)) == (RailsReason.ALLOWED, ScaleTo(4))
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(20)), lws(8)) == (RailsReason.ALLOWED, ScaleTo(12))
+    assert decide(up(), lws(12, hi=14))[0] is RailsReason.AT_LIMIT  # a 13th and 14th engine make no group
+    assert decide(up(-1), lws(4, lo=2))[0] is RailsReason.AT_LIMIT  # the last group stays
+    assert decide(up(), lws(4, lo=1, hi=3))[0] is RailsReason.AT_LIMIT  # no whole group fits the bounds
+
+
+def test_the_rails_see_actions_as_far_back_as_the_longest_cooldown() -> None:
+    rails = Rails(cooldown=60, cooldowns={ActionKind.SCALE_POOL: 7200}, proposal_ttl=600, verify_after=300)
+    assert rails.history_s == 7200 + 600 + 300
+    assert Rails(cooldown=60, proposal_ttl=600, verify_after=300).history_s == 3600 + 600 + 300
+
+
 def test_kinds_the_actuator_cannot_carry_out_are_held_back() -> None:
     d = check(ask(ActionKind.ENABLE_EPLB, Eplb(True)), pool(), mode=Mode.ACT, rails=RAILS, history=[], now=NOW,
               supported={ActionKind.SCALE_POOL})
