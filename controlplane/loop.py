@@ -19,7 +19,7 @@ from typing import Any
 
 from collectors.types import Signal, TargetHealth
 from controlplane.actions import FINISHED_STATES, ActionState
-from controlplane.actuators.base import Actuator, Order
+from controlplane.actuators.base import Actuator, FleetView, Order, PoolReplicas
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode
 from controlplane.errors import ActionConflict, ActuationError, FleetError
@@ -105,6 +105,7 @@ class ControlLoop:
         self.leading: Callable[[], bool] = leading or (lambda: True)
         self.windows = SignalWindows(HISTORY_S)
         self.changed_at: dict[str, float] = {}
+        self._last_replicas: dict[str, PoolReplicas] = {}  # as last read: an unreadable pool keeps them
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
         self.last_tick_at: float | None = None
@@ -157,8 +158,30 @@ class ControlLoop:
                                                        "not repeated"})
             self.telemetry.actions.labels(action.kind, "succeeded").inc()
         else:
+            decision = await self._redo(action, now)
+            if decision.reason is not RailsReason.ALLOWED or decision.change is None:
+                # Known not to have happened, and the fleet or the rules moved since: it fails, and whatever
+                # still needs doing is proposed again from fresh numbers.
+                error = f"not applied before the stop, and not redone: {decision.note}"
+                await self.store.transition(action.id, ActionState.STARTED, ActionState.FAILED, now,
+                                            {"error": error, "rails": str(decision.reason)}, error=error)
+                self.telemetry.actions.labels(action.kind, "failed").inc()
+                return
             await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
+            order = replace(order, change=decision.change)
             await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
+
+    async def _redo(self, action: ActionRecord, now: float) -> RailsDecision:
+        """Whether an action a stopped control plane started but never applied may still be carried out: the rails
+        again, on the pool as it is now, within `proposal_ttl` of its creation, as an approval that was never run."""
+        rails = self.config.rails
+        if now - action.created_at >= rails.proposal_ttl:
+            return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
+                                                          f"proposal_ttl ({rails.proposal_ttl:g}s)")
+        pools = await self._pools(now, TickReport(ts=now))
+        history = await self.store.recent_actions(since=now - rails.history_s)
+        return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
+                       supported=self.actuator.kinds, unsettled=_unsettled(pools))
 
     async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
         await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
@@ -198,7 +221,7 @@ class ControlLoop:
         report = TickReport(ts=now)
         with self.telemetry.span("tick", ts=now):
             await self._observe(now, report)
-            pools = await self._pools(now)
+            pools = await self._pools(now, report)
             inp, proposals = await self._detect(now, pools, report)
             proposals += await self._size(inp, report)
             await self._store_derived()
@@ -258,14 +281,26 @@ class ControlLoop:
         if changed:
             await self.store.record_targets(changed)
 
-    async def _pools(self, now: float) -> dict[str, PoolState]:
-        view = await self.actuator.observe()
+    async def _pools(self, now: float, report: TickReport) -> dict[str, PoolState]:
+        """Every pool as the actuator sees it now. A pool whose workload cannot be read keeps its last replicas,
+        marked unreadable so that nothing acts on it; detection goes on for it and for every other pool."""
+        try:
+            view = await self.actuator.observe()
+        except Exception as exc:
+            if not isinstance(exc, FleetError):
+                log.exception("actuator %s raised reading the fleet", self.actuator.name)
+            why = str(exc) if isinstance(exc, FleetError) else f"{type(exc).__name__}: {exc}"
+            view = FleetView({}, self.changed_at, {p.name: why for p in self.config.pools})
+        for name, why in view.unreadable.items():
+            report.errors[f"pool {name}"] = f"its workload cannot be read, nothing acts on it: {why}"
+        self._last_replicas.update(view.pools)
         self.changed_at = dict(view.changed_at)
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         out = {}
         record: list[Signal] = []
         for pool in self.config.pools:
-            rep = view.pools.get(pool.name)
+            unreadable = view.unreadable.get(pool.name)
+            rep = self._last_replicas.get(pool.name) if unreadable else view.pools.get(pool.name)
             out[pool.name] = state = PoolState(
                 name=pool.name, role=str(pool.role),
                 desired=rep.desired if rep else 0, ready=rep.ready if rep else 0,
@@ -273,8 +308,9 @@ class ControlLoop:
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
                 stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
+                unreadable=unreadable,
             )
-            if rep is not None:
+            if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
                            Signal(now, f"pool/{pool.name}", READY, float(state.ready))]
         # Replica counts are signals too: start-up times are measured from them and the dashboard plots them.

@@ -59,11 +59,13 @@ class RailsReason(StrEnum):
     STALE_INPUTS = "stale_inputs"  # a signal it rests on is stale now (a target down, a series absent or frozen)
     TRIED = "tried"  # the same kind of change for the same finding did not help within the hour
     VERIFYING = "verifying"  # the same kind of change for the same finding is still being judged
+    POOL_UNREADABLE = "pool_unreadable"  # the pool's workload could not be read now: its replicas are not known
 
 
 # An approved action held back for one of these waits for a later tick; any other reason cancels it.
 WAIT_REASONS = frozenset({RailsReason.IN_FLIGHT, RailsReason.COOLDOWN, RailsReason.POOL_NOT_SETTLED,
-                          RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.STALE_INPUTS})
+                          RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.STALE_INPUTS,
+                          RailsReason.POOL_UNREADABLE})
 
 # Kinds that restart or replace engines of a pool: the fleet rolls one pool at a time.
 DISRUPTIVE = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,
@@ -159,6 +161,8 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
         return _held(RailsReason.PAUSED, f"acting is paused: {paused}")
     if kind not in supported:
         return _held(RailsReason.NOT_SUPPORTED, f"the actuator cannot carry out {kind}")
+    if pool.unreadable is not None:
+        return _held(RailsReason.POOL_UNREADABLE, f"{pool.name}'s workload cannot be read now: {pool.unreadable}")
     mine = [a for a in history if a.pool == pool.name]
     if any(a.state in ACTIVE_STATES for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")

@@ -261,6 +261,8 @@ class PoolState:
     gang: int = 1  # engines restarted together (a LeaderWorkerSet group) when any one is
     # Inputs not fit to act on now, by signal name or producer (`vllm`, `dcgm`, ...), with why (see policies.inputs).
     stale_inputs: Mapping[str, str] = field(default_factory=dict)
+    # Why the pool's workload could not be read this tick (its replicas are the last ones read); None: it was.
+    unreadable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,8 @@ class FleetView:
 
     pools: Mapping[str, PoolReplicas]
     changed_at: Mapping[str, float] = field(default_factory=dict)  # "router" or a pool -> unix time
+    # Pools whose workload could not be read now, with why: nothing acts on them until it can be.
+    unreadable: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,8 @@ class Actuator(Protocol):
     kinds: frozenset[ActionKind]
 
     async def observe(self) -> FleetView:
-        """The pools' replicas and the workloads' revisions now."""
+        """The pools' replicas and the workloads' revisions now; a pool whose workload cannot be read is listed
+        in `unreadable` and the others still come back."""
         ...
 
     async def carry_out(self, order: Order) -> dict[str, Any]:

@@ -141,6 +141,27 @@ def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
         raise ActuationError(f"pod {pod}: no {label} to tell which engines the scale-down removes") from None
 
 
+def _merge_to(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns `current` into `target`: keys only `current` has set to null, maps merged
+    key by key, anything else (lists included, which a merge patch replaces whole) as `target` has it."""
+    patch: dict[str, Any] = {k: None for k in current if k not in target}
+    for k, v in target.items():
+        here = current.get(k)
+        patch[k] = _merge_to(here, v) if isinstance(here, Mapping) and isinstance(v, Mapping) else v
+    return patch
+
+
+def _ready(obj: Mapping[str, Any]) -> int:
+    """Replicas ready on the workload's current spec: a rollout that keeps old pods ready while new ones start
+    (maxUnavailable 0) is not settled, nor is a spec its controller has not caught up with yet."""
+    ready = int(_dig(obj, ("status", "readyReplicas"), 0) or 0)
+    generation, observed = _dig(obj, ("metadata", "generation")), _dig(obj, ("status", "observedGeneration"))
+    if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
+        return 0
+    updated = _dig(obj, ("status", "updatedReplicas"))
+    return ready if updated is None else min(ready, int(updated))
+
+
 def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
     for key in path:
         if not isinstance(obj, Mapping) or key not in obj:
@@ -235,13 +256,23 @@ class KubernetesActuator:
 
     async def observe(self) -> FleetView:
         # The reads are independent: one tick waits for the slowest, not for their sum.
+        # One pool's workload that cannot be read (renamed, its CRD gone, a denied get) leaves the others known.
         seen, router_changed = await asyncio.gather(
-            asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values())), self._router_changed())
-        pools = {pool: replicas for pool, (replicas, _) in zip(self.workloads, seen, strict=True)}
-        changed = {pool: when for pool, (_, when) in zip(self.workloads, seen, strict=True) if when is not None}
+            asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values()), return_exceptions=True),
+            self._router_changed())
+        pools, changed, unreadable = {}, {}, {}
+        for pool, got in zip(self.workloads, seen, strict=True):
+            if isinstance(got, ActuationError):
+                unreadable[pool] = str(got)
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                pools[pool] = got[0]
+                if got[1] is not None:
+                    changed[pool] = got[1]
         if router_changed is not None:
             changed["router"] = router_changed
-        return FleetView(pools, changed)
+        return FleetView(pools, changed, unreadable)
 
     async def _router_changed(self) -> float | None:
         """When the router's current revision replaced another (None: no router, or no change)."""
@@ -255,7 +286,7 @@ class KubernetesActuator:
         desired = int(_dig(obj, ("spec", "replicas"), 1))
         size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
         replicas = PoolReplicas(
-            desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
+            desired * size, _ready(obj) * size,
             max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
             gang=size)
@@ -413,9 +444,10 @@ class KubernetesActuator:
         labels.pop("pod-template-hash", None)  # the controller's own label, as `kubectl rollout undo` drops it
         template.setdefault("metadata", {})["labels"] = labels
         revision = _dig(previous, ("metadata", "annotations", REVISION))
+        # A merge patch keeps every map key it does not name: the bad revision's own keys are named, as null.
         body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")),
                              "annotations": {ACTION_ANNOTATION: str(order.action_id)}},
-                "spec": {"template": template}}
+                "spec": {"template": _merge_to(_dig(obj, ("spec", "template"), {}) or {}, template)}}
         await self._patch(w, body, f"rolling back Deployment {w.namespace}/{w.name}")
         await self._event(order, w, f"rolled back to revision {revision}")
         return {"rolled_back": f"Deployment {w.namespace}/{w.name}", "to_revision": revision}

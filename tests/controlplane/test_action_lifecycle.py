@@ -268,6 +268,22 @@ async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClo
     assert events.count("started") == 1, "started once, by the control plane that was killed"
 
 
+@pytest.mark.parametrize(("mode", "desired", "after_s", "why"), [
+    (Mode.OBSERVE, 3, 60.0, "observe mode never acts"),
+    (Mode.ACT, 6, 60.0, "approved as prefill 3 -> 4, but prefill is at 6 now"),  # someone scaled it meanwhile
+    (Mode.ACT, 3, 7200.0, "past proposal_ttl"),
+])
+async def test_a_take_over_redoes_only_what_the_rails_allow_now(clock: VirtualClock, mode: Mode, desired: int,
+                                                                 after_s: float, why: str) -> None:
+    store, pools = MemoryStore(), Pools(desired=desired, ready=desired, already=False)
+    action_id = await started_elsewhere(store, clock.now())
+    clock.advance(after_s)
+    await make_loop(mode, store, pools, clock, Asks()).start()
+    [action] = await store.actions()
+    assert (action.id, action.state, pools.calls) == (action_id, S.FAILED, [])
+    assert why in (action.error or "") and "not applied before the stop" in (action.error or "")
+
+
 async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> None:
     store, pools = MemoryStore(), Pools(already=False)
     action_id = await started_elsewhere(store, clock.now())
@@ -390,3 +406,25 @@ async def test_a_flapping_signal_gets_no_more_actions_than_the_rails_allow(clock
         starts += [a.started_at for a in await store.actions(states=[S.SUCCEEDED]) if a.started_at not in starts]
     assert len(pools.calls) == len(starts) == 4, "as many as the hourly rate limit allows, no more"
     assert all(b - a >= 60 for a, b in itertools.pairwise(starts)), "never inside the cooldown"
+
+
+async def test_a_fleet_that_cannot_be_read_stops_acting_not_detecting(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy)
+    await tick(loop, clock)  # read once: 3 replicas
+    broken = ActuationError("reading LeaderWorkerSet llm/vllm-prefill: 404 not found")
+
+    async def unreadable() -> FleetView:
+        raise broken
+
+    pools.observe = unreadable  # type: ignore[method-assign]
+    policy.on = True
+    clock.advance(15.0)
+    report = await loop.tick()
+    assert [f.kind for f in await store.open_findings()] == ["test"], "detection goes on"
+    assert pools.calls == [] and await store.actions() == []
+    assert [reason for _, reason, _ in report.held] == ["pool_unreadable"]
+    assert "404 not found" in report.errors["pool prefill"]
+    del pools.observe  # readable again: the same finding acts at once
+    await tick(loop, clock)
+    assert pools.calls == [4]

@@ -146,6 +146,34 @@ async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiSer
     assert view.changed_at["router"] == 1_796_118_900.0
 
 
+@pytest.mark.parametrize(("status", "ready"), [
+    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 5}, 3),
+    ({"readyReplicas": 3, "updatedReplicas": 1, "observedGeneration": 5}, 1),  # maxSurge 1: old pods still ready
+    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 4}, 0),  # a spec not yet reconciled
+])
+async def test_a_rollout_in_progress_reads_as_unsettled(server: ApiServer, api: client.ApiClient,
+                                                        status: dict[str, int], ready: int) -> None:
+    dep = deployment(replicas=3)
+    dep["metadata"]["generation"] = 5
+    dep["status"] = status
+    server.put(DEPLOYMENTS, dep)
+    server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    view = await actuator(api).observe()
+    assert (view.pools["decode"].desired, view.pools["decode"].ready) == (3, ready)
+
+
+async def test_a_workload_that_cannot_be_read_leaves_the_other_pools_known(server: ApiServer,
+                                                                         api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS}, "spec": {"replicas": 2},
+                          "status": {"readyReplicas": 2}})
+    view = await actuator(api).observe()  # no LeaderWorkerSet vllm-prefill (a typo in the fleet file, say)
+    assert (view.pools["decode"].desired, view.pools["canary"].desired) == (3, 2)
+    assert "prefill" not in view.pools and "LeaderWorkerSet llm/vllm-prefill" in view.unreadable["prefill"]
+
+
 async def test_scale_down_drains_the_least_busy_engines_first(server: ApiServer, api: client.ApiClient) -> None:
     server.put(DEPLOYMENTS, deployment(replicas=3))
     for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
@@ -316,12 +344,19 @@ async def test_rollback_of_a_deployment_restores_its_previous_template(server: A
     epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
     server.put(REPLICASETS, replica_set(epp, 4, "epp:v1-cache-aware", "2026-11-20T10:00:00Z"))
     server.put(REPLICASETS, replica_set(epp, 5, "epp:v2-round-robin", "2026-12-01T09:55:00Z"))
+    # The bad revision added keys of its own, which the previous template does not have.
+    bad = server.get(DEPLOYMENTS, NS, "epp")
+    assert bad is not None
+    bad["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "bad"}
+    bad["spec"]["template"]["metadata"]["annotations"] = {"bad": "yes"}
+    server.put(DEPLOYMENTS, bad)
     server.fail("PATCH", "/deployments/epp", 409, "the object has been modified")  # retried on a fresh read
     done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("router"), pool="decode"))
     assert done == {"rolled_back": "Deployment llm/epp", "to_revision": "4"}
     template = server.get(DEPLOYMENTS, NS, "epp")["spec"]["template"]  # type: ignore[index]
     assert template["spec"]["containers"][0]["image"] == "epp:v1-cache-aware"
     assert "pod-template-hash" not in template["metadata"]["labels"]
+    assert "nodeSelector" not in template["spec"] and "annotations" not in template["metadata"], "the old one, whole"
     with pytest.raises(ActuationError, match="no workload|no previous revision"):
         server.put(DEPLOYMENTS, deployment())
         await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("decode"), action_id=8))

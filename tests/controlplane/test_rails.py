@@ -4,7 +4,7 @@ radius, rate limit; approved actions checked again when due."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -74,6 +74,8 @@ def decide(proposal: Proposal, state: PoolState | None, *, mode: Mode = Mode.ACT
         pytest.param(Mode.ACT, pool(desired=2), [], up(-1), RailsReason.AT_LIMIT, None, id="at-min"),
         pytest.param(Mode.ACT, pool(), [], up(5), RailsReason.ALLOWED, 4, id="step-clamped"),
         pytest.param(Mode.ACT, pool(ready=2), [], up(), RailsReason.POOL_NOT_SETTLED, None, id="not-settled"),
+        pytest.param(Mode.ACT, replace(pool(), unreadable="404"), [], up(), RailsReason.POOL_UNREADABLE, None,
+                     id="unreadable"),
         pytest.param(Mode.ACT, pool(), [Past("prefill", "started", NOW - 10, None)], up(), RailsReason.IN_FLIGHT,
                      None, id="in-flight"),
         pytest.param(Mode.ACT, pool(), [Past("prefill", "succeeded", NOW - 200, NOW - 100)], up(),
@@ -188,7 +190,7 @@ def test_reason_spellings_are_stable() -> None:
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
         "rate_limited", "pool_not_settled", "not_supported", "stale", "paused", "rollout_in_flight", "blast_radius",
-        "stale_inputs", "tried", "verifying",
+        "stale_inputs", "tried", "verifying", "pool_unreadable",
     ]
 
 
