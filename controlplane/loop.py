@@ -136,7 +136,8 @@ class ControlLoop:
         except (KeyError, TypeError, ValueError):  # a row from before changes were typed
             await self._unknown(action, now, "its change is not recorded in a form that can be checked")
             return
-        order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, change, action.reason))
+        order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, change, action.reason,
+                                         created_at=action.created_at))
         waits = [e.detail["wait"] for e in await self.store.audit_log(action.id) if e.event == "waiting"]
         if waits:  # it was waiting (an engine draining): wait on, from where the audit log says it was
             self._waiting[action.id] = (order, waits[-1])
@@ -510,7 +511,7 @@ class ControlLoop:
             return
         history.append(action)
         order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, decision.change,
-                                         action.reason))
+                                         action.reason, created_at=action.created_at))
         await self._run(order, self.actuator.carry_out(order), now, report)
 
     async def _advance_waiting(self, now: float, report: TickReport) -> None:

@@ -48,6 +48,13 @@ class Order:
     # The pool's engine pods whose /metrics still answer (a single failed scrape is noise); None where
     # the source cannot tell (Prometheus keeps no per-target health for us).
     answering: frozenset[str] | None = None
+    created_at: float = 0.0  # when the action was created: with its id, what the fleet is stamped with
+
+    @property
+    def stamp(self) -> str:
+        """The action as the objects it changes carry it: its id and creation second, so that a store started
+        afresh (ids from 1 again) never reads an earlier store's action 7 as its own."""
+        return f"{self.action_id}@{self.created_at:.0f}"
 
     def idle(self, pod: str) -> bool:
         """Whether `pod` has nothing left to finish: a fresh count of 0, or it stopped answering (its

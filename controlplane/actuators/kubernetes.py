@@ -59,7 +59,7 @@ __all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator"
 
 log = logging.getLogger(__name__)
 
-ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the id of the last action that changed the object
+ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the last action that changed the object (`Order.stamp`)
 SPEC_ANNOTATION = "fleet-controlplane.io/speculative-config"  # the config speculation was switched off with
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 REVISION = "deployment.kubernetes.io/revision"
@@ -125,7 +125,7 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], leaving: int, o
         return sorted(pods, key=lambda p: _ordinal(p, pods[p], POD_INDEX), reverse=True)[:leaving]
     if w.kind == "LeaderWorkerSet":
         return sorted(pods, key=lambda p: (_ordinal(p, pods[p], LWS_GROUP), p), reverse=True)[:leaving]
-    mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == str(order.action_id)}
+    mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp}
     return sorted(pods, key=lambda p: (p not in mine, _load(order, p), p))[:leaving]
 
 
@@ -324,7 +324,7 @@ class KubernetesActuator:
         if w is None:
             return None
         obj = await self._read(w)
-        return bool(_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == str(order.action_id))
+        return bool(_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp)
 
     def _workload(self, order: Order) -> Workload | None:
         change = order.change
@@ -342,7 +342,7 @@ class KubernetesActuator:
         if w is None:
             raise ActuationError(f"{order.kind} on {order.pool}: no workload is configured for it")
         obj = await self._read(w)
-        if _dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == str(order.action_id):
+        if _dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
             # A leader that died after the write: the change is made; never make it twice.
             return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
         if isinstance(change, ScaleTo):
@@ -355,7 +355,7 @@ class KubernetesActuator:
         raise ActuationError(f"the Kubernetes actuator cannot carry out {type(change).__name__}")
 
     def _stamp(self, order: Order) -> dict[str, Any]:
-        return {"metadata": {"annotations": {ACTION_ANNOTATION: str(order.action_id)}}}
+        return {"metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
         kind = KINDS[w.kind]
@@ -369,7 +369,7 @@ class KubernetesActuator:
             await self._unroute(order, w.namespace, pod, cost=-1000)
             await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
-                         "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
+                         "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
 
     async def _set_replicas(self, order: Order, w: Workload, replicas: int) -> dict[str, Any]:
         kind = KINDS[w.kind]
@@ -417,7 +417,7 @@ class KubernetesActuator:
                 annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
             detail = {"num_speculative_tokens": n, "from": before}
         engine[field] = args
-        annotations[ACTION_ANNOTATION] = str(order.action_id)
+        annotations[ACTION_ANNOTATION] = order.stamp
         body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")), "annotations": annotations},
                 **_nest(kind.template, template)}
         await self._patch(w, body, f"patching the pod template of {w.kind} {w.namespace}/{w.name}")
@@ -446,7 +446,7 @@ class KubernetesActuator:
         revision = _dig(previous, ("metadata", "annotations", REVISION))
         # A merge patch keeps every map key it does not name: the bad revision's own keys are named, as null.
         body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")),
-                             "annotations": {ACTION_ANNOTATION: str(order.action_id)}},
+                             "annotations": {ACTION_ANNOTATION: order.stamp}},
                 "spec": {"template": _merge_to(_dig(obj, ("spec", "template"), {}) or {}, template)}}
         await self._patch(w, body, f"rolling back Deployment {w.namespace}/{w.name}")
         await self._event(order, w, f"rolled back to revision {revision}")
@@ -470,11 +470,18 @@ class KubernetesActuator:
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
         """Take a pod out of the router's pool (its routing label removed) and mark it with the action."""
-        annotations: dict[str, Any] = {ACTION_ANNOTATION: str(order.action_id)}
+        annotations: dict[str, Any] = {ACTION_ANNOTATION: order.stamp}
         if cost is not None:
             annotations[DELETION_COST] = str(cost)
         body = {"metadata": {"labels": {self.settings.routing_label: None}, "annotations": annotations}}
         await self._call(f"taking pod {namespace}/{pod} out of routing", self._core.patch_namespaced_pod, pod,
+                         namespace, body, **self._writes())
+
+    async def _reroute(self, order: Order, namespace: str, pod: str, value: str) -> None:
+        """Put a pod this action took out of routing back in, at the normal deletion cost."""
+        body = {"metadata": {"labels": {self.settings.routing_label: value},
+                             "annotations": {DELETION_COST: None, ACTION_ANNOTATION: order.stamp}}}
+        await self._call(f"putting pod {namespace}/{pod} back into routing", self._core.patch_namespaced_pod, pod,
                          namespace, body, **self._writes())
 
     async def _begin_drain(self, order: Order) -> dict[str, Any]:
@@ -491,7 +498,7 @@ class KubernetesActuator:
         node = change.node
         await self._call(f"cordoning node {node}", self._core.patch_node, node,
                          {"spec": {"unschedulable": True},
-                          "metadata": {"annotations": {ACTION_ANNOTATION: str(order.action_id)}}}, **self._writes())
+                          "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
         raw = await self._call(f"listing the pods on node {node}", self._core.list_namespaced_pod, w.namespace,
                                field_selector=f"spec.nodeName={node}", _preload_content=False)
@@ -526,7 +533,19 @@ class KubernetesActuator:
                                                                                    + self.settings.drain_grace, 1)}
         if wait["then"] == "scale":
             w = self.workloads[order.pool]
-            size = int(_dig(await self._read(w), KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
+            obj = await self._read(w)
+            size = int(_dig(obj, KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
+            now_at = int(_dig(obj, ("spec", "replicas"), 1)) * size
+            if "from" in wait and now_at != int(wait["from"]):
+                # Someone scaled the workload while its engines drained: setting the count decided before would
+                # undo that. The drained engines go back into routing, and the pool is sized again from here.
+                template_labels = _dig(obj, (*KINDS[w.kind].template, "metadata", "labels"), {}) or {}
+                for pod in pods:
+                    await self._reroute(order, wait["namespace"], pod,
+                                        str(template_labels.get(self.settings.routing_label, "true")))
+                raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
+                                     f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}, and the "
+                                     "drained engines are routed again")
             return {**await self._set_replicas(order, w, int(wait["replicas"]) // size), **detail}
         for pod in pods:
             await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod, pod,

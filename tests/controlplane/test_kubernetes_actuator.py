@@ -115,7 +115,7 @@ async def test_scale_up_through_the_scale_subresource_with_an_event(server: ApiS
     assert done == {"scaled": "Deployment llm/vllm-decode", "replicas": 4}
     dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
     assert dep is not None and dep["spec"]["replicas"] == 4
-    assert dep["metadata"]["annotations"][ACTION_ANNOTATION] == "7"
+    assert dep["metadata"]["annotations"][ACTION_ANNOTATION] == "7@0"
     [event] = events(server)
     assert event["regarding"]["name"] == "vllm-decode" and event["action"] == "scale_pool"
     assert event["reason"] == "ScalePool" and "action 7: scaled to 4" in event["note"]
@@ -245,6 +245,24 @@ async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api:
     busy = {"vllm-kv-0": 0.0, "vllm-kv-1": 0.0, "vllm-kv-2": 7.0}
     first = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(2), pool="kv", busy=busy))
     assert first["wait"]["pods"] == ["vllm-kv-2"], "the ordinal the StatefulSet removes, not the idlest"
+
+
+async def test_a_scale_made_by_hand_during_a_drain_is_not_undone(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    act = actuator(api)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0,
+                                                        "vllm-decode-c": 3.0})
+    first = await act.carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-a"]
+    server.put(DEPLOYMENTS, deployment(replicas=5))  # an operator scales up for an incoming launch meanwhile
+    with pytest.raises(ActuationError, match="went from 3 to 5 engines while vllm-decode-a drained"):
+        await act.resume(o, first["wait"], Clock().t + 5)
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 5  # type: ignore[index]
+    back = server.get(PODS, NS, "vllm-decode-a")
+    assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true"
+    assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {})
 
 
 async def test_a_drain_that_does_not_go_idle_ends_at_the_grace(server: ApiServer, api: client.ApiClient) -> None:
@@ -400,6 +418,10 @@ async def test_the_action_annotation_stops_a_repeat(server: ApiServer, api: clie
     again = await act.carry_out(o)  # a new leader that cannot tell whether the old one got this far
     assert again == {"already_applied": "Deployment llm/vllm-decode"}
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
+    # A store started afresh numbers its actions from 1 again: its own action 42 is not the earlier one.
+    afresh = Order(42, ActionKind.SCALE_POOL, "decode", ScaleTo(5), "a test", created_at=1_800_000_000.0)
+    assert await act.applied(afresh) is False
+    assert (await act.carry_out(afresh))["replicas"] == 5
 
 
 async def test_server_side_dry_run_changes_nothing(server: ApiServer, api: client.ApiClient) -> None:

@@ -209,7 +209,8 @@ async def test_the_follower_takes_over_a_killed_leaders_action_once(
             "b resumed the wait; it did not drain again"
         dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
         assert dep is not None and dep["spec"]["replicas"] == 2
-        assert dep["metadata"]["annotations"][ACTION_ANNOTATION] == str(action.id), "the annotation and the audit agree"
+        assert dep["metadata"]["annotations"][ACTION_ANNOTATION] == f"{action.id}@{action.created_at:.0f}", \
+            "the annotation and the audit agree"
         lease = server.get(LEASES, NS, "fleet-controlplane")
         assert lease is not None and lease["spec"]["holderIdentity"] != holder_a and lease["spec"]["leaseTransitions"] == 1
     finally:
