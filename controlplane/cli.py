@@ -596,8 +596,8 @@ def autoscale_plan(config_file: Path, db: str, pools: tuple[str, ...], as_json: 
 @click.option("--json", "as_json", is_flag=True)
 def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, plot: Path | None, peers: tuple[str, ...],
                    dynamo_python: Path | None, dynamo_configs: tuple[str, ...], as_json: bool) -> None:
-    """Static peak, HPA-style, this autoscaler and the oracle (and any peers) on the same replays: GPU-hours and SLO
-    attainment."""
+    """Static peak, HPA-style, this autoscaler, the best causal rule in hindsight and the oracle (and any peers) on the
+    same replays: GPU-hours and SLO attainment."""
     from controlplane.evaluation_autoscale import TRACES, Peer, evaluate_autoscaling, peer_goal
     from controlplane.evaluation_chart import CHART_FORMATS, CHART_SUFFIXES, save_autoscale_chart
 

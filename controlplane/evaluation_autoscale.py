@@ -15,7 +15,15 @@ minute needs (static: at the peak); only what sets replica counts differs:
   needs no control plane (its schedule is known) and is applied to the simulated fleet directly,
   with the same start-up and drain. The limit no real autoscaler reaches, though not a strict lower
   bound: a minute's need is judged one size at a time, with caches as warm as a fleet of that size
-  keeps them, so the moves between sizes can cost it minutes.
+  keeps them, so the moves between sizes can cost it minutes;
+- causal: what an autoscaler that cannot see ahead could do with a perfect capacity model. It knows
+  every finished minute's need exactly (the oracle's), and holds the most the last `window` minutes
+  needed plus `extra` engines, asked for at once (engines start in the start-up time, as every
+  strategy's do); of the rules with a window of 1 to 15 minutes and 0 to 3 engines extra, the one
+  that keeps the attainment goal most cheaply when each minute's need is compared with what the rule
+  holds then (chosen in hindsight, so it is better than any one rule fixed in advance), replayed like
+  the others. A reference for what the load's own unpredictability costs, not a bound on ours: ours
+  reads the minute in progress from its scrapes, which this rule does not.
 
 Peers (`fleetctl autoscale eval --peers dynamo`) run beside them on the same replays, one run per
 configuration tried; the table shows each peer by its best configuration (`best_configuration`).
@@ -55,7 +63,9 @@ from policies.hpa import HpaRule
 __all__ = ["STRATEGIES", "TRACES", "AutoscaleReport", "MinuteMeter", "Peer", "StaticReplay", "StrategyRun",
            "best_configuration", "evaluate_autoscaling", "peer_goal", "replay", "start_sizes", "summarise", "within_slo"]
 
-STRATEGIES = ("static", "hpa", "ours", "oracle")
+STRATEGIES = ("static", "hpa", "ours", "causal", "oracle")
+CAUSAL_WINDOWS = range(1, 16)  # minutes of finished needs the causal rule holds the most of
+CAUSAL_EXTRA = range(0, 4)  # engines it holds beyond that
 # The traces of the evaluation, each a scenario with the fleet it runs through.
 TRACES = {
     "azure-conv": "autoscale/azure-conv",
@@ -221,6 +231,46 @@ class OracleSchedule:
         return out
 
 
+@dataclass(frozen=True)
+class CausalRule:
+    """Replica counts from the past only: per pool, the most any of the last `window` finished minutes needed, plus
+    `extra` engines (before the first minute finishes, the common start)."""
+
+    needs: dict[str, list[int]]
+    window: int
+    extra: int
+    start: dict[str, int]
+    ceiling: dict[str, int]
+
+    def __call__(self, elapsed: float) -> dict[str, int]:
+        done = int(elapsed // 60)
+        return {pool: min(self.ceiling[pool], max(need[max(0, done - self.window):done]) + self.extra)
+                if done else self.start[pool] for pool, need in self.needs.items()}
+
+
+def causal_rule(scenario: Scenario, needs: Mapping[str, list[int]]) -> CausalRule:
+    """The causal rule that keeps the attainment goal (else the most minutes) with the fewest engine-minutes, judged
+    by each minute's need against what the rule holds then: what it asked a start-up time before, from the minutes
+    finished by then."""
+    start = start_sizes(scenario, needs)
+    ceiling = {p.name: pool_ceiling(p) for p in scenario.fleet.pools}
+    lags = {p.name: math.ceil(p.startup / 60.0) for p in scenario.fleet.pools}  # minutes from asking to ready
+    minutes = len(next(iter(needs.values()), []))
+    best: tuple[tuple[bool, int, int], CausalRule] | None = None
+    for window in CAUSAL_WINDOWS:
+        for extra in CAUSAL_EXTRA:
+            rule = CausalRule(dict(needs), window, extra, start, ceiling)
+            held = {pool: [rule(60.0 * max(0, m - lags[pool]) if m >= lags[pool] else 0.0)[pool]
+                           for m in range(minutes)] for pool in needs}
+            kept = sum(all(held[p][m] >= needs[p][m] for p in needs) for m in range(minutes))
+            cost = sum(sum(h) for h in held.values())
+            key = (kept < ATTAINMENT_GOAL * minutes, -kept if kept < ATTAINMENT_GOAL * minutes else 0, cost)
+            if best is None or key < best[0]:
+                best = (key, rule)
+    assert best is not None
+    return best[1]
+
+
 def start_sizes(scenario: Scenario, needs: Mapping[str, list[int]]) -> dict[str, int]:
     """The fleet every dynamic strategy starts with, the oracle's own first step: per pool, the most any minute within
     the first start-up time needs. A running fleet would be sized for the load about to come; no strategy could have
@@ -285,9 +335,11 @@ class _Strategy:
 
     async def _run(self) -> StrategyRun:
         peak = {pool: max(n) for pool, n in self.needs.items()}
-        if self.strategy == "oracle":
-            # The oracle needs no control plane: its schedule is known, so it is applied as it falls due.
-            schedule = OracleSchedule(self.needs, _leads(self.scenario))
+        if self.strategy in ("oracle", "causal"):
+            # Neither needs a control plane: its schedule is known, so it is applied as it falls due.
+            schedule: Callable[[float], dict[str, int]] = (
+                OracleSchedule(self.needs, _leads(self.scenario)) if self.strategy == "oracle"
+                else causal_rule(self.scenario, self.needs))
             wall = time.perf_counter()
             meter, events = replay(self.scenario, schedule(0.0), schedule)
             return self._result(meter, events, time.perf_counter() - wall)

@@ -73,8 +73,8 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-_STRATEGY_COLORS = alt.Scale(domain=["static", "hpa", "dynamo", "ours", "oracle"],
-                             range=["#bbbbbb", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c"])
+_STRATEGY_COLORS = alt.Scale(domain=["static", "hpa", "dynamo", "ours", "causal", "oracle"],
+                             range=["#bbbbbb", "#ff7f0e", "#9467bd", "#1f77b4", "#8c564b", "#2ca02c"])
 
 
 def autoscale_chart(report: dict[str, Any]) -> alt.VConcatChart:

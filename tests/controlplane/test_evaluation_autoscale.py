@@ -16,10 +16,12 @@ from controlplane.evaluation_autoscale import (
     METRICS,
     TRACES,
     AutoscaleReport,
+    CausalRule,
     MinuteMeter,
     OracleSchedule,
     StrategyRun,
     best_configuration,
+    causal_rule,
     peer_goal,
     replay,
     start_sizes,
@@ -50,6 +52,24 @@ def test_the_oracle_asks_for_the_largest_need_until_a_start_up_time_ahead() -> N
     assert schedule(60.0) == {"chat": 7}, "from minute 1 the burst of minute 3 is within reach: start engines now"
     assert schedule(4 * 60.0) == {"chat": 3} and schedule(6 * 60.0) == {"chat": 1}
     assert schedule(99 * 60.0) == {"chat": 1}, "past the end: the last need"
+
+
+def test_the_causal_rule_holds_the_most_its_window_of_finished_minutes_needed() -> None:
+    rule = CausalRule({"chat": [3, 5, 2, 2, 4]}, window=2, extra=1, start={"chat": 6}, ceiling={"chat": 7})
+    assert rule(59.0) == {"chat": 6}, "no minute has finished: the common start"
+    assert rule(60.0) == {"chat": 4} and rule(2 * 60.0) == {"chat": 6}, "the most of minutes 0 and 1, plus one"
+    assert rule(4 * 60.0) == {"chat": 3} and rule(5 * 60.0) == {"chat": 5}
+    assert CausalRule({"chat": [7, 7]}, 1, 3, {"chat": 7}, {"chat": 8})(60.0) == {"chat": 8}, "never past the ceiling"
+
+
+def test_the_causal_rule_is_the_cheapest_in_hindsight_that_keeps_the_goal() -> None:
+    sc = load_scenario(TRACES["azure-conv"])  # one pool, 2 min start-up: minute m holds what minute m - 2 asked
+    flat = causal_rule(sc, {"chat": [3] * 60})
+    assert (flat.window, flat.extra) == (1, 0), "a load that never moves needs no headroom"
+    # Every fifth minute needs 6, the others 3: only a window that always reaches back to the last 6 keeps them
+    # all without holding 6 all along; the 6 is three minutes old when it must be there again.
+    spiky = causal_rule(sc, {"chat": [6 if m % 5 == 0 else 3 for m in range(60)]})
+    assert (spiky.window, spiky.extra) == (3, 0)
 
 
 def test_every_dynamic_strategy_starts_where_the_oracle_does() -> None:
@@ -165,7 +185,7 @@ def test_autoscale_eval_runs_every_strategy_on_a_short_replay(tmp_path: Path) ->
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     [trace] = data["traces"]
-    assert [r["strategy"] for r in trace["strategies"]] == ["static", "hpa", "ours", "oracle"]
+    assert [r["strategy"] for r in trace["strategies"]] == ["static", "hpa", "ours", "causal", "oracle"]
     assert all(r["minutes"] == 6 and r["gpu_hours"] > 0 for r in trace["strategies"])
     assert len(trace["oracle_needs"]["chat"]) == 6
     static = next(r for r in trace["strategies"] if r["strategy"] == "static")
