@@ -36,6 +36,11 @@ class Histogram:
         return Histogram(merged, self.sum + other.sum, self.count + other.count)
 
 
+    def scaled(self, factor: float) -> Histogram:
+        """Every count and the sum times `factor` (observations over a longer or shorter interval)."""
+        return Histogram(tuple((le, c * factor) for le, c in self.buckets), self.sum * factor, self.count * factor)
+
+
 EMPTY_HISTOGRAM = Histogram((), 0.0, 0.0)
 
 

@@ -159,6 +159,9 @@ class Parser:
             line = raw.strip() if openmetrics is False else raw
             if not line:
                 continue
+            if line.isspace():  # OpenMetrics allows no blank lines; the text format's are stripped above
+                _record(errors, ExpositionError(line_no, "a line of only whitespace", line))
+                continue
             if ended:
                 if _record(errors, ExpositionError(line_no, "content after '# EOF'", line)):
                     continue
@@ -181,6 +184,8 @@ class Parser:
                     rest = line[len(key):]
                 else:
                     name, labels, end = _parse_series(line, line_no)
+                    if name.endswith("_bucket") and "le" in labels:
+                        _bound(labels["le"], line_no, line)
                     cache[line[:end]] = (name, labels)
                     rest = line[end:]
                 parts = rest.split()
@@ -198,6 +203,14 @@ class Parser:
             except ExpositionError as exc:
                 if not _record(errors, exc):
                     raise
+
+
+def _bound(le: str, line_no: int, line: str) -> None:
+    """A histogram bucket's `le` must be a number (or `+Inf`): every quantile and share is read off the bounds."""
+    try:
+        float(le)
+    except ValueError:
+        raise ExpositionError(line_no, f"bucket bound le={le!r} is not a number", line) from None
 
 
 def _record(errors: list[ExpositionError] | None, exc: ExpositionError) -> bool:

@@ -74,13 +74,17 @@ class Delta:
     gauges: dict[str, list[float]] = field(default_factory=dict)
 
     def merge(self, other: Delta) -> Delta:
-        """Aggregate: sum increases and buckets (as `sum by (le)`), collect gauge values."""
+        """Aggregate: sum increases and buckets (as `sum by (le)`), collect gauge values. Deltas over different
+        intervals (an engine whose scrapes failed for a while) are each brought to the longer one at their own rate,
+        so the aggregate's rate is the sum of the rates, as `sum(rate(...))` is."""
         out = Delta(max(self.seconds, other.seconds))
+        ka, kb = out.seconds / self.seconds, out.seconds / other.seconds
         for key in self.increases.keys() | other.increases.keys():
-            out.increases[key] = self.increases.get(key, 0.0) + other.increases.get(key, 0.0)
+            out.increases[key] = self.increases.get(key, 0.0) * ka + other.increases.get(key, 0.0) * kb
         for key in self.histograms.keys() | other.histograms.keys():
             a, b = self.histograms.get(key), other.histograms.get(key)
-            out.histograms[key] = a + b if a is not None and b is not None else (a or b)  # type: ignore[assignment]
+            parts = [h.scaled(k) if k != 1.0 else h for h, k in ((a, ka), (b, kb)) if h is not None]
+            out.histograms[key] = parts[0] + parts[1] if len(parts) == 2 else parts[0]
         for key in self.gauges.keys() | other.gauges.keys():
             out.gauges[key] = self.gauges.get(key, []) + other.gauges.get(key, [])
         return out

@@ -82,6 +82,8 @@ class Scraper:
                 body, size, error = "", 0, f"timed out after {self._timeout:g}s"
             except httpx.HTTPError as exc:
                 body, size, error = "", 0, f"{type(exc).__name__}: {str(exc)[:200] or 'connection failed'}"
+            except httpx.InvalidURL as exc:  # not an HTTPError: one target's bad URL must not fail the round
+                body, size, error = "", 0, f"invalid URL {target.url!r}: {exc}"
             except _ScrapeRefused as exc:
                 body, size, error = "", 0, str(exc)
             duration = time.perf_counter() - started

@@ -104,13 +104,15 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
             hour_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src), execution_options=_COUNT).rowcount
             _set_watermark(conn, "rollup_3600", hour_end)
 
-        raw_deleted = conn.execute(delete(SignalRow).where(SignalRow.ts < now - retention.raw_s)).rowcount or 0
+        # Nothing goes before the next coarser rollup holds it: a retention shorter than the rollup's grace (a
+        # minute's, or an hour's minutes) would otherwise lose what the hour was to be made of.
+        raw_until = min(now - retention.raw_s, _watermark(conn, "rollup_60"))
+        raw_deleted = conn.execute(delete(SignalRow).where(SignalRow.ts < raw_until)).rowcount or 0
         rollups_deleted = 0
-        for resolution, keep in ((MINUTE, retention.minute_s), (HOUR, retention.hour_s)):
+        for resolution, until in ((MINUTE, min(now - retention.minute_s, _watermark(conn, "rollup_3600"))),
+                                  (HOUR, now - retention.hour_s)):
             rollups_deleted += conn.execute(
-                delete(SignalRollupRow).where(
-                    SignalRollupRow.resolution == resolution, SignalRollupRow.bucket < now - keep
-                )
+                delete(SignalRollupRow).where(SignalRollupRow.resolution == resolution, SignalRollupRow.bucket < until)
             ).rowcount or 0
     return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted)
 

@@ -241,3 +241,11 @@ def test_bad_bodies_are_recorded_not_fatal(body: str) -> None:
     assert samples[0].name == "ok" and samples[-1].name == "ok"
     # Either the line is rejected with its number, or it is a valid (if odd) sample.
     assert all(e.line_no == 2 for e in errors)
+
+
+@pytest.mark.parametrize("text", ["foo 1\n   \nbar 2\n# EOF\n", "foo 1\r\n\r\nbar 2\r\n# EOF\r\n"])
+def test_a_blank_line_in_openmetrics_is_an_error_of_its_line(text: str) -> None:
+    errors: list[ExpositionError] = []
+    assert [(s.name, s.value) for s in parse(text, errors=errors)] == [("foo", 1.0), ("bar", 2.0)]
+    [error] = errors
+    assert error.line_no == 2 and "only whitespace" in str(error)

@@ -108,3 +108,12 @@ async def test_spread_scrapes_each_target_at_its_own_fixed_offset() -> None:
     assert all(0.0 <= o <= 3.0 for o in offsets) and len(set(offsets)) > 40
     assert [b.ts - a.ts for a, b in zip(first, second, strict=True)] == [15.0] * 50  # intervals stay exact
     assert sorted(slept[:50]) == pytest.approx(sorted(offsets))
+
+
+async def test_a_target_whose_url_is_not_valid_fails_alone() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        results = await Scraper(client).scrape([Target("http://vllm-0:80O0/metrics", "pool", "typo"), t("good")],
+                                               now=100.0)
+    by = {r.target.pod: r for r in results}
+    assert by["good"].ok
+    assert not by["typo"].ok and "invalid URL 'http://vllm-0:80O0/metrics'" in (by["typo"].error or "")

@@ -118,3 +118,29 @@ def test_deriver_records_malformed_lines_and_keeps_the_rest() -> None:
     assert "prefill/p0/vllm" in out.parse_errors and "line 13" in out.parse_errors["prefill/p0/vllm"][0]
     out = d.derive([_result(exposition(2000, 1600), 15.0)], 15.0)
     assert any(s.name == "prefix_cache_hit_rate" for s in out.signals)
+
+
+def test_a_pool_rate_is_the_sum_of_its_engines_rates_when_one_missed_scrapes() -> None:
+    def body(n: float) -> str:
+        return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
+
+    a, b = Target("http://a", "p", "a"), Target("http://b", "p", "b")
+    d = SignalDeriver()
+    d.derive([ScrapeResult(a, 0.0, ok=True, body=body(0)), ScrapeResult(b, 0.0, ok=True, body=body(0))], 0.0)
+    for i in range(1, 6):  # b misses five scrapes; its next delta spans 60 s, a's 10 s
+        d.derive([ScrapeResult(a, 10.0 * i, ok=True, body=body(100 * i)),
+                  ScrapeResult(b, 10.0 * i, ok=False, error="timed out")], 10.0 * i)
+    out = d.derive([ScrapeResult(a, 60.0, ok=True, body=body(600)), ScrapeResult(b, 60.0, ok=True, body=body(600))],
+                   60.0)
+    rates = {s.subject: s.value for s in out.signals if s.name == "request_rate"}
+    assert rates == {"engine/p/a/0": 10.0, "engine/p/b/0": 10.0, "pool/p": pytest.approx(20.0)}
+
+
+def test_a_bucket_bound_that_is_no_number_costs_that_line_only() -> None:
+    d = SignalDeriver()
+    bad = 'vllm:time_to_first_token_seconds_bucket{engine="0",le="abc",model_name="m"} 1\n'
+    d.derive([_result(exposition(1000, 800), 0.0)], 0.0)
+    out = d.derive([_result(exposition(2000, 1600) + bad, 15.0)], 15.0)
+    [error] = out.parse_errors["prefill/p0/vllm"]
+    assert "line 13" in error and "bucket bound le='abc' is not a number" in error
+    assert any(s.name == "prefix_cache_hit_rate" for s in out.signals), "the rest of the target is read"

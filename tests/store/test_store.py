@@ -129,6 +129,19 @@ def test_rollups_and_retention(store: SqlStore) -> None:
     assert series and all(p.value == pytest.approx(1.5) for p in series)
 
 
+def test_retention_never_drops_what_the_next_rollup_has_not_taken(store: SqlStore) -> None:
+    # Minute rollups kept for exactly an hour: the hour they make is rolled up a minute after it ends, by when its
+    # first minutes are past their retention.
+    t0 = 1_767_225_600.0
+    store.write_signals([Signal(t0 + 15 * i, "pool/p", "x", 1.0) for i in range(4 * 65)])
+    retention = Retention(raw_s=3600, minute_s=3600, hour_s=30 * 86400)
+    for now in (t0 + 3000, t0 + 3630, t0 + 3930):
+        store.compact(now, retention)
+    with store.engine.connect() as conn:
+        [hour] = conn.execute(select(SignalRollupRow).where(SignalRollupRow.resolution == 3600)).all()
+    assert (hour.count, hour.sum) == (240, 240.0)
+
+
 WRITER = textwrap.dedent(
     """
     import sys
