@@ -7,6 +7,7 @@ passes on it means the same on SQL. Compaction only expires raw signals; there a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -50,7 +51,7 @@ class MemoryStore:
     # signals and targets ---------------------------------------------------------------------
 
     async def write_signals(self, signals: Sequence[Signal]) -> int:
-        fresh = {(s.name, s.subject, s.ts): s for s in signals}
+        fresh = {(s.name, s.subject, s.ts): s for s in signals if math.isfinite(s.value)}
         for key, s in fresh.items():
             self.signals.setdefault(key, s)
         return len(fresh)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -146,11 +147,13 @@ class SqlStore(metaclass=_Translating):
     # signals ---------------------------------------------------------------------------------
 
     def write_signals(self, signals: Sequence[Signal]) -> int:
-        """Insert signals in one transaction; a repeat of an existing point is ignored."""
-        if not signals:
+        """Insert signals in one transaction; a repeat of an existing point, or a value that is no finite number, is
+        left out."""
+        # One row per key: a replayed or duplicated point must not abort the whole batch, nor may a NaN (stored as
+        # NULL, which the column refuses).
+        rows = list({(s.name, s.subject, s.ts): s for s in signals if math.isfinite(s.value)}.values())
+        if not rows:
             return 0
-        # One row per key: a replayed or duplicated point must not abort the whole batch.
-        rows = list({(s.name, s.subject, s.ts): s for s in signals}.values())
         payload = [{"name": s.name, "subject": s.subject, "ts": s.ts, "value": s.value} for s in rows]
         table = Base.metadata.tables["signals"]
         # SQLite's and PostgreSQL's own inserts skip a repeated key; others insert plainly.

@@ -7,6 +7,7 @@ log; rollups and retention; an unreachable or unmigrated store; and durability a
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -70,6 +71,8 @@ def test_signals_write_and_ignore_repeats(store: SqlStore) -> None:
     store.write_signals(batch)  # a replay of stored points is ignored, not an error
     assert store.count_signals() == 10
     assert [s.value for s in store.load_signals(0.0)] == [s.value for s in batch]
+    odd = [Signal(200.0, "pool/p", "x", math.nan), Signal(200.0, "pool/p", "y", math.inf), Signal(200.0, "pool/p", "z", 1.0)]
+    assert store.write_signals(odd) == 1, "a value that is no number is left out, not the batch"
 
 
 def report(subject: str = "pool/prefill", value: float = 0.4) -> NewFinding:
