@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from collectors.derive import Histogram, counter_increase, histogram_increase
 from collectors.types import Objectives, Sample, Signal
 
-__all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "delta", "merge_all", "missing_families", "read"]
+__all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "delta", "merge_all", "merge_rates",
+           "missing_families", "read"]
 
 EntityOf = Callable[[Mapping[str, str]], str | None]
 
@@ -74,28 +75,40 @@ class Delta:
     gauges: dict[str, list[float]] = field(default_factory=dict)
 
     def merge(self, other: Delta) -> Delta:
-        """Aggregate: sum increases and buckets (as `sum by (le)`), collect gauge values. Deltas over different
-        intervals (an engine whose scrapes failed for a while) are each brought to the longer one at their own rate,
-        so the aggregate's rate is the sum of the rates, as `sum(rate(...))` is."""
+        """Aggregate: sum increases and buckets (as `sum by (le)`), collect gauge values."""
         out = Delta(max(self.seconds, other.seconds))
-        ka, kb = out.seconds / self.seconds, out.seconds / other.seconds
         for key in self.increases.keys() | other.increases.keys():
-            out.increases[key] = self.increases.get(key, 0.0) * ka + other.increases.get(key, 0.0) * kb
+            out.increases[key] = self.increases.get(key, 0.0) + other.increases.get(key, 0.0)
         for key in self.histograms.keys() | other.histograms.keys():
             a, b = self.histograms.get(key), other.histograms.get(key)
-            parts = [h.scaled(k) if k != 1.0 else h for h, k in ((a, ka), (b, kb)) if h is not None]
-            out.histograms[key] = parts[0] + parts[1] if len(parts) == 2 else parts[0]
+            out.histograms[key] = a + b if a is not None and b is not None else (a or b)  # type: ignore[assignment]
         for key in self.gauges.keys() | other.gauges.keys():
             out.gauges[key] = self.gauges.get(key, []) + other.gauges.get(key, [])
         return out
 
+    def over(self, seconds: float) -> Delta:
+        """The same rates over `seconds`: increases and buckets scaled by `seconds / self.seconds`."""
+        k = seconds / self.seconds
+        if k == 1.0:
+            return self
+        return Delta(seconds, {key: v * k for key, v in self.increases.items()},
+                     {key: h.scaled(k) for key, h in self.histograms.items()}, self.gauges)
+
 
 def merge_all(deltas: list[Delta]) -> Delta:
-    """Aggregate a non-empty list of deltas."""
+    """Aggregate a non-empty list of deltas: what they observed together (counts, not rates)."""
     total = deltas[0]
     for d in deltas[1:]:
         total = total.merge(d)
     return total
+
+
+def merge_rates(deltas: list[Delta]) -> Delta:
+    """Aggregate a non-empty list of deltas whose intervals may differ (an engine whose scrapes failed for a while):
+    each brought to the shortest interval at its own rate, so the aggregate's rates are the sum of theirs, as
+    `sum(rate(...))` is, and no engine's observations count more than they were."""
+    shortest = min(d.seconds for d in deltas)
+    return merge_all([d.over(shortest) for d in deltas])
 
 
 class _HistogramBuilder:

@@ -92,7 +92,7 @@ class SignalDeriver:
         for (pool, source_name), deltas in pool_deltas.items():
             subject = pool_subject(pool)
             out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
-            source, merged = sources.get(source_name), families.merge_all(deltas)
+            source, merged = sources.get(source_name), families.merge_rates(deltas)
             out.signals.extend(source.signals(merged, ts, subject))
             if (objectives := self._objectives.get(pool)) is not None and source.objective_signals is not None:
                 out.signals.extend(source.objective_signals(merged, ts, subject, objectives))

@@ -783,7 +783,7 @@ def advise_eval(cases: tuple[str, ...], jobs: int, seeds: int | None, as_json: b
 @click.option("--baseline", help="Selector of the baseline pods: a label selector over pool, pod, role (and a "
                                  "source's own labels), plus key=~regex.")
 @click.option("--canary", help="Selector of the canary pods, the same way.")
-@click.option("--config", "gate_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--config", "gate_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Gate settings (YAML): metrics with their allowed shift, alpha, step, max_window.")
 @click.option("--max-window", default=None, help="Answer by then (default 30m, or the settings').")
 @click.option("--step", default=None, help="How often the gate reads and judges (default 30s, or the settings').")
@@ -792,7 +792,7 @@ def advise_eval(cases: tuple[str, ...], jobs: int, seeds: int | None, as_json: b
 @click.option("--source", "source_kind", type=click.Choice(["store", "prometheus", "targets"]), default="store",
               show_default=True, help="Where the numbers come from: the control plane's store, a Prometheus that "
               "scrapes the engines, or the engines' /metrics directly (the fleet file's targets or discovery).")
-@click.option("--fleet", "fleet_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--fleet", "fleet_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The fleet file: its prometheus section or its targets (for --source prometheus or targets).")
 @click.option("--prometheus-url", default=None, help="Prometheus to read (instead of the fleet file's).")
 @_db_option
@@ -849,10 +849,13 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
                 prometheus_url: str | None, db: str, record: bool | None, gate_name: str) -> Any:
     import contextlib
 
+    from pydantic import ValidationError
+
     from collectors.prometheus_api import PrometheusSource
     from collectors.scraper import Scraper, http_client
     from controlplane.clock import WallClock
     from controlplane.config import load_config, parse_yaml
+    from controlplane.errors import GateInputError
     from controlplane.gate import ArmSelector, PromGateSource, StoreGateSource, TargetsGateSource, run_gate
     from controlplane.runtime import discovered_targets, prometheus_source, static_targets
     from controlplane.store.records import NewVerdict
@@ -863,7 +866,12 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
     settings = parse_yaml(text, GateSettings, str(gate_file)) if text is not None else GateSettings()
     overrides = {k: v for k, v in (("max_window", max_window), ("step", step)) if v is not None}
     if overrides:
-        settings = GateSettings.model_validate({**settings.model_dump(), **overrides})
+        try:
+            settings = GateSettings.model_validate({**settings.model_dump(), **overrides})
+        except ValidationError as exc:
+            problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg'].removeprefix('Value error, ')}"
+                                 for e in exc.errors(include_url=False))
+            raise GateInputError(problems) from None
     base_sel, can_sel = ArmSelector.parse(baseline), ArmSelector.parse(canary)
     cfg = load_config(fleet_file) if fleet_file else None
     record = source_kind == "store" if record is None else record

@@ -57,6 +57,7 @@ __all__ = [
     "dists_of",
     "report",
     "run_gate",
+    "tpot_spelling",
 ]
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,10 @@ class ArmSelector:
         return out
 
 
-def dists_of(deltas: Iterable[families.Delta], names: Iterable[str]) -> dict[str, Dist]:
-    """One arm's observations for each metric, summed over its engines' deltas (buckets as `sum by (le)`)."""
+def dists_of(deltas: Iterable[families.Delta], names: Iterable[str],
+             read_as: Mapping[str, str] | None = None) -> dict[str, Dist]:
+    """One arm's observations for each metric, summed over its engines' deltas (buckets as `sum by (le)`), each read
+    from the histogram `read_as` names for it (default: its own)."""
     given = list(deltas)
     out: dict[str, Dist] = {}
     if not given:
@@ -137,12 +140,18 @@ def dists_of(deltas: Iterable[families.Delta], names: Iterable[str]) -> dict[str
             if finished > 0:
                 out[name] = Dist.of_events(merged.increases.get("finished:error", 0.0), finished)
             continue
-        hist = merged.histograms.get(name)
-        if hist is None and name == "tpot":
-            hist = merged.histograms.get("itl")  # engines without the per-request TPOT histogram
+        hist = merged.histograms.get((read_as or {}).get(name, name))
         if hist is not None and hist.count > 0:
             out[name] = Dist(hist.count, hist.sum, hist.buckets)
     return out
+
+
+def tpot_spelling(arms: Iterable[Iterable[families.Delta]]) -> dict[str, str]:
+    """Where both arms' TPOT is read: the per-request histogram when every engine of both has it, else the
+    inter-token latency for both (engines before it). Each arm on its own would compare a per-request mean with a
+    token-weighted one."""
+    every = all("tpot" in d.histograms for deltas in arms for d in deltas)
+    return {} if every else {"tpot": "itl"}
 
 
 class GateSource(Protocol):
@@ -173,7 +182,7 @@ class TargetsGateSource:
         self._prev: dict[tuple[str, str], families.Reading] = {}
 
     async def interval(self, start: float, end: float) -> Interval:
-        arms: dict[str, dict[str, Dist]] = {}
+        seen: dict[str, list[families.Delta]] = {}
         for arm, targets in self._arms.items():
             results = await self._scraper.scrape(targets, end)
             deltas = []
@@ -191,7 +200,9 @@ class TargetsGateSource:
                         deltas.append(d)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
-            arms[arm] = dists_of(deltas, self._names)
+            seen[arm] = deltas
+        read_as = tpot_spelling(seen.values())
+        arms = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
         return Interval(start, end, arms["baseline"], arms["canary"])
 
 
@@ -202,22 +213,26 @@ class PromGateSource:
                  rules: Sequence[MetricRule]) -> None:
         _check_rules(rules, [*HISTOGRAMS, ERRORS], "Prometheus")
         self._prom = prom
-        self._arms = {"baseline": selector(baseline.promql()), "canary": selector(canary.promql())}
+        try:
+            self._arms = {"baseline": selector(baseline.promql()), "canary": selector(canary.promql())}
+        except ValueError as exc:  # a Kubernetes label key (app.kubernetes.io/version) is no Prometheus label name
+            raise GateInputError(f"a selector cannot be asked of Prometheus: {exc}") from None
         self._names = [r.name for r in rules]
-        self._families: dict[str, str] = {}  # metric -> the spelling this Prometheus has
+        self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
         return self._prom.query(expr, ts)
 
     def _family(self, name: str, sel: str, ts: float, window: str) -> str | None:
-        if name not in self._families:
+        # Per arm: a canary on a newer vLLM may export the current spelling where its baseline has the old one.
+        if (name, sel) not in self._families:
             for fam in HISTOGRAMS[name]:
                 if self._query(f"count(last_over_time({fam}_count{sel}[{window}]))", ts):
-                    self._families[name] = fam
+                    self._families[(name, sel)] = fam
                     break
             else:
                 return None
-        return self._families[name]
+        return self._families[(name, sel)]
 
     def _arm(self, sel: str, start: float, end: float) -> dict[str, Dist]:
         window = f"{max(1, round(end - start))}s"

@@ -176,8 +176,19 @@ class MetricRule(Settings):
     min_count: int = Field(20, ge=1)  # observations per arm in a block
     noise_floor: float | None = Field(None, gt=0)  # least spread of block shifts assumed (ratio: log units)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _errors_by_difference(cls, data: Any) -> Any:
+        # A healthy baseline has no errors, where a ratio is undefined: the error rate is judged by difference.
+        if isinstance(data, Mapping) and data.get("name") == "error_rate" and "scale" not in data:
+            return {**data, "scale": Scale.DIFFERENCE}
+        return data
+
     @model_validator(mode="after")
     def _known(self) -> MetricRule:
+        if self.name == "error_rate" and self.scale is Scale.RATIO:
+            raise ValueError("error_rate by ratio can never fail against a baseline without errors (a ratio to 0 is "
+                             "undefined): use scale: difference")
         if self.statistic != "mean":
             _quantile_level(self.statistic)
         if self.margin > self.allowed:
@@ -388,12 +399,17 @@ def _combine(verdicts: Sequence[MetricVerdict], s: GateSettings,
     judged = [v for v in verdicts if v.outcome is not Outcome.INCONCLUSIVE]
     if not judged:
         return Outcome.INCONCLUSIVE, True, None, "no metric could be judged: " + "; ".join(v.reason for v in verdicts)
+    unknown = [v for v in verdicts if v.outcome is Outcome.INCONCLUSIVE]
     # A marginal metric counts half, as Keptn scores a warning; it keeps the gate from passing.
     points = sum(1.0 if v.outcome is Outcome.PASS else 0.5 if v.outcome is Outcome.MARGINAL else 0.0 for v in judged)
     score = round(100.0 * points / len(judged), 2)
     below = [v for v in judged if v.outcome is not Outcome.PASS]
     detail = "; ".join(v.reason for v in below) if below else "every metric within its allowance"
     if not below and score >= s.pass_score:
+        if unknown:
+            # A metric without a verdict (no data, a renamed histogram) is never a pass, critical or not.
+            return (Outcome.INCONCLUSIVE, True, None, "every judged metric within its allowance, but no verdict "
+                    "on " + "; ".join(v.reason for v in unknown))
         return Outcome.PASS, True, score, f"score {score:g}: {detail}"
     if score >= s.marginal_score or all(v.outcome is not Outcome.FAIL for v in judged):
         return Outcome.MARGINAL, True, score, f"score {score:g} (marginal): {detail}"

@@ -193,7 +193,12 @@ class CanaryRegression:
         [level] = self._steps(inp, old, promoted_at - s.lookback, s.lookback, 1, names)
         if REQUESTS not in level:
             return None
-        per_engine = level[REQUESTS].count / s.lookback / len(old)
+        # Per engine-second the old engines served within the lookback: some left early in the rollout.
+        since = promoted_at - s.lookback
+        served = sum(max(0.0, min(e.last, promoted_at) - max(e.first, since)) for e in old)
+        if served <= 0:
+            return None
+        per_engine = level[REQUESTS].count / served
         n = int((inp.now - promoted_at) // gate.step)
         intervals = []
         for k, step in enumerate(self._steps(inp, new, promoted_at, gate.step, n, names)):

@@ -52,6 +52,19 @@ def test_usage_errors_exit_3() -> None:
     assert fleetctl("config", "check").returncode == 3
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--config", "missing.yaml"], "'missing.yaml' does not exist"),
+    (["--step", "abc"], "--step: expected a duration"),
+    (["--source", "prometheus", "--prometheus-url", "http://127.0.0.1:9",
+      "--baseline", "app.kubernetes.io/version=v1", "--canary", "app.kubernetes.io/version=v2"],
+     "not a Prometheus label name: 'app.kubernetes.io/version'"),
+])
+def test_a_gate_asked_wrongly_exits_3_not_as_a_failed_canary(tmp_path: Path, args: list[str], says: str) -> None:
+    arms = [] if "--baseline" in args else ["--baseline", "pod=a", "--canary", "pod=b"]
+    res = fleetctl("gate", "--pool", "decode", *arms, *args, "--db", f"sqlite:///{tmp_path / 'gate.db'}")
+    assert res.returncode == 3 and says in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("kind", ["prefix_cache_hit_drop", "kv_transfer_lag"])
 def test_runbook_lists_and_prints(kind: str) -> None:
     assert kind in fleetctl("runbook").stdout.split()

@@ -12,6 +12,8 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from collectors import families
+from collectors.derive import Histogram
 from collectors.prometheus_api import PrometheusSource
 from collectors.scraper import Scraper
 from collectors.types import Signal
@@ -25,8 +27,10 @@ from controlplane.gate import (
     PromGateSource,
     StoreGateSource,
     TargetsGateSource,
+    dists_of,
     report,
     run_gate,
+    tpot_spelling,
 )
 from controlplane.lab.engine import free_port
 from controlplane.loop import ControlLoop
@@ -189,8 +193,40 @@ async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_ar
     assert iv.canary["error_rate"].statistic("mean") == pytest.approx(0.02)
     assert any('team=~"a\\"b"' in q for q in fake.queries)  # label values escaped
     assert all("[30s]" in q for q in fake.queries)
-    # the spelling this Prometheus has is looked up once and kept for both arms
-    assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 1
+    # the spelling each arm has is looked up once and kept
+    assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
+    await src.interval(30.0, 60.0)
+    assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
+
+
+async def test_each_arm_is_read_in_the_histogram_spelling_it_exports() -> None:
+    class Mixed(FakePrometheus):  # the baseline on an older vLLM: its inter-token latency has the old name
+        def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+            self.queries.append(query)
+            canary = 'pod=~".*canary.*"' in query
+            has = "vllm:inter_token_latency_seconds" if canary else "vllm:time_per_output_token_seconds"
+            if has not in query:
+                return []
+            if query.startswith("count("):
+                return [{"metric": {}, "value": [0, "1"]}]
+            return super().custom_query(query.replace(has, "x"), params)
+
+    prom = PrometheusSource("http://prometheus.invalid", client=Mixed())
+    src = PromGateSource(prom, ArmSelector.parse("pool=decode,pod!~.*canary.*"),
+                         ArmSelector.parse("pool=decode,pod=~.*canary.*"), (MetricRule(name="itl"),))
+    iv = await src.interval(0.0, 30.0)
+    assert iv.baseline["itl"].count == 100 and iv.canary["itl"].count == 50
+
+
+def test_both_arms_read_tpot_from_the_same_histogram() -> None:
+    def engine(*hists: str) -> families.Delta:
+        return families.Delta(30.0, histograms={h: Histogram(((0.01, 5.0), (math.inf, 10.0)), 0.1, 10.0) for h in hists})
+
+    old, new = [engine("itl")], [engine("tpot", "itl")]
+    assert tpot_spelling([new, new]) == {}
+    assert tpot_spelling([old, new]) == {"tpot": "itl"}, "a per-request mean is not compared with a token-weighted one"
+    assert dists_of(new, ["tpot"], tpot_spelling([old, new]))["tpot"].count == 10.0
+    assert dists_of(new, ["tpot"]) == dists_of(new, ["tpot"], {})
 
 
 # the loop, the registry, the reports ------------------------------------------------------------------

@@ -226,6 +226,26 @@ def test_scoring_non_critical_metrics_like_kayenta() -> None:
     assert v.score == 75.0 and v.outcome is Outcome.MARGINAL and "e2e" in v.reason
 
 
+def test_a_metric_without_a_verdict_keeps_the_gate_from_passing() -> None:
+    # The canary exports no e2e histogram (a renamed family, say); TPOT is as good as the baseline's.
+    s = GateSettings(metrics=(TPOT, MetricRule(name="e2e", allowed=0.10)))
+    ivs = [Interval(iv.start, iv.end, {**iv.baseline, "e2e": iv.baseline["tpot"]}, iv.canary)
+           for iv in intervals(0.0, 40, spread=0.02, common=0.02)]
+    v = judge(ivs, s, final=True)
+    assert [m.outcome for m in v.metrics] == [Outcome.PASS, Outcome.INCONCLUSIVE]
+    assert v.outcome is Outcome.INCONCLUSIVE and v.decided and "e2e: no data from the canary" in v.reason
+
+
+def test_an_error_rate_is_judged_by_difference_against_a_baseline_without_errors() -> None:
+    rule = MetricRule(name="error_rate", critical=True, allowed=0.01)
+    assert rule.scale is Scale.DIFFERENCE
+    ivs = [Interval(i, i + 1, {"error_rate": Dist.of_events(0, 1000)}, {"error_rate": Dist.of_events(100, 1000)})
+           for i in range(12)]
+    assert judge(ivs, GateSettings(metrics=(rule,))).outcome is Outcome.FAIL
+    with pytest.raises(ValidationError, match="error_rate by ratio can never fail"):
+        MetricRule(name="error_rate", scale=Scale.RATIO)
+
+
 def test_settings_refuse_what_cannot_work() -> None:
     with pytest.raises(ValidationError, match="listed twice"):
         GateSettings(metrics=(TPOT, TPOT))

@@ -116,12 +116,14 @@ def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
     assert res.findings == [] and res.resolved and "rollout ended" in res.resolved[0][1]
 
 
-def promoted(slow: float, load: float = 1.0) -> tuple[SignalWindows, float]:
-    """Three old engines until ten minutes after the change, three new ones from the change on: a
-    promotion; then fifteen minutes of the new revision alone, at `load` times the old per-engine load."""
+def promoted(slow: float, load: float = 1.0, drained_early: int = 0) -> tuple[SignalWindows, float]:
+    """Three old engines until ten minutes after the change (and `drained_early` more that left a minute after it),
+    three new ones from the change on: a promotion; then fifteen minutes of the new revision alone, at `load` times
+    the old per-engine load."""
     w = SignalWindows(horizon_s=3 * 3600)
     promoted_at, end = CHANGE + 600, CHANGE + 1500
     for pod, first, last, factor in [(f"decode-{i}", 0.0, promoted_at, 1.0) for i in range(3)] + \
+                                    [(f"decode-{i}", 0.0, CHANGE + 60, 1.0) for i in range(3, 3 + drained_early)] + \
                                     [(f"decode-7f9c-{i}", CHANGE + 20, end, slow) for i in range(3)]:
         t, i = first, 0
         while t <= last:
@@ -141,6 +143,8 @@ def test_after_a_promotion_it_keeps_watching_against_the_old_level_at_matched_lo
     assert f.severity is Severity.WARNING and f.proposals == () and f.evidence["post_promotion"]
     assert "since its promotion" in f.summary and "tpot" in f.summary and "no concurrent baseline" in f.cause
     assert run(*promoted(1.0), {"decode": CHANGE}).findings == []
+    # old engines drained early in the rollout served less of the lookback: the load per engine is still matched
+    assert run(*promoted(1.15, drained_early=2), {"decode": CHANGE}).findings
     # at twice the load per engine no step is comparable: nothing is concluded
     assert run(*promoted(1.15, load=2.0), {"decode": CHANGE}).findings == []
     # and the watch ends
