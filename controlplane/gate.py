@@ -175,6 +175,9 @@ class TargetsGateSource:
                  rules: Sequence[MetricRule]) -> None:
         if not baseline or not canary:
             raise GateInputError(f"no {'baseline' if not baseline else 'canary'} target matches its selector")
+        both = sorted({t.key for t in baseline} & {t.key for t in canary})
+        if both:  # a pod in both arms would be compared with itself, and read twice a step
+            raise GateInputError(f"{', '.join(both)} match both the baseline's and the canary's selector")
         _check_rules(rules, [*HISTOGRAMS, ERRORS], "the pods' /metrics")
         self._scraper, self._arms = scraper, {"baseline": list(baseline), "canary": list(canary)}
         self._names = [r.name for r in rules]

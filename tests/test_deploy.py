@@ -166,6 +166,12 @@ def test_the_examples_call_the_endpoints_and_selectors_the_gate_has() -> None:
     assert web["url"] == f"http://fleet-controlplane.fleet-system.svc:{port}/api/v1/gate"
     assert web["jsonPath"] == "{$.result}" and set(web["jsonBody"]) == {"pool", "baseline", "canary", "revision"}
     assert argo["successCondition"] == 'result == "pass"' and argo["failureCondition"] == 'result == "fail"'
+    # The last measurement falls at the end of the gate's window, when it answers in any case, and answers that
+    # stay inconclusive all along exceed the limit: the run ends Inconclusive, never Successful.
+    from policies.canary import GateSettings
+
+    interval = float(argo["interval"].removesuffix("s"))
+    assert (argo["count"] - 1) * interval == GateSettings().max_window and argo["count"] > argo["inconclusiveLimit"]
     for hook in _example("flagger-canary.yaml")["spec"]["analysis"]["webhooks"]:
         verb = {"rollback": "rollback", "confirm-promotion": "promotion"}[hook["type"]]
         assert hook["url"] == f"http://fleet-controlplane.fleet-system.svc:{port}/api/v1/gate/flagger/{verb}"

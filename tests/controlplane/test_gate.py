@@ -18,7 +18,7 @@ from collectors.prometheus_api import PrometheusSource
 from collectors.scraper import Scraper
 from collectors.types import Signal
 from controlplane.clock import VirtualClock
-from controlplane.errors import GateError
+from controlplane.errors import GateError, GateInputError
 from controlplane.gate import (
     ArmSelector,
     GateBook,
@@ -431,3 +431,11 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
     assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.012)
     assert iv.baseline["tpot"].count > 0
     assert "malformed exposition line" in caplog.text
+
+
+def test_a_pod_in_both_arms_is_refused_up_front() -> None:
+    from collectors.types import Target
+
+    shared = Target("http://decode-0:8000/metrics", "decode", "decode-0")
+    with pytest.raises(GateInputError, match="decode/decode-0/vllm match both"):
+        TargetsGateSource(cast(Scraper, None), [shared], [shared], TPOT_ONLY.metrics)
