@@ -157,11 +157,11 @@ class _Skew:
 
 
 def _skew(w: SignalWindows, members: dict[str, str], name: str, points: int, min_members: int,
-          median_floor: float = 0.0) -> _Skew:
-    """Skew of `name` across `members` (id -> subject) at each scrape they share."""
+          median_floor: float = 0.0, since: float | None = None) -> _Skew:
+    """Skew of `name` across `members` (id -> subject) at each scrape they share (from `since`)."""
     by_ts: dict[float, dict[str, float]] = defaultdict(dict)
     for who, subject in members.items():
-        for ts, v in w.series(subject, name)[-points:]:
+        for ts, v in w.series(subject, name, since=since)[-points:]:
             by_ts[ts][who] = v
     ticks = []
     for ts in sorted(by_ts):
@@ -232,6 +232,9 @@ class EpImbalance:
                 normal = self._normal(inp.windows, group)  # taken once, at opening, and kept in the evidence
             else:
                 normal = {m: open_finding.evidence.get(f"normal_{m}") for m in ("itl_skew", "gpu_skew")}
+                if not group.itl.ticks and (group.gpu is None or not group.gpu.ticks):
+                    result.resolved.append((key, "no rank generated tokens within the window: nothing to balance"))
+                    continue
                 if self._balanced(group, s.resolve_points, normal):
                     result.resolved.append((key, "per-rank skew back to its normal"))
                     continue
@@ -281,7 +284,10 @@ class EpImbalance:
         for (pool, pod), ranks in sorted(members.items()):
             if len(ranks) < s.min_ranks:
                 continue
-            itl = _skew(w, ranks, s.signal, n, s.min_ranks)
+            # Within the group's newest window of scrapes: an idle engine reports running requests but no ITL, and
+            # the last skew it had is no reading of now.
+            window = min((pts[0][0] for sub in ranks.values() if (pts := w.series(sub, RUNNING)[-n:])), default=None)
+            itl = _skew(w, ranks, s.signal, n, s.min_ranks, since=window)
             load = _mean_skew(w, ranks, RUNNING, n, floor=0.5)
             host = s.pod_hosts.get(f"{pool}/{pod}") or s.pod_host.format(pool=pool, pod=pod)
             gpus = gpus_of.get(host, {})

@@ -159,7 +159,8 @@ class KvTransferLag:
     def _peer_median(self, inp: PolicyInput, path: PathSignals, subject: str, subjects: list[str],
                      signal: str) -> float | None:
         """Median of `signal` over the subject's peers (same pool for engines), None with too few."""
-        group = subject.rsplit("/", 2)[0] if path.prefix == "engine/" else path.prefix
+        # An engine's peers are its pool's: `engine/decode/` is not a prefix of `engine/decode-b/...`.
+        group = subject.rsplit("/", 2)[0] + "/" if path.prefix == "engine/" else path.prefix
         values = [v for other in subjects if other != subject and other.startswith(group)
                   if (v := inp.windows.latest(other, signal)) is not None]
         return statistics.median(values) if len(values) >= self.settings.min_peers else None
@@ -177,9 +178,14 @@ class KvTransferLag:
                is_open: bool) -> FindingReport | None:
         s = self.settings
         open_evidence = inp.open_findings[FindingKey(KIND, subject)].evidence if is_open else None
-        baseline = self._baseline(inp, path, subject)
-        if open_evidence is not None and open_evidence.get("baseline_p99") is not None:
+        # While open, the baseline is the one it opened against, even none (a path lagging from its first scrape):
+        # one learned from the fault's own points would call the fault normal.
+        if open_evidence is None:
+            baseline = self._baseline(inp, path, subject)
+        elif open_evidence.get("baseline_p99") is not None:
             baseline = (float(open_evidence["baseline_p99"]), float(open_evidence.get("baseline_sigma", 0.0)))
+        else:
+            baseline = None
         peers = self._peer_median(inp, path, subject, subjects, path.p99)
         threshold = self._threshold(baseline, peers)
         recent = inp.windows.last(subject, path.p99, s.recent_points)

@@ -13,6 +13,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from catalog.settings import Problem, Seconds, Settings, least_window
+from policies.common import gone_findings, reported_since
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -56,6 +57,9 @@ class PrefixCacheSettings(Settings):
     saturated_waiting_per_engine: float = Field(2.0, gt=0)  # queued requests per engine that mean "out of compute"
     # A router revision this recent, when the hit rate falls for routing or prompts, is the suspect.
     router_change_window_s: Seconds = Field(1800.0, alias="router_change_window")
+    # A pool without a hit rate this long (removed, or idle: no lookups) is not judged on its old points, and its
+    # finding resolves.
+    stale_s: Seconds = Field(900.0, alias="stale")
 
     def problems(self, interval: float) -> list[Problem]:
         """Settings under which the detector could never judge at this scrape interval."""
@@ -96,6 +100,8 @@ class PrefixCacheHitDrop:
         """One evaluation over every pool that reports a hit rate."""
         result = PolicyResult()
         for subject in sorted(inp.windows.subjects(SIGNAL, prefix="pool/")):
+            if not reported_since(inp.windows, subject, (SIGNAL,), inp.now - self.settings.stale_s):
+                continue  # judged on old points it would re-report, and propose again, what has gone
             key = FindingKey(KIND, subject)
             open_finding = inp.open_findings.get(key)
             if open_finding is not None:
@@ -116,6 +122,7 @@ class PrefixCacheHitDrop:
                 report = self._report(inp, subject, baseline, threshold)
                 if report is not None:
                     result.findings.append(report)
+        result.resolved += gone_findings(inp, KIND, (SIGNAL,), self.settings.stale_s)
         return result
 
     def _baseline(self, inp: PolicyInput, subject: str) -> tuple[float, float] | None:

@@ -207,7 +207,11 @@ class Saturation:
             return None
         if self._kv_exhausted(w, subject, n):
             return None
-        if not all(v < s.error_share for _, v in ratio_series(w, subject, ERRORS, REQUESTS)[-n:]):
+        # The errors of the last n intervals, one without requests counting as clean: over the intervals that had
+        # requests only, an idle pool would show the same old errors for as long as the history keeps them.
+        last = w.series(subject, REQUESTS)[-n:]
+        since = last[0][0] if last else None
+        if not all(v < s.error_share for _, v in ratio_series(w, subject, ERRORS, REQUESTS, since=since)):
             return None
         # Recovery must be seen under traffic: a lull between bursts empties the queue with nothing
         # fixed (the Azure code trace pauses for minutes at a time), and the next burst reopens it.

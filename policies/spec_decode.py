@@ -230,7 +230,12 @@ class SpecDecodeCollapse:
             return "speculation no longer reports: it was switched off"
         recent = w.last(subject, YIELD, s.resolve_points)
         bar = frozen.yield_.center - s.recover_fraction * frozen.min_drop
-        if len(recent) == s.resolve_points and all(v >= bar for v in recent):
+        # The acceptance that opens a finding on its own must be back above that bar too, else a drop in
+        # acceptance the yield hides (few drafts per step) would resolve and reopen every other tick.
+        acceptance = w.last(subject, ACCEPTANCE, s.resolve_points)
+        accepting = frozen.acceptance is None or not acceptance or any(
+            v >= (1 - s.acceptance_drop) * frozen.acceptance for v in acceptance)
+        if len(recent) == s.resolve_points and all(v >= bar for v in recent) and accepting:
             return "speculative yield back near its baseline"
         positions = _positions(w, subject, _nth_newest_ts(w, subject, YIELD, s.resolve_points))
         tpot = w.last(subject, TPOT, s.resolve_points)

@@ -9,6 +9,7 @@ import pytest
 from policies.ep_imbalance import EpImbalance, EpImbalanceSettings, eplb_flags
 from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
 from policies.windows import SignalWindows
+from tests.policies.ticking import Ticking
 
 STEP = 15.0
 RANKS = 4
@@ -243,3 +244,23 @@ def test_a_group_whose_normal_skew_is_above_the_resolve_ratio_still_resolves() -
     assert [k for k, _ in g.run(opened).resolved] == [KEY], "back to its own normal: resolved"
     # Without the normal it would stay open for good, as it did before.
     assert not EpImbalance().evaluate(PolicyInput(g.ts + 1.0, g.w, {}, {KEY: OpenFinding(KEY, g.ts, {})})).resolved
+
+
+def test_an_idle_group_is_not_judged_on_the_skew_it_had_before() -> None:
+    """vLLM reports no ITL while no token is generated: the last skew is no reading of now, and never grounds an
+    EPLB proposal."""
+    w, rng = SignalWindows(3 * 3600), random.Random(1)
+    ticking = Ticking(EpImbalance(), w)
+    t, proposals = 0.0, []
+    for n, itl, running in ((60, (0.03,) * 4, 8.0), (20, (0.03, 0.03, 0.06, 0.03), 8.0), (60, None, 0.0)):
+        for _ in range(n):
+            t += 15.0
+            for rank in range(4):
+                subject = f"engine/decode/dp0/{rank}"
+                if itl is not None:
+                    w.add(t, subject, "itl_p50", itl[rank] * (1 + rng.gauss(0, 0.05)))
+                w.add(t, subject, "requests_running", running)
+                w.add(t, subject, "requests_waiting", 0.0)
+            proposals += [p for f in ticking.tick(t).findings for p in f.proposals]
+    assert len(ticking.events("open")) == 1 and ticking.open == {}
+    assert "nothing to balance" in ticking.log[-1][3] and proposals == []

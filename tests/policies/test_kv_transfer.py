@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from policies.kv_transfer import KIND, KvTransferLag
 from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
 from policies.windows import SignalWindows
+from tests.policies.ticking import Ticking
 
 STEP = 15.0
 PATH = "kvpath/prefill-0->decode-1"
@@ -110,3 +113,31 @@ def test_a_tail_without_history_needs_its_bandwidth_below_its_peers() -> None:
     assert not early(30e9)  # a long prompt: slower, at the same bytes per second
     [f] = early(3e9)  # the link itself slowed down
     assert f.key.subject == "engine/decode/decode-1/0" and f.evidence["slow"] is True
+
+
+def test_a_path_lagging_from_its_first_scrape_stays_open_against_its_peers() -> None:
+    """No history of its own: it opens against its peers, and its own lagging points never become its baseline."""
+    w, rng = SignalWindows(3 * 3600), random.Random(3)
+    ticking = Ticking(KvTransferLag(), w)
+    t = 0.0
+    for i in range(200):
+        t += 15.0
+        paths = {f"kvpath/prefill-0->decode-{d}": 0.004 + rng.gauss(0, 0.0002) for d in range(3)}
+        if i >= 100:
+            paths["kvpath/prefill-0->decode-9"] = 0.030 + rng.gauss(0, 0.001)
+        for subject, p99 in paths.items():
+            for name, value in (("kv_transfer_p99", p99), ("kv_failure_rate", 0.0), ("kv_transfer_rate", 5.0)):
+                w.add(t, subject, name, value)
+        ticking.tick(t)
+    assert [s for _, kind, s, _ in ticking.log] == ["kvpath/prefill-0->decode-9"]
+    assert FindingKey(KIND, "kvpath/prefill-0->decode-9") in ticking.open
+
+
+def test_an_engines_peers_are_its_own_pools_not_a_pool_of_a_similar_name() -> None:
+    w = SignalWindows(3 * 3600)
+    for t in (15.0, 30.0):
+        for subject, p99 in (("engine/decode/d-0/0", 0.040), ("engine/decode-b/b-0/0", 0.004),
+                             ("engine/decode-b/b-1/0", 0.004)):
+            w.add(t, subject, "nixl_xfer_time_p99", p99)
+            w.add(t, subject, "nixl_failed_transfer_rate", 0.0)
+    assert KvTransferLag().evaluate(PolicyInput(30.0, w, {}, {})).findings == [], "decode-b is not decode's peer"

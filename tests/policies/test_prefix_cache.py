@@ -10,6 +10,7 @@ import pytest
 from policies.prefix_cache import PrefixCacheHitDrop
 from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, RollBack
 from policies.windows import SignalWindows
+from tests.policies.ticking import Ticking
 
 POOL = "pool/prefill"
 KEY = FindingKey("prefix_cache_hit_drop", POOL)
@@ -175,3 +176,23 @@ def test_an_open_finding_keeps_naming_its_lowest_point_while_it_recovers() -> No
     opened = {key: OpenFinding(key, 13 * 15.0, {"baseline": 0.8, "threshold": 0.16, "lowest": 0.0})}
     [report] = PrefixCacheHitDrop().evaluate(PolicyInput(14 * 15.0, w, {}, opened)).findings
     assert report.evidence["lowest"] == 0.0 and "fell to 0%" in report.summary
+
+
+def test_a_pool_that_stops_reporting_is_neither_judged_on_old_points_nor_left_open() -> None:
+    w, pool = SignalWindows(3 * 3600), "pool/p"
+    ticking = Ticking(PrefixCacheHitDrop(), w)
+    t = 0.0
+    for i in range(140):
+        t += 15.0
+        for name, value in (("prefix_cache_hit_rate", 0.7 if i < 120 else 0.3), ("prefix_cache_query_rate", 100.0),
+                            ("kv_cache_usage_max", 0.5), ("preemption_rate", 0.0)):
+            w.add(t, pool, name, value)
+        ticking.tick(t)
+    assert len(ticking.events("open")) == 1
+    reported = []
+    for _ in range(80):  # twenty minutes: the pool was deleted (or has no lookups to report)
+        t += 15.0
+        reported += ticking.tick(t).findings
+    assert ticking.open == {} and "no longer reports" in ticking.log[-1][3]
+    assert ticking.events("resolve") == [140 * 15.0 + 900.0 + 15.0], "once its newest point is stale_s old"
+    assert len(reported) <= 900 / 15, "not re-reported, nor proposed again, once stale"

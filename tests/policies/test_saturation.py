@@ -9,6 +9,7 @@ import pytest
 from policies.saturation import Saturation, slope
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import SignalWindows
+from tests.policies.ticking import Ticking
 
 POOL = "pool/decode"
 KEY = FindingKey("saturation", POOL)
@@ -194,3 +195,18 @@ def test_a_pool_that_always_queues_resolves_back_at_its_own_normal() -> None:
     assert [k for k, _ in pool.run(opened).resolved] == [KEY]
     assert not Saturation().evaluate(PolicyInput(pool.ts, pool.w, {}, {KEY: OpenFinding(KEY, pool.ts, {})})).resolved, \
         "without its normal it would never resolve"
+
+
+def test_a_finding_opened_on_errors_resolves_once_the_pool_goes_idle() -> None:
+    w, pool = SignalWindows(3 * 3600), "pool/decode"
+    ticking = Ticking(Saturation(), w, {"decode": PoolState("decode", "decode", 3, 3, 1, 6)})
+    t = 0.0
+    for n, (waiting, rate, errors) in ((40, (1.0, 20.0, 0.0)), (10, (9.0, 20.0, 2.0)), (120, (0.0, 0.0, 0.0))):
+        for _ in range(n):
+            t += 15.0
+            for name, value in (("requests_waiting", waiting), ("engines_reporting", 3.0), ("kv_cache_usage", 0.5),
+                                ("preemption_rate", 0.0), ("request_rate", rate), ("request_error_rate", errors)):
+                w.add(t, pool, name, value)
+            ticking.tick(t)
+    assert len(ticking.events("open")) == 1 and len(ticking.events("resolve")) == 1
+    assert "no requests for" in ticking.log[-1][3]

@@ -14,6 +14,7 @@ import pytest
 from policies.spec_decode import SpecDecodeCollapse, SpecDecodeSettings
 from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, Speculation
 from policies.windows import SignalWindows
+from tests.policies.ticking import Ticking
 
 POOL = "pool/decode"
 KEY = FindingKey("spec_decode_collapse", POOL)
@@ -216,3 +217,21 @@ def test_a_pool_that_stops_reporting_resolves() -> None:
     pool.ts += 1000.0
     [(_, why)] = pool.run(opening).resolved
     assert "no longer reports" in why
+
+
+def test_a_drop_in_acceptance_stays_open_while_the_yield_hides_it() -> None:
+    """Acceptance 0.70 -> 0.46 with 3 draft tokens: the yield falls only to 0.58, above its own recovery bar, so a
+    finding opened on the acceptance must not resolve on the yield and reopen a tick later."""
+    w, rng, k, pool = SignalWindows(3 * 3600), random.Random(1), 3, "pool/p"
+    ticking = Ticking(SpecDecodeCollapse(), w, {"p": PoolState("p", "decode", 2, 2, 1, 4)})
+    t = 0.0
+    for i in range(160):
+        t += 15.0
+        a = (0.70 if i < 120 else 0.46) + rng.gauss(0, 0.005)
+        for name, value in (("spec_yield", a * k / (1 + a * k)), ("spec_acceptance_rate", a),
+                            ("generation_tokens_rate", 1000.0), ("spec_draft_rate", 1000.0 / (1 + a * k)),
+                            ("spec_mean_acceptance_length", 1 + a * k), ("tpot_p95", 0.03),
+                            *((f"spec_acceptance_pos_{n}", a ** (n + 1)) for n in range(k))):
+            w.add(t, pool, name, value)
+        ticking.tick(t)
+    assert len(ticking.events("open")) == 1 and ticking.events("resolve") == []
