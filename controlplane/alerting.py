@@ -282,8 +282,12 @@ class AlertNotifier:
             self._put(replace(old, ends_at=now), now)
 
     def restore(self, findings: Iterable[FindingRecord], now: float) -> None:
-        """Take in findings open at start-up, so their resolution reaches the receivers."""
-        for f in findings:
+        """Take in the findings open now (at start-up, or on leading again), so their resolution reaches the
+        receivers; one this replica still fires that another resolved meanwhile is resolved now."""
+        still = {f.id: f for f in findings}
+        for fid in [fid for fid in self._current if fid not in still]:
+            self._put(replace(self._current.pop(fid), ends_at=now), now)
+        for f in still.values():
             if f.id not in self._current:
                 self._fire(f, now, f.opened_at)
 

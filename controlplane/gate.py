@@ -70,6 +70,20 @@ MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as A
 _REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
 
 
+MAX_REPEATS = 3  # unbounded repeats in one selector regex: `.*-canary-.*` needs two
+
+
+def _costly(pattern: str) -> str | None:
+    """Why matching `pattern` could take exponential (or high polynomial) time, or None. Selectors come over the
+    HTTP API from whoever asks, and Python's `re` backtracks: a repeated group (`(a|aa)*`) or many unbounded
+    repeats would stall the event loop the control loop shares."""
+    if re.search(r"\)(?:[*+]|\{\d*,)", pattern):
+        return "repeats a group, which can take exponential time to match: repeat single characters or classes"
+    if len(re.findall(r"(?<!\\)[*+]|\{\d*,\}", pattern)) > MAX_REPEATS:
+        return f"has more than {MAX_REPEATS} unbounded repeats"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ArmSelector:
     """Which pods form an arm: a Kubernetes label selector over the labels a source knows (every source
@@ -89,6 +103,8 @@ class ArmSelector:
             raise GateInputError(f"selector {text!r}: {exc}") from None
         for clause in clauses:
             if m := _REGEX_CLAUSE.match(clause):
+                if why := _costly(m["value"]):
+                    raise GateInputError(f"selector {text!r}: clause {clause!r} {why}")
                 try:
                     regexes.append((m["key"], m["op"] == "=~", re.compile(m["value"])))
                 except re.error as exc:
@@ -406,6 +422,13 @@ class GateBook:
         """The verdict of this rollout's gate now. GateError for a bad selector or a failing source."""
         self._forget(now)
         lock = self._locks.setdefault(key, asyncio.Lock())
+        try:
+            return await self._consult(key, lock, now, settings)
+        finally:
+            if key not in self._sessions:  # a bad selector or a full book: nothing to keep a lock for
+                self._locks.pop(key, None)
+
+    async def _consult(self, key: GateKey, lock: asyncio.Lock, now: float, settings: GateSettings | None) -> Verdict:
         async with lock:  # Argo and a person may ask at once: one read of each step
             entry = self._sessions.get(key)
             if entry is None:

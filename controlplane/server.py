@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLEETCTL_API_TOKEN"
 MAX_NAME = 255
+MAX_ID = 2**63 - 1  # the largest id a BIGINT column holds
 
 
 def _health(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:
@@ -130,6 +131,9 @@ class _Decide(_Json):
             return
         by = by.strip()
         aid = int(action_id)
+        if aid > MAX_ID:  # no store holds it, and a database refuses to compare with it
+            self.fail(404, f"no action {aid}")
+            return
         try:
             action = await self.loop.store.decide(aid, approve=verb == "approve", by=by, now=self.loop.clock.now(),
                                                   via="api")

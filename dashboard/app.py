@@ -42,6 +42,8 @@ with st.sidebar:
         pinned_at = float(pinned) if pinned else None
     except ValueError:
         pinned_at = None
+    if pinned_at is not None and not 0 < pinned_at < time.time() + 86400 * 365:
+        pinned_at = None  # a link's `end` that is no time this store could hold (inf, nan, 1e20): live
     live = pinned_at is None
     end = pinned_at if pinned_at is not None else latest if latest is not None else time.time()
     if live:

@@ -214,6 +214,11 @@ DEFAULT_METRICS = (
 )
 
 
+MIN_STEP_S = 1.0
+MAX_WINDOW_S = 86400.0
+MAX_STEPS = 10_000
+
+
 class GateSettings(Settings):
     """How the gate judges: the metrics, the error bound and the window."""
 
@@ -235,6 +240,14 @@ class GateSettings(Settings):
             raise ValueError(f"metrics: {sorted({n for n in names if names.count(n) > 1})} listed twice")
         if self.marginal_score > self.pass_score:
             raise ValueError("marginal_score exceeds pass_score")
+        # A gate answers within a day, reading at most every second: a step that does not move time on, or a
+        # window of months, would never end (the HTTP API takes both from whoever asks).
+        if self.step < MIN_STEP_S:
+            raise ValueError(f"step {self.step:g}s is under {MIN_STEP_S:g}s")
+        if self.max_window > MAX_WINDOW_S:
+            raise ValueError(f"max_window {self.max_window:g}s is over a day ({MAX_WINDOW_S:g}s)")
+        if self.max_window / self.step > MAX_STEPS:
+            raise ValueError(f"max_window over step is {self.max_window / self.step:.0f} steps, over {MAX_STEPS}")
         return self
 
 

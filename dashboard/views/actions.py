@@ -9,6 +9,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from controlplane.store.db import redact
 from dashboard import common as c
 
 w = c.window()
@@ -35,8 +36,9 @@ for a in proposed:
         if a["finding_id"] is not None:
             c.link("incidents", f"Incident #{a['finding_id']}", finding=a["finding_id"])
         if token is None:
-            st.code(f"fleetctl actions approve {a['id']} --db '{c.store_url()}'\n"
-                    f"fleetctl actions reject {a['id']} --db '{c.store_url()}'", language="bash")
+            db = redact(c.store_url())  # never the store's password on a page anyone with the link reads
+            st.code(f"fleetctl actions approve {a['id']} --db '{db}'\n"
+                    f"fleetctl actions reject {a['id']} --db '{db}'", language="bash")
             continue
         cols = st.columns([3, 1, 1])
         by = cols[0].text_input("Decided by", value=os.environ.get("USER") or "operator", key=f"by_{a['id']}")

@@ -402,3 +402,15 @@ async def test_open_findings_at_start_are_restored_so_their_resolution_is_sent(r
     assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"]
     assert receiver.payloads[0]["alerts"][0]["startsAt"] == rfc3339(T0 - 3600)
     await n.aclose()
+
+
+async def test_leading_again_resolves_what_another_replica_resolved_meanwhile(receiver: Receiver) -> None:
+    n = notifier(alerting(receiver.url, group_wait=0))
+    f = finding(4, "saturation", "pool/decode", opened_at=T0 - 3600)
+    n.restore([f], T0)
+    await step(n, T0 + 60)
+    n.restore([], T0 + 600)  # this replica lost the lease; the other resolved the finding; it leads again
+    await step(n, T0 + 660)
+    await step(n, T0 + 960)
+    assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"]
+    await n.aclose()

@@ -57,7 +57,9 @@ def test_selectors_match_labels_and_regexes_and_become_promql() -> None:
 
 
 @pytest.mark.parametrize(("text", "why"), [("", "selects every pod"), ("pod=~a**", "not a regular expression"),
-                                           ("pod=~(", "unbalanced"), ("a in (b", "unbalanced")])
+                                           ("pod=~(", "unbalanced"), ("a in (b", "unbalanced"),
+                                           ("pod=~(.|.|.)*!", "repeats a group"),  # exponential backtracking
+                                           ("pod=~.*.*.*.*x", "more than 3 unbounded repeats")])
 def test_bad_selectors_are_refused_naming_them(text: str, why: str) -> None:
     with pytest.raises(GateError, match=why):
         ArmSelector.parse(text)
@@ -305,6 +307,10 @@ async def test_the_gate_book_keeps_one_session_per_rollout_and_records_the_decis
     assert len(sources) == 2
     with pytest.raises(GateError, match="selects every pod"):
         await book.consult(GateKey("decode", "", "pod=b"), t)
+    for i in range(100):  # requests that start nothing leave nothing behind
+        with pytest.raises(GateError):
+            await book.consult(GateKey("decode", "", f"pod=b{i}"), t)
+    assert len(book._locks) == len(book._sessions) == 2
 
 
 def test_reports_for_ci() -> None:

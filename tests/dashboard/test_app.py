@@ -182,6 +182,9 @@ def test_a_link_can_pin_the_time_range(monkeypatch: pytest.MonkeyPatch, demo_db:
     at = render(monkeypatch, f"sqlite:///{demo_db}", "pool", query={"end": str(end), "range": "3 h"})
     assert at.selectbox(key="range").value == "3 h"
     assert any(c.value.startswith("Pinned to") for c in at.sidebar.caption)
+    for odd in ("inf", "nan", "1e20"):  # no time a store holds: the page is live, not a traceback
+        at = render(monkeypatch, f"sqlite:///{demo_db}", "pool", query={"end": odd})
+        assert not at.exception and any(c.value.startswith("Live") for c in at.sidebar.caption)
 
 
 def test_slos_come_from_the_fleet_file(monkeypatch: pytest.MonkeyPatch, demo_db: Path, tmp_path: Path) -> None:

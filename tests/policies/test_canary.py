@@ -255,6 +255,13 @@ def test_settings_refuse_what_cannot_work() -> None:
         MetricRule(name="tpot", statistic="p95x")
     with pytest.raises(ValidationError, match="at least one metric"):
         GateSettings(metrics=())
+    # the HTTP API takes both from whoever asks: a step that does not move time on, a window of months
+    with pytest.raises(ValidationError, match="step 1e-07s is under 1s"):
+        GateSettings(step="0.0001ms")
+    with pytest.raises(ValidationError, match="over a day"):
+        GateSettings(max_window="100000d")
+    with pytest.raises(ValidationError, match="steps, over 10000"):
+        GateSettings(step="1s", max_window="20000s")
 
 
 # the reference judges ---------------------------------------------------------------------------------
