@@ -491,16 +491,21 @@ def test_each_pool_reads_its_share_from_the_histogram_spelling_it_has() -> None:
     assert over == {"pool/new": pytest.approx(0.10), "pool/old": pytest.approx(0.50)}
 
 
-def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
+def ttft_buckets_of(second: str) -> Callable[[str], list[dict[str, Any]]]:
+    """Pool a's TTFT buckets (10 % over 0.5 s) and pool `second`'s, whose 0.5 s bound reads `le="half"`."""
     def answer(query: str) -> list[dict[str, Any]]:
         if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
             if "time_to_first_token" not in query:
                 return []
             return [_row(90.0, pool="a", le="0.5"), _row(100.0, pool="a", le="+Inf"),
-                    _row(90.0, pool="b", le="half"), _row(100.0, pool="b", le="+Inf")]
+                    _row(90.0, pool=second, le="half"), _row(100.0, pool=second, le="+Inf")]
         return _answer(query)
 
-    out = PrometheusSource(URL, client=FakeClient(answer)).signals(
+    return answer
+
+
+def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
+    out = PrometheusSource(URL, client=FakeClient(ttft_buckets_of("b"))).signals(
         1.0, 30.0, objectives={"a": Objectives(ttft=0.5), "b": Objectives(ttft=0.5)})
     assert {s.subject: s.value for s in out.signals if s.name == "ttft_over_slo"} == {"pool/a": pytest.approx(0.10)}
     [bad] = out.malformed
@@ -510,14 +515,7 @@ def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
 
 def test_a_pool_without_an_objective_is_not_read_for_a_share() -> None:
     # Pool c has no TTFT objective: its buckets, bad bound and all, are none of the share's business.
-    def answer(query: str) -> list[dict[str, Any]]:
-        if "_bucket" in query and "sum by (pool, le)" in query and "histogram_quantile" not in query:
-            if "time_to_first_token" not in query:
-                return []
-            return [_row(90.0, pool="a", le="0.5"), _row(100.0, pool="a", le="+Inf"),
-                    _row(90.0, pool="c", le="half"), _row(100.0, pool="c", le="+Inf")]
-        return _answer(query)
-
-    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, objectives={"a": Objectives(ttft=0.5)})
+    out = PrometheusSource(URL, client=FakeClient(ttft_buckets_of("c"))).signals(
+        1.0, 30.0, objectives={"a": Objectives(ttft=0.5)})
     assert {s.subject: s.value for s in out.signals if s.name == "ttft_over_slo"} == {"pool/a": pytest.approx(0.10)}
     assert out.malformed == []
