@@ -72,4 +72,7 @@ class StaleInputs:
                     reasons, {"inputs": dict(pool.stale_inputs)}, "stale-inputs"))
             elif key in inp.open_findings:
                 result.resolved.append((key, "its inputs are fresh again"))
+        pools = {f"pool/{name}" for name in inp.pools}
+        result.resolved += [(key, "the pool is no longer in the fleet file") for key in inp.open_findings
+                            if key.kind == KIND and key.subject not in pools]
         return result

@@ -48,6 +48,9 @@ def test_the_finding_names_each_stale_input_and_resolves_when_all_are_fresh() ->
     open_ = {key: OpenFinding(key, NOW - 60, {})}
     result = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state({})}, open_))
     assert result.findings == [] and result.resolved == [(key, "its inputs are fresh again")]
+    # the pool left the fleet file: nothing will report it fresh again
+    result = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"prefill": state({})}, open_))
+    assert result.resolved == [(key, "the pool is no longer in the fleet file")]
 
 
 @given(st.lists(st.sampled_from([0.0, 1.0, 7.0]), min_size=1, max_size=40))
