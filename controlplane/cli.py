@@ -337,13 +337,16 @@ def rules() -> None:
 @click.option("--runbook-base-url", default=None,
               help="Runbook links are URL/<kind>, or URL with {kind} filled in.  [default: a placeholder]")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Fleet file: SLO rules take each pool's configured objective as threshold.")
+              help="Fleet file: SLO rules take each pool's configured objective as threshold, and runbook links "
+                   "its alerting.runbook_base_url unless --runbook-base-url is given.")
 def rules_export(out: Path | None, namespace: str | None, runbook_base_url: str | None, config_file: Path | None) -> None:
     """Write the static alert rules as a PrometheusRule manifest (monitoring.coreos.com/v1)."""
     from controlplane.config import load_config
     from controlplane.rules_export import build_manifest, dump_manifest
 
     cfg = load_config(config_file) if config_file is not None else None
+    if runbook_base_url is None and cfg is not None and cfg.alerting is not None:
+        runbook_base_url = cfg.alerting.runbook_base_url  # the links the control plane's own alerts carry
     text = dump_manifest(build_manifest(namespace=namespace, runbook_base_url=runbook_base_url, config=cfg))
     if out is None:
         click.echo(text, nl=False)

@@ -69,6 +69,9 @@ def test_slo_rules_follow_the_fleet_files_objectives() -> None:
     assert 'bucket{pool="prefill"}' in ttft[0]["expr"] and 'bucket{pool!~"prefill"}' in ttft[1]["expr"]
     tpot = [r for r in rules if r["alert"] == "VLLMTimePerOutputTokenHigh"]
     assert [r["expr"].rsplit(" ", 1)[1] for r in tpot] == ["0.06", "0.1"]
+    # the runbook links the control plane's own alerts carry, from the same fleet file
+    assert {r["annotations"]["runbook_url"].rsplit("/", 1)[0] for r in rules} == {
+        "https://runbooks.example.com/fleet-controlplane"}
 
 
 def test_an_unwritable_out_file_is_an_input_error(tmp_path: Path) -> None:
