@@ -436,3 +436,9 @@ def advice_section(rows: list[dict[str, Any]]) -> None:
         st.dataframe(pd.DataFrame([{"advice": r["advice"], "metric": r["metric"], "predicted": r["predicted"],
                                     "measured": r["measured"], "error": f"{r['error']:+.0%}"} for r in scored]),
                      hide_index=True)
+
+
+def literal(text: object) -> str:
+    """`text` as a markdown code span: what the gate API was sent (selectors, names) shows as typed, never as a
+    link or formatting."""
+    return "`" + str(text).replace("`", "'").replace("\n", " ") + "`"

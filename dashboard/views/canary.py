@@ -66,8 +66,8 @@ by_id = {str(v["id"]): v for v in verdicts}
 choice = c.select("Verdict", list(by_id), "verdict", c.chosen("verdict"),
                   format_func=lambda i: f"#{i} {by_id[i]['gate']} {by_id[i]['pool']}: {by_id[i]['result']}")
 v = by_id.get(choice or "", verdicts[0])
-st.markdown(f"**#{v['id']} {v['gate']}** on {v['pool']}: {v['baseline']} → {v['canary']} · **{v['result']}**"
-            + ("" if v["score"] is None else f" · score {v['score']:.1f}"))
+st.markdown(f"**#{v['id']}** {c.literal(v['gate'])} on {c.literal(v['pool'])}: {c.literal(v['baseline'])} → "
+            f"{c.literal(v['canary'])} · **{v['result']}**" + ("" if v["score"] is None else f" · score {v['score']:.1f}"))
 details = v["details"] or {}
 if details.get("reason"):
     st.markdown(f"**Why:** {details['reason']}")

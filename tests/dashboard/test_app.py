@@ -332,3 +332,9 @@ def test_read_errors_become_store_unavailable(sqlite_url: str) -> None:
     with pytest.raises(StoreUnavailable, match="latest_ts: no such table"):
         store.latest_ts()
     store.engine.dispose()
+
+
+def test_what_the_gate_api_was_sent_shows_as_typed_never_as_a_link() -> None:
+    from dashboard.common import literal
+
+    assert literal("pod=~[login](https://evil.example)`x") == "`pod=~[login](https://evil.example)'x`"
