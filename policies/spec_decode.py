@@ -388,16 +388,22 @@ def _nth_newest_ts(w: SignalWindows, subject: str, name: str, n: int) -> float:
 
 
 def _config_change(w: SignalWindows, subject: str) -> float:
-    """Just after the last point of a position the pool no longer reports, else -inf.
+    """When num_speculative_tokens last changed, as far as the history shows, else -inf.
 
-    Fewer positions now than before means num_speculative_tokens was lowered: older yields belong
-    to the old configuration. No positions at all now says nothing (drafts vanished, or idle).
+    Fewer positions now than before means it was lowered (just after the last point of the first
+    position no longer reported); a highest position that began reporting within the history means
+    it was raised (that position's first point). Either way older yields belong to the old
+    configuration. No positions at all now says nothing (drafts vanished, or idle).
     """
     now_positions = _positions(w, subject, _nth_newest_ts(w, subject, YIELD, 1))
     if now_positions == 0:
         return float("-inf")
     gone = w.series(subject, _position(now_positions))
-    return gone[-1][0] + 1e-6 if gone else float("-inf")
+    lowered = gone[-1][0] + 1e-6 if gone else float("-inf")
+    newest = w.series(subject, _position(now_positions - 1))
+    earliest = w.series(subject, YIELD)
+    raised = newest[0][0] if newest and earliest and newest[0][0] > earliest[0][0] else float("-inf")
+    return max(lowered, raised)
 
 
 def _round(value: float | None, digits: int) -> float | None:

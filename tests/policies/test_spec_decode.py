@@ -211,6 +211,14 @@ def test_retuning_resolves_once_tpot_is_back_and_rebaselines() -> None:
         assert not pool.tick([0.3], tpot=0.030).run().findings
 
 
+def test_raising_the_draft_tokens_rebaselines_instead_of_reading_as_a_collapse() -> None:
+    # num_speculative_tokens 2 -> 4: the mean acceptance per draft falls as the new positions accept less, with
+    # nothing broken; the yields before the change belong to the old configuration.
+    pool = Pool().tick([0.8, 0.6], n=120)
+    for _ in range(40):
+        assert not pool.tick([0.8, 0.6, 0.3, 0.1]).run().findings
+
+
 def test_a_pool_that_stops_reporting_resolves() -> None:
     pool = healthy().tick(JSON, tpot=0.045, n=2)
     opening = opened(pool)
