@@ -136,7 +136,7 @@ def test_autoscale_eval_adds_dynamo_s_rows(dynamo_python: Path) -> None:
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     [trace] = data["traces"]
-    assert [r["strategy"] for r in trace["strategies"]] == ["static", "hpa", "dynamo", "ours", "oracle"]
+    assert [r["strategy"] for r in trace["strategies"]] == ["static", "hpa", "dynamo", "ours", "causal", "oracle"]
     assert {r["configuration"] for r in trace["peer_configurations"]} == {"sla-constant", "throughput"}
     assert data["goals"][-1]["name"] == "traces where ours beats dynamo's best configuration"
     bad = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "eval", "--peers", "dynamo",
