@@ -309,7 +309,7 @@ class ControlLoop:
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
                 stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
-                unreadable=unreadable,
+                unreadable=unreadable, rolling=rep.rolling if rep else False,
             )
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
@@ -656,7 +656,7 @@ class ControlLoop:
 
 
 def _unsettled(pools: dict[str, PoolState]) -> list[str]:
-    return [name for name, p in pools.items() if p.ready != p.desired]
+    return [name for name, p in pools.items() if p.ready != p.desired or p.rolling]
 
 
 def _caused_by(finding_id: int, action: ActionRecord) -> bool:

@@ -179,10 +179,11 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if last is not None and now - last < cooldown:
         return _held(RailsReason.COOLDOWN, f"{kind} on {pool.name} is cooling down for {cooldown - (now - last):.0f}s more")
     if kind in DISRUPTIVE:
-        # Another pool mid-change (an action running, or engines still coming up after one) holds
-        # every disruptive change back: one pool at a time.
+        # Another pool mid-change (an action running, engines still coming up after one, a new template rolling
+        # out) holds every disruptive change back: one pool at a time. So does the pool's own rollout, while
+        # scaling it goes on (Argo Rollouts and Deployments scale a pool mid-rollout in proportion).
         busy = sorted({a.pool for a in history if a.pool != pool.name and a.state == ActionState.STARTED}
-                      | {p for p in unsettled if p != pool.name})
+                      | {p for p in unsettled if p != pool.name} | ({pool.name} if pool.rolling else set()))
         if busy:
             return _held(RailsReason.ROLLOUT_IN_FLIGHT, f"{', '.join(busy)} is still changing: one pool at a time")
     if kind in _RESTARTS_POOL and pool.gang > max(1, pool.max_unavailable or 1):

@@ -263,6 +263,7 @@ class PoolState:
     stale_inputs: Mapping[str, str] = field(default_factory=dict)
     # Why the pool's workload could not be read this tick (its replicas are the last ones read); None: it was.
     unreadable: str | None = None
+    rolling: bool = False  # a new pod template is still rolling out (engines restarting, with all ready or not)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,9 @@ class PoolReplicas:
     ready: int
     max_unavailable: int | None = None  # the workload's rollout budget; None where it has none
     gang: int = 1  # engines restarted together when any one is (a LeaderWorkerSet group's size)
+    # A new pod template is still rolling out: old pods serve beside new ones (a maxSurge rollout keeps them ready),
+    # or the controller has not caught up with the spec yet.
+    rolling: bool = False
 
 
 @dataclass(frozen=True, slots=True)

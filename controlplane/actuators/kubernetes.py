@@ -151,15 +151,15 @@ def _merge_to(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str
     return patch
 
 
-def _ready(obj: Mapping[str, Any]) -> int:
-    """Replicas ready on the workload's current spec: a rollout that keeps old pods ready while new ones start
-    (maxUnavailable 0) is not settled, nor is a spec its controller has not caught up with yet."""
-    ready = int(_dig(obj, ("status", "readyReplicas"), 0) or 0)
+def _rolling(obj: Mapping[str, Any]) -> bool:
+    """Whether a new pod template is still rolling out: fewer replicas on it than the spec asks (a maxSurge rollout
+    keeps the old pods ready meanwhile, so the ready count does not show it), or a spec its controller has not
+    caught up with yet."""
     generation, observed = _dig(obj, ("metadata", "generation")), _dig(obj, ("status", "observedGeneration"))
     if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
-        return 0
+        return True
     updated = _dig(obj, ("status", "updatedReplicas"))
-    return ready if updated is None else min(ready, int(updated))
+    return updated is not None and int(updated) < int(_dig(obj, ("spec", "replicas"), 1))
 
 
 def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
@@ -286,10 +286,10 @@ class KubernetesActuator:
         desired = int(_dig(obj, ("spec", "replicas"), 1))
         size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
         replicas = PoolReplicas(
-            desired * size, _ready(obj) * size,
+            desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
-            gang=size)
+            gang=size, rolling=_rolling(obj))
         return replicas, await self._revision_time(w, obj)
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:

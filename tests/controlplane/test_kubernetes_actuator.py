@@ -146,20 +146,21 @@ async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiSer
     assert view.changed_at["router"] == 1_796_118_900.0
 
 
-@pytest.mark.parametrize(("status", "ready"), [
-    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 5}, 3),
-    ({"readyReplicas": 3, "updatedReplicas": 1, "observedGeneration": 5}, 1),  # maxSurge 1: old pods still ready
-    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 4}, 0),  # a spec not yet reconciled
+@pytest.mark.parametrize(("status", "rolling"), [
+    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 5}, False),
+    ({"readyReplicas": 3, "updatedReplicas": 1, "observedGeneration": 5}, True),  # maxSurge 1: old pods still ready
+    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 4}, True),  # a spec not yet reconciled
 ])
-async def test_a_rollout_in_progress_reads_as_unsettled(server: ApiServer, api: client.ApiClient,
-                                                        status: dict[str, int], ready: int) -> None:
+async def test_a_rollout_in_progress_reads_as_rolling(server: ApiServer, api: client.ApiClient,
+                                                      status: dict[str, int], rolling: bool) -> None:
     dep = deployment(replicas=3)
     dep["metadata"]["generation"] = 5
     dep["status"] = status
     server.put(DEPLOYMENTS, dep)
     server.put(DEPLOYMENTS, deployment("epp", replicas=1))
     view = await actuator(api).observe()
-    assert (view.pools["decode"].desired, view.pools["decode"].ready) == (3, ready)
+    decode = view.pools["decode"]
+    assert (decode.desired, decode.ready, decode.rolling) == (3, 3, rolling), "ready counts every ready pod"
 
 
 async def test_a_workload_that_cannot_be_read_leaves_the_other_pools_known(server: ApiServer,
