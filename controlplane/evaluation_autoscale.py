@@ -260,11 +260,11 @@ def causal_rule(scenario: Scenario, needs: Mapping[str, list[int]]) -> CausalRul
     for window in CAUSAL_WINDOWS:
         for extra in CAUSAL_EXTRA:
             rule = CausalRule(dict(needs), window, extra, start, ceiling)
-            held = {pool: [rule(60.0 * max(0, m - lags[pool]) if m >= lags[pool] else 0.0)[pool]
-                           for m in range(minutes)] for pool in needs}
+            held = {pool: [rule(60.0 * max(0, m - lags[pool]))[pool] for m in range(minutes)] for pool in needs}
             kept = sum(all(held[p][m] >= needs[p][m] for p in needs) for m in range(minutes))
-            cost = sum(sum(h) for h in held.values())
-            key = (kept < ATTAINMENT_GOAL * minutes, -kept if kept < ATTAINMENT_GOAL * minutes else 0, cost)
+            short = kept < ATTAINMENT_GOAL * minutes
+            # Those that keep the goal by cost alone; short of it, the most minutes first.
+            key = (short, -kept if short else 0, sum(sum(h) for h in held.values()))
             if best is None or key < best[0]:
                 best = (key, rule)
     assert best is not None

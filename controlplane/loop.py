@@ -127,10 +127,13 @@ class ControlLoop:
         self._waiting.clear()  # whatever waited before leadership was lost is taken over from the audit log
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
-        for action in await self.store.actions(states=[ActionState.STARTED]):
-            await self._take_over(action, now)
+        started = await self.store.actions(states=[ActionState.STARTED])
+        # Read the fleet once for all of them: a redo is checked against the pools as they are now.
+        pools = await self._pools(now, TickReport(ts=now)) if started else {}
+        for action in started:
+            await self._take_over(action, now, pools)
 
-    async def _take_over(self, action: ActionRecord, now: float) -> None:
+    async def _take_over(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> None:
         try:
             change = change_from_dict(action.params["change"])
         except (KeyError, TypeError, ValueError):  # a row from before changes were typed
@@ -159,7 +162,7 @@ class ControlLoop:
                                                        "not repeated"})
             self.telemetry.actions.labels(action.kind, "succeeded").inc()
         else:
-            decision = await self._redo(action, now)
+            decision = await self._redo(action, now, pools)
             if decision.reason is not RailsReason.ALLOWED or decision.change is None:
                 # Known not to have happened, and the fleet or the rules moved since: it fails, and whatever
                 # still needs doing is proposed again from fresh numbers.
@@ -172,14 +175,13 @@ class ControlLoop:
             order = replace(order, change=decision.change)
             await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
 
-    async def _redo(self, action: ActionRecord, now: float) -> RailsDecision:
+    async def _redo(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> RailsDecision:
         """Whether an action a stopped control plane started but never applied may still be carried out: the rails
         again, on the pool as it is now, within `proposal_ttl` of its creation, as an approval that was never run."""
         rails = self.config.rails
         if now - action.created_at >= rails.proposal_ttl:
             return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
                                                           f"proposal_ttl ({rails.proposal_ttl:g}s)")
-        pools = await self._pools(now, TickReport(ts=now))
         history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
                        supported=self.actuator.kinds, unsettled=_unsettled(pools))
