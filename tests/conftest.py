@@ -40,11 +40,11 @@ def pg_admin() -> Iterator[str]:
     yield PG_ADMIN_URL
 
 
-def _fresh_pg_database(admin_url: str) -> tuple[str, str]:
+def _fresh_pg_database(admin_url: str, options: str = "") -> tuple[str, str]:
     name = f"fleet_test_{uuid.uuid4().hex[:10]}"
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}" {options}'))
     admin.dispose()
     return make_url(admin_url).set(database=name).render_as_string(hide_password=False), name
 
@@ -60,6 +60,15 @@ def _drop_pg_database(admin_url: str, name: str) -> None:
 def pg_url(pg_admin: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database, dropped after the test."""
     url, name = _fresh_pg_database(pg_admin)
+    yield url
+    _drop_pg_database(pg_admin, name)
+
+
+@pytest.fixture
+def pg_url_blind_to_punctuation(pg_admin: str) -> Iterator[str]:
+    """A fresh PostgreSQL database whose default collation ignores punctuation, as glibc's en_US does."""
+    url, name = _fresh_pg_database(pg_admin, "TEMPLATE template0 LOCALE 'C.UTF-8' LOCALE_PROVIDER icu "
+                                             "ICU_LOCALE 'en-US-u-ka-shifted'")
     yield url
     _drop_pg_database(pg_admin, name)
 

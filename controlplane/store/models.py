@@ -36,6 +36,14 @@ NAMING = {
 }
 
 
+# Keys that the store walks in order (`ReadStore.subjects`, `names`) compare byte by byte on
+# PostgreSQL whatever the database's collation: glibc's en_US ignores punctuation and would sort
+# `engine/p10/...` between two keys of `engine/p1/`, cutting a pool's subject list short.
+# SQLite already compares bytes (its BINARY collation) and has no collation named "C".
+def _key(length: int) -> String:
+    return String(length).with_variant(String(length, collation="C"), "postgresql")  # type: ignore[return-value]
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map = {dict[str, Any]: JSON}  # noqa: RUF012 (read by SQLAlchemy at class creation)
@@ -65,8 +73,8 @@ class SignalRow(Base):
 
     __tablename__ = "signals"
 
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    subject: Mapped[str] = mapped_column(String(255), primary_key=True)
+    name: Mapped[str] = mapped_column(_key(64), primary_key=True)
+    subject: Mapped[str] = mapped_column(_key(255), primary_key=True)
     ts: Mapped[float] = mapped_column(Float, primary_key=True)
     value: Mapped[float] = mapped_column(Float)
 
@@ -79,8 +87,8 @@ class SignalRollupRow(Base):
     __tablename__ = "signal_rollups"
 
     resolution: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    subject: Mapped[str] = mapped_column(String(255), primary_key=True)
+    name: Mapped[str] = mapped_column(_key(64), primary_key=True)
+    subject: Mapped[str] = mapped_column(_key(255), primary_key=True)
     bucket: Mapped[float] = mapped_column(Float, primary_key=True)
     count: Mapped[int] = mapped_column(Integer)
     sum: Mapped[float] = mapped_column(Float)

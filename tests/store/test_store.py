@@ -54,6 +54,23 @@ def test_models_match_the_migrations(store: SqlStore) -> None:
     assert diff == []
 
 
+@pytest.mark.postgres
+def test_a_pools_subjects_are_all_listed_whatever_the_databases_collation(pg_url_blind_to_punctuation: str) -> None:
+    url = pg_url_blind_to_punctuation
+    migrate.upgrade(url)
+    store = SqlStore.open(url)
+    try:
+        subjects = ["engine/p1/a/0", "engine/p1/b/0", "engine/p10/x/0", "engine/p1-b/y/0"]
+        store.write_signals([Signal(1000.0, s, "x", 1.0) for s in subjects])
+        store.compact(1000.0 + 7200, Retention(raw_s=30 * 86400, minute_s=30 * 86400, hour_s=30 * 86400))
+        reads = ReadStore(store.engine)
+        for level in (0, 60):
+            assert reads.subjects("x", "engine/p1/", resolution=level) == ["engine/p1/a/0", "engine/p1/b/0"]
+        assert reads.names("") == ["x"]
+    finally:
+        store.close()
+
+
 def test_unmigrated_and_unreachable_stores_are_named(db_url: str) -> None:
     with pytest.raises(StoreUnavailable, match="schema revision none.*fleetctl db upgrade"):
         SqlStore.open(db_url)
