@@ -41,7 +41,7 @@ NAMING = {
 # `engine/p10/...` between two keys of `engine/p1/`, cutting a pool's subject list short.
 # SQLite already compares bytes (its BINARY collation) and has no collation named "C".
 def _key(length: int) -> String:
-    return String(length).with_variant(String(length, collation="C"), "postgresql")  # type: ignore[return-value]
+    return String(length).with_variant(String(length, collation="C"), "postgresql")
 
 
 class Base(DeclarativeBase):
