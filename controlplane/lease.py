@@ -22,6 +22,7 @@ import asyncio
 import datetime
 import json
 import logging
+import math
 import socket
 import time
 import uuid
@@ -49,6 +50,11 @@ def identity() -> str:
 
 def _micro_time(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _whole(seconds: float) -> int:
+    """A Lease holds whole seconds: rounded up, so a follower never waits less than the leader counts on."""
+    return math.ceil(seconds)
 
 
 class LeaseLeadership:
@@ -94,7 +100,7 @@ class LeaseLeadership:
             return False
         body: dict[str, Any] = {
             "metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
-            "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": int(s.lease_duration),
+            "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": _whole(s.lease_duration),
                      "renewTime": _micro_time(self.wall())},
         }
         if holder != self.identity:
@@ -118,7 +124,7 @@ class LeaseLeadership:
         s = self.settings
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": s.name, "namespace": s.namespace},
-                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": int(s.lease_duration),
+                "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": _whole(s.lease_duration),
                          "acquireTime": _micro_time(self.wall()), "renewTime": _micro_time(self.wall()), "leaseTransitions": 0}}
         try:
             await self._call(self._api.create_namespaced_lease, s.namespace, body)

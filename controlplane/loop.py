@@ -131,6 +131,8 @@ class ControlLoop:
         # Read the fleet once for all of them: a redo is checked against the pools as they are now.
         pools = await self._pools(now, TickReport(ts=now)) if started else {}
         for action in started:
+            if not self.leading():  # the Lease was lost during the slow reads above: the new leader takes over
+                return
             await self._take_over(action, now, pools)
 
     async def _take_over(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> None:
@@ -170,6 +172,8 @@ class ControlLoop:
                 await self.store.transition(action.id, ActionState.STARTED, ActionState.FAILED, now,
                                             {"error": error, "rails": str(decision.reason)}, error=error)
                 self.telemetry.actions.labels(action.kind, "failed").inc()
+                return
+            if not self.leading():
                 return
             await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
             order = replace(order, change=decision.change)

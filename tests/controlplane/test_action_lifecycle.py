@@ -284,6 +284,16 @@ async def test_a_take_over_redoes_only_what_the_rails_allow_now(clock: VirtualCl
     assert why in (action.error or "") and "not applied before the stop" in (action.error or "")
 
 
+async def test_a_replica_that_does_not_lead_takes_nothing_over(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools(already=False)
+    action_id = await started_elsewhere(store, clock.now())
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    loop.leading = lambda: False  # the Lease was lost while it read the history
+    await loop.start()
+    [action] = await store.actions()
+    assert (action.id, action.state, pools.calls) == (action_id, S.STARTED, []), "left for the leader"
+
+
 async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> None:
     store, pools = MemoryStore(), Pools(already=False)
     action_id = await started_elsewhere(store, clock.now())

@@ -109,3 +109,19 @@ async def test_release_hands_over_at_once(server: ApiServer, api: client.ApiClie
 def test_settings_that_would_let_two_replicas_act_at_once_are_refused() -> None:
     with pytest.raises(ValueError, match="renew_deadline .* < lease_duration"):
         LeaderElection(namespace=NS, lease_duration=10, renew_deadline=10, retry_period=2)
+
+
+async def test_a_fractional_lease_duration_is_written_rounded_up(server: ApiServer, api: client.ApiClient) -> None:
+    # The Lease holds whole seconds; truncating 10.9 s to 10 would let a follower take over while the
+    # leader, renewing within 10.5 s, still counted itself leader.
+    s = LeaderElection(namespace=NS, lease_duration=10.9, renew_deadline=10.5, retry_period=2)
+    ca, cb = Clock(), Clock()
+    a = LeaseLeadership(api, s, clock=ca, wall=lambda: 1_796_117_400.0, name="a", timeout=2.0)
+    b = LeaseLeadership(api, s, clock=cb, wall=lambda: 1_796_117_400.0, name="b", timeout=2.0)
+    assert await a.contend() is True
+    assert lease(server)["spec"]["leaseDurationSeconds"] == 11
+    assert await b.contend() is False
+    ca.t += 10.2
+    cb.t += 10.2
+    assert a.leading() is True
+    assert await b.contend() is False, "a follower took over while the leader still led"
