@@ -349,8 +349,9 @@ class ControlLoop:
             (None, prop) for p in report.plans if (prop := p.proposal()) is not None]
         if proposals and self.config.mode is Mode.OBSERVE:
             # Observing, the fleet never moves, so the same plan would be advised again every cooldown:
-            # a pool's advice is written once until its target changes.
-            advised = {a.pool: a.params.get("replicas") for a in sorted(
+            # a pool's advice is written once until its target changes (the target asked for, not the step the
+            # rails allow towards it, which never equals a target more than `max_step` away).
+            advised = {a.pool: a.params.get("asked_replicas", a.params.get("replicas")) for a in sorted(
                 await self.store.recent_actions(since=inp.now - 3600.0), key=lambda a: a.created_at)
                 if a.kind == ActionKind.SCALE_POOL and a.finding_id is None and a.state is ActionState.ADVISORY}
             proposals = [(f, p) for f, p in proposals if advised.get(p.pool) != getattr(p.change, "replicas", None)]
@@ -478,6 +479,8 @@ class ControlLoop:
         }
         if decision.target_replicas is not None:
             params["replicas"] = decision.target_replicas
+        if (asked := getattr(proposal.change, "replicas", None)) is not None:
+            params["asked_replicas"] = asked
         action = await self.store.create_action(NewAction(
             finding_id=finding_id, kind=str(proposal.kind), pool=proposal.pool, params=params, mode=str(mode),
             reason=f"{proposal.reason}; rails: {decision.note}"), now)

@@ -362,3 +362,6 @@ async def test_observing_the_sizer_advises_each_target_once(sim: tuple, sqlite_s
     sizer.replicas = 5
     await h.ticks(5)
     assert [a.params["replicas"] for a in sqlite_store.actions()] == [4, 5], "a new target is advised again"
+    sizer.replicas = 9  # further than max_step (2): the rails advise a step towards it, once
+    await h.ticks(12)
+    assert [(a.params["replicas"], a.params["asked_replicas"]) for a in sqlite_store.actions()][2:] == [(5, 9)]
