@@ -13,7 +13,7 @@ from controlplane.config import Engine, FleetConfig
 from controlplane.sim.engine import BLOCK_TOKENS
 from controlplane.sim.perf import load_model
 from controlplane.store.base import Store
-from policies.autoscale import DESIRED, READY, Autoscaler, EngineCurves, SizerRun, plan_each
+from policies.autoscale import DESIRED, GANG, READY, Autoscaler, EngineCurves, SizerRun, plan_each
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import HISTORY_S, SignalWindows
 
@@ -58,7 +58,8 @@ async def plan_from_store(config: FleetConfig, store: Store, now: float) -> Size
         desired = windows.latest(subject, DESIRED)
         ready = windows.latest(subject, READY)
         pools[p.name] = PoolState(p.name, str(p.role), round(desired or 0), round(ready or 0), p.replicas.min,
-                                  p.replicas.max, p.slo.ttft_p95, p.slo.tpot_p95)
+                                  p.replicas.max, p.slo.ttft_p95, p.slo.tpot_p95,
+                                  gang=round(windows.latest(subject, GANG) or 1))
     findings = {FindingKey(f.kind, f.subject): OpenFinding(FindingKey(f.kind, f.subject), f.opened_at, f.evidence)
                 for f in await store.open_findings()}
     return plan_each(sizer, PolicyInput(now=now, windows=windows, pools=pools, open_findings=findings))

@@ -198,8 +198,14 @@ def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> R
     if isinstance(change, ScaleBy | ScaleTo):
         asked = change.replicas if isinstance(change, ScaleTo) else pool.desired + change.delta
         # A gang's engines (a LeaderWorkerSet group) come and go together: bounds and steps in whole groups, at
-        # least one group a step.
+        # least one group a step. A target is a need, so it is met in whole groups: 7 engines in groups of 4 are
+        # 8, and a pool of 8 asked for 7 keeps them (rounding down would halve it, and the next tick double it).
         g = max(1, pool.gang)
+        if isinstance(change, ScaleTo):
+            asked = -(-asked // g) * g
+            if asked == pool.desired:
+                return _held(RailsReason.AT_LIMIT, f"{pool.name} already has {pool.desired} engines: "
+                                                   f"{change.replicas} in whole groups of {g}")
         lo, hi = -(-pool.min_replicas // g) * g, pool.max_replicas // g * g
         # The bounds first, then the step: a pool above a lowered maximum that is asked for one more engine must
         # not lose two, and one below its minimum steps up, not past what was asked.

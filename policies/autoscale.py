@@ -66,6 +66,7 @@ __all__ = [
 # What the loop records each tick for every pool (from the actuator's view and from the sizer), so
 # start-up times, the stabilisation window and the dashboard read them back like any signal.
 DESIRED, READY = "replicas_desired", "replicas_ready"
+GANG = "replicas_gang"  # engines that come and go together (a LeaderWorkerSet group), recorded where more than one
 TARGET, FORECAST = "autoscale_target_replicas", "autoscale_forecast_rate"
 # Findings that say a pool is short of capacity (their evidence's `short_pools`): inputs to the sizer,
 # which alone sets replica counts.
@@ -654,9 +655,12 @@ class Autoscaler:
             target = max(recommended, pool.desired)
         else:
             target = stabilised(w, subject, inp.now, s.scale_down_after, recommended, pool.desired)
-            target = max(target, pool.desired - max(1, pool.desired // 4))
+            # A gang pool (a LeaderWorkerSet) sheds a whole group at least, or it could never shed one.
+            target = max(target, pool.desired - max(1, pool.gang, pool.desired // 4))
         held = target > recommended
         target = max(pool.min_replicas, min(pool.max_replicas, target))
+        if (g := pool.gang) > 1:  # the engines a gang pool can run: whole groups, within its maximum
+            target = max(g, min(-(-target // g) * g, pool.max_replicas // g * g))
         if held and target == pool.desired:
             why = "the SLO broke within" if breached_since or short else "lower targets last"
             reason += f"; held at {pool.desired} until {why} {s.scale_down_after:.0f}s"

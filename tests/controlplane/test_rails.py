@@ -119,6 +119,11 @@ def test_a_gang_pool_scales_by_whole_groups() -> None:
     assert decide(up(), lws(12, hi=14))[0] is RailsReason.AT_LIMIT  # a 13th and 14th engine make no group
     assert decide(up(-1), lws(4, lo=2))[0] is RailsReason.AT_LIMIT  # the last group stays
     assert decide(up(), lws(4, lo=1, hi=3))[0] is RailsReason.AT_LIMIT  # no whole group fits the bounds
+    # A target is a need met in whole groups: 7 engines are two groups, so a pool of 8 keeps them (rounding down
+    # halved it to 4, and the next tick's 7 doubled it back), and 5 from 4 is 8.
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(7)), lws(8))[0] is RailsReason.AT_LIMIT
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(5)), lws(4)) == (RailsReason.ALLOWED, ScaleTo(8))
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(3)), lws(8)) == (RailsReason.ALLOWED, ScaleTo(4))
 
 
 def test_the_rails_see_actions_as_far_back_as_the_longest_cooldown() -> None:

@@ -162,6 +162,8 @@ def test_a_pool_whose_load_stops_plans_one_engine_and_sheds_it_through_the_hold(
         w.add(90 * 60 + (i + 1) * STEP, "pool/chat", "request_rate", 0.0)
     assert plan(w, pool(8)).target == 6, "after the hold window, a quarter of the engines at once"
     assert plan(w, pool(8, lo=7)).target == 7, "never under the pool's minimum"
+    gang = replace(pool(8), gang=4)  # two LeaderWorkerSet groups of four: a quarter is no group
+    assert plan(w, gang).target == 4, "a gang pool sheds a whole group at once"
 
 
 # Loads as fleets see them: up to four stretches of one rate each (idle ones among them), up to 20 minutes
