@@ -81,7 +81,7 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
     two_cost = pre.engines * g * s.price(p_gpu) + dec.engines * g * s.price(d_gpu)
     saving = 24.0 * (one_cost - two_cost)
     gpu_h = 24.0 * g * (one.engines - pre.engines - dec.engines)
-    split = one_cost > 0 and (one_cost - two_cost) >= s.min_saving * one_cost and one.limited_by != "none"
+    split = one_cost > 0 and (one_cost - two_cost) >= s.min_saving * one_cost
     prefill_s, decode_s = _phases(facts, load, one, cost)
     ratio = f"1:{dec.engines / pre.engines:.1f}" if pre.engines else "-"
     evidence = {
@@ -99,6 +99,15 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
         "current_engines": facts.replicas,
         "model_check": cal.as_dict(),
     }
+    unsized = [name for name, z in (("one pool", one), ("prefill pool", pre), ("decode pool", dec))
+               if z.limited_by == "none"]
+    if unsized:  # a layout no size of which meets the SLOs has no cost to compare (its size is `size_pool`'s limit)
+        now_cost = facts.replicas * g * s.price(facts.gpu_type)
+        return Recommendation(
+            AdviceKind.DISAGGREGATION, facts.name,
+            f"no advice on splitting {facts.name}: the {' and the '.join(unsized)} would meet the SLOs at no size "
+            "at this load (a lone request already misses them)", {"layout": "unified"},
+            Effect("gpu_dollars_per_hour", now_cost, now_cost), _confidence(obs), evidence, act=False)
     change = {"layout": "disaggregated", "prefill": {"replicas": pre.engines, "gpu": p_gpu},
               "decode": {"replicas": dec.engines, "gpu": d_gpu}}
     effect = Effect("gpu_dollars_per_hour", one_cost, two_cost if split else one_cost, saving_per_day=saving,
@@ -137,16 +146,26 @@ def _pair(inp: AdvisorInput, p: PoolFacts, d: PoolFacts, po: PoolObserved, do: P
     evidence = {"prefill_pool": pre.as_dict(), "decode_pool": dec.as_dict(), "one_pool": one.as_dict(),
                 "kv_transfer_s_per_request": round(xfer, 4),
                 "model_check": {p.name: p_cal.as_dict(), d.name: d_cal.as_dict()}}
+    unsized = [f"{r} pool" for r, z in (("prefill", pre), ("decode", dec)) if z.limited_by == "none"]
+    if unsized:  # no size to resize to, and no split cost to weigh a merge against
+        return [Recommendation(
+            AdviceKind.DISAGGREGATION, pair, f"no advice on {pair}'s layout or ratio: the {' and the '.join(unsized)} "
+            "would meet the SLOs at no size at this load (a lone request already misses them)",
+            {"layout": "disaggregated"}, Effect("gpu_dollars_per_hour", now_cost, now_cost), conf, evidence, act=False)]
+    one_needs = "no size of one pool would meet them" if one.limited_by == "none" else \
+        f"the {one.engines} one pool would need"
     out.append(Recommendation(
         AdviceKind.DISAGGREGATION, pair,
         (f"merge {pair} into one pool of {one.engines} engines: ${24 * (two_cost - one_cost):,.0f}/day less than "
          f"{pre.engines} + {dec.engines} right-sized split engines") if merge else
         (f"keep {pair} split: {pre.engines} prefill + {dec.engines} decode engines cost ${24 * (one_cost - two_cost):,.0f}"
-         f"/day less than the {one.engines} one pool would need"),
+         f"/day less than {one_needs}") if one.limited_by != "none" else
+        f"keep {pair} split: {pre.engines} prefill + {dec.engines} decode engines meet the SLOs; {one_needs}",
         {"layout": "unified", "replicas": one.engines} if merge else {"layout": "disaggregated"},
         Effect("gpu_dollars_per_hour", two_cost, one_cost if merge else two_cost,
-               saving_per_day=24 * (two_cost - one_cost), gpu_hours_per_day=24 * (
-                   pre.engines * p.gpus + dec.engines * d.gpus - one.engines * d.gpus)),
+               saving_per_day=24 * (two_cost - one_cost) if one.limited_by != "none" else None,
+               gpu_hours_per_day=24 * (pre.engines * p.gpus + dec.engines * d.gpus - one.engines * d.gpus)
+               if one.limited_by != "none" else None),
         conf, evidence, act=merge))
     lo, hi = s.chat_ratio
     per = dec.engines / pre.engines if pre.engines else float("inf")

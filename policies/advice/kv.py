@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from policies.advice.capacity import Load
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
-from policies.advice.whatif import calibrate, peak_load, sized, step_cost
+from policies.advice.whatif import calibrate, engines_change, peak_load, saved_engines, sized, step_cost
 
 __all__ = ["kv_precision", "kv_tiering", "lru_hit_rates"]
 
@@ -109,15 +109,17 @@ def kv_tiering(inp: AdvisorInput, s: AdviceSettings, block_tokens: int = 16) -> 
         load = peak_load(obs)
         cost = step_cost(facts, obs, s)
         cal = calibrate(facts, obs, s)
-        now_n = sized(facts.role, facts, load, s, cost=cost, calibration=cal).engines
-        then_n = sized(facts.role, facts, replace(load, hit_rate=after), s, cost=cost, calibration=cal).engines
+        now = sized(facts.role, facts, load, s, cost=cost, calibration=cal)
+        then = sized(facts.role, facts, replace(load, hit_rate=after), s, cost=cost, calibration=cal)
+        saved = saved_engines(now, then)
         price = s.price(facts.gpu_type) * facts.gpus
         evidence = {"replayed_prompts": len(prompts), "cache_blocks": base, "block_tokens": block_tokens,
                     "lru_hit_rate": {f"{f:g}x": round(r, 3) for f, r in zip((1.0, *s.tier_factors), rates, strict=True)},
-                    "measured_hit_rate": round(obs.hit_rate, 3), "engines_now": now_n, "engines_with_tier": then_n}
+                    "measured_hit_rate": round(obs.hit_rate, 3), "engines_now": now.engines,
+                    "engines_with_tier": then.engines, "limited_by": [now.limited_by, then.limited_by]}
         if pick:
             advice = (f"add a KV tier {pick:g}x the HBM prefix cache to {facts.name}: hit rate "
-                      f"{obs.hit_rate:.0%} -> {after:.0%}, {now_n - then_n} fewer engines at the SLOs")
+                      f"{obs.hit_rate:.0%} -> {after:.0%}, {engines_change(now, then)}")
         else:
             best = max(gains.values(), default=0.0)
             advice = (f"no KV tier for {facts.name}: even {max(s.tier_factors):g}x the cache adds {best:.1%} hits, "
@@ -125,8 +127,8 @@ def kv_tiering(inp: AdvisorInput, s: AdviceSettings, block_tokens: int = 16) -> 
         out.append(Recommendation(AdviceKind.KV_TIERING, facts.name, advice,
                                   {"kv_tier_factor": pick} if pick else {}, Effect(
                                       "prefix_cache_hit_rate", obs.hit_rate, after,
-                                      saving_per_day=24 * price * (now_n - then_n),
-                                      gpu_hours_per_day=24 * facts.gpus * (now_n - then_n)),
+                                      saving_per_day=None if saved is None else 24 * price * saved,
+                                      gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved),
                                   round(min(1.0, len(prompts) / 2000) * 0.9, 2), evidence, act=pick is not None))
     return out
 
@@ -151,19 +153,24 @@ def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendati
     fp8_curves = replace(facts.curves, kv_tokens=facts.curves.kv_tokens * 2)
     then = sized(facts.role, facts, load, s, fp8_curves, cost=cost, calibration=cal)
     price = s.price(facts.gpu_type) * facts.gpus
-    saved = now.engines - then.engines
-    act = saved > 0 and saved >= s.min_saving * now.engines
+    saved = saved_engines(now, then)
+    # Where no size meets the SLOs with a 16-bit cache (a lone context barely fits) and FP8 makes one, FP8 is the fix,
+    # with no saving to state: today's pool misses its SLOs at any size.
+    fixes = now.limited_by == "none" and then.limited_by != "none"
+    act = fixes or (saved is not None and saved > 0 and saved >= s.min_saving * now.engines)
     evidence = {"kv_usage_max": round(obs.kv_usage_max, 3), "preemptions_per_s": round(obs.preemptions, 3),
                 "bf16": now.as_dict(), "fp8": then.as_dict(), "kv_tokens_per_engine": facts.curves.kv_tokens,
                 "model_check": cal.as_dict(),
                 "caveat": FP8_CAVEAT}
     advice = (f"serve {facts.name} with --kv-cache-dtype fp8: a batch of {then.batch:.0f} instead of "
-              f"{now.batch:.0f} per engine, {then.engines} engines instead of {now.engines} at the SLOs ({FP8_CAVEAT})"
+              f"{now.batch:.0f} per engine, {engines_change(now, then)} ({FP8_CAVEAT})"
               if act else
-              f"FP8 KV cache would not shrink {facts.name} ({now.engines} -> {then.engines} engines): "
+              f"FP8 KV cache would not shrink {facts.name} ({engines_change(now, then)}): "
               f"it is {now.limited_by}-bound")
+    before = facts.replicas if fixes else now.engines
     return Recommendation(AdviceKind.KV_PRECISION, facts.name, advice,
                           {"kv_cache_dtype": "fp8", "replicas": then.engines} if act else {},
-                          Effect("engines_needed", now.engines, then.engines if act else now.engines,
-                                 saving_per_day=24 * price * saved, gpu_hours_per_day=24 * facts.gpus * saved),
+                          Effect("engines_needed", before, then.engines if act else before,
+                                 saving_per_day=None if saved is None else 24 * price * saved,
+                                 gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved),
                           round(min(1.0, obs.minutes / 60.0) * 0.85, 2), evidence, act=act)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
-from policies.advice.whatif import calibrate, peak_load, sized
+from policies.advice.whatif import calibrate, engines_change, peak_load, saved_engines, sized
 
 __all__ = ["best_positions", "speculation"]
 
@@ -67,28 +67,29 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
         choice = best_k
         tokens = 1.0 + sum(positions[:best_k]) if positions else length
         then = sized(facts.role, facts, load, s, cost=(1.0 + best_k * unit, tokens), calibration=cal)
-    saved = now.engines - then.engines
+    saved = saved_engines(now, then)
     price = s.price(facts.gpu_type) * facts.gpus
     evidence = {"method": facts.spec.method, "num_speculative_tokens": k, "mean_acceptance_length": round(length, 3),
                 "acceptance_rate": None if obs.spec_acceptance is None else round(obs.spec_acceptance, 3),
                 "per_position": [round(p, 3) for p in positions], "step_cost": round(1.0 + k * unit, 3),
                 "speedup_now": round(now_speedup, 3), "best_positions": best_k, "best_speedup": round(best_speedup, 3),
                 "engines_now": now.as_dict(), "engines_then": then.as_dict(), "model_check": cal.as_dict()}
-    effect = Effect("engines_needed", now.engines, then.engines, saving_per_day=24 * price * saved,
-                    gpu_hours_per_day=24 * facts.gpus * saved)
+    effect = Effect("engines_needed", now.engines, then.engines,
+                    saving_per_day=None if saved is None else 24 * price * saved,
+                    gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved)
     conf = round(min(1.0, obs.minutes / 60.0) * 0.85, 2)
     if choice == 0:
         return Recommendation(
             AdviceKind.SPECULATION, facts.name,
             f"disable speculative decoding on {facts.name}: {facts.spec.method} with {k} tokens yields {length:.2f} "
             f"tokens a step for {1 + k * unit:.2f} steps' cost (x{now_speedup:.2f}), no shorter draft pays "
-            f"(constrained traffic rejects drafts); {now.engines} -> {then.engines} engines at the SLOs",
+            f"(constrained traffic rejects drafts); {engines_change(now, then)}",
             {"speculative": {"method": "none"}}, effect, conf, evidence)
     if choice < k and best_speedup > now_speedup * 1.02:
         return Recommendation(
             AdviceKind.SPECULATION, facts.name,
             f"retune {facts.name} to num_speculative_tokens={choice}: x{best_speedup:.2f} instead of "
-            f"x{now_speedup:.2f}; {now.engines} -> {then.engines} engines at the SLOs",
+            f"x{now_speedup:.2f}; {engines_change(now, then)}",
             {"speculative": {"method": facts.spec.method, "num_speculative_tokens": choice}}, effect, conf, evidence)
     if facts.spec.method in ("eagle", "eagle3") and kv_bound(obs, s):
         return Recommendation(

@@ -73,6 +73,23 @@ def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: En
                      tpot_slo=facts.tpot_p95_slo, margin=s.margin, transfer_s=transfer_s, calibration=calibration)
 
 
+def saved_engines(now: Sizing, then: Sizing) -> int | None:
+    """Engines a change saves at the SLOs; None where either layout meets them at no size (`size_pool`'s "none"),
+    so there is no count to compare (its `limit` is no pool's size)."""
+    return None if "none" in (now.limited_by, then.limited_by) else now.engines - then.engines
+
+
+def engines_change(now: Sizing, then: Sizing) -> str:
+    """`N -> M engines at the SLOs`, or which layout meets them at no size."""
+    if now.limited_by == "none" and then.limited_by == "none":
+        return "no size meets the SLOs at this load, before or after"
+    if now.limited_by == "none":
+        return f"no size meets the SLOs now, {then.engines} engines would"
+    if then.limited_by == "none":
+        return "no size would meet the SLOs after it"
+    return f"{now.engines} -> {then.engines} engines at the SLOs"
+
+
 def fit_tail(steps: np.ndarray, stalls: np.ndarray, mean: float, share: float, objective: float) -> tuple[float, float] | None:
     """(stall factor, step factor) with which the drawn TPOTs' mean is `mean` and `share` of them exceed `objective`;
     None where no pair within the factors' bounds gives both, or where the share does not move with the split (the

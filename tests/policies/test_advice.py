@@ -320,6 +320,21 @@ def test_fp8_kv_for_a_kv_bound_pool_only() -> None:
     assert not [r for r in on_fp8 if r.kind is AdviceKind.KV_PRECISION]
 
 
+def test_a_pool_no_size_of_which_meets_its_slos_is_never_a_saving() -> None:
+    # Prompts of 62k tokens in a 64k-token cache: one sequence an engine, and no engine count meets TPOT. The
+    # sizing's limit (4,096 engines) used to read as the pool's size, and FP8 as saving 4,095 engines.
+    tight = replace(CURVES, kv_tokens=64_000)
+    huge = seen(arrivals=0.05, arrivals_peak=0.05, prompt_tokens=62_000, output_tokens=200, hit_rate=0.0,
+                engines=2, kv_usage_max=0.97, preemptions=0.2)
+    recs = advise(inp([facts(curves=tight, replicas=2, tpot_p95_slo=0.2, ttft_p95_slo=60.0)], {"chat": huge}),
+                  AdviceSettings())
+    assert recs and all(r.effect.saving_per_day is None and "4096" not in r.advice for r in recs)
+    [fp8] = [r for r in recs if r.kind is AdviceKind.KV_PRECISION]
+    assert fp8.act and fp8.effect.before == 2 and "no size meets the SLOs now" in fp8.advice
+    [split] = [r for r in recs if r.kind is AdviceKind.DISAGGREGATION]
+    assert not split.act and "at no size" in split.advice
+
+
 def test_kv_tier_from_a_prefix_replay() -> None:
     """Prompts cycling over more shared prefixes than the cache holds: a larger cache turns misses into hits."""
     prompts = [[1000 * (i % 40) + b for b in range(8)] for i in range(800)]
