@@ -3,9 +3,10 @@
 Owns turning `pools[]` (engine profile, flags, GPU type, SLOs) into `PoolFacts`, a window of a
 pool's stored signals into `PoolObserved` (means, the busy-minute quantiles, the fullest KV),
 keeping every recommendation with its predicted effect, and scoring it once the fleet runs the
-way it advised (changed by the control plane or by hand): the metric it predicted, measured on the
-signals since, at the load it was advised for, and the error. The recommendations themselves are
-`policies.advice`'s.
+way it advised (changed by the control plane or by hand): from the first run that sees the fleet
+file follow it, the metric it predicted, measured on the signals from then on (so nothing from
+before the change), at the load it was advised for, and the error. The recommendations themselves
+are `policies.advice`'s.
 """
 
 from __future__ import annotations
@@ -113,11 +114,14 @@ class AdviceRun:
     scored: list[AdviceRecord] = field(default_factory=list)
 
 
-def _new(rec: Recommendation, seen: Mapping[str, PoolObserved]) -> NewAdvice:
-    arrivals = sum(o.arrivals for name, o in seen.items() if name in rec.pool.split("+"))
+def _new(rec: Recommendation, inp: AdvisorInput) -> NewAdvice:
+    # A split fleet counts its requests once, where they enter (the prefill pool): both pools report each one.
+    names = rec.pool.split("+")
+    entry = [n for n in names if n in inp.observed and inp.pools[n].role != "decode"] or names
+    arrivals = sum(inp.observed[n].arrivals for n in entry if n in inp.observed)
     return NewAdvice(rec.kind.value, rec.pool, rec.act, rec.advice, dict(rec.change), rec.effect.metric,
                      rec.effect.before, rec.effect.after, rec.effect.saving_per_day, rec.confidence,
-                     {**rec.evidence, "advised_at_arrivals": round(arrivals, 4)})
+                     {**rec.evidence, "advised_at_arrivals": round(arrivals, 4), "fleet_pools": sorted(inp.pools)})
 
 
 def followed(rec: AdviceRecord, config: FleetConfig) -> list[str] | None:
@@ -126,11 +130,15 @@ def followed(rec: AdviceRecord, config: FleetConfig) -> list[str] | None:
     change = rec.change
     names = rec.pool.split("+")
     kind = AdviceKind(rec.kind)
+    # A split or a merge makes new pools: those the fleet file names now and did not when it was advised (a fleet's
+    # other pools are not this change's). Advice kept before the pools were recorded with it takes every pool.
+    then = set(rec.evidence.get("fleet_pools") or ())
+    new = [p for p in config.pools if p.name not in then]
     if kind is AdviceKind.DISAGGREGATION and change.get("layout") == "disaggregated":
-        split = [p.name for p in config.pools if str(p.role) in ("prefill", "decode")]
+        split = [p.name for p in new if str(p.role) in ("prefill", "decode")]
         return split if rec.pool not in pools and {"prefill", "decode"} <= {str(pools[n].role) for n in split} else None
     if kind is AdviceKind.DISAGGREGATION and change.get("layout") == "unified":
-        merged = [p.name for p in config.pools if str(p.role) == "unified"]
+        merged = [p.name for p in new if str(p.role) == "unified"]
         return merged if merged and not any(n in pools for n in names) else None
     pool = pools.get(rec.pool)
     if pool is None:
@@ -176,24 +184,31 @@ def _measure(rec: AdviceRecord, pools: Sequence[str], config: FleetConfig,
 async def advise_and_score(config: FleetConfig, store: Store, now: float, since: float, *, pools: Sequence[str] = (),
                            prefix_blocks: Mapping[str, Sequence[Sequence[int]]] | None = None,
                            prefix_block_tokens: int = 16, record: bool = True) -> AdviceRun:
-    """Score the open advice the fleet has since followed, then advise on `[since, now]` and keep the advice."""
+    """Mark the open advice the fleet file now follows, score the followed advice with enough history since, then
+    advise on `[since, now]` and keep the advice. With `record` off nothing is written: no advice, no scores."""
     windows = SignalWindows(now - since + 60.0)
     windows.extend((s.ts, s.subject, s.name, s.value) for s in await store.load_signals(since))
     scored = []
-    for rec in await store.advice(states=("open",)):
-        if not rec.act or (done := followed(rec, config)) is None:
-            continue
-        after = {p: o for p in done if (o := observed(windows, p, max(since, rec.updated_at),
-                                                      config.advisor.load_quantile))}
-        measured = _measure(rec, done, config, after)
-        if measured is None:
-            continue
-        error = (measured - rec.predicted) / rec.predicted if rec.predicted else 0.0
-        await store.score_advice(rec.id, measured, error, now)
-        scored.append(replace(rec, state="applied", applied_at=now, measured=measured, error=error))
+    if record:
+        for rec in await store.advice(states=("open",)):
+            if rec.act and followed(rec, config) is not None:
+                # The fleet file says nothing of when it changed: what it shows is judged from now on.
+                await store.follow_advice(rec.id, now)
+        for rec in await store.advice(states=("followed",)):
+            if (done := followed(rec, config)) is None:  # changed back meanwhile: judged once it runs as advised
+                continue
+            start = max(since, rec.applied_at if rec.applied_at is not None else now)
+            after = {p: o for p in done if (o := observed(windows, p, start, config.advisor.load_quantile))}
+            measured = _measure(rec, done, config, after)
+            if measured is None:
+                continue
+            # A prediction of zero (nothing known to predict from) has no relative error to count.
+            error = (measured - rec.predicted) / rec.predicted if rec.predicted else None
+            await store.score_advice(rec.id, measured, error, now)
+            scored.append(replace(rec, state="applied", measured=measured, error=error))
     inp = advisor_input(config, windows, now, since, prefix_blocks, pools)
     recs = advise(inp, config.advisor, prefix_block_tokens=prefix_block_tokens)
-    stored = await store.record_advice([_new(r, inp.observed) for r in recs], now) if record and recs else []
+    stored = await store.record_advice([_new(r, inp) for r in recs], now) if record and recs else []
     return AdviceRun(recs, stored, scored)
 
 

@@ -430,6 +430,10 @@ def advice_section(rows: list[dict[str, Any]]) -> None:
             st.caption(f"confidence {r['confidence']:.2f}; predicted {r['metric']} {r['before']:.4g} -> "
                        f"{r['predicted']:.4g}; runbook: `fleetctl runbook advice`, section {r['kind']}")
             st.json(r["evidence"], expanded=False)
+    measuring = [r for r in rows if r["state"] == "followed"]
+    if measuring:
+        st.caption("Followed, being measured on what the fleet shows since: " + "; ".join(
+            f"{r['kind']} · {r['pool']}" for r in measuring))
     scored = [r for r in rows if r["state"] == "applied" and r["error"] is not None]
     if scored:
         st.markdown("**Followed advice, predicted against measured**")

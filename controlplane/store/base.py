@@ -124,8 +124,12 @@ class Store(Protocol):
         """Stored recommendations (in these states), newest first."""
         ...
 
-    async def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
-        """Mark an open recommendation applied, with the metric measured after it and the error."""
+    async def follow_advice(self, advice_id: int, now: float) -> None:
+        """Mark an open recommendation followed: the fleet runs the way it advised from `now` on."""
+        ...
+
+    async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
+        """Mark a followed recommendation applied, with the metric measured after it and the error."""
         ...
 
     async def pause_state(self) -> Pause | None:

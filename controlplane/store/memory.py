@@ -96,12 +96,17 @@ class MemoryStore:
     async def advice(self, states: Collection[str] | None = None) -> list[AdviceRecord]:
         return [r for _, r in sorted(self.advice_rows.items(), reverse=True) if states is None or r.state in states]
 
-    async def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
+    async def follow_advice(self, advice_id: int, now: float) -> None:
         row = self.advice_rows.get(advice_id)
         if row is None or row.state != "open":
             raise StoreConflict(f"advice {advice_id} is not open")
-        self.advice_rows[advice_id] = replace(row, state="applied", applied_at=now, updated_at=now, measured=measured,
-                                              error=error)
+        self.advice_rows[advice_id] = replace(row, state="followed", applied_at=now, updated_at=now)
+
+    async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
+        row = self.advice_rows.get(advice_id)
+        if row is None or row.state != "followed":
+            raise StoreConflict(f"advice {advice_id} is not followed")
+        self.advice_rows[advice_id] = replace(row, state="applied", updated_at=now, measured=measured, error=error)
 
     async def pause_state(self) -> Pause | None:
         return self.pause

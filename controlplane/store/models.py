@@ -220,7 +220,7 @@ class AdviceRow(Base):
     saving_per_day: Mapped[float | None] = mapped_column(Float)
     confidence: Mapped[float] = mapped_column(Float)
     evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    state: Mapped[str] = mapped_column(String(16))  # open | superseded | applied
+    state: Mapped[str] = mapped_column(String(16))  # open | superseded | followed | applied
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     applied_at: Mapped[float | None] = mapped_column(Float)

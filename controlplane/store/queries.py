@@ -440,7 +440,7 @@ class ReadStore:
     def advice(self, pool: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """The advisor's open recommendations (those of one pool, or naming it in a pair) and its scored ones,
         newest first."""
-        q = (select(AdviceRow).where(AdviceRow.state.in_(("open", "applied")))
+        q = (select(AdviceRow).where(AdviceRow.state.in_(("open", "followed", "applied")))
              .order_by(AdviceRow.state.desc(), AdviceRow.id.desc()).limit(limit))
         if pool is not None:
             q = q.where(or_(AdviceRow.pool == pool, AdviceRow.pool.like(f"{pool}+%"), AdviceRow.pool.like(f"%+{pool}")))

@@ -129,7 +129,8 @@ class NewAdvice:
 
 @dataclass(frozen=True, slots=True)
 class AdviceRecord:
-    """A stored recommendation: open until superseded by different advice or applied, then scored."""
+    """A stored recommendation: open until superseded by different advice or followed by the fleet; followed, it is
+    measured on what the fleet shows from then on, and once scored it is applied."""
 
     id: int
     kind: str
@@ -143,9 +144,9 @@ class AdviceRecord:
     saving_per_day: float | None
     confidence: float
     evidence: dict[str, Any]
-    state: str  # open | superseded | applied
+    state: str  # open | superseded | followed | applied
     created_at: float
     updated_at: float
-    applied_at: float | None = None
+    applied_at: float | None = None  # when the fleet was first seen running the way it advised
     measured: float | None = None  # the metric as the fleet showed it after the change
-    error: float | None = None  # (measured - predicted) / predicted
+    error: float | None = None  # (measured - predicted) / predicted; None where nothing was predicted (0)

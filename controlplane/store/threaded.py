@@ -118,7 +118,10 @@ class ThreadedStore:
     async def advice(self, states: Collection[str] | None = None) -> list[AdviceRecord]:
         return await self._run(self.sql.advice, states)
 
-    async def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
+    async def follow_advice(self, advice_id: int, now: float) -> None:
+        await self._run(self.sql.follow_advice, advice_id, now)
+
+    async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         await self._run(self.sql.score_advice, advice_id, measured, error, now)
 
     async def pause_state(self) -> Pause | None:

@@ -391,13 +391,22 @@ class SqlStore(metaclass=_Translating):
         with self._session() as s:
             return [_advice(r) for r in s.scalars(q)]
 
-    def score_advice(self, advice_id: int, measured: float, error: float, now: float) -> None:
-        """An open recommendation the fleet has followed: the metric it measured afterwards and the error."""
+    def follow_advice(self, advice_id: int, now: float) -> None:
+        """An open recommendation the fleet now runs as advised: measured on what it shows from `now` on."""
+        self._advance_advice(advice_id, "open", {"state": "followed", "applied_at": now, "updated_at": now})
+
+    def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
+        """A followed recommendation: the metric measured since it was followed, and the error."""
+        self._advance_advice(advice_id, "followed", {"state": "applied", "updated_at": now, "measured": measured,
+                                                     "error": error})
+
+    def _advance_advice(self, advice_id: int, state: str, values: dict[str, Any]) -> None:
+        """Move a recommendation on from `state`, conditionally: of two advisor runs only one does."""
         with self._write() as s:
-            done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == "open").values(
-                state="applied", applied_at=now, updated_at=now, measured=measured, error=error))
+            done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == state)
+                             .values(values))
             if done.rowcount != 1:  # type: ignore[attr-defined]
-                raise StoreConflict(f"advice {advice_id} is not open")
+                raise StoreConflict(f"advice {advice_id} is not {state}")
 
     def pause_state(self) -> Pause | None:
         """The kill switch: set (who, why, when) or None."""

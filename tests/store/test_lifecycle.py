@@ -123,11 +123,18 @@ async def test_advice_is_refreshed_superseded_and_scored(any_store: Store) -> No
     [other] = await any_store.record_advice([advice({"kv_cache_dtype": "fp8", "replicas": 5})], now=30.0)
     assert other.id != first.id
     assert [(r.id, r.state) for r in await any_store.advice()] == [(other.id, "open"), (first.id, "superseded")]
+    with pytest.raises(StoreConflict, match=f"advice {other.id} is not followed"):
+        await any_store.score_advice(other.id, 6.5, 0.0, now=35.0)  # scored only on what came after the change
+    await any_store.follow_advice(other.id, now=35.0)
+    [followed] = await any_store.advice(states=("followed",))
+    assert (followed.id, followed.applied_at, followed.measured) == (other.id, 35.0, None)
+    with pytest.raises(StoreConflict, match=f"advice {other.id} is not open"):
+        await any_store.follow_advice(other.id, now=36.0)
     await any_store.score_advice(other.id, 6.5, (6.5 - 7.0) / 7.0, now=40.0)
     [applied] = await any_store.advice(states=("applied",))
-    assert applied.measured == 6.5 and applied.error == pytest.approx(-0.0714, abs=1e-3) and applied.applied_at == 40.0
+    assert applied.measured == 6.5 and applied.error == pytest.approx(-0.0714, abs=1e-3) and applied.applied_at == 35.0
     assert applied.evidence == {"fp8": {"engines": 7.0}}
-    with pytest.raises(StoreConflict, match=f"advice {other.id} is not open"):
+    with pytest.raises(StoreConflict, match=f"advice {other.id} is not followed"):
         await any_store.score_advice(other.id, 6.5, 0.0, now=50.0)
 
 
