@@ -41,6 +41,7 @@ class SignalDeriver:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
         out = DeriveOutput()
         pool_deltas: dict[tuple[str, str], list[families.Delta]] = defaultdict(list)
+        pool_pods: dict[tuple[str, str], set[str]] = defaultdict(set)  # targets (pods) behind each pool's deltas
         pool_up: dict[str, list[float]] = defaultdict(list)
         seen: set[tuple[str, str]] = set()
         for res in results:
@@ -79,6 +80,7 @@ class SignalDeriver:
                 if source.aggregate:
                     pod_deltas.append(d)
                     pool_deltas[(t.pool, t.source)].append(d)
+                    pool_pods[(t.pool, t.source)].add(t.key)
             if len(pod_deltas) > 1:
                 pod = pod_subject(t.pool, t.pod)
                 out.signals.extend(source.signals(families.merge_all(pod_deltas), res.ts, pod))
@@ -91,7 +93,9 @@ class SignalDeriver:
             out.signals.append(Signal(ts, subject, "targets", float(len(ups))))
         for (pool, source_name), deltas in pool_deltas.items():
             subject = pool_subject(pool)
+            # Engines (one per data-parallel rank) and the pods they run in: the workload counts pods.
             out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
+            out.signals.append(Signal(ts, subject, "pods_reporting", float(len(pool_pods[(pool, source_name)]))))
             source, merged = sources.get(source_name), families.merge_rates(deltas)
             out.signals.extend(source.signals(merged, ts, subject))
             if (objectives := self._objectives.get(pool)) is not None and source.objective_signals is not None:

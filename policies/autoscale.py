@@ -560,6 +560,21 @@ class Autoscaler:
     def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
         """The plan for one pool, or why not: no profile or SLO to size it by, no load reported yet, or requests
         arriving of which none has finished to size them by."""
+        # The curves, the pool's record and its scrapes count vLLM engines, its workload pods: a pod serving k
+        # data-parallel engines is planned as k engines that come and go together, and the plan given in pods.
+        k = engines_per_pod(inp.windows, f"pool/{pool.name}")
+        if k == 1:
+            return self._plan(inp, pool)
+        plan = self._plan(inp, replace(pool, desired=pool.desired * k, ready=pool.ready * k,
+                                       min_replicas=pool.min_replicas * k, max_replicas=pool.max_replicas * k,
+                                       gang=max(1, pool.gang) * k))
+        if isinstance(plan, Unplanned):
+            return plan
+        plan.evidence["engines_per_pod"] = k
+        return PoolPlan(pool.name, pool.desired, pool.ready, -(-plan.target // k), -(-plan.recommended // k),
+                        f"{plan.reason} ({k} engines a pod)", plan.evidence)
+
+    def _plan(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
         if pool.name not in self.curves:
             return Unplanned(pool.name, "no engine profile to size it by")
         if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
@@ -654,7 +669,8 @@ class Autoscaler:
         if short or breached_since:
             target = max(recommended, pool.desired)
         else:
-            target = stabilised(w, subject, inp.now, s.scale_down_after, recommended, pool.desired)
+            k = engines_per_pod(w, subject)  # the targets recorded are pods
+            target = k * stabilised(w, subject, inp.now, s.scale_down_after, -(-recommended // k), pool.desired // k)
             # A gang pool (a LeaderWorkerSet) sheds a whole group at least, or it could never shed one.
             target = max(target, pool.desired - max(1, pool.gang, pool.desired // 4))
         held = target > recommended
@@ -833,10 +849,12 @@ def _throughput_factor(w: SignalWindows, subject: str, since: float, engines: Ma
     gen = dict(w.series(subject, "generation_tokens_rate", since=since))
     hit = dict(w.series(subject, "prefix_cache_hit_rate", since=since))
     ratios = []
-    ready = dict(w.series(subject, READY, since=since))
+    ready = dict(w.series(subject, READY, since=since))  # pods
+    pods = dict(w.series(subject, "pods_reporting", since=since))
     for (_, before), (ts, waiting) in itertools.pairwise(w.series(subject, "requests_waiting", since=since)):
         # Engines that take work: a draining one still reports, but is finishing, not taking more.
-        n, done = min(engines.get(ts) or 0.0, ready.get(ts) or math.inf), finished.get(ts)
+        per_pod = (engines.get(ts) or 0.0) / pods[ts] if pods.get(ts) else 1.0
+        n, done = min(engines.get(ts) or 0.0, (ready.get(ts) or math.inf) * per_pod), finished.get(ts)
         if not n or not done or min(before, waiting) <= 2 * n or (running.get(ts) or 0.0) < n:
             continue
         model = service(prompt.get(ts, 0.0) / done, gen.get(ts, 0.0) / done, hit.get(ts, 0.0), (running.get(ts) or 0.0) / n)
@@ -868,13 +886,23 @@ def _largest(fit: _Fit, prior: _Fit, budget: float, context: float, seen: list[f
     return min(limit(fit), max(limit(prior), max(seen, default=0.0)))
 
 
+def engines_per_pod(w: SignalWindows, subject: str) -> int:
+    """vLLM engines a pod of the pool serves (its data-parallel ranks), as the last scrape saw them; 1 unknown."""
+    engines, pods = w.latest(subject, "engines_reporting"), w.latest(subject, "pods_reporting")
+    return max(1, round(engines / pods)) if engines and pods else 1
+
+
 def stabilised(w: SignalWindows, subject: str, now: float, window_s: float, target: int, desired: int) -> int:
     """A scale-down held to the highest recommendation (`autoscale_target_replicas`) of the last `window_s`,
-    as Kubernetes' HPA stabilises: until recommendations cover the whole window, held at `desired`."""
+    as Kubernetes' HPA stabilises: until recommendations cover the whole window, held at `desired`. A gap of
+    more than four scrapes (the control plane down, the pool not planned) is no cover: nothing was recommended
+    then, and the hold starts again."""
     if target >= desired:
         return target
-    recorded = w.series(subject, TARGET)
-    if not recorded or recorded[0][0] > now - window_s + _interval(w, subject):
+    step = _interval(w, subject)
+    recorded = w.series(subject, TARGET, since=now - window_s - step)
+    times = [t for t, _ in recorded] + [now]
+    if not recorded or times[0] > now - window_s + step or max(b - a for a, b in itertools.pairwise(times)) > 4 * step:
         return desired
     past = [v for t, v in recorded if t >= now - window_s]
     return min(desired, max(target, math.ceil(max(past, default=target))))

@@ -196,6 +196,12 @@ def test_stabilisation_takes_the_highest_recommendation_of_the_window() -> None:
         w.add(i * STEP, "pool/chat", "request_rate", 1.0)
     assert stabilised(w, "pool/chat", 49 * STEP, 300.0, 2, 8) == 6
     assert stabilised(w, "pool/chat", 49 * STEP, 300.0, 9, 8) == 9, "scale-up is never held"
+    # The control plane was down for 15 minutes: the window before it covers nothing after it.
+    later = 49 * STEP + 900.0
+    for i in range(4):
+        w.add(later + i * STEP, "pool/chat", TARGET, 3.0)
+        w.add(later + i * STEP, "pool/chat", "request_rate", 1.0)
+    assert stabilised(w, "pool/chat", later + 4 * STEP, 300.0, 2, 8) == 8, "held until a whole window is recorded"
 
 
 def test_a_breach_within_the_hold_window_holds_a_scale_down() -> None:
@@ -494,3 +500,18 @@ def test_a_pool_the_sizer_leaves_as_it_is_says_why() -> None:
     assert "none has finished" in run.unplanned["chat"] and "0.67 req/s" in run.unplanned["chat"]
     assert "objective" in run.unplanned["batch"]
     assert isinstance(Autoscaler(SETTINGS, {}).plan_pool(inp, pool(4)), Unplanned), "no profile to size it by"
+
+
+def test_pods_of_several_data_parallel_engines_are_planned_in_pods() -> None:
+    # The same load on 16 engines: 16 pods of one engine, or 2 pods of eight data-parallel ranks. The workload counts
+    # pods, so the second is planned in pods of eight, not as 16 pods (128 engines).
+    one = windows(30, 400.0, engines=16)
+    single = plan(one, pool(16, hi=64))
+    eight = windows(30, 400.0, engines=16)
+    for ts, _ in eight.series("pool/chat", "request_rate"):
+        for name, value in ((DESIRED, 2.0), (READY, 2.0), ("pods_reporting", 2.0)):
+            eight.add(ts, "pool/chat", name, value)
+    dp = plan(eight, pool(2, hi=8))
+    assert dp.evidence["engines_per_pod"] == 8 and "8 engines a pod" in dp.reason
+    assert (single.recommended, single.target) == (16, 16)
+    assert (dp.recommended, dp.target) == (2, 2), "16 engines are two pods of eight"
