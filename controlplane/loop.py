@@ -30,7 +30,7 @@ from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
-from policies.autoscale import DESIRED, FORECAST, GANG, READY, TARGET, PoolPlan, Sizer, plan_each
+from policies.autoscale import DESIRED, FORECAST, GANG, READY, STARTUP, TARGET, PoolPlan, Sizer, plan_each
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
@@ -346,7 +346,9 @@ class ControlLoop:
         self._keep([sig for p in report.plans for sig in (
             Signal(inp.now, f"pool/{p.pool}", TARGET, float(p.recommended)),
             *([Signal(inp.now, f"pool/{p.pool}", FORECAST, float(p.evidence["planned_for"]))]
-              if "planned_for" in p.evidence else []))])
+              if "planned_for" in p.evidence else []),
+            *([Signal(inp.now, f"pool/{p.pool}", STARTUP, float(p.evidence["startup_s"]))]
+              if p.evidence.get("startup_s") is not None else []))])
         proposals: list[tuple[int | None, Proposal]] = [
             (None, prop) for p in report.plans if (prop := p.proposal()) is not None]
         if proposals and self.config.mode is Mode.OBSERVE:

@@ -68,6 +68,9 @@ __all__ = [
 DESIRED, READY = "replicas_desired", "replicas_ready"
 GANG = "replicas_gang"  # engines that come and go together (a LeaderWorkerSet group), recorded where more than one
 TARGET, FORECAST = "autoscale_target_replicas", "autoscale_forecast_rate"
+# The start-up time last measured, recorded every tick while known, so a pool that has not scaled up within the
+# history still plans as far ahead as its engines take to start (and a restarted control plane reads it back).
+STARTUP = "autoscale_startup_seconds"
 # Findings that say a pool is short of capacity (their evidence's `short_pools`): inputs to the sizer,
 # which alone sets replica counts.
 CAPACITY_FINDINGS = ("slo_burn", "saturation")
@@ -590,6 +593,8 @@ class Autoscaler:
         if load is None:
             return Unplanned(pool.name, "no load reported yet")
         startup, scale_ups = learned_startup(w, pool.name, since)
+        if startup is None:
+            startup = w.latest(subject, STARTUP)
         interval = _interval(w, subject)
         horizon = (startup if startup is not None else s.startup) + interval
         # Per minute: the forecast's errors measure how the minutes differ; a burst inside one is the TTFT

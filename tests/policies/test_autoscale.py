@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from policies.autoscale import (
     DESIRED,
     READY,
+    STARTUP,
     TARGET,
     Autoscaler,
     AutoscaleSettings,
@@ -515,3 +516,14 @@ def test_pods_of_several_data_parallel_engines_are_planned_in_pods() -> None:
     assert dp.evidence["engines_per_pod"] == 8 and "8 engines a pod" in dp.reason
     assert (single.recommended, single.target) == (16, 16)
     assert (dp.recommended, dp.target) == (2, 2), "16 engines are two pods of eight"
+
+
+def test_a_start_up_time_measured_before_the_history_still_sets_the_horizon() -> None:
+    # No scale-up within the hour: the start-up time the loop recorded when it was last measured (10 minutes, a
+    # large model pulling its weights) still plans that far ahead, not the 2-minute default.
+    w = windows(30, 60.0, engines=6)
+    assert plan(w, pool(6)).evidence["startup_s"] is None
+    for ts, _ in w.series("pool/chat", "request_rate"):
+        w.add(ts, "pool/chat", STARTUP, 615.0)
+    remembered = plan(w, pool(6))
+    assert remembered.evidence["startup_s"] == 615 and remembered.evidence["horizon_s"] >= 615 + STEP
