@@ -164,9 +164,10 @@ class SignalSpec:
     """One signal: how to compute it, from which metric families (alternative spellings, current first)."""
 
     name: str
-    kind: Literal["rate", "ratio", "one_plus_ratio", "quantile", "sum", "avg", "max"]
+    kind: Literal["rate", "ratio", "one_plus_ratio", "quantile", "sum", "avg", "max", "count", "count_pods"]
     families: tuple[tuple[str, ...], ...]  # each alternative: the families it needs, in order
     q: float = 0.0
+    pools_only: bool = False  # a count of engines or pods: the scraper, too, gives it for pools alone
 
 
 _PREFIX = (("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
@@ -196,6 +197,14 @@ SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec("kv_cache_usage_max", "max", _KV),
     SignalSpec("requests_running", "sum", (("vllm:num_requests_running",),)),
     SignalSpec("requests_waiting", "sum", (("vllm:num_requests_waiting",),)),
+    # The lengths' quantiles are the autoscaler's prompt-length spread; the counts tell engines (data-parallel ranks)
+    # from the pods the workload counts.
+    SignalSpec("prompt_len_p50", "quantile", (("vllm:request_prompt_tokens",),), 0.5),
+    SignalSpec("prompt_len_p95", "quantile", (("vllm:request_prompt_tokens",),), 0.95),
+    SignalSpec("output_len_p50", "quantile", (("vllm:request_generation_tokens",),), 0.5),
+    SignalSpec("output_len_p95", "quantile", (("vllm:request_generation_tokens",),), 0.95),
+    SignalSpec("engines_reporting", "count", (("vllm:num_requests_running",),), pools_only=True),
+    SignalSpec("pods_reporting", "count_pods", (("vllm:num_requests_running",),), pools_only=True),
 )
 # A pool's share of requests over its objective (signal, `Objectives`' field, the histogram's spellings), from the
 # pool's bucket increases.
@@ -228,7 +237,8 @@ class _Window:
         return f"({self.increase(series)} / {self.seconds!r})"
 
 
-def _expression(spec: SignalSpec, families: tuple[str, ...], sel: str, by: tuple[str, ...], window: _Window) -> str:
+def _expression(spec: SignalSpec, families: tuple[str, ...], sel: str, by: tuple[str, ...], window: _Window,
+                pod: tuple[str, ...] = ("pod", "instance")) -> str:
     grouping = ", ".join(by)
     if spec.kind == "rate":
         return f"sum by ({grouping}) ({window.rate(families[0] + sel)})"
@@ -239,12 +249,16 @@ def _expression(spec: SignalSpec, families: tuple[str, ...], sel: str, by: tuple
     if spec.kind == "quantile":
         inner = window.increase(f"{families[0]}_bucket{sel}")
         return f"histogram_quantile({spec.q!r}, sum by ({', '.join((*by, 'le'))}) ({inner}))"
+    if spec.kind == "count_pods":  # the pods behind the engines: one series per pod, then counted
+        return f"count by ({grouping}) (count by ({', '.join(dict.fromkeys((*by, *pod)))}) ({families[0]}{sel}))"
     return f"{spec.kind} by ({grouping}) ({families[0]}{sel})"
 
 
-def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window) -> str:
-    """The PromQL of one signal; alternative family spellings are tried per group with `or`."""
-    alternatives = [_expression(spec, fams, sel, by, window) for fams in spec.families]
+def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window,
+                pod: tuple[str, ...] = ("pod", "instance")) -> str:
+    """The PromQL of one signal (`pod`: the labels that tell pods apart); alternative family spellings are tried per
+    group with `or`."""
+    alternatives = [_expression(spec, fams, sel, by, window, pod) for fams in spec.families]
     return alternatives[0] if len(alternatives) == 1 else " or ".join(f"({a})" for a in alternatives)
 
 
@@ -425,7 +439,9 @@ class PrometheusSource:
         seen_pools: set[tuple[str, str]] = set()
         for spec in SIGNALS:
             for scope, sel, by, fixed_pool in scopes:
-                expr = build_query(spec, sel, by, window)
+                if spec.pools_only and scope == "engine":
+                    continue
+                expr = build_query(spec, sel, by, window, (lb.pod, lb.instance))
                 rows = self.query(expr, ts)
                 out.queries += 1
                 if not rows:

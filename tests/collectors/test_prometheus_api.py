@@ -195,6 +195,12 @@ def test_rate_mode_queries() -> None:
     # Older spellings are tried per group, as a pair, after the current one.
     hit = build_query(SPECS["prefix_cache_hit_rate"], "", ("pool",), w)
     assert hit.count(" or ") == 1 and "gpu_prefix_cache_hits_total" in hit.split(" or ")[1]
+    # Engines (one series each, per data-parallel rank) and the pods they run in, as the scraper counts them.
+    assert build_query(SPECS["engines_reporting"], SEL, ("pool",), w) == (
+        'count by (pool) (vllm:num_requests_running{job="vllm"})')
+    assert build_query(SPECS["pods_reporting"], SEL, (), w, ("pod", "instance")) == (
+        'count by () (count by (pod, instance) (vllm:num_requests_running{job="vllm"}))')
+    assert SPECS["engines_reporting"].pools_only and SPECS["pods_reporting"].pools_only
 
 
 def test_delta_mode_is_a_two_point_difference_with_resets() -> None:
