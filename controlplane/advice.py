@@ -24,6 +24,7 @@ from controlplane.config import FleetConfig, Pool
 from controlplane.store.base import Store
 from controlplane.store.records import AdviceRecord, NewAdvice
 from policies.advice import AdviceKind, AdvisorInput, PoolFacts, PoolObserved, Recommendation, SpecFacts, advise
+from policies.ep_imbalance import pool_rank_skew
 from policies.windows import SignalWindows, minute_means
 
 __all__ = ["AdviceRun", "accuracy", "advise_and_score", "advisor_input", "followed", "observed",
@@ -89,7 +90,7 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         spec_length=mean("spec_mean_acceptance_length"), spec_yield=mean("spec_yield"),
         spec_positions=tuple(positions), prompt_p50=mean("prompt_len_p50"), prompt_p95=mean("prompt_len_p95"),
         output_p50=mean("output_len_p50"), output_p95=mean("output_len_p95"),
-        minutes=(rates[-1][0] - rates[0][0]) / 60.0)
+        rank_imbalance=pool_rank_skew(w, pool, since), minutes=(rates[-1][0] - rates[0][0]) / 60.0)
 
 
 def advisor_input(config: FleetConfig, windows: SignalWindows, now: float, since: float,
@@ -175,6 +176,9 @@ def _measure(rec: AdviceRecord, pools: Sequence[str], config: FleetConfig,
         return scale * sum(o.engines for o in obs)
     if rec.metric == "prefix_cache_hit_rate":
         return statistics.fmean(o.hit_rate for o in obs)
+    if rec.metric == "rank_imbalance":
+        skews = [o.rank_imbalance for o in obs if o.rank_imbalance is not None]
+        return max(skews) if skews else None
     if rec.metric == "tpot_p95":
         values = [o.tpot_p95 for o in obs if o.tpot_p95 is not None]
         return max(values) if values else None

@@ -54,7 +54,7 @@ from policies.types import (
 )
 from policies.windows import SignalWindows
 
-__all__ = ["KIND", "Cause", "EpImbalance", "EpImbalanceSettings", "eplb_flags"]
+__all__ = ["KIND", "Cause", "EpImbalance", "EpImbalanceSettings", "eplb_flags", "pool_rank_skew"]
 
 KIND = "ep_imbalance"
 RUNNING = "requests_running"
@@ -465,6 +465,31 @@ class EpImbalance:
                 "EPLB was enabled, at a comparable load: the rearrangements cost more step time than the balance saves.")
         result.findings.append(FindingReport(key, Severity.INFO, f"EPLB overhead on {pool}", text, evidence, KIND,
                                              (proposal,)))
+
+
+def pool_rank_skew(w: SignalWindows, pool: str, since: float, settings: EpImbalanceSettings | None = None
+                   ) -> float | None:
+    """How far the slowest rank of `pool`'s most skewed EP group ran from its median rank since `since`: the median
+    over scrapes of the ITL skew, among groups whose ranks got even work (uneven work is the router's, which EPLB
+    does not fix). None where no group of the pool has ranks to compare."""
+    s = settings or EpImbalanceSettings()
+    groups: dict[str, dict[str, str]] = defaultdict(dict)
+    for subject in w.subjects(s.signal, prefix=f"engine/{pool}/"):
+        parts = subject.split("/")
+        if len(parts) == 4:
+            groups[parts[2]][parts[3]] = subject
+    skews = []
+    for ranks in groups.values():
+        if len(ranks) < s.min_ranks:
+            continue
+        points = max(len(w.series(sub, RUNNING, since=since)) for sub in ranks.values())
+        load = _mean_skew(w, ranks, RUNNING, points, floor=0.5)
+        if points == 0 or (load is not None and load[0] >= s.load_skew_ratio):
+            continue
+        itl = _skew(w, ranks, s.signal, 1 << 30, s.min_ranks, since=since)
+        if len(itl.ticks) >= s.min_ticks and (m := itl.median(len(itl.ticks))) is not None:
+            skews.append(m)
+    return max(skews, default=None)
 
 
 def _latest(w: SignalWindows, ranks: dict[str, str], name: str) -> dict[str, float]:

@@ -35,6 +35,10 @@ def parallel_layout(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation
                 {"enable_eplb": True}, Effect("rank_imbalance", skew, 1.0 + (skew - 1.0) * 0.3), conf,
                 {"rank_imbalance": round(skew, 3), "threshold": s.imbalance}))
         dup = facts.tensor_parallel // max(1, facts.kv_heads)
+        # One parallel-layout change a pool at a time: each is measured on its own once followed (and they share
+        # the advice's key, so two would replace each other every run).
+        if out and out[-1].pool == facts.name:
+            continue
         if facts.role != "prefill" and dup >= 2 and kv_bound(obs, s):
             load = peak_load(obs)
             cost = step_cost(facts, obs, s)

@@ -145,7 +145,7 @@ class PoolObserved:
     spec_length: float | None = None  # mean acceptance length: tokens per verification step
     spec_yield: float | None = None
     spec_positions: tuple[float, ...] = ()  # acceptance of each draft position, per draft
-    rank_imbalance: float | None = None  # max over mean per-rank load (EP groups)
+    rank_imbalance: float | None = None  # the slowest rank's ITL over the median rank's (the most skewed EP group)
     ttft_p95_peak: float | None = None  # the load quantile of per-minute TTFT p95s: the busy minutes
     tpot_p95_peak: float | None = None
     # TPOT's mean over the busy minutes: exact, where a histogram's p95 is an interpolation within a bucket (vLLM's

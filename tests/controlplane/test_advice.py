@@ -185,6 +185,41 @@ async def test_a_split_pairs_requests_are_counted_once_and_a_zero_prediction_has
     assert scored.error is None and accuracy([scored]) == {}
 
 
+MOE = """
+pools:
+  - {name: moe, role: decode, model: m, replicas: {min: 1, max: 8}, slo: {ttft_p95: 2s, tpot_p95: 50ms},
+     engine: {gpus: 4, eplb: %s}}
+"""
+
+
+def moe_signals(start: float, minutes: int, hot: float) -> list[Signal]:
+    """One pod of four data-parallel ranks with even work; rank 0's steps take `hot` times the others'."""
+    out = []
+    for i in range(minutes * 4):
+        ts = start + i * 15.0
+        out += [Signal(ts, "pool/moe", n, v) for n, v in (
+            ("request_rate", 8.0), ("prompt_tokens_rate", 8000.0), ("generation_tokens_rate", 2000.0),
+            ("engines_reporting", 4.0), ("tpot_p95", 0.03))]
+        for rank in range(4):
+            subject = f"engine/moe/moe-0/{rank}"
+            out += [Signal(ts, subject, "itl_p50", 0.02 * (hot if rank == 0 else 1.0)),
+                    Signal(ts, subject, "requests_running", 10.0)]
+    return out
+
+
+async def test_eplb_is_advised_from_the_ranks_skew_and_scored_once_enabled() -> None:
+    store = MemoryStore()
+    await store.write_signals(moe_signals(0.0, 30, 2.0))
+    run = await advise_and_score(parse_config(MOE % "false", "f.yaml"), store, 1800.0, 0.0)
+    [eplb] = [r for r in run.stored if r.kind == "parallel_layout"]
+    assert eplb.act and eplb.change == {"enable_eplb": True} and eplb.before == pytest.approx(2.0)
+    on = parse_config(MOE % "true", "f.yaml")
+    await advise_and_score(on, store, 1800.0, 0.0)  # seen followed
+    await store.write_signals(moe_signals(1815.0, 15, 1.2))
+    [scored] = (await advise_and_score(on, store, 1800.0 + 15 * 60, 1800.0)).scored
+    assert scored.id == eplb.id and scored.measured == pytest.approx(1.2)
+
+
 async def test_a_kv_tier_is_judged_by_replaying_recorded_prefix_hashes() -> None:
     """Mooncake's conversation prompts (real prefix-block hashes) replayed through LRU caches of each size."""
     from controlplane.sim.traces import MOONCAKE_BLOCK_TOKENS, load_trace

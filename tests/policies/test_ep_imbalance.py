@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from policies.ep_imbalance import EpImbalance, EpImbalanceSettings, eplb_flags
+from policies.ep_imbalance import EpImbalance, EpImbalanceSettings, eplb_flags, pool_rank_skew
 from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
 from policies.windows import SignalWindows
 from tests.policies.ticking import Ticking
@@ -264,3 +264,18 @@ def test_an_idle_group_is_not_judged_on_the_skew_it_had_before() -> None:
             proposals += [p for f in ticking.tick(t).findings for p in f.proposals]
     assert len(ticking.events("open")) == 1 and ticking.open == {}
     assert "nothing to balance" in ticking.log[-1][3] and proposals == []
+
+
+def test_a_pools_rank_skew_for_the_advisor_leaves_out_groups_the_router_skews() -> None:
+    def group(running_hot: float) -> SignalWindows:
+        w = SignalWindows(3600)
+        for i in range(40):
+            for rank in range(4):
+                subject = f"engine/moe/moe-0/{rank}"
+                w.add(i * 15.0, subject, "itl_p50", 0.04 if rank == 0 else 0.02)
+                w.add(i * 15.0, subject, "requests_running", 10.0 * (running_hot if rank == 0 else 1.0))
+        return w
+
+    assert pool_rank_skew(group(1.0), "moe", 0.0) == pytest.approx(2.0), "even work, a slow rank: the experts"
+    assert pool_rank_skew(group(3.0), "moe", 0.0) is None, "the slow rank gets three times the work: the router"
+    assert pool_rank_skew(group(1.0), "other", 0.0) is None
