@@ -8,6 +8,7 @@ and how an entity is named from a sample's labels; `read` does the rest. Pure, n
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,6 +64,8 @@ class Reading:
     histograms: dict[str, Histogram] = field(default_factory=dict)
     families: set[str] = field(default_factory=set)
     attrs: dict[str, str] = field(default_factory=dict)
+    # Each counter's series by their labels: a series that vanishes from a sum is no reset of the sum.
+    counter_series: dict[str, dict[frozenset[tuple[str, str]], float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -142,6 +145,7 @@ def read(
     entities: dict[str, Reading] = {}
     # (entity, key, rank) -> partial values, so spellings never mix.
     counters: dict[tuple[str, str, int], float] = {}
+    series: dict[tuple[str, str, int], dict[frozenset[tuple[str, str]], float]] = defaultdict(dict)
     gauges: dict[tuple[str, str, int], float] = {}
     hists: dict[tuple[str, str, int], _HistogramBuilder] = {}
     split = fmap.split_by
@@ -157,6 +161,9 @@ def read(
             key = f"{key}:{s.labels.get(split[key], '')}"
         if kind == "counter":
             counters[(entity, key, rank)] = counters.get((entity, key, rank), 0.0) + s.value
+            part = series[(entity, key, rank)]
+            labels = frozenset(s.labels.items())
+            part[labels] = part.get(labels, 0.0) + s.value
         elif kind == "gauge":
             gauges[(entity, key, rank)] = gauges.get((entity, key, rank), 0.0) + s.value
         else:
@@ -183,6 +190,8 @@ def read(
         for (entity, key, rank), value in parts.items():
             if best[(entity, key)] == rank:
                 getattr(entities[entity], attr)[key] = value
+                if attr == "counters":
+                    entities[entity].counter_series[key] = series[(entity, key, rank)]
     best = _preferred(hists)
     for (entity, key, rank), builder in hists.items():
         if best[(entity, key)] == rank and builder.buckets:
@@ -218,6 +227,13 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
         return None
     out = Delta(seconds)
     for key, value in cur.counters.items():
+        before, now = prev.counter_series.get(key), cur.counter_series.get(key)
+        if before is not None and now is not None:
+            # Series by series, as PromQL's sum(increase()): one that vanished (an agent instance reaped, a label
+            # gone) adds nothing, one that appeared counts from zero, one that fell restarted.
+            out.increases[key] = sum(v if (b := before.get(s)) is None else v if v < b else v - b
+                                     for s, v in now.items())
+            continue
         inc = counter_increase(prev.counters.get(key), value)
         if inc is not None:
             out.increases[key] = inc

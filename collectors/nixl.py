@@ -76,7 +76,8 @@ def agent_entity(labels: Mapping[str, str]) -> str | None:
         return None
     entity = f"{labels.get('hostname', '')}/{agent}"
     # A restarted rank keeps its local_rank but gets a new pid: keying by the rank keeps the
-    # entity stable, and the counter drop when the old process is reaped reads as a reset.
+    # entity stable; its counters are diffed series by series, so the old process's series
+    # leaving the sum when it is reaped adds nothing and the new one's counts from zero.
     rank = labels.get("local_rank")
     if rank is not None:
         return f"{entity}/{rank}"

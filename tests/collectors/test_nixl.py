@@ -293,7 +293,7 @@ def test_prometheus_mp_labels_name_the_entity(label_sets: list[str], entities: s
         assert entity.startswith(f"{r.attrs['hostname']}/{r.attrs['agent_name']}")
 
 
-def test_restarted_rank_keeps_its_entity_and_reads_as_a_reset() -> None:
+def test_restarted_rank_keeps_its_entity_and_counts_nothing_twice() -> None:
     old = 'agent_name="a",hostname="h",pid="11",agent_instance="0",local_rank="0"'
     new = 'agent_name="a",hostname="h",pid="99",agent_instance="0",local_rank="0"'
     before = exposition(Agent(tx_bytes=1000, tx_requests=10), labels=old)
@@ -301,7 +301,12 @@ def test_restarted_rank_keeps_its_entity_and_reads_as_a_reset() -> None:
     overlap = before + exposition(Agent(tx_bytes=300, tx_requests=3), labels=new)
     after = exposition(Agent(tx_bytes=500, tx_requests=5), labels=new)
     assert signal_map(before, overlap, entity="h/a/0")["nixl_tx_bytes_rate"] == pytest.approx(30.0)
-    assert signal_map(overlap, after, entity="h/a/0")["nixl_tx_bytes_rate"] == pytest.approx(50.0)
+    # The dead process's series leaves the sum: the new one sent 200 bytes more. Read as a reset of the sum, the
+    # 300 already counted came again (50 bytes a second).
+    assert signal_map(overlap, after, entity="h/a/0")["nixl_tx_bytes_rate"] == pytest.approx(20.0)
+    # A process restarted under the same labels still reads as a reset.
+    again = exposition(Agent(tx_bytes=40, tx_requests=1), labels=new)
+    assert signal_map(after, again, entity="h/a/0")["nixl_tx_bytes_rate"] == pytest.approx(4.0)
 
 
 def test_series_without_an_agent_are_ignored() -> None:
