@@ -77,7 +77,11 @@ def test_a_shift_after_a_balanced_history_opens_on_its_third_skewed_scrape() -> 
     g = Group().tick(40)
     for _ in range(2):
         assert not g.tick(itl=HOT).run().findings
-    assert g.tick(itl=HOT).run().findings
+    [f] = g.tick(itl=HOT).run().findings
+    # It reads at the skew of the scrapes that opened it, not at the window's balanced median (about 1.1).
+    assert f.evidence["statistic"] == pytest.approx(2.0, rel=0.15)
+    [hot] = Group().tick(40).tick(3, itl=(0.03, 0.03, 0.09, 0.03)).run().findings
+    assert hot.severity == "critical", "a rank three times the median is critical from the first finding"
 
 
 def test_single_skewed_scrapes_between_balanced_ones_stay_quiet() -> None:
