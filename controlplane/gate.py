@@ -10,6 +10,7 @@ bounded patience for a failing source, and the reports CI jobs read. The statist
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import html
 import json
 import logging
@@ -402,18 +403,31 @@ class GateKey:
     canary: str
     revision: str = ""
 
+    @property
+    def id(self) -> str:
+        """A short stable name of this gate (the store's claims are keyed by it)."""
+        text = "\0".join((self.pool, self.baseline, self.canary, self.revision))
+        return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+# (key, value, stale_before) -> (the value claimed, whether this call claimed it): `Store.claim`.
+Claim = Callable[[str, float, float], Awaitable[tuple[float, bool]]]
+
 
 class GateBook:
     """The gates the HTTP API runs for Argo Rollouts and Flagger: one session per rollout, started by its
     first consultation and answered from then on; a decided verdict is recorded once.
 
-    Sessions idle for twice the window are forgotten; a control plane restart starts a gate afresh
-    (a new test from that moment, still valid, having lost only the earlier data).
+    With `claim` (the store's), every replica behind the API's Service judges a rollout from the same start
+    and one of them records its verdict: a replica without the session (another one started it, or it
+    restarted) catches up on the steps since from the store. Without it, each process starts its own.
+    Sessions idle for twice the window are forgotten.
     """
 
     def __init__(self, make_source: SourceFactory, settings: GateSettings | None = None,
-                 record: Callable[[NewVerdict], Awaitable[int]] | None = None, max_sessions: int = 256) -> None:
-        self._make, self.settings, self._record = make_source, settings or GateSettings(), record
+                 record: Callable[[NewVerdict], Awaitable[int]] | None = None, max_sessions: int = 256,
+                 claim: Claim | None = None) -> None:
+        self._make, self.settings, self._record, self._claim = make_source, settings or GateSettings(), record, claim
         self._max = max_sessions
         self._sessions: dict[GateKey, tuple[GateSession, float]] = {}
         self._locks: dict[GateKey, asyncio.Lock] = {}
@@ -436,12 +450,18 @@ class GateBook:
                     raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
                 s = settings or self.settings
                 base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
-                entry = (GateSession(self._make(key.pool, base, can, s.metrics), s, now), now)
+                source = self._make(key.pool, base, can, s.metrics)
+                # A start older than two windows is an earlier rollout's under the same key.
+                start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window))[0] \
+                    if self._claim is not None else now
+                entry = (GateSession(source, s, start), now)
             session = entry[0]
             self._sessions[key] = (session, now)
             decided_before = session.verdict is not None
             verdict = await session.consult(now)
-            if verdict.decided and not decided_before and self._record is not None:
+            if verdict.decided and not decided_before and self._record is not None and (
+                    self._claim is None
+                    or (await self._claim(f"gate-verdict:{key.id}", session.start, session.start))[1]):
                 await self._record(NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
                                               verdict.ended_at, verdict.outcome.value, verdict.score,
                                               {**verdict.as_dict(), "revision": key.revision}))

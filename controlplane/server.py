@@ -249,7 +249,7 @@ def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None =
     token = token or os.environ.get(TOKEN_ENV) or None
     if gates is None:
         gates = GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules),
-                         record=loop.store.record_verdict)
+                         record=loop.store.record_verdict, claim=loop.store.claim)
     api = {"loop": loop, "token": token}
     gate = {**api, "gates": gates}
     app = tornado.web.Application(

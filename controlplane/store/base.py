@@ -135,3 +135,9 @@ class Store(Protocol):
     async def pause_state(self) -> Pause | None:
         """The kill switch: set (who, why, when) or None."""
         ...
+
+    async def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
+        """The value claimed under `key` (at most 59 characters), the same for every replica: the one recorded unless
+        it is under `stale_before`, else `value`, recorded; and whether this call recorded it (of racing replicas,
+        exactly one does)."""
+        ...

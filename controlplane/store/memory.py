@@ -46,6 +46,7 @@ class MemoryStore:
         self.verdicts: list[NewVerdict] = []
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
+        self.claims: dict[str, float] = {}
         self.advice_rows: dict[int, AdviceRecord] = {}
 
     # signals and targets ---------------------------------------------------------------------
@@ -110,6 +111,13 @@ class MemoryStore:
 
     async def pause_state(self) -> Pause | None:
         return self.pause
+
+    async def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
+        held = self.claims.get(key)
+        if held is not None and held >= stale_before:
+            return held, False
+        self.claims[key] = value
+        return value, True
 
     # findings --------------------------------------------------------------------------------
 

@@ -126,3 +126,6 @@ class ThreadedStore:
 
     async def pause_state(self) -> Pause | None:
         return await self._run(self.sql.pause_state)
+
+    async def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
+        return await self._run(self.sql.claim, key, value, stale_before)

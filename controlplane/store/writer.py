@@ -417,6 +417,24 @@ class SqlStore(metaclass=_Translating):
         data = json.loads(raw)
         return Pause(str(data["by"]), str(data["reason"]), float(data["at"]))
 
+    def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
+        """The value claimed under `key`, one answer for every replica: the recorded one unless under `stale_before`,
+        else `value`, recorded; of racing replicas the first write wins and the others read it."""
+        name = f"claim:{key}"
+        for _ in range(3):
+            with self.engine.begin() as conn:
+                raw = conn.execute(select(MetaRow.value).where(MetaRow.key == name)).scalar_one_or_none()
+                if raw is not None and float(raw) >= stale_before:
+                    return float(raw), False
+                if raw is None:
+                    stmt = self._insert(MetaRow).on_conflict_do_nothing() if self._insert else insert(MetaRow)  # type: ignore[attr-defined]
+                    stmt = stmt.values(key=name, value=repr(value))
+                else:  # conditional: a stale claim is replaced once
+                    stmt = update(MetaRow).where(MetaRow.key == name, MetaRow.value == raw).values(value=repr(value))
+                if conn.execute(stmt.returning(MetaRow.key)).first() is not None:  # this call wrote it
+                    return value, True
+        raise StoreConflict(f"the claim {key} kept changing under this replica")
+
     def set_pause(self, pause: Pause | None) -> None:
         """Set the kill switch (every replica stops acting at its next check), or clear it with None."""
         with self.engine.begin() as conn:

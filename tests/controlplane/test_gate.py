@@ -313,6 +313,35 @@ async def test_the_gate_book_keeps_one_session_per_rollout_and_records_the_decis
     assert len(book._locks) == len(book._sessions) == 2
 
 
+class Timed:
+    """A gate source whose every step's numbers follow from the step's time, as two replicas reading one store see."""
+
+    async def interval(self, start: float, end: float) -> Interval:
+        step = Scripted.make(1.2 * (1 + 0.01 * ((round(start / 30) * 7) % 5 - 2)))
+        return Interval(start, end, step.baseline, step.canary)
+
+
+async def test_replicas_behind_one_service_judge_a_rollout_alike_and_record_it_once() -> None:
+    store = MemoryStore()
+    recorded: list[NewVerdict] = []
+
+    async def record(v: NewVerdict) -> int:
+        recorded.append(v)
+        return len(recorded)
+
+    books = [GateBook(lambda *_: Timed(), TPOT_ONLY, record, claim=store.claim) for _ in range(2)]
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    t = 1020.0
+    verdicts = []
+    while not verdicts or not verdicts[-1].decided:
+        verdicts.append(await books[len(verdicts) % 2].consult(key, t))  # the Service alternates between replicas
+        t += 30
+    other = await books[len(verdicts) % 2].consult(key, t - 30)
+    assert verdicts[-1].outcome is other.outcome is Outcome.FAIL
+    assert other.started_at == verdicts[-1].started_at == 1020.0 and other.as_dict() == verdicts[-1].as_dict()
+    assert len(recorded) == 1, "one replica records the verdict"
+
+
 def test_reports_for_ci() -> None:
     ivs = [Interval(30.0 * i, 30.0 * (i + 1), {"tpot": Dist(100.0, 1.0)}, {"tpot": Dist(30.0, 0.36 + 0.003 * (i % 3))})
            for i in range(10)]

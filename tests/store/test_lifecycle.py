@@ -138,6 +138,14 @@ async def test_advice_is_refreshed_superseded_and_scored(any_store: Store) -> No
         await any_store.score_advice(other.id, 6.5, 0.0, now=50.0)
 
 
+async def test_a_claim_is_one_answer_for_every_replica_until_it_is_stale(any_store: Store) -> None:
+    assert await any_store.claim("gate-start:g1", 100.0, 0.0) == (100.0, True)
+    assert await any_store.claim("gate-start:g1", 130.0, 0.0) == (100.0, False), "the first claim stands"
+    assert await any_store.claim("gate-start:g2", 130.0, 0.0) == (130.0, True)
+    assert await any_store.claim("gate-start:g1", 500.0, 200.0) == (500.0, True), "a stale claim is replaced"
+    assert await any_store.claim("gate-start:g1", 510.0, 200.0) == (500.0, False)
+
+
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def test_racing_deciders_exactly_one_wins(backend: str, request: pytest.FixtureRequest) -> None:
     """A person approving, the loop expiring and a second control plane rejecting, at one instant, in
