@@ -120,6 +120,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("nixl_kv_expired_rate", "1/s", _E, _V, "KV blocks that expired before the decode side fetched them, per second"),
     # pools, from the scrape ---------------------------------------------------------------------
     _s("engines_reporting", "count", Subject.POOL, Producer.SCRAPER, "engines of the pool that reported this interval"),
+    _s("pods_reporting", "count", Subject.POOL, Producer.SCRAPER,
+       "pods whose engines reported this interval (fewer than the engines where a pod serves several ranks)"),
     _s("targets", "count", Subject.POOL, Producer.SCRAPER, "scrape targets of the pool"),
     _s("targets_up", "count", Subject.POOL, Producer.SCRAPER, "scrape targets of the pool that answered"),
     _s("up", "0/1", Subject.TARGET, Producer.SCRAPER, "1 when the target answered its scrape"),
@@ -131,6 +133,10 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("autoscale_target_replicas", "count", Subject.POOL, Producer.SIZER,
        "replicas the sizer recommends for the forecast load, before the scale-down hold"),
     _s("autoscale_forecast_rate", "1/s", Subject.POOL, Producer.SIZER, "arrivals per second the sizer plans for"),
+    _s("autoscale_startup_seconds", "s", Subject.POOL, Producer.SIZER,
+       "the pool's start-up time last measured (a raised replica count until it was ready)"),
+    _s("replicas_gang", "count", Subject.POOL, Producer.ACTUATOR,
+       "engines that come and go together (a LeaderWorkerSet group), where more than one"),
     # GPUs ---------------------------------------------------------------------------------------
     _s("gpu_utilization", "ratio", Subject.GPU, _GPU, "GPU busy share"),
     _s("gpu_engine_active", "ratio", Subject.GPU, Producer.DCGM, "graphics/compute engine active share"),

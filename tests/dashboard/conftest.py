@@ -99,6 +99,7 @@ def add_fleet_extras(url: str) -> None:
                       "engines_needed", 6.0, 4.0, 168.0, 0.8, {"bf16": {"engines": 6}, "fp8": {"engines": 4}}),
             NewAdvice("speculation", "prefill", True, "disable speculative decoding on prefill",
                       {"speculative": {"method": "none"}}, "engines_needed", 5.0, 4.0, 84.0, 0.7, {})], times[-20])
+        store.follow_advice(spec.id, times[-10])
         store.score_advice(spec.id, 4.4, 0.1, times[-1])
     finally:
         store.close()
