@@ -136,7 +136,7 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("autoscale_startup_seconds", "s", Subject.POOL, Producer.SIZER,
        "the pool's start-up time last measured (a raised replica count until it was ready)"),
     _s("replicas_gang", "count", Subject.POOL, Producer.ACTUATOR,
-       "engines that come and go together (a LeaderWorkerSet group), where more than one"),
+       "engines that come and go together (a LeaderWorkerSet group's size; 1 for other workloads)"),
     # GPUs ---------------------------------------------------------------------------------------
     _s("gpu_utilization", "ratio", Subject.GPU, _GPU, "GPU busy share"),
     _s("gpu_engine_active", "ratio", Subject.GPU, Producer.DCGM, "graphics/compute engine active share"),

@@ -115,14 +115,14 @@ class AdviceRun:
     scored: list[AdviceRecord] = field(default_factory=list)
 
 
-def _new(rec: Recommendation, inp: AdvisorInput) -> NewAdvice:
+def _new(rec: Recommendation, inp: AdvisorInput, fleet: Sequence[str]) -> NewAdvice:
     # A split fleet counts its requests once, where they enter (the prefill pool): both pools report each one.
     names = rec.pool.split("+")
     entry = [n for n in names if n in inp.observed and inp.pools[n].role != "decode"] or names
     arrivals = sum(inp.observed[n].arrivals for n in entry if n in inp.observed)
     return NewAdvice(rec.kind.value, rec.pool, rec.act, rec.advice, dict(rec.change), rec.effect.metric,
                      rec.effect.before, rec.effect.after, rec.effect.saving_per_day, rec.confidence,
-                     {**rec.evidence, "advised_at_arrivals": round(arrivals, 4), "fleet_pools": sorted(inp.pools)})
+                     {**rec.evidence, "advised_at_arrivals": round(arrivals, 4), "fleet_pools": sorted(fleet)})
 
 
 def followed(rec: AdviceRecord, config: FleetConfig) -> list[str] | None:
@@ -199,7 +199,9 @@ async def advise_and_score(config: FleetConfig, store: Store, now: float, since:
                 # The fleet file says nothing of when it changed: what it shows is judged from now on.
                 await store.follow_advice(rec.id, now)
         for rec in await store.advice(states=("followed",)):
-            if (done := followed(rec, config)) is None:  # changed back meanwhile: judged once it runs as advised
+            if (done := followed(rec, config)) is None:
+                # Changed back before it was judged: open again, its time taken afresh once followed again.
+                await store.unfollow_advice(rec.id, now)
                 continue
             start = max(since, rec.applied_at if rec.applied_at is not None else now)
             after = {p: o for p in done if (o := observed(windows, p, start, config.advisor.load_quantile))}
@@ -212,7 +214,8 @@ async def advise_and_score(config: FleetConfig, store: Store, now: float, since:
             scored.append(replace(rec, state="applied", measured=measured, error=error))
     inp = advisor_input(config, windows, now, since, prefix_blocks, pools)
     recs = advise(inp, config.advisor, prefix_block_tokens=prefix_block_tokens)
-    stored = await store.record_advice([_new(r, inp) for r in recs], now) if record and recs else []
+    fleet = [p.name for p in config.pools]  # every pool, whichever were advised on: a split's are those it adds
+    stored = await store.record_advice([_new(r, inp, fleet) for r in recs], now) if record and recs else []
     return AdviceRun(recs, stored, scored)
 
 

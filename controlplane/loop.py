@@ -320,8 +320,8 @@ class ControlLoop:
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
                            Signal(now, f"pool/{pool.name}", READY, float(state.ready))]
-                if state.gang > 1:  # `fleetctl autoscale plan` reads it back to plan in whole groups as the loop does
-                    record.append(Signal(now, f"pool/{pool.name}", GANG, float(state.gang)))
+                # `fleetctl autoscale plan` reads it back to plan in whole groups as the loop does.
+                record.append(Signal(now, f"pool/{pool.name}", GANG, float(state.gang)))
         # Replica counts are signals too: start-up times are measured from them and the dashboard plots them.
         self._keep(record)
         return out

@@ -66,7 +66,7 @@ __all__ = [
 # What the loop records each tick for every pool (from the actuator's view and from the sizer), so
 # start-up times, the stabilisation window and the dashboard read them back like any signal.
 DESIRED, READY = "replicas_desired", "replicas_ready"
-GANG = "replicas_gang"  # engines that come and go together (a LeaderWorkerSet group), recorded where more than one
+GANG = "replicas_gang"  # engines that come and go together (a LeaderWorkerSet group's size, else 1)
 TARGET, FORECAST = "autoscale_target_replicas", "autoscale_forecast_rate"
 # The start-up time last measured, recorded every tick while known, so a pool that has not scaled up within the
 # history still plans as far ahead as its engines take to start (and a restarted control plane reads it back).

@@ -138,15 +138,12 @@ class _Skew:
         values = [r for _, r, _ in self.ticks[-n:]]
         return statistics.median(values) if values else None
 
-    def skewed_median(self, threshold: float, n: int) -> float | None:
-        """The median over the newest run of scrapes at `threshold` or more (at most `n`), else over the newest `n`:
-        a group skewed for three scrapes of twenty reads at its skew, not at the balanced scrapes before."""
-        run = 0
-        for _, r, _ in reversed(self.ticks[-n:]):
-            if r < threshold:
-                break
-            run += 1
-        return self.median(run or n)
+    def skewed_median(self, threshold: float, n: int, at_least: int) -> float | None:
+        """The median of the newest `n` scrapes' skews at `threshold` or more where there are `at_least` of them, else
+        of all `n`: a group skewed for three scrapes of twenty reads at its skew, not at the balanced scrapes before
+        them, and one scrape under the threshold does not drop it back."""
+        skewed = [r for _, r, _ in self.ticks[-n:] if r >= threshold]
+        return statistics.median(skewed) if len(skewed) >= at_least else self.median(n)
 
     def hottest(self, n: int, at_least: float = 0.0) -> str | None:
         """The member most often at the top among the newest `n` scrapes whose skew reaches `at_least`."""
@@ -308,12 +305,13 @@ class EpImbalance:
         return groups, {f"{pool}/{pod}" for pool, pod in members}
 
     def _stat(self, group: _Group) -> tuple[float | None, float | None]:
-        """ITL skew and GPU skew: the median over their newest skewed run (else the window), None where too few scrapes."""
+        """ITL skew and GPU skew: the median of the window's skewed scrapes (else of all), None where too few scrapes."""
         s = self.settings
-        itl = group.itl.skewed_median(s.skew_ratio, s.window_points) if len(group.itl.ticks) >= s.min_ticks else None
+        n, confirm = s.window_points, s.confirm_points
+        itl = group.itl.skewed_median(s.skew_ratio, n, confirm) if len(group.itl.ticks) >= s.min_ticks else None
         gpu = None
         if group.gpu is not None and len(group.gpu.ticks) >= s.min_ticks:
-            gpu = group.gpu.skewed_median(s.gpu_skew_ratio, s.window_points)
+            gpu = group.gpu.skewed_median(s.gpu_skew_ratio, n, confirm)
         return itl, gpu
 
     def _imbalanced(self, inp: PolicyInput, group: _Group) -> bool:

@@ -128,6 +128,10 @@ class Store(Protocol):
         """Mark an open recommendation followed: the fleet runs the way it advised from `now` on."""
         ...
 
+    async def unfollow_advice(self, advice_id: int, now: float) -> None:
+        """A followed recommendation the fleet no longer runs (changed back before it was scored): open again."""
+        ...
+
     async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         """Mark a followed recommendation applied, with the metric measured after it and the error."""
         ...

@@ -103,6 +103,12 @@ class MemoryStore:
             raise StoreConflict(f"advice {advice_id} is not open")
         self.advice_rows[advice_id] = replace(row, state="followed", applied_at=now, updated_at=now)
 
+    async def unfollow_advice(self, advice_id: int, now: float) -> None:
+        row = self.advice_rows.get(advice_id)
+        if row is None or row.state != "followed":
+            raise StoreConflict(f"advice {advice_id} is not followed")
+        self.advice_rows[advice_id] = replace(row, state="open", applied_at=None, updated_at=now)
+
     async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         row = self.advice_rows.get(advice_id)
         if row is None or row.state != "followed":

@@ -121,6 +121,9 @@ class ThreadedStore:
     async def follow_advice(self, advice_id: int, now: float) -> None:
         await self._run(self.sql.follow_advice, advice_id, now)
 
+    async def unfollow_advice(self, advice_id: int, now: float) -> None:
+        await self._run(self.sql.unfollow_advice, advice_id, now)
+
     async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         await self._run(self.sql.score_advice, advice_id, measured, error, now)
 

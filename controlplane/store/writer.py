@@ -395,6 +395,10 @@ class SqlStore(metaclass=_Translating):
         """An open recommendation the fleet now runs as advised: measured on what it shows from `now` on."""
         self._advance_advice(advice_id, "open", {"state": "followed", "applied_at": now, "updated_at": now})
 
+    def unfollow_advice(self, advice_id: int, now: float) -> None:
+        """A followed recommendation the fleet no longer runs: open again, to be followed (and timed) afresh."""
+        self._advance_advice(advice_id, "followed", {"state": "open", "applied_at": None, "updated_at": now})
+
     def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         """A followed recommendation: the metric measured since it was followed, and the error."""
         self._advance_advice(advice_id, "followed", {"state": "applied", "updated_at": now, "measured": measured,

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from policies.advice.capacity import Load
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
-from policies.advice.whatif import calibrate, engines_change, peak_load, saved_engines, sized, step_cost
+from policies.advice.whatif import calibrate, engines_change, engines_effect, peak_load, saved_engines, sized, step_cost
 
 __all__ = ["kv_precision", "kv_tiering", "lru_hit_rates"]
 
@@ -152,7 +152,6 @@ def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendati
     now = sized(facts.role, facts, load, s, cost=cost, calibration=cal)
     fp8_curves = replace(facts.curves, kv_tokens=facts.curves.kv_tokens * 2)
     then = sized(facts.role, facts, load, s, fp8_curves, cost=cost, calibration=cal)
-    price = s.price(facts.gpu_type) * facts.gpus
     saved = saved_engines(now, then)
     # Where no size meets the SLOs with a 16-bit cache (a lone context barely fits) and FP8 makes one, FP8 is the fix,
     # with no saving to state: today's pool misses its SLOs at any size.
@@ -167,10 +166,8 @@ def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendati
               if act else
               f"FP8 KV cache would not shrink {facts.name} ({engines_change(now, then)}): "
               f"it is {now.limited_by}-bound")
-    before = facts.replicas if fixes else now.engines
+    effect = engines_effect(facts, now, then, s)
     return Recommendation(AdviceKind.KV_PRECISION, facts.name, advice,
                           {"kv_cache_dtype": "fp8", "replicas": then.engines} if act else {},
-                          Effect("engines_needed", before, then.engines if act else before,
-                                 saving_per_day=None if saved is None else 24 * price * saved,
-                                 gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved),
+                          effect if act else replace(effect, after=effect.before),
                           round(min(1.0, obs.minutes / 60.0) * 0.85, 2), evidence, act=act)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, Recommendation
-from policies.advice.whatif import calibrate, engines_change, peak_load, saved_engines, sized, step_cost
+from policies.advice.whatif import calibrate, engines_change, engines_effect, peak_load, sized, step_cost
 
 __all__ = ["parallel_layout"]
 
@@ -46,16 +46,12 @@ def parallel_layout(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation
             now = sized(facts.role, facts, load, s, cost=cost, calibration=cal)
             then = sized(facts.role, facts, load, s, replace(facts.curves, kv_tokens=facts.curves.kv_tokens * dup),
                          cost=cost, calibration=cal)
-            saved = saved_engines(now, then)
             out.append(Recommendation(
                 AdviceKind.PARALLEL_LAYOUT, facts.name,
                 f"run {facts.name} with --decode-context-parallel-size {dup}: {facts.kv_heads} KV heads over "
                 f"{facts.tensor_parallel} TP ranks hold {dup} copies of the cache; sharding it frees {dup}x the KV "
                 f"({engines_change(now, then)}, no new GPUs)",
-                {"decode_context_parallel_size": dup},
-                Effect("engines_needed", now.engines, then.engines,
-                       saving_per_day=None if saved is None else 24 * s.price(facts.gpu_type) * facts.gpus * saved,
-                       gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved),
-                conf, {"tensor_parallel": facts.tensor_parallel, "kv_heads": facts.kv_heads,
-                       "kv_usage_max": round(obs.kv_usage_max, 3)}))
+                {"decode_context_parallel_size": dup}, engines_effect(facts, now, then, s), conf,
+                {"tensor_parallel": facts.tensor_parallel, "kv_heads": facts.kv_heads,
+                 "kv_usage_max": round(obs.kv_usage_max, 3)}, act=then.limited_by != "none"))
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
-from policies.advice.whatif import calibrate, engines_change, peak_load, saved_engines, sized
+from policies.advice.whatif import calibrate, engines_change, engines_effect, peak_load, sized
 
 __all__ = ["best_positions", "speculation"]
 
@@ -67,16 +67,13 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
         choice = best_k
         tokens = 1.0 + sum(positions[:best_k]) if positions else length
         then = sized(facts.role, facts, load, s, cost=(1.0 + best_k * unit, tokens), calibration=cal)
-    saved = saved_engines(now, then)
-    price = s.price(facts.gpu_type) * facts.gpus
     evidence = {"method": facts.spec.method, "num_speculative_tokens": k, "mean_acceptance_length": round(length, 3),
                 "acceptance_rate": None if obs.spec_acceptance is None else round(obs.spec_acceptance, 3),
                 "per_position": [round(p, 3) for p in positions], "step_cost": round(1.0 + k * unit, 3),
                 "speedup_now": round(now_speedup, 3), "best_positions": best_k, "best_speedup": round(best_speedup, 3),
                 "engines_now": now.as_dict(), "engines_then": then.as_dict(), "model_check": cal.as_dict()}
-    effect = Effect("engines_needed", now.engines, then.engines,
-                    saving_per_day=None if saved is None else 24 * price * saved,
-                    gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved)
+    effect = engines_effect(facts, now, then, s)
+    stay = Effect("engines_needed", effect.before, effect.before)
     conf = round(min(1.0, obs.minutes / 60.0) * 0.85, 2)
     if choice == 0:
         return Recommendation(
@@ -96,8 +93,8 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
             AdviceKind.SPECULATION, facts.name,
             f"{facts.name} is KV-bound with a draft model: ngram speculation needs no draft weights or KV; "
             f"try it behind a canary (draft models pay x{now_speedup:.2f} now)",
-            {"speculative": {"method": "ngram"}}, Effect("engines_needed", now.engines, now.engines), 0.3, evidence)
+            {"speculative": {"method": "ngram"}}, stay, 0.3, evidence)
     return Recommendation(
         AdviceKind.SPECULATION, facts.name,
         f"keep {facts.spec.method} with {k} tokens on {facts.name}: x{now_speedup:.2f} decode speed-up",
-        {}, Effect("engines_needed", now.engines, now.engines), conf, evidence, act=False)
+        {}, stay, conf, evidence, act=False)

@@ -20,7 +20,7 @@ import numpy as np
 from scipy.optimize import brentq
 
 from policies.advice.capacity import NO_CALIBRATION, Calibration, Engine, Load, Sizing, predict, size_pool
-from policies.advice.types import AdviceSettings, PoolFacts, PoolObserved
+from policies.advice.types import AdviceSettings, Effect, PoolFacts, PoolObserved
 from policies.autoscale import EngineCurves
 from policies.stats import lognormal_sigma
 
@@ -77,6 +77,17 @@ def saved_engines(now: Sizing, then: Sizing) -> int | None:
     """Engines a change saves at the SLOs; None where either layout meets them at no size (`size_pool`'s "none"),
     so there is no count to compare (its `limit` is no pool's size)."""
     return None if "none" in (now.limited_by, then.limited_by) else now.engines - then.engines
+
+
+def engines_effect(facts: PoolFacts, now: Sizing, then: Sizing, s: AdviceSettings) -> Effect:
+    """The engines a change takes the pool from and to, and what that saves a day. A layout that meets the SLOs at no
+    size counts as the pool's size now, and the saving is not stated: there is no count to compare."""
+    saved = saved_engines(now, then)
+    before = facts.replicas if now.limited_by == "none" else now.engines
+    after = before if then.limited_by == "none" else then.engines
+    price = s.price(facts.gpu_type) * facts.gpus
+    return Effect("engines_needed", before, after, saving_per_day=None if saved is None else 24 * price * saved,
+                  gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved)
 
 
 def engines_change(now: Sizing, then: Sizing) -> str:

@@ -135,6 +135,7 @@ async def test_followed_advice_is_scored_against_what_the_fleet_showed() -> None
     later = await advise_and_score(off, store, 3900.0, 0.0)
     [scored] = later.scored
     assert scored.id == spec.id and scored.measured == pytest.approx(4.0, rel=0.01)
+    assert (scored.applied_at, len(await store.advice(states=("applied",)))) == (3000.0, 1)
     assert scored.error == pytest.approx((scored.measured - spec.predicted) / spec.predicted)
     assert accuracy(await store.advice(states=("applied",)))["speculation"]["scored"] == 1
 
@@ -218,6 +219,35 @@ async def test_eplb_is_advised_from_the_ranks_skew_and_scored_once_enabled() -> 
     await store.write_signals(moe_signals(1815.0, 15, 1.2))
     [scored] = (await advise_and_score(on, store, 1800.0 + 15 * 60, 1800.0)).scored
     assert scored.id == eplb.id and scored.measured == pytest.approx(1.2)
+
+
+async def test_advice_changed_back_before_it_was_judged_is_timed_afresh_once_followed_again() -> None:
+    store = MemoryStore()
+    collapsed = {"spec_mean_acceptance_length": 1.1, "spec_acceptance_pos_0": 0.08, "spec_acceptance_pos_1": 0.02,
+                 "spec_acceptance_pos_2": 0.0}
+    on = parse_config(FLEET % "h200", "f.yaml")
+    off = parse_config((FLEET % "h200").replace("method: eagle, num_speculative_tokens: 3", "method: none"), "f.yaml")
+    await store.write_signals(pool_signals(0.0, 30, 6.0, collapsed))
+    await advise_and_score(on, store, 1800.0, 0.0)
+    await advise_and_score(off, store, 1800.0, 0.0)  # followed
+    await store.write_signals(pool_signals(1815.0, 40, 6.0, collapsed))  # changed back by hand: 6 engines
+    reverted = await advise_and_score(on, store, 4200.0, 1800.0)
+    assert reverted.scored == [] and [a.state for a in await store.advice() if a.kind == "speculation"] == ["open"]
+    await store.write_signals(pool_signals(4215.0, 12, 4.0, {}))
+    await advise_and_score(off, store, 4935.0, 1800.0)  # followed again, from now
+    await store.write_signals(pool_signals(4950.0, 12, 4.0, {}))
+    [scored] = (await advise_and_score(off, store, 5670.0, 1800.0)).scored
+    assert scored.applied_at == 4935.0 and scored.measured == pytest.approx(4.0, rel=0.01), "none of the 6-engine minutes"
+    assert accuracy(await store.advice(states=("applied",)))["speculation"]["scored"] == 1
+
+
+async def test_advice_for_one_pool_records_the_whole_fleet() -> None:
+    # `fleetctl advise --pool chat`: the fleet's other pools are no split of chat's later.
+    store = MemoryStore()
+    cfg = parse_config(FLEET % "h200" + _pool("rag-p", "prefill") + "\n" + _pool("rag-d", "decode"), "f.yaml")
+    await store.write_signals(pool_signals(0.0, 30, 6.0, {}))
+    run = await advise_and_score(cfg, store, 1800.0, 0.0, pools=["chat"])
+    assert run.stored and all(r.evidence["fleet_pools"] == ["chat", "rag-d", "rag-p"] for r in run.stored)
 
 
 async def test_a_kv_tier_is_judged_by_replaying_recorded_prefix_hashes() -> None:

@@ -333,6 +333,12 @@ def test_a_pool_no_size_of_which_meets_its_slos_is_never_a_saving() -> None:
     assert fp8.act and fp8.effect.before == 2 and "no size meets the SLOs now" in fp8.advice
     [split] = [r for r in recs if r.kind is AdviceKind.DISAGGREGATION]
     assert not split.act and "at no size" in split.advice
+    # Collapsed speculation on it: disabled on its speed, from the pool's size to its size, saving nothing stated.
+    collapsed = replace(huge, spec_length=1.13, spec_acceptance=0.03, spec_positions=(0.1, 0.02, 0.01, 0.0))
+    [spec] = [r for r in advise(inp([facts(curves=tight, replicas=2, tpot_p95_slo=0.2, ttft_p95_slo=60.0,
+                                           spec=SpecFacts("eagle", 4))], {"chat": collapsed}), AdviceSettings())
+              if r.kind is AdviceKind.SPECULATION]
+    assert (spec.effect.before, spec.effect.after, spec.effect.saving_per_day) == (2, 2, None)
 
 
 def test_kv_tier_from_a_prefix_replay() -> None:

@@ -203,6 +203,13 @@ def test_stabilisation_takes_the_highest_recommendation_of_the_window() -> None:
         w.add(later + i * STEP, "pool/chat", TARGET, 3.0)
         w.add(later + i * STEP, "pool/chat", "request_rate", 1.0)
     assert stabilised(w, "pool/chat", later + 4 * STEP, 300.0, 2, 8) == 8, "held until a whole window is recorded"
+    # Two minutes unrecorded inside the window: no cover either.
+    for ticks, held in (([*range(8), *range(16, 21)], 8), (range(21), 3)):  # with and without the gap
+        gap = SignalWindows(3600)
+        for i in ticks:
+            gap.add(i * STEP, "pool/chat", TARGET, 3.0)
+            gap.add(i * STEP, "pool/chat", "request_rate", 1.0)
+        assert stabilised(gap, "pool/chat", 20 * STEP, 300.0, 2, 8) == held
 
 
 def test_a_breach_within_the_hold_window_holds_a_scale_down() -> None:

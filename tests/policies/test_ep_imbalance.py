@@ -80,8 +80,13 @@ def test_a_shift_after_a_balanced_history_opens_on_its_third_skewed_scrape() -> 
     [f] = g.tick(itl=HOT).run().findings
     # It reads at the skew of the scrapes that opened it, not at the window's balanced median (about 1.1).
     assert f.evidence["statistic"] == pytest.approx(2.0, rel=0.15)
-    [hot] = Group().tick(40).tick(3, itl=(0.03, 0.03, 0.09, 0.03)).run().findings
+    three = (0.03, 0.03, 0.09, 0.03)
+    g = Group().tick(40).tick(3, itl=three)
+    [hot] = g.run().findings
     assert hot.severity == "critical", "a rank three times the median is critical from the first finding"
+    opened = opening(g)
+    [still] = g.tick(itl=(0.03, 0.03, 0.042, 0.03)).run(opened).findings  # one scrape under the threshold
+    assert still.severity == "critical" and still.evidence["statistic"] == pytest.approx(3.0, rel=0.15)
 
 
 def test_single_skewed_scrapes_between_balanced_ones_stay_quiet() -> None:
