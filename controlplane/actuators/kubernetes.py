@@ -116,17 +116,28 @@ def _load(order: Order, pod: str) -> float:
     return -1.0 if order.idle(pod) else math.inf
 
 
-def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
-    """The pods a scale-down by `leaving` engines removes, to drain first. A Deployment's or Rollout's ReplicaSet
-    removes the pods of lowest deletion cost, so the least busy go (those this action already took out of routing
-    first: a leader taking over redoes it); a StatefulSet removes its highest ordinals and a LeaderWorkerSet its
-    highest groups, whatever their load, so those are the ones drained."""
+def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order) -> list[str]:
+    """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes, to drain first. A StatefulSet
+    removes the ordinals from `keep` up and a LeaderWorkerSet the groups from `keep` up, whatever their load (a
+    terminating pod among them is not drained again). A Deployment's or Rollout's ReplicaSet removes pods that are
+    not ready before any other, then those of lowest deletion cost: so only as many ready pods as are left to remove
+    are drained, the least busy (those this action already took out of routing first: a leader taking over redoes
+    it)."""
     if w.kind == "StatefulSet":
-        return sorted(pods, key=lambda p: _ordinal(p, pods[p], POD_INDEX), reverse=True)[:leaving]
+        return sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= keep), reverse=True)
     if w.kind == "LeaderWorkerSet":
-        return sorted(pods, key=lambda p: (_ordinal(p, pods[p], LWS_GROUP), p), reverse=True)[:leaving]
+        return sorted((p for p in pods if _ordinal(p, pods[p], LWS_GROUP) >= keep), reverse=True)
+    ready = [p for p, meta in pods.items() if meta.get("ready", True)]
+    leaving -= len(pods) - len(ready)
     mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp}
-    return sorted(pods, key=lambda p: (p not in mine, _load(order, p), p))[:leaving]
+    return sorted(ready, key=lambda p: (p not in mine, _load(order, p), p))[:max(0, leaving)]
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    """Whether a pod (as listed) is running with its Ready condition true."""
+    conditions = _dig(pod, ("status", "conditions"), []) or []
+    return _dig(pod, ("status", "phase")) == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
@@ -190,6 +201,10 @@ class _Conflict(Exception):
     """A write lost to a concurrent one (409): read again and retry."""
 
 
+class _Missing(ActuationError):
+    """The object is not there (404): an error to most callers, done to a delete."""
+
+
 class KubernetesActuator:
     """Carries out actions on the pools' workloads, pods and nodes."""
 
@@ -219,6 +234,8 @@ class KubernetesActuator:
             except ApiException as exc:
                 if exc.status == 409:
                     raise _Conflict(api_message(exc)) from None
+                if exc.status == 404:
+                    raise _Missing(f"{what}: {api_message(exc)}") from None
                 if exc.status in (403, 404, 422) or attempt == 2 or (exc.status or 0) < 500:
                     raise ActuationError(f"{what}: {api_message(exc)}") from None
             except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -226,6 +243,14 @@ class KubernetesActuator:
                     raise ActuationError(f"{what}: {type(exc).__name__}: {exc}") from None
             log.warning("%s failed; retrying once", what)
         raise AssertionError("unreachable")
+
+    async def _json(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A call whose body is read and parsed in the worker thread: read on the event loop, a slow body would stall
+        scrapes and the Lease's renewal."""
+        def read(*a: Any, **k: Any) -> Any:
+            return json.loads(fn(*a, _preload_content=False, **k).data)
+
+        return await self._call(what, read, *args, **kwargs)
 
     def _writes(self) -> dict[str, Any]:
         return {"dry_run": "All"} if self.dry_run else {}
@@ -242,12 +267,17 @@ class KubernetesActuator:
                                w.namespace, kind.plural, w.name, body, **self._writes())
         return dict(raw)
 
-    async def _retrying(self, what: str, w: Workload, obj: dict[str, Any],
+    async def _retrying(self, what: str, order: Order, w: Workload, obj: dict[str, Any],
                         write: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """A write computed from `obj` (as read), again from a fresh read when it loses to a concurrent one."""
+        """A write computed from `obj` (as read), again from a fresh read when it loses to a concurrent one, unless
+        the fresh read carries this action's stamp: a write whose answer was lost (a timeout, then its resend's
+        conflict) is made, and computing it again would apply a relative change twice or roll back past it."""
         for attempt in range(3):
+            current = obj if attempt == 0 else await self._read(w)
+            if attempt and _dig(current, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+                return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
             try:
-                return await write(obj if attempt == 0 else await self._read(w))
+                return await write(current)
             except _Conflict as exc:
                 log.info("%s: conflict (%s); reading again", what, exc)
         raise ActuationError(f"{what}: the object kept changing under three attempts (409 conflict)")
@@ -275,9 +305,16 @@ class KubernetesActuator:
         return FleetView(pools, changed, unreadable)
 
     async def _router_changed(self) -> float | None:
-        """When the router's current revision replaced another (None: no router, or no change)."""
+        """When the router's current revision replaced another (None: no router, no change, or it cannot be read:
+        the pools stay known, only the router's revision is not)."""
         router = self.settings.router
-        return None if router is None else await self._revision_time(router, await self._read(router))
+        if router is None:
+            return None
+        try:
+            return await self._revision_time(router, await self._read(router))
+        except ActuationError as exc:
+            log.warning("the router's revision cannot be read: %s", exc)
+            return None
 
     async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None]:
         """One pool's replicas as its workload reports them, and when its current revision replaced another."""
@@ -296,10 +333,8 @@ class KubernetesActuator:
         """The Deployment's ReplicaSets, newest revision first."""
         labels = _dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        raw = await self._call(f"listing the ReplicaSets of {w.namespace}/{w.name}",
-                               self._apps.list_namespaced_replica_set, w.namespace, label_selector=selector,
-                               _preload_content=False)
-        items = json.loads(raw.data)["items"]
+        items = (await self._json(f"listing the ReplicaSets of {w.namespace}/{w.name}",
+                                  self._apps.list_namespaced_replica_set, w.namespace, label_selector=selector))["items"]
         uid = _dig(obj, ("metadata", "uid"))
         mine = [rs for rs in items
                 if uid is None or any(o.get("uid") == uid for o in _dig(rs, ("metadata", "ownerReferences"), []) or [])]
@@ -349,9 +384,9 @@ class KubernetesActuator:
             return await self._scale(order, w, obj, change)
         what = f"{describe(change)} on {w.kind} {w.namespace}/{w.name}"
         if isinstance(change, Speculation | Eplb):
-            return await self._retrying(what, w, obj, lambda current: self._set_args(order, w, change, current))
+            return await self._retrying(what, order, w, obj, lambda current: self._set_args(order, w, change, current))
         if isinstance(change, RollBack):
-            return await self._retrying(what, w, obj, lambda current: self._rollback(order, w, current))
+            return await self._retrying(what, order, w, obj, lambda current: self._rollback(order, w, current))
         raise ActuationError(f"the Kubernetes actuator cannot carry out {type(change).__name__}")
 
     def _stamp(self, order: Order) -> dict[str, Any]:
@@ -364,10 +399,15 @@ class KubernetesActuator:
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
-        victims = _leaving(w, await self._pods_of(w, obj), desired - change.replicas, order)
-        for pod in victims:
-            await self._unroute(order, w.namespace, pod, cost=-1000)
-            await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
+        victims = _leaving(w, await self._pods_of(w, obj), change.replicas // size, desired - change.replicas, order)
+        done: list[str] = []
+        try:
+            for pod in victims:
+                await self._unroute(order, w.namespace, pod, cost=-1000)
+                done.append(pod)
+                await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
+        except ActuationError as exc:
+            raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
                          "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
 
@@ -463,10 +503,10 @@ class KubernetesActuator:
             raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod selector: its engines cannot be told "
                                  "from others in the namespace")
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        raw = await self._call(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
-                               w.namespace, label_selector=selector, _preload_content=False)
-        return {p["metadata"]["name"]: p["metadata"]
-                for p in json.loads(raw.data)["items"] if not _dig(p, ("metadata", "deletionTimestamp"))}
+        listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
+                                  w.namespace, label_selector=selector)
+        return {p["metadata"]["name"]: {**p["metadata"], "ready": _ready(p)}
+                for p in listed["items"] if not _dig(p, ("metadata", "deletionTimestamp"))}
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
         """Take a pod out of the router's pool (its routing label removed) and mark it with the action."""
@@ -500,9 +540,9 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        raw = await self._call(f"listing the pods on node {node}", self._core.list_namespaced_pod, w.namespace,
-                               field_selector=f"spec.nodeName={node}", _preload_content=False)
-        pods = sorted(p["metadata"]["name"] for p in json.loads(raw.data)["items"])
+        listed = await self._json(f"listing the pods on node {node}", self._core.list_namespaced_pod, w.namespace,
+                                  field_selector=f"spec.nodeName={node}")
+        pods = sorted(p["metadata"]["name"] for p in listed["items"])
         for pod in pods:
             await self._unroute(order, w.namespace, pod)
         return {"wait": {"phase": "evicting", "pods": pods, "namespace": w.namespace, "then": "evict", "node": node,
@@ -536,21 +576,44 @@ class KubernetesActuator:
             obj = await self._read(w)
             size = int(_dig(obj, KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
             now_at = int(_dig(obj, ("spec", "replicas"), 1)) * size
+            if (_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
+                    or now_at == int(wait["replicas"])):
+                # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
+                return {"already_applied": f"{w.kind} {w.namespace}/{w.name}", "replicas": now_at, **detail}
             if "from" in wait and now_at != int(wait["from"]):
                 # Someone scaled the workload while its engines drained: setting the count decided before would
                 # undo that. The drained engines go back into routing, and the pool is sized again from here.
-                template_labels = _dig(obj, (*KINDS[w.kind].template, "metadata", "labels"), {}) or {}
-                for pod in pods:
-                    await self._reroute(order, wait["namespace"], pod,
-                                        str(template_labels.get(self.settings.routing_label, "true")))
                 raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
-                                     f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}, and the "
-                                     "drained engines are routed again")
-            return {**await self._set_replicas(order, w, int(wait["replicas"]) // size), **detail}
+                                     f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}; "
+                                     f"{await self._back_in(order, w, obj, pods)}")
+            try:
+                return {**await self._set_replicas(order, w, int(wait["replicas"]) // size), **detail}
+            except ActuationError as exc:
+                raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, pods)}") from None
         for pod in pods:
-            await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod, pod,
-                             wait["namespace"], **self._writes())
+            try:
+                await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod,
+                                 pod, wait["namespace"], **self._writes())
+            except _Missing:
+                pass  # gone already: what the drain was for
         return detail
+
+    async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str]) -> str:
+        """Put the pods a failed scale-down took out of routing back in (they would stay running and serve nothing),
+        and say how that went."""
+        value = str((_dig(obj, (*KINDS[w.kind].template, "metadata", "labels"), {}) or {})
+                    .get(self.settings.routing_label, "true"))
+        failed = []
+        for pod in pods:
+            try:
+                await self._reroute(order, w.namespace, pod, value)
+            except _Missing:
+                pass
+            except ActuationError as exc:
+                failed.append(f"{pod} ({exc})")
+        if failed:
+            return f"not routed again, set {self.settings.routing_label}={value} by hand: {', '.join(failed)}"
+        return f"the drained engines are routed again ({', '.join(pods) or 'none'})"
 
     async def _evict(self, order: Order, namespace: str, pod: str) -> bool:
         """Evict one pod; False when a PodDisruptionBudget refuses it for now (HTTP 429)."""
@@ -640,14 +703,18 @@ class ConfigMapSwitch:
 
     async def paused(self) -> str | None:
         f = self.flag
+
+        def read() -> Any:  # the body too, in the worker thread
+            return json.loads(self._core.read_namespaced_config_map(f.name, f.namespace, _request_timeout=self._timeout,
+                                                                   _preload_content=False).data)
+
         try:
-            raw = await asyncio.to_thread(self._core.read_namespaced_config_map, f.name, f.namespace,
-                                          _request_timeout=self._timeout, _preload_content=False)
+            data = await asyncio.to_thread(read)
         except ApiException as exc:
             if exc.status == 404:
                 return None  # no ConfigMap, no flag
             return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({api_message(exc)}): not acting"
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({exc}): not acting"
-        value = str((json.loads(raw.data).get("data") or {}).get(f.key, "")).strip().lower()
+        value = str((data.get("data") or {}).get(f.key, "")).strip().lower()
         return f"ConfigMap {f.namespace}/{f.name} has {f.key}: {value}" if value == "true" else None

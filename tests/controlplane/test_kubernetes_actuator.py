@@ -19,6 +19,7 @@ import kmock
 import pytest
 from kubernetes import client
 
+from controlplane.actuators import kubernetes as kubernetes_actuator
 from controlplane.actuators.base import Order
 from controlplane.actuators.kubernetes import ACTION_ANNOTATION, VERBS, ConfigMapSwitch, KubernetesActuator
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
@@ -87,7 +88,8 @@ def replica_set(dep: dict[str, Any], revision: int, image: str, created: str) ->
 def pod(name: str, app: str = "vllm-decode", node: str = "gpu-node-1") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS, "labels": {"app": app, "llm-d.ai/routed": "true"}},
-            "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]}}
+            "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def actuator(api: client.ApiClient, clock: Clock | None = None, **settings: Any) -> KubernetesActuator:
@@ -454,3 +456,97 @@ def test_the_rbac_it_needs_is_what_it_calls() -> None:
     assert ("apps", "deployments/scale", "patch") in VERBS and ("", "pods/eviction", "create") in VERBS
     assert not any(verb in ("*", "update", "deletecollection", "escalate", "bind") for _, _, verb in VERBS)
     assert not any(resource == "secrets" for _, resource, _ in VERBS)
+
+
+def tokens(server: ApiServer) -> int:
+    args = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    return int(json.loads(args[args.index("--speculative-config") + 1])["num_speculative_tokens"])
+
+
+async def test_a_write_whose_answer_was_lost_is_not_made_twice(server: ApiServer, api: client.ApiClient) -> None:
+    # The server made the write; its answer timed out and the resend lost to the write itself (409). A relative
+    # change computed again from the fresh read would go a second step.
+    server.put(DEPLOYMENTS, deployment())
+    act = actuator(api)
+    patch, lost = act._patch, []
+
+    async def made_but_lost(w: Workload, body: dict[str, Any], what: str) -> dict[str, Any]:
+        done = await patch(w, body, what)
+        if not lost:
+            lost.append(what)
+            raise kubernetes_actuator._Conflict("the resend found the object changed")
+        return done
+
+    act._patch = made_but_lost  # type: ignore[method-assign]
+    before = tokens(server)
+    done = await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1)))
+    assert "already_applied" in done and tokens(server) == before - 1
+
+
+async def test_a_failed_scale_down_puts_its_drained_engines_back(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    act = actuator(api)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
+    first = await act.carry_out(o)
+    server.fail("PATCH", "/scale", 422, "admission webhook denied the request")
+    with pytest.raises(ActuationError, match="denied.*routed again"):
+        await act.resume(o, first["wait"], Clock().t + 5)
+    back = server.get(PODS, NS, "vllm-decode-a")
+    assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true", "not left serving nothing"
+
+
+async def test_the_pods_drained_are_those_the_controller_removes(server: ApiServer, api: client.ApiClient) -> None:
+    sts = deployment("vllm-kv", replicas=3)
+    sts["kind"] = "StatefulSet"
+    sts["spec"] = {"replicas": 3, "selector": sts["spec"]["selector"], "serviceName": "vllm-kv",
+                   "template": sts["spec"]["template"]}
+    server.put(STATEFULSETS, sts)
+    for i in range(3):
+        server.put(PODS, pod(f"vllm-kv-{i}", app="vllm-kv"))
+    dying = pod("vllm-kv-2", app="vllm-kv")
+    dying["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"  # its node was lost
+    server.put(PODS, dying)
+    act = actuator(api)
+    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    first = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(2), pool="kv"))
+    assert first["wait"]["pods"] == [], "ordinal 1 stays: draining it would leave it out of routing for good"
+    # A ReplicaSet removes a pod that is not ready before any other: only the rest are drained.
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b"):
+        server.put(PODS, pod(name))
+    starting = pod("vllm-decode-c")
+    starting["status"] = {"phase": "Pending"}
+    server.put(PODS, starting)
+    assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(2), action_id=8)))["wait"]["pods"] == []
+    assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(1), action_id=9,
+                                      busy={"vllm-decode-a": 2.0, "vllm-decode-b": 0.0})))["wait"]["pods"] == [
+        "vllm-decode-b"]
+
+
+async def test_a_scale_down_taken_over_after_its_scale_is_done_not_failed(server: ApiServer,
+                                                                         api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
+    first = await actuator(api).carry_out(o)
+    await actuator(api).resume(o, first["wait"], Clock().t + 5)  # the old leader scaled, then died unrecorded
+    again = await actuator(api).resume(o, first["wait"], Clock().t + 20)  # the new leader resumes its wait
+    assert "already_applied" in again and again["replicas"] == 2
+    assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"]  # type: ignore[index]
+
+
+async def test_an_unreadable_router_leaves_the_pools_known_and_a_gone_pod_is_drained(server: ApiServer,
+                                                                                    api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.fail("GET", "/deployments/epp", 503, "etcd timeout", times=2)
+    view = await actuator(api).observe()
+    assert "decode" in view.pools and "router" not in view.changed_at
+    server.put(PODS, pod("vllm-decode-a"))
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 0.0})
+    first = await actuator(api).carry_out(o)
+    server.fail("DELETE", "/pods/vllm-decode-a", 404, "pods \"vllm-decode-a\" not found")  # gone with its node
+    done = await actuator(api).resume(o, first["wait"], Clock().t + 5)
+    assert done["drained"] == ["vllm-decode-a"]

@@ -143,7 +143,8 @@ async def test_the_follower_takes_over_a_killed_leaders_action_once(
         server.put(PODS, {"apiVersion": "v1", "kind": "Pod",
                           "metadata": {"name": name, "namespace": NS,
                                        "labels": {"app": "vllm-decode", "llm-d.ai/routed": "true"}},
-                          "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]}})
+                          "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]},
+                          "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
     db = f"sqlite:///{tmp_path / 'fleet.db'}"
     migrate.upgrade(db)
     store = SqlStore.open(db)
