@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -108,6 +109,9 @@ class ControlLoop:
         self._last_replicas: dict[str, PoolReplicas] = {}  # as last read: an unreadable pool keeps them
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
+        # Pools whose waiting change finished this tick (its pods deleted or evicted just now): the fleet read at the
+        # tick's start does not show them unsettled yet, and no other disruptive change may start beside them.
+        self._finished_now: list[str] = []
         self.last_tick_at: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
@@ -442,6 +446,7 @@ class ControlLoop:
         rails = self.config.rails
         await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
                            lambda a: now - a.created_at >= rails.proposal_ttl)
+        self._finished_now = []
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
@@ -463,7 +468,7 @@ class ControlLoop:
         mode = self.config.mode
         return check(proposal, pools.get(proposal.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
                      rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds, paused=paused,
-                     unsettled=_unsettled(pools), finding_id=finding_id)
+                     unsettled=[*_unsettled(pools), *self._finished_now], finding_id=finding_id)
 
     async def _record(self, proposal: Proposal, decision: RailsDecision, finding_id: int | None, now: float,
                       pools: dict[str, PoolState], report: TickReport, extra: dict[str, Any] | None = None
@@ -501,9 +506,11 @@ class ControlLoop:
     async def _execute(self, action: ActionRecord, pools: dict[str, PoolState], history: list[ActionRecord],
                        now: float, report: TickReport) -> None:
         """Run one approved action if the rails (and the kill switch, read again now) still allow it."""
+        # A revert is not held back by the cooldown of the change it undoes.
+        undoes = action.params.get("reverts")
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
-                           history=history, now=now, supported=self.actuator.kinds, paused=await self.switch.paused(),
-                           unsettled=_unsettled(pools))
+                           history=[a for a in history if a.id != undoes], now=now, supported=self.actuator.kinds,
+                           paused=await self.switch.paused(), unsettled=[*_unsettled(pools), *self._finished_now])
         if decision.reason in WAIT_REASONS or not self.leading():
             return
         if decision.reason is not RailsReason.ALLOWED or decision.change is None:
@@ -516,9 +523,11 @@ class ControlLoop:
             return
         try:
             # Conditional: of two control planes (or a loop and an expiry) only one starts it.
-            action = await self.store.transition(action.id, ActionState.APPROVED, ActionState.STARTED, now,
-                                                 {"actuator": self.actuator.name, "dry_run": self.actuator.dry_run},
-                                                 actuator=self.actuator.name, dry_run=self.actuator.dry_run)
+            action = await self.store.transition(
+                action.id, ActionState.APPROVED, ActionState.STARTED, now,
+                {"actuator": self.actuator.name, "dry_run": self.actuator.dry_run,
+                 "verify_before": self._recent_mean(action.pool, action.params.get("verify_signal"), points=2)},
+                actuator=self.actuator.name, dry_run=self.actuator.dry_run)
         except ActionConflict as exc:
             log.info("action %d was not started here: %s", action.id, exc)
             return
@@ -560,7 +569,8 @@ class ControlLoop:
             if before is None or before[1] != detail["wait"]:  # the audit log gets each new wait, not every tick
                 await self.store.note(order.action_id, "waiting", self.clock.now(), detail)
             return
-        self._waiting.pop(order.action_id, None)
+        if self._waiting.pop(order.action_id, None) is not None:
+            self._finished_now.append(order.pool)
         state = ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED
         await self.store.transition(order.action_id, ActionState.STARTED, state, self.clock.now(), detail)
         self.telemetry.actions.labels(kind, str(state)).inc()
@@ -581,12 +591,12 @@ class ControlLoop:
 
     # verify -----------------------------------------------------------------------------------
 
-    def _recent_mean(self, pool: str, signal: str | None, points: int = 5) -> float | None:
-        """Mean of a pool signal over its last `points` intervals: before an action, the degraded
-        state that prompted it; at verification, the settled state after it."""
+    def _recent_mean(self, pool: str, signal: str | None, points: int = 5, since: float | None = None) -> float | None:
+        """Mean of a pool signal over its last `points` intervals (taken at or after `since`): before an action, the
+        degraded state that prompted it; at verification, the settled state after it, never points from before."""
         if signal is None:
             return None
-        window = self.windows.last(f"pool/{pool}", signal, points)
+        window = [v for _, v in self.windows.series(f"pool/{pool}", signal, since=since)[-points:]]
         return statistics.fmean(window) if window else None
 
     async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:
@@ -594,8 +604,14 @@ class ControlLoop:
         did not help is reverted where it can be, and a finding says so."""
         for action in await self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
             p = action.params
-            before = p.get("verify_before")
-            after = self._recent_mean(action.pool, p.get("verify_signal"))
+            # The state it ran from (read when it started: an approval can come long after the proposal), and
+            # the state after it, from points after it finished only: a signal that stopped is no recovery.
+            started = next((e.detail for e in await self.store.audit_log(action.id) if e.event == "started"), {})
+            before = started.get("verify_before", p.get("verify_before"))
+            # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
+            after = self._recent_mean(action.pool, p.get("verify_signal"),
+                                      since=None if action.finished_at is None else math.nextafter(action.finished_at,
+                                                                                                   math.inf))
             finding = await self.store.finding(action.finding_id) if action.finding_id else None
             resolved = finding is not None and finding.state == "resolved"
             if before is None or after is None:
@@ -633,6 +649,11 @@ class ControlLoop:
                        if a.id != action.id]
             decision = self._check(proposal, None, pools, history, now, await self.switch.paused())
             why = f"revert held: {decision.note}"
+            if decision.reason in WAIT_REASONS and self.config.mode is not Mode.OBSERVE:
+                # Held only for now (paused, a pool settling, another pool's rollout): recorded to wait, as an
+                # approved action waits, so the undoing is not lost with this one judging.
+                decision = RailsDecision(RailsReason.ALLOWED if self.config.mode is Mode.ACT
+                                         else RailsReason.NEEDS_APPROVAL, proposal.change, f"waits: {decision.note}")
             if decision.may_record and decision.change is not None:
                 revert = await self._record(proposal, decision, action.finding_id, now, pools, report,
                                             extra={"reverts": action.id})

@@ -241,7 +241,8 @@ def check(
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     same = [a for a in history if finding_id is not None and a.finding_id == finding_id and a.kind == proposal.kind]
-    if any(a.outcome == "not_recovered" for a in same):
+    # A proposal rejected or left to expire changed nothing: the problem persisting then says nothing of the change.
+    if any(a.outcome == "not_recovered" and a.state not in _NEVER_RAN for a in same):
         # After a change that did not help (and was undone where it could be), asking again would
         # flap between the change and its revert.
         return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")

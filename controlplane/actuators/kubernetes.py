@@ -590,7 +590,11 @@ class KubernetesActuator:
                 return {**await self._set_replicas(order, w, int(wait["replicas"]) // size), **detail}
             except ActuationError as exc:
                 raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, pods)}") from None
+        w = self.workloads[order.pool]
+        live = await self._pods_of(w, await self._read(w))
         for pod in pods:
+            if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
+                continue  # a new pod under the drained one's name (a StatefulSet's): the drained one is gone
             try:
                 await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod,
                                  pod, wait["namespace"], **self._writes())

@@ -550,3 +550,15 @@ async def test_an_unreadable_router_leaves_the_pools_known_and_a_gone_pod_is_dra
     server.fail("DELETE", "/pods/vllm-decode-a", 404, "pods \"vllm-decode-a\" not found")  # gone with its node
     done = await actuator(api).resume(o, first["wait"], Clock().t + 5)
     assert done["drained"] == ["vllm-decode-a"]
+
+
+async def test_a_drain_taken_over_after_its_pod_was_replaced_deletes_nothing(server: ApiServer,
+                                                                            api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=2))
+    server.put(PODS, pod("vllm-decode-a"))
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 0.0})
+    first = await actuator(api).carry_out(o)
+    await actuator(api).resume(o, first["wait"], Clock().t + 5)  # deleted; the old leader died unrecorded
+    server.put(PODS, pod("vllm-decode-a"))  # its controller made a new engine under the same name
+    await actuator(api).resume(o, first["wait"], Clock().t + 90)  # the new leader resumes the wait, past its grace
+    assert server.get(PODS, NS, "vllm-decode-a") is not None, "the new engine is not deleted"

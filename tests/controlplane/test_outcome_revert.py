@@ -123,3 +123,58 @@ async def test_observe_mode_advises_the_revert_too() -> None:
     [advice] = await store.actions()
     assert (advice.state, advice.outcome) == (S.ADVISORY, "not_recovered")
     assert [f.kind for f in store.findings.values()] == ["test_spec"], "an advisory that would not help is scored, not reverted"
+
+
+async def test_a_revert_held_for_now_waits_instead_of_being_lost() -> None:
+    # Paused at the very tick the change is judged: the revert is recorded to wait, and runs once unpaused.
+    from controlplane.killswitch import StoreSwitch
+    from controlplane.store.base import Pause
+
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
+                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
+                       switch=StoreSwitch(store))
+    while not any(a.outcome for a in await store.actions()):
+        clock.advance(15)
+        if (done := [a for a in await store.actions() if a.finished_at]) and clock.now() - done[0].finished_at >= 300:
+            store.pause = Pause(by="oncall", reason="short maintenance", at=clock.now())
+        await loop.tick()
+    assert engines.history == [1]
+    store.pause = None
+    for _ in range(8):
+        clock.advance(15)
+        await loop.tick()
+    assert engines.history == [1, 3], "reverted once the pause ended"
+
+
+async def test_a_revert_is_not_held_by_the_cooldown_of_the_change_it_undoes() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    config = parse_config(FLEET.format(mode="act").replace("cooldown: 60s,", "cooldown: 60s, cooldowns: {tune_speculation: 2h},"))
+    loop = ControlLoop(config=config, source=SlowTpot(), store=store, policies=[Collapse()], actuator=engines,
+                       clock=clock, telemetry=Telemetry())
+    for _ in range(4 * 12):
+        clock.advance(15)
+        await loop.tick()
+    assert engines.history == [1, 3]
+
+
+class GoesQuiet(SlowTpot):
+    """TPOT at 100 ms until the change, then nothing: the pool stopped reporting it."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+
+    async def observe(self, now: float) -> Observation:
+        return Observation(signals=[] if self.engines.history else [Signal(now, "pool/chat", "tpot_p95", 0.1)])
+
+
+async def test_an_outcome_is_never_judged_on_points_from_before_the_change() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=GoesQuiet(engines), store=store,
+                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
+    for _ in range(4 * 12):
+        clock.advance(15)
+        await loop.tick()
+    first = (await store.actions())[0]
+    assert first.outcome == "unmeasured", "judged on nothing from before it"
+    assert not [a for a in await store.actions() if "reverts" in a.params], "and not reverted on such numbers"

@@ -314,6 +314,9 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
                      RailsReason.TRIED, id="did-not-help"),
         pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5, outcome="recovered"),
                      RailsReason.ALLOWED, id="helped-then-came-back"),
+        # Left to expire, it changed nothing: the problem persisting says nothing of the change.
+        pytest.param(Past("prefill", "expired", NOW - 4500, NOW - 900, finding_id=5, outcome="not_recovered"),
+                     RailsReason.ALLOWED, id="expired-is-not-tried"),
         pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=6), RailsReason.ALLOWED,
                      id="another-finding"),
     ],

@@ -1,0 +1,84 @@
+"""Never two pools disrupted at once, also when one pool's drain ends in the tick another's change is asked for.
+
+In-memory store, virtual time, a fake fleet whose drains end (their pod deleted) on the tick after they start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.actuators.base import FleetView, Order, PoolReplicas
+from controlplane.clock import VirtualClock
+from controlplane.config import parse_config
+from controlplane.loop import ControlLoop
+from controlplane.observe import Observation
+from controlplane.rails import RailsReason
+from controlplane.store.memory import MemoryStore
+from controlplane.telemetry import Telemetry
+from policies.types import ActionKind, Drain, Eplb, FindingKey, FindingReport, PolicyInput, PolicyResult, Proposal, Severity
+
+FLEET = """
+mode: act
+pools:
+  - {name: a, role: unified, model: m, replicas: {min: 1, max: 8}}
+  - {name: b, role: unified, model: m, replicas: {min: 1, max: 8}}
+rails: {cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20}
+"""
+
+
+class Quiet:
+    async def observe(self, now: float) -> Observation:
+        return Observation(signals=[])
+
+
+class Asks:
+    """A finding per pool in `asks`, each asking for its proposal."""
+
+    kind = "test"
+    reads = ()
+
+    def __init__(self) -> None:
+        self.asks: dict[str, Proposal] = {}
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        return PolicyResult([FindingReport(FindingKey("test", f"pool/{p}"), Severity.WARNING, "x", "", {}, "test",
+                                           (proposal,)) for p, proposal in self.asks.items()])
+
+
+class Fleet:
+    name = "fake"
+    dry_run = False
+    kinds = frozenset({ActionKind.DRAIN_ENGINE, ActionKind.ENABLE_EPLB})
+
+    def __init__(self) -> None:
+        self.replicas = {"a": [2, 2], "b": [2, 2]}  # desired, ready (as read at a tick's start)
+        self.log: list[str] = []
+
+    async def observe(self) -> FleetView:
+        return FleetView({k: PoolReplicas(d, r) for k, (d, r) in self.replicas.items()})
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        self.log.append(f"{order.kind} {order.pool}")
+        return {"wait": {"pods": ["a-1"]}} if isinstance(order.change, Drain) else {"done": True}
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        self.log.append(f"deleted {wait['pods']}")
+        self.replicas[order.pool][1] -= 1  # its replacement starts: the pool is one engine down from now on
+        return {"drained": wait["pods"]}
+
+    async def applied(self, order: Order) -> bool | None:
+        return None
+
+
+async def test_a_drain_that_ends_this_tick_holds_another_pools_restart() -> None:
+    clock, store, fleet, asks = VirtualClock(), MemoryStore(), Fleet(), Asks()
+    loop = ControlLoop(config=parse_config(FLEET), source=Quiet(), store=store, policies=[asks], actuator=fleet,
+                       clock=clock, telemetry=Telemetry())
+    asks.asks["a"] = Proposal(ActionKind.DRAIN_ENGINE, "a", Drain("a-1"), "a lagging worker")
+    clock.advance(15)
+    await loop.tick()
+    asks.asks["b"] = Proposal(ActionKind.ENABLE_EPLB, "b", Eplb(True), "hot experts")
+    clock.advance(15)
+    report = await loop.tick()  # a's drain ends (its pod deleted) in this tick
+    assert fleet.log == ["drain_engine a", "deleted ['a-1']"], "b's restart waits for a to settle"
+    assert ("b", RailsReason.ROLLOUT_IN_FLIGHT) in [(p.pool, r) for p, r, _ in report.held]
