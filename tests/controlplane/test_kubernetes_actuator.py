@@ -235,7 +235,8 @@ async def test_a_gang_scales_by_whole_groups_and_drains_the_group_that_goes(serv
     assert server.get(PODS, NS, "vllm-prefill-0")["metadata"]["labels"]["llm-d.ai/routed"] == "true"  # type: ignore[index]
 
 
-async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api: client.ApiClient) -> None:
+def statefulset(server: ApiServer) -> None:
+    """A StatefulSet `vllm-kv` of three engines, `vllm-kv-0` to `-2`."""
     sts = deployment("vllm-kv", replicas=3)
     sts["kind"] = "StatefulSet"
     sts["spec"] = {"replicas": 3, "selector": sts["spec"]["selector"], "serviceName": "vllm-kv",
@@ -243,6 +244,10 @@ async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api:
     server.put(STATEFULSETS, sts)
     for i in range(3):
         server.put(PODS, pod(f"vllm-kv-{i}", app="vllm-kv"))
+
+
+async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api: client.ApiClient) -> None:
+    statefulset(server)
     act = actuator(api)
     act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
     busy = {"vllm-kv-0": 0.0, "vllm-kv-1": 0.0, "vllm-kv-2": 7.0}
@@ -498,13 +503,7 @@ async def test_a_failed_scale_down_puts_its_drained_engines_back(server: ApiServ
 
 
 async def test_the_pods_drained_are_those_the_controller_removes(server: ApiServer, api: client.ApiClient) -> None:
-    sts = deployment("vllm-kv", replicas=3)
-    sts["kind"] = "StatefulSet"
-    sts["spec"] = {"replicas": 3, "selector": sts["spec"]["selector"], "serviceName": "vllm-kv",
-                   "template": sts["spec"]["template"]}
-    server.put(STATEFULSETS, sts)
-    for i in range(3):
-        server.put(PODS, pod(f"vllm-kv-{i}", app="vllm-kv"))
+    statefulset(server)
     dying = pod("vllm-kv-2", app="vllm-kv")
     dying["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"  # its node was lost
     server.put(PODS, dying)
