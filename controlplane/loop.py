@@ -557,7 +557,8 @@ class ControlLoop:
                 if not isinstance(exc, ActuationError):
                     log.exception("actuator %s raised on action %d", self.actuator.name, order.action_id)
                 error = str(exc) if isinstance(exc, ActuationError) else f"{type(exc).__name__}: {exc}"
-                self._waiting.pop(order.action_id, None)
+                if self._waiting.pop(order.action_id, None) is not None:
+                    self._finished_now.append(order.pool)  # a wait that failed may have evicted or deleted pods
                 await self.store.transition(order.action_id, ActionState.STARTED, ActionState.FAILED, self.clock.now(),
                                             {"error": error}, error=error)
                 self.telemetry.actions.labels(kind, "failed").inc()

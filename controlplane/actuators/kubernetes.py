@@ -116,15 +116,17 @@ def _load(order: Order, pod: str) -> float:
     return -1.0 if order.idle(pod) else math.inf
 
 
-def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order) -> list[str]:
+def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order,
+             first: int = 0) -> list[str]:
     """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes, to drain first. A StatefulSet
-    removes the ordinals from `keep` up and a LeaderWorkerSet the groups from `keep` up, whatever their load (a
+    removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a LeaderWorkerSet the groups
+    from `keep` up, whatever their load (a
     terminating pod among them is not drained again). A Deployment's or Rollout's ReplicaSet removes pods that are
     not ready before any other, then those of lowest deletion cost: so only as many ready pods as are left to remove
     are drained, the least busy (those this action already took out of routing first: a leader taking over redoes
     it)."""
     if w.kind == "StatefulSet":
-        return sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= keep), reverse=True)
+        return sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= first + keep), reverse=True)
     if w.kind == "LeaderWorkerSet":
         return sorted((p for p in pods if _ordinal(p, pods[p], LWS_GROUP) >= keep), reverse=True)
     ready = [p for p, meta in pods.items() if meta.get("ready", True)]
@@ -399,7 +401,8 @@ class KubernetesActuator:
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
-        victims = _leaving(w, await self._pods_of(w, obj), change.replicas // size, desired - change.replicas, order)
+        victims = _leaving(w, await self._pods_of(w, obj), change.replicas // size, desired - change.replicas, order,
+                           first=int(_dig(obj, ("spec", "ordinals", "start"), 0) or 0))
         done: list[str] = []
         try:
             for pod in victims:
@@ -411,11 +414,20 @@ class KubernetesActuator:
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
                          "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
 
-    async def _set_replicas(self, order: Order, w: Workload, replicas: int) -> dict[str, Any]:
+    async def _set_replicas(self, order: Order, w: Workload, replicas: int, *, drained: Mapping[str, Any] | None = None,
+                            pods: Sequence[str] = ()) -> dict[str, Any]:
+        """Scale through the subresource, then stamp the workload. With `drained` (the workload as read) a scale that
+        is refused puts the drained `pods` back in routing; once the count is written they stay out, whatever follows."""
         kind = KINDS[w.kind]
         body = {"spec": {"replicas": replicas}}
-        await self._call(f"scaling {w.kind} {w.namespace}/{w.name}", self._custom.patch_namespaced_custom_object_scale,
-                         kind.group, kind.version, w.namespace, kind.plural, w.name, body, **self._writes())
+        try:
+            await self._call(f"scaling {w.kind} {w.namespace}/{w.name}",
+                             self._custom.patch_namespaced_custom_object_scale, kind.group, kind.version, w.namespace,
+                             kind.plural, w.name, body, **self._writes())
+        except ActuationError as exc:
+            if drained is None:
+                raise
+            raise ActuationError(f"{exc}; {await self._back_in(order, w, drained, pods)}") from None
         await self._patch(w, self._stamp(order), f"annotating {w.kind} {w.namespace}/{w.name}")
         await self._event(order, w, f"scaled to {replicas}")
         return {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
@@ -586,12 +598,8 @@ class KubernetesActuator:
                 raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
                                      f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}; "
                                      f"{await self._back_in(order, w, obj, pods)}")
-            try:
-                return {**await self._set_replicas(order, w, int(wait["replicas"]) // size), **detail}
-            except ActuationError as exc:
-                raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, pods)}") from None
-        w = self.workloads[order.pool]
-        live = await self._pods_of(w, await self._read(w))
+            return {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=pods), **detail}
+        live = await self._live_pods(order)
         for pod in pods:
             if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
                 continue  # a new pod under the drained one's name (a StatefulSet's): the drained one is gone
@@ -601,6 +609,20 @@ class KubernetesActuator:
             except _Missing:
                 pass  # gone already: what the drain was for
         return detail
+
+    async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
+        """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told
+        (no workload configured, no selector, a failed read, a dry run whose drain stamped nothing): the drained pods
+        are deleted as named, as they would have been without the check."""
+        w = self.workloads.get(order.pool)
+        if w is None or self.dry_run:
+            return {}
+        try:
+            return await self._pods_of(w, await self._read(w))
+        except ActuationError as exc:
+            log.warning("action %d: the pods of %s cannot be listed (%s); deleting the drained ones as named",
+                        order.action_id, order.pool, exc)
+            return {}
 
     async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str]) -> str:
         """Put the pods a failed scale-down took out of routing back in (they would stay running and serve nothing),

@@ -561,3 +561,49 @@ async def test_a_drain_taken_over_after_its_pod_was_replaced_deletes_nothing(ser
     server.put(PODS, pod("vllm-decode-a"))  # its controller made a new engine under the same name
     await actuator(api).resume(o, first["wait"], Clock().t + 90)  # the new leader resumes the wait, past its grace
     assert server.get(PODS, NS, "vllm-decode-a") is not None, "the new engine is not deleted"
+
+
+async def test_a_statefulset_whose_ordinals_start_later_drains_its_top_ordinal(server: ApiServer,
+                                                                             api: client.ApiClient) -> None:
+    sts = deployment("vllm-kv", replicas=4)
+    sts["kind"] = "StatefulSet"
+    sts["spec"] = {"replicas": 4, "selector": sts["spec"]["selector"], "serviceName": "vllm-kv",
+                   "ordinals": {"start": 5}, "template": sts["spec"]["template"]}
+    server.put(STATEFULSETS, sts)
+    for i in range(5, 9):
+        server.put(PODS, pod(f"vllm-kv-{i}", app="vllm-kv"))
+    act = actuator(api)
+    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    first = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(3), pool="kv"))
+    assert first["wait"]["pods"] == ["vllm-kv-8"]
+
+
+async def test_drained_pods_stay_drained_once_the_count_is_written(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    act = actuator(api)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
+    first = await act.carry_out(o)
+
+    async def times_out(w: Workload, body: dict[str, Any], what: str) -> dict[str, Any]:
+        raise ActuationError(f"{what}: ReadTimeoutError")
+
+    act._patch = times_out  # type: ignore[method-assign]  # the stamp after the scale fails
+    with pytest.raises(ActuationError, match="annotating"):
+        await act.resume(o, first["wait"], Clock().t + 5)
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+    assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"], (  # type: ignore[index]
+        "the ReplicaSet removes it: never routed again")
+
+
+async def test_a_drain_deletes_its_pod_even_where_the_pools_pods_cannot_be_listed(server: ApiServer,
+                                                                                 api: client.ApiClient) -> None:
+    dep = deployment(replicas=2)
+    dep["spec"]["selector"] = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["vllm-decode"]}]}
+    server.put(DEPLOYMENTS, dep)
+    server.put(PODS, pod("vllm-decode-a"))
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 0.0})
+    first = await actuator(api).carry_out(o)
+    await actuator(api).resume(o, first["wait"], Clock().t + 5)
+    assert server.get(PODS, NS, "vllm-decode-a") is None
