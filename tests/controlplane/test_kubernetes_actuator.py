@@ -255,18 +255,22 @@ async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api:
     assert first["wait"]["pods"] == ["vllm-kv-2"], "the ordinal the StatefulSet removes, not the idlest"
 
 
-async def test_a_scale_made_by_hand_during_a_drain_is_not_undone(server: ApiServer, api: client.ApiClient) -> None:
+async def scaling_down(server: ApiServer, api: client.ApiClient) -> tuple[KubernetesActuator, Order, dict[str, Any]]:
+    """Three decode engines scaled to two: the idle one, `vllm-decode-a`, drains; the actuator, order and wait."""
     server.put(DEPLOYMENTS, deployment(replicas=3))
     for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
         server.put(PODS, pod(name))
     act = actuator(api)
-    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0,
-                                                        "vllm-decode-c": 3.0})
-    first = await act.carry_out(o)
-    assert first["wait"]["pods"] == ["vllm-decode-a"]
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
+    return act, o, (await act.carry_out(o))["wait"]
+
+
+async def test_a_scale_made_by_hand_during_a_drain_is_not_undone(server: ApiServer, api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    assert wait["pods"] == ["vllm-decode-a"]
     server.put(DEPLOYMENTS, deployment(replicas=5))  # an operator scales up for an incoming launch meanwhile
     with pytest.raises(ActuationError, match="went from 3 to 5 engines while vllm-decode-a drained"):
-        await act.resume(o, first["wait"], Clock().t + 5)
+        await act.resume(o, wait, Clock().t + 5)
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 5  # type: ignore[index]
     back = server.get(PODS, NS, "vllm-decode-a")
     assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true"
@@ -489,15 +493,10 @@ async def test_a_write_whose_answer_was_lost_is_not_made_twice(server: ApiServer
 
 
 async def test_a_failed_scale_down_puts_its_drained_engines_back(server: ApiServer, api: client.ApiClient) -> None:
-    server.put(DEPLOYMENTS, deployment(replicas=3))
-    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
-        server.put(PODS, pod(name))
-    act = actuator(api)
-    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
-    first = await act.carry_out(o)
+    act, o, wait = await scaling_down(server, api)
     server.fail("PATCH", "/scale", 422, "admission webhook denied the request")
     with pytest.raises(ActuationError, match="denied.*routed again"):
-        await act.resume(o, first["wait"], Clock().t + 5)
+        await act.resume(o, wait, Clock().t + 5)
     back = server.get(PODS, NS, "vllm-decode-a")
     assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true", "not left serving nothing"
 
@@ -526,13 +525,9 @@ async def test_the_pods_drained_are_those_the_controller_removes(server: ApiServ
 
 async def test_a_scale_down_taken_over_after_its_scale_is_done_not_failed(server: ApiServer,
                                                                          api: client.ApiClient) -> None:
-    server.put(DEPLOYMENTS, deployment(replicas=3))
-    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
-        server.put(PODS, pod(name))
-    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
-    first = await actuator(api).carry_out(o)
-    await actuator(api).resume(o, first["wait"], Clock().t + 5)  # the old leader scaled, then died unrecorded
-    again = await actuator(api).resume(o, first["wait"], Clock().t + 20)  # the new leader resumes its wait
+    old_leader, o, wait = await scaling_down(server, api)
+    await old_leader.resume(o, wait, Clock().t + 5)  # the old leader scaled, then died unrecorded
+    again = await actuator(api).resume(o, wait, Clock().t + 20)  # the new leader resumes its wait
     assert "already_applied" in again and again["replicas"] == 2
     assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"]  # type: ignore[index]
 
@@ -579,19 +574,14 @@ async def test_a_statefulset_whose_ordinals_start_later_drains_its_top_ordinal(s
 
 
 async def test_drained_pods_stay_drained_once_the_count_is_written(server: ApiServer, api: client.ApiClient) -> None:
-    server.put(DEPLOYMENTS, deployment(replicas=3))
-    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
-        server.put(PODS, pod(name))
-    act = actuator(api)
-    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0, "vllm-decode-c": 3.0})
-    first = await act.carry_out(o)
+    act, o, wait = await scaling_down(server, api)
 
     async def times_out(w: Workload, body: dict[str, Any], what: str) -> dict[str, Any]:
         raise ActuationError(f"{what}: ReadTimeoutError")
 
     act._patch = times_out  # type: ignore[method-assign]  # the stamp after the scale fails
     with pytest.raises(ActuationError, match="annotating"):
-        await act.resume(o, first["wait"], Clock().t + 5)
+        await act.resume(o, wait, Clock().t + 5)
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
     assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"], (  # type: ignore[index]
         "the ReplicaSet removes it: never routed again")

@@ -11,7 +11,7 @@ from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import parse_config
 from controlplane.errors import ActuationError
-from controlplane.loop import ControlLoop
+from controlplane.loop import ControlLoop, TickReport
 from controlplane.observe import Observation
 from controlplane.rails import RailsReason
 from controlplane.store.memory import MemoryStore
@@ -71,20 +71,6 @@ class Fleet:
         return None
 
 
-async def test_a_drain_that_ends_this_tick_holds_another_pools_restart() -> None:
-    clock, store, fleet, asks = VirtualClock(), MemoryStore(), Fleet(), Asks()
-    loop = ControlLoop(config=parse_config(FLEET), source=Quiet(), store=store, policies=[asks], actuator=fleet,
-                       clock=clock, telemetry=Telemetry())
-    asks.asks["a"] = Proposal(ActionKind.DRAIN_ENGINE, "a", Drain("a-1"), "a lagging worker")
-    clock.advance(15)
-    await loop.tick()
-    asks.asks["b"] = Proposal(ActionKind.ENABLE_EPLB, "b", Eplb(True), "hot experts")
-    clock.advance(15)
-    report = await loop.tick()  # a's drain ends (its pod deleted) in this tick
-    assert fleet.log == ["drain_engine a", "deleted ['a-1']"], "b's restart waits for a to settle"
-    assert ("b", RailsReason.ROLLOUT_IN_FLIGHT) in [(p.pool, r) for p, r, _ in report.held]
-
-
 class EvictsThenFails(Fleet):
     """A cordon's wait that evicts its pods and then fails (a PodDisruptionBudget refused the last one)."""
 
@@ -93,8 +79,9 @@ class EvictsThenFails(Fleet):
         raise ActuationError("a-2 could not be evicted within 120s")
 
 
-async def test_a_wait_that_fails_this_tick_holds_another_pools_restart_too() -> None:
-    clock, store, fleet, asks = VirtualClock(), MemoryStore(), EvictsThenFails(), Asks()
+async def drain_then_restart(fleet: Fleet) -> TickReport:
+    """Pool a drains an engine; the tick its wait ends (its pod gone), pool b asks for a restart (EPLB)."""
+    clock, store, asks = VirtualClock(), MemoryStore(), Asks()
     loop = ControlLoop(config=parse_config(FLEET), source=Quiet(), store=store, policies=[asks], actuator=fleet,
                        clock=clock, telemetry=Telemetry())
     asks.asks["a"] = Proposal(ActionKind.DRAIN_ENGINE, "a", Drain("a-1"), "a lagging worker")
@@ -102,5 +89,17 @@ async def test_a_wait_that_fails_this_tick_holds_another_pools_restart_too() -> 
     await loop.tick()
     asks.asks["b"] = Proposal(ActionKind.ENABLE_EPLB, "b", Eplb(True), "hot experts")
     clock.advance(15)
-    await loop.tick()
+    return await loop.tick()
+
+
+async def test_a_drain_that_ends_this_tick_holds_another_pools_restart() -> None:
+    fleet = Fleet()
+    report = await drain_then_restart(fleet)
+    assert fleet.log == ["drain_engine a", "deleted ['a-1']"], "b's restart waits for a to settle"
+    assert ("b", RailsReason.ROLLOUT_IN_FLIGHT) in [(p.pool, r) for p, r, _ in report.held]
+
+
+async def test_a_wait_that_fails_this_tick_holds_another_pools_restart_too() -> None:
+    fleet = EvictsThenFails()
+    await drain_then_restart(fleet)
     assert "enable_eplb b" not in fleet.log
