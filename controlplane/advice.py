@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -115,11 +115,15 @@ class AdviceRun:
     scored: list[AdviceRecord] = field(default_factory=list)
 
 
+def _arrivals(pools: Sequence[str], seen: Mapping[str, PoolObserved], role: Callable[[str], str]) -> float:
+    """Requests a second into these pools: a split fleet counts each once, where it enters (the prefill pool), since
+    both of its pools report every request."""
+    entry = [p for p in pools if p in seen and role(p) != "decode"] or [p for p in pools if p in seen]
+    return sum(seen[p].arrivals for p in entry)
+
+
 def _new(rec: Recommendation, inp: AdvisorInput, fleet: Sequence[str]) -> NewAdvice:
-    # A split fleet counts its requests once, where they enter (the prefill pool): both pools report each one.
-    names = rec.pool.split("+")
-    entry = [n for n in names if n in inp.observed and inp.pools[n].role != "decode"] or names
-    arrivals = sum(inp.observed[n].arrivals for n in entry if n in inp.observed)
+    arrivals = _arrivals(rec.pool.split("+"), inp.observed, lambda p: inp.pools[p].role)
     return NewAdvice(rec.kind.value, rec.pool, rec.act, rec.advice, dict(rec.change), rec.effect.metric,
                      rec.effect.before, rec.effect.after, rec.effect.saving_per_day, rec.confidence,
                      {**rec.evidence, "advised_at_arrivals": round(arrivals, 4), "fleet_pools": sorted(fleet)})
@@ -165,9 +169,7 @@ def _measure(rec: AdviceRecord, pools: Sequence[str], config: FleetConfig,
     if not obs or min(o.minutes for o in obs) < MIN_MINUTES_AFTER:
         return None
     then = float(rec.evidence.get("advised_at_arrivals") or 0.0)
-    # A split fleet counts its requests once, where they enter (the prefill pool).
-    entry = [seen[p] for p in pools if p in seen and str(config.pool(p).role) != "decode"] or obs
-    now = sum(o.arrivals for o in entry)
+    now = _arrivals(pools, seen, lambda p: str(config.pool(p).role))
     scale = then / now if then > 0 and now > 0 else 1.0
     if rec.metric == "gpu_dollars_per_hour":
         return scale * sum(seen[p].engines * config.pool(p).engine.gpus

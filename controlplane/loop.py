@@ -597,7 +597,9 @@ class ControlLoop:
         degraded state that prompted it; at verification, the settled state after it, never points from before."""
         if signal is None:
             return None
-        window = [v for _, v in self.windows.series(f"pool/{pool}", signal, since=since)[-points:]]
+        subject = f"pool/{pool}"
+        window = (self.windows.last(subject, signal, points) if since is None else
+                  [v for _, v in self.windows.series(subject, signal, since=since)[-points:]])
         return statistics.fmean(window) if window else None
 
     async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:

@@ -567,17 +567,17 @@ class Autoscaler:
         # data-parallel engines is planned as k engines that come and go together, and the plan given in pods.
         k = engines_per_pod(inp.windows, f"pool/{pool.name}")
         if k == 1:
-            return self._plan(inp, pool)
+            return self._plan(inp, pool, 1)
         plan = self._plan(inp, replace(pool, desired=pool.desired * k, ready=pool.ready * k,
                                        min_replicas=pool.min_replicas * k, max_replicas=pool.max_replicas * k,
-                                       gang=max(1, pool.gang) * k))
+                                       gang=max(1, pool.gang) * k), k)
         if isinstance(plan, Unplanned):
             return plan
         plan.evidence["engines_per_pod"] = k
         return PoolPlan(pool.name, pool.desired, pool.ready, -(-plan.target // k), -(-plan.recommended // k),
                         f"{plan.reason} ({k} engines a pod)", plan.evidence)
 
-    def _plan(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
+    def _plan(self, inp: PolicyInput, pool: PoolState, per_pod: int) -> PoolPlan | Unplanned:
         if pool.name not in self.curves:
             return Unplanned(pool.name, "no engine profile to size it by")
         if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
@@ -626,7 +626,7 @@ class Autoscaler:
             reason = f"{pool.name}: no arrivals now {why}: one engine is enough"
         short = _short_findings(inp, pool)
         recommended, reason = _findings_floor(inp, pool, short, recommended, reason)
-        target, reason = self._held(inp, pool, bool(short), recommended, reason)
+        target, reason = self._held(inp, pool, bool(short), recommended, reason, per_pod)
         return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
 
     def _sized(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
@@ -661,9 +661,11 @@ class Autoscaler:
                                  evidence)
         return recommended, reason
 
-    def _held(self, inp: PolicyInput, pool: PoolState, short: bool, recommended: int, reason: str) -> tuple[int, str]:
+    def _held(self, inp: PolicyInput, pool: PoolState, short: bool, recommended: int, reason: str,
+              per_pod: int) -> tuple[int, str]:
         """The target from the recommendation: a scale-down held while capacity is short or the SLO broke within
-        the hold window, else until lower recommendations last it, and a quarter of the engines at most at once."""
+        the hold window, else until lower recommendations last it, and a quarter of the engines at most at once
+        (`per_pod`: the engines of one pod, the unit its recorded targets count in)."""
         s, w, subject = self.settings, inp.windows, f"pool/{pool.name}"
         # An open capacity finding, or a breach within the hold window, holds every scale-down: the curves
         # said enough then too. Otherwise a lower target must last the hold window, and a pool sheds at
@@ -674,8 +676,9 @@ class Autoscaler:
         if short or breached_since:
             target = max(recommended, pool.desired)
         else:
-            k = engines_per_pod(w, subject)  # the targets recorded are pods
-            target = k * stabilised(w, subject, inp.now, s.scale_down_after, -(-recommended // k), pool.desired // k)
+            # The targets recorded are pods, `per_pod` engines each.
+            target = per_pod * stabilised(w, subject, inp.now, s.scale_down_after, -(-recommended // per_pod),
+                                          pool.desired // per_pod)
             # A gang pool (a LeaderWorkerSet) sheds a whole group at least, or it could never shed one.
             target = max(target, pool.desired - max(1, pool.gang, pool.desired // 4))
         held = target > recommended
