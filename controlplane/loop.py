@@ -319,7 +319,7 @@ class ControlLoop:
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
                 stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
-                unreadable=unreadable, rolling=rep.rolling if rep else False,
+                unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
             )
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
@@ -445,7 +445,7 @@ class ControlLoop:
         """The single audited path from proposals (and approvals) to the actuator."""
         rails = self.config.rails
         await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
-                           lambda a: now - a.created_at >= rails.proposal_ttl)
+                           lambda a: now - a.created_at >= rails.proposal_ttl and not _waiting_revert(a))
         self._finished_now = []
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
@@ -488,6 +488,8 @@ class ControlLoop:
         }
         if decision.target_replicas is not None:
             params["replicas"] = decision.target_replicas
+        if (template := pools[proposal.pool].template) is not None:
+            params["from_template"] = template
         if (asked := getattr(proposal.change, "replicas", None)) is not None:
             params["asked_replicas"] = asked
         action = await self.store.create_action(NewAction(
@@ -671,16 +673,21 @@ class ControlLoop:
         await self.store.note(action.id, "ineffective", now, {"finding": finding.id, "revert": revert_id, "why": why})
 
     async def _ineffective_over(self, f: FindingRecord) -> str | None:
-        """Why an `action_ineffective` finding resolves now: its revert finished, or, with none, the
-        finding the action answered resolved; None while it stays open."""
+        """Why an `action_ineffective` finding resolves now: its revert ran, or, with none (or one that ended without
+        running: rejected, cancelled, failed), the finding the action answered resolved; None while it stays open."""
         revert_id, cause_id = f.evidence.get("revert_id"), f.evidence.get("finding_id")
+        ended = ""
         if revert_id is not None:
             revert = next((a for a in await self.store.actions(since=f.opened_at - 1) if a.id == revert_id), None)
-            if revert is not None and revert.state in FINISHED_STATES:
+            if revert is None or revert.state not in FINISHED_STATES:
+                return None
+            if revert.state in (ActionState.SUCCEEDED, ActionState.DRY_RUN):
                 return f"its revert (action {revert_id}) ended {revert.state}"
-            return None
+            # The change it undoes is still in place: the finding stays while the problem it answered does.
+            ended = f"; its revert (action {revert_id}) ended {revert.state}"
         cause = await self.store.finding(cause_id) if cause_id else None
-        return "the finding the action answered resolved" if cause is None or cause.state == "resolved" else None
+        return f"the finding the action answered resolved{ended}" if cause is None or cause.state == "resolved" \
+            else None
 
     async def _compact(self, now: float) -> None:
         every = self.config.store.compact_every
@@ -697,7 +704,14 @@ def _unsettled(pools: dict[str, PoolState]) -> list[str]:
 
 
 def _caused_by(finding_id: int, action: ActionRecord) -> bool:
-    return action.finding_id == finding_id
+    return action.finding_id == finding_id and not _waiting_revert(action)
+
+
+def _waiting_revert(action: ActionRecord) -> bool:
+    """An approved revert that has not run yet: it waits however long the rails hold it (a pause, another pool's
+    rollout), since the change it undoes did not help and stays in place until it runs; the finding that change
+    answered resolving does not make it help either."""
+    return action.state is ActionState.APPROVED and "reverts" in action.params
 
 
 def _new_finding(report: FindingReport) -> NewFinding:

@@ -28,6 +28,7 @@ from policies.types import (
     Eplb,
     PoolState,
     Proposal,
+    RollBack,
     ScaleBy,
     ScaleTo,
     Speculation,
@@ -293,6 +294,11 @@ def recheck(
     if gate is not None:
         return gate
     change = change_from_dict(action.params["change"])
+    was, now_running = action.params.get("from_template"), pool.template
+    if (kind in _RESTARTS_POOL or (isinstance(change, RollBack) and change.workload != "router")) \
+            and was is not None and now_running is not None and was != now_running:
+        return _held(RailsReason.STALE, f"{pool.name}'s pod template changed since {kind} was proposed: what it was "
+                                        "computed from is not what the pool runs now")
     if isinstance(change, ScaleTo):
         start = int(action.params["from_replicas"])
         if pool.desired != start:

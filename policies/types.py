@@ -264,6 +264,7 @@ class PoolState:
     # Why the pool's workload could not be read this tick (its replicas are the last ones read); None: it was.
     unreadable: str | None = None
     rolling: bool = False  # a new pod template is still rolling out (engines restarting, with all ready or not)
+    template: str | None = None  # a digest of the pod template its engines run (None: not known)
 
 
 @dataclass(frozen=True, slots=True)

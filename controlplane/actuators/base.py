@@ -25,6 +25,9 @@ class PoolReplicas:
     # A new pod template is still rolling out: old pods serve beside new ones (a maxSurge rollout keeps them ready),
     # or the controller has not caught up with the spec yet.
     rolling: bool = False
+    # A digest of the pod template its engines run: an approved restart computed for another template is stale.
+    # None where the actuator cannot tell.
+    template: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import hashlib
 import json
 import logging
 import math
@@ -162,6 +163,13 @@ def _merge_to(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str
         here = current.get(k)
         patch[k] = _merge_to(here, v) if isinstance(here, Mapping) and isinstance(v, Mapping) else v
     return patch
+
+
+def _digest(template: Any) -> str | None:
+    """A pod template's digest, the same for the same template however its keys are ordered."""
+    if template is None:
+        return None
+    return hashlib.sha256(json.dumps(template, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _rolling(obj: Mapping[str, Any]) -> bool:
@@ -328,7 +336,7 @@ class KubernetesActuator:
             desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
-            gang=size, rolling=_rolling(obj))
+            gang=size, rolling=_rolling(obj), template=_digest(_dig(obj, kind.template)))
         return replicas, await self._revision_time(w, obj)
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ from policies.types import (
     ScaleBy,
     ScaleTo,
     Severity,
+    Speculation,
     change_as_dict,
 )
 
@@ -99,9 +100,10 @@ class Pools:
     waits: list[dict[str, Any]] = field(default_factory=list)  # the waits `resume` was called with
     resumed: list[Order] = field(default_factory=list)  # and the orders, with the loop's view of the engines
     hold: bool = False  # `resume` keeps waiting
+    template: str | None = None  # the pod template's digest
 
     async def observe(self) -> FleetView:
-        return FleetView({"prefill": PoolReplicas(self.desired, self.ready)})
+        return FleetView({"prefill": PoolReplicas(self.desired, self.ready, template=self.template)})
 
     async def carry_out(self, order: Order) -> dict[str, Any]:
         assert isinstance(order.change, ScaleTo)
@@ -152,6 +154,29 @@ async def test_a_stale_approval_is_cancelled_not_applied(clock: VirtualClock) ->
     assert pools.calls == [] and pools.desired == 4, "a 3 -> 4 approval never becomes 4 -> 5"
     [event] = [e for e in store.action_events(action.id) if e.event == "cancelled"]
     assert event.detail["rails"] == "stale" and "at 4 now" in event.detail["why"]
+
+
+class AsksFewerDrafts(Asks):
+    """Asks for one draft token fewer (acceptance per position unknown: a step, not a number)."""
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        proposal = Proposal(ActionKind.TUNE_SPECULATION, "prefill", Speculation(step=-1), "fewer drafts")
+        return PolicyResult([FindingReport(FindingKey("test", "pool/prefill"), Severity.WARNING, "collapse", "", {},
+                                           "test", (proposal,))])
+
+
+async def test_an_approval_for_a_template_changed_since_is_cancelled(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools(template="t1", kinds=frozenset({ActionKind.TUNE_SPECULATION}))
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, AsksFewerDrafts())
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    assert proposal.params["from_template"] == "t1"
+    pools.template = "t2"  # someone lowered the drafts by hand meanwhile
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    await tick(loop, clock)
+    [action] = await store.actions(states=[S.CANCELLED])
+    [event] = [e for e in store.action_events(action.id) if e.event == "cancelled"]
+    assert event.detail["rails"] == "stale" and "pod template changed" in event.detail["why"]
 
 
 async def test_an_approved_action_waits_while_the_pool_settles(clock: VirtualClock) -> None:

@@ -339,6 +339,18 @@ async def test_engine_arguments_for_eplb_and_speculation(server: ApiServer, api:
     assert "--enable-eplb" not in args and "--eplb-config" not in args and args[:4] == ARGS[:4]
 
 
+async def test_the_template_digest_moves_with_the_template_not_the_count(server: ApiServer,
+                                                                         api: client.ApiClient) -> None:
+    # What an approved restart is checked against when it is due (a template changed since: stale).
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    act = actuator(api)
+    first = (await act.observe()).pools["decode"].template
+    await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=1))
+    assert first is not None and (await act.observe()).pools["decode"].template == first
+    await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
+    assert (await act.observe()).pools["decode"].template not in (first, None)
+
+
 async def test_a_stale_read_is_retried_and_refusals_fail_with_the_apis_message(server: ApiServer,
                                                                                 api: client.ApiClient) -> None:
     server.put(DEPLOYMENTS, deployment())

@@ -15,6 +15,7 @@ from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import parse_config
+from controlplane.errors import ActuationError
 from controlplane.loop import INEFFECTIVE, ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
@@ -145,6 +146,56 @@ async def test_a_revert_held_for_now_waits_instead_of_being_lost() -> None:
         clock.advance(15)
         await loop.tick()
     assert engines.history == [1, 3], "reverted once the pause ended"
+
+
+async def test_a_revert_outlives_proposal_ttl_while_it_waits() -> None:
+    # Paused for longer than proposal_ttl (1 h) right after the change is judged: the revert still runs once
+    # unpaused (the change it undoes stayed in place meanwhile), and its finding resolves only then.
+    from controlplane.killswitch import StoreSwitch
+    from controlplane.store.base import Pause
+
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
+                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
+                       switch=StoreSwitch(store))
+    while not any(a.outcome for a in await store.actions()):
+        clock.advance(15)
+        if (done := [a for a in await store.actions() if a.finished_at]) and clock.now() - done[0].finished_at >= 300:
+            store.pause = Pause(by="oncall", reason="long maintenance", at=clock.now())
+        await loop.tick()
+    for _ in range(4 * 70):
+        clock.advance(15)
+        await loop.tick()
+    first, revert = await store.actions()
+    assert revert.state is S.APPROVED and engines.history == [1]
+    assert ineffective_of(store, first.id).state == "open"
+    store.pause = None
+    for _ in range(4):
+        clock.advance(15)
+        await loop.tick()
+    assert engines.history == [1, 3], "reverted once the pause ended, 70 minutes on"
+    assert ineffective_of(store, first.id).state == "resolved"
+
+
+class RevertFails(Engines):
+    """Carries out the change; the revert fails (a webhook refuses the template)."""
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        if self.history:
+            raise ActuationError("admission webhook denied the patch")
+        return await super().carry_out(order)
+
+
+async def test_a_revert_that_did_not_run_leaves_its_finding_open() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), RevertFails()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
+                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
+    for _ in range(4 * 12):
+        clock.advance(15)
+        await loop.tick()
+    first, revert = await store.actions()
+    assert revert.state is S.FAILED and engines.history == [1]
+    assert ineffective_of(store, first.id).state == "open", "the change it could not undo is still in place"
 
 
 async def test_a_revert_is_not_held_by_the_cooldown_of_the_change_it_undoes() -> None:

@@ -254,6 +254,32 @@ def test_recheck_when_an_approved_action_is_due(mode: Mode, state: PoolState | N
                                                    RailsReason.COOLDOWN))
 
 
+@pytest.mark.parametrize(
+    ("kind", "change", "was", "now", "reason"),
+    [
+        pytest.param("tune_speculation", Speculation(step=-1), "t1", "t2", RailsReason.STALE, id="step-on-new-template"),
+        pytest.param("tune_speculation", Speculation(step=-1), "t1", "t1", RailsReason.ALLOWED, id="same-template"),
+        pytest.param("enable_eplb", Eplb(True), "t1", "t2", RailsReason.STALE, id="eplb-on-new-template"),
+        pytest.param("rollback", RollBack("prefill"), "t1", "t2", RailsReason.STALE, id="rolled-by-hand"),
+        pytest.param("rollback", RollBack("router"), "t1", "t2", RailsReason.ALLOWED, id="the-router-is-no-pool"),
+        pytest.param("tune_speculation", Speculation(step=-1), None, "t2", RailsReason.ALLOWED, id="not-known-then"),
+        pytest.param("tune_speculation", Speculation(step=-1), "t1", None, RailsReason.ALLOWED, id="not-known-now"),
+        pytest.param("drain_engine", Drain("prefill-0"), "t1", "t2", RailsReason.ALLOWED, id="a-drain-restarts-one"),
+    ],
+)
+def test_an_approved_restart_on_a_template_changed_since_is_stale(kind: str, change: Change, was: str | None,
+                                                                   now: str | None, reason: RailsReason) -> None:
+    # A person approves "lower the drafts by one" an hour late, after someone lowered them by hand: the step would go
+    # one further than anyone asked. Scaling is judged on its replica count instead.
+    action = due(kind=kind, change=change)
+    if was is not None:
+        action.params["from_template"] = was
+    decision = recheck(action, replace(pool(), template=now), mode=Mode.PROPOSE, rails=RAILS, history=[action],
+                       now=NOW, supported=ALL_KINDS)
+    assert decision.reason is reason, decision.note
+    assert reason not in WAIT_REASONS
+
+
 def test_a_due_action_waits_while_paused_and_runs_once_resumed() -> None:
     action = due()
     held = recheck(action, pool(), mode=Mode.ACT, rails=RAILS, history=[action], now=NOW, supported=ALL_KINDS,
