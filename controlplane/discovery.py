@@ -28,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from catalog.fleet import Role
 from collectors.types import Target
 from controlplane.errors import FleetError
+from controlplane.kube import field, pod_ready
 from controlplane.selectors import LabelSelector
 
 if TYPE_CHECKING:
@@ -71,42 +72,19 @@ class SkippedPod(NamedTuple):
     reason: str
 
 
-def _field(obj: Any, name: str) -> Any:
-    """`name` (the API's camelCase) of a JSON dict or of a kubernetes client model."""
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    attribute_map: Mapping[str, str] = getattr(obj, "attribute_map", {})
-    for attr, json_name in attribute_map.items():
-        if json_name == name:
-            return getattr(obj, attr)
-    return None
-
-
 def _dig(obj: Any, *names: str) -> Any:
     for name in names:
-        obj = _field(obj, name)
+        obj = field(obj, name)
     return obj
-
-
-def _is_ready(pod: Any) -> bool:
-    status = _field(pod, "status")
-    if _field(status, "phase") != "Running" or not _field(status, "podIP"):
-        return False
-    if _dig(pod, "metadata", "deletionTimestamp"):
-        return False
-    conditions = _field(status, "conditions") or []
-    return any(_field(c, "type") == "Ready" and _field(c, "status") == "True" for c in conditions)
 
 
 def _resolve_port(pod: Any, port: int | str) -> int | None:
     if isinstance(port, int):
         return port
     for container in _dig(pod, "spec", "containers") or []:
-        for p in _field(container, "ports") or []:
-            if _field(p, "name") == port:
-                return int(_field(p, "containerPort"))
+        for p in field(container, "ports") or []:
+            if field(p, "name") == port:
+                return int(field(p, "containerPort"))
     return None
 
 
@@ -150,7 +128,7 @@ def targets_from_pods(
         labels: Mapping[str, str] = _dig(pod, "metadata", "labels") or {}
         if selector is not None and not selector.matches(labels):
             continue
-        if not _is_ready(pod):
+        if not pod_ready(pod) or not _dig(pod, "status", "podIP"):
             continue
         name = str(_dig(pod, "metadata", "name"))
         pool = labels.get(pool_label)

@@ -2,12 +2,15 @@
 
 Owns loading a kubeconfig file or the in-cluster service account into a client of its own (never
 the global default), with client-side retries off: the loop retries on its next tick, and the
-client's own retries would only multiply a timeout.
+client's own retries would only multiply a timeout; and what both read of an object the same way
+(a field of a JSON body or of a client model, whether a pod is ready).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
@@ -15,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from controlplane.errors import ConfigError
 
-__all__ = ["api_client", "api_message"]
+__all__ = ["api_client", "api_message", "field", "pod_ready"]
 
 
 def api_client(kubeconfig: str | None, section: str) -> kclient.ApiClient:
@@ -41,3 +44,24 @@ def api_message(exc: ApiException) -> str:
         body = {}
     message = body.get("message") if isinstance(body, dict) else None
     return f"HTTP {exc.status} {exc.reason or ''}".rstrip() + (f": {message}" if message else "")
+
+
+def field(obj: Any, name: str) -> Any:
+    """`name` (the API's camelCase) of a JSON dict or of a kubernetes client model; None where it has none."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    attribute_map: Mapping[str, str] = getattr(obj, "attribute_map", {})
+    for attr, json_name in attribute_map.items():
+        if json_name == name:
+            return getattr(obj, attr)
+    return None
+
+
+def pod_ready(pod: Any) -> bool:
+    """Whether a pod (a JSON dict or a client model) is running, not being deleted, with its Ready condition true."""
+    status = field(pod, "status")
+    if field(status, "phase") != "Running" or field(field(pod, "metadata"), "deletionTimestamp"):
+        return False
+    return any(field(c, "type") == "Ready" and field(c, "status") == "True" for c in field(status, "conditions") or [])

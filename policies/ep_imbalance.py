@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -273,13 +273,10 @@ class EpImbalance:
         """EP groups with enough ranks, and every "<pool>/<pod>" with a fresh engine."""
         s = self.settings
         w = inp.windows
-        members: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
         fresh = inp.now - s.stale_s
-        for subject in set(w.subjects(s.signal, prefix="engine/")) | set(w.subjects(RUNNING, prefix="engine/")):
-            parts = subject.split("/")
-            if len(parts) != 4 or not reported_since(w, subject, (s.signal, RUNNING), fresh):
-                continue
-            members[(parts[1], parts[2])][parts[3]] = subject
+        members = _by_group(sub for sub in set(w.subjects(s.signal, prefix="engine/"))
+                            | set(w.subjects(RUNNING, prefix="engine/"))
+                            if reported_since(w, sub, (s.signal, RUNNING), fresh))
         # One pass over the GPU series for all groups: scanning per group would cost groups x series.
         gpus_of: dict[str, dict[str, str]] = defaultdict(dict)
         for name in s.gpu_signals:
@@ -481,11 +478,7 @@ def pool_rank_skew(w: SignalWindows, pool: str, since: float, settings: EpImbala
     over scrapes of the ITL skew, among groups whose ranks got even work (uneven work is the router's, which EPLB
     does not fix). None where no group of the pool has ranks to compare."""
     s = settings or EpImbalanceSettings()
-    groups: dict[str, dict[str, str]] = defaultdict(dict)
-    for subject in w.subjects(s.signal, prefix=f"engine/{pool}/"):
-        parts = subject.split("/")
-        if len(parts) == 4:
-            groups[parts[2]][parts[3]] = subject
+    groups = _by_group(w.subjects(s.signal, prefix=f"engine/{pool}/"))
     skews = []
     for ranks in groups.values():
         if len(ranks) < s.min_ranks:
@@ -498,6 +491,16 @@ def pool_rank_skew(w: SignalWindows, pool: str, since: float, settings: EpImbala
         if len(itl.ticks) >= s.min_ticks and (m := itl.median(len(itl.ticks))) is not None:
             skews.append(m)
     return max(skews, default=None)
+
+
+def _by_group(subjects: Iterable[str]) -> dict[tuple[str, str], dict[str, str]]:
+    """Rank subjects (`engine/<pool>/<pod>/<rank>`) by their EP group, (pool, pod): rank -> subject."""
+    groups: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
+    for subject in subjects:
+        parts = subject.split("/")
+        if len(parts) == 4:
+            groups[(parts[1], parts[2])][parts[3]] = subject
+    return groups
 
 
 def _latest(w: SignalWindows, ranks: dict[str, str], name: str) -> dict[str, float]:

@@ -53,7 +53,7 @@ from kubernetes.client.exceptions import ApiException
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
-from controlplane.kube import api_message
+from controlplane.kube import api_message, pod_ready
 from policies.types import ActionKind, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation, describe
 
 __all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator", "WorkloadKind"]
@@ -136,13 +136,6 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
     return sorted(ready, key=lambda p: (p not in mine, _load(order, p), p))[:max(0, leaving)]
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
-    """Whether a pod (as listed) is running with its Ready condition true."""
-    conditions = _dig(pod, ("status", "conditions"), []) or []
-    return _dig(pod, ("status", "phase")) == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
 def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
     """A pod's ordinal (StatefulSet) or group index (LeaderWorkerSet): its label, else (a StatefulSet's pod on a
     cluster older than the label) the number its name ends with."""
@@ -163,6 +156,11 @@ def _merge_to(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str
         here = current.get(k)
         patch[k] = _merge_to(here, v) if isinstance(here, Mapping) and isinstance(v, Mapping) else v
     return patch
+
+
+def _body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn`'s answer with its JSON body read and parsed in the calling thread (a worker's, never the event loop's)."""
+    return json.loads(fn(*args, _preload_content=False, **kwargs).data)
 
 
 def _digest(template: Any) -> str | None:
@@ -257,10 +255,7 @@ class KubernetesActuator:
     async def _json(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A call whose body is read and parsed in the worker thread: read on the event loop, a slow body would stall
         scrapes and the Lease's renewal."""
-        def read(*a: Any, **k: Any) -> Any:
-            return json.loads(fn(*a, _preload_content=False, **k).data)
-
-        return await self._call(what, read, *args, **kwargs)
+        return await self._call(what, _body, fn, *args, **kwargs)
 
     def _writes(self) -> dict[str, Any]:
         return {"dry_run": "All"} if self.dry_run else {}
@@ -525,7 +520,7 @@ class KubernetesActuator:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                   w.namespace, label_selector=selector)
-        return {p["metadata"]["name"]: {**p["metadata"], "ready": _ready(p)}
+        return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p)}
                 for p in listed["items"] if not _dig(p, ("metadata", "deletionTimestamp"))}
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
@@ -737,13 +732,9 @@ class ConfigMapSwitch:
 
     async def paused(self) -> str | None:
         f = self.flag
-
-        def read() -> Any:  # the body too, in the worker thread
-            return json.loads(self._core.read_namespaced_config_map(f.name, f.namespace, _request_timeout=self._timeout,
-                                                                   _preload_content=False).data)
-
         try:
-            data = await asyncio.to_thread(read)
+            data = await asyncio.to_thread(_body, self._core.read_namespaced_config_map, f.name, f.namespace,
+                                           _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None  # no ConfigMap, no flag
