@@ -23,7 +23,16 @@ from controlplane.autoscaling import engine_curves
 from controlplane.config import FleetConfig, Pool
 from controlplane.store.base import Store
 from controlplane.store.records import AdviceRecord, NewAdvice
-from policies.advice import AdviceKind, AdvisorInput, PoolFacts, PoolObserved, Recommendation, SpecFacts, advise
+from policies.advice import (
+    AdviceKind,
+    AdvisorInput,
+    BusyTtftMinute,
+    PoolFacts,
+    PoolObserved,
+    Recommendation,
+    SpecFacts,
+    advise,
+)
 from policies.ep_imbalance import pool_rank_skew
 from policies.windows import SignalWindows, minute_means
 
@@ -68,6 +77,7 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         return _mean(w, subject, name, since)
 
     prompt, gen = mean("prompt_tokens_rate") or 0.0, mean("generation_tokens_rate") or 0.0
+    ttft_minute = _busy_ttft_minute(w, subject, since, quantile)
     engines = mean("engines_reporting") or 1.0
     kv_max = [v for _, v in w.series(subject, "kv_cache_usage_max", since=since)]
     positions = []
@@ -90,7 +100,30 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         spec_length=mean("spec_mean_acceptance_length"), spec_yield=mean("spec_yield"),
         spec_positions=tuple(positions), prompt_p50=mean("prompt_len_p50"), prompt_p95=mean("prompt_len_p95"),
         output_p50=mean("output_len_p50"), output_p95=mean("output_len_p95"),
-        rank_imbalance=pool_rank_skew(w, pool, since), minutes=(rates[-1][0] - rates[0][0]) / 60.0)
+        rank_imbalance=pool_rank_skew(w, pool, since), minutes=(rates[-1][0] - rates[0][0]) / 60.0,
+        ttft_minute=ttft_minute)
+
+
+_MINUTE_SHAPE = ("request_rate", "prompt_tokens_rate", "prefix_cache_hit_rate", "prompt_len_p50", "prompt_len_p95")
+
+
+def _busy_ttft_minute(w: SignalWindows, subject: str, since: float, quantile: float) -> BusyTtftMinute | None:
+    """The minute whose mean TTFT p95 is the `quantile` of the window's minutes (one that happened: the next one up,
+    not a value between two), with its own arrivals and request shape; None where no minute has both."""
+    def per_minute(name: str) -> dict[float, float]:
+        return dict(minute_means((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v)))
+
+    ttft = per_minute("ttft_p95")
+    shape = {name: per_minute(name) for name in _MINUTE_SHAPE}
+    minutes = [m for m in ttft if shape["request_rate"].get(m, 0.0) > 0 and m in shape["prompt_tokens_rate"]]
+    if not minutes:
+        return None
+    target = float(np.quantile([ttft[m] for m in minutes], quantile, method="higher"))
+    m = next(m for m in minutes if ttft[m] == target)
+    rate = shape["request_rate"][m]
+    return BusyTtftMinute(arrivals=rate, prompt_tokens=shape["prompt_tokens_rate"][m] / rate,
+                          hit_rate=min(1.0, max(0.0, shape["prefix_cache_hit_rate"].get(m, 0.0))), ttft_p95=target,
+                          prompt_p50=shape["prompt_len_p50"].get(m), prompt_p95=shape["prompt_len_p95"].get(m))
 
 
 def advisor_input(config: FleetConfig, windows: SignalWindows, now: float, since: float,

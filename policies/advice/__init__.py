@@ -15,6 +15,7 @@ from policies.advice.types import (
     AdviceKind,
     AdviceSettings,
     AdvisorInput,
+    BusyTtftMinute,
     Effect,
     GpuType,
     PoolFacts,
@@ -23,8 +24,8 @@ from policies.advice.types import (
     SpecFacts,
 )
 
-__all__ = ["AdviceKind", "AdviceSettings", "AdvisorInput", "Effect", "GpuType", "PoolFacts", "PoolObserved",
-           "Recommendation", "SpecFacts", "advise", "lru_hit_rates"]
+__all__ = ["AdviceKind", "AdviceSettings", "AdvisorInput", "BusyTtftMinute", "Effect", "GpuType", "PoolFacts",
+           "PoolObserved", "Recommendation", "SpecFacts", "advise", "lru_hit_rates"]
 
 
 def advise(inp: AdvisorInput, settings: AdviceSettings, *, prefix_block_tokens: int = 16) -> list[Recommendation]:

@@ -39,8 +39,8 @@ from scipy.stats import poisson
 from policies.autoscale import EngineCurves
 from policies.stats import MAX_CONTEXT, lognormal_location, lognormal_p95, quadratic_moments
 
-__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "predict", "prefill_cost",
-           "size_pool", "transfer_seconds"]
+__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "TtftMinute", "predict",
+           "prefill_cost", "size_pool", "transfer_seconds"]
 
 TPOT_SAMPLES = 4096
 TPOT_SEED = 16
@@ -122,11 +122,16 @@ class Sizing:
     # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); `predict`'s alone, None where
     # nothing decodes.
     tpot_draws: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    # Sized at the busy TTFT minute's load (`Calibration.ttft_minute`), which needed more engines than the busy load:
+    # the predictions are that minute's.
+    at_ttft_minute: bool = False
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
             "engines": self.engines, "batch": round(self.batch, 1), "utilisation": round(self.utilisation, 3),
             "ttft_p95_s": _r(self.ttft_p95), "tpot_p95_s": _r(self.tpot_p95), "limited_by": self.limited_by}
+        if self.at_ttft_minute:
+            out["sized_at"] = "the busy TTFT minute"
         if (fewer := self.one_fewer) is not None:
             out["one_fewer"] = {"engines": fewer.engines, "ttft_p95_s": _r(fewer.ttft_p95),
                                 "tpot_p95_s": _r(fewer.tpot_p95), "breaks": fewer.limited_by}
@@ -138,17 +143,35 @@ def _r(v: float | None) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
+class TtftMinute:
+    """Where a size is checked for TTFT a second time: the busy TTFT minute's load, the model's TTFT factors measured
+    there, and the hit rate of the load it stands beside (a change to that load's hit rate carries over)."""
+
+    load: Load
+    ttft_queue: float
+    ttft_scale: float
+    beside_hit_rate: float
+
+
+@dataclass(frozen=True, slots=True)
 class Calibration:
     """How the pool's own busy minutes differ from the model at its own size (TTFT's p95, TPOT's mean): the queueing
-    parts (TTFT's wait, TPOT's prefill stalls) scaled where they exist, the whole where they do not."""
+    parts (TTFT's wait, TPOT's prefill stalls) scaled where they exist, the whole where they do not; and the busy
+    TTFT minute, measured at its own load."""
 
     ttft_queue: float = 1.0
     ttft_scale: float = 1.0
     tpot_stall: float = 1.0
     tpot_scale: float = 1.0
+    ttft_minute: TtftMinute | None = None
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(getattr(self, k), 3) for k in ("ttft_queue", "ttft_scale", "tpot_stall", "tpot_scale")}
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {k: round(getattr(self, k), 3)
+                                  for k in ("ttft_queue", "ttft_scale", "tpot_stall", "tpot_scale")}
+        if (m := self.ttft_minute) is not None:
+            out["ttft_minute"] = {"arrivals": round(m.load.arrivals, 3), "prompt_tokens": round(m.load.prompt_tokens),
+                                  "ttft_queue": round(m.ttft_queue, 3), "ttft_scale": round(m.ttft_scale, 3)}
+        return out
 
 
 NO_CALIBRATION = Calibration()

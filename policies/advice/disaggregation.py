@@ -134,7 +134,8 @@ def _pair(inp: AdvisorInput, p: PoolFacts, d: PoolFacts, po: PoolObserved, do: P
     pre = sized("prefill", p, load, s, transfer_s=xfer, calibration=p_cal)
     dec = sized("decode", d, load, s, cost=cost, calibration=d_cal)
     one = sized("unified", d, load, s, cost=cost, calibration=Calibration(p_cal.ttft_queue, p_cal.ttft_scale,
-                                                                          d_cal.tpot_stall, d_cal.tpot_scale))
+                                                                          d_cal.tpot_stall, d_cal.tpot_scale,
+                                                                          p_cal.ttft_minute))
     price_p, price_d = s.price(p.gpu_type), s.price(d.gpu_type)
     two_cost = pre.engines * p.gpus * price_p + dec.engines * d.gpus * price_d
     one_cost = one.engines * d.gpus * price_d

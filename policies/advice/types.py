@@ -17,8 +17,8 @@ from pydantic import Field
 from catalog.settings import Settings
 from policies.autoscale import EngineCurves
 
-__all__ = ["AdviceKind", "AdviceSettings", "AdvisorInput", "Effect", "GpuType", "PoolFacts", "PoolObserved",
-           "Recommendation", "SpecFacts"]
+__all__ = ["AdviceKind", "AdviceSettings", "AdvisorInput", "BusyTtftMinute", "Effect", "GpuType", "PoolFacts",
+           "PoolObserved", "Recommendation", "SpecFacts"]
 
 
 class AdviceKind(StrEnum):
@@ -125,6 +125,20 @@ class PoolFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class BusyTtftMinute:
+    """The minute whose TTFT p95 sits at the load quantile of the window's minutes (a minute that happened), with its
+    own arrivals and request shape: a cluster of long prompts sets TTFT there without raising the arrival count that
+    the busy-minute load is sized for."""
+
+    arrivals: float  # requests per second
+    prompt_tokens: float  # per request
+    hit_rate: float
+    ttft_p95: float
+    prompt_p50: float | None = None
+    prompt_p95: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PoolObserved:
     """What a pool did over the window, from its stored signals (means unless named otherwise)."""
 
@@ -159,6 +173,7 @@ class PoolObserved:
     output_p50: float | None = None  # output length quantiles (`vllm:request_generation_tokens`)
     output_p95: float | None = None
     minutes: float = 0.0  # how much history this rests on
+    ttft_minute: BusyTtftMinute | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,16 @@ from dataclasses import replace
 import numpy as np
 from scipy.optimize import brentq
 
-from policies.advice.capacity import NO_CALIBRATION, Calibration, Engine, Load, Sizing, predict, size_pool
+from policies.advice.capacity import (
+    NO_CALIBRATION,
+    Calibration,
+    Engine,
+    Load,
+    Sizing,
+    TtftMinute,
+    predict,
+    size_pool,
+)
 from policies.advice.types import AdviceSettings, Effect, PoolFacts, PoolObserved
 from policies.autoscale import EngineCurves
 from policies.stats import lognormal_sigma
@@ -68,9 +77,23 @@ def engine(role: str, curves: EngineCurves, s: AdviceSettings, cost: tuple[float
 def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: EngineCurves | None = None, *,
           cost: tuple[float, float] = (1.0, 1.0), transfer_s: float = 0.0,
           calibration: Calibration = NO_CALIBRATION) -> Sizing:
-    """`size_pool` with the pool's SLOs, the advisor's settings and the pool's calibration."""
-    return size_pool(load, engine(role, curves or facts.curves, s, cost), ttft_slo=facts.ttft_p95_slo,
-                     tpot_slo=facts.tpot_p95_slo, margin=s.margin, transfer_s=transfer_s, calibration=calibration)
+    """`size_pool` with the pool's SLOs, the advisor's settings and the pool's calibration; where the engines prefill,
+    TTFT is checked at the busy TTFT minute too (its own load and factors), and the larger size is the answer."""
+    eng = engine(role, curves or facts.curves, s, cost)
+    busy = size_pool(load, eng, ttft_slo=facts.ttft_p95_slo, tpot_slo=facts.tpot_p95_slo, margin=s.margin,
+                     transfer_s=transfer_s, calibration=calibration)
+    at = calibration.ttft_minute
+    if at is None or facts.ttft_p95_slo is None or busy.limited_by == "none" or not eng.prefills(at.load):
+        return busy
+    # What the layout changes in the load (a tier's hits, the prompt's KV moved) changes that minute's too.
+    hit_rate = min(1.0, max(0.0, at.load.hit_rate + load.hit_rate - at.beside_hit_rate))
+    minute_load = replace(at.load, hit_rate=hit_rate)
+    transfer = transfer_s * at.load.prompt_tokens / load.prompt_tokens if load.prompt_tokens > 0 else transfer_s
+    minute = size_pool(minute_load, eng, ttft_slo=facts.ttft_p95_slo, tpot_slo=None, margin=s.margin,
+                       transfer_s=transfer, calibration=Calibration(at.ttft_queue, at.ttft_scale))
+    if minute.limited_by == "none" or minute.engines <= busy.engines:
+        return busy
+    return replace(minute, at_ttft_minute=True)
 
 
 def saved_engines(now: Sizing, then: Sizing) -> int | None:
@@ -125,29 +148,45 @@ def fit_tail(steps: np.ndarray, stalls: np.ndarray, mean: float, share: float, o
     return q, step_factor(q)
 
 
+def _factors(measured: float | None, fixed: float, queueing: float) -> tuple[float, float]:
+    """(queueing factor, whole factor): the queueing part carries the difference where it is a fifth of the prediction
+    or more; otherwise the whole prediction is scaled."""
+    model = fixed + queueing
+    if measured is None or measured <= 0 or model <= 0:
+        return 1.0, 1.0
+    if queueing >= 0.2 * model:
+        return min(MAX_FACTOR, max(MIN_FACTOR, (measured - fixed) / queueing)), 1.0
+    return 1.0, min(MAX_FACTOR, max(MIN_FACTOR, measured / model))
+
+
+def _ttft_minute(facts: PoolFacts, obs: PoolObserved, eng: Engine) -> TtftMinute | None:
+    """The busy TTFT minute as a load, with the model's TTFT factors at the pool's own size there; None where the pool
+    has no TTFT objective, no such minute, or the model has the load not fit there."""
+    m = obs.ttft_minute
+    if m is None or facts.ttft_p95_slo is None or m.arrivals <= 0:
+        return None
+    load = Load(m.arrivals, m.prompt_tokens, obs.output_tokens, m.hit_rate, lognormal_sigma(m.prompt_p50, m.prompt_p95),
+                output_sigma=lognormal_sigma(obs.output_p50, obs.output_p95))
+    at = predict(max(1, facts.replicas), load, eng)
+    if at.ttft_p95 is None:
+        return None
+    return TtftMinute(load, *_factors(m.ttft_p95, at.ttft_floor, at.ttft_queue), beside_hit_rate=obs.hit_rate)
+
+
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:
     """The pool's TTFT p95 and TPOT mean in its busy minutes over the model's at its own size and busy-minute load;
-    with the share of requests over the TPOT objective, the steps and the stalls apart."""
-    at = predict(max(1, facts.replicas), peak_load(obs), engine(facts.role, facts.curves, s, step_cost(facts, obs, s)))
-
-    def factors(measured: float | None, fixed: float, queueing: float) -> tuple[float, float]:
-        """(queueing factor, whole factor): the queueing part carries the difference where it is a fifth of the
-        prediction or more; otherwise the whole prediction is scaled."""
-        model = fixed + queueing
-        if measured is None or measured <= 0 or model <= 0:
-            return 1.0, 1.0
-        if queueing >= 0.2 * model:
-            return min(MAX_FACTOR, max(MIN_FACTOR, (measured - fixed) / queueing)), 1.0
-        return 1.0, min(MAX_FACTOR, max(MIN_FACTOR, measured / model))
-
-    tq, ts = factors(obs.ttft_p95_peak or obs.ttft_p95, at.ttft_floor, at.ttft_queue)
+    with the share of requests over the TPOT objective, the steps and the stalls apart; and the TTFT of its busy TTFT
+    minute over the model's at that minute's own load."""
+    eng = engine(facts.role, facts.curves, s, step_cost(facts, obs, s))
+    at = predict(max(1, facts.replicas), peak_load(obs), eng)
+    tq, ts = _factors(obs.ttft_p95_peak or obs.ttft_p95, at.ttft_floor, at.ttft_queue)
     # TPOT on its mean: its p95 read from vLLM's coarse buckets is an interpolation, high whenever the true p95
     # lies inside one; the sum over the count is exact.
-    pq, ps = factors(obs.tpot_mean_peak, at.tpot_base, at.tpot_stall)
+    pq, ps = _factors(obs.tpot_mean_peak, at.tpot_base, at.tpot_stall)
     share, mean, objective = obs.tpot_over_slo_peak, obs.tpot_mean_peak, facts.tpot_p95_slo
     if share is not None and mean is not None and objective is not None and at.tpot_draws is not None:
         pq, ps = fit_tail(*at.tpot_draws, mean, share, objective) or (pq, ps)
-    return Calibration(tq, ts, pq, ps)
+    return Calibration(tq, ts, pq, ps, _ttft_minute(facts, obs, eng))
 
 
 

@@ -14,6 +14,7 @@ from policies.advice import (
     AdviceKind,
     AdviceSettings,
     AdvisorInput,
+    BusyTtftMinute,
     GpuType,
     PoolFacts,
     PoolObserved,
@@ -183,6 +184,35 @@ def test_a_split_decode_pool_takes_the_profiles_steps() -> None:
     plain = sized("decode", facts(), peak_load(slow), s)
     assert rec.evidence["decode_pool"]["engines"] == plain.engines
     assert rec.evidence["decode_pool"]["tpot_p95_s"] == pytest.approx(plain.tpot_p95, abs=1e-4)
+
+
+def test_a_prefill_pool_holds_through_the_busy_ttft_minute() -> None:
+    """A minute of long prompts sets TTFT without raising the arrival count the busy load is sized for: the pool is
+    checked at that minute too, with its own load and the queueing measured there, and takes the larger size. A
+    decode pool is not, nor a size that the busy load already needs."""
+    s = AdviceSettings()
+    pool = facts(ttft_p95_slo=7.5, replicas=16)
+    load = seen(arrivals=6.0, arrivals_peak=7.5, prompt_tokens=13_000, output_tokens=350, hit_rate=0.3,
+                prompt_p50=8000, prompt_p95=55_000, ttft_p95_peak=3.0)
+    busy = sized("prefill", pool, peak_load(load), s, calibration=calibrate(pool, load, s))
+    long = BusyTtftMinute(arrivals=5.5, prompt_tokens=16_000, hit_rate=0.2, ttft_p95=4.5, prompt_p50=9000,
+                          prompt_p95=75_000)
+    cal = calibrate(pool, replace(load, ttft_minute=long), s)
+    assert cal.ttft_minute is not None and cal.ttft_minute.load.prompt_tokens == 16_000
+    held = sized("prefill", pool, peak_load(load), s, calibration=cal)
+    assert held.engines > busy.engines and held.at_ttft_minute and held.as_dict()["sized_at"] == "the busy TTFT minute"
+    assert held.ttft_p95 is not None and held.ttft_p95 <= 7.5 and held.one_fewer is not None
+    assert held.one_fewer.ttft_p95 is None or held.one_fewer.ttft_p95 > 7.5
+    assert sized("decode", pool, peak_load(load), s, calibration=cal) == sized("decode", pool, peak_load(load), s,
+                                                                              calibration=replace(cal, ttft_minute=None))
+    # A minute like the busy load's own asks for nothing more.
+    plain = BusyTtftMinute(arrivals=6.0, prompt_tokens=13_000, hit_rate=0.3, ttft_p95=3.0, prompt_p50=8000,
+                           prompt_p95=55_000)
+    same = sized("prefill", pool, peak_load(load), s, calibration=calibrate(pool, replace(load, ttft_minute=plain), s))
+    assert same.engines == busy.engines and not same.at_ttft_minute
+    # A tier's extra hits lighten that minute as they lighten the busy load.
+    tiered = sized("prefill", pool, replace(peak_load(load), hit_rate=0.6), s, calibration=cal)
+    assert tiered.engines < held.engines
 
 
 def test_a_queue_aware_router_spares_decodes_while_some_engine_is_idle() -> None:
