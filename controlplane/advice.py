@@ -104,18 +104,22 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         ttft_minute=ttft_minute)
 
 
-_MINUTE_SHAPE = ("request_rate", "prompt_tokens_rate", "prefix_cache_hit_rate", "prompt_len_p50", "prompt_len_p95")
+_MINUTE_SHAPE = ("request_rate", "prompt_tokens_rate", "prefix_cache_hit_rate", "prompt_len_p50", "prompt_len_p95",
+                 "engines_reporting")
+MIN_MINUTE_REQUESTS = 20  # a minute with fewer finished requests has no p95 worth sizing for
 
 
 def _busy_ttft_minute(w: SignalWindows, subject: str, since: float, quantile: float) -> BusyTtftMinute | None:
     """The minute whose mean TTFT p95 is the `quantile` of the window's minutes (one that happened: the next one up,
-    not a value between two), with its own arrivals and request shape; None where no minute has both."""
+    not a value between two), with its own arrivals, request shape and engines; None where no minute has both a TTFT
+    and `MIN_MINUTE_REQUESTS` requests with their prompt tokens."""
     def per_minute(name: str) -> dict[float, float]:
         return dict(minute_means((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v)))
 
     ttft = per_minute("ttft_p95")
     shape = {name: per_minute(name) for name in _MINUTE_SHAPE}
-    minutes = [m for m in ttft if shape["request_rate"].get(m, 0.0) > 0 and m in shape["prompt_tokens_rate"]]
+    minutes = [m for m in ttft if shape["request_rate"].get(m, 0.0) * 60.0 >= MIN_MINUTE_REQUESTS
+               and m in shape["prompt_tokens_rate"]]
     if not minutes:
         return None
     target = float(np.quantile([ttft[m] for m in minutes], quantile, method="higher"))
@@ -123,7 +127,8 @@ def _busy_ttft_minute(w: SignalWindows, subject: str, since: float, quantile: fl
     rate = shape["request_rate"][m]
     return BusyTtftMinute(arrivals=rate, prompt_tokens=shape["prompt_tokens_rate"][m] / rate,
                           hit_rate=min(1.0, max(0.0, shape["prefix_cache_hit_rate"].get(m, 0.0))), ttft_p95=target,
-                          prompt_p50=shape["prompt_len_p50"].get(m), prompt_p95=shape["prompt_len_p95"].get(m))
+                          prompt_p50=shape["prompt_len_p50"].get(m), prompt_p95=shape["prompt_len_p95"].get(m),
+                          engines=shape["engines_reporting"].get(m))
 
 
 def advisor_input(config: FleetConfig, windows: SignalWindows, now: float, since: float,

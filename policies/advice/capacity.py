@@ -39,7 +39,7 @@ from scipy.stats import poisson
 from policies.autoscale import EngineCurves
 from policies.stats import MAX_CONTEXT, lognormal_location, lognormal_p95, quadratic_moments
 
-__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "TtftMinute", "predict",
+__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "TtftMinute", "at_size", "predict",
            "prefill_cost", "size_pool", "transfer_seconds"]
 
 TPOT_SAMPLES = 4096
@@ -122,8 +122,8 @@ class Sizing:
     # The drawn requests' TPOTs in two parts, uncalibrated: (steps, prefill stalls); `predict`'s alone, None where
     # nothing decodes.
     tpot_draws: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
-    # Sized at the busy TTFT minute's load (`Calibration.ttft_minute`), which needed more engines than the busy load:
-    # the predictions are that minute's.
+    # The busy TTFT minute (`Calibration.ttft_minute`) needed more engines than the busy load: the engines and the
+    # TTFT (with one engine fewer's) are that minute's, the batch, utilisation and TPOT the busy load's at that size.
     at_ttft_minute: bool = False
 
     def as_dict(self) -> dict[str, object]:
@@ -344,6 +344,13 @@ def _at(n: int, load: Load, eng: Engine, transfer_s: float, cal: Calibration,
         ttft = floor * cal.ttft_scale + queue * cal.ttft_queue
     return None, Sizing(n, at.batch, at.rho, ttft, tpot, "none", floor, queue, base, stall,
                         tpot_draws=draws if keep_draws else None)
+
+
+def at_size(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0,
+            calibration: Calibration = NO_CALIBRATION) -> Sizing:
+    """The calibrated predictions with `n` engines, its `limited_by` the limit a load that does not fit breaks ("none"
+    where it fits)."""
+    return _at(n, load, eng, transfer_s, calibration)[1]
 
 
 def predict(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0) -> Sizing:

@@ -136,6 +136,7 @@ class BusyTtftMinute:
     ttft_p95: float
     prompt_p50: float | None = None
     prompt_p95: float | None = None
+    engines: float | None = None  # engines reporting in that minute (one restarting, an autoscaled pool)
 
 
 @dataclass(frozen=True, slots=True)

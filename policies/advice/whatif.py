@@ -26,6 +26,7 @@ from policies.advice.capacity import (
     Load,
     Sizing,
     TtftMinute,
+    at_size,
     predict,
     size_pool,
 )
@@ -78,22 +79,25 @@ def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: En
           cost: tuple[float, float] = (1.0, 1.0), transfer_s: float = 0.0,
           calibration: Calibration = NO_CALIBRATION) -> Sizing:
     """`size_pool` with the pool's SLOs, the advisor's settings and the pool's calibration; where the engines prefill,
-    TTFT is checked at the busy TTFT minute too (its own load and factors), and the larger size is the answer."""
+    the busy TTFT minute (its own load and factors) is sized for TTFT too, and the larger size is the answer."""
     eng = engine(role, curves or facts.curves, s, cost)
     busy = size_pool(load, eng, ttft_slo=facts.ttft_p95_slo, tpot_slo=facts.tpot_p95_slo, margin=s.margin,
                      transfer_s=transfer_s, calibration=calibration)
     at = calibration.ttft_minute
     if at is None or facts.ttft_p95_slo is None or busy.limited_by == "none" or not eng.prefills(at.load):
         return busy
-    # What the layout changes in the load (a tier's hits, the prompt's KV moved) changes that minute's too.
+    # What the layout changes in the load (a tier's hits, the answers a merged pool decodes) changes that minute's too.
     hit_rate = min(1.0, max(0.0, at.load.hit_rate + load.hit_rate - at.beside_hit_rate))
-    minute_load = replace(at.load, hit_rate=hit_rate)
+    minute_load = replace(at.load, hit_rate=hit_rate, output_tokens=load.output_tokens, output_sigma=load.output_sigma)
     transfer = transfer_s * at.load.prompt_tokens / load.prompt_tokens if load.prompt_tokens > 0 else transfer_s
     minute = size_pool(minute_load, eng, ttft_slo=facts.ttft_p95_slo, tpot_slo=None, margin=s.margin,
                        transfer_s=transfer, calibration=Calibration(at.ttft_queue, at.ttft_scale))
+    # A minute no size carries (a lone prompt of it already misses) leaves the busy load's answer.
     if minute.limited_by == "none" or minute.engines <= busy.engines:
         return busy
-    return replace(minute, at_ttft_minute=True)
+    shown = at_size(minute.engines, load, eng, transfer_s=transfer_s, calibration=calibration)
+    return replace(shown, ttft_p95=minute.ttft_p95, limited_by=minute.limited_by, one_fewer=minute.one_fewer,
+                   at_ttft_minute=True)
 
 
 def saved_engines(now: Sizing, then: Sizing) -> int | None:
@@ -165,12 +169,15 @@ def _ttft_minute(facts: PoolFacts, obs: PoolObserved, eng: Engine) -> TtftMinute
     m = obs.ttft_minute
     if m is None or facts.ttft_p95_slo is None or m.arrivals <= 0:
         return None
-    load = Load(m.arrivals, m.prompt_tokens, obs.output_tokens, m.hit_rate, lognormal_sigma(m.prompt_p50, m.prompt_p95),
+    sigma = lognormal_sigma(m.prompt_p50 or obs.prompt_p50, m.prompt_p95 or obs.prompt_p95)
+    load = Load(m.arrivals, m.prompt_tokens, obs.output_tokens, m.hit_rate, sigma,
                 output_sigma=lognormal_sigma(obs.output_p50, obs.output_p95))
-    at = predict(max(1, facts.replicas), load, eng)
-    if at.ttft_p95 is None:
-        return None
-    return TtftMinute(load, *_factors(m.ttft_p95, at.ttft_floor, at.ttft_queue), beside_hit_rate=obs.hit_rate)
+    # At the engines that served that minute: fewer than the window's (one restarting, an autoscaled pool) make its
+    # TTFT, not a slower model.
+    at = predict(max(1, round(m.engines or facts.replicas)), load, eng)
+    # Where the model has that minute not fit at all, it is checked as the model has it, unscaled.
+    factors = (1.0, 1.0) if at.ttft_p95 is None else _factors(m.ttft_p95, at.ttft_floor, at.ttft_queue)
+    return TtftMinute(load, *factors, beside_hit_rate=obs.hit_rate)
 
 
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:

@@ -75,28 +75,29 @@ def test_a_busy_minute_is_the_scrapes_that_close_it() -> None:
 
 
 def test_the_busy_ttft_minute_is_one_that_happened_with_its_own_shape() -> None:
-    """Twenty minutes: the busiest by arrivals has ordinary prompts; the slowest by TTFT a third fewer arrivals and
-    long prompts. The busy TTFT minute (the 95th percentile of minutes, the next one up) is that minute, with its own
-    arrivals, prompt length and hit rate, not a value between two minutes."""
+    """Forty minutes: the busiest by arrivals has ordinary prompts; one has the slowest TTFT of all; the next slowest
+    has a third fewer arrivals, long prompts and an engine restarting; one slower still finished too few requests to
+    have a p95. The busy TTFT minute (the 95th percentile of minutes, the next one up, here the second slowest of those
+    with requests) is the long prompts' minute, with its own arrivals, prompt length, hit rate and engines."""
     w = SignalWindows(3600)
-    for i in range(1, 81):
+    shapes = {7: (30.0, 2000.0, 1.0, 4.0), 12: (20.0, 6000.0, 3.0, 3.0), 20: (24.0, 2000.0, 5.0, 4.0),
+              30: (0.2, 9000.0, 9.0, 4.0)}
+    for i in range(1, 161):
         minute = (i - 1) // 4
-        rate, prompt, ttft = (30.0, 2000.0, 1.0) if minute == 7 else (20.0, 6000.0, 3.0) if minute == 12 else \
-            (24.0, 2000.0, 0.8 + minute / 100)
+        rate, prompt, ttft, engines = shapes.get(minute, (24.0, 2000.0, 0.8 + minute / 100, 4.0))
         for name, value in (("request_rate", rate), ("prompt_tokens_rate", rate * prompt), ("ttft_p95", ttft),
                             ("prefix_cache_hit_rate", 0.1 if minute == 12 else 0.4), ("prompt_len_p50", prompt / 2),
-                            ("prompt_len_p95", prompt * 3)):
+                            ("prompt_len_p95", prompt * 3), ("engines_reporting", engines)):
             w.add(i * 15.0, "pool/chat", name, value)
     o = observed(w, "chat", 0.0)
     assert o is not None and o.ttft_minute is not None
     m = o.ttft_minute
-    assert (m.arrivals, m.prompt_tokens, m.hit_rate, m.ttft_p95) == (20.0, 6000.0, 0.1, 3.0)
+    assert (m.arrivals, m.prompt_tokens, m.hit_rate, m.ttft_p95, m.engines) == (20.0, 6000.0, 0.1, 3.0, 3.0)
     assert (m.prompt_p50, m.prompt_p95) == (3000.0, 18_000.0)
-    assert o.ttft_p95_peak is not None and o.ttft_p95_peak < 3.0  # the load quantile of TTFT interpolates
     quiet = SignalWindows(600)
     quiet.add(15.0, "pool/chat", "request_rate", 0.0)
     quiet.add(15.0, "pool/chat", "ttft_p95", 1.0)
-    assert (q := observed(quiet, "chat", 0.0)) is not None and q.ttft_minute is None  # no arrivals, no shape
+    assert (q := observed(quiet, "chat", 0.0)) is not None and q.ttft_minute is None  # no requests, no shape
 
 
 def test_applying_advice_to_a_scenario() -> None:
