@@ -6,6 +6,7 @@ problems are reported at once. Durations accept seconds or `30s`, `5m`, `48h`, `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -296,6 +297,9 @@ class Rails(Settings):
     # A proposal nobody decided on (or an approved action that could not run) expires after this:
     # an approval given hours later would act on a fleet nobody looked at.
     proposal_ttl: Seconds = 3600.0
+    # An approved revert of a change that did not help waits this long for the rails (a pause, another pool's
+    # rollout): the change it undoes stays in place meanwhile, so it outlives `proposal_ttl`, but not for ever.
+    revert_ttl: Seconds = 6 * 3600.0
     # A watched gauge that held one non-zero value this long is not trusted to act on (0: never).
     frozen_after: NonNegativeSeconds = 900.0
 
@@ -303,11 +307,17 @@ class Rails(Settings):
         """The cooldown after an action of `kind` on a pool."""
         return self.cooldowns.get(ActionKind(kind), self.cooldown)
 
+    def ttl_for(self, params: Mapping[str, Any]) -> float:
+        """How long an action with these params may wait, from its creation, to be run: `revert_ttl` for a revert."""
+        return max(self.proposal_ttl, self.revert_ttl) if "reverts" in params else self.proposal_ttl
+
     @property
     def history_s(self) -> float:
         """How far back, by creation, the rails must see actions: the rate limit's hour or the longest cooldown,
-        which counts from an action's finish, up to `proposal_ttl` and `verify_after` after its creation."""
-        return max(3600.0, self.cooldown, *self.cooldowns.values()) + self.proposal_ttl + self.verify_after
+        which counts from an action's finish, up to the longest wait (`proposal_ttl`, `revert_ttl`) and
+        `verify_after` after its creation."""
+        return (max(3600.0, self.cooldown, *self.cooldowns.values()) + max(self.proposal_ttl, self.revert_ttl)
+                + self.verify_after)
 
 
 class Tracing(StrEnum):

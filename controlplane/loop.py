@@ -22,7 +22,7 @@ from collectors.types import Signal, TargetHealth
 from controlplane.actions import FINISHED_STATES, ActionState
 from controlplane.actuators.base import Actuator, FleetView, Order, PoolReplicas
 from controlplane.clock import Clock
-from controlplane.config import FleetConfig, Mode
+from controlplane.config import FleetConfig, Mode, Rails
 from controlplane.errors import ActionConflict, ActuationError, FleetError
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
@@ -185,11 +185,13 @@ class ControlLoop:
 
     async def _redo(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> RailsDecision:
         """Whether an action a stopped control plane started but never applied may still be carried out: the rails
-        again, on the pool as it is now, within `proposal_ttl` of its creation, as an approval that was never run."""
+        again, on the pool as it is now, within its time to live (`proposal_ttl`, a revert's `revert_ttl`) of its
+        creation, as an approval that was never run."""
         rails = self.config.rails
-        if now - action.created_at >= rails.proposal_ttl:
+        if now - action.created_at >= (ttl := rails.ttl_for(action.params)):
+            setting = "revert_ttl" if "reverts" in action.params else "proposal_ttl"
             return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
-                                                          f"proposal_ttl ({rails.proposal_ttl:g}s)")
+                                                          f"{setting} ({ttl:g}s)")
         history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
                        supported=self.actuator.kinds, unsettled=_unsettled(pools))
@@ -444,8 +446,8 @@ class ControlLoop:
     ) -> None:
         """The single audited path from proposals (and approvals) to the actuator."""
         rails = self.config.rails
-        await self._expire(now, f"not decided and run within proposal_ttl ({rails.proposal_ttl:g}s)",
-                           lambda a: now - a.created_at >= rails.proposal_ttl and not _waiting_revert(a))
+        await self._expire(now, "not decided and run within its time to live (rails.proposal_ttl, or revert_ttl for "
+                                "an approved revert)", lambda a: now - a.created_at >= _ttl(rails, a))
         self._finished_now = []
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
@@ -673,8 +675,9 @@ class ControlLoop:
         await self.store.note(action.id, "ineffective", now, {"finding": finding.id, "revert": revert_id, "why": why})
 
     async def _ineffective_over(self, f: FindingRecord) -> str | None:
-        """Why an `action_ineffective` finding resolves now: its revert ran, or, with none (or one that ended without
-        running: rejected, cancelled, failed), the finding the action answered resolved; None while it stays open."""
+        """Why an `action_ineffective` finding resolves now: its revert ran, or, with none (or one that ended otherwise:
+        rejected, expired, cancelled, failed, or unknown), the finding the action answered resolved; None while it
+        stays open."""
         revert_id, cause_id = f.evidence.get("revert_id"), f.evidence.get("finding_id")
         ended = ""
         if revert_id is not None:
@@ -704,14 +707,14 @@ def _unsettled(pools: dict[str, PoolState]) -> list[str]:
 
 
 def _caused_by(finding_id: int, action: ActionRecord) -> bool:
-    return action.finding_id == finding_id and not _waiting_revert(action)
+    # An approved revert still runs: the finding the change it undoes answered resolving does not make it help.
+    return action.finding_id == finding_id and not (action.state is ActionState.APPROVED and "reverts" in action.params)
 
 
-def _waiting_revert(action: ActionRecord) -> bool:
-    """An approved revert that has not run yet: it waits however long the rails hold it (a pause, another pool's
-    rollout), since the change it undoes did not help and stays in place until it runs; the finding that change
-    answered resolving does not make it help either."""
-    return action.state is ActionState.APPROVED and "reverts" in action.params
+def _ttl(rails: Rails, action: ActionRecord) -> float:
+    """How long an action may wait undecided or unrun: an approved revert `revert_ttl`, since the change it undoes
+    stays in place until it runs; a proposed one, awaiting a person, `proposal_ttl` as any proposal."""
+    return rails.ttl_for(action.params) if action.state is ActionState.APPROVED else rails.proposal_ttl
 
 
 def _new_finding(report: FindingReport) -> NewFinding:

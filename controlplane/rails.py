@@ -154,8 +154,9 @@ def stale_among(inputs: Collection[str], stale: Mapping[str, str]) -> dict[str, 
 
 def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],
            rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str],
-           inputs: Collection[str] = ()) -> RailsDecision | None:
-    """The rules every action passes, proposed or due: None when none holds it back."""
+           inputs: Collection[str] = (), undoing: bool = False) -> RailsDecision | None:
+    """The rules every action passes, proposed or due: None when none holds it back. A revert (`undoing`) is not held
+    by its own pool's settling or rollout: the change it undoes may be what keeps the pool from settling."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     if paused is not None:
@@ -167,7 +168,7 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     mine = [a for a in history if a.pool == pool.name]
     if any(a.state in ACTIVE_STATES for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
-    if pool.ready != pool.desired:
+    if pool.ready != pool.desired and not undoing:
         return _held(RailsReason.POOL_NOT_SETTLED, f"{pool.name} has {pool.ready} of {pool.desired} replicas ready")
     blocked = stale_among(inputs, pool.stale_inputs)
     if blocked:
@@ -184,7 +185,7 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
         # out) holds every disruptive change back: one pool at a time. So does the pool's own rollout, while
         # scaling it goes on (Argo Rollouts and Deployments scale a pool mid-rollout in proportion).
         busy = sorted({a.pool for a in history if a.pool != pool.name and a.state == ActionState.STARTED}
-                      | {p for p in unsettled if p != pool.name} | ({pool.name} if pool.rolling else set()))
+                      | {p for p in unsettled if p != pool.name} | ({pool.name} if pool.rolling and not undoing else set()))
         if busy:
             return _held(RailsReason.ROLLOUT_IN_FLIGHT, f"{', '.join(busy)} is still changing: one pool at a time")
     if kind in _RESTARTS_POOL and pool.gang > max(1, pool.max_unavailable or 1):
@@ -288,9 +289,12 @@ def recheck(
     kind = ActionKind(action.kind)
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
-    others = [a for a in history if a is not action and getattr(a, "id", None) != action.id]
+    # Approved actions of one pool run in the order they were created: a later one waiting does not hold an earlier.
+    others = [a for a in history if a is not action and getattr(a, "id", None) != action.id
+              and not (a.pool == action.pool and a.state == ActionState.APPROVED
+                       and (a.created_at, getattr(a, "id", 0)) > (action.created_at, action.id))]
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
-                  unsettled=unsettled, inputs=action.params.get("inputs", ()))
+                  unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params)
     if gate is not None:
         return gate
     change = change_from_dict(action.params["change"])

@@ -81,6 +81,7 @@ class WorkloadKind:
     template: tuple[str, ...]  # path to the pod template in the object
     max_unavailable: tuple[str, ...]  # path to the rollout's maxUnavailable
     gang: tuple[str, ...] = ()  # path to the number of pods restarted together
+    revision: tuple[str, ...] = ("spec", "template")  # what a new revision changes (a LeaderWorkerSet: both templates)
 
     @property
     def api_version(self) -> str:
@@ -95,7 +96,7 @@ KINDS: dict[str, WorkloadKind] = {
     "LeaderWorkerSet": WorkloadKind("leaderworkerset.x-k8s.io", "v1", "leaderworkersets",
                                     ("spec", "leaderWorkerTemplate", "workerTemplate"),
                                     ("spec", "rolloutStrategy", "rollingUpdateConfiguration", "maxUnavailable"),
-                                    ("spec", "leaderWorkerTemplate", "size")),
+                                    ("spec", "leaderWorkerTemplate", "size"), ("spec", "leaderWorkerTemplate")),
     "Rollout": WorkloadKind("argoproj.io", "v1alpha1", "rollouts", ("spec", "template"),
                             ("spec", "strategy", "canary", "maxUnavailable")),
 }
@@ -331,7 +332,7 @@ class KubernetesActuator:
             desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
-            gang=size, rolling=_rolling(obj), template=_digest(_dig(obj, kind.template)))
+            gang=size, rolling=_rolling(obj), template=_digest(_dig(obj, kind.revision)))
         return replicas, await self._revision_time(w, obj)
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -520,8 +521,10 @@ class KubernetesActuator:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                   w.namespace, label_selector=selector)
+        # As the controllers count them: a pod being deleted, or one that ended (evicted, completed), is no replica.
         return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p)}
-                for p in listed["items"] if not _dig(p, ("metadata", "deletionTimestamp"))}
+                for p in listed["items"] if not _dig(p, ("metadata", "deletionTimestamp"))
+                and _dig(p, ("status", "phase")) not in ("Failed", "Succeeded")}
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
         """Take a pod out of the router's pool (its routing label removed) and mark it with the action."""

@@ -349,6 +349,16 @@ async def test_the_template_digest_moves_with_the_template_not_the_count(server:
     assert first is not None and (await act.observe()).pools["decode"].template == first
     await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
     assert (await act.observe()).pools["decode"].template not in (first, None)
+    # A LeaderWorkerSet's revision is both templates and the group's size: the leader runs `vllm serve`.
+    group = lws()
+    group["spec"]["leaderWorkerTemplate"] |= {"leaderTemplate": {"spec": {"containers": [{"name": "vllm",
+                                                                                             "args": ["--tp", "8"]}]}},
+                                              "workerTemplate": {"spec": {"containers": [{"name": "vllm"}]}}}
+    server.put(LWS, group)
+    before = (await act.observe()).pools["prefill"].template
+    group["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["args"] = ["--tp", "4"]
+    server.put(LWS, group)
+    assert (await act.observe()).pools["prefill"].template not in (before, None)
 
 
 async def test_a_stale_read_is_retried_and_refusals_fail_with_the_apis_message(server: ApiServer,
@@ -529,6 +539,9 @@ async def test_the_pods_drained_are_those_the_controller_removes(server: ApiServ
     starting = pod("vllm-decode-c")
     starting["status"] = {"phase": "Pending"}
     server.put(PODS, starting)
+    evicted = pod("vllm-decode-old")  # an evicted pod lingers: the controller counts it as no replica at all
+    evicted["status"] = {"phase": "Failed", "reason": "Evicted"}
+    server.put(PODS, evicted)
     assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(2), action_id=8)))["wait"]["pods"] == []
     assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(1), action_id=9,
                                       busy={"vllm-decode-a": 2.0, "vllm-decode-b": 0.0})))["wait"]["pods"] == [

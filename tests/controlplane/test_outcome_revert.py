@@ -129,17 +129,12 @@ async def test_observe_mode_advises_the_revert_too() -> None:
 async def test_a_revert_held_for_now_waits_instead_of_being_lost() -> None:
     # Paused at the very tick the change is judged: the revert is recorded to wait, and runs once unpaused.
     from controlplane.killswitch import StoreSwitch
-    from controlplane.store.base import Pause
 
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
     loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
                        policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
                        switch=StoreSwitch(store))
-    while not any(a.outcome for a in await store.actions()):
-        clock.advance(15)
-        if (done := [a for a in await store.actions() if a.finished_at]) and clock.now() - done[0].finished_at >= 300:
-            store.pause = Pause(by="oncall", reason="short maintenance", at=clock.now())
-        await loop.tick()
+    await judged_then_paused(loop, clock, store)
     assert engines.history == [1]
     store.pause = None
     for _ in range(8):
@@ -152,17 +147,12 @@ async def test_a_revert_outlives_proposal_ttl_while_it_waits() -> None:
     # Paused for longer than proposal_ttl (1 h) right after the change is judged: the revert still runs once
     # unpaused (the change it undoes stayed in place meanwhile), and its finding resolves only then.
     from controlplane.killswitch import StoreSwitch
-    from controlplane.store.base import Pause
 
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
     loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
                        policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
                        switch=StoreSwitch(store))
-    while not any(a.outcome for a in await store.actions()):
-        clock.advance(15)
-        if (done := [a for a in await store.actions() if a.finished_at]) and clock.now() - done[0].finished_at >= 300:
-            store.pause = Pause(by="oncall", reason="long maintenance", at=clock.now())
-        await loop.tick()
+    await judged_then_paused(loop, clock, store)
     for _ in range(4 * 70):
         clock.advance(15)
         await loop.tick()
@@ -175,6 +165,56 @@ async def test_a_revert_outlives_proposal_ttl_while_it_waits() -> None:
         await loop.tick()
     assert engines.history == [1, 3], "reverted once the pause ended, 70 minutes on"
     assert ineffective_of(store, first.id).state == "resolved"
+
+
+async def judged_then_paused(loop: ControlLoop, clock: VirtualClock, store: MemoryStore) -> None:
+    """Tick until the change is judged, pausing acting at that tick: its revert is recorded to wait."""
+    from controlplane.store.base import Pause
+
+    while not any(a.outcome for a in await store.actions()):
+        clock.advance(15)
+        if (done := [a for a in await store.actions() if a.finished_at]) and clock.now() - done[0].finished_at >= 300:
+            store.pause = Pause(by="oncall", reason="maintenance", at=clock.now())
+        await loop.tick()
+
+
+class Fades(Collapse):
+    """The collapse, until `on` is turned off: then its finding resolves."""
+
+    on = True
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        if self.on:
+            return super().evaluate(inp)
+        key = FindingKey("test_spec", "pool/chat")
+        return PolicyResult(resolved=[(key, "gone")] if key in inp.open_findings else [])
+
+
+async def test_a_waiting_revert_survives_its_finding_resolving_and_ends_at_revert_ttl() -> None:
+    from controlplane.killswitch import StoreSwitch
+
+    for ttl_h, paused_h, reverted in ((6, 1, True), (2, 3, False)):
+        clock, store, engines, policy = VirtualClock(), MemoryStore(), Engines(), Fades()
+        config = parse_config(FLEET.format(mode="act").replace("verify_after: 5m,", f"verify_after: 5m, revert_ttl: {ttl_h}h,"))
+        loop = ControlLoop(config=config, source=SlowTpot(), store=store, policies=[policy], actuator=engines,
+                           clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+        await judged_then_paused(loop, clock, store)
+        policy.on = False  # the problem the change answered went away on its own; the change is still in place
+        for _ in range(4 * 60 * paused_h):
+            clock.advance(15)
+            await loop.tick()
+        store.pause = None
+        for _ in range(4):
+            clock.advance(15)
+            await loop.tick()
+        first, revert = await store.actions()
+        assert engines.history == ([1, 3] if reverted else [1]), (ttl_h, paused_h)
+        assert revert.state is (S.SUCCEEDED if reverted else S.EXPIRED)
+        finding = ineffective_of(store, first.id)
+        assert finding.state == "resolved"
+        why = store.resolve_reasons[finding.id]
+        assert why == (f"its revert (action {revert.id}) ended succeeded" if reverted else
+                       f"the finding the action answered resolved; its revert (action {revert.id}) ended expired")
 
 
 class RevertFails(Engines):

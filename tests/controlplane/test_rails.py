@@ -127,9 +127,13 @@ def test_a_gang_pool_scales_by_whole_groups() -> None:
 
 
 def test_the_rails_see_actions_as_far_back_as_the_longest_cooldown() -> None:
-    rails = Rails(cooldown=60, cooldowns={ActionKind.SCALE_POOL: 7200}, proposal_ttl=600, verify_after=300)
+    rails = Rails(cooldown=60, cooldowns={ActionKind.SCALE_POOL: 7200}, proposal_ttl=600, revert_ttl=300,
+                  verify_after=300)
     assert rails.history_s == 7200 + 600 + 300
-    assert Rails(cooldown=60, proposal_ttl=600, verify_after=300).history_s == 3600 + 600 + 300
+    assert Rails(cooldown=60, proposal_ttl=600, revert_ttl=60, verify_after=300).history_s == 3600 + 600 + 300
+    # A revert may run up to revert_ttl after its creation: its cooldown and the change it undoes stay in view.
+    assert Rails(cooldown=60, proposal_ttl=600, verify_after=300).history_s == 3600 + 6 * 3600 + 300
+    assert Rails().ttl_for({"reverts": 3}) == 6 * 3600 and Rails().ttl_for({}) == 3600
 
 
 def test_kinds_the_actuator_cannot_carry_out_are_held_back() -> None:
@@ -278,6 +282,33 @@ def test_an_approved_restart_on_a_template_changed_since_is_stale(kind: str, cha
                        now=NOW, supported=ALL_KINDS)
     assert decision.reason is reason, decision.note
     assert reason not in WAIT_REASONS
+
+
+def test_approved_actions_of_one_pool_run_in_the_order_they_were_created() -> None:
+    # Each sees the other approved: without an order, each would wait for the other until both expired.
+    first = due(kind="enable_eplb", change=Eplb(True))
+    later = Due(8, "tune_speculation", "prefill", "approved", NOW - 300, None,
+                {"from_replicas": 3, "change": change_as_dict(Speculation(2))})
+    both = [first, later]
+    run = recheck(first, pool(), mode=Mode.ACT, rails=RAILS, history=both, now=NOW, supported=ALL_KINDS)
+    wait = recheck(later, pool(), mode=Mode.ACT, rails=RAILS, history=both, now=NOW, supported=ALL_KINDS)
+    assert (run.reason, wait.reason) == (RailsReason.ALLOWED, RailsReason.IN_FLIGHT)
+
+
+@pytest.mark.parametrize("state", [pool(ready=2), replace(pool(), rolling=True)], ids=["not-settled", "rolling"])
+def test_a_revert_is_not_held_by_its_own_pools_rollout(state: PoolState) -> None:
+    # A change whose pods crash-loop keeps the pool from settling: only its revert can settle it.
+    change = Speculation(3)
+    plain = due(kind="tune_speculation", change=change)
+    revert = due(kind="tune_speculation", change=change)
+    revert.params["reverts"] = 5
+    held = recheck(plain, state, mode=Mode.ACT, rails=RAILS, history=[plain], now=NOW, supported=ALL_KINDS)
+    assert held.reason in (RailsReason.POOL_NOT_SETTLED, RailsReason.ROLLOUT_IN_FLIGHT)
+    assert recheck(revert, state, mode=Mode.ACT, rails=RAILS, history=[revert], now=NOW,
+                   supported=ALL_KINDS).reason is RailsReason.ALLOWED
+    # Another pool's rollout still holds it: one pool at a time.
+    assert recheck(revert, pool(), mode=Mode.ACT, rails=RAILS, history=[revert], now=NOW, supported=ALL_KINDS,
+                   unsettled=["decode"]).reason is RailsReason.ROLLOUT_IN_FLIGHT
 
 
 def test_a_due_action_waits_while_paused_and_runs_once_resumed() -> None:
