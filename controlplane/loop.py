@@ -35,6 +35,7 @@ from policies.autoscale import DESIRED, FORECAST, GANG, READY, STARTUP, TARGET, 
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
+    Change,
     FindingKey,
     FindingReport,
     OpenFinding,
@@ -42,6 +43,7 @@ from policies.types import (
     PolicyInput,
     PoolState,
     Proposal,
+    RollBack,
     change_as_dict,
     change_from_dict,
 )
@@ -106,6 +108,7 @@ class ControlLoop:
         self.leading: Callable[[], bool] = leading or (lambda: True)
         self.windows = SignalWindows(HISTORY_S)
         self.changed_at: dict[str, float] = {}
+        self._router_template: str | None = None  # the router's pod template digest, as last read
         self._last_replicas: dict[str, PoolReplicas] = {}  # as last read: an unreadable pool keeps them
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
@@ -194,7 +197,7 @@ class ControlLoop:
                                                           f"{setting} ({ttl:g}s)")
         history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
-                       supported=self.actuator.kinds, unsettled=_unsettled(pools))
+                       supported=self.actuator.kinds, unsettled=_unsettled(pools), router_template=self._router_template)
 
     async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
         await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
@@ -308,6 +311,7 @@ class ControlLoop:
             report.errors[f"pool {name}"] = f"its workload cannot be read, nothing acts on it: {why}"
         self._last_replicas.update(view.pools)
         self.changed_at = dict(view.changed_at)
+        self._router_template = view.router_template
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         out = {}
         record: list[Signal] = []
@@ -490,7 +494,7 @@ class ControlLoop:
         }
         if decision.target_replicas is not None:
             params["replicas"] = decision.target_replicas
-        if (template := pools[proposal.pool].template) is not None:
+        if (template := self._template(proposal.change, pools[proposal.pool])) is not None:
             params["from_template"] = template
         if (asked := getattr(proposal.change, "replicas", None)) is not None:
             params["asked_replicas"] = asked
@@ -507,6 +511,10 @@ class ControlLoop:
         self.telemetry.actions.labels(action.kind, str(action.state)).inc()
         return action
 
+    def _template(self, change: Change, pool: PoolState) -> str | None:
+        """The digest of the pod template a change rests on: the router's for a router rollback, else its pool's."""
+        return self._router_template if isinstance(change, RollBack) and change.workload == "router" else pool.template
+
     async def _execute(self, action: ActionRecord, pools: dict[str, PoolState], history: list[ActionRecord],
                        now: float, report: TickReport) -> None:
         """Run one approved action if the rails (and the kill switch, read again now) still allow it."""
@@ -514,7 +522,8 @@ class ControlLoop:
         undoes = action.params.get("reverts")
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
                            history=[a for a in history if a.id != undoes], now=now, supported=self.actuator.kinds,
-                           paused=await self.switch.paused(), unsettled=[*_unsettled(pools), *self._finished_now])
+                           paused=await self.switch.paused(), unsettled=[*_unsettled(pools), *self._finished_now],
+                           router_template=self._router_template)
         if decision.reason in WAIT_REASONS or not self.leading():
             return
         if decision.reason is not RailsReason.ALLOWED or decision.change is None:

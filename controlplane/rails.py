@@ -291,8 +291,9 @@ def recheck(
     supported: Collection[ActionKind] = frozenset({ActionKind.SCALE_POOL}),
     paused: str | None = None,
     unsettled: Collection[str] = (),
+    router_template: str | None = None,
 ) -> RailsDecision:
-    """Decide whether an approved action may run now, on the pool as it is now.
+    """Decide whether an approved action may run now, on the pool (and the router's template) as it is now.
 
     ALLOWED runs it; a reason in WAIT_REASONS keeps it approved for a later tick; anything else
     cancels it. The rate limit admitted it when it was proposed and is not counted again.
@@ -309,11 +310,13 @@ def recheck(
     if gate is not None:
         return gate
     change = change_from_dict(action.params["change"])
-    was, now_running = action.params.get("from_template"), pool.template
-    if (kind in _RESTARTS_POOL or (isinstance(change, RollBack) and change.workload != "router")) \
-            and was is not None and now_running is not None and was != now_running:
-        return _held(RailsReason.STALE, f"{pool.name}'s pod template changed since {kind} was proposed: what it was "
-                                        "computed from is not what the pool runs now")
+    router = isinstance(change, RollBack) and change.workload == "router"
+    was, now_running = action.params.get("from_template"), router_template if router else pool.template
+    if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and was is not None and now_running is not None \
+            and was != now_running:
+        # A rollback approved after someone rolled back (or forward) by hand would go back one revision more.
+        return _held(RailsReason.STALE, f"{'the router' if router else pool.name}'s pod template changed since {kind} "
+                                        "was proposed: what it was computed from is not what runs now")
     if isinstance(change, ScaleTo):
         start = int(action.params["from_replicas"])
         if pool.desired != start:

@@ -38,6 +38,7 @@ class FleetView:
     changed_at: Mapping[str, float] = field(default_factory=dict)  # "router" or a pool -> unix time
     # Pools whose workload could not be read now, with why: nothing acts on them until it can be.
     unreadable: Mapping[str, str] = field(default_factory=dict)
+    router_template: str | None = None  # the digest of the router's pod template, where there is one to read
 
 
 @dataclass(frozen=True, slots=True)

@@ -293,9 +293,9 @@ class KubernetesActuator:
     async def observe(self) -> FleetView:
         # The reads are independent: one tick waits for the slowest, not for their sum.
         # One pool's workload that cannot be read (renamed, its CRD gone, a denied get) leaves the others known.
-        seen, router_changed = await asyncio.gather(
+        seen, (router_changed, router_template) = await asyncio.gather(
             asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values()), return_exceptions=True),
-            self._router_changed())
+            self._router())
         pools, changed, unreadable = {}, {}, {}
         for pool, got in zip(self.workloads, seen, strict=True):
             if isinstance(got, ActuationError):
@@ -308,19 +308,20 @@ class KubernetesActuator:
                     changed[pool] = got[1]
         if router_changed is not None:
             changed["router"] = router_changed
-        return FleetView(pools, changed, unreadable)
+        return FleetView(pools, changed, unreadable, router_template)
 
-    async def _router_changed(self) -> float | None:
-        """When the router's current revision replaced another (None: no router, no change, or it cannot be read:
-        the pools stay known, only the router's revision is not)."""
+    async def _router(self) -> tuple[float | None, str | None]:
+        """When the router's current revision replaced another, and its pod template's digest (None for either: no
+        router, no change, or it cannot be read; the pools stay known, only the router's revision is not)."""
         router = self.settings.router
         if router is None:
-            return None
+            return None, None
         try:
-            return await self._revision_time(router, await self._read(router))
+            obj = await self._read(router)
+            return await self._revision_time(router, obj), _digest(_dig(obj, KINDS[router.kind].revision))
         except ActuationError as exc:
             log.warning("the router's revision cannot be read: %s", exc)
-            return None
+            return None, None
 
     async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None]:
         """One pool's replicas as its workload reports them, and when its current revision replaced another."""

@@ -39,6 +39,7 @@ from policies.types import (
     PolicyInput,
     PolicyResult,
     Proposal,
+    RollBack,
     ScaleBy,
     ScaleTo,
     Severity,
@@ -101,9 +102,11 @@ class Pools:
     resumed: list[Order] = field(default_factory=list)  # and the orders, with the loop's view of the engines
     hold: bool = False  # `resume` keeps waiting
     template: str | None = None  # the pod template's digest
+    router_template: str | None = None
 
     async def observe(self) -> FleetView:
-        return FleetView({"prefill": PoolReplicas(self.desired, self.ready, template=self.template)})
+        return FleetView({"prefill": PoolReplicas(self.desired, self.ready, template=self.template)},
+                         router_template=self.router_template)
 
     async def carry_out(self, order: Order) -> dict[str, Any]:
         assert isinstance(order.change, ScaleTo)
@@ -177,6 +180,30 @@ async def test_an_approval_for_a_template_changed_since_is_cancelled(clock: Virt
     [action] = await store.actions(states=[S.CANCELLED])
     [event] = [e for e in store.action_events(action.id) if e.event == "cancelled"]
     assert event.detail["rails"] == "stale" and "pod template changed" in event.detail["why"]
+
+
+class AsksRouterBack(Asks):
+    """Asks for the router's previous revision."""
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        proposal = Proposal(ActionKind.ROLLBACK, "prefill", RollBack("router"), "bad router push")
+        return PolicyResult([FindingReport(FindingKey("test", "pool/prefill"), Severity.WARNING, "drop", "", {},
+                                           "test", (proposal,))])
+
+
+async def test_a_router_rollback_approved_after_a_hand_rollback_is_cancelled(clock: VirtualClock) -> None:
+    store = MemoryStore()
+    pools = Pools(template="t1", router_template="r1", kinds=frozenset({ActionKind.ROLLBACK}))
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, AsksRouterBack())
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    assert proposal.params["from_template"] == "r1", "the router's template, not the pool's"
+    pools.router_template = "r0"  # someone ran `kubectl rollout undo` on the router meanwhile
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    await tick(loop, clock)
+    [action] = await store.actions(states=[S.CANCELLED])
+    [event] = [e for e in store.action_events(action.id) if e.event == "cancelled"]
+    assert event.detail["rails"] == "stale" and "the router's pod template changed" in event.detail["why"]
 
 
 async def test_an_approved_action_waits_while_the_pool_settles(clock: VirtualClock) -> None:

@@ -349,6 +349,12 @@ async def test_the_template_digest_moves_with_the_template_not_the_count(server:
     assert first is not None and (await act.observe()).pools["decode"].template == first
     await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
     assert (await act.observe()).pools["decode"].template not in (first, None)
+    # The router's too, for a rollback of it approved after a hand rollback.
+    epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    router = (await act.observe()).router_template
+    epp["spec"]["template"]["spec"]["containers"][0]["image"] = "epp:v3"
+    server.put(DEPLOYMENTS, epp)
+    assert router is not None and (await act.observe()).router_template not in (router, None)
     # A LeaderWorkerSet's revision is both templates and the group's size: the leader runs `vllm serve`.
     group = lws()
     group["spec"]["leaderWorkerTemplate"] |= {"leaderTemplate": {"spec": {"containers": [{"name": "vllm",

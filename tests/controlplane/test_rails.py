@@ -289,6 +289,20 @@ def test_an_approved_restart_on_a_template_changed_since_is_stale(kind: str, cha
     assert reason not in WAIT_REASONS
 
 
+def test_a_router_rollback_is_judged_on_the_routers_template_not_the_pools() -> None:
+    action = due(kind="rollback", change=RollBack("router"))
+    action.params["from_template"] = "r1"
+    moved = replace(pool(), template="t2")
+
+    def judge(router: str | None) -> RailsReason:
+        return recheck(action, moved, mode=Mode.PROPOSE, rails=RAILS, history=[action], now=NOW, supported=ALL_KINDS,
+                       router_template=router).reason
+
+    # Someone rolled the router back by hand meanwhile: one more would put the bad revision back.
+    assert judge("r2") is RailsReason.STALE
+    assert judge("r1") is RailsReason.ALLOWED and judge(None) is RailsReason.ALLOWED
+
+
 def test_approved_actions_of_one_pool_run_in_the_order_they_were_created() -> None:
     # Each sees the other approved: without an order, each would wait for the other until both expired.
     first = due(kind="enable_eplb", change=Eplb(True))
