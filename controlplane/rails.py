@@ -183,8 +183,7 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if kind in DISRUPTIVE:
         # Another pool mid-change (an action running, engines still coming up after one, a new template rolling
         # out) holds every disruptive change back: one pool at a time. So does the pool's own rollout, while
-        # scaling it up goes on (Argo Rollouts and Deployments scale a pool mid-rollout in proportion; a scale-down
-        # waits, `_mid_rollout`).
+        # scaling it goes on (Argo Rollouts and Deployments scale a pool mid-rollout in proportion).
         busy = sorted({a.pool for a in history if a.pool != pool.name and a.state == ActionState.STARTED}
                       | {p for p in unsettled if p != pool.name} | ({pool.name} if pool.rolling and not undoing else set()))
         if busy:
@@ -220,20 +219,10 @@ def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> R
         step = max(g, rails.max_step // g * g)
         target = pool.desired + max(-step, min(step, bounded - pool.desired))
         target = -(-target // g) * g if target > pool.desired else target // g * g
-        return _mid_rollout(pool, target) or RailsDecision(RailsReason.ALLOWED, ScaleTo(target),
-                                                           f"scale {pool.name} {pool.desired} -> {target}")
+        return RailsDecision(RailsReason.ALLOWED, ScaleTo(target), f"scale {pool.name} {pool.desired} -> {target}")
     if isinstance(change, Drain) and pool.ready <= 1:
         return _held(RailsReason.AT_LIMIT, f"{change.pod} is the last ready engine of {pool.name}: never drained")
     return RailsDecision(RailsReason.ALLOWED, change, f"{describe(change)} ({pool.name})")
-
-
-def _mid_rollout(pool: PoolState, target: int) -> RailsDecision | None:
-    """A scale-down waits for the pool's rollout to end: its controller then removes pods of both revisions in
-    proportion, which no drain chooses, so engines with requests on them would go unannounced."""
-    if target < pool.desired and pool.rolling:
-        return _held(RailsReason.ROLLOUT_IN_FLIGHT, f"{pool.name} is rolling out a new pod template: scaling it down "
-                                                    "waits until it is done")
-    return None
 
 
 def check(
@@ -325,8 +314,7 @@ def recheck(
         if not pool.min_replicas <= change.replicas <= pool.max_replicas:
             return _held(RailsReason.AT_LIMIT, f"{change.replicas} replicas is outside {pool.name}'s bounds now "
                                                f"({pool.min_replicas}..{pool.max_replicas})")
-        return _mid_rollout(pool, change.replicas) or RailsDecision(RailsReason.ALLOWED, change,
-                                                                    f"scale {pool.name} {start} -> {change.replicas}")
+        return RailsDecision(RailsReason.ALLOWED, change, f"scale {pool.name} {start} -> {change.replicas}")
     return _shape(change, kind, pool, rails)
 
 
