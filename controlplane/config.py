@@ -309,7 +309,7 @@ class Rails(Settings):
 
     def ttl_for(self, params: Mapping[str, Any]) -> float:
         """How long an action with these params may wait, from its creation, to be run: `revert_ttl` for a revert."""
-        return max(self.proposal_ttl, self.revert_ttl) if "reverts" in params else self.proposal_ttl
+        return self.revert_ttl if "reverts" in params else self.proposal_ttl
 
     @property
     def history_s(self) -> float:

@@ -195,7 +195,9 @@ class ControlLoop:
             setting = "revert_ttl" if "reverts" in action.params else "proposal_ttl"
             return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
                                                           f"{setting} ({ttl:g}s)")
-        history = await self.store.recent_actions(since=now - rails.history_s)
+        # A revert is not held back by the cooldown of the change it undoes, here as when it is due.
+        history = [a for a in await self.store.recent_actions(since=now - rails.history_s)
+                   if a.id != action.params.get("reverts")]
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
                        supported=self.actuator.kinds, unsettled=_unsettled(pools), router_template=self._router_template)
 

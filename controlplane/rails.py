@@ -58,7 +58,7 @@ class RailsReason(StrEnum):
     ROLLOUT_IN_FLIGHT = "rollout_in_flight"  # another pool's engines are restarting: one pool at a time
     BLAST_RADIUS = "blast_radius"  # the change would restart more engines at once than the pool allows
     STALE_INPUTS = "stale_inputs"  # a signal it rests on is stale now (a target down, a series absent or frozen)
-    TRIED = "tried"  # the same kind of change for the same finding did not help within the hour
+    TRIED = "tried"  # the same kind of change for the same finding did not help (within the rails' history)
     VERIFYING = "verifying"  # the same kind of change for the same finding is still being judged
     POOL_UNREADABLE = "pool_unreadable"  # the pool's workload could not be read now: its replicas are not known
 
@@ -166,7 +166,11 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if pool.unreadable is not None:
         return _held(RailsReason.POOL_UNREADABLE, f"{pool.name}'s workload cannot be read now: {pool.unreadable}")
     mine = [a for a in history if a.pool == pool.name]
-    if any(a.state in ACTIVE_STATES for a in mine):
+    # A change running holds everything; one not yet run holds all but a scale, which does not restart engines and
+    # is checked against the pool as it is then (a revert waiting on another pool's rollout must not freeze this
+    # pool's size).
+    if any(a.state == ActionState.STARTED
+           or (a.state in ACTIVE_STATES and (kind is not ActionKind.SCALE_POOL or a.kind == kind)) for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
     if pool.ready != pool.desired and not undoing:
         return _held(RailsReason.POOL_NOT_SETTLED, f"{pool.name} has {pool.ready} of {pool.desired} replicas ready")
@@ -290,10 +294,11 @@ def recheck(
     kind = ActionKind(action.kind)
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
-    # Approved actions of one pool run in the order they were created: a later one waiting does not hold an earlier.
+    # Of one pool's actions not yet run, only an approved one due first holds this one: reverts first, then in the
+    # order they were created (one awaiting a person, or due later, does not).
     others = [a for a in history if a is not action and getattr(a, "id", None) != action.id
-              and not (a.pool == action.pool and a.state == ActionState.APPROVED
-                       and (a.created_at, getattr(a, "id", 0)) > (action.created_at, action.id))]
+              and not (a.pool == action.pool and a.state in (ActionState.PROPOSED, ActionState.APPROVED)
+                       and not (a.state == ActionState.APPROVED and _due_order(a) < _due_order(action)))]
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
                   unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params)
     if gate is not None:
@@ -301,6 +306,8 @@ def recheck(
     change = change_from_dict(action.params["change"])
     router = isinstance(change, RollBack) and change.workload == "router"
     was, now_running = action.params.get("from_template"), router_template if router else pool.template
+    if router and was is not None and now_running is None:
+        return _held(RailsReason.POOL_UNREADABLE, "the router's pod template cannot be read now: the rollback waits")
     if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and was is not None and now_running is not None \
             and was != now_running:
         # A rollback approved after someone rolled back (or forward) by hand would go back one revision more.
@@ -316,6 +323,12 @@ def recheck(
                                                f"({pool.min_replicas}..{pool.max_replicas})")
         return RailsDecision(RailsReason.ALLOWED, change, f"scale {pool.name} {start} -> {change.replicas}")
     return _shape(change, kind, pool, rails)
+
+
+def _due_order(action: PastAction) -> tuple[bool, float, int]:
+    """Which of a pool's approved actions runs first: reverts (the change they undo did not help), then the oldest."""
+    params: Mapping[str, Any] = getattr(action, "params", {})
+    return "reverts" not in params, action.created_at, int(getattr(action, "id", 0))
 
 
 def revert_of(kind: ActionKind, change: Change, done: Mapping[str, Any]) -> tuple[ActionKind, Change] | None:

@@ -318,10 +318,15 @@ class KubernetesActuator:
             return None, None
         try:
             obj = await self._read(router)
-            return await self._revision_time(router, obj), _digest(_dig(obj, KINDS[router.kind].revision))
         except ActuationError as exc:
-            log.warning("the router's revision cannot be read: %s", exc)
+            log.warning("the router cannot be read: %s", exc)
             return None, None
+        digest = _digest(_dig(obj, KINDS[router.kind].revision))
+        try:
+            return await self._revision_time(router, obj), digest
+        except ActuationError as exc:  # its ReplicaSets cannot be listed: when it last changed is not known
+            log.warning("the router's revision cannot be read: %s", exc)
+            return None, digest
 
     async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None]:
         """One pool's replicas as its workload reports them, and when its current revision replaced another."""

@@ -217,6 +217,34 @@ async def test_a_waiting_revert_survives_its_finding_resolving_and_ends_at_rever
                        f"the finding the action answered resolved; its revert (action {revert.id}) ended expired")
 
 
+class NotApplied(Engines):
+    """Says the fleet does not carry an action (its stamp is absent): a taken-over action is redone."""
+
+    async def applied(self, order: Order) -> bool | None:
+        return False
+
+
+async def test_a_revert_taken_over_is_not_held_by_the_cooldown_of_the_change_it_undoes() -> None:
+    from controlplane.killswitch import StoreSwitch
+
+    clock, store, engines = VirtualClock(), MemoryStore(), NotApplied()
+    config = parse_config(FLEET.format(mode="act").replace("cooldown: 60s,", "cooldown: 60s, cooldowns: {tune_speculation: 2h},"))
+
+    def loop() -> ControlLoop:
+        return ControlLoop(config=config, source=SlowTpot(), store=store, policies=[Collapse()], actuator=engines,
+                           clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+
+    await judged_then_paused(loop(), clock, store)
+    _, revert = await store.actions()
+    # A control plane started the revert and died before it applied it; the next one takes it over, unpaused.
+    await store.transition(revert.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    store.pause = None
+    clock.advance(15)
+    await loop().start()
+    assert engines.history == [1, 3], "redone within the two hours' cooldown of the change it undoes"
+    assert (await store.actions())[1].state is S.SUCCEEDED
+
+
 class RevertFails(Engines):
     """Carries out the change; the revert fails (a webhook refuses the template)."""
 

@@ -265,7 +265,6 @@ def test_recheck_when_an_approved_action_is_due(mode: Mode, state: PoolState | N
         pytest.param("tune_speculation", Speculation(step=-1), "t1", "t1", RailsReason.ALLOWED, id="same-template"),
         pytest.param("enable_eplb", Eplb(True), "t1", "t2", RailsReason.STALE, id="eplb-on-new-template"),
         pytest.param("rollback", RollBack("prefill"), "t1", "t2", RailsReason.STALE, id="rolled-by-hand"),
-        pytest.param("rollback", RollBack("router"), "t1", "t2", RailsReason.ALLOWED, id="the-router-is-no-pool"),
         pytest.param("tune_speculation", Speculation(step=-1), None, "t2", RailsReason.ALLOWED, id="not-known-then"),
         pytest.param("tune_speculation", Speculation(step=-1), "t1", None, RailsReason.ALLOWED, id="not-known-now"),
         pytest.param("drain_engine", Drain("prefill-0"), "t1", "t2", RailsReason.ALLOWED, id="a-drain-restarts-one"),
@@ -295,7 +294,8 @@ def test_a_router_rollback_is_judged_on_the_routers_template_not_the_pools() -> 
 
     # Someone rolled the router back by hand meanwhile: one more would put the bad revision back.
     assert judge("r2") is RailsReason.STALE
-    assert judge("r1") is RailsReason.ALLOWED and judge(None) is RailsReason.ALLOWED
+    assert judge("r1") is RailsReason.ALLOWED
+    assert judge(None) is RailsReason.POOL_UNREADABLE in WAIT_REASONS, "unread now: it waits, it is not run blind"
 
 
 def test_approved_actions_of_one_pool_run_in_the_order_they_were_created() -> None:
@@ -307,6 +307,24 @@ def test_approved_actions_of_one_pool_run_in_the_order_they_were_created() -> No
     run = recheck(first, pool(), mode=Mode.ACT, rails=RAILS, history=both, now=NOW, supported=ALL_KINDS)
     wait = recheck(later, pool(), mode=Mode.ACT, rails=RAILS, history=both, now=NOW, supported=ALL_KINDS)
     assert (run.reason, wait.reason) == (RailsReason.ALLOWED, RailsReason.IN_FLIGHT)
+
+
+def test_a_revert_goes_first_and_nothing_awaiting_a_person_holds_an_approval() -> None:
+    older = due(kind="enable_eplb", change=Eplb(True))  # approved, created first
+    revert = Due(9, "tune_speculation", "prefill", "approved", NOW - 60, None,
+                 {"from_replicas": 3, "change": change_as_dict(Speculation(3)), "reverts": 4})
+    asked = Due(10, "scale_pool", "prefill", "proposed", NOW - 900, None,
+                {"from_replicas": 3, "change": change_as_dict(ScaleTo(4))})
+    history = [older, revert, asked]
+
+    def judge(action: Due) -> RailsReason:
+        return recheck(action, pool(), mode=Mode.ACT, rails=RAILS, history=history, now=NOW, supported=ALL_KINDS).reason
+
+    assert (judge(revert), judge(older)) == (RailsReason.ALLOWED, RailsReason.IN_FLIGHT)
+    # A scale is not held by another kind's change that waits (it restarts no engine), only by one running.
+    assert decide(up(), pool(), history=[revert])[0] is RailsReason.ALLOWED
+    assert decide(up(), pool(), history=[replace(revert, state="started")])[0] is RailsReason.IN_FLIGHT
+    assert decide(ask(ActionKind.ENABLE_EPLB, Eplb(True)), pool(), history=[revert])[0] is RailsReason.IN_FLIGHT
 
 
 @pytest.mark.parametrize("state", [pool(ready=2), replace(pool(), rolling=True)], ids=["not-settled", "rolling"])
