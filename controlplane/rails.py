@@ -3,8 +3,10 @@
 Pure: the caller hands in the mode, the kill switch, the pool, the recent actions and the time.
 `check` judges a fresh proposal; `recheck` judges an approved action when it is due, against the
 pool as it is then, since a person may approve minutes after the proposal and the fleet may have
-moved. Both hold every kind of action to the same rules: the mode and the kill switch, what the
-actuator supports, one action in flight per pool, a pool that is still settling, a cooldown per
+moved (a pod template changed since, a pool moved from the count it was asked to leave). Both hold every
+kind of action to the same rules: the mode and the kill switch, what the actuator supports, one action
+in flight per pool (reverts due first; a scale passes another kind's change that waits to run), a pool
+that is still settling (not a revert's own: it may be what keeps it from settling), a cooldown per
 pool and kind, one disruptive change (a restart of a pool's engines) in the whole fleet at a time,
 never more engines restarting at once than the pool allows, nothing resting on inputs that are
 stale now (`PoolState.stale_inputs`), and a fleet-wide hourly rate limit. A fresh proposal is also
