@@ -16,6 +16,7 @@ from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import parse_config
 from controlplane.errors import ActuationError
+from controlplane.killswitch import StoreSwitch
 from controlplane.loop import INEFFECTIVE, ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
@@ -24,6 +25,7 @@ from policies.types import (
     ActionKind,
     FindingKey,
     FindingReport,
+    Policy,
     PolicyInput,
     PolicyResult,
     Proposal,
@@ -36,6 +38,7 @@ mode: {mode}
 pools: [{{name: chat, role: unified, model: m, replicas: {{min: 1, max: 8}}}}]
 rails: {{cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20}}
 """
+COOLS_2H = "cooldowns: {tune_speculation: 2h}"  # longer than the change takes to be judged and reverted
 
 
 class SlowTpot:
@@ -85,11 +88,8 @@ class Engines:
 
 async def test_an_ineffective_change_is_reverted_once_and_not_tried_again() -> None:
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
-    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
-                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
-    for _ in range(4 * 12):  # twelve minutes
-        clock.advance(15)
-        await loop.tick()
+    loop = make_loop(store, engines, clock)
+    await ticks(loop, clock, 4 * 12)  # twelve minutes
     assert engines.history == [1, 3], "lowered, then put back when it did not help"
     first, revert = await store.actions()
     assert (first.state, first.outcome) == (S.SUCCEEDED, "not_recovered")
@@ -99,9 +99,7 @@ async def test_an_ineffective_change_is_reverted_once_and_not_tried_again() -> N
     assert ineffective[first.id].state == "resolved" and ineffective[first.id].evidence["revert_id"] == revert.id
     assert "did not improve tpot_p95" in ineffective[first.id].summary
     assert [e.event for e in store.action_events(first.id)][-2:] == ["outcome:not_recovered", "ineffective"]
-    for _ in range(4 * 20):  # twenty minutes more: the finding is still open, the change still asked for
-        clock.advance(15)
-        await loop.tick()
+    await ticks(loop, clock, 4 * 20)  # twenty minutes more: the finding is still open, the change still asked for
     assert engines.history == [1, 3], "never flaps between the change and its revert"
     assert len(await store.actions()) == 2, "not tried again for this finding, and a revert is never reverted"
     again = ineffective_of(store, revert.id)
@@ -113,13 +111,26 @@ def ineffective_of(store: MemoryStore, action_id: int) -> Any:
     return f
 
 
-async def test_observe_mode_advises_the_revert_too() -> None:
-    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
-    loop = ControlLoop(config=parse_config(FLEET.format(mode="observe")), source=SlowTpot(), store=store,
-                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
-    for _ in range(4 * 12):
+def make_loop(store: MemoryStore, engines: Engines, clock: VirtualClock, *, mode: str = "act", rails: str = "",
+              policy: Policy | None = None, source: SlowTpot | None = None) -> ControlLoop:
+    """A loop over the chat pool, its kill switch read from the store; `rails` adds to the fleet file's rails."""
+    fleet = FLEET.format(mode=mode).replace("cooldown: 60s,", f"cooldown: 60s, {rails},") if rails else \
+        FLEET.format(mode=mode)
+    return ControlLoop(config=parse_config(fleet), source=source or SlowTpot(), store=store,
+                       policies=[policy or Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
+                       switch=StoreSwitch(store))
+
+
+async def ticks(loop: ControlLoop, clock: VirtualClock, n: int) -> None:
+    """`n` scrape intervals of 15 s."""
+    for _ in range(n):
         clock.advance(15)
         await loop.tick()
+
+
+async def test_observe_mode_advises_the_revert_too() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    await ticks(make_loop(store, engines, clock, mode="observe"), clock, 4 * 12)
     assert engines.history == []
     [advice] = await store.actions()
     assert (advice.state, advice.outcome) == (S.ADVISORY, "not_recovered")
@@ -128,18 +139,12 @@ async def test_observe_mode_advises_the_revert_too() -> None:
 
 async def test_a_revert_held_for_now_waits_instead_of_being_lost() -> None:
     # Paused at the very tick the change is judged: the revert is recorded to wait, and runs once unpaused.
-    from controlplane.killswitch import StoreSwitch
-
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
-    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
-                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
-                       switch=StoreSwitch(store))
+    loop = make_loop(store, engines, clock)
     await judged_then_paused(loop, clock, store)
     assert engines.history == [1]
     store.pause = None
-    for _ in range(8):
-        clock.advance(15)
-        await loop.tick()
+    await ticks(loop, clock, 8)
     assert engines.history == [1, 3], "reverted once the pause ended"
 
 
@@ -167,26 +172,18 @@ class Fades(Collapse):
 
 
 async def test_a_waiting_revert_survives_its_finding_resolving_and_ends_at_revert_ttl() -> None:
-    from controlplane.killswitch import StoreSwitch
-
     # Paused for longer than proposal_ttl (1 h) right after the change is judged, within revert_ttl or past it.
     for ttl_h, paused_min, reverted in ((6, 70, True), (2, 180, False)):
         clock, store, engines, policy = VirtualClock(), MemoryStore(), Engines(), Fades()
-        config = parse_config(FLEET.format(mode="act").replace("verify_after: 5m,", f"verify_after: 5m, revert_ttl: {ttl_h}h,"))
-        loop = ControlLoop(config=config, source=SlowTpot(), store=store, policies=[policy], actuator=engines,
-                           clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+        loop = make_loop(store, engines, clock, rails=f"revert_ttl: {ttl_h}h", policy=policy)
         await judged_then_paused(loop, clock, store)
         policy.on = False  # the problem the change answered went away on its own; the change is still in place
-        for _ in range(4 * paused_min):
-            clock.advance(15)
-            await loop.tick()
+        await ticks(loop, clock, 4 * paused_min)
         first, waiting = await store.actions()
         if waiting.state is S.APPROVED:
             assert ineffective_of(store, first.id).state == "open", "open while its revert waits"
         store.pause = None
-        for _ in range(4):
-            clock.advance(15)
-            await loop.tick()
+        await ticks(loop, clock, 4)
         first, revert = await store.actions()
         assert engines.history == ([1, 3] if reverted else [1]), (ttl_h, paused_min)
         assert revert.state is (S.SUCCEEDED if reverted else S.EXPIRED)
@@ -205,22 +202,14 @@ class NotApplied(Engines):
 
 
 async def test_a_revert_taken_over_is_not_held_by_the_cooldown_of_the_change_it_undoes() -> None:
-    from controlplane.killswitch import StoreSwitch
-
     clock, store, engines = VirtualClock(), MemoryStore(), NotApplied()
-    config = parse_config(FLEET.format(mode="act").replace("cooldown: 60s,", "cooldown: 60s, cooldowns: {tune_speculation: 2h},"))
-
-    def loop() -> ControlLoop:
-        return ControlLoop(config=config, source=SlowTpot(), store=store, policies=[Collapse()], actuator=engines,
-                           clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
-
-    await judged_then_paused(loop(), clock, store)
+    await judged_then_paused(make_loop(store, engines, clock, rails=COOLS_2H), clock, store)
     _, revert = await store.actions()
     # A control plane started the revert and died before it applied it; the next one takes it over, unpaused.
     await store.transition(revert.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
     store.pause = None
     clock.advance(15)
-    await loop().start()
+    await make_loop(store, engines, clock, rails=COOLS_2H).start()
     assert engines.history == [1, 3], "redone within the two hours' cooldown of the change it undoes"
     assert (await store.actions())[1].state is S.SUCCEEDED
 
@@ -236,11 +225,7 @@ class RevertFails(Engines):
 
 async def test_a_revert_that_did_not_run_leaves_its_finding_open() -> None:
     clock, store, engines = VirtualClock(), MemoryStore(), RevertFails()
-    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=SlowTpot(), store=store,
-                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
-    for _ in range(4 * 12):
-        clock.advance(15)
-        await loop.tick()
+    await ticks(make_loop(store, engines, clock), clock, 4 * 12)
     first, revert = await store.actions()
     assert revert.state is S.FAILED and engines.history == [1]
     assert ineffective_of(store, first.id).state == "open", "the change it could not undo is still in place"
@@ -248,12 +233,7 @@ async def test_a_revert_that_did_not_run_leaves_its_finding_open() -> None:
 
 async def test_a_revert_is_not_held_by_the_cooldown_of_the_change_it_undoes() -> None:
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
-    config = parse_config(FLEET.format(mode="act").replace("cooldown: 60s,", "cooldown: 60s, cooldowns: {tune_speculation: 2h},"))
-    loop = ControlLoop(config=config, source=SlowTpot(), store=store, policies=[Collapse()], actuator=engines,
-                       clock=clock, telemetry=Telemetry())
-    for _ in range(4 * 12):
-        clock.advance(15)
-        await loop.tick()
+    await ticks(make_loop(store, engines, clock, rails=COOLS_2H), clock, 4 * 12)
     assert engines.history == [1, 3]
 
 
@@ -269,11 +249,7 @@ class GoesQuiet(SlowTpot):
 
 async def test_an_outcome_is_never_judged_on_points_from_before_the_change() -> None:
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
-    loop = ControlLoop(config=parse_config(FLEET.format(mode="act")), source=GoesQuiet(engines), store=store,
-                       policies=[Collapse()], actuator=engines, clock=clock, telemetry=Telemetry())
-    for _ in range(4 * 12):
-        clock.advance(15)
-        await loop.tick()
+    await ticks(make_loop(store, engines, clock, source=GoesQuiet(engines)), clock, 4 * 12)
     first = (await store.actions())[0]
     assert first.outcome == "unmeasured", "judged on nothing from before it"
     assert not [a for a in await store.actions() if "reverts" in a.params], "and not reverted on such numbers"
