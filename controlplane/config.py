@@ -307,9 +307,13 @@ class Rails(Settings):
         """The cooldown after an action of `kind` on a pool."""
         return self.cooldowns.get(ActionKind(kind), self.cooldown)
 
-    def ttl_for(self, params: Mapping[str, Any]) -> float:
-        """How long an action with these params may wait, from its creation, to be run: `revert_ttl` for a revert."""
-        return self.revert_ttl if "reverts" in params else self.proposal_ttl
+    def ttl_for(self, params: Mapping[str, Any], approved: bool = True) -> tuple[str, float]:
+        """The setting, and its seconds, for how long an action with these params may wait from its creation to run:
+        `revert_ttl` for an approved revert (the change it undoes stays in place meanwhile), else `proposal_ttl` (a
+        revert awaiting a person waits as any proposal)."""
+        if approved and "reverts" in params:
+            return "revert_ttl", self.revert_ttl
+        return "proposal_ttl", self.proposal_ttl
 
     @property
     def history_s(self) -> float:

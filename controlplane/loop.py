@@ -26,7 +26,7 @@ from controlplane.config import FleetConfig, Mode, Rails
 from controlplane.errors import ActionConflict, ActuationError, FleetError
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
-from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, revert_of
+from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, rests_on, revert_of
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
@@ -35,7 +35,6 @@ from policies.autoscale import DESIRED, FORECAST, GANG, READY, STARTUP, TARGET, 
 from policies.inputs import frozen_inputs
 from policies.types import (
     ActionKind,
-    Change,
     FindingKey,
     FindingReport,
     OpenFinding,
@@ -43,7 +42,6 @@ from policies.types import (
     PolicyInput,
     PoolState,
     Proposal,
-    RollBack,
     change_as_dict,
     change_from_dict,
 )
@@ -191,13 +189,11 @@ class ControlLoop:
         again, on the pool as it is now, within its time to live (`proposal_ttl`, a revert's `revert_ttl`) of its
         creation, as an approval that was never run."""
         rails = self.config.rails
-        if now - action.created_at >= (ttl := rails.ttl_for(action.params)):
-            setting = "revert_ttl" if "reverts" in action.params else "proposal_ttl"
+        setting, ttl = rails.ttl_for(action.params)
+        if now - action.created_at >= ttl:
             return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
                                                           f"{setting} ({ttl:g}s)")
-        # A revert is not held back by the cooldown of the change it undoes, here as when it is due.
-        history = [a for a in await self.store.recent_actions(since=now - rails.history_s)
-                   if a.id != action.params.get("reverts")]
+        history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
                        supported=self.actuator.kinds, unsettled=_unsettled(pools), router_template=self._router_template)
 
@@ -496,7 +492,7 @@ class ControlLoop:
         }
         if decision.target_replicas is not None:
             params["replicas"] = decision.target_replicas
-        if (template := self._template(proposal.change, pools[proposal.pool])) is not None:
+        if (template := rests_on(proposal.change, pools[proposal.pool], self._router_template)[1]) is not None:
             params["from_template"] = template
         if (asked := getattr(proposal.change, "replicas", None)) is not None:
             params["asked_replicas"] = asked
@@ -513,17 +509,11 @@ class ControlLoop:
         self.telemetry.actions.labels(action.kind, str(action.state)).inc()
         return action
 
-    def _template(self, change: Change, pool: PoolState) -> str | None:
-        """The digest of the pod template a change rests on: the router's for a router rollback, else its pool's."""
-        return self._router_template if isinstance(change, RollBack) and change.workload == "router" else pool.template
-
     async def _execute(self, action: ActionRecord, pools: dict[str, PoolState], history: list[ActionRecord],
                        now: float, report: TickReport) -> None:
         """Run one approved action if the rails (and the kill switch, read again now) still allow it."""
-        # A revert is not held back by the cooldown of the change it undoes.
-        undoes = action.params.get("reverts")
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
-                           history=[a for a in history if a.id != undoes], now=now, supported=self.actuator.kinds,
+                           history=history, now=now, supported=self.actuator.kinds,
                            paused=await self.switch.paused(), unsettled=[*_unsettled(pools), *self._finished_now],
                            router_template=self._router_template)
         if decision.reason in WAIT_REASONS or not self.leading():
@@ -624,7 +614,8 @@ class ControlLoop:
             p = action.params
             # The state it ran from (read when it started: an approval can come long after the proposal), and
             # the state after it, from points after it finished only: a signal that stopped is no recovery.
-            started = next((e.detail for e in await self.store.audit_log(action.id) if e.event == "started"), {})
+            log_ = await self.store.audit_log(action.id)
+            started = next((e.detail for e in log_ if e.event == "started"), {})
             before = started.get("verify_before", p.get("verify_before"))
             # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
             after = self._recent_mean(action.pool, p.get("verify_signal"),
@@ -642,17 +633,17 @@ class ControlLoop:
             await self.store.record_outcome(action.id, outcome, now, detail)
             report.outcomes.append((action.id, outcome))
             if outcome == "not_recovered" and action.state is ActionState.SUCCEEDED:
-                await self._ineffective(action, detail, now, pools, report)
+                done = next((e.detail for e in reversed(log_) if e.event == "succeeded"), {})
+                await self._ineffective(action, detail, done, now, pools, report)
 
-    async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], now: float,
+    async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], done: Mapping[str, Any], now: float,
                            pools: dict[str, PoolState], report: TickReport) -> None:
-        """Open a finding on an action that did not help, and revert it through the rails if it can be."""
+        """Open a finding on an action that did not help (`done`: what the actuator reported of it), and revert it
+        through the rails if it can be."""
         p = action.params
         moved = f"from {measured['before']:.4g} to {measured['after']:.4g}"
         undo = None
         if "reverts" not in p:  # a revert that did not help either is left to a person, never undone in turn
-            done = next((e.detail for e in reversed(await self.store.audit_log(action.id)) if e.event == "succeeded"),
-                        {})
             undo = revert_of(ActionKind(action.kind), change_from_dict(p["change"]), done)
         proposal = None if undo is None else Proposal(
             undo[0], action.pool, undo[1],
@@ -723,9 +714,8 @@ def _caused_by(finding_id: int, action: ActionRecord) -> bool:
 
 
 def _ttl(rails: Rails, action: ActionRecord) -> float:
-    """How long an action may wait undecided or unrun: an approved revert `revert_ttl`, since the change it undoes
-    stays in place until it runs; a proposed one, awaiting a person, `proposal_ttl` as any proposal."""
-    return rails.ttl_for(action.params) if action.state is ActionState.APPROVED else rails.proposal_ttl
+    """How long an action may wait undecided or unrun (`Rails.ttl_for`)."""
+    return rails.ttl_for(action.params, approved=action.state is ActionState.APPROVED)[1]
 
 
 def _new_finding(report: FindingReport) -> NewFinding:

@@ -39,7 +39,7 @@ from policies.types import (
 )
 
 __all__ = ["DISRUPTIVE", "WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason", "check", "recheck",
-           "revert_of"]
+           "rests_on", "revert_of"]
 
 
 class RailsReason(StrEnum):
@@ -296,25 +296,21 @@ def recheck(
     kind = ActionKind(action.kind)
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
-    # Of one pool's actions not yet run, only an approved one due first holds this one: reverts first, then in the
-    # order they were created (one awaiting a person, or due later, does not).
-    others = [a for a in history if a is not action and getattr(a, "id", None) != action.id
-              and not (a.pool == action.pool and a.state in (ActionState.PROPOSED, ActionState.APPROVED)
-                       and not (a.state == ActionState.APPROVED and _due_order(a) < _due_order(action)))]
+    others = [a for a in history if _bears_on(a, action)]
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
                   unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params)
     if gate is not None:
         return gate
     change = change_from_dict(action.params["change"])
-    router = isinstance(change, RollBack) and change.workload == "router"
-    was, now_running = action.params.get("from_template"), router_template if router else pool.template
-    if router and was is not None and now_running is None:
+    workload, now_running = rests_on(change, pool, router_template)
+    was = action.params.get("from_template")
+    if workload == ROUTER and was is not None and now_running is None:
         return _held(RailsReason.POOL_UNREADABLE, "the router's pod template cannot be read now: the rollback waits")
     if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and was is not None and now_running is not None \
             and was != now_running:
         # A rollback approved after someone rolled back (or forward) by hand would go back one revision more.
-        return _held(RailsReason.STALE, f"{'the router' if router else pool.name}'s pod template changed since {kind} "
-                                        "was proposed: what it was computed from is not what runs now")
+        return _held(RailsReason.STALE, f"{workload}'s pod template changed since {kind} was proposed: what it was "
+                                        "computed from is not what runs now")
     if isinstance(change, ScaleTo):
         start = int(action.params["from_replicas"])
         if pool.desired != start:
@@ -325,6 +321,29 @@ def recheck(
                                                f"({pool.min_replicas}..{pool.max_replicas})")
         return RailsDecision(RailsReason.ALLOWED, change, f"scale {pool.name} {start} -> {change.replicas}")
     return _shape(change, kind, pool, rails)
+
+
+ROUTER = "the router"
+
+
+def rests_on(change: Change, pool: PoolState, router_template: str | None) -> tuple[str, str | None]:
+    """The workload whose pod template a change rests on, and that template's digest: the router's for a rollback of
+    the router, else its pool's."""
+    if isinstance(change, RollBack) and change.workload == "router":
+        return ROUTER, router_template
+    return pool.name, pool.template
+
+
+def _bears_on(other: PastAction, action: DueAction) -> bool:
+    """Whether `other` is history the rails weigh for `action`, due now: not itself, nor the change it reverts (whose
+    cooldown does not hold back its own undoing), nor one of its pool's actions not yet run unless that one is
+    approved and due first (reverts first, then in the order they were created)."""
+    other_id = getattr(other, "id", None)
+    if other is action or (other_id is not None and other_id in (action.id, action.params.get("reverts"))):
+        return False
+    if other.pool != action.pool or other.state not in (ActionState.PROPOSED, ActionState.APPROVED):
+        return True
+    return other.state == ActionState.APPROVED and _due_order(other) < _due_order(action)
 
 
 def _due_order(action: PastAction) -> tuple[bool, float, int]:

@@ -245,7 +245,7 @@ class KubernetesActuator:
                     raise _Conflict(api_message(exc)) from None
                 if exc.status == 404:
                     raise _Missing(f"{what}: {api_message(exc)}") from None
-                if exc.status in (403, 404, 422) or attempt == 2 or (exc.status or 0) < 500:
+                if exc.status in (403, 422) or attempt == 2 or (exc.status or 0) < 500:
                     raise ActuationError(f"{what}: {api_message(exc)}") from None
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 if attempt == 2:
