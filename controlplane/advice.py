@@ -11,6 +11,7 @@ are `policies.advice`'s.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -67,17 +68,21 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         return None
     finished = statistics.fmean(v for _, v in rates)
 
+    @functools.cache
+    def per_minute(name: str) -> dict[float, float]:
+        """A series' per-minute means, by the minute's end."""
+        return dict(minute_means((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v)))
+
     def busy(name: str) -> float | None:
         """The quantile of a series' per-minute means: what the busy minutes saw."""
-        finite = ((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v))
-        means = [v for _, v in minute_means(finite)]
+        means = list(per_minute(name).values())
         return float(np.quantile(means, quantile)) if means else None
 
     def mean(name: str) -> float | None:
         return _mean(w, subject, name, since)
 
     prompt, gen = mean("prompt_tokens_rate") or 0.0, mean("generation_tokens_rate") or 0.0
-    ttft_minute = _busy_ttft_minute(w, subject, since, quantile)
+    ttft_minute = _busy_ttft_minute(per_minute, quantile)
     engines = mean("engines_reporting") or 1.0
     kv_max = [v for _, v in w.series(subject, "kv_cache_usage_max", since=since)]
     positions = []
@@ -109,13 +114,10 @@ _MINUTE_SHAPE = ("request_rate", "prompt_tokens_rate", "prefix_cache_hit_rate", 
 MIN_MINUTE_REQUESTS = 20  # a minute with fewer finished requests has no p95 worth sizing for
 
 
-def _busy_ttft_minute(w: SignalWindows, subject: str, since: float, quantile: float) -> BusyTtftMinute | None:
+def _busy_ttft_minute(per_minute: Callable[[str], Mapping[float, float]], quantile: float) -> BusyTtftMinute | None:
     """The minute whose mean TTFT p95 is the `quantile` of the window's minutes (one that happened: the next one up,
-    not a value between two), with its own arrivals, request shape and engines; None where no minute has both a TTFT
-    and `MIN_MINUTE_REQUESTS` requests with their prompt tokens."""
-    def per_minute(name: str) -> dict[float, float]:
-        return dict(minute_means((ts, v) for ts, v in w.series(subject, name, since=since) if math.isfinite(v)))
-
+    not a value between two), with its own arrivals, request shape and engines (`per_minute`: a pool series' means by
+    minute); None where no minute has both a TTFT and `MIN_MINUTE_REQUESTS` requests with their prompt tokens."""
     ttft = per_minute("ttft_p95")
     shape = {name: per_minute(name) for name in _MINUTE_SHAPE}
     minutes = [m for m in ttft if shape["request_rate"].get(m, 0.0) * 60.0 >= MIN_MINUTE_REQUESTS

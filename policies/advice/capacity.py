@@ -39,7 +39,7 @@ from scipy.stats import poisson
 from policies.autoscale import EngineCurves
 from policies.stats import MAX_CONTEXT, lognormal_location, lognormal_p95, quadratic_moments
 
-__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "TtftMinute", "at_size", "predict",
+__all__ = ["NO_CALIBRATION", "Calibration", "Engine", "Load", "Prefill", "Sizing", "TtftMinute", "predict",
            "prefill_cost", "size_pool", "transfer_seconds"]
 
 TPOT_SAMPLES = 4096
@@ -143,17 +143,6 @@ def _r(v: float | None) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
-class TtftMinute:
-    """Where a size is checked for TTFT a second time: the busy TTFT minute's load, the model's TTFT factors measured
-    there, and the hit rate of the load it stands beside (a change to that load's hit rate carries over)."""
-
-    load: Load
-    ttft_queue: float
-    ttft_scale: float
-    beside_hit_rate: float
-
-
-@dataclass(frozen=True, slots=True)
 class Calibration:
     """How the pool's own busy minutes differ from the model at its own size (TTFT's p95, TPOT's mean): the queueing
     parts (TTFT's wait, TPOT's prefill stalls) scaled where they exist, the whole where they do not; and the busy
@@ -170,8 +159,19 @@ class Calibration:
                                   for k in ("ttft_queue", "ttft_scale", "tpot_stall", "tpot_scale")}
         if (m := self.ttft_minute) is not None:
             out["ttft_minute"] = {"arrivals": round(m.load.arrivals, 3), "prompt_tokens": round(m.load.prompt_tokens),
-                                  "ttft_queue": round(m.ttft_queue, 3), "ttft_scale": round(m.ttft_scale, 3)}
+                                  "ttft_queue": round(m.calibration.ttft_queue, 3),
+                                  "ttft_scale": round(m.calibration.ttft_scale, 3)}
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class TtftMinute:
+    """Where a size is checked for TTFT a second time: the busy TTFT minute's load, the calibration measured there (its
+    TTFT factors), and the hit rate of the load it stands beside (a change to that load's hit rate carries over)."""
+
+    load: Load
+    calibration: Calibration
+    beside_hit_rate: float
 
 
 NO_CALIBRATION = Calibration()
@@ -346,17 +346,11 @@ def _at(n: int, load: Load, eng: Engine, transfer_s: float, cal: Calibration,
                         tpot_draws=draws if keep_draws else None)
 
 
-def at_size(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0,
+def predict(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0,
             calibration: Calibration = NO_CALIBRATION) -> Sizing:
-    """The calibrated predictions with `n` engines, its `limited_by` the limit a load that does not fit breaks ("none"
-    where it fits)."""
-    return _at(n, load, eng, transfer_s, calibration)[1]
-
-
-def predict(n: int, load: Load, eng: Engine, *, transfer_s: float = 0.0) -> Sizing:
-    """The model's p95s with `n` engines, uncalibrated (None where a limit breaks: the load does not fit), with the
-    drawn requests' TPOT parts."""
-    return _at(n, load, eng, transfer_s, NO_CALIBRATION, keep_draws=True)[1]
+    """The model's p95s with `n` engines (uncalibrated unless given a calibration; None where a limit breaks: the load
+    does not fit), with the drawn requests' TPOT parts uncalibrated."""
+    return _at(n, load, eng, transfer_s, calibration, keep_draws=True)[1]
 
 
 def size_pool(load: Load, eng: Engine, *, ttft_slo: float | None, tpot_slo: float | None, margin: float = 1.0,

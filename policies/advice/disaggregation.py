@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from policies.advice.capacity import Calibration, Load, Sizing, prefill_cost, transfer_seconds
+from policies.advice.capacity import Load, Sizing, prefill_cost, transfer_seconds
 from policies.advice.types import (
     AdviceKind,
     AdviceSettings,
@@ -133,9 +133,8 @@ def _pair(inp: AdvisorInput, p: PoolFacts, d: PoolFacts, po: PoolObserved, do: P
     p_cal, d_cal = calibrate(p, po, s), calibrate(d, do, s)
     pre = sized("prefill", p, load, s, transfer_s=xfer, calibration=p_cal)
     dec = sized("decode", d, load, s, cost=cost, calibration=d_cal)
-    one = sized("unified", d, load, s, cost=cost, calibration=Calibration(p_cal.ttft_queue, p_cal.ttft_scale,
-                                                                          d_cal.tpot_stall, d_cal.tpot_scale,
-                                                                          p_cal.ttft_minute))
+    one = sized("unified", d, load, s, cost=cost,
+                calibration=replace(p_cal, tpot_stall=d_cal.tpot_stall, tpot_scale=d_cal.tpot_scale))
     price_p, price_d = s.price(p.gpu_type), s.price(d.gpu_type)
     two_cost = pre.engines * p.gpus * price_p + dec.engines * d.gpus * price_d
     one_cost = one.engines * d.gpus * price_d

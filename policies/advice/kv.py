@@ -111,8 +111,6 @@ def kv_tiering(inp: AdvisorInput, s: AdviceSettings, block_tokens: int = 16) -> 
         cal = calibrate(facts, obs, s)
         now = sized(facts.role, facts, load, s, cost=cost, calibration=cal)
         then = sized(facts.role, facts, replace(load, hit_rate=after), s, cost=cost, calibration=cal)
-        saved = saved_engines(now, then)
-        price = s.price(facts.gpu_type) * facts.gpus
         evidence = {"replayed_prompts": len(prompts), "cache_blocks": base, "block_tokens": block_tokens,
                     "lru_hit_rate": {f"{f:g}x": round(r, 3) for f, r in zip((1.0, *s.tier_factors), rates, strict=True)},
                     "measured_hit_rate": round(obs.hit_rate, 3), "engines_now": now.engines,
@@ -125,10 +123,9 @@ def kv_tiering(inp: AdvisorInput, s: AdviceSettings, block_tokens: int = 16) -> 
             advice = (f"no KV tier for {facts.name}: even {max(s.tier_factors):g}x the cache adds {best:.1%} hits, "
                       f"under {s.min_hit_gain:.0%}")
         out.append(Recommendation(AdviceKind.KV_TIERING, facts.name, advice,
-                                  {"kv_tier_factor": pick} if pick else {}, Effect(
-                                      "prefix_cache_hit_rate", obs.hit_rate, after,
-                                      saving_per_day=None if saved is None else 24 * price * saved,
-                                      gpu_hours_per_day=None if saved is None else 24 * facts.gpus * saved),
+                                  {"kv_tier_factor": pick} if pick else {},
+                                  replace(engines_effect(facts, now, then, s), metric="prefix_cache_hit_rate",
+                                          before=obs.hit_rate, after=after),
                                   round(min(1.0, len(prompts) / 2000) * 0.9, 2), evidence, act=pick is not None))
     return out
 

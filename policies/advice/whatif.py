@@ -26,7 +26,6 @@ from policies.advice.capacity import (
     Load,
     Sizing,
     TtftMinute,
-    at_size,
     predict,
     size_pool,
 )
@@ -91,11 +90,11 @@ def sized(role: str, facts: PoolFacts, load: Load, s: AdviceSettings, curves: En
     minute_load = replace(at.load, hit_rate=hit_rate, output_tokens=load.output_tokens, output_sigma=load.output_sigma)
     transfer = transfer_s * at.load.prompt_tokens / load.prompt_tokens if load.prompt_tokens > 0 else transfer_s
     minute = size_pool(minute_load, eng, ttft_slo=facts.ttft_p95_slo, tpot_slo=None, margin=s.margin,
-                       transfer_s=transfer, calibration=Calibration(at.ttft_queue, at.ttft_scale))
+                       transfer_s=transfer, calibration=at.calibration)
     # A minute no size carries (a lone prompt of it already misses) leaves the busy load's answer.
     if minute.limited_by == "none" or minute.engines <= busy.engines:
         return busy
-    shown = at_size(minute.engines, load, eng, transfer_s=transfer_s, calibration=calibration)
+    shown = predict(minute.engines, load, eng, transfer_s=transfer_s, calibration=calibration)
     return replace(shown, ttft_p95=minute.ttft_p95, limited_by=minute.limited_by, one_fewer=minute.one_fewer,
                    at_ttft_minute=True)
 
@@ -177,7 +176,7 @@ def _ttft_minute(facts: PoolFacts, obs: PoolObserved, eng: Engine) -> TtftMinute
     at = predict(max(1, round(m.engines or facts.replicas)), load, eng)
     # Where the model has that minute not fit at all, it is checked as the model has it, unscaled.
     factors = (1.0, 1.0) if at.ttft_p95 is None else _factors(m.ttft_p95, at.ttft_floor, at.ttft_queue)
-    return TtftMinute(load, *factors, beside_hit_rate=obs.hit_rate)
+    return TtftMinute(load, Calibration(*factors), beside_hit_rate=obs.hit_rate)
 
 
 def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibration:

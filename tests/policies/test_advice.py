@@ -215,11 +215,11 @@ def test_a_prefill_pool_holds_through_the_busy_ttft_minute() -> None:
     assert tiered.engines < held.engines
     # The queueing measured in that minute, not the busy minutes': the same prompts measured quicker need fewer.
     quicker = calibrate(pool, replace(load, ttft_minute=replace(long, ttft_p95=3.0)), s)
-    assert quicker.ttft_minute is not None and quicker.ttft_minute.ttft_queue < cal.ttft_minute.ttft_queue
+    assert quicker.ttft_minute is not None and quicker.ttft_minute.calibration.ttft_queue < cal.ttft_minute.calibration.ttft_queue
     assert sized("prefill", pool, peak_load(load), s, calibration=quicker).engines < held.engines
     # Served by fewer engines than the window's (one restarting), the same TTFT says less about the model.
     short = calibrate(pool, replace(load, ttft_minute=replace(long, engines=12)), s)
-    assert short.ttft_minute is not None and short.ttft_minute.ttft_queue < cal.ttft_minute.ttft_queue
+    assert short.ttft_minute is not None and short.ttft_minute.calibration.ttft_queue < cal.ttft_minute.calibration.ttft_queue
 
 
 def test_a_queue_aware_router_spares_decodes_while_some_engine_is_idle() -> None:
