@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from collectors.types import Signal
 from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
@@ -36,7 +38,7 @@ from policies.types import (
 FLEET = """
 mode: {mode}
 pools: [{{name: chat, role: unified, model: m, replicas: {{min: 1, max: 8}}}}]
-rails: {{cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20}}
+rails: {{cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20{rails}}}
 """
 COOLS_2H = "cooldowns: {tune_speculation: 2h}"  # longer than the change takes to be judged and reverted
 
@@ -114,8 +116,7 @@ def ineffective_of(store: MemoryStore, action_id: int) -> Any:
 def make_loop(store: MemoryStore, engines: Engines, clock: VirtualClock, *, mode: str = "act", rails: str = "",
               policy: Policy | None = None, source: SlowTpot | None = None) -> ControlLoop:
     """A loop over the chat pool, its kill switch read from the store; `rails` adds to the fleet file's rails."""
-    fleet = FLEET.format(mode=mode).replace("cooldown: 60s,", f"cooldown: 60s, {rails},") if rails else \
-        FLEET.format(mode=mode)
+    fleet = FLEET.format(mode=mode, rails=f", {rails}" if rails else "")
     return ControlLoop(config=parse_config(fleet), source=source or SlowTpot(), store=store,
                        policies=[policy or Collapse()], actuator=engines, clock=clock, telemetry=Telemetry(),
                        switch=StoreSwitch(store))
@@ -171,27 +172,28 @@ class Fades(Collapse):
         return PolicyResult(resolved=[(key, "gone")] if key in inp.open_findings else [])
 
 
-async def test_a_waiting_revert_survives_its_finding_resolving_and_ends_at_revert_ttl() -> None:
-    # Paused for longer than proposal_ttl (1 h) right after the change is judged, within revert_ttl or past it.
-    for ttl_h, paused_min, reverted in ((6, 70, True), (2, 180, False)):
-        clock, store, engines, policy = VirtualClock(), MemoryStore(), Engines(), Fades()
-        loop = make_loop(store, engines, clock, rails=f"revert_ttl: {ttl_h}h", policy=policy)
-        await judged_then_paused(loop, clock, store)
-        policy.on = False  # the problem the change answered went away on its own; the change is still in place
-        await ticks(loop, clock, 4 * paused_min)
-        first, waiting = await store.actions()
-        if waiting.state is S.APPROVED:
-            assert ineffective_of(store, first.id).state == "open", "open while its revert waits"
-        store.pause = None
-        await ticks(loop, clock, 4)
-        first, revert = await store.actions()
-        assert engines.history == ([1, 3] if reverted else [1]), (ttl_h, paused_min)
-        assert revert.state is (S.SUCCEEDED if reverted else S.EXPIRED)
-        finding = ineffective_of(store, first.id)
-        assert finding.state == "resolved"
-        why = store.resolve_reasons[finding.id]
-        assert why == (f"its revert (action {revert.id}) ended succeeded" if reverted else
-                       f"the finding the action answered resolved; its revert (action {revert.id}) ended expired")
+# Paused for longer than proposal_ttl (1 h) right after the change is judged, within revert_ttl or past it.
+@pytest.mark.parametrize(("ttl_h", "paused_min", "reverted"), [(6, 70, True), (2, 180, False)])
+async def test_a_waiting_revert_survives_its_finding_resolving_and_ends_at_revert_ttl(ttl_h: int, paused_min: int,
+                                                                                      reverted: bool) -> None:
+    clock, store, engines, policy = VirtualClock(), MemoryStore(), Engines(), Fades()
+    loop = make_loop(store, engines, clock, rails=f"revert_ttl: {ttl_h}h", policy=policy)
+    await judged_then_paused(loop, clock, store)
+    policy.on = False  # the problem the change answered went away on its own; the change is still in place
+    await ticks(loop, clock, 4 * paused_min)
+    first, waiting = await store.actions()
+    if waiting.state is S.APPROVED:
+        assert ineffective_of(store, first.id).state == "open", "open while its revert waits"
+    store.pause = None
+    await ticks(loop, clock, 4)
+    first, revert = await store.actions()
+    assert engines.history == ([1, 3] if reverted else [1]), (ttl_h, paused_min)
+    assert revert.state is (S.SUCCEEDED if reverted else S.EXPIRED)
+    finding = ineffective_of(store, first.id)
+    assert finding.state == "resolved"
+    why = store.resolve_reasons[finding.id]
+    assert why == (f"its revert (action {revert.id}) ended succeeded" if reverted else
+                   f"the finding the action answered resolved; its revert (action {revert.id}) ended expired")
 
 
 class NotApplied(Engines):
