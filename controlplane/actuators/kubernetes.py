@@ -16,8 +16,12 @@ How: scaling goes through the scale subresource, a LeaderWorkerSet's in whole gr
 drains first: the engines that will go are taken out of routing (their `routing_label` removed), and
 the scale-down follows once they are idle or `drain_grace` has passed (the loop resumes it each
 tick). A Deployment or Rollout gives up the least busy, given the lowest
-`controller.kubernetes.io/pod-deletion-cost` so its ReplicaSet removes those; a StatefulSet gives up
-its highest ordinals and a LeaderWorkerSet its highest groups, which are the ones drained. New engine
+`controller.kubernetes.io/pod-deletion-cost` so its ReplicaSet removes those; a Deployment in the
+middle of a rollout takes the change from each ReplicaSet in proportion (`rollout_split`), so each
+gives up its own least busy. A StatefulSet gives up its highest ordinals and a LeaderWorkerSet its
+highest groups, which are the ones drained. The engines that go are worked out again before the
+count is written: where the ReplicaSets moved meanwhile (a rollout went on, an engine went down),
+those the scale now removes drain too, and a drained engine it no longer removes is routed again. New engine
 arguments (EPLB, speculative decoding) patch the engine container of the pod template once, with
 the object's resourceVersion; the rails have checked that the rollout restarts no more engines at
 once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
@@ -50,6 +54,7 @@ import urllib3.exceptions
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from controlplane.actuators import rollout_split
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
@@ -119,22 +124,41 @@ def _load(order: Order, pod: str) -> float:
 
 
 def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order,
-             first: int = 0) -> list[str]:
+             first: int = 0, sizes: Mapping[str, int] | None = None) -> list[str]:
     """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes, to drain first. A StatefulSet
     removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a LeaderWorkerSet the groups
-    from `keep` up, whatever their load (a
-    terminating pod among them is not drained again). A Deployment's or Rollout's ReplicaSet removes pods that are
-    not ready before any other, then those of lowest deletion cost: so only as many ready pods as are left to remove
-    are drained, the least busy (those this action already took out of routing first: a leader taking over redoes
-    it)."""
+    from `keep` up, whatever their load (a terminating pod among them is not drained again). A ReplicaSet removes pods
+    that are not ready before any other, then those of lowest deletion cost: so only as many ready pods as are left to
+    remove are drained, the least busy (those this action already took out of routing first: a leader taking over
+    redoes it). A Deployment in the middle of a rollout takes the change from each ReplicaSet in proportion (`sizes`,
+    each one's size after the scale): each gives up its own share."""
     if w.kind == "StatefulSet":
         return sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= first + keep), reverse=True)
     if w.kind == "LeaderWorkerSet":
         return sorted((p for p in pods if _ordinal(p, pods[p], LWS_GROUP) >= keep), reverse=True)
+    if sizes is None:
+        return _least_busy(pods, leaving, order)
+    victims: list[str] = []
+    for rs, size in sorted(sizes.items()):
+        own = {p: meta for p, meta in pods.items() if _owner(meta) == rs}
+        victims += _least_busy(own, len(own) - size, order)
+    return victims
+
+
+def _least_busy(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
+    """The ready pods a ReplicaSet removing `leaving` of `pods` takes after those not ready, to drain."""
     ready = [p for p, meta in pods.items() if meta.get("ready", True)]
     leaving -= len(pods) - len(ready)
     mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp}
     return sorted(ready, key=lambda p: (p not in mine, _load(order, p), p))[:max(0, leaving)]
+
+
+def _owner(meta: Mapping[str, Any]) -> str | None:
+    """The name of the ReplicaSet that controls a pod."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == "ReplicaSet" and ref.get("controller"):
+            return str(ref.get("name"))
+    return None
 
 
 def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
@@ -411,18 +435,34 @@ class KubernetesActuator:
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
-        victims = _leaving(w, await self._pods_of(w, obj), change.replicas // size, desired - change.replicas, order,
-                           first=int(_dig(obj, ("spec", "ordinals", "start"), 0) or 0))
-        done: list[str] = []
-        try:
-            for pod in victims:
-                await self._unroute(order, w.namespace, pod, cost=-1000)
-                done.append(pod)
-                await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {change.replicas}")
-        except ActuationError as exc:
-            raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
+        victims = await self._victims(order, w, obj, await self._pods_of(w, obj), change.replicas)
+        await self._take_out(order, w, obj, victims, change.replicas)
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
                          "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
+
+    async def _victims(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]],
+                       replicas: int) -> list[str]:
+        """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes."""
+        kind = KINDS[w.kind]
+        size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
+        desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
+        sizes = (rollout_split.sizes_after(obj, await self._replica_sets(w, obj), replicas)
+                 if w.kind == "Deployment" else None)
+        return _leaving(w, pods, replicas // size, desired - replicas, order,
+                        first=int(_dig(obj, ("spec", "ordinals", "start"), 0) or 0), sizes=sizes)
+
+    async def _take_out(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str],
+                        replicas: int) -> None:
+        """Take the engines a scale-down removes out of routing, at the lowest deletion cost; all back in if one
+        fails."""
+        done: list[str] = []
+        try:
+            for pod in pods:
+                await self._unroute(order, w.namespace, pod, cost=-1000)
+                done.append(pod)
+                await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {replicas}")
+        except ActuationError as exc:
+            raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
 
     async def _set_replicas(self, order: Order, w: Workload, replicas: int, *, drained: Mapping[str, Any] | None = None,
                             pods: Sequence[str] = ()) -> dict[str, Any]:
@@ -610,7 +650,22 @@ class KubernetesActuator:
                 raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
                                      f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}; "
                                      f"{await self._back_in(order, w, obj, pods)}")
-            return {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=pods), **detail}
+            victims, standing = await self._victims_now(order, w, obj, int(wait["replicas"])) or ([], set())
+            missing = [p for p in victims if p not in pods]
+            if missing:
+                # The ReplicaSets moved while the engines drained (a rollout went on, an engine went down): the scale
+                # now removes engines not drained yet. They drain too, and the scale waits for them.
+                await self._take_out(order, w, obj, missing, int(wait["replicas"]))
+                return {"wait": {**wait, "pods": pods + missing,
+                                 "deadline": max(float(wait["deadline"]), now + self.settings.drain_grace)}}
+            spared = [p for p in pods if p in standing and p not in victims]
+            if spared:
+                # Drained, but the scale removes another in its place: routed again, at the normal deletion cost, before
+                # the scale, so that the ReplicaSet tells the engines that go from those that stay.
+                detail["spared"] = {"pods": spared, "routing": await self._back_in(order, w, obj, spared)}
+            going = [p for p in pods if p not in spared]
+            return {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
+                    **detail}
         live = await self._live_pods(order)
         for pod in pods:
             if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
@@ -621,6 +676,21 @@ class KubernetesActuator:
             except _Missing:
                 pass  # gone already: what the drain was for
         return detail
+
+    async def _victims_now(self, order: Order, w: Workload, obj: Mapping[str, Any], replicas: int
+                           ) -> tuple[list[str], set[str]] | None:
+        """The engines the scale a drain waited for removes now, and the workload's live pods; None where that cannot
+        be told (a dry run, whose drain marked no pod; a failed read): the drained ones go, as they would have
+        without the check."""
+        if self.dry_run:
+            return None
+        try:
+            pods = await self._pods_of(w, obj)
+            return await self._victims(order, w, obj, pods, replicas), set(pods)
+        except ActuationError as exc:
+            log.warning("action %d: which engines scaling %s removes cannot be read again (%s); scaling as drained",
+                        order.action_id, order.pool, exc)
+            return None
 
     async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
         """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told

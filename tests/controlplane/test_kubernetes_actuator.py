@@ -3,7 +3,8 @@
 Every object it creates or patches, and every subresource body, is validated against the official
 OpenAPI schemas by the emulator (`apiserver.py`); each test ends by asserting none was invalid.
 Covers: scaling through the scale subresource (Deployment, LeaderWorkerSet with its gang), a
-drained scale-down of the least busy engines, engine arguments for EPLB and speculative decoding
+drained scale-down of the least busy engines (each ReplicaSet's share in the middle of a rollout,
+worked out again before the count is written), engine arguments for EPLB and speculative decoding
 (other containers untouched, a stale resourceVersion retried, 422 and 403 surfaced), rollbacks
 (Deployment from its ReplicaSets, Argo Rollout abort), drain and replace, cordon with evictions a
 PodDisruptionBudget holds back, Events, the action annotation that stops a repeat, server-side
@@ -628,3 +629,81 @@ async def test_a_drain_deletes_its_pod_even_where_the_pools_pods_cannot_be_liste
     first = await actuator(api).carry_out(o)
     await actuator(api).resume(o, first["wait"], Clock().t + 5)
     assert server.get(PODS, NS, "vllm-decode-a") is None
+
+
+def mid_rollout(server: ApiServer, old: int, new: int, allowed: int) -> dict[str, Any]:
+    """vllm-decode at 4 replicas (maxSurge 2, maxUnavailable 0) rolling out: `old` pods on revision 1, `new` on 2,
+    each ReplicaSet annotated with the count the Deployment last allowed; the pods are named a1.., b1.."""
+    dep = deployment(replicas=4)
+    dep["spec"]["strategy"]["rollingUpdate"] = {"maxSurge": 2, "maxUnavailable": 0}
+    dep = server.put(DEPLOYMENTS, dep)
+    for revision, count, created, prefix in ((1, old, "2026-11-20T10:00:00Z", "a"),
+                                             (2, new, "2026-12-05T09:00:00Z", "b")):
+        rs = replica_set(dep, revision, f"vllm/vllm-openai:v0.1{revision}.0", created)
+        rs["spec"]["replicas"] = count
+        rs["metadata"]["annotations"]["deployment.kubernetes.io/max-replicas"] = str(allowed)
+        server.put(REPLICASETS, rs)
+        for i in range(1, count + 1):
+            p = pod(f"vllm-decode-{prefix}{i}")
+            p["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "controller": True,
+                                                 "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]}]
+            server.put(PODS, p)
+    return dep
+
+
+def routed(server: ApiServer, name: str) -> bool:
+    return "llm-d.ai/routed" in server.get(PODS, NS, name)["metadata"]["labels"]  # type: ignore[index]
+
+
+async def test_a_scale_down_mid_rollout_drains_each_replicasets_share(server: ApiServer,
+                                                                      api: client.ApiClient) -> None:
+    # 4 old and 2 new pods, 6 allowed; at 2 replicas 4 are: the controller takes one from each ReplicaSet
+    # (round(4 * 4 / 6) = 3, round(2 * 4 / 6) = 1), whichever engines are idlest.
+    mid_rollout(server, old=4, new=2, allowed=6)
+    clock = Clock()
+    act = actuator(api, clock)
+    busy = {"vllm-decode-a1": 4.0, "vllm-decode-a2": 3.0, "vllm-decode-a3": 5.0, "vllm-decode-a4": 6.0,
+            "vllm-decode-b1": 0.0, "vllm-decode-b2": 1.0}
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy=busy)
+    first = await act.carry_out(o)
+    assert sorted(first["wait"]["pods"]) == ["vllm-decode-a2", "vllm-decode-b1"], "not the two idlest, b1 and b2"
+    assert routed(server, "vllm-decode-b2")
+    # The rollout goes on while they drain: the old ReplicaSet gives up a2 (the lowest deletion cost) and a new pod
+    # is ready. At 3 and 3 the scale now takes a second old engine, which drains too before the count is written.
+    a2 = server.get(PODS, NS, "vllm-decode-a2")
+    assert a2 is not None
+    a2["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
+    server.put(PODS, a2)
+    for revision in (1, 2):
+        rs = server.get(REPLICASETS, NS, f"vllm-decode-h{revision}")
+        assert rs is not None
+        rs["spec"]["replicas"] = 3
+        server.put(REPLICASETS, rs)
+    b3 = pod("vllm-decode-b3")
+    b3["metadata"]["ownerReferences"] = server.get(PODS, NS, "vllm-decode-b1")["metadata"]["ownerReferences"]  # type: ignore[index]
+    server.put(PODS, b3)
+    idle = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={**busy, "vllm-decode-a2": 0.0, "vllm-decode-b3": 2.0})
+    clock.t += 20
+    more = await act.resume(idle, first["wait"], clock.t)
+    assert more["wait"]["pods"][2:] == ["vllm-decode-a1"] and more["wait"]["deadline"] == clock.t + 60
+    assert not routed(server, "vllm-decode-a1")
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
+    done = await act.resume(order(ActionKind.SCALE_POOL, ScaleTo(2), busy={**idle.busy, "vllm-decode-a1": 0.0}),
+                            more["wait"], clock.t + 5)
+    assert done["replicas"] == 2 and done["idle"] is True and "spared" not in done, "a2 is gone, not spared"
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+
+
+async def test_a_drained_engine_the_scale_no_longer_removes_serves_again(server: ApiServer,
+                                                                        api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    crashed = server.get(PODS, NS, "vllm-decode-c")
+    assert crashed is not None
+    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # the ReplicaSet removes it first
+    server.put(PODS, crashed)
+    done = await act.resume(o, wait, Clock().t + 5)
+    assert done["replicas"] == 2 and done["spared"]["pods"] == ["vllm-decode-a"]
+    back = server.get(PODS, NS, "vllm-decode-a")
+    assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true"
+    assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {}), (
+        "before the scale: the ReplicaSet must not take it over a ready engine")

@@ -1,0 +1,100 @@
+"""How the Deployment controller spreads a new replica count over the ReplicaSets of a rollout in
+progress (its proportional scaling), so that a scale-down drains the pods that will be removed.
+
+A Deployment scaled while its old and new ReplicaSets both have replicas does not take the change
+from one of them: each gets a share in proportion to its size, against the largest count the
+Deployment allowed before (`deployment.kubernetes.io/max-replicas` on each ReplicaSet) and the
+count it allows now (replicas plus maxSurge), and what rounding leaves goes to the largest. This
+follows `scale` and `GetProportion` in the controller (`pkg/controller/deployment/sync.go`,
+`util/deployment_util.go`); a pure function of the objects as read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["MAX_REPLICAS", "max_surge", "sizes_after"]
+
+MAX_REPLICAS = "deployment.kubernetes.io/max-replicas"
+
+
+def _get(obj: Any, *path: str, default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping) or key not in obj:
+            return default
+        obj = obj[key]
+    return obj
+
+
+def _scaled(value: Any, total: int, *, round_up: bool) -> int:
+    """An int-or-percent field of the rolling update as a number of pods."""
+    if isinstance(value, str) and value.endswith("%"):
+        share = float(value[:-1]) * total / 100
+        return math.ceil(share) if round_up else math.floor(share)
+    return int(value)
+
+
+def max_surge(deployment: Mapping[str, Any], replicas: int) -> int:
+    """The pods a rolling update may run above `replicas` (a percentage rounds up); 0 for any other strategy."""
+    strategy = _get(deployment, "spec", "strategy", default={}) or {}
+    if strategy.get("type", "RollingUpdate") != "RollingUpdate":
+        return 0
+    return _scaled(_get(strategy, "rollingUpdate", "maxSurge", default="25%"), replicas, round_up=True)
+
+
+def _replicas(rs: Mapping[str, Any]) -> int:
+    return int(_get(rs, "spec", "replicas", default=0) or 0)
+
+
+def _fraction(rs: Mapping[str, Any], deployment: Mapping[str, Any], replicas: int) -> int:
+    """What the ReplicaSet's size moves by, in proportion, when the Deployment goes to `replicas`."""
+    if replicas == 0:
+        return -_replicas(rs)
+    allowed_now = replicas + max_surge(deployment, replicas)
+    try:
+        allowed_before = int(_get(rs, "metadata", "annotations", MAX_REPLICAS))
+    except (TypeError, ValueError):
+        allowed_before = 0
+    if allowed_before == 0:  # the annotation lost (edited by hand): the controller falls back to the pods there are
+        allowed_before = int(_get(deployment, "status", "replicas", default=0) or 0)
+        if allowed_before == 0:
+            return 0
+    # Go's math.Round: halves away from zero.
+    return math.floor(_replicas(rs) * allowed_now / allowed_before + 0.5) - _replicas(rs)
+
+
+def sizes_after(deployment: Mapping[str, Any], sets: Sequence[Mapping[str, Any]], replicas: int
+                ) -> dict[str, int] | None:
+    """Each active ReplicaSet's size once `deployment` is set to `replicas`, by name; None where one ReplicaSet takes
+    the whole change (no rollout in progress, or not a rolling update)."""
+    active = [rs for rs in sets if _replicas(rs) > 0]
+    strategy = _get(deployment, "spec", "strategy", "type", default="RollingUpdate")
+    if len(active) < 2 or strategy != "RollingUpdate":
+        return None
+    # (A new ReplicaSet already at the new count, ready, and annotated with it empties the old ones instead; its
+    # desired-replicas annotation still holds the count before this change, so that does not arise here.)
+    allowed = replicas + max_surge(deployment, replicas) if replicas > 0 else 0
+    to_add = allowed - sum(_replicas(rs) for rs in active)
+    sizes = {str(rs["metadata"]["name"]): _replicas(rs) for rs in active}
+    if to_add == 0:
+        return sizes
+
+    def age(rs: Mapping[str, Any]) -> tuple[str, str]:
+        return str(_get(rs, "metadata", "creationTimestamp", default="")), str(rs["metadata"]["name"])
+
+    # Largest first; among equals the older first when shrinking, the newer first when growing.
+    ordered = sorted(active, key=age, reverse=to_add > 0)
+    ordered.sort(key=_replicas, reverse=True)
+    added = 0
+    for rs in ordered:
+        if added == to_add:
+            break
+        fraction = _fraction(rs, deployment, replicas)
+        share = min(fraction, to_add - added) if to_add > 0 else max(fraction, to_add - added)
+        sizes[str(rs["metadata"]["name"])] += share
+        added += share
+    first = str(ordered[0]["metadata"]["name"])
+    sizes[first] = max(0, sizes[first] + to_add - added)
+    return sizes
