@@ -21,9 +21,11 @@ middle of a rollout takes the change from each ReplicaSet in proportion (`rollou
 gives up its own least busy. A StatefulSet gives up its highest ordinals and a LeaderWorkerSet its
 highest groups, which are the ones drained. The engines that go are worked out again before the
 count is written: where the ReplicaSets moved meanwhile (a rollout went on, an engine went down),
-those the scale now removes drain too, and a drained engine it no longer removes is routed again. New engine
-arguments (EPLB, speculative decoding) patch the engine container of the pod template once, with
-the object's resourceVersion; the rails have checked that the rollout restarts no more engines at
+those the scale now removes drain too, and a drained engine it no longer removes is routed again.
+New engine arguments (EPLB, speculative decoding) patch the engine container of the pod template
+once, with the object's resourceVersion (for an Argo Rollout with a `workloadRef`, the template of
+the Deployment it names, which the Rollout follows; that template's digest is the one reported);
+the rails have checked that the rollout restarts no more engines at
 once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
 previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is deleted once idle
 and its workload replaces it; a cordon marks the node unschedulable and evicts its engines through
@@ -358,12 +360,25 @@ class KubernetesActuator:
         kind = KINDS[w.kind]
         desired = int(_dig(obj, ("spec", "replicas"), 1))
         size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
+        holder, held = await self._template_holder(w, obj)
         replicas = PoolReplicas(
             desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
-            gang=size, rolling=_rolling(obj), template=_digest(_dig(obj, kind.revision)))
+            gang=size, rolling=_rolling(obj), template=_digest(_dig(held, KINDS[holder.kind].revision)))
         return replicas, await self._revision_time(w, obj)
+
+    async def _template_holder(self, w: Workload, obj: Mapping[str, Any]) -> tuple[Workload, Mapping[str, Any]]:
+        """The workload whose pod template `w`'s engines run, as read: `w` itself, or the Deployment an Argo Rollout
+        names in `spec.workloadRef` (its controller follows that Deployment's template, which is where changes go)."""
+        ref = _dig(obj, ("spec", "workloadRef"))
+        if w.kind != "Rollout" or not isinstance(ref, Mapping) or _dig(obj, KINDS[w.kind].template) is not None:
+            return w, obj
+        if ref.get("kind") != "Deployment" or not ref.get("name"):
+            raise ActuationError(f"Rollout {w.namespace}/{w.name} refers to {ref.get('kind')} {ref.get('name')}: only a "
+                                 "Deployment's pod template can be read and changed")
+        holder = Workload(kind="Deployment", namespace=w.namespace, name=str(ref["name"]), container=w.container)
+        return holder, await self._read(holder)
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The Deployment's ReplicaSets, newest revision first."""
@@ -484,18 +499,24 @@ class KubernetesActuator:
 
     async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
                         obj: Mapping[str, Any]) -> dict[str, Any]:
-        kind = KINDS[w.kind]
-        template = copy.deepcopy(_dig(obj, kind.template))
+        holder, held = await self._template_holder(w, obj)
+        if holder is not w and _dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+            # The referenced template carries the change already (the Rollout's stamp was lost): not made twice.
+            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            return {"already_applied": f"{holder.kind} {holder.namespace}/{holder.name}"}
+        kind = KINDS[holder.kind]
+        where = f"{holder.kind} {holder.namespace}/{holder.name}"
+        template = copy.deepcopy(_dig(held, kind.template))
         if template is None:
-            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod template at {'.'.join(kind.template)}")
+            raise ActuationError(f"{where} has no pod template at {'.'.join(kind.template)}")
         containers = _dig(template, ("spec", "containers"), []) or []
         engine = next((c for c in containers if c.get("name") == w.container), None)
         if engine is None:
             names = ", ".join(c.get("name", "?") for c in containers)
-            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no container {w.container!r} (has {names})")
+            raise ActuationError(f"{where} has no container {w.container!r} (has {names})")
         field = "args" if engine.get("args") else "command" if engine.get("command") else "args"
         args = list(engine.get(field) or [])
-        annotations = dict(_dig(obj, ("metadata", "annotations"), {}) or {})
+        annotations = dict(_dig(held, ("metadata", "annotations"), {}) or {})
         if isinstance(change, Eplb):
             args = _without(args, "--enable-eplb", bare=True)
             args = _without(args, "--eplb-config")
@@ -508,7 +529,7 @@ class KubernetesActuator:
             current = _value(args, "--speculative-config")
             spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
             if spec is None:
-                raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no --speculative-config to change")
+                raise ActuationError(f"{where} has no --speculative-config to change")
             before = int(spec.get("num_speculative_tokens", 0)) if current else 0
             n = change.resolve(before)
             args = _without(args, "--speculative-config")
@@ -520,11 +541,13 @@ class KubernetesActuator:
             detail = {"num_speculative_tokens": n, "from": before}
         engine[field] = args
         annotations[ACTION_ANNOTATION] = order.stamp
-        body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")), "annotations": annotations},
+        body = {"metadata": {"resourceVersion": _dig(held, ("metadata", "resourceVersion")), "annotations": annotations},
                 **_nest(kind.template, template)}
-        await self._patch(w, body, f"patching the pod template of {w.kind} {w.namespace}/{w.name}")
+        await self._patch(holder, body, f"patching the pod template of {where}")
+        if holder is not w:
+            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
         await self._event(order, w, describe(change))
-        return {"patched": f"{w.kind} {w.namespace}/{w.name}", "container": w.container, **detail}
+        return {"patched": where, "container": w.container, **detail}
 
     async def _rollback(self, order: Order, w: Workload, obj: Mapping[str, Any]) -> dict[str, Any]:
         if w.kind == "Rollout":

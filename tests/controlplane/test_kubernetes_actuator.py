@@ -707,3 +707,38 @@ async def test_a_drained_engine_the_scale_no_longer_removes_serves_again(server:
     assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true"
     assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {}), (
         "before the scale: the ReplicaSet must not take it over a ready engine")
+
+
+async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(server: ApiServer,
+                                                                              api: client.ApiClient) -> None:
+    # An Argo Rollout that names a Deployment (scaled to 0) instead of carrying a template: its controller rolls out
+    # whatever that Deployment's template becomes, so that is where new engine arguments go and what is digested.
+    server.put(DEPLOYMENTS, deployment("vllm-canary-source", replicas=0))
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS},
+                          "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "vllm-canary-source"}},
+                                   "workloadRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                   "name": "vllm-canary-source", "scaleDown": "onsuccess"}}})
+    act = actuator(api)
+    first = (await act.observe()).pools["canary"].template
+    assert first is not None
+    o = order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), pool="canary", action_id=11)
+    done = await act.carry_out(o)
+    assert done["patched"] == "Deployment llm/vllm-canary-source" and done["num_speculative_tokens"] == 2
+    assert (await act.observe()).pools["canary"].template not in (first, None)
+    assert server.get(ROLLOUTS, NS, "vllm-canary")["metadata"]["annotations"][ACTION_ANNOTATION] == "11@0"  # type: ignore[index]
+    # The Rollout's stamp lost (its leader died between the writes): the step is not taken twice.
+    rollout = server.get(ROLLOUTS, NS, "vllm-canary")
+    assert rollout is not None
+    del rollout["metadata"]["annotations"][ACTION_ANNOTATION]
+    server.put(ROLLOUTS, rollout)
+    assert "already_applied" in await act.carry_out(o)
+    args = server.get(DEPLOYMENTS, NS, "vllm-canary-source")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    assert json.loads(args[args.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
+    assert server.get(ROLLOUTS, NS, "vllm-canary")["metadata"]["annotations"][ACTION_ANNOTATION] == "11@0"  # type: ignore[index]
+    assert "template" not in server.get(ROLLOUTS, NS, "vllm-canary")["spec"]  # type: ignore[index]
+    rollout["spec"]["workloadRef"] = {"apiVersion": "v1", "kind": "PodTemplate", "name": "vllm"}
+    server.put(ROLLOUTS, rollout)
+    with pytest.raises(ActuationError, match="refers to PodTemplate vllm: only a Deployment"):
+        await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), pool="canary", action_id=12))
+    assert "canary" in (await act.observe()).unreadable
