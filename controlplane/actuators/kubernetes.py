@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the last action that changed the object (`Order.stamp`)
 SPEC_ANNOTATION = "fleet-controlplane.io/speculative-config"  # the config speculation was switched off with
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+DRAINED_COST = -1000  # a drained engine's deletion cost: its ReplicaSet removes it before any ready one
 REVISION = "deployment.kubernetes.io/revision"
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
@@ -126,32 +127,37 @@ def _load(order: Order, pod: str) -> float:
 
 
 def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order,
-             first: int = 0, sizes: Mapping[str, int] | None = None) -> list[str]:
-    """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes, to drain first. A StatefulSet
-    removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a LeaderWorkerSet the groups
-    from `keep` up, whatever their load (a terminating pod among them is not drained again). A ReplicaSet removes pods
-    that are not ready before any other, then those of lowest deletion cost: so only as many ready pods as are left to
-    remove are drained, the least busy (those this action already took out of routing first: a leader taking over
-    redoes it). A Deployment in the middle of a rollout takes the change from each ReplicaSet in proportion (`sizes`,
-    each one's size after the scale): each gives up its own share."""
+             first: int = 0, sizes: Mapping[str, int] | None = None) -> tuple[list[str], set[str]]:
+    """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes, to drain first, and the ready pods it
+    keeps. A StatefulSet removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a
+    LeaderWorkerSet the groups from `keep` up, whatever their load (a terminating pod among them is not drained again).
+    A ReplicaSet removes pods that are not ready before any other, then those of lowest deletion cost: so only as many
+    ready pods as are left to remove are drained, the least busy (those this action drained already first: a leader
+    taking over redoes it). A Deployment in the middle of a rollout takes the change from each ReplicaSet in proportion
+    (`sizes`, each active one's size after the scale): each gives up its own share, and the pods of the others go."""
+    ready = {p for p, meta in pods.items() if meta.get("ready", True)}
     if w.kind == "StatefulSet":
-        return sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= first + keep), reverse=True)
-    if w.kind == "LeaderWorkerSet":
-        return sorted((p for p in pods if _ordinal(p, pods[p], LWS_GROUP) >= keep), reverse=True)
-    if sizes is None:
-        return _least_busy(pods, leaving, order)
-    victims: list[str] = []
-    for rs, size in sorted(sizes.items()):
-        own = {p: meta for p, meta in pods.items() if _owner(meta) == rs}
-        victims += _least_busy(own, len(own) - size, order)
-    return victims
+        going = sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= first + keep), reverse=True)
+    elif w.kind == "LeaderWorkerSet":
+        going = sorted((p for p in pods if _ordinal(p, pods[p], LWS_GROUP) >= keep), reverse=True)
+    elif sizes is None:
+        going = _least_busy(pods, leaving, order)
+    else:
+        going = []
+        for rs, size in sorted(sizes.items()):
+            own = {p: meta for p, meta in pods.items() if _owner(meta) == rs}
+            going += _least_busy(own, len(own) - size, order)
+        ready = {p for p in ready if _owner(pods[p]) in sizes}
+    return going, ready - set(going)
 
 
 def _least_busy(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
     """The ready pods a ReplicaSet removing `leaving` of `pods` takes after those not ready, to drain."""
     ready = [p for p, meta in pods.items() if meta.get("ready", True)]
     leaving -= len(pods) - len(ready)
-    mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp}
+    # Drained by this action: its stamp and the drain's deletion cost (a pod routed again loses the cost).
+    mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
+            and _dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST)}
     return sorted(ready, key=lambda p: (p not in mine, _load(order, p), p))[:max(0, leaving)]
 
 
@@ -450,14 +456,15 @@ class KubernetesActuator:
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
-        victims = await self._victims(order, w, obj, await self._pods_of(w, obj), change.replicas)
+        victims, _ = await self._victims(order, w, obj, await self._pods_of(w, obj), change.replicas)
         await self._take_out(order, w, obj, victims, change.replicas)
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
                          "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
 
     async def _victims(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]],
-                       replicas: int) -> list[str]:
-        """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes."""
+                       replicas: int) -> tuple[list[str], set[str]]:
+        """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes, and the
+        ready ones it keeps."""
         kind = KINDS[w.kind]
         size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
         desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
@@ -473,7 +480,7 @@ class KubernetesActuator:
         done: list[str] = []
         try:
             for pod in pods:
-                await self._unroute(order, w.namespace, pod, cost=-1000)
+                await self._unroute(order, w.namespace, pod, cost=DRAINED_COST)
                 done.append(pod)
                 await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {replicas}")
         except ActuationError as exc:
@@ -673,19 +680,30 @@ class KubernetesActuator:
                 raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
                                      f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}; "
                                      f"{await self._back_in(order, w, obj, pods)}")
-            victims, standing = await self._victims_now(order, w, obj, int(wait["replicas"])) or ([], set())
+            victims, kept = await self._victims_now(order, w, obj, int(wait["replicas"])) or ([], set())
             missing = [p for p in victims if p not in pods]
             if missing:
                 # The ReplicaSets moved while the engines drained (a rollout went on, an engine went down): the scale
                 # now removes engines not drained yet. They drain too, and the scale waits for them.
-                await self._take_out(order, w, obj, missing, int(wait["replicas"]))
+                try:
+                    await self._take_out(order, w, obj, missing, int(wait["replicas"]))
+                except ActuationError as exc:
+                    raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, pods)}") from None
                 return {"wait": {**wait, "pods": pods + missing,
                                  "deadline": max(float(wait["deadline"]), now + self.settings.drain_grace)}}
-            spared = [p for p in pods if p in standing and p not in victims]
+            # Drained, but the scale keeps it (another engine goes in its place): routed again, at the normal deletion
+            # cost, before the count is written, so that the ReplicaSet removes the engines that go and not this one.
+            spared = [p for p in pods if p in kept]
+            try:
+                for pod in spared:
+                    try:
+                        await self._reroute(order, w.namespace, pod, self._routing_value(w, obj))
+                    except _Missing:
+                        pass  # gone meanwhile: nothing to route
+            except ActuationError as exc:
+                raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, obj, pods)}") from None
             if spared:
-                # Drained, but the scale removes another in its place: routed again, at the normal deletion cost, before
-                # the scale, so that the ReplicaSet tells the engines that go from those that stay.
-                detail["spared"] = {"pods": spared, "routing": await self._back_in(order, w, obj, spared)}
+                detail["spared"] = spared
             going = [p for p in pods if p not in spared]
             return {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
                     **detail}
@@ -702,14 +720,13 @@ class KubernetesActuator:
 
     async def _victims_now(self, order: Order, w: Workload, obj: Mapping[str, Any], replicas: int
                            ) -> tuple[list[str], set[str]] | None:
-        """The engines the scale a drain waited for removes now, and the workload's live pods; None where that cannot
+        """The engines the scale a drain waited for removes now, and the ready ones it keeps; None where that cannot
         be told (a dry run, whose drain marked no pod; a failed read): the drained ones go, as they would have
         without the check."""
         if self.dry_run:
             return None
         try:
-            pods = await self._pods_of(w, obj)
-            return await self._victims(order, w, obj, pods, replicas), set(pods)
+            return await self._victims(order, w, obj, await self._pods_of(w, obj), replicas)
         except ActuationError as exc:
             log.warning("action %d: which engines scaling %s removes cannot be read again (%s); scaling as drained",
                         order.action_id, order.pool, exc)
@@ -732,8 +749,7 @@ class KubernetesActuator:
     async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str]) -> str:
         """Put the pods a failed scale-down took out of routing back in (they would stay running and serve nothing),
         and say how that went."""
-        value = str((_dig(obj, (*KINDS[w.kind].template, "metadata", "labels"), {}) or {})
-                    .get(self.settings.routing_label, "true"))
+        value = self._routing_value(w, obj)
         failed = []
         for pod in pods:
             try:
@@ -745,6 +761,11 @@ class KubernetesActuator:
         if failed:
             return f"not routed again, set {self.settings.routing_label}={value} by hand: {', '.join(failed)}"
         return f"the drained engines are routed again ({', '.join(pods) or 'none'})"
+
+    def _routing_value(self, w: Workload, obj: Mapping[str, Any]) -> str:
+        """The routing label's value on the workload's pods (`true` where its template does not say)."""
+        labels = _dig(obj, (*KINDS[w.kind].template, "metadata", "labels"), {}) or {}
+        return str(labels.get(self.settings.routing_label, "true"))
 
     async def _evict(self, order: Order, namespace: str, pod: str) -> bool:
         """Evict one pod; False when a PodDisruptionBudget refuses it for now (HTTP 429)."""

@@ -4,9 +4,11 @@ progress (its proportional scaling), so that a scale-down drains the pods that w
 A Deployment scaled while its old and new ReplicaSets both have replicas does not take the change
 from one of them: each gets a share in proportion to its size, against the largest count the
 Deployment allowed before (`deployment.kubernetes.io/max-replicas` on each ReplicaSet) and the
-count it allows now (replicas plus maxSurge), and what rounding leaves goes to the largest. This
-follows `scale` and `GetProportion` in the controller (`pkg/controller/deployment/sync.go`,
-`util/deployment_util.go`); a pure function of the objects as read.
+count it allows now (replicas plus maxSurge), and what rounding leaves goes to the largest; its next
+pass trims the new ReplicaSet to the Deployment's count where it is above it. This follows `scale`,
+`GetProportion` and `reconcileNewReplicaSet` in the controller (`pkg/controller/deployment/`); a pure
+function of the objects as read. What the rollout then removes of the old ReplicaSets as new pods
+become available is the rollout's own progress, not the scale's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 __all__ = ["MAX_REPLICAS", "max_surge", "sizes_after"]
 
 MAX_REPLICAS = "deployment.kubernetes.io/max-replicas"
+REVISION = "deployment.kubernetes.io/revision"
 
 
 def _get(obj: Any, *path: str, default: Any = None) -> Any:
@@ -78,8 +81,17 @@ def sizes_after(deployment: Mapping[str, Any], sets: Sequence[Mapping[str, Any]]
     allowed = replicas + max_surge(deployment, replicas) if replicas > 0 else 0
     to_add = allowed - sum(_replicas(rs) for rs in active)
     sizes = {str(rs["metadata"]["name"]): _replicas(rs) for rs in active}
-    if to_add == 0:
-        return sizes
+    if to_add != 0:
+        _spread(sizes, active, deployment, replicas, to_add)
+    # Its next pass trims a new ReplicaSet left above the Deployment's count to it.
+    newest = str(max(active, key=_revision)["metadata"]["name"])
+    sizes[newest] = min(sizes[newest], replicas)
+    return sizes
+
+
+def _spread(sizes: dict[str, int], active: Sequence[Mapping[str, Any]], deployment: Mapping[str, Any], replicas: int,
+            to_add: int) -> None:
+    """Add `to_add` replicas (fewer where negative) to `sizes`, in proportion, as `scale` does."""
 
     def age(rs: Mapping[str, Any]) -> tuple[str, str]:
         return str(_get(rs, "metadata", "creationTimestamp", default="")), str(rs["metadata"]["name"])
@@ -97,4 +109,10 @@ def sizes_after(deployment: Mapping[str, Any], sets: Sequence[Mapping[str, Any]]
         added += share
     first = str(ordered[0]["metadata"]["name"])
     sizes[first] = max(0, sizes[first] + to_add - added)
-    return sizes
+
+
+def _revision(rs: Mapping[str, Any]) -> int:
+    try:
+        return int(_get(rs, "metadata", "annotations", REVISION, default=0) or 0)
+    except (TypeError, ValueError):
+        return 0

@@ -694,6 +694,53 @@ async def test_a_scale_down_mid_rollout_drains_each_replicasets_share(server: Ap
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
 
 
+async def test_a_drain_that_cannot_grow_puts_every_drained_engine_back(server: ApiServer,
+                                                                     api: client.ApiClient) -> None:
+    mid_rollout(server, old=4, new=2, allowed=6)
+    act = actuator(api)
+    busy = {"vllm-decode-a1": 4.0, "vllm-decode-a2": 0.0, "vllm-decode-a3": 5.0, "vllm-decode-a4": 6.0,
+            "vllm-decode-b1": 0.0, "vllm-decode-b2": 1.0}
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), busy=busy)
+    wait = (await act.carry_out(o))["wait"]
+    assert sorted(wait["pods"]) == ["vllm-decode-a2", "vllm-decode-b1"]
+    rs = server.get(REPLICASETS, NS, "vllm-decode-h1")
+    assert rs is not None
+    rs["spec"]["replicas"] = 5  # more old engines than the split counted on: a second old one goes now
+    server.put(REPLICASETS, rs)
+    server.put(PODS, {**pod("vllm-decode-a5"), "metadata": {
+        **pod("vllm-decode-a5")["metadata"],
+        "ownerReferences": server.get(PODS, NS, "vllm-decode-a1")["metadata"]["ownerReferences"]}})  # type: ignore[index]
+    server.fail("PATCH", "/pods/vllm-decode-a1", 403, "pods is forbidden")
+    with pytest.raises(ActuationError, match="forbidden.*routed again"):
+        await act.resume(o, wait, Clock().t + 5)
+    assert all(routed(server, p) for p in ("vllm-decode-a2", "vllm-decode-b1")), "none left serving nothing"
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
+
+
+async def test_a_drained_engine_that_crashed_is_not_routed_again(server: ApiServer, api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    crashed = server.get(PODS, NS, "vllm-decode-a")
+    assert crashed is not None
+    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # its ReplicaSet removes it first anyway
+    server.put(PODS, crashed)
+    done = await act.resume(o, wait, Clock().t + 5)
+    assert done["replicas"] == 2 and "spared" not in done and not routed(server, "vllm-decode-a")
+
+
+async def test_a_spared_engine_that_cannot_be_routed_again_stops_the_scale(server: ApiServer,
+                                                                          api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    crashed = server.get(PODS, NS, "vllm-decode-c")
+    assert crashed is not None
+    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    server.put(PODS, crashed)
+    server.fail("PATCH", "/pods/vllm-decode-a", 403, "pods is forbidden")
+    with pytest.raises(ActuationError, match="forbidden; not scaled"):
+        await act.resume(o, wait, Clock().t + 5)
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 3, (  # type: ignore[index]
+        "at the drain's deletion cost it could be the one removed, and the one that should go stay out of routing")
+
+
 async def test_a_drained_engine_the_scale_no_longer_removes_serves_again(server: ApiServer,
                                                                         api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
@@ -702,7 +749,7 @@ async def test_a_drained_engine_the_scale_no_longer_removes_serves_again(server:
     crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # the ReplicaSet removes it first
     server.put(PODS, crashed)
     done = await act.resume(o, wait, Clock().t + 5)
-    assert done["replicas"] == 2 and done["spared"]["pods"] == ["vllm-decode-a"]
+    assert done["replicas"] == 2 and done["spared"] == ["vllm-decode-a"]
     back = server.get(PODS, NS, "vllm-decode-a")
     assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true"
     assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {}), (

@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 
 from controlplane.actuators.rollout_split import MAX_REPLICAS, max_surge, sizes_after
 
+OLD = "2026-12-01T09:00:00Z"
+NEW = "2026-12-01T10:00:00Z"
+
 
 def deployment(replicas: int, surge: int | str = 3, unavailable: int | str = 2,
                strategy: str = "RollingUpdate") -> dict[str, Any]:
@@ -21,13 +24,11 @@ def deployment(replicas: int, surge: int | str = 3, unavailable: int | str = 2,
 
 
 def rs(name: str, replicas: int, created: str, allowed: int | None = 13) -> dict[str, Any]:
-    annotations = {} if allowed is None else {MAX_REPLICAS: str(allowed)}
+    annotations = {"deployment.kubernetes.io/revision": "2" if created == NEW else "1"}
+    if allowed is not None:
+        annotations[MAX_REPLICAS] = str(allowed)
     return {"metadata": {"name": name, "creationTimestamp": created, "annotations": annotations},
             "spec": {"replicas": replicas}}
-
-
-OLD = "2026-12-01T09:00:00Z"
-NEW = "2026-12-01T10:00:00Z"
 
 
 def test_the_documented_example() -> None:
@@ -41,12 +42,21 @@ def test_a_scale_down_mid_rollout_takes_from_each() -> None:
     sets = [rs("new", 5, NEW), rs("old", 8, OLD)]
     # maxSurge 3: 11 allowed of 13; old: round(8 * 11 / 13) = 7, new: round(5 * 11 / 13) = 4.
     assert sizes_after(deployment(8), sets, 8) == {"old": 7, "new": 4}
-    # maxSurge 25 % of 8 rounds up to 2: 10 allowed; old: round(8 * 10 / 13) = 6, new: round(5 * 10 / 13) = 4.
+    # maxSurge 25 % of 8 is 2: 10 allowed; old: round(8 * 10 / 13) = 6, new: round(5 * 10 / 13) = 4.
     assert sizes_after(deployment(8, surge="25%"), sets, 8) == {"old": 6, "new": 4}
     # Equal sizes, 3 allowed of 6: each round(3 * 3 / 6) = 2, and the older gives up what rounding leaves.
     even = [rs("new", 3, NEW, 6), rs("old", 3, OLD, 6)]
     assert sizes_after(deployment(2, surge=1), even, 2) == {"old": 1, "new": 2}
     assert sizes_after(deployment(0), sets, 0) == {"old": 0, "new": 0}
+
+
+def test_a_new_replicaset_above_the_count_is_trimmed_to_it() -> None:
+    # Near the end of a rollout (maxUnavailable 0): 10 new and 2 old, 13 allowed. At 9, 12 are allowed and
+    # nothing moves in proportion, but the controller's next pass takes the new ReplicaSet to 9: one engine goes.
+    sets = [rs("new", 10, NEW), rs("old", 2, OLD)]
+    assert sizes_after(deployment(9, unavailable=0), sets, 9) == {"old": 2, "new": 9}
+    assert sizes_after(deployment(9, unavailable=0), [rs("new", 10, NEW), rs("old", 1, OLD)], 9) == {
+        "old": 1, "new": 9}
 
 
 def test_one_replicaset_or_another_strategy_takes_the_whole_change() -> None:
@@ -58,7 +68,14 @@ def test_one_replicaset_or_another_strategy_takes_the_whole_change() -> None:
 
 def test_a_lost_annotation_falls_back_to_the_pods_there_are() -> None:
     sets = [rs("new", 5, NEW, None), rs("old", 8, OLD, None)]
-    assert sizes_after(deployment(8), sets, 8) == {"old": 7, "new": 4}
+    dep = deployment(8)
+    dep["status"]["replicas"] = 16  # 11 allowed of 16: old round(8 * 11 / 16) = 6 takes all 2 to remove
+    assert sizes_after(dep, sets, 8) == {"old": 6, "new": 5}
+
+
+def test_equal_replicasets_grow_newest_first() -> None:
+    even = [rs("old", 3, OLD, 6), rs("new", 3, NEW, 6)]
+    assert sizes_after(deployment(5, surge=2), even, 5) == {"old": 3, "new": 4}
 
 
 @given(st.lists(st.integers(1, 40), min_size=2, max_size=4), st.integers(0, 60), st.integers(0, 5),
@@ -69,9 +86,17 @@ def test_the_sizes_add_up_to_what_the_deployment_allows(sizes: list[int], replic
         dep = deployment(replicas, surge=value, unavailable=1)
         before = sum(sizes)  # the controller annotates each ReplicaSet with the count it last allowed
         sets = [rs(f"rs{i}", n, f"2026-12-01T0{i}:00:00Z", before) for i, n in enumerate(sizes)]
+        for i, one in enumerate(sets):
+            one["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = str(i + 1)
         after = sizes_after(dep, sets, replicas)
         assert after is not None and all(n >= 0 for n in after.values())
+        newest = f"rs{len(sizes) - 1}"
         allowed = replicas + max_surge(dep, replicas) if replicas else 0
-        assert sum(after.values()) == allowed
-        growing = allowed >= before
-        assert all((after[f"rs{i}"] >= n) == growing or after[f"rs{i}"] == n for i, n in enumerate(sizes))
+        assert after[newest] <= replicas and sum(after.values()) <= allowed
+        if after[newest] < replicas:  # not trimmed: the proportions add up to what the Deployment allows
+            assert sum(after.values()) == allowed
+        # Each moves the way the total does; only the newest is trimmed against it.
+        if allowed >= before:
+            assert all(after[f"rs{i}"] >= n for i, n in enumerate(sizes) if f"rs{i}" != newest)
+        else:
+            assert all(after[f"rs{i}"] <= n for i, n in enumerate(sizes))
