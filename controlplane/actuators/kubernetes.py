@@ -366,12 +366,17 @@ class KubernetesActuator:
         kind = KINDS[w.kind]
         desired = int(_dig(obj, ("spec", "replicas"), 1))
         size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
-        holder, held = await self._template_holder(w, obj)
+        try:
+            holder, held = await self._template_holder(w, obj)
+            template = _digest(_dig(held, KINDS[holder.kind].revision))
+        except ActuationError as exc:  # the Deployment a Rollout follows: its count is still known, its template not
+            log.warning("the pod template of %s %s/%s cannot be read: %s", w.kind, w.namespace, w.name, exc)
+            template = None
         replicas = PoolReplicas(
             desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
-            gang=size, rolling=_rolling(obj), template=_digest(_dig(held, KINDS[holder.kind].revision)))
+            gang=size, rolling=_rolling(obj), template=template)
         return replicas, await self._revision_time(w, obj)
 
     async def _template_holder(self, w: Workload, obj: Mapping[str, Any]) -> tuple[Workload, Mapping[str, Any]]:

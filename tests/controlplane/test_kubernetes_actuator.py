@@ -788,4 +788,5 @@ async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(s
     server.put(ROLLOUTS, rollout)
     with pytest.raises(ActuationError, match="refers to PodTemplate vllm: only a Deployment"):
         await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), pool="canary", action_id=12))
-    assert "canary" in (await act.observe()).unreadable
+    seen = (await act.observe()).pools["canary"]
+    assert seen.desired == 2 and seen.template is None, "its count is still known, its template not"
