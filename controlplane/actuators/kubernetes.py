@@ -128,37 +128,46 @@ def _load(order: Order, pod: str) -> float:
 
 def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order,
              first: int = 0, sizes: Mapping[str, int] | None = None) -> tuple[list[str], set[str]]:
-    """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes, to drain first, and the ready pods it
-    keeps. A StatefulSet removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a
+    """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes that are to drain first, and the pods
+    it keeps. A StatefulSet removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a
     LeaderWorkerSet the groups from `keep` up, whatever their load (a terminating pod among them is not drained again).
-    A ReplicaSet removes pods that are not ready before any other, then those of lowest deletion cost: so only as many
-    ready pods as are left to remove are drained, the least busy (those this action drained already first: a leader
-    taking over redoes it). A Deployment in the middle of a rollout takes the change from each ReplicaSet in proportion
+    A ReplicaSet removes its pods in its own order (`_removed`), which the drain's deletion cost steers to the least
+    busy of the ready ones. A Deployment in the middle of a rollout takes the change from each ReplicaSet in proportion
     (`sizes`, each active one's size after the scale): each gives up its own share, and the pods of the others go."""
-    ready = {p for p, meta in pods.items() if meta.get("ready", True)}
-    if w.kind == "StatefulSet":
-        going = sorted((p for p in pods if _ordinal(p, pods[p], POD_INDEX) >= first + keep), reverse=True)
-    elif w.kind == "LeaderWorkerSet":
-        going = sorted((p for p in pods if _ordinal(p, pods[p], LWS_GROUP) >= keep), reverse=True)
-    elif sizes is None:
-        going = _least_busy(pods, leaving, order)
-    else:
-        going = []
-        for rs, size in sorted(sizes.items()):
-            own = {p: meta for p, meta in pods.items() if _owner(meta) == rs}
-            going += _least_busy(own, len(own) - size, order)
-        ready = {p for p in ready if _owner(pods[p]) in sizes}
-    return going, ready - set(going)
+    if w.kind in ("StatefulSet", "LeaderWorkerSet"):
+        label, least = (POD_INDEX, first + keep) if w.kind == "StatefulSet" else (LWS_GROUP, keep)
+        going = sorted((p for p in pods if _ordinal(p, pods[p], label) >= least), reverse=True)
+        return going, set(pods) - set(going)
+    groups = [(pods, leaving)] if sizes is None else [
+        (own, len(own) - size) for rs, size in sorted(sizes.items())
+        for own in [{p: meta for p, meta in pods.items() if _owner(meta) == rs}]]
+    drain: list[str] = []
+    kept: set[str] = set()
+    for own, count in groups:
+        removed = _removed(own, count, order)
+        drain += [p for p in removed if own[p].get("ready", True)]
+        kept |= set(own) - set(removed)
+    return drain, kept
 
 
-def _least_busy(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
-    """The ready pods a ReplicaSet removing `leaving` of `pods` takes after those not ready, to drain."""
-    ready = [p for p, meta in pods.items() if meta.get("ready", True)]
-    leaving -= len(pods) - len(ready)
+PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
+
+
+def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
+    """The `leaving` pods a ReplicaSet removes, in its order: unscheduled, pending, not ready, then the lowest deletion
+    cost, which the drain gives to the least busy ready ones (first those this action drained already: a leader taking
+    over redoes it)."""
     # Drained by this action: its stamp and the drain's deletion cost (a pod routed again loses the cost).
     mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
             and _dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST)}
-    return sorted(ready, key=lambda p: (p not in mine, _load(order, p), p))[:max(0, leaving)]
+
+    def rank(p: str) -> tuple[bool, int, bool, bool, float, str]:
+        meta = pods[p]
+        ready = bool(meta.get("ready", True))
+        return (bool(meta.get("node", True)), PHASE_RANK.get(str(meta.get("phase", "Running")), 2), ready,
+                p not in mine, _load(order, p) if ready else 0.0, p)
+
+    return sorted(pods, key=rank)[:max(0, leaving)]
 
 
 def _owner(meta: Mapping[str, Any]) -> str | None:
@@ -421,7 +430,12 @@ class KubernetesActuator:
         if w is None:
             return None
         obj = await self._read(w)
-        return bool(_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp)
+        if _dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+            return True
+        if isinstance(order.change, Speculation | Eplb):  # a Rollout's change lands on the Deployment it follows first
+            holder, held = await self._template_holder(w, obj)
+            return holder is not w and _dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
+        return False
 
     def _workload(self, order: Order) -> Workload | None:
         change = order.change
@@ -514,7 +528,7 @@ class KubernetesActuator:
         holder, held = await self._template_holder(w, obj)
         if holder is not w and _dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
             # The referenced template carries the change already (the Rollout's stamp was lost): not made twice.
-            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            await self._stamp_follower(order, w)
             return {"already_applied": f"{holder.kind} {holder.namespace}/{holder.name}"}
         kind = KINDS[holder.kind]
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
@@ -557,9 +571,17 @@ class KubernetesActuator:
                 **_nest(kind.template, template)}
         await self._patch(holder, body, f"patching the pod template of {where}")
         if holder is not w:
-            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            await self._stamp_follower(order, w)
         await self._event(order, w, describe(change))
         return {"patched": where, "container": w.container, **detail}
+
+    async def _stamp_follower(self, order: Order, w: Workload) -> None:
+        """Stamp a Rollout whose Deployment's template carries the change: for the audit only, as the Deployment's
+        stamp already says the change is made (`applied`), so a failure is logged, not the action's."""
+        try:
+            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+        except ActuationError as exc:
+            log.warning("action %d: %s", order.action_id, exc)
 
     async def _rollback(self, order: Order, w: Workload, obj: Mapping[str, Any]) -> dict[str, Any]:
         if w.kind == "Rollout":
@@ -603,7 +625,8 @@ class KubernetesActuator:
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                   w.namespace, label_selector=selector)
         # As the controllers count them: a pod being deleted, or one that ended (evicted, completed), is no replica.
-        return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p)}
+        return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p), "phase": _dig(p, ("status", "phase")),
+                                        "node": _dig(p, ("spec", "nodeName"))}
                 for p in listed["items"] if not _dig(p, ("metadata", "deletionTimestamp"))
                 and _dig(p, ("status", "phase")) not in ("Failed", "Succeeded")}
 
@@ -672,7 +695,10 @@ class KubernetesActuator:
                                                                                    + self.settings.drain_grace, 1)}
         if wait["then"] == "scale":
             w = self.workloads[order.pool]
-            obj = await self._read(w)
+            try:
+                obj = await self._read(w)
+            except ActuationError as exc:  # not scaled: the drained engines would serve nothing
+                raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
             size = int(_dig(obj, KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
             now_at = int(_dig(obj, ("spec", "replicas"), 1)) * size
             if (_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
@@ -702,7 +728,7 @@ class KubernetesActuator:
             try:
                 for pod in spared:
                     try:
-                        await self._reroute(order, w.namespace, pod, self._routing_value(w, obj))
+                        await self._reroute(order, w.namespace, pod, await self._routing_value(w, obj))
                     except _Missing:
                         pass  # gone meanwhile: nothing to route
             except ActuationError as exc:
@@ -754,7 +780,7 @@ class KubernetesActuator:
     async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str]) -> str:
         """Put the pods a failed scale-down took out of routing back in (they would stay running and serve nothing),
         and say how that went."""
-        value = self._routing_value(w, obj)
+        value = await self._routing_value(w, obj)
         failed = []
         for pod in pods:
             try:
@@ -767,9 +793,14 @@ class KubernetesActuator:
             return f"not routed again, set {self.settings.routing_label}={value} by hand: {', '.join(failed)}"
         return f"the drained engines are routed again ({', '.join(pods) or 'none'})"
 
-    def _routing_value(self, w: Workload, obj: Mapping[str, Any]) -> str:
-        """The routing label's value on the workload's pods (`true` where its template does not say)."""
-        labels = _dig(obj, (*KINDS[w.kind].template, "metadata", "labels"), {}) or {}
+    async def _routing_value(self, w: Workload, obj: Mapping[str, Any]) -> str:
+        """The routing label's value on the workload's pods (`true` where its template, or the template of the
+        Deployment a Rollout follows, does not say or cannot be read)."""
+        try:
+            holder, held = await self._template_holder(w, obj)
+        except ActuationError:
+            holder, held = w, obj
+        labels = _dig(held, (*KINDS[holder.kind].template, "metadata", "labels"), {}) or {}
         return str(labels.get(self.settings.routing_label, "true"))
 
     async def _evict(self, order: Order, namespace: str, pod: str) -> bool:

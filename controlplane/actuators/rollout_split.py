@@ -83,9 +83,11 @@ def sizes_after(deployment: Mapping[str, Any], sets: Sequence[Mapping[str, Any]]
     sizes = {str(rs["metadata"]["name"]): _replicas(rs) for rs in active}
     if to_add != 0:
         _spread(sizes, active, deployment, replicas, to_add)
-    # Its next pass trims a new ReplicaSet left above the Deployment's count to it.
-    newest = str(max(active, key=_revision)["metadata"]["name"])
-    sizes[newest] = min(sizes[newest], replicas)
+    # Its next pass trims a new ReplicaSet left above the Deployment's count to it (the newest of all: a new template's
+    # ReplicaSet not yet scaled up is the new one, and then none of the active ones is trimmed).
+    newest = str(max(sets, key=_revision)["metadata"]["name"])
+    if newest in sizes:
+        sizes[newest] = min(sizes[newest], replicas)
     return sizes
 
 

@@ -717,6 +717,15 @@ async def test_a_drain_that_cannot_grow_puts_every_drained_engine_back(server: A
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
 
 
+async def test_a_workload_unreadable_at_the_scale_puts_the_drained_engines_back(server: ApiServer,
+                                                                                api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    server.fail("GET", "/deployments/vllm-decode", 403, "deployments is forbidden")
+    with pytest.raises(ActuationError, match="forbidden; not scaled; the drained engines are routed again"):
+        await act.resume(o, wait, Clock().t + 5)
+    assert routed(server, "vllm-decode-a")
+
+
 async def test_a_drained_engine_that_crashed_is_not_routed_again(server: ApiServer, api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
     crashed = server.get(PODS, NS, "vllm-decode-a")
@@ -774,11 +783,13 @@ async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(s
     assert done["patched"] == "Deployment llm/vllm-canary-source" and done["num_speculative_tokens"] == 2
     assert (await act.observe()).pools["canary"].template not in (first, None)
     assert server.get(ROLLOUTS, NS, "vllm-canary")["metadata"]["annotations"][ACTION_ANNOTATION] == "11@0"  # type: ignore[index]
-    # The Rollout's stamp lost (its leader died between the writes): the step is not taken twice.
+    # The Rollout's stamp lost (its leader died between the writes): a new leader reads the change as made, and
+    # carrying it out again does not take the step twice.
     rollout = server.get(ROLLOUTS, NS, "vllm-canary")
     assert rollout is not None
     del rollout["metadata"]["annotations"][ACTION_ANNOTATION]
     server.put(ROLLOUTS, rollout)
+    assert await act.applied(o) is True
     assert "already_applied" in await act.carry_out(o)
     args = server.get(DEPLOYMENTS, NS, "vllm-canary-source")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
     assert json.loads(args[args.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
@@ -790,3 +801,48 @@ async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(s
         await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), pool="canary", action_id=12))
     seen = (await act.observe()).pools["canary"]
     assert seen.desired == 2 and seen.template is None, "its count is still known, its template not"
+
+
+async def test_a_rollout_following_a_deployment_is_routed_again_with_its_label(server: ApiServer,
+                                                                              api: client.ApiClient) -> None:
+    source = deployment("vllm-canary-source", replicas=0)
+    source["spec"]["template"]["metadata"]["labels"]["llm-d.ai/routed"] = "decode"  # the router selects on the value
+    server.put(DEPLOYMENTS, source)
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS},
+                          "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "vllm-canary-source"}},
+                                   "workloadRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                   "name": "vllm-canary-source"}}})
+    for name in ("vllm-canary-a", "vllm-canary-b"):
+        server.put(PODS, pod(name, app="vllm-canary-source"))
+    act = actuator(api)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(1), pool="canary", busy={"vllm-canary-a": 0.0, "vllm-canary-b": 2.0})
+    wait = (await act.carry_out(o))["wait"]
+    server.fail("PATCH", "/scale", 422, "admission webhook denied the request")
+    with pytest.raises(ActuationError, match="routed again"):
+        await act.resume(o, wait, Clock().t + 5)
+    back = server.get(PODS, NS, "vllm-canary-a")
+    assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "decode"
+    # The Rollout's own stamp fails after the Deployment took the change: the change is made, and says so.
+    server.fail("PATCH", "/rollouts/vllm-canary", 503, "etcd timeout", times=2)
+    done = await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), pool="canary", action_id=13))
+    assert done["patched"] == "Deployment llm/vllm-canary-source" and done["eplb"] is True
+
+
+async def test_a_drained_engine_that_crashed_but_stays_is_routed_again(server: ApiServer,
+                                                                       api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    crashed = server.get(PODS, NS, "vllm-decode-a")
+    assert crashed is not None
+    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # restarting, on its node
+    server.put(PODS, crashed)
+    replaced = pod("vllm-decode-c2")  # c was evicted; its replacement waits for a node, and goes before a
+    replaced["spec"].pop("nodeName")
+    replaced["status"] = {"phase": "Pending"}
+    server.put(PODS, replaced)
+    c = server.get(PODS, NS, "vllm-decode-c")
+    assert c is not None
+    c["status"] = {"phase": "Failed", "reason": "Evicted"}
+    server.put(PODS, c)
+    done = await act.resume(o, wait, Clock().t + 5)
+    assert done["replicas"] == 2 and done["spared"] == ["vllm-decode-a"] and routed(server, "vllm-decode-a")
