@@ -22,6 +22,9 @@ gives up its own least busy. A StatefulSet gives up its highest ordinals and a L
 highest groups, which are the ones drained. The engines that go are worked out again before the
 count is written: where the ReplicaSets moved meanwhile (a rollout went on, an engine went down),
 those the scale now removes drain too, and a drained engine it no longer removes is routed again.
+The action ends once the controller has removed the drained engines; one still there when the grace
+ends (the controller chose another: an Argo canary's weights, a rollout's own progress) is routed
+again, and the outcome says so (`not_removed`).
 New engine arguments (EPLB, speculative decoding) patch the engine container of the pod template
 once, with the object's resourceVersion (for an Argo Rollout with a `workloadRef`, the template of
 the Deployment it names, which the Rollout follows; that template's digest is the one reported);
@@ -671,6 +674,8 @@ class KubernetesActuator:
                          "deadline": self.clock() + self.settings.drain_grace}}
 
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        if wait["then"] == "verify":
+            return await self._verify_removed(order, wait, now)
         pods: list[str] = list(wait["pods"])
         idle = [p for p in pods if order.idle(p)]
         late = now >= float(wait["deadline"])
@@ -736,8 +741,13 @@ class KubernetesActuator:
             if spared:
                 detail["spared"] = spared
             going = [p for p in pods if p not in spared]
-            return {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
+            done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
                     **detail}
+            if self.dry_run or not going:
+                return done
+            # Verified, not assumed: the action ends once its controller has removed the drained engines.
+            return {"wait": {"phase": "removing", "pods": going, "namespace": w.namespace, "then": "verify",
+                             "deadline": now + self.settings.drain_grace, "done": done}}
         live = await self._live_pods(order)
         for pod in pods:
             if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
@@ -762,6 +772,26 @@ class KubernetesActuator:
             log.warning("action %d: which engines scaling %s removes cannot be read again (%s); scaling as drained",
                         order.action_id, order.pool, exc)
             return None
+
+    async def _verify_removed(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        """After a drained scale-down, wait for the workload's controller to remove the drained engines. One still
+        there when the grace ends was not the one removed (the controller chose another, or has not acted): it is
+        routed again rather than left serving nothing, and the outcome says so."""
+        w = self.workloads[order.pool]
+        late = now >= float(wait["deadline"])
+        try:
+            obj = await self._read(w)
+            live = await self._pods_of(w, obj)
+        except ActuationError as exc:
+            if not late:
+                return {"wait": wait}  # read again next tick
+            return {**wait["done"], "unverified": f"whether the drained engines were removed: {exc}"}
+        left = [p for p in wait["pods"] if _dig(live.get(p), ("annotations", ACTION_ANNOTATION)) == order.stamp]
+        if left and not late:
+            return {"wait": wait}
+        if not left:
+            return {**wait["done"], "removed": wait["pods"]}
+        return {**wait["done"], "not_removed": left, "routing": await self._back_in(order, w, obj, left)}
 
     async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
         """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told

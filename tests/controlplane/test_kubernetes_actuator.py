@@ -196,9 +196,39 @@ async def test_scale_down_drains_the_least_busy_engines_first(server: ApiServer,
     still = await act.resume(o, first["wait"], clock.t)  # it still has a request in flight
     assert "wait" in still
     idle = Order(o.action_id, o.kind, o.pool, o.change, o.reason, busy={**busy, "vllm-decode-b": 0.0})
-    done = await act.resume(idle, first["wait"], clock.t + 5)
-    assert done["replicas"] == 2 and done["idle"] is True and done["drained"] == ["vllm-decode-b"]
+    removing = await act.resume(idle, first["wait"], clock.t + 5)
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+    # The action ends once the ReplicaSet has removed the drained engine, not when the count is written.
+    assert "wait" in await act.resume(idle, removing["wait"], clock.t + 20)
+    remove(server, "vllm-decode-b")
+    done = await act.resume(idle, removing["wait"], clock.t + 35)
+    assert done["replicas"] == 2 and done["idle"] is True and done["drained"] == ["vllm-decode-b"]
+    assert done["removed"] == ["vllm-decode-b"]
+
+
+def remove(server: ApiServer, *names: str) -> None:
+    """What a ReplicaSet does to the pods it scales away: they terminate."""
+    for name in names:
+        gone = server.get(PODS, NS, name)
+        assert gone is not None
+        gone["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
+        server.put(PODS, gone)
+
+
+def scaled(result: dict[str, Any]) -> dict[str, Any]:
+    """The outcome of a scale-down whose count is written, recorded once its drained engines are gone."""
+    assert result["wait"]["then"] == "verify", result
+    return dict(result["wait"]["done"])
+
+
+async def test_a_drained_engine_the_controller_did_not_remove_is_routed_again(server: ApiServer,
+                                                                             api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    removing = await act.resume(o, wait, Clock().t + 5)
+    remove(server, "vllm-decode-c")  # it chose another (a rollout's proportions, a canary's weight)
+    assert "wait" in await act.resume(o, removing["wait"], Clock().t + 30)
+    done = await act.resume(o, removing["wait"], Clock().t + 66)
+    assert done["replicas"] == 2 and done["not_removed"] == ["vllm-decode-a"] and routed(server, "vllm-decode-a")
 
 
 def lws(replicas: int = 2, size: int = 4) -> dict[str, Any]:
@@ -309,7 +339,7 @@ async def test_a_late_count_is_waited_for_and_a_silent_engine_is_not(server: Api
     unknown = order(ActionKind.SCALE_POOL, ScaleTo(1))  # the source keeps no per-target health
     assert "wait" in await act.resume(unknown, first["wait"], clock.t + 5)
     gone = order(ActionKind.SCALE_POOL, ScaleTo(1), busy={"vllm-decode-a": 0.0}, answering={"vllm-decode-a"})
-    done = await act.resume(gone, first["wait"], clock.t + 6)  # c is no longer discovered; a is idle
+    done = scaled(await act.resume(gone, first["wait"], clock.t + 6))  # c is no longer discovered; a is idle
     assert done["idle"] is True and done["replicas"] == 1
 
 
@@ -688,8 +718,8 @@ async def test_a_scale_down_mid_rollout_drains_each_replicasets_share(server: Ap
     assert more["wait"]["pods"][2:] == ["vllm-decode-a1"] and more["wait"]["deadline"] == clock.t + 60
     assert not routed(server, "vllm-decode-a1")
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
-    done = await act.resume(order(ActionKind.SCALE_POOL, ScaleTo(2), busy={**idle.busy, "vllm-decode-a1": 0.0}),
-                            more["wait"], clock.t + 5)
+    done = scaled(await act.resume(order(ActionKind.SCALE_POOL, ScaleTo(2),
+                                         busy={**idle.busy, "vllm-decode-a1": 0.0}), more["wait"], clock.t + 5))
     assert done["replicas"] == 2 and done["idle"] is True and "spared" not in done, "a2 is gone, not spared"
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
 
@@ -732,7 +762,7 @@ async def test_a_drained_engine_that_crashed_is_not_routed_again(server: ApiServ
     assert crashed is not None
     crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # its ReplicaSet removes it first anyway
     server.put(PODS, crashed)
-    done = await act.resume(o, wait, Clock().t + 5)
+    done = scaled(await act.resume(o, wait, Clock().t + 5))
     assert done["replicas"] == 2 and "spared" not in done and not routed(server, "vllm-decode-a")
 
 

@@ -4,8 +4,8 @@ the leader in the middle of an action loses nothing and repeats nothing.
 The action is a drained scale-down (3 -> 2 engines): the leader takes the least busy engine out of
 routing and waits for it to go idle. It is killed while it waits. The follower takes the Lease once
 the leader's record has not changed for the lease duration, resumes the wait from the audit log,
-and scales the Deployment when the engine is idle. Each process has its own credentials, so the
-emulator's request log says who wrote what.
+scales the Deployment when the engine is idle, and ends the action once the engine is removed. Each
+process has its own credentials, so the emulator's request log says who wrote what.
 """
 
 from __future__ import annotations
@@ -197,13 +197,18 @@ async def test_the_follower_takes_over_a_killed_leaders_action_once(
 
         await until("b to take over", lambda: "taken_over" in audit())
         state.busy["vllm-decode-a"] = 0  # the drained engine finishes its requests
+        await until("b to scale", lambda: server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2)  # type: ignore[index]
+        gone = server.get(PODS, NS, "vllm-decode-a")  # the ReplicaSet removes the drained engine
+        assert gone is not None
+        gone["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
+        server.put(PODS, gone)
         await until("the action to finish", lambda: only(store).state is not ActionState.STARTED)
 
         done = only(store)
         assert done.state is ActionState.SUCCEEDED, (done, audit(), logs["b"].read_text()[-3000:])
         events = audit()
         assert events.count("started") == 1 and events.count("succeeded") == 1, events
-        assert events[-3:] == ["waiting", "taken_over", "succeeded"], events
+        assert events[-4:] == ["waiting", "taken_over", "waiting", "succeeded"], events  # the drain, then the removal
         scales = [w for w in writes(server, "replica-a") + writes(server, "replica-b") if w.endswith("/scale")]
         assert scales == [f"PATCH /apis/apps/v1/namespaces/{NS}/deployments/vllm-decode/scale"], "scaled once"
         assert writes(server, "replica-b").count(f"PATCH /api/v1/namespaces/{NS}/pods/vllm-decode-a") == 0, \
