@@ -35,6 +35,7 @@ from policies.inputs import StaleInputsSettings
 from policies.kv_transfer import KvTransferSettings
 from policies.prefix_cache import PrefixCacheSettings
 from policies.saturation import SaturationSettings
+from policies.settling import PoolStalledSettings
 from policies.slo_burn import SloBurnSettings
 from policies.spec_decode import SpecDecodeSettings
 from policies.types import ActionKind
@@ -274,6 +275,7 @@ class Policies(Settings):
     gpu_health: GpuHealthSettings = GpuHealthSettings()
     ep_imbalance: EpImbalanceSettings = EpImbalanceSettings()
     stale_inputs: StaleInputsSettings = StaleInputsSettings()
+    pool_stalled: PoolStalledSettings = PoolStalledSettings()
     canary_regression: CanaryRolloutSettings = CanaryRolloutSettings()
 
     def enabled(self) -> dict[str, PolicySettings]:
@@ -302,6 +304,9 @@ class Rails(Settings):
     revert_ttl: Seconds = 6 * 3600.0
     # A watched gauge that held one non-zero value this long is not trusted to act on (0: never).
     frozen_after: NonNegativeSeconds = 900.0
+    # A pool short of ready engines this long is stalled, not settling (its missing engines may never come): a
+    # scale-down may run on it, and a `pool_stalled` finding says so.
+    settle_timeout: Seconds = 900.0
 
     def cooldown_for(self, kind: str) -> float:
         """The cooldown after an action of `kind` on a pool."""

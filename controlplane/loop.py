@@ -33,6 +33,7 @@ from controlplane.store.records import ActionRecord, FindingRecord, NewAction, N
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, GANG, READY, STARTUP, TARGET, PoolPlan, Sizer, plan_each
 from policies.inputs import frozen_inputs
+from policies.settling import stalled_since
 from policies.types import (
     ActionKind,
     FindingKey,
@@ -316,6 +317,8 @@ class ControlLoop:
         for pool in self.config.pools:
             unreadable = view.unreadable.get(pool.name)
             rep = self._last_replicas.get(pool.name) if unreadable else view.pools.get(pool.name)
+            short = None if rep is None else stalled_since(self.windows, pool.name, now, rep.desired, rep.ready)
+            stalled = None if short is None or now - short < self.config.rails.settle_timeout else now - short
             out[pool.name] = state = PoolState(
                 name=pool.name, role=str(pool.role),
                 desired=rep.desired if rep else 0, ready=rep.ready if rep else 0,
@@ -324,6 +327,7 @@ class ControlLoop:
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
                 stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
                 unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
+                stalled_for=stalled,
             )
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),

@@ -6,7 +6,8 @@ pool as it is then, since a person may approve minutes after the proposal and th
 moved (a pod template changed since, a pool moved from the count it was asked to leave). Both hold every
 kind of action to the same rules: the mode and the kill switch, what the actuator supports, one action
 in flight per pool (reverts due first; a scale passes another kind's change that waits to run), a pool
-that is still settling (not a revert's own: it may be what keeps it from settling), a cooldown per
+that is still settling (not a revert's own: it may be what keeps it from settling; nor a scale-down of a
+pool stalled short of ready engines, `PoolState.stalled_for`), a cooldown per
 pool and kind, one disruptive change (a restart of a pool's engines) in the whole fleet at a time,
 never more engines restarting at once than the pool allows, nothing resting on inputs that are
 stale now (`PoolState.stale_inputs`), and a fleet-wide hourly rate limit. A fresh proposal is also
@@ -156,9 +157,10 @@ def stale_among(inputs: Collection[str], stale: Mapping[str, str]) -> dict[str, 
 
 def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],
            rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str],
-           inputs: Collection[str] = (), undoing: bool = False) -> RailsDecision | None:
+           inputs: Collection[str] = (), undoing: bool = False, lowers: bool = False) -> RailsDecision | None:
     """The rules every action passes, proposed or due: None when none holds it back. A revert (`undoing`) is not held
-    by its own pool's settling or rollout: the change it undoes may be what keeps the pool from settling."""
+    by its own pool's settling or rollout: the change it undoes may be what keeps the pool from settling. Nor is a
+    scale-down (`lowers`) of a stalled pool: its missing engines may never come, and it goes first."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     if paused is not None:
@@ -174,8 +176,10 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if any(a.state == ActionState.STARTED
            or (a.state in ACTIVE_STATES and (kind is not ActionKind.SCALE_POOL or a.kind == kind)) for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
-    if pool.ready != pool.desired and not undoing:
-        return _held(RailsReason.POOL_NOT_SETTLED, f"{pool.name} has {pool.ready} of {pool.desired} replicas ready")
+    if pool.ready != pool.desired and not undoing and not (lowers and pool.stalled_for is not None):
+        stalled = "" if pool.stalled_for is None else f" for {pool.stalled_for / 60:.0f} min (only a scale-down runs)"
+        return _held(RailsReason.POOL_NOT_SETTLED,
+                     f"{pool.name} has {pool.ready} of {pool.desired} replicas ready{stalled}")
     blocked = stale_among(inputs, pool.stale_inputs)
     if blocked:
         why = "; ".join(f"{k}: {v}" for k, v in sorted(blocked.items()))
@@ -199,6 +203,13 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
                      f"a new pod template on {pool.name} restarts {pool.gang} engines together (one gang), more than "
                      f"its maxUnavailable of {pool.max_unavailable or 1}: roll it by hand")
     return None
+
+
+def _lowers(change: Change, pool: PoolState) -> bool:
+    """Whether a change asks for fewer engines than the pool has now."""
+    if isinstance(change, ScaleTo):
+        return change.replicas < pool.desired
+    return isinstance(change, ScaleBy) and change.delta < 0
 
 
 def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
@@ -262,7 +273,7 @@ def check(
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {proposal.pool!r} is not in the fleet file")
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,
-                  now=now, unsettled=unsettled, inputs=proposal.inputs)
+                  now=now, unsettled=unsettled, inputs=proposal.inputs, lowers=_lowers(proposal.change, pool))
     if gate is not None:
         return gate
     recent = [a for a in history if now - a.created_at < 3600 and a.state not in _NEVER_RAN]
@@ -297,11 +308,12 @@ def recheck(
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
     others = [a for a in history if _bears_on(a, action)]
+    change = change_from_dict(action.params["change"])
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
-                  unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params)
+                  unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params,
+                  lowers=_lowers(change, pool))
     if gate is not None:
         return gate
-    change = change_from_dict(action.params["change"])
     workload, now_running = rests_on(change, pool, router_template)
     was = action.params.get("from_template")
     if workload == ROUTER and was is not None and now_running is None:

@@ -35,6 +35,7 @@ from policies.inputs import StaleInputs
 from policies.kv_transfer import KvTransferLag
 from policies.prefix_cache import PrefixCacheHitDrop
 from policies.saturation import Saturation
+from policies.settling import PoolStalled
 from policies.slo_burn import SloBurn
 from policies.spec_decode import SpecDecodeCollapse
 from policies.types import Policy
@@ -70,6 +71,7 @@ POLICIES: dict[str, Callable[[Any], Policy]] = {
     "gpu_health": GpuHealth,
     "ep_imbalance": EpImbalance,
     "stale_inputs": StaleInputs,
+    "pool_stalled": PoolStalled,
     "canary_regression": CanaryRegression,
 }
 

@@ -265,6 +265,8 @@ class PoolState:
     unreadable: str | None = None
     rolling: bool = False  # a new pod template is still rolling out (engines restarting, with all ready or not)
     template: str | None = None  # a digest of the pod template its engines run (None: not known)
+    # Seconds it has been short of ready engines, once that is `rails.settle_timeout` or more (None: not stalled).
+    stalled_for: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

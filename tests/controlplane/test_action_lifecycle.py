@@ -7,7 +7,8 @@ actions than the cooldown and the rate limit allow; a stale approval (the pool m
 approval and run) is cancelled, not applied; an approval racing the execution of another control
 plane starts the action once; a dry-run actuator's action ends `dry_run`, never `succeeded`; any
 exception from an actuator is a failed action with its message and the loop goes on; undecided
-proposals expire after the TTL; an approved action waits while the pool settles.
+proposals expire after the TTL; an approved action waits while the pool settles, and a pool that
+does not settle (stalled) may still be scaled down.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewAction, Pause
 from controlplane.telemetry import Telemetry
 from policies.inputs import StaleInputs
+from policies.settling import PoolStalled
 from policies.types import (
     ActionKind,
     FindingKey,
@@ -490,3 +492,34 @@ async def test_a_fleet_that_cannot_be_read_stops_acting_not_detecting(clock: Vir
     del pools.observe  # readable again: the same finding acts at once
     await tick(loop, clock)
     assert pools.calls == [4]
+
+
+class Sheds:
+    """A policy that keeps a finding open that asks for one prefill replica fewer."""
+
+    kind = "test"
+    reads = ("requests_waiting",)
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        proposal = Proposal(ActionKind.SCALE_POOL, "prefill", ScaleBy(-1), "fewer prefill")
+        return PolicyResult([FindingReport(FindingKey("test", "pool/prefill"), Severity.WARNING, "too many", "load", {},
+                                           "test", (proposal,))])
+
+
+async def test_a_pool_that_never_settles_is_stalled_and_may_still_shrink(clock: VirtualClock) -> None:
+    # Asked for 8 engines, the cluster has GPUs for 6: the pool would settle never, and its size could not be
+    # lowered again. After `rails.settle_timeout` it is stalled: a finding says so and a scale-down runs.
+    store, pools = MemoryStore(), Pools(desired=8, ready=6)
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Sheds(), PoolStalled()], actuator=pools, clock=clock, telemetry=Telemetry())
+    held = []
+    for _ in range(60):  # 15 minutes less one tick
+        held += [note for _, _, note in (await loop.tick()).held]
+        clock.advance(15)
+    assert pools.calls == [] and held[-1] == "prefill has 6 of 8 replicas ready"
+    assert [f.kind for f in await store.open_findings()] == ["test"]
+    await loop.tick()
+    assert pools.calls == [7], "the scale-down passes the settling check"
+    assert sorted(f.kind for f in await store.open_findings()) == ["pool_stalled", "test"]
+    await tick(loop, clock)
+    assert [f.kind for f in await store.open_findings()] == ["test"], "7 of 7 ready: no longer stalled"

@@ -20,7 +20,7 @@ def test_every_policy_is_on_by_default_with_a_runbook() -> None:
 
     kinds = [p.kind for p in build_policies(parse_config(FLEET))]
     assert kinds == ["prefix_cache_hit_drop", "kv_transfer_lag", "spec_decode_collapse", "slo_burn", "saturation",
-                     "gpu_health", "ep_imbalance", "stale_inputs", "canary_regression"]
+                     "gpu_health", "ep_imbalance", "stale_inputs", "pool_stalled", "canary_regression"]
     assert set(kinds) <= set(runbooks.available())
 
 

@@ -1,0 +1,80 @@
+"""Pools that do not settle: fewer engines ready than their workload asks for, for longer than a
+scale-up or a rollout takes.
+
+A pool short of ready engines is settling, and the rails hold its actions until it has settled. When
+the missing engines never come (no free GPU to schedule them, an image that does not pull, a crash
+loop), waiting for it would hold the pool's size for good: the autoscaler could not even take back
+the engines it asked for. The loop marks such a pool stalled once it has been short for
+`rails.settle_timeout` (`stalled_since`, from the replica counts it records each tick); the rails
+then let a scale-down through (the engines not scheduled go first), and `PoolStalled` keeps a
+finding open meanwhile, so a person sees why.
+"""
+
+from __future__ import annotations
+
+from catalog.settings import Settings
+from policies.autoscale import DESIRED, READY
+from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
+from policies.windows import SignalWindows
+
+__all__ = ["KIND", "PoolStalled", "PoolStalledSettings", "stalled_since"]
+
+KIND = "pool_stalled"
+
+
+def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, ready: int) -> float | None:
+    """Since when the pool has had fewer engines ready than it asks for, without a break: from its recorded counts,
+    up to `desired` and `ready` now. None where it has what it asks for now."""
+    if ready >= desired:
+        return None
+    subject = f"pool/{pool}"
+    asked = dict(windows.series(subject, DESIRED))
+    since = now
+    for ts, got in reversed(windows.series(subject, READY)):
+        wanted = asked.get(ts)
+        if ts > now or wanted is None:
+            continue
+        if got >= wanted:
+            break
+        since = ts
+    return since
+
+
+class PoolStalledSettings(Settings):
+    """`policies.pool_stalled` in the fleet file; when a pool counts as stalled is `rails.settle_timeout`."""
+
+    enabled: bool = True
+
+    def problems(self, interval: float) -> list[tuple[str, str]]:
+        return []
+
+
+class PoolStalled:
+    """A finding per pool short of ready engines for longer than `rails.settle_timeout`, open while it is."""
+
+    kind = KIND
+    reads: tuple[str, ...] = (DESIRED, READY)
+
+    def __init__(self, settings: PoolStalledSettings | None = None) -> None:
+        self.settings = settings or PoolStalledSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        result = PolicyResult()
+        for name, pool in sorted(inp.pools.items()):
+            key = FindingKey(KIND, f"pool/{name}")
+            if pool.stalled_for is not None:
+                minutes = pool.stalled_for / 60
+                result.findings.append(FindingReport(
+                    key, Severity.WARNING,
+                    f"{name}: {pool.ready} of {pool.desired} engines ready for {minutes:.0f} min",
+                    f"the missing engines have not come up in {minutes:.0f} min (no free GPU to schedule them, an image "
+                    "that does not pull, a crash loop): only a scale-down acts on the pool meanwhile",
+                    {"desired": pool.desired, "ready": pool.ready, "stalled_for_s": round(pool.stalled_for)},
+                    "pool-stalled"))
+            elif key in inp.open_findings:
+                result.resolved.append((key, f"{pool.ready} of {pool.desired} engines ready"
+                                        if pool.ready < pool.desired else "every engine it asks for is ready"))
+        pools = {f"pool/{name}" for name in inp.pools}
+        result.resolved += [(key, "the pool is no longer in the fleet file") for key in inp.open_findings
+                            if key.kind == KIND and key.subject not in pools]
+        return result

@@ -1,0 +1,66 @@
+"""Stalled pools: how long a pool has been short of ready engines, from its recorded counts, and the
+finding that stays open while it is stalled."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.settling import PoolStalled, stalled_since
+from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState, Severity
+from policies.windows import SignalWindows
+
+NOW = 100_000.0
+
+
+def recorded(counts: list[tuple[int, int]], step: float = 15.0) -> SignalWindows:
+    """(desired, ready) per tick, the last one `step` before NOW."""
+    w = SignalWindows(7200)
+    for i, (desired, ready) in enumerate(counts):
+        ts = NOW - step * (len(counts) - i)
+        w.add(ts, "pool/decode", "replicas_desired", desired)
+        w.add(ts, "pool/decode", "replicas_ready", ready)
+    return w
+
+
+def test_a_pool_short_since_its_scale_up() -> None:
+    w = recorded([(6, 6)] * 4 + [(8, 6)] * 10)
+    assert stalled_since(w, "decode", NOW, 8, 6) == NOW - 150
+    assert stalled_since(w, "decode", NOW, 8, 8) is None, "it has what it asks for now"
+    assert stalled_since(w, "decode", NOW, 8, 7) == NOW - 150, "one more engine is no break"
+    assert stalled_since(recorded([]), "decode", NOW, 8, 6) == NOW, "nothing recorded: short from now"
+    assert stalled_since(recorded([(8, 8)]), "decode", NOW, 8, 6) == NOW
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), max_size=30), st.integers(1, 4), st.integers(0, 4))
+def test_the_run_matches_a_plain_scan(counts: list[tuple[int, int]], desired: int, ready: int) -> None:
+    since = stalled_since(recorded(counts), "decode", NOW, desired, ready)
+    if ready >= desired:
+        assert since is None
+        return
+    expect = NOW
+    for i in range(len(counts) - 1, -1, -1):
+        if counts[i][1] >= counts[i][0]:
+            break
+        expect = NOW - 15.0 * (len(counts) - i)
+    assert since == expect
+
+
+def state(ready: int, stalled_for: float | None) -> PoolState:
+    return PoolState("decode", "decode", 8, ready, 1, 8, stalled_for=stalled_for)
+
+
+def test_the_finding_opens_while_stalled_and_resolves_when_the_engines_come() -> None:
+    policy = PoolStalled()
+    key = FindingKey("pool_stalled", "pool/decode")
+    [finding] = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(6, 960.0)}, {})).findings
+    assert finding.key == key and finding.severity is Severity.WARNING and finding.proposals == ()
+    assert finding.evidence == {"desired": 8, "ready": 6, "stalled_for_s": 960}
+    assert finding.summary == "decode: 6 of 8 engines ready for 16 min"
+    assert policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(6, None)}, {})).findings == [], (
+        "settling, not stalled")
+    open_ = {key: OpenFinding(key, NOW - 60, {})}
+    done = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(8, None)}, open_))
+    assert done.findings == [] and done.resolved == [(key, "every engine it asks for is ready")]
+    gone = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"prefill": state(8, None)}, open_))
+    assert gone.resolved == [(key, "the pool is no longer in the fleet file")]
