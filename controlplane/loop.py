@@ -317,8 +317,7 @@ class ControlLoop:
         for pool in self.config.pools:
             unreadable = view.unreadable.get(pool.name)
             rep = self._last_replicas.get(pool.name) if unreadable else view.pools.get(pool.name)
-            short = None if rep is None else stalled_since(self.windows, pool.name, now, rep.desired, rep.ready)
-            stalled = None if short is None or now - short < self.config.rails.settle_timeout else now - short
+            stalled = None if rep is None or unreadable or rep.rolling else self._stalled_for(pool.name, rep, now)
             out[pool.name] = state = PoolState(
                 name=pool.name, role=str(pool.role),
                 desired=rep.desired if rep else 0, ready=rep.ready if rep else 0,
@@ -337,6 +336,15 @@ class ControlLoop:
         # Replica counts are signals too: start-up times are measured from them and the dashboard plots them.
         self._keep(record)
         return out
+
+    def _stalled_for(self, pool: str, rep: PoolReplicas, now: float) -> float | None:
+        """How long the pool has been short of ready engines, once that is longer than a start-up takes: the larger
+        of `rails.settle_timeout` and three times the pool's last measured start-up (a large model loads for long)."""
+        since = stalled_since(self.windows, pool, now, rep.desired, rep.ready, gap=4 * self.config.scrape.interval)
+        startup = self.windows.latest(f"pool/{pool}", STARTUP) or 0.0
+        if since is None or now - since < max(self.config.rails.settle_timeout, 3 * startup):
+            return None
+        return now - since
 
     def _keep(self, signals: list[Signal]) -> None:
         """Add signals the loop derives itself to the windows now (the sizer reads them this tick); they are

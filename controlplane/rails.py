@@ -157,10 +157,10 @@ def stale_among(inputs: Collection[str], stale: Mapping[str, str]) -> dict[str, 
 
 def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],
            rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str],
-           inputs: Collection[str] = (), undoing: bool = False, lowers: bool = False) -> RailsDecision | None:
+           inputs: Collection[str] = (), undoing: bool = False, sheds: bool = False) -> RailsDecision | None:
     """The rules every action passes, proposed or due: None when none holds it back. A revert (`undoing`) is not held
     by its own pool's settling or rollout: the change it undoes may be what keeps the pool from settling. Nor is a
-    scale-down (`lowers`) of a stalled pool: its missing engines may never come, and it goes first."""
+    scale-down of a stalled pool that gives up only engines it waits for (`sheds`): they may never come."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     if paused is not None:
@@ -176,8 +176,9 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if any(a.state == ActionState.STARTED
            or (a.state in ACTIVE_STATES and (kind is not ActionKind.SCALE_POOL or a.kind == kind)) for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
-    if pool.ready != pool.desired and not undoing and not (lowers and pool.stalled_for is not None):
-        stalled = "" if pool.stalled_for is None else f" for {pool.stalled_for / 60:.0f} min (only a scale-down runs)"
+    if pool.ready != pool.desired and not undoing and not (sheds and pool.stalled_for is not None):
+        stalled = ("" if pool.stalled_for is None else
+                   f" for {pool.stalled_for / 60:.0f} min (only a scale-down to {pool.ready} or more runs)")
         return _held(RailsReason.POOL_NOT_SETTLED,
                      f"{pool.name} has {pool.ready} of {pool.desired} replicas ready{stalled}")
     blocked = stale_among(inputs, pool.stale_inputs)
@@ -205,11 +206,16 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     return None
 
 
-def _lowers(change: Change, pool: PoolState) -> bool:
-    """Whether a change asks for fewer engines than the pool has now."""
+def _asks(change: Change, pool: PoolState) -> int:
+    """The engines a change asks the pool for (its count now for a change that is no scale)."""
     if isinstance(change, ScaleTo):
-        return change.replicas < pool.desired
-    return isinstance(change, ScaleBy) and change.delta < 0
+        return change.replicas
+    return pool.desired + change.delta if isinstance(change, ScaleBy) else pool.desired
+
+
+def _sheds(change: Change, pool: PoolState) -> bool:
+    """Whether a change gives up only engines the pool asks for and does not have ready."""
+    return pool.ready <= _asks(change, pool) < pool.desired
 
 
 def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
@@ -272,15 +278,19 @@ def check(
         return _held(RailsReason.NOT_SUPPORTED, f"the actuator cannot carry out {proposal.kind}")
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {proposal.pool!r} is not in the fleet file")
+    change = proposal.change
+    if pool.stalled_for is not None and _asks(change, pool) < min(pool.ready, pool.desired):
+        # A stalled pool gives up the engines it waits for before any that serve: down to its ready ones, this time.
+        change = ScaleTo(max(pool.ready, pool.min_replicas))
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,
-                  now=now, unsettled=unsettled, inputs=proposal.inputs, lowers=_lowers(proposal.change, pool))
+                  now=now, unsettled=unsettled, inputs=proposal.inputs, sheds=_sheds(change, pool))
     if gate is not None:
         return gate
     recent = [a for a in history if now - a.created_at < 3600 and a.state not in _NEVER_RAN]
     if len(recent) >= rails.max_actions_per_hour:
         return _held(RailsReason.RATE_LIMITED,
                      f"{len(recent)} actions in the last hour (limit {rails.max_actions_per_hour})")
-    decision = _shape(proposal.change, proposal.kind, pool, rails)
+    decision = _shape(change, proposal.kind, pool, rails)
     if decision.reason is RailsReason.ALLOWED and mode is Mode.PROPOSE:
         return RailsDecision(RailsReason.NEEDS_APPROVAL, decision.change, decision.note + " (awaiting approval)")
     return decision
@@ -311,7 +321,7 @@ def recheck(
     change = change_from_dict(action.params["change"])
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
                   unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params,
-                  lowers=_lowers(change, pool))
+                  sheds=_sheds(change, pool))
     if gate is not None:
         return gate
     workload, now_running = rests_on(change, pool, router_template)

@@ -171,9 +171,9 @@ class Saturation:
         causes = []
         long_queue = self._long(waiting, normal) if is_open else waiting >= s.min_waiting_per_engine
         state = inp.pools.get(pool)
-        scaling = state is not None and state.desired > state.ready
+        scaling = state is not None and state.desired > state.ready and state.stalled_for is None
         # Opening needs growth, and not while replicas are being added: the queue is expected to
-        # grow until they serve. An open finding stays while the queue is still long.
+        # grow until they serve (a stalled pool's never come). An open finding stays while the queue is still long.
         if long_queue and ((growing and not scaling) or is_open):
             causes.append(Cause.QUEUE_GROWTH)
         if self._kv_exhausted(w, subject, s.recent_points):

@@ -5,9 +5,10 @@ A pool short of ready engines is settling, and the rails hold its actions until 
 the missing engines never come (no free GPU to schedule them, an image that does not pull, a crash
 loop), waiting for it would hold the pool's size for good: the autoscaler could not even take back
 the engines it asked for. The loop marks such a pool stalled once it has been short for
-`rails.settle_timeout` (`stalled_since`, from the replica counts it records each tick); the rails
-then let a scale-down through (the engines not scheduled go first), and `PoolStalled` keeps a
-finding open meanwhile, so a person sees why.
+`rails.settle_timeout`, or three times its measured start-up if longer, while no new template rolls
+out (`stalled_since`, from the replica counts it records each tick); the rails then let a scale-down
+through that gives up only engines it waits for, and `PoolStalled` keeps a finding open meanwhile,
+so a person sees why.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ __all__ = ["KIND", "PoolStalled", "PoolStalledSettings", "stalled_since"]
 KIND = "pool_stalled"
 
 
-def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, ready: int) -> float | None:
+def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, ready: int, gap: float) -> float | None:
     """Since when the pool has had fewer engines ready than it asks for, without a break: from its recorded counts,
-    up to `desired` and `ready` now. None where it has what it asks for now."""
+    up to `desired` and `ready` now. None where it has what it asks for now. Counts more than `gap` apart (the
+    workload unreadable, the control plane down) are a break: what happened between them is not known."""
     if ready >= desired:
         return None
     subject = f"pool/{pool}"
@@ -34,7 +36,7 @@ def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, r
         wanted = asked.get(ts)
         if ts > now or wanted is None:
             continue
-        if got >= wanted:
+        if got >= wanted or since - ts > gap:
             break
         since = ts
     return since

@@ -709,7 +709,8 @@ class KubernetesActuator:
             if (_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
                     or now_at == int(wait["replicas"])):
                 # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
-                return {"already_applied": f"{w.kind} {w.namespace}/{w.name}", "replicas": now_at, **detail}
+                return self._removing(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
+                                                     "replicas": now_at, **detail})
             if "from" in wait and now_at != int(wait["from"]):
                 # Someone scaled the workload while its engines drained: setting the count decided before would
                 # undo that. The drained engines go back into routing, and the pool is sized again from here.
@@ -743,11 +744,7 @@ class KubernetesActuator:
             going = [p for p in pods if p not in spared]
             done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
                     **detail}
-            if self.dry_run or not going:
-                return done
-            # Verified, not assumed: the action ends once its controller has removed the drained engines.
-            return {"wait": {"phase": "removing", "pods": going, "namespace": w.namespace, "then": "verify",
-                             "deadline": now + self.settings.drain_grace, "done": done}}
+            return self._removing(w, going, now, done)
         live = await self._live_pods(order)
         for pod in pods:
             if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
@@ -772,6 +769,14 @@ class KubernetesActuator:
             log.warning("action %d: which engines scaling %s removes cannot be read again (%s); scaling as drained",
                         order.action_id, order.pool, exc)
             return None
+
+    def _removing(self, w: Workload, pods: Sequence[str], now: float, done: dict[str, Any]) -> dict[str, Any]:
+        """Verified, not assumed: a scale-down ends once its controller has removed the drained engines (`done` is its
+        outcome then); a dry run, or one that drained none, ends now."""
+        if self.dry_run or not pods:
+            return done
+        return {"wait": {"phase": "removing", "pods": list(pods), "namespace": w.namespace, "then": "verify",
+                         "deadline": now + self.settings.drain_grace, "done": done}}
 
     async def _verify_removed(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         """After a drained scale-down, wait for the workload's controller to remove the drained engines. One still

@@ -105,10 +105,11 @@ class Pools:
     hold: bool = False  # `resume` keeps waiting
     template: str | None = None  # the pod template's digest
     router_template: str | None = None
+    rolling: bool = False  # a new pod template rolling out
 
     async def observe(self) -> FleetView:
-        return FleetView({"prefill": PoolReplicas(self.desired, self.ready, template=self.template)},
-                         router_template=self.router_template)
+        return FleetView({"prefill": PoolReplicas(self.desired, self.ready, template=self.template,
+                                                  rolling=self.rolling)}, router_template=self.router_template)
 
     async def carry_out(self, order: Order) -> dict[str, Any]:
         assert isinstance(order.change, ScaleTo)
@@ -523,3 +524,17 @@ async def test_a_pool_that_never_settles_is_stalled_and_may_still_shrink(clock: 
     assert sorted(f.kind for f in await store.open_findings()) == ["pool_stalled", "test"]
     await tick(loop, clock)
     assert [f.kind for f in await store.open_findings()] == ["test"], "7 of 7 ready: no longer stalled"
+
+
+@pytest.mark.parametrize("slow", ["rolling", "long-start-up"])
+async def test_a_pool_that_is_only_slow_is_not_stalled(clock: VirtualClock, slow: str) -> None:
+    # A rollout one engine at a time, or engines that take 10 minutes to load: short for 16 minutes, and still on
+    # their way.
+    store, pools = MemoryStore(), Pools(desired=8, ready=6, rolling=slow == "rolling")
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Sheds(), PoolStalled()], actuator=pools, clock=clock, telemetry=Telemetry())
+    if slow == "long-start-up":
+        loop.windows.add(clock.now(), "pool/prefill", "autoscale_startup_seconds", 600.0)
+    for _ in range(65):
+        await tick(loop, clock)
+    assert pools.calls == [] and [f.kind for f in await store.open_findings()] == ["test"]

@@ -590,8 +590,11 @@ async def test_a_scale_down_taken_over_after_its_scale_is_done_not_failed(server
     old_leader, o, wait = await scaling_down(server, api)
     await old_leader.resume(o, wait, Clock().t + 5)  # the old leader scaled, then died unrecorded
     again = await actuator(api).resume(o, wait, Clock().t + 20)  # the new leader resumes its wait
-    assert "already_applied" in again and again["replicas"] == 2
+    done = scaled(again)  # and verifies the removal as the old leader would have
+    assert "already_applied" in done and done["replicas"] == 2
     assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"]  # type: ignore[index]
+    remove(server, "vllm-decode-a")
+    assert (await actuator(api).resume(o, again["wait"], Clock().t + 35))["removed"] == ["vllm-decode-a"]
 
 
 async def test_an_unreadable_router_leaves_the_pools_known_and_a_gone_pod_is_drained(server: ApiServer,

@@ -249,6 +249,8 @@ def due(start: int = 3, target: int = 4, kind: str = "scale_pool", change: Chang
                      id="stalled-runs-an-approved-scale-down"),
         pytest.param(Mode.ACT, replace(pool(ready=2), stalled_for=960.0), due(kind="enable_eplb", change=Eplb(True)),
                      [], RailsReason.POOL_NOT_SETTLED, id="stalled-holds-a-restart"),
+        pytest.param(Mode.ACT, replace(pool(ready=2, lo=1), stalled_for=960.0), due(target=1), [],
+                     RailsReason.POOL_NOT_SETTLED, id="stalled-holds-an-approved-cut-into-serving-engines"),
         pytest.param(Mode.ACT, pool(), due(), [Past("prefill", "started", NOW - 10, None)], RailsReason.IN_FLIGHT,
                      id="waits-for-another"),
         pytest.param(Mode.ACT, pool(), due(), [Past("prefill", "unknown", NOW - 200, NOW - 100)], RailsReason.COOLDOWN,
@@ -423,3 +425,12 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
 def test_one_change_per_finding_until_it_is_judged(earlier: Past, reason: RailsReason) -> None:
     d = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier], now=NOW, supported=ALL_KINDS, finding_id=5)
     assert d.reason is reason
+
+
+def test_a_stalled_pool_gives_up_the_engines_it_waits_for_first() -> None:
+    # 6 asked for, 2 ready for 16 minutes: asked to go to 1, it goes to its 2 ready engines this time.
+    stalled = replace(pool(desired=6, ready=2, lo=1), stalled_for=960.0)
+    wide = RAILS.model_copy(update={"max_step": 8})
+    d = check(ask(ActionKind.SCALE_POOL, ScaleTo(1)), stalled, mode=Mode.ACT, rails=wide, history=[], now=NOW,
+              supported=ALL_KINDS)
+    assert d.reason is RailsReason.ALLOWED and d.change == ScaleTo(2), d.note

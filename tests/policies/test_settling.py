@@ -23,18 +23,32 @@ def recorded(counts: list[tuple[int, int]], step: float = 15.0) -> SignalWindows
     return w
 
 
+GAP = 60.0
+
+
 def test_a_pool_short_since_its_scale_up() -> None:
     w = recorded([(6, 6)] * 4 + [(8, 6)] * 10)
-    assert stalled_since(w, "decode", NOW, 8, 6) == NOW - 150
-    assert stalled_since(w, "decode", NOW, 8, 8) is None, "it has what it asks for now"
-    assert stalled_since(w, "decode", NOW, 8, 7) == NOW - 150, "one more engine is no break"
-    assert stalled_since(recorded([]), "decode", NOW, 8, 6) == NOW, "nothing recorded: short from now"
-    assert stalled_since(recorded([(8, 8)]), "decode", NOW, 8, 6) == NOW
+    assert stalled_since(w, "decode", NOW, 8, 6, GAP) == NOW - 150
+    assert stalled_since(w, "decode", NOW, 8, 8, GAP) is None, "it has what it asks for now"
+    assert stalled_since(w, "decode", NOW, 8, 7, GAP) == NOW - 150, "one more engine is no break"
+    assert stalled_since(recorded([]), "decode", NOW, 8, 6, GAP) == NOW, "nothing recorded: short from now"
+    assert stalled_since(recorded([(8, 8)]), "decode", NOW, 8, 6, GAP) == NOW
+
+
+def test_a_gap_in_the_record_is_a_break() -> None:
+    # Short, then 20 minutes unreadable (it may have settled meanwhile), then short again: counted from after the gap.
+    w = recorded([(8, 7)] * 4, step=15.0)
+    late = NOW + 1200
+    for ts in (late - 30, late - 15):
+        w.add(ts, "pool/decode", "replicas_desired", 8)
+        w.add(ts, "pool/decode", "replicas_ready", 7)
+    assert stalled_since(w, "decode", late, 8, 7, GAP) == late - 30
+    assert stalled_since(w, "decode", NOW + 61, 8, 7, GAP) == NOW + 61, "the last record too old: from now"
 
 
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), max_size=30), st.integers(1, 4), st.integers(0, 4))
 def test_the_run_matches_a_plain_scan(counts: list[tuple[int, int]], desired: int, ready: int) -> None:
-    since = stalled_since(recorded(counts), "decode", NOW, desired, ready)
+    since = stalled_since(recorded(counts), "decode", NOW, desired, ready, GAP)
     if ready >= desired:
         assert since is None
         return
