@@ -485,8 +485,8 @@ class KubernetesActuator:
 
     async def _victims(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]],
                        replicas: int) -> tuple[list[str], set[str]]:
-        """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes, and the
-        ready ones it keeps."""
+        """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes and are
+        to drain, and those it keeps."""
         kind = KINDS[w.kind]
         size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
         desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
@@ -758,7 +758,7 @@ class KubernetesActuator:
 
     async def _victims_now(self, order: Order, w: Workload, obj: Mapping[str, Any], replicas: int
                            ) -> tuple[list[str], set[str]] | None:
-        """The engines the scale a drain waited for removes now, and the ready ones it keeps; None where that cannot
+        """The engines the scale a drain waited for removes now, and those it keeps; None where that cannot
         be told (a dry run, whose drain marked no pod; a failed read): the drained ones go, as they would have
         without the check."""
         if self.dry_run:
