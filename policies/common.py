@@ -15,6 +15,7 @@ __all__ = [
     "ratio_series",
     "recent_mean",
     "recent_median",
+    "removed_pools",
     "reported_since",
 ]
 
@@ -85,3 +86,10 @@ def gone_findings(inp: PolicyInput, kind: str, names: Iterable[str], stale_s: fl
         if not reported_since(inp.windows, key.subject, names, inp.now - stale_s):
             out.append((key, f"{key.subject} no longer reports"))
     return out
+
+
+def removed_pools(inp: PolicyInput, kind: str) -> list[tuple[FindingKey, str]]:
+    """Open findings of `kind` on pools no longer in the fleet file: nothing will report them settled again."""
+    pools = {f"pool/{name}" for name in inp.pools}
+    return [(key, "the pool is no longer in the fleet file") for key in inp.open_findings
+            if key.kind == kind and key.subject not in pools]

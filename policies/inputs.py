@@ -11,6 +11,7 @@ an in-flight series that no longer changed.
 from __future__ import annotations
 
 from catalog.settings import Settings
+from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
 
@@ -72,7 +73,5 @@ class StaleInputs:
                     reasons, {"inputs": dict(pool.stale_inputs)}, "stale-inputs"))
             elif key in inp.open_findings:
                 result.resolved.append((key, "its inputs are fresh again"))
-        pools = {f"pool/{name}" for name in inp.pools}
-        result.resolved += [(key, "the pool is no longer in the fleet file") for key in inp.open_findings
-                            if key.kind == KIND and key.subject not in pools]
+        result.resolved += removed_pools(inp, KIND)
         return result

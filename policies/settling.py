@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from catalog.settings import Settings
 from policies.autoscale import DESIRED, READY
+from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
 
@@ -76,7 +77,5 @@ class PoolStalled:
             elif key in inp.open_findings:
                 result.resolved.append((key, f"{pool.ready} of {pool.desired} engines ready"
                                         if pool.ready < pool.desired else "every engine it asks for is ready"))
-        pools = {f"pool/{name}" for name in inp.pools}
-        result.resolved += [(key, "the pool is no longer in the fleet file") for key in inp.open_findings
-                            if key.kind == KIND and key.subject not in pools]
+        result.resolved += removed_pools(inp, KIND)
         return result
