@@ -137,6 +137,7 @@ SIGNALS: tuple[SignalSpec, ...] = (
        "the pool's start-up time last measured (a raised replica count until it was ready)"),
     _s("replicas_gang", "count", Subject.POOL, Producer.ACTUATOR,
        "engines that come and go together (a LeaderWorkerSet group's size; 1 for other workloads)"),
+    _s("replicas_rolling", "0/1", Subject.POOL, Producer.ACTUATOR, "1 while a new pod template rolls out"),
     # GPUs ---------------------------------------------------------------------------------------
     _s("gpu_utilization", "ratio", Subject.GPU, _GPU, "GPU busy share"),
     _s("gpu_engine_active", "ratio", Subject.GPU, Producer.DCGM, "graphics/compute engine active share"),

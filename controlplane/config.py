@@ -39,6 +39,7 @@ from policies.settling import PoolStalledSettings
 from policies.slo_burn import SloBurnSettings
 from policies.spec_decode import SpecDecodeSettings
 from policies.types import ActionKind
+from policies.windows import HISTORY_S
 
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
                   | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | CanaryRolloutSettings)
@@ -307,6 +308,13 @@ class Rails(Settings):
     # A pool short of ready engines this long is stalled, not settling (its missing engines may never come): a
     # scale-down may run on it, and a `pool_stalled` finding says so.
     settle_timeout: Seconds = 900.0
+
+    @model_validator(mode="after")
+    def _settle_within_history(self) -> Rails:
+        if self.settle_timeout >= HISTORY_S:
+            raise ValueError(f"settle_timeout ({self.settle_timeout:g}s) must be shorter than the history the loop "
+                             f"keeps ({HISTORY_S:g}s): a stall that long could never be seen")
+        return self
 
     def cooldown_for(self, kind: str) -> float:
         """The cooldown after an action of `kind` on a pool."""

@@ -33,7 +33,7 @@ from controlplane.store.records import ActionRecord, FindingRecord, NewAction, N
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, GANG, READY, STARTUP, TARGET, PoolPlan, Sizer, plan_each
 from policies.inputs import frozen_inputs
-from policies.settling import stalled_since
+from policies.settling import ROLLING, stalled_since
 from policies.types import (
     ActionKind,
     FindingKey,
@@ -333,6 +333,7 @@ class ControlLoop:
                            Signal(now, f"pool/{pool.name}", READY, float(state.ready))]
                 # `fleetctl autoscale plan` reads it back to plan in whole groups as the loop does.
                 record.append(Signal(now, f"pool/{pool.name}", GANG, float(state.gang)))
+                record.append(Signal(now, f"pool/{pool.name}", ROLLING, float(state.rolling)))
         # Replica counts are signals too: start-up times are measured from them and the dashboard plots them.
         self._keep(record)
         return out

@@ -19,25 +19,28 @@ from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
 
-__all__ = ["KIND", "PoolStalled", "PoolStalledSettings", "stalled_since"]
+__all__ = ["KIND", "ROLLING", "PoolStalled", "PoolStalledSettings", "stalled_since"]
 
 KIND = "pool_stalled"
+ROLLING = "replicas_rolling"  # 1 while a new pod template rolls out: engines restart, they are not missing
 
 
 def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, ready: int, gap: float) -> float | None:
     """Since when the pool has had fewer engines ready than it asks for, without a break: from its recorded counts,
-    up to `desired` and `ready` now. None where it has what it asks for now. Counts more than `gap` apart (the
-    workload unreadable, the control plane down) are a break: what happened between them is not known."""
+    up to `desired` and `ready` now. None where it has what it asks for now. A tick that rolled out a new template
+    is a break (its engines restarted), and so are counts more than `gap` apart (the workload unreadable, the control
+    plane down): what happened between them is not known."""
     if ready >= desired:
         return None
     subject = f"pool/{pool}"
     asked = dict(windows.series(subject, DESIRED))
+    rolling = dict(windows.series(subject, ROLLING))
     since = now
     for ts, got in reversed(windows.series(subject, READY)):
         wanted = asked.get(ts)
         if ts > now or wanted is None:
             continue
-        if got >= wanted or since - ts > gap:
+        if got >= wanted or rolling.get(ts) or since - ts > gap:
             break
         since = ts
     return since
@@ -74,8 +77,8 @@ class PoolStalled:
                     "that does not pull, a crash loop): only a scale-down acts on the pool meanwhile",
                     {"desired": pool.desired, "ready": pool.ready, "stalled_for_s": round(pool.stalled_for)},
                     "pool-stalled"))
-            elif key in inp.open_findings:
-                result.resolved.append((key, f"{pool.ready} of {pool.desired} engines ready"
-                                        if pool.ready < pool.desired else "every engine it asks for is ready"))
+            elif key in inp.open_findings and pool.ready >= pool.desired:
+                # Short but not judged stalled this tick (unreadable, rolling out, a gap): it stays open, not flapping.
+                result.resolved.append((key, "every engine it asks for is ready"))
         result.resolved += removed_pools(inp, KIND)
         return result

@@ -153,7 +153,7 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
     return drain, kept
 
 
-PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
+_PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
 
 
 def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
@@ -167,7 +167,7 @@ def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) 
     def rank(p: str) -> tuple[bool, int, bool, bool, float, str]:
         meta = pods[p]
         ready = bool(meta.get("ready", True))
-        return (bool(meta.get("node", True)), PHASE_RANK.get(str(meta.get("phase", "Running")), 2), ready,
+        return (bool(meta.get("node", True)), _PHASE_RANK.get(str(meta.get("phase", "Running")), 2), ready,
                 p not in mine, _load(order, p) if ready else 0.0, p)
 
     return sorted(pods, key=rank)[:max(0, leaving)]
@@ -709,7 +709,7 @@ class KubernetesActuator:
             if (_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
                     or now_at == int(wait["replicas"])):
                 # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
-                return self._removing(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
+                return self._verifying(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
                                                      "replicas": now_at, **detail})
             if "from" in wait and now_at != int(wait["from"]):
                 # Someone scaled the workload while its engines drained: setting the count decided before would
@@ -731,10 +731,11 @@ class KubernetesActuator:
             # Drained, but the scale keeps it (another engine goes in its place): routed again, at the normal deletion
             # cost, before the count is written, so that the ReplicaSet removes the engines that go and not this one.
             spared = [p for p in pods if p in kept]
+            value = await self._routing_value(w, obj) if spared else ""
             try:
                 for pod in spared:
                     try:
-                        await self._reroute(order, w.namespace, pod, await self._routing_value(w, obj))
+                        await self._reroute(order, w.namespace, pod, value)
                     except _Missing:
                         pass  # gone meanwhile: nothing to route
             except ActuationError as exc:
@@ -744,7 +745,7 @@ class KubernetesActuator:
             going = [p for p in pods if p not in spared]
             done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
                     **detail}
-            return self._removing(w, going, now, done)
+            return self._verifying(w, going, now, done)
         live = await self._live_pods(order)
         for pod in pods:
             if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
@@ -770,7 +771,7 @@ class KubernetesActuator:
                         order.action_id, order.pool, exc)
             return None
 
-    def _removing(self, w: Workload, pods: Sequence[str], now: float, done: dict[str, Any]) -> dict[str, Any]:
+    def _verifying(self, w: Workload, pods: Sequence[str], now: float, done: dict[str, Any]) -> dict[str, Any]:
         """Verified, not assumed: a scale-down ends once its controller has removed the drained engines (`done` is its
         outcome then); a dry run, or one that drained none, ends now."""
         if self.dry_run or not pods:
@@ -790,13 +791,20 @@ class KubernetesActuator:
         except ActuationError as exc:
             if not late:
                 return {"wait": wait}  # read again next tick
-            return {**wait["done"], "unverified": f"whether the drained engines were removed: {exc}"}
-        left = [p for p in wait["pods"] if _dig(live.get(p), ("annotations", ACTION_ANNOTATION)) == order.stamp]
+            # Not known: routed again (a pod already gone answers 404), rather than maybe left serving nothing.
+            return {**wait["done"], "unverified": f"whether the drained engines were removed: {exc}",
+                    "routing": await self._back_in(order, w, {}, wait["pods"])}
+        # Still drained by this action (a pod routed again, or a new one under its name, is not).
+        left = [p for p in wait["pods"] if _dig(live.get(p), ("annotations", ACTION_ANNOTATION)) == order.stamp
+                and _dig(live.get(p), ("annotations", DELETION_COST)) == str(DRAINED_COST)]
         if left and not late:
             return {"wait": wait}
+        # Gone, or a new pod under its name; not one routed again (spared by a leader that stopped before recording it).
+        removed = [p for p in wait["pods"] if _dig(live.get(p), ("annotations", ACTION_ANNOTATION)) != order.stamp]
         if not left:
-            return {**wait["done"], "removed": wait["pods"]}
-        return {**wait["done"], "not_removed": left, "routing": await self._back_in(order, w, obj, left)}
+            return {**wait["done"], "removed": removed}
+        return {**wait["done"], "removed": removed, "not_removed": left,
+                "routing": await self._back_in(order, w, obj, left)}
 
     async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
         """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told

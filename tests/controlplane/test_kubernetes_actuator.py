@@ -879,3 +879,27 @@ async def test_a_drained_engine_that_crashed_but_stays_is_routed_again(server: A
     server.put(PODS, c)
     done = await act.resume(o, wait, Clock().t + 5)
     assert done["replicas"] == 2 and done["spared"] == ["vllm-decode-a"] and routed(server, "vllm-decode-a")
+
+
+async def test_a_removal_that_cannot_be_verified_routes_the_drained_engines_again(server: ApiServer,
+                                                                                 api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    removing = await act.resume(o, wait, Clock().t + 5)
+    server.fail("GET", "/deployments/vllm-decode", 403, "deployments is forbidden", times=4)
+    assert "wait" in await act.resume(o, removing["wait"], Clock().t + 30), "read again next tick"
+    done = await act.resume(o, removing["wait"], Clock().t + 66)
+    assert "forbidden" in done["unverified"] and routed(server, "vllm-decode-a")
+
+
+async def test_a_take_over_after_the_count_does_not_wait_on_a_spared_engine(server: ApiServer,
+                                                                           api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    crashed = server.get(PODS, NS, "vllm-decode-c")
+    assert crashed is not None
+    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    server.put(PODS, crashed)
+    await act.resume(o, wait, Clock().t + 5)  # a spared, routed again; the count written; the leader dies
+    again = await actuator(api).resume(o, wait, Clock().t + 20)  # the new leader resumes the drain's wait
+    remove(server, "vllm-decode-c")
+    done = await actuator(api).resume(o, again["wait"], Clock().t + 35)
+    assert done["removed"] == [] and routed(server, "vllm-decode-a"), "a serves; c, never drained, went"

@@ -35,6 +35,14 @@ def test_a_pool_short_since_its_scale_up() -> None:
     assert stalled_since(recorded([(8, 8)]), "decode", NOW, 8, 6, GAP) == NOW
 
 
+def test_a_rollout_is_a_break() -> None:
+    # A new template rolled out until two ticks ago: its engines restarted, none was missing.
+    w = recorded([(8, 6)] * 10)
+    for i, rolling in enumerate([1.0] * 8 + [0.0] * 2):
+        w.add(NOW - 15.0 * (10 - i), "pool/decode", "replicas_rolling", rolling)
+    assert stalled_since(w, "decode", NOW, 8, 6, GAP) == NOW - 30
+
+
 def test_a_gap_in_the_record_is_a_break() -> None:
     # Short, then 20 minutes unreadable (it may have settled meanwhile), then short again: counted from after the gap.
     w = recorded([(8, 7)] * 4, step=15.0)
@@ -74,6 +82,8 @@ def test_the_finding_opens_while_stalled_and_resolves_when_the_engines_come() ->
     assert policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(6, None)}, {})).findings == [], (
         "settling, not stalled")
     open_ = {key: OpenFinding(key, NOW - 60, {})}
+    held = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(6, None)}, open_))
+    assert held.findings == [] and held.resolved == [], "short, not judged this tick (unreadable, rolling): stays open"
     done = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"decode": state(8, None)}, open_))
     assert done.findings == [] and done.resolved == [(key, "every engine it asks for is ready")]
     gone = policy.evaluate(PolicyInput(NOW, SignalWindows(60), {"prefill": state(8, None)}, open_))
