@@ -215,6 +215,14 @@ def remove(server: ApiServer, *names: str) -> None:
         server.put(PODS, gone)
 
 
+def unready(server: ApiServer, name: str) -> None:
+    """An engine that crashed or restarts: running, not ready (its ReplicaSet removes such a pod first)."""
+    crashed = server.get(PODS, NS, name)
+    assert crashed is not None
+    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    server.put(PODS, crashed)
+
+
 def scaled(result: dict[str, Any]) -> dict[str, Any]:
     """The outcome of a scale-down whose count is written, recorded once its drained engines are gone."""
     assert result["wait"]["then"] == "verify", result
@@ -677,11 +685,18 @@ def mid_rollout(server: ApiServer, old: int, new: int, allowed: int) -> dict[str
         rs["metadata"]["annotations"]["deployment.kubernetes.io/max-replicas"] = str(allowed)
         server.put(REPLICASETS, rs)
         for i in range(1, count + 1):
-            p = pod(f"vllm-decode-{prefix}{i}")
-            p["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "controller": True,
-                                                 "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]}]
-            server.put(PODS, p)
+            server.put(PODS, owned_pod(server, f"vllm-decode-{prefix}{i}", rs["metadata"]["name"]))
     return dep
+
+
+def owned_pod(server: ApiServer, name: str, replica_set: str) -> dict[str, Any]:
+    """A decode engine's pod that `replica_set` controls."""
+    rs = server.get(REPLICASETS, NS, replica_set)
+    assert rs is not None
+    p = pod(name)
+    p["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "controller": True,
+                                         "name": replica_set, "uid": rs["metadata"]["uid"]}]
+    return p
 
 
 def routed(server: ApiServer, name: str) -> bool:
@@ -703,18 +718,13 @@ async def test_a_scale_down_mid_rollout_drains_each_replicasets_share(server: Ap
     assert routed(server, "vllm-decode-b2")
     # The rollout goes on while they drain: the old ReplicaSet gives up a2 (the lowest deletion cost) and a new pod
     # is ready. At 3 and 3 the scale now takes a second old engine, which drains too before the count is written.
-    a2 = server.get(PODS, NS, "vllm-decode-a2")
-    assert a2 is not None
-    a2["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
-    server.put(PODS, a2)
+    remove(server, "vllm-decode-a2")
     for revision in (1, 2):
         rs = server.get(REPLICASETS, NS, f"vllm-decode-h{revision}")
         assert rs is not None
         rs["spec"]["replicas"] = 3
         server.put(REPLICASETS, rs)
-    b3 = pod("vllm-decode-b3")
-    b3["metadata"]["ownerReferences"] = server.get(PODS, NS, "vllm-decode-b1")["metadata"]["ownerReferences"]  # type: ignore[index]
-    server.put(PODS, b3)
+    server.put(PODS, owned_pod(server, "vllm-decode-b3", "vllm-decode-h2"))
     idle = order(ActionKind.SCALE_POOL, ScaleTo(2), busy={**busy, "vllm-decode-a2": 0.0, "vllm-decode-b3": 2.0})
     clock.t += 20
     more = await act.resume(idle, first["wait"], clock.t)
@@ -740,9 +750,7 @@ async def test_a_drain_that_cannot_grow_puts_every_drained_engine_back(server: A
     assert rs is not None
     rs["spec"]["replicas"] = 5  # more old engines than the split counted on: a second old one goes now
     server.put(REPLICASETS, rs)
-    server.put(PODS, {**pod("vllm-decode-a5"), "metadata": {
-        **pod("vllm-decode-a5")["metadata"],
-        "ownerReferences": server.get(PODS, NS, "vllm-decode-a1")["metadata"]["ownerReferences"]}})  # type: ignore[index]
+    server.put(PODS, owned_pod(server, "vllm-decode-a5", "vllm-decode-h1"))
     server.fail("PATCH", "/pods/vllm-decode-a1", 403, "pods is forbidden")
     with pytest.raises(ActuationError, match="forbidden.*routed again"):
         await act.resume(o, wait, Clock().t + 5)
@@ -761,10 +769,7 @@ async def test_a_workload_unreadable_at_the_scale_puts_the_drained_engines_back(
 
 async def test_a_drained_engine_that_crashed_is_not_routed_again(server: ApiServer, api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
-    crashed = server.get(PODS, NS, "vllm-decode-a")
-    assert crashed is not None
-    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # its ReplicaSet removes it first anyway
-    server.put(PODS, crashed)
+    unready(server, "vllm-decode-a")  # its ReplicaSet removes it first anyway
     done = scaled(await act.resume(o, wait, Clock().t + 5))
     assert done["replicas"] == 2 and "spared" not in done and not routed(server, "vllm-decode-a")
 
@@ -772,10 +777,7 @@ async def test_a_drained_engine_that_crashed_is_not_routed_again(server: ApiServ
 async def test_a_spared_engine_that_cannot_be_routed_again_stops_the_scale(server: ApiServer,
                                                                           api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
-    crashed = server.get(PODS, NS, "vllm-decode-c")
-    assert crashed is not None
-    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    server.put(PODS, crashed)
+    unready(server, "vllm-decode-c")
     server.fail("PATCH", "/pods/vllm-decode-a", 403, "pods is forbidden")
     with pytest.raises(ActuationError, match="forbidden; not scaled"):
         await act.resume(o, wait, Clock().t + 5)
@@ -786,10 +788,7 @@ async def test_a_spared_engine_that_cannot_be_routed_again_stops_the_scale(serve
 async def test_a_drained_engine_the_scale_no_longer_removes_serves_again(server: ApiServer,
                                                                         api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
-    crashed = server.get(PODS, NS, "vllm-decode-c")
-    assert crashed is not None
-    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # the ReplicaSet removes it first
-    server.put(PODS, crashed)
+    unready(server, "vllm-decode-c")  # the ReplicaSet removes it first
     done = await act.resume(o, wait, Clock().t + 5)
     assert done["replicas"] == 2 and done["spared"] == ["vllm-decode-a"]
     back = server.get(PODS, NS, "vllm-decode-a")
@@ -865,10 +864,7 @@ async def test_a_rollout_following_a_deployment_is_routed_again_with_its_label(s
 async def test_a_drained_engine_that_crashed_but_stays_is_routed_again(server: ApiServer,
                                                                        api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
-    crashed = server.get(PODS, NS, "vllm-decode-a")
-    assert crashed is not None
-    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # restarting, on its node
-    server.put(PODS, crashed)
+    unready(server, "vllm-decode-a")  # restarting, on its node
     replaced = pod("vllm-decode-c2")  # c was evicted; its replacement waits for a node, and goes before a
     replaced["spec"].pop("nodeName")
     replaced["status"] = {"phase": "Pending"}
@@ -894,10 +890,7 @@ async def test_a_removal_that_cannot_be_verified_routes_the_drained_engines_agai
 async def test_a_take_over_after_the_count_does_not_wait_on_a_spared_engine(server: ApiServer,
                                                                            api: client.ApiClient) -> None:
     act, o, wait = await scaling_down(server, api)
-    crashed = server.get(PODS, NS, "vllm-decode-c")
-    assert crashed is not None
-    crashed["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    server.put(PODS, crashed)
+    unready(server, "vllm-decode-c")
     await act.resume(o, wait, Clock().t + 5)  # a spared, routed again; the count written; the leader dies
     again = await actuator(api).resume(o, wait, Clock().t + 20)  # the new leader resumes the drain's wait
     remove(server, "vllm-decode-c")
