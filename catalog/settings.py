@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-__all__ = ["NonNegativeSeconds", "Problem", "Seconds", "Settings", "duration", "least_window"]
+__all__ = ["NonNegativeSeconds", "Problem", "Seconds", "Settings", "SwitchSettings", "duration", "least_window"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -38,6 +38,15 @@ class Settings(BaseModel):
 
 
 Problem = tuple[str, str]  # (the field's name in the fleet file, what is wrong)
+
+
+class SwitchSettings(Settings):
+    """A policy's section with nothing to set but whether it runs (its thresholds are the rails')."""
+
+    enabled: bool = True
+
+    def problems(self, interval: float) -> list[Problem]:
+        return []
 
 
 def least_window(field: str, value: float, points: int, interval: float, why: str) -> list[Problem]:

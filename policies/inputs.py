@@ -10,7 +10,7 @@ an in-flight series that no longer changed.
 
 from __future__ import annotations
 
-from catalog.settings import Settings
+from catalog.settings import SwitchSettings
 from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
@@ -44,13 +44,8 @@ def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str,
     return out
 
 
-class StaleInputsSettings(Settings):
+class StaleInputsSettings(SwitchSettings):
     """`policies.stale_inputs` in the fleet file; when it counts as frozen is `rails.frozen_after`."""
-
-    enabled: bool = True
-
-    def problems(self, interval: float) -> list[tuple[str, str]]:
-        return []
 
 
 class StaleInputs:

@@ -13,7 +13,7 @@ so a person sees why.
 
 from __future__ import annotations
 
-from catalog.settings import Settings
+from catalog.settings import SwitchSettings
 from policies.autoscale import DESIRED, READY
 from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
@@ -46,13 +46,8 @@ def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, r
     return since
 
 
-class PoolStalledSettings(Settings):
+class PoolStalledSettings(SwitchSettings):
     """`policies.pool_stalled` in the fleet file; when a pool counts as stalled is `rails.settle_timeout`."""
-
-    enabled: bool = True
-
-    def problems(self, interval: float) -> list[tuple[str, str]]:
-        return []
 
 
 class PoolStalled:
