@@ -119,6 +119,8 @@ def _busy_ttft_minute(per_minute: Callable[[str], Mapping[float, float]], quanti
     not a value between two), with its own arrivals, request shape and engines (`per_minute`: a pool series' means by
     minute); None where no minute has both a TTFT and `MIN_MINUTE_REQUESTS` requests with their prompt tokens."""
     ttft = per_minute("ttft_p95")
+    if not ttft:
+        return None
     shape = {name: per_minute(name) for name in _MINUTE_SHAPE}
     minutes = [m for m in ttft if shape["request_rate"].get(m, 0.0) * 60.0 >= MIN_MINUTE_REQUESTS
                and m in shape["prompt_tokens_rate"]]

@@ -163,14 +163,15 @@ def _factors(measured: float | None, fixed: float, queueing: float) -> tuple[flo
 
 
 def _ttft_minute(facts: PoolFacts, obs: PoolObserved, eng: Engine) -> TtftMinute | None:
-    """The busy TTFT minute as a load, with the model's TTFT factors at the pool's own size there; None where the pool
-    has no TTFT objective, no such minute, or the model has the load not fit there."""
+    """The busy TTFT minute as a load (its own arrivals and prompts, the window's answers), with the model's TTFT factors
+    at the pool's own size there (none, where the model has that load not fit); None where the pool has no TTFT
+    objective or no such minute."""
     m = obs.ttft_minute
     if m is None or facts.ttft_p95_slo is None or m.arrivals <= 0:
         return None
     sigma = lognormal_sigma(m.prompt_p50 or obs.prompt_p50, m.prompt_p95 or obs.prompt_p95)
-    load = Load(m.arrivals, m.prompt_tokens, obs.output_tokens, m.hit_rate, sigma,
-                output_sigma=lognormal_sigma(obs.output_p50, obs.output_p95))
+    load = replace(peak_load(obs), arrivals=m.arrivals, prompt_tokens=m.prompt_tokens, hit_rate=m.hit_rate,
+                   prompt_sigma=sigma)
     # At the engines that served that minute: fewer than the window's (one restarting, an autoscaled pool) make its
     # TTFT, not a slower model.
     at = predict(max(1, round(m.engines or facts.replicas)), load, eng)
