@@ -42,7 +42,8 @@ from policies.types import ActionKind
 from policies.windows import HISTORY_S
 
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
-                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | CanaryRolloutSettings)
+                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | PoolStalledSettings
+                  | CanaryRolloutSettings)
 
 __all__ = ["FleetConfig", "Mode", "Seconds", "Speculative", "load_config", "parse_config", "parse_yaml"]
 

@@ -31,9 +31,9 @@ from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
-from policies.autoscale import DESIRED, FORECAST, GANG, READY, STARTUP, TARGET, PoolPlan, Sizer, plan_each
+from policies.autoscale import DESIRED, FORECAST, GANG, READY, ROLLING, STARTUP, TARGET, PoolPlan, Sizer, plan_each
 from policies.inputs import frozen_inputs
-from policies.settling import ROLLING, stalled_since
+from policies.settling import stalled_since
 from policies.types import (
     ActionKind,
     FindingKey,

@@ -221,7 +221,7 @@ def _sheds(change: Change, pool: PoolState) -> bool:
 def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
     """The change as it may run on this pool: a scale resolved and clamped, a drain that leaves an engine."""
     if isinstance(change, ScaleBy | ScaleTo):
-        asked = change.replicas if isinstance(change, ScaleTo) else pool.desired + change.delta
+        asked = _asks(change, pool)
         # A gang's engines (a LeaderWorkerSet group) come and go together: bounds and steps in whole groups, at
         # least one group a step. A target is a need, so it is met in whole groups: 7 engines in groups of 4 are
         # 8, and a pool of 8 asked for 7 keeps them (rounding down would halve it, and the next tick double it).
@@ -279,7 +279,7 @@ def check(
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {proposal.pool!r} is not in the fleet file")
     change = proposal.change
-    if pool.stalled_for is not None and _asks(change, pool) < min(pool.ready, pool.desired):
+    if pool.stalled_for is not None and _asks(change, pool) < pool.ready:  # stalled: fewer ready than asked for
         # A stalled pool gives up the engines it waits for before any that serve: down to its ready ones, this time.
         change = ScaleTo(max(pool.ready, pool.min_replicas))
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,

@@ -71,6 +71,7 @@ TARGET, FORECAST = "autoscale_target_replicas", "autoscale_forecast_rate"
 # The start-up time last measured, recorded every tick while known, so a pool that has not scaled up within the
 # history still plans as far ahead as its engines take to start (and a restarted control plane reads it back).
 STARTUP = "autoscale_startup_seconds"
+ROLLING = "replicas_rolling"  # 1 while a new pod template rolls out: its engines restart, none is missing
 # Findings that say a pool is short of capacity (their evidence's `short_pools`): inputs to the sizer,
 # which alone sets replica counts.
 CAPACITY_FINDINGS = ("slo_burn", "saturation")

@@ -14,15 +14,14 @@ so a person sees why.
 from __future__ import annotations
 
 from catalog.settings import SwitchSettings
-from policies.autoscale import DESIRED, READY
+from policies.autoscale import DESIRED, READY, ROLLING
 from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
 
-__all__ = ["KIND", "ROLLING", "PoolStalled", "PoolStalledSettings", "stalled_since"]
+__all__ = ["KIND", "PoolStalled", "PoolStalledSettings", "stalled_since"]
 
 KIND = "pool_stalled"
-ROLLING = "replicas_rolling"  # 1 while a new pod template rolls out: engines restart, they are not missing
 
 
 def stalled_since(windows: SignalWindows, pool: str, now: float, desired: int, ready: int, gap: float) -> float | None:
