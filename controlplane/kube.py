@@ -9,7 +9,7 @@ client's own retries would only multiply a timeout; and what both read of an obj
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubernetes import client as kclient
@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from controlplane.errors import ConfigError
 
-__all__ = ["api_client", "api_message", "field", "pod_ready"]
+__all__ = ["api_client", "api_message", "dig", "field", "pod_ready"]
 
 
 def api_client(kubeconfig: str | None, section: str) -> kclient.ApiClient:
@@ -44,6 +44,15 @@ def api_message(exc: ApiException) -> str:
         body = {}
     message = body.get("message") if isinstance(body, dict) else None
     return f"HTTP {exc.status} {exc.reason or ''}".rstrip() + (f": {message}" if message else "")
+
+
+def dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
+    """The value at `path` (keys) in a JSON body; `default` where a key on the way is missing."""
+    for key in path:
+        if not isinstance(obj, Mapping) or key not in obj:
+            return default
+        obj = obj[key]
+    return obj
 
 
 def field(obj: Any, name: str) -> Any:

@@ -63,7 +63,7 @@ from controlplane.actuators import rollout_split
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
-from controlplane.kube import api_message, pod_ready
+from controlplane.kube import api_message, dig, pod_ready
 from policies.types import ActionKind, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation, describe
 
 __all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator", "WorkloadKind"]
@@ -161,8 +161,8 @@ def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) 
     cost, which the drain gives to the least busy ready ones (first those this action drained already: a leader taking
     over redoes it)."""
     # Drained by this action: its stamp and the drain's deletion cost (a pod routed again loses the cost).
-    mine = {p for p, meta in pods.items() if _dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
-            and _dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST)}
+    mine = {p for p, meta in pods.items() if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
+            and dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST)}
 
     def rank(p: str) -> tuple[bool, int, bool, bool, float, str]:
         meta = pods[p]
@@ -184,7 +184,7 @@ def _owner(meta: Mapping[str, Any]) -> str | None:
 def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
     """A pod's ordinal (StatefulSet) or group index (LeaderWorkerSet): its label, else (a StatefulSet's pod on a
     cluster older than the label) the number its name ends with."""
-    value = _dig(meta, ("labels", label))
+    value = dig(meta, ("labels", label))
     if value is None and label == POD_INDEX:
         value = pod.rsplit("-", 1)[-1]
     try:
@@ -219,19 +219,11 @@ def _rolling(obj: Mapping[str, Any]) -> bool:
     """Whether a new pod template is still rolling out: fewer replicas on it than the spec asks (a maxSurge rollout
     keeps the old pods ready meanwhile, so the ready count does not show it), or a spec its controller has not
     caught up with yet."""
-    generation, observed = _dig(obj, ("metadata", "generation")), _dig(obj, ("status", "observedGeneration"))
+    generation, observed = dig(obj, ("metadata", "generation")), dig(obj, ("status", "observedGeneration"))
     if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
         return True
-    updated = _dig(obj, ("status", "updatedReplicas"))
-    return updated is not None and int(updated) < int(_dig(obj, ("spec", "replicas"), 1))
-
-
-def _dig(obj: Any, path: Sequence[str], default: Any = None) -> Any:
-    for key in path:
-        if not isinstance(obj, Mapping) or key not in obj:
-            return default
-        obj = obj[key]
-    return obj
+    updated = dig(obj, ("status", "updatedReplicas"))
+    return updated is not None and int(updated) < int(dig(obj, ("spec", "replicas"), 1))
 
 
 def _nest(path: Sequence[str], value: Any) -> dict[str, Any]:
@@ -324,7 +316,7 @@ class KubernetesActuator:
         conflict) is made, and computing it again would apply a relative change twice or roll back past it."""
         for attempt in range(3):
             current = obj if attempt == 0 else await self._read(w)
-            if attempt and _dig(current, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+            if attempt and dig(current, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
                 return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
             try:
                 return await write(current)
@@ -365,7 +357,7 @@ class KubernetesActuator:
         except ActuationError as exc:
             log.warning("the router cannot be read: %s", exc)
             return None, None
-        digest = _digest(_dig(obj, KINDS[router.kind].revision))
+        digest = _digest(dig(obj, KINDS[router.kind].revision))
         try:
             return await self._revision_time(router, obj), digest
         except ActuationError as exc:  # its ReplicaSets cannot be listed: when it last changed is not known
@@ -376,17 +368,17 @@ class KubernetesActuator:
         """One pool's replicas as its workload reports them, and when its current revision replaced another."""
         obj = await self._read(w)
         kind = KINDS[w.kind]
-        desired = int(_dig(obj, ("spec", "replicas"), 1))
-        size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
+        desired = int(dig(obj, ("spec", "replicas"), 1))
+        size = int(dig(obj, kind.gang, 1)) if kind.gang else 1
         try:
             holder, held = await self._template_holder(w, obj)
-            template = _digest(_dig(held, KINDS[holder.kind].revision))
+            template = _digest(dig(held, KINDS[holder.kind].revision))
         except ActuationError as exc:  # the Deployment a Rollout follows: its count is still known, its template not
             log.warning("the pod template of %s %s/%s cannot be read: %s", w.kind, w.namespace, w.name, exc)
             template = None
         replicas = PoolReplicas(
-            desired * size, int(_dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
-            max_unavailable=_budget(_dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
+            desired * size, int(dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
+            max_unavailable=_budget(dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
             gang=size, rolling=_rolling(obj), template=template)
         return replicas, await self._revision_time(w, obj)
@@ -394,8 +386,8 @@ class KubernetesActuator:
     async def _template_holder(self, w: Workload, obj: Mapping[str, Any]) -> tuple[Workload, Mapping[str, Any]]:
         """The workload whose pod template `w`'s engines run, as read: `w` itself, or the Deployment an Argo Rollout
         names in `spec.workloadRef` (its controller follows that Deployment's template, which is where changes go)."""
-        ref = _dig(obj, ("spec", "workloadRef"))
-        if w.kind != "Rollout" or not isinstance(ref, Mapping) or _dig(obj, KINDS[w.kind].template) is not None:
+        ref = dig(obj, ("spec", "workloadRef"))
+        if w.kind != "Rollout" or not isinstance(ref, Mapping) or dig(obj, KINDS[w.kind].template) is not None:
             return w, obj
         if ref.get("kind") != "Deployment" or not ref.get("name"):
             raise ActuationError(f"Rollout {w.namespace}/{w.name} refers to {ref.get('kind')} {ref.get('name')}: only a "
@@ -405,14 +397,14 @@ class KubernetesActuator:
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The Deployment's ReplicaSets, newest revision first."""
-        labels = _dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
+        labels = dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         items = (await self._json(f"listing the ReplicaSets of {w.namespace}/{w.name}",
                                   self._apps.list_namespaced_replica_set, w.namespace, label_selector=selector))["items"]
-        uid = _dig(obj, ("metadata", "uid"))
+        uid = dig(obj, ("metadata", "uid"))
         mine = [rs for rs in items
-                if uid is None or any(o.get("uid") == uid for o in _dig(rs, ("metadata", "ownerReferences"), []) or [])]
-        return sorted(mine, key=lambda rs: int(_dig(rs, ("metadata", "annotations", REVISION), 0) or 0), reverse=True)
+                if uid is None or any(o.get("uid") == uid for o in dig(rs, ("metadata", "ownerReferences"), []) or [])]
+        return sorted(mine, key=lambda rs: int(dig(rs, ("metadata", "annotations", REVISION), 0) or 0), reverse=True)
 
     async def _revision_time(self, w: Workload, obj: Mapping[str, Any]) -> float | None:
         """When the workload's current revision replaced another (Deployments: its newest ReplicaSet, when
@@ -420,7 +412,7 @@ class KubernetesActuator:
         if w.kind != "Deployment":
             return None
         sets = await self._replica_sets(w, obj)
-        stamp = _dig(sets[0], ("metadata", "creationTimestamp")) if len(sets) >= 2 else None
+        stamp = dig(sets[0], ("metadata", "creationTimestamp")) if len(sets) >= 2 else None
         if not stamp:
             return None
         return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
@@ -433,11 +425,11 @@ class KubernetesActuator:
         if w is None:
             return None
         obj = await self._read(w)
-        if _dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+        if dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
             return True
         if isinstance(order.change, Speculation | Eplb):  # a Rollout's change lands on the Deployment it follows first
             holder, held = await self._template_holder(w, obj)
-            return holder is not w and _dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
+            return holder is not w and dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
         return False
 
     def _workload(self, order: Order) -> Workload | None:
@@ -456,7 +448,7 @@ class KubernetesActuator:
         if w is None:
             raise ActuationError(f"{order.kind} on {order.pool}: no workload is configured for it")
         obj = await self._read(w)
-        if _dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+        if dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
             # A leader that died after the write: the change is made; never make it twice.
             return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
         if isinstance(change, ScaleTo):
@@ -473,8 +465,8 @@ class KubernetesActuator:
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
         kind = KINDS[w.kind]
-        size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
-        desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
+        size = int(dig(obj, kind.gang, 1)) if kind.gang else 1
+        desired = int(dig(obj, ("spec", "replicas"), 1)) * size
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
@@ -488,12 +480,12 @@ class KubernetesActuator:
         """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes and are
         to drain, and those it keeps."""
         kind = KINDS[w.kind]
-        size = int(_dig(obj, kind.gang, 1)) if kind.gang else 1
-        desired = int(_dig(obj, ("spec", "replicas"), 1)) * size
+        size = int(dig(obj, kind.gang, 1)) if kind.gang else 1
+        desired = int(dig(obj, ("spec", "replicas"), 1)) * size
         sizes = (rollout_split.sizes_after(obj, await self._replica_sets(w, obj), replicas)
                  if w.kind == "Deployment" else None)
         return _leaving(w, pods, replicas // size, desired - replicas, order,
-                        first=int(_dig(obj, ("spec", "ordinals", "start"), 0) or 0), sizes=sizes)
+                        first=int(dig(obj, ("spec", "ordinals", "start"), 0) or 0), sizes=sizes)
 
     async def _take_out(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str],
                         replicas: int) -> None:
@@ -529,23 +521,23 @@ class KubernetesActuator:
     async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
                         obj: Mapping[str, Any]) -> dict[str, Any]:
         holder, held = await self._template_holder(w, obj)
-        if holder is not w and _dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+        if holder is not w and dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
             # The referenced template carries the change already (the Rollout's stamp was lost): not made twice.
             await self._stamp_follower(order, w)
             return {"already_applied": f"{holder.kind} {holder.namespace}/{holder.name}"}
         kind = KINDS[holder.kind]
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
-        template = copy.deepcopy(_dig(held, kind.template))
+        template = copy.deepcopy(dig(held, kind.template))
         if template is None:
             raise ActuationError(f"{where} has no pod template at {'.'.join(kind.template)}")
-        containers = _dig(template, ("spec", "containers"), []) or []
+        containers = dig(template, ("spec", "containers"), []) or []
         engine = next((c for c in containers if c.get("name") == w.container), None)
         if engine is None:
             names = ", ".join(c.get("name", "?") for c in containers)
             raise ActuationError(f"{where} has no container {w.container!r} (has {names})")
         field = "args" if engine.get("args") else "command" if engine.get("command") else "args"
         args = list(engine.get(field) or [])
-        annotations = dict(_dig(held, ("metadata", "annotations"), {}) or {})
+        annotations = dict(dig(held, ("metadata", "annotations"), {}) or {})
         if isinstance(change, Eplb):
             args = _without(args, "--enable-eplb", bare=True)
             args = _without(args, "--eplb-config")
@@ -570,7 +562,7 @@ class KubernetesActuator:
             detail = {"num_speculative_tokens": n, "from": before}
         engine[field] = args
         annotations[ACTION_ANNOTATION] = order.stamp
-        body = {"metadata": {"resourceVersion": _dig(held, ("metadata", "resourceVersion")), "annotations": annotations},
+        body = {"metadata": {"resourceVersion": dig(held, ("metadata", "resourceVersion")), "annotations": annotations},
                 **_nest(kind.template, template)}
         await self._patch(holder, body, f"patching the pod template of {where}")
         if holder is not w:
@@ -601,15 +593,15 @@ class KubernetesActuator:
         if len(sets) < 2:
             raise ActuationError(f"Deployment {w.namespace}/{w.name} has no previous revision to roll back to")
         previous = sets[1]
-        template = copy.deepcopy(_dig(previous, ("spec", "template"), {}))
-        labels = dict(_dig(template, ("metadata", "labels"), {}) or {})
+        template = copy.deepcopy(dig(previous, ("spec", "template"), {}))
+        labels = dict(dig(template, ("metadata", "labels"), {}) or {})
         labels.pop("pod-template-hash", None)  # the controller's own label, as `kubectl rollout undo` drops it
         template.setdefault("metadata", {})["labels"] = labels
-        revision = _dig(previous, ("metadata", "annotations", REVISION))
+        revision = dig(previous, ("metadata", "annotations", REVISION))
         # A merge patch keeps every map key it does not name: the bad revision's own keys are named, as null.
-        body = {"metadata": {"resourceVersion": _dig(obj, ("metadata", "resourceVersion")),
+        body = {"metadata": {"resourceVersion": dig(obj, ("metadata", "resourceVersion")),
                              "annotations": {ACTION_ANNOTATION: order.stamp}},
-                "spec": {"template": _merge_to(_dig(obj, ("spec", "template"), {}) or {}, template)}}
+                "spec": {"template": _merge_to(dig(obj, ("spec", "template"), {}) or {}, template)}}
         await self._patch(w, body, f"rolling back Deployment {w.namespace}/{w.name}")
         await self._event(order, w, f"rolled back to revision {revision}")
         return {"rolled_back": f"Deployment {w.namespace}/{w.name}", "to_revision": revision}
@@ -620,7 +612,7 @@ class KubernetesActuator:
         """The workload's live pods and their metadata."""
         # A LeaderWorkerSet has no selector in its spec: its controller labels every pod with the set's name.
         labels = ({LWS_NAME: w.name} if w.kind == "LeaderWorkerSet" else
-                  _dig(obj, ("spec", "selector", "matchLabels"), {}) or {})
+                  dig(obj, ("spec", "selector", "matchLabels"), {}) or {})
         if not labels:
             raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod selector: its engines cannot be told "
                                  "from others in the namespace")
@@ -628,10 +620,10 @@ class KubernetesActuator:
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                   w.namespace, label_selector=selector)
         # As the controllers count them: a pod being deleted, or one that ended (evicted, completed), is no replica.
-        return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p), "phase": _dig(p, ("status", "phase")),
-                                        "node": _dig(p, ("spec", "nodeName"))}
-                for p in listed["items"] if not _dig(p, ("metadata", "deletionTimestamp"))
-                and _dig(p, ("status", "phase")) not in ("Failed", "Succeeded")}
+        return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p), "phase": dig(p, ("status", "phase")),
+                                        "node": dig(p, ("spec", "nodeName"))}
+                for p in listed["items"] if not dig(p, ("metadata", "deletionTimestamp"))
+                and dig(p, ("status", "phase")) not in ("Failed", "Succeeded")}
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
         """Take a pod out of the router's pool (its routing label removed) and mark it with the action."""
@@ -704,9 +696,9 @@ class KubernetesActuator:
                 obj = await self._read(w)
             except ActuationError as exc:  # not scaled: the drained engines would serve nothing
                 raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
-            size = int(_dig(obj, KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
-            now_at = int(_dig(obj, ("spec", "replicas"), 1)) * size
-            if (_dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
+            size = int(dig(obj, KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
+            now_at = int(dig(obj, ("spec", "replicas"), 1)) * size
+            if (dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
                     or now_at == int(wait["replicas"])):
                 # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
                 return self._verifying(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
@@ -748,7 +740,7 @@ class KubernetesActuator:
             return self._verifying(w, going, now, done)
         live = await self._live_pods(order)
         for pod in pods:
-            if pod in live and _dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
+            if pod in live and dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
                 continue  # a new pod under the drained one's name (a StatefulSet's): the drained one is gone
             try:
                 await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod,
@@ -795,12 +787,12 @@ class KubernetesActuator:
             return {**wait["done"], "unverified": f"whether the drained engines were removed: {exc}",
                     "routing": await self._back_in(order, w, {}, wait["pods"])}
         # Still drained by this action (a pod routed again, or a new one under its name, is not).
-        left = [p for p in wait["pods"] if _dig(live.get(p), ("annotations", ACTION_ANNOTATION)) == order.stamp
-                and _dig(live.get(p), ("annotations", DELETION_COST)) == str(DRAINED_COST)]
+        left = [p for p in wait["pods"] if dig(live.get(p), ("annotations", ACTION_ANNOTATION)) == order.stamp
+                and dig(live.get(p), ("annotations", DELETION_COST)) == str(DRAINED_COST)]
         if left and not late:
             return {"wait": wait}
         # Gone, or a new pod under its name; not one routed again (spared by a leader that stopped before recording it).
-        removed = [p for p in wait["pods"] if _dig(live.get(p), ("annotations", ACTION_ANNOTATION)) != order.stamp]
+        removed = [p for p in wait["pods"] if dig(live.get(p), ("annotations", ACTION_ANNOTATION)) != order.stamp]
         if not left:
             return {**wait["done"], "removed": removed}
         return {**wait["done"], "removed": removed, "not_removed": left,
@@ -843,7 +835,7 @@ class KubernetesActuator:
             holder, held = await self._template_holder(w, obj)
         except ActuationError:
             holder, held = w, obj
-        labels = _dig(held, (*KINDS[holder.kind].template, "metadata", "labels"), {}) or {}
+        labels = dig(held, (*KINDS[holder.kind].template, "metadata", "labels"), {}) or {}
         return str(labels.get(self.settings.routing_label, "true"))
 
     async def _evict(self, order: Order, namespace: str, pod: str) -> bool:

@@ -17,18 +17,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from controlplane.kube import dig
+
 __all__ = ["MAX_REPLICAS", "max_surge", "sizes_after"]
 
 MAX_REPLICAS = "deployment.kubernetes.io/max-replicas"
 REVISION = "deployment.kubernetes.io/revision"
-
-
-def _get(obj: Any, *path: str, default: Any = None) -> Any:
-    for key in path:
-        if not isinstance(obj, Mapping) or key not in obj:
-            return default
-        obj = obj[key]
-    return obj
 
 
 def _scaled(value: Any, total: int, *, round_up: bool) -> int:
@@ -41,14 +35,14 @@ def _scaled(value: Any, total: int, *, round_up: bool) -> int:
 
 def max_surge(deployment: Mapping[str, Any], replicas: int) -> int:
     """The pods a rolling update may run above `replicas` (a percentage rounds up); 0 for any other strategy."""
-    strategy = _get(deployment, "spec", "strategy", default={}) or {}
+    strategy = dig(deployment, ("spec", "strategy"), {}) or {}
     if strategy.get("type", "RollingUpdate") != "RollingUpdate":
         return 0
-    return _scaled(_get(strategy, "rollingUpdate", "maxSurge", default="25%"), replicas, round_up=True)
+    return _scaled(dig(strategy, ("rollingUpdate", "maxSurge"), "25%"), replicas, round_up=True)
 
 
 def _replicas(rs: Mapping[str, Any]) -> int:
-    return int(_get(rs, "spec", "replicas", default=0) or 0)
+    return int(dig(rs, ("spec", "replicas"), 0) or 0)
 
 
 def _fraction(rs: Mapping[str, Any], deployment: Mapping[str, Any], replicas: int) -> int:
@@ -57,11 +51,11 @@ def _fraction(rs: Mapping[str, Any], deployment: Mapping[str, Any], replicas: in
         return -_replicas(rs)
     allowed_now = replicas + max_surge(deployment, replicas)
     try:
-        allowed_before = int(_get(rs, "metadata", "annotations", MAX_REPLICAS))
+        allowed_before = int(dig(rs, ("metadata", "annotations", MAX_REPLICAS)))
     except (TypeError, ValueError):
         allowed_before = 0
     if allowed_before == 0:  # the annotation lost (edited by hand): the controller falls back to the pods there are
-        allowed_before = int(_get(deployment, "status", "replicas", default=0) or 0)
+        allowed_before = int(dig(deployment, ("status", "replicas"), 0) or 0)
         if allowed_before == 0:
             return 0
     # Go's math.Round: halves away from zero.
@@ -73,7 +67,7 @@ def sizes_after(deployment: Mapping[str, Any], sets: Sequence[Mapping[str, Any]]
     """Each active ReplicaSet's size once `deployment` is set to `replicas`, by name; None where one ReplicaSet takes
     the whole change (no rollout in progress, or not a rolling update)."""
     active = [rs for rs in sets if _replicas(rs) > 0]
-    strategy = _get(deployment, "spec", "strategy", "type", default="RollingUpdate")
+    strategy = dig(deployment, ("spec", "strategy", "type"), "RollingUpdate")
     if len(active) < 2 or strategy != "RollingUpdate":
         return None
     # (A new ReplicaSet already at the new count, ready, and annotated with it empties the old ones instead; its
@@ -96,7 +90,7 @@ def _spread(sizes: dict[str, int], active: Sequence[Mapping[str, Any]], deployme
     """Add `to_add` replicas (fewer where negative) to `sizes`, in proportion, as `scale` does."""
 
     def age(rs: Mapping[str, Any]) -> tuple[str, str]:
-        return str(_get(rs, "metadata", "creationTimestamp", default="")), str(rs["metadata"]["name"])
+        return str(dig(rs, ("metadata", "creationTimestamp"), "")), str(rs["metadata"]["name"])
 
     # Largest first; among equals the older first when shrinking, the newer first when growing.
     ordered = sorted(active, key=age, reverse=to_add > 0)
@@ -115,6 +109,6 @@ def _spread(sizes: dict[str, int], active: Sequence[Mapping[str, Any]], deployme
 
 def _revision(rs: Mapping[str, Any]) -> int:
     try:
-        return int(_get(rs, "metadata", "annotations", REVISION, default=0) or 0)
+        return int(dig(rs, ("metadata", "annotations", REVISION), 0) or 0)
     except (TypeError, ValueError):
         return 0
