@@ -160,9 +160,7 @@ def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) 
     """The `leaving` pods a ReplicaSet removes, in its order: unscheduled, pending, not ready, then the lowest deletion
     cost, which the drain gives to the least busy ready ones (first those this action drained already: a leader taking
     over redoes it)."""
-    # Drained by this action: its stamp and the drain's deletion cost (a pod routed again loses the cost).
-    mine = {p for p, meta in pods.items() if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
-            and dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST)}
+    mine = {p for p, meta in pods.items() if _drained(meta, order)}
 
     def rank(p: str) -> tuple[bool, int, bool, bool, float, str]:
         meta = pods[p]
@@ -206,6 +204,19 @@ def _merge_to(current: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str
 def _body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`fn`'s answer with its JSON body read and parsed in the calling thread (a worker's, never the event loop's)."""
     return json.loads(fn(*args, _preload_content=False, **kwargs).data)
+
+
+def _gang(w: Workload, obj: Mapping[str, Any]) -> int:
+    """Engines per replica of the workload as read: a LeaderWorkerSet group's size, else 1."""
+    path = KINDS[w.kind].gang
+    return int(dig(obj, path, 1)) if path else 1
+
+
+def _drained(meta: Mapping[str, Any] | None, order: Order) -> bool:
+    """Whether a pod (its metadata) is out of routing by this action's drain: its stamp and the drain's deletion cost (a
+    pod routed again loses the cost)."""
+    return bool(dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
+                and dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST))
 
 
 def _digest(template: Any) -> str | None:
@@ -357,7 +368,7 @@ class KubernetesActuator:
         except ActuationError as exc:
             log.warning("the router cannot be read: %s", exc)
             return None, None
-        digest = _digest(dig(obj, KINDS[router.kind].revision))
+        digest = await self._template_digest(router, obj)
         try:
             return await self._revision_time(router, obj), digest
         except ActuationError as exc:  # its ReplicaSets cannot be listed: when it last changed is not known
@@ -369,19 +380,24 @@ class KubernetesActuator:
         obj = await self._read(w)
         kind = KINDS[w.kind]
         desired = int(dig(obj, ("spec", "replicas"), 1))
-        size = int(dig(obj, kind.gang, 1)) if kind.gang else 1
-        try:
-            holder, held = await self._template_holder(w, obj)
-            template = _digest(dig(held, KINDS[holder.kind].revision))
-        except ActuationError as exc:  # the Deployment a Rollout follows: its count is still known, its template not
-            log.warning("the pod template of %s %s/%s cannot be read: %s", w.kind, w.namespace, w.name, exc)
-            template = None
+        size = _gang(w, obj)
+        template = await self._template_digest(w, obj)
         replicas = PoolReplicas(
             desired * size, int(dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=_budget(dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
                                     desired) if kind.max_unavailable else None,
             gang=size, rolling=_rolling(obj), template=template)
         return replicas, await self._revision_time(w, obj)
+
+    async def _template_digest(self, w: Workload, obj: Mapping[str, Any]) -> str | None:
+        """The digest of the pod template `w`'s engines run (None where the Deployment a Rollout follows cannot be read:
+        its count is still known, its template not)."""
+        try:
+            holder, held = await self._template_holder(w, obj)
+        except ActuationError as exc:
+            log.warning("the pod template of %s %s/%s cannot be read: %s", w.kind, w.namespace, w.name, exc)
+            return None
+        return _digest(dig(held, KINDS[holder.kind].revision))
 
     async def _template_holder(self, w: Workload, obj: Mapping[str, Any]) -> tuple[Workload, Mapping[str, Any]]:
         """The workload whose pod template `w`'s engines run, as read: `w` itself, or the Deployment an Argo Rollout
@@ -464,23 +480,22 @@ class KubernetesActuator:
         return {"metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
-        kind = KINDS[w.kind]
-        size = int(dig(obj, kind.gang, 1)) if kind.gang else 1
+        size = _gang(w, obj)
         desired = int(dig(obj, ("spec", "replicas"), 1)) * size
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
-        victims, _ = await self._victims(order, w, obj, await self._pods_of(w, obj), change.replicas)
+        victims, _ = await self._victims(order, w, obj, change.replicas)
         await self._take_out(order, w, obj, victims, change.replicas)
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
                          "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
 
-    async def _victims(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]],
-                       replicas: int) -> tuple[list[str], set[str]]:
-        """The engines of `pods` (its live pods) that scaling `w` (as read) down to `replicas` engines removes and are
-        to drain, and those it keeps."""
-        kind = KINDS[w.kind]
-        size = int(dig(obj, kind.gang, 1)) if kind.gang else 1
+    async def _victims(self, order: Order, w: Workload, obj: Mapping[str, Any], replicas: int
+                       ) -> tuple[list[str], set[str]]:
+        """The live engines that scaling `w` (as read) down to `replicas` engines removes and are to drain, and those
+        it keeps."""
+        pods = await self._pods_of(w, obj)
+        size = _gang(w, obj)
         desired = int(dig(obj, ("spec", "replicas"), 1)) * size
         sizes = (rollout_split.sizes_after(obj, await self._replica_sets(w, obj), replicas)
                  if w.kind == "Deployment" else None)
@@ -696,7 +711,7 @@ class KubernetesActuator:
                 obj = await self._read(w)
             except ActuationError as exc:  # not scaled: the drained engines would serve nothing
                 raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
-            size = int(dig(obj, KINDS[w.kind].gang, 1)) if KINDS[w.kind].gang else 1
+            size = _gang(w, obj)
             now_at = int(dig(obj, ("spec", "replicas"), 1)) * size
             if (dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
                     or now_at == int(wait["replicas"])):
@@ -724,14 +739,8 @@ class KubernetesActuator:
             # cost, before the count is written, so that the ReplicaSet removes the engines that go and not this one.
             spared = [p for p in pods if p in kept]
             value = await self._routing_value(w, obj) if spared else ""
-            try:
-                for pod in spared:
-                    try:
-                        await self._reroute(order, w.namespace, pod, value)
-                    except _Missing:
-                        pass  # gone meanwhile: nothing to route
-            except ActuationError as exc:
-                raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, obj, pods)}") from None
+            if failed := await self._reroute_all(order, w, spared, value):
+                raise ActuationError(f"{failed[0][1]}; not scaled; {await self._back_in(order, w, obj, pods, value)}")
             if spared:
                 detail["spared"] = spared
             going = [p for p in pods if p not in spared]
@@ -757,7 +766,7 @@ class KubernetesActuator:
         if self.dry_run:
             return None
         try:
-            return await self._victims(order, w, obj, await self._pods_of(w, obj), replicas)
+            return await self._victims(order, w, obj, replicas)
         except ActuationError as exc:
             log.warning("action %d: which engines scaling %s removes cannot be read again (%s); scaling as drained",
                         order.action_id, order.pool, exc)
@@ -786,9 +795,7 @@ class KubernetesActuator:
             # Not known: routed again (a pod already gone answers 404), rather than maybe left serving nothing.
             return {**wait["done"], "unverified": f"whether the drained engines were removed: {exc}",
                     "routing": await self._back_in(order, w, {}, wait["pods"])}
-        # Still drained by this action (a pod routed again, or a new one under its name, is not).
-        left = [p for p in wait["pods"] if dig(live.get(p), ("annotations", ACTION_ANNOTATION)) == order.stamp
-                and dig(live.get(p), ("annotations", DELETION_COST)) == str(DRAINED_COST)]
+        left = [p for p in wait["pods"] if _drained(live.get(p), order)]  # not one routed again or new under its name
         if left and not late:
             return {"wait": wait}
         # Gone, or a new pod under its name; not one routed again (spared by a leader that stopped before recording it).
@@ -812,21 +819,29 @@ class KubernetesActuator:
                         order.action_id, order.pool, exc)
             return {}
 
-    async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str]) -> str:
+    async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str],
+                       value: str | None = None) -> str:
         """Put the pods a failed scale-down took out of routing back in (they would stay running and serve nothing),
-        and say how that went."""
-        value = await self._routing_value(w, obj)
-        failed = []
+        and say how that went (`value`: the routing label's, where the caller has read it)."""
+        value = value or await self._routing_value(w, obj)
+        failed = await self._reroute_all(order, w, pods, value)
+        if failed:
+            return (f"not routed again, set {self.settings.routing_label}={value} by hand: "
+                    f"{', '.join(f'{pod} ({exc})' for pod, exc in failed)}")
+        return f"the drained engines are routed again ({', '.join(pods) or 'none'})"
+
+    async def _reroute_all(self, order: Order, w: Workload, pods: Sequence[str], value: str
+                           ) -> list[tuple[str, ActuationError]]:
+        """Route `pods` again, each tried; the pods that failed, with why (a pod gone meanwhile is no failure)."""
+        failed: list[tuple[str, ActuationError]] = []
         for pod in pods:
             try:
                 await self._reroute(order, w.namespace, pod, value)
             except _Missing:
                 pass
             except ActuationError as exc:
-                failed.append(f"{pod} ({exc})")
-        if failed:
-            return f"not routed again, set {self.settings.routing_label}={value} by hand: {', '.join(failed)}"
-        return f"the drained engines are routed again ({', '.join(pods) or 'none'})"
+                failed.append((pod, exc))
+        return failed
 
     async def _routing_value(self, w: Workload, obj: Mapping[str, Any]) -> str:
         """The routing label's value on the workload's pods (`true` where its template, or the template of the
