@@ -137,6 +137,13 @@ class ApiServer(kmock.KubernetesEmulator):
         self.objects[resource, meta.get("namespace"), meta["name"]] = obj
         return obj
 
+    def terminate(self, namespace: str, pod: str) -> None:
+        """What a controller's delete does to a pod first: it terminates (`deletionTimestamp` set), still listed."""
+        obj = self.get(PODS, namespace, pod)
+        assert obj is not None, pod
+        obj["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
+        self.put(PODS, obj)
+
     def get(self, resource: Any, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The stored object, or None."""
         key = (resource, namespace, name)

@@ -209,10 +209,7 @@ async def test_scale_down_drains_the_least_busy_engines_first(server: ApiServer,
 def remove(server: ApiServer, *names: str) -> None:
     """What a ReplicaSet does to the pods it scales away: they terminate."""
     for name in names:
-        gone = server.get(PODS, NS, name)
-        assert gone is not None
-        gone["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
-        server.put(PODS, gone)
+        server.terminate(NS, name)
 
 
 def unready(server: ApiServer, name: str) -> None:

@@ -198,10 +198,7 @@ async def test_the_follower_takes_over_a_killed_leaders_action_once(
         await until("b to take over", lambda: "taken_over" in audit())
         state.busy["vllm-decode-a"] = 0  # the drained engine finishes its requests
         await until("b to scale", lambda: server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2)  # type: ignore[index]
-        gone = server.get(PODS, NS, "vllm-decode-a")  # the ReplicaSet removes the drained engine
-        assert gone is not None
-        gone["metadata"]["deletionTimestamp"] = "2026-12-05T10:00:00Z"
-        server.put(PODS, gone)
+        server.terminate(NS, "vllm-decode-a")  # the ReplicaSet removes the drained engine
         await until("the action to finish", lambda: only(store).state is not ActionState.STARTED)
 
         done = only(store)

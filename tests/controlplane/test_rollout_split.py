@@ -23,8 +23,9 @@ def deployment(replicas: int, surge: int | str = 3, unavailable: int | str = 2,
     return {"spec": spec, "status": {"replicas": 13}}
 
 
-def rs(name: str, replicas: int, created: str, allowed: int | None = 13) -> dict[str, Any]:
-    annotations = {"deployment.kubernetes.io/revision": "2" if created == NEW else "1"}
+def rs(name: str, replicas: int, created: str, allowed: int | None = 13, revision: int | None = None
+       ) -> dict[str, Any]:
+    annotations = {"deployment.kubernetes.io/revision": str(revision or (2 if created == NEW else 1))}
     if allowed is not None:
         annotations[MAX_REPLICAS] = str(allowed)
     return {"metadata": {"name": name, "creationTimestamp": created, "annotations": annotations},
@@ -75,8 +76,7 @@ def test_a_lost_annotation_falls_back_to_the_pods_there_are() -> None:
 
 def test_a_new_template_not_yet_scaled_up_trims_none_of_the_active_ones() -> None:
     # r3 is the new ReplicaSet, still at 0 (the surge used up): r2 is an old one, and shrinks only in proportion.
-    sets = [rs("r1", 3, OLD, 9), rs("r2", 6, NEW, 9), {**rs("r3", 0, NEW, 9), "metadata": {
-        "name": "r3", "creationTimestamp": NEW, "annotations": {"deployment.kubernetes.io/revision": "3"}}}]
+    sets = [rs("r1", 3, OLD, 9), rs("r2", 6, NEW, 9), rs("r3", 0, NEW, None, revision=3)]
     # 4 + 3 allowed of 9: r2 round(6 * 7 / 9) = 5, r1 round(3 * 7 / 9) = 2.
     assert sizes_after(deployment(4), sets, 4) == {"r1": 2, "r2": 5}
 
@@ -93,9 +93,7 @@ def test_the_sizes_add_up_to_what_the_deployment_allows(sizes: list[int], replic
     for value in (surge, percent):
         dep = deployment(replicas, surge=value, unavailable=1)
         before = sum(sizes)  # the controller annotates each ReplicaSet with the count it last allowed
-        sets = [rs(f"rs{i}", n, f"2026-12-01T0{i}:00:00Z", before) for i, n in enumerate(sizes)]
-        for i, one in enumerate(sets):
-            one["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = str(i + 1)
+        sets = [rs(f"rs{i}", n, f"2026-12-01T0{i}:00:00Z", before, revision=i + 1) for i, n in enumerate(sizes)]
         after = sizes_after(dep, sets, replicas)
         assert after is not None and all(n >= 0 for n in after.values())
         newest = f"rs{len(sizes) - 1}"
