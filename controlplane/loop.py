@@ -505,7 +505,7 @@ class ControlLoop:
         }
         if decision.target_replicas is not None:
             params["replicas"] = decision.target_replicas
-        if (template := rests_on(proposal.change, pools[proposal.pool], self._router_template)[1]) is not None:
+        if (template := rests_on(proposal.change, pools[proposal.pool], self._router_template)) is not None:
             params["from_template"] = template
         if (asked := getattr(proposal.change, "replicas", None)) is not None:
             params["asked_replicas"] = asked

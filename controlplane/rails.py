@@ -324,13 +324,14 @@ def recheck(
                   sheds=_sheds(change, pool))
     if gate is not None:
         return gate
-    workload, now_running = rests_on(change, pool, router_template)
+    now_running = rests_on(change, pool, router_template)
     was = action.params.get("from_template")
-    if workload == ROUTER and was is not None and now_running is None:
+    if _on_router(change) and was is not None and now_running is None:
         return _held(RailsReason.POOL_UNREADABLE, "the router's pod template cannot be read now: the rollback waits")
     if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and was is not None and now_running is not None \
             and was != now_running:
         # A rollback approved after someone rolled back (or forward) by hand would go back one revision more.
+        workload = "the router" if _on_router(change) else pool.name
         return _held(RailsReason.STALE, f"{workload}'s pod template changed since {kind} was proposed: what it was "
                                         "computed from is not what runs now")
     if isinstance(change, ScaleTo):
@@ -345,15 +346,13 @@ def recheck(
     return _shape(change, kind, pool, rails)
 
 
-ROUTER = "the router"
+def _on_router(change: Change) -> bool:
+    return isinstance(change, RollBack) and change.workload == "router"
 
 
-def rests_on(change: Change, pool: PoolState, router_template: str | None) -> tuple[str, str | None]:
-    """The workload whose pod template a change rests on, and that template's digest: the router's for a rollback of
-    the router, else its pool's."""
-    if isinstance(change, RollBack) and change.workload == "router":
-        return ROUTER, router_template
-    return pool.name, pool.template
+def rests_on(change: Change, pool: PoolState, router_template: str | None) -> str | None:
+    """The digest of the pod template a change rests on: the router's for a rollback of the router, else its pool's."""
+    return router_template if _on_router(change) else pool.template
 
 
 def _bears_on(other: PastAction, action: DueAction) -> bool:
