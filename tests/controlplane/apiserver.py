@@ -6,8 +6,10 @@ written because no real API server runs here) adds what the actuator's correctne
 each as the API server documents it:
 
 - every created object, every patched object and every subresource body is validated against
-  the official OpenAPI schemas (`kubernetes-validate`; custom resources are checked for their
-  Scale bodies only), and any invalid one is kept in `invalid` for the test to fail on;
+  the official OpenAPI schemas (`kubernetes-validate`), a custom resource against its project's
+  CRD schema where the tests hold one (`crd_schemas`: Argo Rollouts and LeaderWorkerSets; any
+  other for its Scale bodies only), and any invalid one is kept in `invalid` for the test to
+  fail on;
 - PATCH follows its content type: JSON merge patch (RFC 7386, `null` deletes) or strategic merge
   patch (lists of named items such as `containers` merged by name), with the body's
   `metadata.resourceVersion` as a precondition (409 when stale); every write bumps the version;
@@ -31,6 +33,8 @@ import aiohttp.web
 import attrs
 import kmock
 import kubernetes_validate
+
+from tests.crd_schemas import crd_name, problems, schema
 
 K8S_VERSION = kubernetes_validate.latest_version()
 VALIDATED_GROUPS = {"", "apps", "policy", "events.k8s.io", "coordination.k8s.io", "autoscaling"}
@@ -157,6 +161,9 @@ class ApiServer(kmock.KubernetesEmulator):
         api = str(obj.get("apiVersion", ""))
         group = api.split("/")[0] if "/" in api else ""
         if group not in VALIDATED_GROUPS:
+            crd = schema(crd_name(api, str(obj.get("kind", ""))))
+            if crd is not None:
+                self.invalid.extend(f"{where}: {problem}" for problem in problems(obj, crd))
             return
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)

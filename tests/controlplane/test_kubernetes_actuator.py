@@ -128,11 +128,9 @@ async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiSer
     dep = server.put(DEPLOYMENTS, deployment(replicas=3))
     server.put(REPLICASETS, replica_set(dep, 1, "vllm/vllm-openai:v0.10.0", "2026-11-20T10:00:00Z"))
     server.put(REPLICASETS, replica_set(dep, 2, "vllm/vllm-openai:v0.11.0", "2026-12-01T09:30:00Z"))
-    server.put(LWS, {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                     "metadata": {"name": "vllm-prefill", "namespace": NS},
-                     "spec": {"replicas": 2, "leaderWorkerTemplate": {"size": 4},
-                              "rolloutStrategy": {"rollingUpdateConfiguration": {"maxUnavailable": 1}}},
-                     "status": {"readyReplicas": 1}})
+    group = lws(replicas=2, size=4, ready=1)
+    group["spec"]["rolloutStrategy"] = {"rollingUpdateConfiguration": {"maxUnavailable": 1}}
+    server.put(LWS, group)
     server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
                           "metadata": {"name": "vllm-canary", "namespace": NS},
                           "spec": {"replicas": 2, "strategy": {"canary": {"maxUnavailable": 1}}},
@@ -236,11 +234,12 @@ async def test_a_drained_engine_the_controller_did_not_remove_is_routed_again(se
     assert done["replicas"] == 2 and done["not_removed"] == ["vllm-decode-a"] and routed(server, "vllm-decode-a")
 
 
-def lws(replicas: int = 2, size: int = 4) -> dict[str, Any]:
+def lws(replicas: int = 2, size: int = 4, ready: int | None = None) -> dict[str, Any]:
+    workers = {"spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0"}]}}
     return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
             "metadata": {"name": "vllm-prefill", "namespace": NS},
-            "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": size}},
-            "status": {"readyReplicas": replicas}}
+            "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": size, "workerTemplate": workers}},
+            "status": {"readyReplicas": replicas if ready is None else ready}}
 
 
 def group_pod(group: int, worker: int) -> dict[str, Any]:
@@ -893,3 +892,17 @@ async def test_a_take_over_after_the_count_does_not_wait_on_a_spared_engine(serv
     remove(server, "vllm-decode-c")
     done = await actuator(api).resume(o, again["wait"], Clock().t + 35)
     assert done["removed"] == [] and routed(server, "vllm-decode-a"), "a serves; c, never drained, went"
+
+
+async def test_the_emulator_holds_custom_resources_to_their_crds(server: ApiServer) -> None:
+    # The check this module's bodies pass is not vacuous: what the API server would refuse, or prune, is caught.
+    group = lws()
+    group["spec"]["rolloutStrategy"] = {"rollingUpdateConfiguration": {"maxUnavailable": 1}}  # `type` defaulted
+    server.put(LWS, group)
+    del group["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    server.put(LWS, group)
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "metadata": {"name": "r"},
+                          "spec": {"replicas": "two", "strategy": {"canary": {"setWeight": 20}}}})
+    found, server.invalid[:] = list(server.invalid), []
+    assert len(found) == 3 and "'workerTemplate' is a required property" in found[0]
+    assert "'two' is not of type 'integer'" in found[1] and ".spec.strategy.canary.setWeight: unknown field" in found[2]
