@@ -16,15 +16,16 @@ How: scaling goes through the scale subresource, a LeaderWorkerSet's in whole gr
 drains first: the engines that will go are taken out of routing (their `routing_label` removed), and
 the scale-down follows once they are idle or `drain_grace` has passed (the loop resumes it each
 tick). A Deployment or Rollout gives up the least busy, given the lowest
-`controller.kubernetes.io/pod-deletion-cost` so its ReplicaSet removes those; a Deployment in the
-middle of a rollout takes the change from each ReplicaSet in proportion (`rollout_split`), so each
-gives up its own least busy. A StatefulSet gives up its highest ordinals and a LeaderWorkerSet its
-highest groups, which are the ones drained. The engines that go are worked out again before the
-count is written: where the ReplicaSets moved meanwhile (a rollout went on, an engine went down),
-those the scale now removes drain too, and a drained engine it no longer removes is routed again.
-The action ends once the controller has removed the drained engines; one still there when the grace
-ends (the controller chose another: an Argo canary's weights, a rollout's own progress) is routed
-again, and the outcome says so (`not_removed`).
+`controller.kubernetes.io/pod-deletion-cost` so its ReplicaSet removes those; in the middle of an
+update the change is spread over the ReplicaSets as their controller spreads it (a Deployment's
+in proportion, `rollout_split`; an Argo Rollout's by the canary's weight or the blue-green
+preview's count, `argo_split`), so each gives up its own least busy. A StatefulSet gives up its
+highest ordinals and a LeaderWorkerSet its highest groups, which are the ones drained. The engines
+that go are worked out again before the count is written: where the ReplicaSets moved meanwhile (a
+rollout went on, an engine went down), those the scale now removes drain too, and a drained engine
+it no longer removes is routed again. The action ends once the controller has removed the drained
+engines; one still there when the grace ends (the controller chose another: a rollout's own
+progress, a split not foreseen) is routed again, and the outcome says so (`not_removed`).
 New engine arguments (EPLB, speculative decoding) patch the engine container of the pod template
 once, with the object's resourceVersion (for an Argo Rollout with a `workloadRef`, the template of
 the Deployment it names, which the Rollout follows; that template's digest is the one reported);
@@ -59,7 +60,7 @@ import urllib3.exceptions
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from controlplane.actuators import rollout_split
+from controlplane.actuators import argo_split, rollout_split
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
@@ -122,6 +123,11 @@ VERBS: frozenset[tuple[str, str, str]] = frozenset({
 })
 
 
+# How a scale is spread over the ReplicaSets of an update in progress, by the controller that owns them.
+_SPLITS: dict[str, Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]], int], dict[str, int] | None]] = {
+    "Deployment": rollout_split.sizes_after, "Rollout": argo_split.sizes_after}
+
+
 def _load(order: Order, pod: str) -> float:
     """Requests on `pod` for choosing whom to drain: a dead engine leaves first, one not heard from lately last."""
     if pod in order.busy:
@@ -135,8 +141,9 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
     it keeps. A StatefulSet removes the ordinals from `first + keep` up (`first`: its `spec.ordinals.start`) and a
     LeaderWorkerSet the groups from `keep` up, whatever their load (a terminating pod among them is not drained again).
     A ReplicaSet removes its pods in its own order (`_removed`), which the drain's deletion cost steers to the least
-    busy of the ready ones. A Deployment in the middle of a rollout takes the change from each ReplicaSet in proportion
-    (`sizes`, each active one's size after the scale): each gives up its own share, and the pods of the others go."""
+    busy of the ready ones. A Deployment or Argo Rollout in the middle of an update spreads the change over its
+    ReplicaSets (`sizes`, the size after the scale of each it touches): each gives up its own share, and the pods of
+    the others go with the update."""
     if w.kind in ("StatefulSet", "LeaderWorkerSet"):
         label, least = (POD_INDEX, first + keep) if w.kind == "StatefulSet" else (LWS_GROUP, keep)
         going = sorted((p for p in pods if _ordinal(p, pods[p], label) >= least), reverse=True)
@@ -412,7 +419,7 @@ class KubernetesActuator:
         return holder, await self._read(holder)
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The Deployment's ReplicaSets, newest revision first."""
+        """The ReplicaSets the workload (a Deployment or an Argo Rollout) owns, newest revision first."""
         labels = dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         items = (await self._json(f"listing the ReplicaSets of {w.namespace}/{w.name}",
@@ -497,8 +504,8 @@ class KubernetesActuator:
         pods = await self._pods_of(w, obj)
         size = _gang(w, obj)
         desired = int(dig(obj, ("spec", "replicas"), 1)) * size
-        sizes = (rollout_split.sizes_after(obj, await self._replica_sets(w, obj), replicas)
-                 if w.kind == "Deployment" else None)
+        split = _SPLITS.get(w.kind)
+        sizes = split(obj, await self._replica_sets(w, obj), replicas) if split is not None else None
         return _leaving(w, pods, replicas // size, desired - replicas, order,
                         first=int(dig(obj, ("spec", "ordinals", "start"), 0) or 0), sizes=sizes)
 

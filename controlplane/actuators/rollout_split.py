@@ -19,16 +19,18 @@ from typing import Any
 
 from controlplane.kube import dig
 
-__all__ = ["MAX_REPLICAS", "max_surge", "sizes_after"]
+__all__ = ["MAX_REPLICAS", "int_or_percent", "max_surge", "sizes_after"]
 
 MAX_REPLICAS = "deployment.kubernetes.io/max-replicas"
 REVISION = "deployment.kubernetes.io/revision"
 
 
-def _scaled(value: Any, total: int, *, round_up: bool) -> int:
-    """An int-or-percent field of the rolling update as a number of pods."""
-    if isinstance(value, str) and value.endswith("%"):
-        share = float(value[:-1]) * total / 100
+def int_or_percent(value: Any, total: int, *, round_up: bool) -> int:
+    """An int-or-percent field of a rolling update (maxSurge, maxUnavailable) as a number of pods. A string is a
+    percentage with or without its `%`, as the controllers' (deprecated) parser reads it: Argo Rollouts' own
+    defaults are written "25"."""
+    if isinstance(value, str):
+        share = float(value.removesuffix("%")) * total / 100
         return math.ceil(share) if round_up else math.floor(share)
     return int(value)
 
@@ -38,7 +40,7 @@ def max_surge(deployment: Mapping[str, Any], replicas: int) -> int:
     strategy = dig(deployment, ("spec", "strategy"), {}) or {}
     if strategy.get("type", "RollingUpdate") != "RollingUpdate":
         return 0
-    return _scaled(dig(strategy, ("rollingUpdate", "maxSurge"), "25%"), replicas, round_up=True)
+    return int_or_percent(dig(strategy, ("rollingUpdate", "maxSurge"), "25%"), replicas, round_up=True)
 
 
 def _replicas(rs: Mapping[str, Any]) -> int:

@@ -3,8 +3,8 @@
 Every object it creates or patches, and every subresource body, is validated against the official
 OpenAPI schemas by the emulator (`apiserver.py`); each test ends by asserting none was invalid.
 Covers: scaling through the scale subresource (Deployment, LeaderWorkerSet with its gang), a
-drained scale-down of the least busy engines (each ReplicaSet's share in the middle of a rollout,
-worked out again before the count is written), engine arguments for EPLB and speculative decoding
+drained scale-down of the least busy engines (each ReplicaSet's share in the middle of a rollout
+or an Argo canary, worked out again before the count is written), engine arguments for EPLB and speculative decoding
 (other containers untouched, a stale resourceVersion retried, 422 and 403 surfaced), rollbacks
 (Deployment from its ReplicaSets, Argo Rollout abort), drain and replace, cordon with evictions a
 PodDisruptionBudget holds back, Events, the action annotation that stops a repeat, server-side
@@ -892,6 +892,58 @@ async def test_a_take_over_after_the_count_does_not_wait_on_a_spared_engine(serv
     remove(server, "vllm-decode-c")
     done = await actuator(api).resume(o, again["wait"], Clock().t + 35)
     assert done["removed"] == [] and routed(server, "vllm-decode-a"), "a serves; c, never drained, went"
+
+
+def mid_canary(server: ApiServer) -> None:
+    """vllm-canary, an Argo Rollout of 10 at its 20 % step: 8 stable engines (s1..s8) and 2 canary ones (c1, c2),
+    each set owned by the Rollout and told apart by its pod-template hash."""
+    labels = {"app": "vllm-canary"}
+    template = {"metadata": {"labels": {**labels, "llm-d.ai/routed": "true"}},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "args": list(ARGS)}]}}
+    rollout = server.put(ROLLOUTS, {
+        "apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "metadata": {"name": "vllm-canary", "namespace": NS},
+        "spec": {"replicas": 10, "selector": {"matchLabels": labels}, "template": template,
+                 "strategy": {"canary": {"maxSurge": "25%", "maxUnavailable": 0,
+                                         "steps": [{"setWeight": 20}, {"pause": {}}]}}},
+        "status": {"replicas": 10, "readyReplicas": 10, "currentPodHash": "c7d9", "stableRS": "5b8f",
+                   "currentStepIndex": 1}})
+    for hash_, count, prefix in (("5b8f", 8, "s"), ("c7d9", 2, "c")):
+        name = f"vllm-canary-{hash_}"
+        own = {**labels, "rollouts-pod-template-hash": hash_}
+        server.put(REPLICASETS, {
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": name, "namespace": NS, "labels": own,
+                         "ownerReferences": [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                                              "name": "vllm-canary", "uid": rollout["metadata"]["uid"],
+                                              "controller": True}]},
+            "spec": {"replicas": count, "selector": {"matchLabels": own},
+                     "template": {**template, "metadata": {"labels": {**own, "llm-d.ai/routed": "true"}}}}})
+        for i in range(1, count + 1):
+            p = owned_pod(server, f"vllm-canary-{prefix}{i}", name)
+            p["metadata"]["labels"] = {**own, "llm-d.ai/routed": "true"}
+            server.put(PODS, p)
+
+
+@pytest.mark.parametrize(("replicas", "stable", "drained"), [
+    # At 5, Argo keeps 20 %: 1 canary and 4 stable engines. The two idlest are both canaries, but only one goes.
+    (5, "5b8f", ["vllm-canary-c1", "vllm-canary-s1", "vllm-canary-s2", "vllm-canary-s3", "vllm-canary-s4"]),
+    # At 8 the split nearest 20 % is 2 and 7 (9 in all, within maxSurge): one stable engine, and no canary.
+    (8, "5b8f", ["vllm-canary-s1"]),
+    # Promoted (no update in progress): the idlest of all, whichever set they belong to.
+    (7, "c7d9", ["vllm-canary-c1", "vllm-canary-c2", "vllm-canary-s1"]),
+])
+async def test_a_scale_down_mid_canary_drains_by_the_canarys_weight(server: ApiServer, api: client.ApiClient,
+                                                                   replicas: int, stable: str,
+                                                                   drained: list[str]) -> None:
+    mid_canary(server)
+    rollout = server.get(ROLLOUTS, NS, "vllm-canary")
+    assert rollout is not None
+    rollout["status"]["stableRS"] = stable
+    server.put(ROLLOUTS, rollout)
+    busy = {**{f"vllm-canary-s{i}": float(i) for i in range(1, 9)}, "vllm-canary-c1": 0.0, "vllm-canary-c2": 0.5}
+    first = await actuator(api).carry_out(order(ActionKind.SCALE_POOL, ScaleTo(replicas), pool="canary", busy=busy))
+    assert sorted(first["wait"]["pods"]) == drained
+    assert all(routed(server, p) != (p in drained) for p in busy)
 
 
 async def test_the_emulator_holds_custom_resources_to_their_crds(server: ApiServer) -> None:
