@@ -113,6 +113,9 @@ KINDS: dict[str, WorkloadKind] = {
                             ("spec", "strategy", "canary", "maxUnavailable")),
 }
 
+# The kinds whose maxUnavailable defaults to 25 % (a StatefulSet's and a LeaderWorkerSet's to 1).
+_QUARTER = ("Deployment", "Rollout")
+
 # Every API call this actuator makes, as (API group, resource, verb): the RBAC it needs, no more.
 VERBS: frozenset[tuple[str, str, str]] = frozenset({
     *((k.group, k.plural, verb) for k in KINDS.values() for verb in ("get", "patch")),
@@ -255,9 +258,7 @@ def _budget(value: Any, replicas: int) -> int | None:
     """maxUnavailable as a number of pods (percentages round down, as the controllers do; at least 1)."""
     if value is None:
         return None
-    if isinstance(value, str) and value.endswith("%"):
-        return max(1, int(replicas * float(value[:-1]) / 100))
-    return max(1, int(value))
+    return max(1, rollout_split.int_or_percent(value, replicas, round_up=False))
 
 
 class _Conflict(Exception):
@@ -391,7 +392,7 @@ class KubernetesActuator:
         template = await self._template_digest(w, obj)
         replicas = PoolReplicas(
             desired * size, int(dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
-            max_unavailable=_budget(dig(obj, kind.max_unavailable, 1 if w.kind != "Deployment" else "25%"),
+            max_unavailable=_budget(dig(obj, kind.max_unavailable, "25%" if w.kind in _QUARTER else 1),
                                     desired) if kind.max_unavailable else None,
             gang=size, rolling=_rolling(obj), template=template)
         return replicas, await self._revision_time(w, obj)

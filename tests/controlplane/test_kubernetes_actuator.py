@@ -164,6 +164,21 @@ async def test_a_rollout_in_progress_reads_as_rolling(server: ApiServer, api: cl
     assert (decode.desired, decode.ready, decode.rolling) == (3, 3, rolling), "ready counts every ready pod"
 
 
+@pytest.mark.parametrize(("strategy", "budget"), [
+    ({}, 2),  # Argo Rollouts' default, 25 % of 8
+    ({"canary": {"maxUnavailable": "50%"}}, 4),
+    ({"canary": {"maxUnavailable": 3}}, 3),
+    ({"canary": {"maxUnavailable": "10%"}}, 1),  # 0.8 rounds down, and a budget is at least one engine
+])
+async def test_a_rollouts_budget_is_read_as_argo_rollouts_reads_it(server: ApiServer, api: client.ApiClient,
+                                                                  strategy: dict[str, Any], budget: int) -> None:
+    server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS},
+                          "spec": {"replicas": 8, "strategy": strategy}, "status": {"readyReplicas": 8}})
+    assert (await actuator(api).observe()).pools["canary"].max_unavailable == budget
+
+
 async def test_a_workload_that_cannot_be_read_leaves_the_other_pools_known(server: ApiServer,
                                                                          api: client.ApiClient) -> None:
     server.put(DEPLOYMENTS, deployment(replicas=3))
