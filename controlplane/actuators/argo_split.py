@@ -1,23 +1,26 @@
 """How the Argo Rollouts controller spreads a Rollout's count over its ReplicaSets while an update is in
 progress, so that a scale-down drains the pods that will be removed.
 
-A Rollout in the middle of a canary has a stable ReplicaSet (`status.stableRS`, matched by its
-`rollouts-pod-template-hash` label) and a canary one (`status.currentPodHash`), and a count scaled
-then is split by the step's weight:
-- without traffic routing, the canary gets the count nearest the weight and the stable the rest
-  (one replica more in all where maxSurge allows a closer match, and neither at 0 for a weight
-  strictly between 0 and the maximum);
-- with traffic routing, the canary gets the weight's share rounded up (or a `setCanaryScale`
-  step's count, and at least `minPodsPerReplicaSet`) and the stable keeps the whole count, unless
-  `dynamicStableScale` sizes it by the larger of its desired and its actual traffic weight.
-A blue-green update scales the active ReplicaSet to the count and the preview to
-`previewReplicaCount` where one is set and not yet past its scale-up. This follows
-`NewRSNewReplicas`, `CalculateReplicaCountsForBasicCanary`,
-`approximateWeightedCanaryStableReplicaCounts` and `CalculateReplicaCountsForTrafficRoutedCanary`
-(`utils/replicaset/` in Argo Rollouts) to the sizes they lead to, not the steps by which
-availability lets them get there (an aborted canary at the weight it has stepped back to). Older
-ReplicaSets go to 0 whatever the count: that is the rollout's own progress, not the scale's. A pure
-function of the objects as read.
+A Rollout in the middle of an update has a stable ReplicaSet (`status.stableRS`) and a new one
+(`status.currentPodHash`), each found by its `rollouts-pod-template-hash` label. Scaled to R:
+- a canary without traffic routing ends with the new set at the count nearest the step's weight and
+  the stable at the rest (one replica more in all where maxSurge allows a closer match, and neither
+  at 0 for a weight strictly between 0 and the maximum);
+- with traffic routing the canary gets the weight's share rounded up (or a `setCanaryScale` step's
+  count, and at least `minPodsPerReplicaSet`) and the stable keeps R, or with `dynamicStableScale`
+  the rest of the weight;
+- an aborted canary ends at 0 and its stable at R (unless `abortScaleDownDelaySeconds: 0` leaves a
+  `setCanaryScale` count up);
+- a blue-green update keeps its stable at R and its preview at `previewReplicaCount` (where one is
+  set, until promoted or resumed past its scale-up), or at 0 once aborted;
+- a new set with no distinct stable one takes R.
+These are the sizes `NewRSNewReplicas`, `CalculateReplicaCountsForBasicCanary`,
+`approximateWeightedCanaryStableReplicaCounts`, `CalculateReplicaCountsForTrafficRoutedCanary` and
+`reconcileBlueGreenStableReplicaSet` (in `utils/replicaset/` and `rollout/` of Argo Rollouts) lead
+to, not the passes by which availability and traffic weights get there: the drain is for every pod
+the scale will remove. Older ReplicaSets are left out: the update removes them (after a scale-down
+delay of seconds, in which a blue-green one follows the count). A pure function of the objects as
+read.
 """
 
 from __future__ import annotations
@@ -36,23 +39,23 @@ POD_TEMPLATE_HASH = "rollouts-pod-template-hash"
 
 def sizes_after(rollout: Mapping[str, Any], sets: Sequence[Mapping[str, Any]], replicas: int
                 ) -> dict[str, int] | None:
-    """The size of each ReplicaSet the scale touches once `rollout` is set to `replicas`, by name; None where one
-    ReplicaSet takes the whole change (no update in progress, or its ReplicaSets not found)."""
+    """The size each ReplicaSet the update keeps ends at once `rollout` is set to `replicas`, by name; None where
+    its new ReplicaSet is not found (the whole change is then one ReplicaSet's)."""
     status: Mapping[str, Any] = rollout.get("status") or {}
     strategy: Mapping[str, Any] = dig(rollout, ("spec", "strategy"), {}) or {}
-    hashed = {dig(rs, ("metadata", "labels", POD_TEMPLATE_HASH)): rs for rs in sets}
-    new = hashed.get(status.get("currentPodHash"))
-    if isinstance(strategy.get("blueGreen"), Mapping):
-        active = hashed.get(dig(status, ("blueGreen", "activeSelector")))
-        if new is None or active is None or active is new:
-            return None
-        return {_name(active): replicas, _name(new): _preview(rollout, replicas)}
-    canary = strategy.get("canary")
-    stable = hashed.get(status.get("stableRS"))
-    if not isinstance(canary, Mapping) or new is None or stable is None or new is stable:
+    hashed = {label: rs for rs in sets if (label := dig(rs, ("metadata", "labels", POD_TEMPLATE_HASH)))}
+    new, stable = hashed.get(status.get("currentPodHash")), hashed.get(status.get("stableRS"))
+    if new is None:
+        return None
+    if stable is None or stable is new:
+        return {_name(new): replicas}
+    blue_green, canary = strategy.get("blueGreen"), strategy.get("canary")
+    if isinstance(blue_green, Mapping):
+        return {_name(stable): replicas, _name(new): _preview(rollout, blue_green, hashed, replicas)}
+    if not isinstance(canary, Mapping):
         return None
     top = int(dig(canary, ("trafficRouting", "maxTrafficWeight"), 100) or 100)
-    fixed, weight = _canary_weight(rollout, canary, top, replicas, new, stable)
+    fixed, weight = _canary_weight(rollout, canary, top)
     if canary.get("trafficRouting") is None:
         surge = int_or_percent(canary.get("maxSurge", "25"), replicas, round_up=True)
         count, total = _nearest(replicas, weight, top, surge)
@@ -65,22 +68,11 @@ def sizes_after(rollout: Mapping[str, Any], sets: Sequence[Mapping[str, Any]], r
     count = fixed if fixed is not None else at_least(_share(replicas, weight, top))
     if not canary.get("dynamicStableScale"):
         return {_name(new): count, _name(stable): replicas}
-    kept = _share(replicas, top - weight, top)
-    weights = dig(status, ("canary", "weights"))
-    if isinstance(weights, Mapping):
-        # The stable shrinks only once traffic has left it, and an aborted canary once traffic is back on the stable.
-        kept = max(kept, _share(replicas, int(dig(weights, ("stable", "weight"), 0) or 0), top))
-        if status.get("abort"):
-            count = max(count, _share(replicas, int(dig(weights, ("canary", "weight"), 0) or 0), top))
-    return {_name(new): at_least(count), _name(stable): at_least(kept)}
+    return {_name(new): at_least(count), _name(stable): at_least(_share(replicas, top - weight, top))}
 
 
 def _name(rs: Mapping[str, Any]) -> str:
     return str(rs["metadata"]["name"])
-
-
-def _available(rs: Mapping[str, Any]) -> int:
-    return int(dig(rs, ("status", "availableReplicas"), 0) or 0)
 
 
 def _share(replicas: int, weight: int, top: int) -> int:
@@ -88,42 +80,35 @@ def _share(replicas: int, weight: int, top: int) -> int:
     return math.ceil(weight * replicas / top)
 
 
-def _canary_weight(rollout: Mapping[str, Any], canary: Mapping[str, Any], top: int, replicas: int,
-                   new: Mapping[str, Any], stable: Mapping[str, Any]) -> tuple[int | None, int]:
+def _kept_up_on_abort(strategy: Mapping[str, Any]) -> bool:
+    """Whether an abort leaves the new ReplicaSet up: `abortScaleDownDelaySeconds` set to 0 (any other value only
+    delays its scale-down)."""
+    return strategy.get("abortScaleDownDelaySeconds") == 0
+
+
+def _canary_weight(rollout: Mapping[str, Any], canary: Mapping[str, Any], top: int) -> tuple[int | None, int]:
     """The canary's fixed count (a `setCanaryScale` step's replicas, with traffic routing only) or else None, and the
     weight its size follows: the last `setWeight` up to the current step, the maximum past the last step or on a
-    full promotion, once aborted 0 (or, with `dynamicStableScale`, the step it has shrunk back to)."""
+    full promotion, 0 once aborted."""
     status: Mapping[str, Any] = rollout.get("status") or {}
     if status.get("promoteFull"):
         return None, top
     steps: Sequence[Mapping[str, Any]] = canary.get("steps") or []
     index = int(status.get("currentStepIndex") or 0)
     upto = list(reversed(steps[:index + 1])) if index < len(steps) else []
-    if canary.get("trafficRouting") is not None:
+    aborted = bool(status.get("abort"))
+    if canary.get("trafficRouting") is not None and (not aborted or _kept_up_on_abort(canary)):
         scale = next((s["setCanaryScale"] for s in upto if isinstance(s.get("setCanaryScale"), Mapping)), None)
         if scale is not None and not scale.get("matchTrafficWeight"):
             if scale.get("replicas") is not None:
                 return int(scale["replicas"]), 0
             if scale.get("weight") is not None:
                 return None, int(scale["weight"])
-    if status.get("abort"):
-        return None, _stepped_back(canary, top, replicas, new, stable) if canary.get("dynamicStableScale") else 0
+    if aborted:
+        return None, 0
     if not upto:
         return None, top
     return None, next((int(s["setWeight"]) for s in upto if s.get("setWeight") is not None), 0)
-
-
-def _stepped_back(canary: Mapping[str, Any], top: int, replicas: int, new: Mapping[str, Any],
-                  stable: Mapping[str, Any]) -> int:
-    """The weight an aborted canary with `dynamicStableScale` steps back to, so that the stable grows as the canary
-    shrinks: the last `setWeight` whose share is below the canary engines still needed (those the stable lacks, or
-    the canary's available ones if more, unless an explicit `abortScaleDownDelaySeconds` keeps the canary up)."""
-    needed = replicas - _available(stable)
-    if canary.get("abortScaleDownDelaySeconds") is None:
-        needed = max(needed, _available(new))
-    steps: Sequence[Mapping[str, Any]] = canary.get("steps") or []
-    return next((int(s["setWeight"]) for s in reversed(steps)
-                 if s.get("setWeight") is not None and _share(replicas, int(s["setWeight"]), top) < needed), 0)
 
 
 def _nearest(replicas: int, weight: int, top: int, surge: int) -> tuple[int, int]:
@@ -152,12 +137,16 @@ def _nearest(replicas: int, weight: int, top: int, surge: int) -> tuple[int, int
     return min(options, key=lambda o: abs(o[0] * top / o[1] - weight))
 
 
-def _preview(rollout: Mapping[str, Any], replicas: int) -> int:
-    """A blue-green preview's size: `previewReplicaCount` until promoted (in full, or resumed past its scale-up
-    checkpoint), the whole count without one."""
-    count = dig(rollout, ("spec", "strategy", "blueGreen", "previewReplicaCount"))
+def _preview(rollout: Mapping[str, Any], blue_green: Mapping[str, Any], hashed: Mapping[str, Mapping[str, Any]],
+             replicas: int) -> int:
+    """A blue-green update's new ReplicaSet: `previewReplicaCount` until it is active, promoted in full or resumed
+    past its scale-up checkpoint, the whole count without one, 0 once aborted (unless kept up)."""
     status: Mapping[str, Any] = rollout.get("status") or {}
-    if count is None or status.get("promoteFull"):
+    if status.get("abort") and not _kept_up_on_abort(blue_green):
+        return 0
+    count = blue_green.get("previewReplicaCount")
+    active = dig(status, ("blueGreen", "activeSelector"))
+    if count is None or active not in hashed or active == status.get("currentPodHash") or status.get("promoteFull"):
         return replicas
     paused = bool(dig(rollout, ("spec", "paused"))) or bool(status.get("pauseConditions"))
     if not paused and dig(status, ("blueGreen", "scaleUpPreviewCheckPoint")):

@@ -27,8 +27,8 @@ REVISION = "deployment.kubernetes.io/revision"
 
 def int_or_percent(value: Any, total: int, *, round_up: bool) -> int:
     """An int-or-percent field of a rolling update (maxSurge, maxUnavailable) as a number of pods. A string is a
-    percentage with or without its `%`, as the controllers' (deprecated) parser reads it: Argo Rollouts' own
-    defaults are written "25"."""
+    percentage with or without its `%`, as Argo Rollouts' (deprecated) parser reads it, its own defaults being
+    written "25"; the Deployment API accepts no string without one."""
     if isinstance(value, str):
         share = float(value.removesuffix("%")) * total / 100
         return math.ceil(share) if round_up else math.floor(share)

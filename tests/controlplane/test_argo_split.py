@@ -1,7 +1,7 @@
 """The Argo Rollouts controller's split of a Rollout's count during an update, as the actuator predicts it:
-the cases of Argo Rollouts' own tests for the weighted split and the traffic-routed dynamic scale (their
-inputs and expected counts), the canary's weight through its steps, blue-green previews, and properties
-of the weighted split. Every Rollout here is valid against the Rollout CRD's schema."""
+the cases of Argo Rollouts' own test of the weighted split (their inputs and expected counts), the canary's
+weight through its steps, traffic routing, aborts, blue-green previews, and properties of the weighted
+split. Every Rollout here is valid against the Rollout CRD's schema."""
 
 from __future__ import annotations
 
@@ -85,11 +85,15 @@ def test_the_weight_is_the_last_set_up_to_the_current_step() -> None:
         "vllm-canary": 0, "vllm-stable": 10}
 
 
-def test_no_update_in_progress_leaves_one_replicaset_to_take_the_change() -> None:
-    assert sizes_after(rollout(10, status={"currentPodHash": "stable"}), SETS, 5) is None  # promoted
-    assert sizes_after(rollout(10, status={"stableRS": "gone"}), SETS, 5) is None  # its ReplicaSet not listed
+def test_a_new_replicaset_with_no_distinct_stable_one_takes_the_count() -> None:
+    # Promoted, or a first rollout: the new set grows or shrinks to the count, and the older ones go with the update.
+    assert sizes_after(rollout(10, status={"stableRS": "canary"}), SETS, 5) == {"vllm-canary": 5}
+    assert sizes_after(rollout(10, status={"stableRS": "gone"}), SETS, 5) == {"vllm-canary": 5}
+    assert sizes_after(rollout(10, status={"currentPodHash": "gone"}), SETS, 5) is None, "the new set not listed"
+    unlabelled = [{"metadata": {"name": "vllm-x", "labels": {}}, "spec": {"replicas": 3}}]
+    assert sizes_after(rollout(10, status={"currentPodHash": ""}), unlabelled, 5) is None
     plain = {"spec": {"replicas": 10}, "status": {"currentPodHash": "canary", "stableRS": "stable"}}
-    assert sizes_after(plain, SETS, 5) is None  # no strategy read
+    assert sizes_after(plain, SETS, 5) is None, "no strategy read"
 
 
 def test_traffic_routing_keeps_the_stable_whole_and_sizes_the_canary_by_weight() -> None:
@@ -108,48 +112,29 @@ def test_traffic_routing_keeps_the_stable_whole_and_sizes_the_canary_by_weight()
     assert sizes_after(rollout(10, top, {"currentStepIndex": 0}), SETS, 10) == {"vllm-canary": 2, "vllm-stable": 10}
 
 
-# Argo Rollouts' TestCalculateReplicaCountsForCanaryTrafficRoutingDynamicScale, a count of 10 kept at 10: (abort,
-# first setWeight, later setWeights, canary and stable traffic weights, canary and stable ReplicaSets (replicas,
-# available)) -> (canary, stable). Where upstream passes no ReplicaSets, a whole stable and an empty canary stand for
-# them: nothing then holds an aborted canary's weight up, which is what upstream's missing ones mean.
-WHOLE = ((0, 0), (10, 10))
-DYNAMIC = [
-    (True, 20, [60], 60, 40, ((6, 6), (4, 4)), (6, 8)),
-    (True, 20, [60], 60, 40, ((1, 1), (4, 4)), (6, 8)),
-    (True, 20, [60], 60, 40, ((2, 2), (8, 4)), (6, 8)),
-    (True, 20, [60], 60, 40, WHOLE, (6, 10)),
-    (False, 10, [], 10, 90, WHOLE, (1, 9)),
-    (False, 20, [], 10, 90, WHOLE, (2, 9)),
-    (True, 20, [], 20, 80, WHOLE, (2, 10)),
-    (True, 20, [], 10, 90, WHOLE, (1, 10)),
-]
+def test_a_dynamic_stable_ends_at_the_rest_of_the_weight() -> None:
+    # Argo's pass keeps the stable above its share until the traffic has left it (its own tests check that pass);
+    # the split is where it ends, which is what the scale removes.
+    dynamic = {"trafficRouting": {"smi": {}}, "dynamicStableScale": True}
+    weights = {"canary": {"weights": {"canary": {"weight": 0}, "stable": {"weight": 100}}}}
+    assert sizes_after(rollout(10, dynamic, weights), SETS, 10) == {"vllm-canary": 2, "vllm-stable": 8}
+    assert sizes_after(rollout(10, {**dynamic, "minPodsPerReplicaSet": 3}), SETS, 10) == {"vllm-canary": 3,
+                                                                                         "vllm-stable": 8}
 
 
-@pytest.mark.parametrize("case", DYNAMIC)
-def test_dynamic_stable_scale_matches_argo_rollouts_own_cases(case: tuple[Any, ...]) -> None:
-    abort, first, later, canary_weight, stable_weight, (canary_rs, stable_rs), expected = case
-    canary = {"trafficRouting": {"smi": {}}, "dynamicStableScale": True,
-              "steps": [{"setWeight": w} for w in (first, *later)]}
-    status = {"abort": abort, "currentStepIndex": 0,
-              "canary": {"weights": {"canary": {"weight": canary_weight, "podTemplateHash": "canary"},
-                                     "stable": {"weight": stable_weight, "podTemplateHash": "stable"}}}}
-    sets = [rs("canary", *canary_rs), rs("stable", *stable_rs)]
-    assert sizes_after(rollout(10, canary, status), sets, 10) == {"vllm-canary": expected[0],
-                                                                  "vllm-stable": expected[1]}
-
-
-def test_an_aborted_canary_steps_back_by_what_it_still_serves() -> None:
-    # Steps 20 % then 60 %, 10 engines, aborted at the second. The canary's 6 available engines hold its weight at
-    # the last step whose share is below them (20 %: 2); with an explicit abortScaleDownDelaySeconds only what the
-    # stable lacks counts (1 of 10): no step's share is below it, and the canary goes to 0.
-    canary = {"trafficRouting": {"smi": {}}, "dynamicStableScale": True, "steps": [{"setWeight": 20}, {"setWeight": 60}]}
-    status = {"abort": True, "currentStepIndex": 1}
-    serving = [rs("canary", 6, 6), rs("stable", 9, 9)]
-    assert sizes_after(rollout(10, canary, status), serving, 10) == {"vllm-canary": 2, "vllm-stable": 8}
-    delayed = {**canary, "abortScaleDownDelaySeconds": 30}
-    assert sizes_after(rollout(10, delayed, status), serving, 10) == {"vllm-canary": 0, "vllm-stable": 10}
-    gone = [rs("canary", 6, 1), rs("stable", 9, 9)]
-    assert sizes_after(rollout(10, canary, status), gone, 10) == {"vllm-canary": 0, "vllm-stable": 10}
+@pytest.mark.parametrize(("delay", "expected"), [
+    (None, {"vllm-canary": 0, "vllm-stable": 10}),  # the default delay only postpones the canary's scale-down
+    (30, {"vllm-canary": 0, "vllm-stable": 10}),
+    (0, {"vllm-canary": 3, "vllm-stable": 10}),  # kept up: its setCanaryScale still counts
+])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_an_aborted_canary_ends_at_zero_unless_kept_up(delay: int | None, expected: dict[str, int],
+                                                       dynamic: bool) -> None:
+    canary: dict[str, Any] = {"trafficRouting": {"smi": {}}, "dynamicStableScale": dynamic,
+                              "steps": [{"setCanaryScale": {"replicas": 3}}, {"setWeight": 60}, {"pause": {}}]}
+    if delay is not None:
+        canary["abortScaleDownDelaySeconds"] = delay
+    assert sizes_after(rollout(10, canary, {"abort": True, "currentStepIndex": 2}), SETS, 10) == expected
 
 
 def test_a_blue_green_preview_keeps_its_own_count_until_promoted() -> None:
@@ -164,8 +149,17 @@ def test_a_blue_green_preview_keeps_its_own_count_until_promoted() -> None:
     paused = rollout(10, blue_green=preview, status={**resumed, "pauseConditions": [
         {"reason": "BlueGreenPause", "startTime": "2026-12-01T10:00:00Z"}]})
     assert sizes_after(paused, SETS, 6) == {"vllm-stable": 6, "vllm-canary": 2}
-    promoted = {"blueGreen": {"activeSelector": "canary"}}
-    assert sizes_after(rollout(10, blue_green=preview, status=promoted), SETS, 6) is None
+    # Switched, its post-promotion analysis running: the old stable is kept at the count until the new one is stable.
+    switched = {"blueGreen": {"activeSelector": "canary"}}
+    assert sizes_after(rollout(10, blue_green=preview, status=switched), SETS, 6) == {"vllm-stable": 6,
+                                                                                      "vllm-canary": 6}
+    assert sizes_after(rollout(10, blue_green=preview, status={**switched, "stableRS": "canary"}), SETS, 6) == {
+        "vllm-canary": 6}
+    aborted = {**status, "abort": True}
+    assert sizes_after(rollout(10, blue_green=preview, status=aborted), SETS, 6) == {"vllm-stable": 6,
+                                                                                     "vllm-canary": 0}
+    kept = {**preview, "abortScaleDownDelaySeconds": 0}
+    assert sizes_after(rollout(10, blue_green=kept, status=aborted), SETS, 6) == {"vllm-stable": 6, "vllm-canary": 2}
 
 
 @given(st.integers(0, 40), st.integers(0, 100), st.integers(0, 5))
