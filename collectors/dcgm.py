@@ -148,11 +148,23 @@ def _attrs(labels: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+# Labels that only say which pod uses a GPU: with `--kubernetes-virtual-gpus` (GPUs shared by time-slicing) the
+# exporter prints one copy of each GPU series per pod (and `vgpu`), all of the same reading.
+_POD_LABELS = frozenset({"pod", "pod_name", "namespace", "pod_namespace", "container", "container_name", "pod_uid",
+                         "vgpu"})
+
+
 def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
-    """A target's samples as readings per GPU or MIG instance; sentinel values are left out."""
+    """A target's samples as readings per GPU or MIG instance; sentinel values are left out, and the per-pod copies of
+    a shared GPU's series are read once (summed, two pods at 61 °C would read 122 °C, and XID 31 twice XID 62)."""
     kept: list[Sample] = []
     blank: list[Sample] = []
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     for s in samples:
+        series = (s.name, frozenset((k, v) for k, v in s.labels.items() if k not in _POD_LABELS))
+        if series in seen:
+            continue
+        seen.add(series)
         (blank if is_blank(s.value) else kept).append(s)
     readings = read(kept, FAMILIES, _entity, _attrs, index=_INDEX)
     # A blank family is still exposed: record it, so only a real absence reads as missing.

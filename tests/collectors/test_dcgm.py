@@ -452,3 +452,20 @@ def test_pipeline_derives_per_gpu_signals_without_pool_rollup(monkeypatch: pytes
     assert out.missing_families["gpus/dcgm-exporter-x/dcgm"] == ["DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_TEMP",
                                                             "DCGM_FI_DEV_POWER_USAGE"]
     assert all(isinstance(s, Signal) for s in out.signals)
+
+
+def test_a_gpu_shared_by_pods_is_read_once_not_summed() -> None:
+    # --kubernetes-virtual-gpus: one copy of every series per pod on the GPU. Summed, 61 °C twice read 122 °C and an
+    # application XID (31) twice a hardware one (62), which proposes cordoning the node.
+    shared = "".join(expo({"DCGM_FI_DEV_GPU_TEMP": 61, "DCGM_FI_DEV_XID_ERRORS": 31, "DCGM_FI_DEV_POWER_USAGE": 300},
+                          pod=pod, namespace="llm", vgpu=str(i)) for i, pod in enumerate(("decode-0", "decode-1")))
+    sig = steady_text(shared)
+    assert (sig["gpu_temperature_celsius"], sig["gpu_xid_last"], sig["gpu_power_watts"]) == (61.0, 31.0, 300.0)
+    # Series that differ by more than their pod stay apart and are summed: the XIDs in the window, by code.
+    window = "".join(line("DCGM_EXP_XID_ERRORS_COUNT", n, xid=xid, pod=pod) for pod in ("decode-0", "decode-1")
+                     for xid, n in (("13", 2), ("79", 1)))
+    assert steady_text(window)["gpu_xid_errors_window"] == 3.0
+
+
+def steady_text(text: str) -> dict[str, float]:
+    return signal_map(text, text)
