@@ -230,6 +230,9 @@ class PromGateSource:
             self._arms = {"baseline": selector(baseline.promql()), "canary": selector(canary.promql())}
         except ValueError as exc:  # a Kubernetes label key (app.kubernetes.io/version) is no Prometheus label name
             raise GateInputError(f"a selector cannot be asked of Prometheus: {exc}") from None
+        if self._arms["baseline"] == self._arms["canary"]:
+            raise GateInputError(f"the baseline's and the canary's selectors are the same ({baseline.text!r}): the "
+                                 "canary would be compared with itself")
         self._names = [r.name for r in rules]
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
 
@@ -275,8 +278,20 @@ class PromGateSource:
         rows = self._query(expr, ts)
         return rows[0][1] if rows and math.isfinite(rows[0][1]) else None
 
+    def _overlap(self, start: float, end: float) -> None:
+        """Refuse pods that both arms select (a baseline regex that also matches the canary's pods): the canary
+        would be diluted into its own baseline, and a regression read smaller than it is."""
+        window, pod = f"{max(1, round(end - start))}s", self._prom.labels.pod
+        pods = [{labels.get(pod) for labels, _ in
+                 self._query(f"group by ({pod}) (last_over_time(vllm:num_requests_running{sel}[{window}]))", end)}
+                for sel in (self._arms["baseline"], self._arms["canary"])]
+        both = sorted(p for p in pods[0] & pods[1] if p)
+        if both:
+            raise GateInputError(f"pod(s) {', '.join(both)} match both the baseline's and the canary's selector")
+
     async def interval(self, start: float, end: float) -> Interval:
         try:
+            await asyncio.to_thread(self._overlap, start, end)
             base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end)
             can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end)
         except PrometheusError as exc:
@@ -319,8 +334,11 @@ class StoreGateSource:
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
-            arm = next((a for a, sel in self._arms.items() if sel.matches({"pool": pool, "pod": pod})), None)
-            if arm is not None:
+            matched = [a for a, sel in self._arms.items() if sel.matches({"pool": pool, "pod": pod})]
+            if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
+                raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
+            if matched:
+                arm = matched[0]
                 for name, d in engine_dists(series, self._names, start, end).items():
                     merge_into(arms[arm], name, d)
         return Interval(start, end, arms["baseline"], arms["canary"])
@@ -350,6 +368,8 @@ class GateSession:
             try:
                 self.intervals.append(await self.source.interval(self._t, self._t + step))
                 self._failures = 0
+            except GateInputError:
+                raise  # asked wrongly: waiting does not mend it
             except GateError as exc:
                 self._failures += 1
                 if self._failures > MAX_SOURCE_ERRORS:

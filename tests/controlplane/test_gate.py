@@ -153,6 +153,10 @@ async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> N
     with pytest.raises(GateError, match=r"\['kv_cache_usage'\] cannot be read"):
         StoreGateSource(store, "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"),
                         (MetricRule(name="kv_cache_usage"),))
+    overlapping = StoreGateSource(store, "decode", ArmSelector.parse("pod=~decode-.*"),
+                                  ArmSelector.parse("pod=~.*canary.*"), rules)
+    with pytest.raises(GateInputError, match="decode-canary-0 matches both"):
+        await overlapping.interval(100.0, 130.0)
 
 
 # Prometheus ------------------------------------------------------------------------------------------
@@ -162,12 +166,16 @@ class FakePrometheus:
     """A `PrometheusConnect` stand-in that answers the gate's queries from canned numbers (a double: the
     real Prometheus is exercised by the collectors' agreement tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, baseline_pods: tuple[str, ...] = ("decode-0", "decode-1")) -> None:
         self.queries: list[str] = []
+        self.baseline_pods = baseline_pods
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.queries.append(query)
         canary = 'pod=~".*canary.*"' in query
+        if query.startswith("group by (pod)"):
+            return [{"metric": {"pod": p}, "value": [0, "1"]}
+                    for p in (("decode-canary-0",) if canary else self.baseline_pods)]
         if query.startswith("count(last_over_time(vllm:request_time_per_output_token_seconds_count"):
             return [{"metric": {}, "value": [0, "3"]}]
         if query.startswith("count(last_over_time("):
@@ -206,6 +214,21 @@ async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_ar
     assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
     await src.interval(30.0, 60.0)
     assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
+
+
+async def test_arms_that_overlap_are_refused_at_once() -> None:
+    # A baseline regex that also matches the canary's pods: the canary diluted into its own baseline reads a
+    # regression smaller than it is, so the gate stops (exit 3) on the first step rather than judge it.
+    fake = FakePrometheus(baseline_pods=("decode-0", "decode-canary-0"))
+    prom = PrometheusSource("http://prometheus.invalid", client=fake)
+    rules = (MetricRule(name="tpot"),)
+    src = PromGateSource(prom, ArmSelector.parse("pool=decode,pod=~decode-.*"),
+                         ArmSelector.parse("pool=decode,pod=~.*canary.*"), rules)
+    session = GateSession(src, GateSettings(metrics=rules), 0.0)
+    with pytest.raises(GateInputError, match="decode-canary-0 match both"):
+        await session.consult(30.0)
+    with pytest.raises(GateInputError, match="are the same"):
+        PromGateSource(prom, ArmSelector.parse("pool=decode"), ArmSelector.parse("pool=decode"), rules)
 
 
 async def test_each_arm_is_read_in_the_histogram_spelling_it_exports() -> None:
