@@ -363,8 +363,10 @@ def blocks(intervals: Sequence[Interval], rule: MetricRule) -> list[tuple[Dist, 
     return out
 
 
-def confidence_sequence(shifts: Sequence[float], alpha: float, target: int, floor: float) -> tuple[float, float, float]:
-    """Mean of `shifts` and its two-sided (1 - alpha) confidence sequence, tightest after `target` shifts.
+def confidence_sequence(shifts: Sequence[float], alpha: float, target: int, floor: float, *,
+                        at_least: float = 0.0) -> tuple[float, float, float]:
+    """Mean of `shifts` and its two-sided (1 - alpha) confidence sequence, tightest after `target` shifts; `at_least`
+    is a spread known from how the shifts are sampled, below which the estimate is not believed.
 
     Robbins' normal mixture: |mean - mu| <= s * sqrt(2 (n r² + 1) / (n² r²) * log(sqrt(n r² + 1) / alpha)).
     With the spread `s` estimated from a handful of blocks the boundary is too tight (a 5 % sequence
@@ -377,7 +379,7 @@ def confidence_sequence(shifts: Sequence[float], alpha: float, target: int, floo
     x = np.asarray(shifts, dtype=float)
     mean = float(x.mean())
     ss = float(((x - mean) ** 2).sum()) if n > 1 else 0.0
-    s = math.sqrt((ss + 2.0 * floor * floor) / (n - 1 + 2.0))
+    s = max(math.sqrt((ss + 2.0 * floor * floor) / (n - 1 + 2.0)), at_least)
     log_a = -2.0 * math.log(alpha)
     r2 = (log_a + math.log(log_a + 1.0)) / target
     half = s * math.sqrt(2.0 * (n * r2 + 1.0) / (n * n * r2) * math.log(math.sqrt(n * r2 + 1.0) / alpha))
@@ -437,7 +439,8 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
     values = {"baseline": whole_b.statistic(rule.statistic) if whole_b else None,
               "canary": whole_c.statistic(rule.statistic) if whole_c else None}
     common = {"name": rule.label, "critical": rule.critical, "scale": rule.scale, **counts, **values}
-    shifts = [d for b, c in blocks(intervals, rule) if (d := _shift(b, c, rule)) is not None]
+    pairs = blocks(intervals, rule)
+    shifts = [d for b, c in pairs if (d := _shift(b, c, rule)) is not None]
     if counts["baseline_count"] <= 0 or counts["canary_count"] <= 0:
         arm = "baseline" if counts["baseline_count"] <= 0 else "canary"
         return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=f"{rule.label}: no data from the {arm}",
@@ -448,7 +451,8 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
                   f"traffic to judge yet")
         return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=reason, blocks=len(shifts),
                              **common)  # type: ignore[arg-type]
-    mean, lo, hi = confidence_sequence(shifts, alpha, s.target_blocks, rule.floor())
+    sampling = _sampling_spread(pairs, rule.allowed) if rule.name == ERRORS else 0.0
+    mean, lo, hi = confidence_sequence(shifts, alpha, s.target_blocks, rule.floor(), at_least=sampling)
     ratio = rule.scale is Scale.RATIO
     allowed = math.log1p(rule.allowed) if ratio else rule.allowed
     margin = math.log1p(rule.margin) if ratio else rule.margin
@@ -472,6 +476,18 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
                          threshold=threshold, blocks=len(shifts),
                          reason=_explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha),
                          **common)  # type: ignore[arg-type]
+
+
+def _sampling_spread(pairs: Sequence[tuple[Dist, Dist]], allowed: float) -> float:
+    """How far a block's difference of two error rates spreads by sampling alone (binomial), with the canary's rate at
+    least the baseline's plus the allowance: where errors are rare most blocks see none, and the spread read from the
+    blocks would be near 0, which would pass a canary failing at the allowance far more often than `alpha`."""
+    if not pairs:
+        return 0.0
+    base = sum(b.total for b, _ in pairs) / sum(b.count for b, _ in pairs)
+    can = min(1.0, max(sum(c.total for _, c in pairs) / sum(c.count for _, c in pairs), base + allowed))
+    per_b, per_c = (sum(d.count for d in arm) / len(pairs) for arm in zip(*pairs, strict=True))
+    return math.sqrt(base * (1 - base) / per_b + can * (1 - can) / per_c)
 
 
 def _fails(mean: float, lo: float, allowed: float, margin: float) -> bool:

@@ -283,3 +283,27 @@ def test_peeking_at_kayenta_and_argo_every_interval_fails_identical_versions_mor
         argo += any(threshold_judge(ivs[:k], s) is Outcome.FAIL for k in range(1, 41))
     assert ours == 0 and argo > ours
     assert kay >= ours
+
+
+def _rare_errors(p_canary: float, runs: int, seed: int) -> list[Outcome]:
+    """Gates on error rate alone: a clean baseline of 200 requests a step, a canary of 50 failing at `p_canary`."""
+    rule = MetricRule(name="error_rate", scale=Scale.DIFFERENCE, allowed=0.01, critical=True, min_count=50)
+    settings, rng, outcomes = GateSettings(metrics=(rule,)), np.random.default_rng(seed), []
+    for _ in range(runs):
+        steps: list[Interval] = []
+        for k in range(60):
+            steps.append(Interval(30.0 * k, 30.0 * (k + 1), {"error_rate": Dist.of_events(0, 200)},
+                                  {"error_rate": Dist.of_events(int(rng.binomial(50, p_canary)), 50)}))
+            verdict = judge(steps, settings, final=k == 59)
+            if verdict.decided:
+                break
+        outcomes.append(verdict.outcome)
+    return outcomes
+
+
+def test_rare_errors_at_the_allowance_do_not_pass() -> None:
+    # At 50 requests a block most blocks see no error, so the spread read from the blocks is near 0; a canary failing
+    # 1 % of requests (the allowance) passed 30 of 400 such gates before its binomial spread bounded it (now 0).
+    assert _rare_errors(0.01, 200, seed=1).count(Outcome.PASS) <= 2  # the gate's alpha, 0.01
+    # A clean canary still passes within the window: 0 errors in some 1,500 requests bound its rate under 1 %.
+    assert _rare_errors(0.0, 20, seed=2) == [Outcome.PASS] * 20
