@@ -1140,6 +1140,9 @@ from controlplane.lab.cli import lab as _lab_command  # noqa: E402  (its heavy i
 cli.add_command(_lab_command)
 
 
+INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
+
+
 def main() -> NoReturn:
     """Console entry point with the project's exit codes."""
     try:
@@ -1158,6 +1161,9 @@ def main() -> NoReturn:
         sys.exit(exc.exit_code)
     except SystemExit:
         raise
+    except Exception:  # a defect of ours; Python's own exit status, 1, would read as a failed canary or a goal missed
+        err.print_exception()
+        sys.exit(INTERNAL_ERROR)
     sys.exit(0)
 
 

@@ -270,7 +270,8 @@ class PromGateSource:
                 continue
             total = self._scalar(f"sum(increase({fam}_sum{sel}[{window}]))", end) or 0.0
             rows = self._query(f"sum by (le) (increase({fam}_bucket{sel}[{window}]))", end)
-            buckets = sorted((float(labels["le"]), v) for labels, v in rows if "le" in labels and math.isfinite(v))
+            buckets = sorted((le, v) for labels, v in rows
+                             if (le := _bound(labels.get("le"))) is not None and math.isfinite(v))
             out[name] = Dist(count, total, tuple(buckets) if buckets and math.isinf(buckets[-1][0]) else ())
         return out
 
@@ -488,8 +489,9 @@ class GateBook:
 
 
 def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, canary: str) -> str:
-    """The verdict as `json`, `markdown` or `junit` (one test case per metric; a fail is a failure,
-    an inconclusive metric is skipped)."""
+    """The verdict as `json`, `markdown` or `junit` (one test case per metric, where a fail is a failure and an
+    inconclusive metric is skipped, and one for the gate's verdict, a failure unless it passed, so that a CI that
+    reads only the failures never shows an inconclusive gate as green)."""
     head = {"gate": gate, "pool": pool, "baseline": baseline, "canary": canary}
     if fmt == "json":
         return json.dumps({**head, **verdict.as_dict()}, indent=2)
@@ -515,16 +517,28 @@ def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, c
                 body = f'<skipped message="{html.escape(m.reason)}"/>'
             cases.append(f'  <testcase classname="canary.{html.escape(pool)}" name="{html.escape(m.name)}">{body}'
                          f"</testcase>")
-        failures = sum(m.outcome in (Outcome.FAIL, Outcome.MARGINAL) for m in verdict.metrics)
+        passed = verdict.outcome is Outcome.PASS
+        whole = "" if passed else f'<failure type="{verdict.outcome.value}" message="{html.escape(verdict.reason)}"/>'
+        cases.append(f'  <testcase classname="canary.{html.escape(pool)}" name="verdict">{whole}</testcase>')
+        failures = sum(m.outcome in (Outcome.FAIL, Outcome.MARGINAL) for m in verdict.metrics) + (not passed)
         skipped = sum(m.outcome is Outcome.INCONCLUSIVE for m in verdict.metrics)
         return ('<?xml version="1.0" encoding="UTF-8"?>\n'
                 f'<testsuite name="canary gate {html.escape(gate)}: {verdict.outcome.value}" '
-                f'tests="{len(verdict.metrics)}" failures="{failures}" skipped="{skipped}" '
+                f'tests="{len(cases)}" failures="{failures}" skipped="{skipped}" '
                 f'time="{verdict.ended_at - verdict.started_at:.0f}">\n'
                 f'  <properties><property name="result" value="{verdict.outcome.value}"/>'
                 f'<property name="reason" value="{html.escape(verdict.reason)}"/></properties>\n'
                 + "\n".join(cases) + "\n</testsuite>\n")
     raise GateInputError(f"report format {fmt!r}: expected junit, json or markdown")
+
+
+def _bound(le: str | None) -> float | None:
+    """A bucket's `le` as a number; None where it is none (a series Prometheus relabelled, say): that bucket is left
+    out rather than the gate stopped."""
+    try:
+        return float(le) if le is not None else None
+    except ValueError:
+        return None
 
 
 def _num(v: float | None) -> str:

@@ -52,6 +52,20 @@ def test_usage_errors_exit_3() -> None:
     assert fleetctl("config", "check").returncode == 3
 
 
+def test_a_defect_exits_70_not_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Python's own status for an uncaught exception is 1, which a pipeline reads as a failed canary (a rollback).
+    from controlplane import cli
+
+    def broken(**_: object) -> None:
+        raise ValueError("could not convert string to float: 'x'")
+
+    monkeypatch.setattr(cli.cli, "main", broken)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == cli.INTERNAL_ERROR == 70
+    assert "could not convert string to float" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--config", "missing.yaml"], "'missing.yaml' does not exist"),
     (["--step", "abc"], "--step: expected a duration"),

@@ -380,8 +380,17 @@ def test_reports_for_ci() -> None:
     v = judge(ivs, TPOT_ONLY)
     args = {"gate": "ci", "pool": "decode", "baseline": "pod=a", "canary": "pod=b"}
     suite = ET.fromstring(report(v, "junit", **args))
-    assert suite.get("failures") == "1" and suite.find("testcase/failure") is not None
-    assert "tpot: canary" in suite.find("testcase/failure").get("message", "")  # type: ignore[union-attr]
+    assert suite.get("failures") == "2" and suite.get("tests") == "2", "the metric's and the gate's verdict"
+    assert "tpot: canary" in suite.find("testcase[@name='tpot']/failure").get("message", "")  # type: ignore[union-attr]
+    assert suite.find("testcase[@name='verdict']/failure").get("type") == "fail"  # type: ignore[union-attr]
+    # An inconclusive gate (too little traffic) is no green build: its verdict is a failure, its metric skipped.
+    unsure = ET.fromstring(report(judge(ivs[:2], TPOT_ONLY, final=True), "junit", **args))
+    assert (unsure.get("failures"), unsure.get("skipped")) == ("1", "1")
+    assert unsure.find("testcase[@name='verdict']/failure").get("type") == "inconclusive"  # type: ignore[union-attr]
+    passed = ET.fromstring(report(judge([Interval(30.0 * i, 30.0 * (i + 1), {"tpot": Dist(100.0, 1.0)},
+                                                  {"tpot": Dist(100.0, 1.0 + 0.001 * (i % 3))}) for i in range(10)],
+                                        TPOT_ONLY), "junit", **args))
+    assert passed.get("failures") == "0" and passed.find("testcase[@name='verdict']/failure") is None
     data = json.loads(report(v, "json", **args))
     assert data["result"] == "fail" and data["metrics"][0]["lower"] > 1 and data["pool"] == "decode"
     md = report(v, "markdown", **args)
