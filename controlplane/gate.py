@@ -250,7 +250,15 @@ class PromGateSource:
                 return None
         return self._families[(name, sel)]
 
-    def _arm(self, sel: str, start: float, end: float) -> dict[str, Dist]:
+    def _read_as(self, end: float, window: str) -> dict[str, str]:
+        """Where both arms' TPOT is read (as `tpot_spelling`): the per-request histogram where both export it, else
+        the inter-token latency for both (an arm on a vLLM before the per-request one)."""
+        if "tpot" not in self._names:
+            return {}
+        every = all(self._family("tpot", sel, end, window) is not None for sel in self._arms.values())
+        return {} if every else {"tpot": "itl"}
+
+    def _arm(self, sel: str, start: float, end: float, read_as: Mapping[str, str]) -> dict[str, Dist]:
         window = f"{max(1, round(end - start))}s"
         out: dict[str, Dist] = {}
         inner = sel[1:-1] if sel else ""
@@ -262,7 +270,7 @@ class PromGateSource:
                 if total:
                     out[name] = Dist.of_events(errors or 0.0, total)
                 continue
-            fam = self._family(name, sel, end, window)
+            fam = self._family(read_as.get(name, name), sel, end, window)
             if fam is None:
                 continue
             count = self._scalar(f"sum(increase({fam}_count{sel}[{window}]))", end)
@@ -293,8 +301,9 @@ class PromGateSource:
     async def interval(self, start: float, end: float) -> Interval:
         try:
             await asyncio.to_thread(self._overlap, start, end)
-            base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end)
-            can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end)
+            read_as = await asyncio.to_thread(self._read_as, end, f"{max(1, round(end - start))}s")
+            base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end, read_as)
+            can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end, read_as)
         except PrometheusError as exc:
             raise GateError(str(exc)) from None
         return Interval(start, end, base, can)
@@ -325,24 +334,34 @@ class StoreGateSource:
 
     async def interval(self, start: float, end: float) -> Interval:
         wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
-                  *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
+                  *(ENGINE_MEANS[n][0] for n in [*self._names, "itl"] if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was.
         signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
                 engines[s.subject][s.name].append((s.ts, s.value))
-        arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
+        arms: dict[str, list[Mapping[str, Sequence[tuple[float, float]]]]] = {"baseline": [], "canary": []}
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
             matched = [a for a, sel in self._arms.items() if sel.matches({"pool": pool, "pod": pod})]
             if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
                 raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
             if matched:
-                arm = matched[0]
-                for name, d in engine_dists(series, self._names, start, end).items():
-                    merge_into(arms[arm], name, d)
-        return Interval(start, end, arms["baseline"], arms["canary"])
+                arms[matched[0]].append(series)
+        # An engine before the per-request TPOT histogram stores its inter-token latency as `tpot_mean`, which the
+        # store cannot tell from a per-request mean: where every engine has the inter-token latency, TPOT is read
+        # from it on both arms, as `tpot_spelling` does for the other sources.
+        itl = all(ENGINE_MEANS["itl"][0] in engine for each in arms.values() for engine in each)
+        source_of = {n: "itl" if n == "tpot" and itl else n for n in self._names}
+        read = sorted(set(source_of.values()))
+        dists: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
+        for arm, each in arms.items():
+            for engine in each:
+                for name, d in engine_dists(engine, read, start, end).items():
+                    merge_into(dists[arm], name, d)
+        base, can = ({n: d[src] for n, src in source_of.items() if src in d} for d in dists.values())
+        return Interval(start, end, base, can)
 
 
 class GateSession:

@@ -88,7 +88,7 @@ def test_fleetctl_gate_judges_the_store_exits_by_verdict_and_records_it(tmp_path
     assert res.returncode == 1, res.stderr
     suite = ET.parse(junit).getroot()
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
-    assert failed == ["tpot"] and "verdict #1 recorded" in res.stderr
+    assert failed == ["tpot", "verdict"] and "verdict #1 recorded" in res.stderr
     [verdict] = ReadStore.open(slow).verdicts()
     assert verdict["result"] == "fail" and verdict["pool"] == "decode"
     assert verdict["details"]["metrics"][1]["name"] == "tpot" and verdict["details"]["metrics"][1]["lower"] > 1

@@ -153,6 +153,17 @@ async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> N
     with pytest.raises(GateError, match=r"\['kv_cache_usage'\] cannot be read"):
         StoreGateSource(store, "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"),
                         (MetricRule(name="kv_cache_usage"),))
+    # Where every engine also has the inter-token latency, TPOT is read from it on both arms: an older engine stores
+    # it as its `tpot_mean` too, and the store cannot tell the two apart.
+    await store.write_signals([Signal(ts, f"engine/decode/{pod}/0", name, value)
+                               for ts in (100.0, 115.0, 130.0)
+                               for pod, itl in (("decode-0", 0.02), ("decode-1", 0.02), ("decode-canary-0", 0.03))
+                               for name, value in (("itl_mean", itl), ("generation_tokens_rate", 10.0))])
+    both = await StoreGateSource(store, "decode", ArmSelector.parse("pod!~.*canary.*"),
+                                 ArmSelector.parse("pod=~.*canary.*"), (MetricRule(name="tpot"), MetricRule(name="itl"))
+                                 ).interval(100.0, 130.0)
+    assert both.canary["tpot"].statistic("mean") == pytest.approx(0.03) == both.canary["itl"].statistic("mean")
+    assert both.baseline["tpot"].statistic("mean") == pytest.approx(0.02)
     overlapping = StoreGateSource(store, "decode", ArmSelector.parse("pod=~decode-.*"),
                                   ArmSelector.parse("pod=~.*canary.*"), rules)
     with pytest.raises(GateInputError, match="decode-canary-0 matches both"):
@@ -229,6 +240,27 @@ async def test_arms_that_overlap_are_refused_at_once() -> None:
         await session.consult(30.0)
     with pytest.raises(GateInputError, match="are the same"):
         PromGateSource(prom, ArmSelector.parse("pool=decode"), ArmSelector.parse("pool=decode"), rules)
+
+
+async def test_tpot_is_read_from_the_inter_token_latency_for_both_arms_where_one_lacks_it() -> None:
+    class OldBaseline(FakePrometheus):  # the baseline on a vLLM before the per-request TPOT histogram
+        def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+            if 'pod=~".*canary.*"' not in query and "request_time_per_output_token" in query:
+                self.queries.append(query)
+                return []
+            if query.startswith("count(last_over_time(vllm:inter_token_latency_seconds_count"):
+                self.queries.append(query)
+                return [{"metric": {}, "value": [0, "1"]}]
+            return super().custom_query(query, params)
+
+    fake = OldBaseline()
+    src = PromGateSource(PrometheusSource("http://prometheus.invalid", client=fake),
+                         ArmSelector.parse("pool=decode,pod!~.*canary.*"), ArmSelector.parse("pool=decode,pod=~.*canary.*"),
+                         (MetricRule(name="tpot"),))
+    iv = await src.interval(0.0, 30.0)
+    assert iv.baseline["tpot"].count == 100 and iv.canary["tpot"].count == 50
+    read = [q for q in fake.queries if "_bucket" in q]
+    assert len(read) == 2 and all("vllm:inter_token_latency_seconds_bucket" in q for q in read), read
 
 
 async def test_each_arm_is_read_in_the_histogram_spelling_it_exports() -> None:
