@@ -213,6 +213,10 @@ class TargetsGateSource:
                         deltas.append(d)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
+            if arm == "canary" and (down := [r for r in results if not r.ok]):
+                # A crash-looping canary pod would leave the step judged on its healthy ones alone (its requests fail
+                # before vLLM counts them): no step counts while one is down, and the gate stops if it stays down.
+                raise GateError("canary pod(s) not answering: " + "; ".join(f"{r.target.url}: {r.error}" for r in down))
             seen[arm] = deltas
         read_as = tpot_spelling(seen.values())
         arms = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
@@ -287,9 +291,10 @@ class PromGateSource:
         rows = self._query(expr, ts)
         return rows[0][1] if rows and math.isfinite(rows[0][1]) else None
 
-    def _overlap(self, start: float, end: float) -> None:
+    def _check_arms(self, start: float, end: float) -> None:
         """Refuse pods that both arms select (a baseline regex that also matches the canary's pods): the canary
-        would be diluted into its own baseline, and a regression read smaller than it is."""
+        would be diluted into its own baseline, and a regression read smaller than it is. And skip a step in which a
+        canary pod is down."""
         window, pod = f"{max(1, round(end - start))}s", self._prom.labels.pod
         pods = [{labels.get(pod) for labels, _ in
                  self._query(f"group by ({pod}) (last_over_time(vllm:num_requests_running{sel}[{window}]))", end)}
@@ -297,10 +302,14 @@ class PromGateSource:
         both = sorted(p for p in pods[0] & pods[1] if p)
         if both:
             raise GateInputError(f"pod(s) {', '.join(both)} match both the baseline's and the canary's selector")
+        # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
+        down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{self._arms['canary']} == 0", end))
+        if down:
+            raise GateError(f"canary pod(s) {', '.join(down)} not answering Prometheus's scrapes")
 
     async def interval(self, start: float, end: float) -> Interval:
         try:
-            await asyncio.to_thread(self._overlap, start, end)
+            await asyncio.to_thread(self._check_arms, start, end)
             read_as = await asyncio.to_thread(self._read_as, end, f"{max(1, round(end - start))}s")
             base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end, read_as)
             can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end, read_as)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -177,13 +178,15 @@ class FakePrometheus:
     """A `PrometheusConnect` stand-in that answers the gate's queries from canned numbers (a double: the
     real Prometheus is exercised by the collectors' agreement tests)."""
 
-    def __init__(self, baseline_pods: tuple[str, ...] = ("decode-0", "decode-1")) -> None:
+    def __init__(self, baseline_pods: tuple[str, ...] = ("decode-0", "decode-1"), down: tuple[str, ...] = ()) -> None:
         self.queries: list[str] = []
-        self.baseline_pods = baseline_pods
+        self.baseline_pods, self.down = baseline_pods, down
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.queries.append(query)
         canary = 'pod=~".*canary.*"' in query
+        if query.startswith("up{"):
+            return [{"metric": {"pod": p}, "value": [0, "0"]} for p in self.down]
         if query.startswith("group by (pod)"):
             return [{"metric": {"pod": p}, "value": [0, "1"]}
                     for p in (("decode-canary-0",) if canary else self.baseline_pods)]
@@ -220,7 +223,7 @@ async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_ar
     assert iv.canary["tpot"].buckets[-1] == (math.inf, 50.0)
     assert iv.canary["error_rate"].statistic("mean") == pytest.approx(0.02)
     assert any('team=~"a\\"b"' in q for q in fake.queries)  # label values escaped
-    assert all("[30s]" in q for q in fake.queries)
+    assert all("[30s]" in q for q in fake.queries if not q.startswith("up{"))
     # the spelling each arm has is looked up once and kept
     assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
     await src.interval(30.0, 60.0)
@@ -240,6 +243,21 @@ async def test_arms_that_overlap_are_refused_at_once() -> None:
         await session.consult(30.0)
     with pytest.raises(GateInputError, match="are the same"):
         PromGateSource(prom, ArmSelector.parse("pool=decode"), ArmSelector.parse("pool=decode"), rules)
+
+
+async def test_a_step_with_a_canary_pod_down_does_not_count() -> None:
+    # Its requests fail before vLLM counts them, and it drops out of the arm's sums: judged on the healthy pods alone,
+    # a crash-looping canary would pass. The step is a failed read; five in a row stop the gate (exit 3).
+    fake = FakePrometheus(down=("decode-canary-1",))
+    rules = (MetricRule(name="tpot"),)
+    src = PromGateSource(PrometheusSource("http://prometheus.invalid", client=fake),
+                         ArmSelector.parse("pool=decode,pod!~.*canary.*"), ArmSelector.parse("pool=decode,pod=~.*canary.*"),
+                         rules)
+    with pytest.raises(GateError, match="decode-canary-1 not answering"):
+        await src.interval(0.0, 30.0)
+    session = GateSession(src, GateSettings(metrics=rules), 0.0)
+    with pytest.raises(GateError, match="5 steps in a row without data"):
+        await session.consult(300.0)
 
 
 async def test_tpot_is_read_from_the_inter_token_latency_for_both_arms_where_one_lacks_it() -> None:
@@ -532,6 +550,10 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
             source = TargetsGateSource(scraper, base, can, TPOT_ONLY.metrics)
             await source.interval(0, 30)
             iv = await source.interval(30, 60)
+            # A second canary pod that does not answer (crash-looping): no step counts while it is down.
+            dead = Target(f"http://127.0.0.1:{free_port()}/metrics", "decode", "decode-canary-1")
+            with pytest.raises(GateError, match=rf"canary pod\(s\) not answering: {re.escape(dead.url)}"):
+                await TargetsGateSource(scraper, base, [*can, dead], TPOT_ONLY.metrics).interval(60, 90)
     finally:
         server.stop()
     assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.012)
