@@ -29,10 +29,8 @@ class Histogram:
             return other
         if not other.buckets:
             return self
-        mine = dict(self.buckets)
-        theirs = dict(other.buckets)
-        les = sorted(set(mine) | set(theirs))
-        merged = tuple((le, mine.get(le, 0.0) + theirs.get(le, 0.0)) for le in les)
+        les = sorted({le for le, _ in self.buckets} | {le for le, _ in other.buckets})
+        merged = tuple((le, _at(self.buckets, le) + _at(other.buckets, le)) for le in les)
         return Histogram(merged, self.sum + other.sum, self.count + other.count)
 
 
@@ -42,6 +40,17 @@ class Histogram:
 
 
 EMPTY_HISTOGRAM = Histogram((), 0.0, 0.0)
+
+
+def _at(buckets: Sequence[tuple[float, float]], le: float) -> float:
+    """A cumulative histogram's count at `le`, which it may not have as a bound: its count at the largest bound at or
+    below it (engines with different bounds merged; 0 would make the sum fall between bounds)."""
+    below = 0.0
+    for bound, count in buckets:
+        if bound > le:
+            break
+        below = count
+    return below
 
 
 def counter_increase(prev: float | None, cur: float) -> float | None:
@@ -54,16 +63,16 @@ def counter_increase(prev: float | None, cur: float) -> float | None:
 
 
 def histogram_increase(prev: Histogram | None, cur: Histogram) -> Histogram | None:
-    """Bucket-wise increase of a cumulative histogram, treating any decrease as a reset."""
+    """Bucket-wise increase of a cumulative histogram, treating any decrease as a reset. Over the bounds both
+    readings have: a bucket line missing from one scrape (malformed, dropped) leaves the others' increases exact, where
+    counting the whole history would multiply the rates by the process's age; a restart with new bounds also shows
+    as a reset, since its counts fall."""
     if prev is None:
         return None
     before = dict(prev.buckets)
-    if cur.count < prev.count or any(c < before.get(le, 0.0) for le, c in cur.buckets):
+    if cur.count < prev.count or any(c < before[le] for le, c in cur.buckets if le in before):
         return cur
-    if set(before) != {le for le, _ in cur.buckets}:
-        # Bucket layout changed (e.g. new --custom-histogram-buckets after a restart).
-        return cur
-    deltas = tuple((le, c - before[le]) for le, c in cur.buckets)
+    deltas = tuple((le, c - before[le]) for le, c in cur.buckets if le in before)
     return Histogram(deltas, cur.sum - prev.sum, cur.count - prev.count)
 
 

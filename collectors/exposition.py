@@ -155,6 +155,7 @@ class Parser:
         if len(cache) > self._max:
             cache.clear()  # a target whose series churn without end must not grow us forever
         ended = False
+        seen: set[str] = set()
         for line_no, raw in enumerate(text.split("\n"), start=1):
             line = raw.strip() if openmetrics is False else raw
             if not line:
@@ -178,6 +179,12 @@ class Parser:
                 if close < 0:
                     close = line.find("}\t")
                 key = line[: close + 1] if close >= 0 else line.split(None, 1)[0]
+                if key in seen:
+                    # Prometheus refuses the scrape; summed, the series would count twice, and look reset when the
+                    # copy goes.
+                    raise ExpositionError(line_no, "a series already given in this exposition: the first value is "
+                                                   "kept", line)
+                seen.add(key)
                 hit = cache.get(key)
                 if hit is not None:
                     name, labels = hit

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from collectors.derive import Histogram, counter_increase, histogram_increase
+from collectors.derive import EMPTY_HISTOGRAM, Histogram, counter_increase, histogram_increase
 from collectors.types import Objectives, Sample, Signal
 
 __all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "delta", "merge_all", "merge_rates",
@@ -64,8 +64,10 @@ class Reading:
     histograms: dict[str, Histogram] = field(default_factory=dict)
     families: set[str] = field(default_factory=set)
     attrs: dict[str, str] = field(default_factory=dict)
-    # Each counter's series by their labels: a series that vanishes from a sum is no reset of the sum.
+    # Each counter's and histogram's series by their labels (a histogram's without `le`): a series that vanishes from
+    # a sum, or restarts, is no reset of the whole sum.
     counter_series: dict[str, dict[frozenset[tuple[str, str]], float]] = field(default_factory=dict)
+    histogram_series: dict[str, dict[frozenset[tuple[str, str]], Histogram]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -139,7 +141,8 @@ def read(
 ) -> dict[str, Reading]:
     """Group samples into per-entity readings; a current family spelling wins over an old one.
 
-    `entity_of` returns None for samples that belong to no entity (they are ignored).
+    `entity_of` returns None for samples that belong to no entity (they are ignored). A NaN or infinite value is no
+    reading (its family still counts as exposed): summed with the others it would hide every engine's.
     """
     idx = index if index is not None else fmap.index()
     entities: dict[str, Reading] = {}
@@ -147,7 +150,7 @@ def read(
     counters: dict[tuple[str, str, int], float] = {}
     series: dict[tuple[str, str, int], dict[frozenset[tuple[str, str]], float]] = defaultdict(dict)
     gauges: dict[tuple[str, str, int], float] = {}
-    hists: dict[tuple[str, str, int], _HistogramBuilder] = {}
+    hists: dict[tuple[str, str, int], dict[frozenset[tuple[str, str]], _HistogramBuilder]] = defaultdict(dict)
     split = fmap.split_by
     for s in samples:
         hit = idx.get(s.name)
@@ -159,6 +162,12 @@ def read(
         kind, key, rank, suffix = hit
         if key in split:
             key = f"{key}:{s.labels.get(split[key], '')}"
+        r = entities.get(entity)
+        if r is None:
+            r = entities[entity] = Reading(attrs=attrs_of(s.labels) if attrs_of else {})
+        r.families.add(s.name[: -len(suffix)] if suffix else s.name)
+        if not math.isfinite(s.value):
+            continue
         if kind == "counter":
             counters[(entity, key, rank)] = counters.get((entity, key, rank), 0.0) + s.value
             part = series[(entity, key, rank)]
@@ -167,9 +176,10 @@ def read(
         elif kind == "gauge":
             gauges[(entity, key, rank)] = gauges.get((entity, key, rank), 0.0) + s.value
         else:
-            b = hists.get((entity, key, rank))
+            one = frozenset((k, v) for k, v in s.labels.items() if k != "le")
+            b = hists[(entity, key, rank)].get(one)
             if b is None:
-                b = hists[(entity, key, rank)] = _HistogramBuilder()
+                b = hists[(entity, key, rank)][one] = _HistogramBuilder()
             if suffix == "_bucket":
                 le = s.labels.get("le")
                 if le is None:
@@ -180,10 +190,6 @@ def read(
                 b.sum += s.value
             else:
                 b.count += s.value
-        r = entities.get(entity)
-        if r is None:
-            r = entities[entity] = Reading(attrs=attrs_of(s.labels) if attrs_of else {})
-        r.families.add(s.name[: -len(suffix)] if suffix else s.name)
 
     for parts, attr in ((counters, "counters"), (gauges, "gauges")):
         best = _preferred(parts)
@@ -193,9 +199,11 @@ def read(
                 if attr == "counters":
                     entities[entity].counter_series[key] = series[(entity, key, rank)]
     best = _preferred(hists)
-    for (entity, key, rank), builder in hists.items():
-        if best[(entity, key)] == rank and builder.buckets:
-            entities[entity].histograms[key] = builder.build()
+    for (entity, key, rank), builders in hists.items():
+        built = {labels: b.build() for labels, b in builders.items() if b.buckets}
+        if best[(entity, key)] == rank and built:
+            entities[entity].histograms[key] = sum(built.values(), EMPTY_HISTOGRAM)
+            entities[entity].histogram_series[key] = built
     return entities
 
 
@@ -238,6 +246,12 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
         if inc is not None:
             out.increases[key] = inc
     for key, hist in cur.histograms.items():
+        series_before, series_now = prev.histogram_series.get(key), cur.histogram_series.get(key)
+        if series_before is not None and series_now is not None:
+            # Series by series, as for counters: one engine's restart (or a rank reaped) is not the whole sum's.
+            out.histograms[key] = sum((h if (was := series_before.get(s)) is None else histogram_increase(was, h) or h
+                                       for s, h in series_now.items()), EMPTY_HISTOGRAM)
+            continue
         inc_h = histogram_increase(prev.histograms.get(key), hist)
         if inc_h is not None:
             out.histograms[key] = inc_h

@@ -37,6 +37,11 @@ def test_histogram_increase_and_reset() -> None:
     assert inc == Histogram(((0.1, 1.0), (1.0, 4.0), (INF, 5.0)), 2.5, 5.0)
     restarted = Histogram(((0.1, 1.0), (1.0, 1.0), (INF, 2.0)), 0.3, 2.0)
     assert histogram_increase(before, restarted) == restarted
+    # A bucket line missing from one scrape (dropped as malformed): the others' increases, not the whole history.
+    gap = Histogram(((0.1, 6.0), (INF, 15.0)), 6.5, 15.0)
+    assert histogram_increase(before, gap) == Histogram(((0.1, 1.0), (INF, 5.0)), 2.5, 5.0)
+    assert histogram_increase(gap, Histogram(((0.1, 7.0), (1.0, 14.0), (INF, 17.0)), 7.0, 17.0)) == Histogram(
+        ((0.1, 1.0), (INF, 2.0)), 0.5, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +95,16 @@ def test_merged_histogram_counts_add(a: list, b: list) -> None:
     merged = ha + hb
     assert merged.count == ha.count + hb.count
     assert dict(merged.buckets)[INF] == a[-1][1] + b[-1][1]
+
+
+def test_histograms_with_other_bounds_merge_without_a_dip() -> None:
+    # One engine's buckets end at 10 s, another's go on to 40 s: the first's count at 20 s is its count at 10 s (all
+    # of its observations are under 1 s), not 0, which would read the pool's p95 as 40 s.
+    short = Histogram(((1.0, 100.0), (10.0, 100.0), (INF, 100.0)), 50.0, 100.0)
+    long = Histogram(((1.0, 0.0), (10.0, 0.0), (20.0, 100.0), (40.0, 100.0), (INF, 100.0)), 1500.0, 100.0)
+    merged = short + long
+    assert merged.buckets == ((1.0, 100.0), (10.0, 100.0), (20.0, 200.0), (40.0, 200.0), (INF, 200.0))
+    assert histogram_quantile(0.95, merged.buckets) == pytest.approx(19.0)
 
 
 def test_ratio_guards_empty_denominator() -> None:

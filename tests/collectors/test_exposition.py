@@ -79,10 +79,11 @@ def test_escapes_special_values_and_timestamps() -> None:
         pytest.param("m 1 12.5", "timestamp", id="float-timestamp"),
         pytest.param('m{a="1",a="2"} 1', "duplicate label", id="duplicate-label"),
         pytest.param("<html> 1", "invalid metric name", id="html"),
+        pytest.param("ok 3", "already given in this exposition", id="duplicate-series"),
     ],
 )
 def test_malformed_lines_name_line_and_problem(line: str, problem: str) -> None:
-    text = f"ok 1\n{line}\nok 2\n"
+    text = f"ok 1\n{line}\nalso_ok 2\n"
     with pytest.raises(ExpositionError, match=f"line 2: .*{problem}"):
         list(parse(text))
     errors: list[ExpositionError] = []
@@ -237,10 +238,10 @@ def test_cache_never_confuses_a_brace_inside_a_label_value() -> None:
 )
 def test_bad_bodies_are_recorded_not_fatal(body: str) -> None:
     errors: list[ExpositionError] = []
-    samples = list(parse("ok 1\n" + body + "\nok 2\n", errors=errors))
-    assert samples[0].name == "ok" and samples[-1].name == "ok"
-    # Either the line is rejected with its number, or it is a valid (if odd) sample.
-    assert all(e.line_no == 2 for e in errors)
+    samples = list(parse("ok 1\n" + body + "\nalso_ok 2\n", errors=errors))
+    assert samples[0].name == "ok" and samples[-1].name == "also_ok"
+    # Either a line of the body is rejected with its number, or it is a valid (if odd) sample.
+    assert all(2 <= e.line_no <= 1 + len(body.splitlines()) for e in errors)
 
 
 @pytest.mark.parametrize("text", ["foo 1\n   \nbar 2\n# EOF\n", "foo 1\r\n\r\nbar 2\r\n# EOF\r\n"])

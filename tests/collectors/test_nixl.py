@@ -29,6 +29,11 @@ EXPOSER = (
 )
 
 
+def together(*expositions: str) -> str:
+    """Agents published by one exporter: its own series once, each agent's after them."""
+    return EXPOSER + "".join(text.removeprefix(EXPOSER) for text in expositions)
+
+
 def fixture_text() -> str:
     return FIXTURE.read_text()
 
@@ -285,7 +290,7 @@ def test_dropped_events_and_net_registered_memory() -> None:
     ],
 )
 def test_prometheus_mp_labels_name_the_entity(label_sets: list[str], entities: set[str]) -> None:
-    text = "".join(exposition(Agent(tx_bytes=100, tx_requests=1), labels=labels) for labels in label_sets)
+    text = together(*(exposition(Agent(tx_bytes=100, tx_requests=1), labels=labels) for labels in label_sets))
     readings = read(text)
     assert set(readings) == entities
     assert sum(r.counters["tx_bytes"] for r in readings.values()) == 100 * len(label_sets)
@@ -298,7 +303,7 @@ def test_restarted_rank_keeps_its_entity_and_counts_nothing_twice() -> None:
     new = 'agent_name="a",hostname="h",pid="99",agent_instance="0",local_rank="0"'
     before = exposition(Agent(tx_bytes=1000, tx_requests=10), labels=old)
     # The owner still publishes the dead process until its TTL; then only the new pid remains.
-    overlap = before + exposition(Agent(tx_bytes=300, tx_requests=3), labels=new)
+    overlap = together(before, exposition(Agent(tx_bytes=300, tx_requests=3), labels=new))
     after = exposition(Agent(tx_bytes=500, tx_requests=5), labels=new)
     assert signal_map(before, overlap, entity="h/a/0")["nixl_tx_bytes_rate"] == pytest.approx(30.0)
     # The dead process's series leaves the sum: the new one sent 200 bytes more. Read as a reset of the sum, the

@@ -144,3 +144,37 @@ def test_a_bucket_bound_that_is_no_number_costs_that_line_only() -> None:
     [error] = out.parse_errors["prefill/p0/vllm"]
     assert "line 13" in error and "bucket bound le='abc' is not a number" in error
     assert any(s.name == "prefix_cache_hit_rate" for s in out.signals), "the rest of the target is read"
+
+
+def test_a_value_that_is_no_number_is_no_reading_not_a_poisoned_sum() -> None:
+    # One engine of a pod exposes NaN for its KV usage: the pod's and the pool's usage come from the other engine,
+    # and the family still counts as exposed.
+    two = exposition(1000, 800, engine="0") + exposition(1000, 800, engine="1").replace(
+        'vllm:kv_cache_usage_perc{engine="1",' + MODEL + "} 0.5", 'vllm:kv_cache_usage_perc{engine="1",' + MODEL + "} NaN")
+    assert "NaN" in two
+    readings = vllm.read_engines(parse(two))
+    assert "kv_cache_usage" not in readings["1"].gauges and "vllm:kv_cache_usage_perc" in readings["1"].families
+    d = SignalDeriver()
+    d.derive([_result(two, 0.0)], 0.0)
+    sig = {(s.subject, s.name): s.value for s in d.derive([_result(two, 15.0)], 15.0).signals}
+    assert sig[("pool/prefill", "kv_cache_usage")] == pytest.approx(0.5)
+
+
+def test_one_series_restarting_resets_only_its_own_histogram() -> None:
+    # Two series of one engine's TTFT (a label the entity does not split by, e.g. two LoRA adapters' processes): one
+    # restarts, its counts fall; the other's 10 new requests still count, and the restarted one's 2, not its history.
+    def ttft(a: tuple[int, int], b: tuple[int, int]) -> str:
+        lines = []
+        for worker, (fast, total) in (("a", a), ("b", b)):
+            lab = f'engine="0",worker="{worker}",{MODEL}'
+            lines += [f'vllm:time_to_first_token_seconds_bucket{{{lab},le="0.1"}} {fast}',
+                      f'vllm:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}} {total}',
+                      f"vllm:time_to_first_token_seconds_sum{{{lab}}} {total * 0.2}",
+                      f"vllm:time_to_first_token_seconds_count{{{lab}}} {total}"]
+        return "\n".join(lines) + "\n"
+
+    before, after = vllm.read_engines(parse(ttft((500, 1000), (50, 100))))["0"], vllm.read_engines(
+        parse(ttft((505, 1010), (1, 2))))["0"]
+    d = families.delta(before, after, 15.0)
+    assert d is not None and d.histograms["ttft"].count == 12
+    assert dict(d.histograms["ttft"].buckets) == {0.1: 6.0, float("inf"): 12.0}
