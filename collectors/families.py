@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 from collectors.derive import EMPTY_HISTOGRAM, Histogram, counter_increase, histogram_increase
 from collectors.types import Objectives, Sample, Signal
 
-__all__ = ["Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "delta", "merge_all", "merge_rates",
-           "missing_families", "read"]
+__all__ = ["STALE_S", "Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "carry", "delta", "merge_all",
+           "merge_rates", "missing_families", "read"]
+
+STALE_S = 300.0  # as Prometheus' staleness: a series not read for longer is gone, and one that comes back is new
 
 EntityOf = Callable[[Mapping[str, str]], str | None]
 
@@ -68,6 +70,9 @@ class Reading:
     # a sum, or restarts, is no reset of the whole sum.
     counter_series: dict[str, dict[frozenset[tuple[str, str]], float]] = field(default_factory=dict)
     histogram_series: dict[str, dict[frozenset[tuple[str, str]], Histogram]] = field(default_factory=dict)
+    # Series this reading lacked, carried from earlier ones for the next diff (`carry`): how much older their values
+    # are than this reading, by (table, key, labels).
+    carried: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -229,18 +234,39 @@ def missing_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[s
     return missing
 
 
+def carry(prev: Reading, cur: Reading, seconds: float, horizon: float = STALE_S) -> None:
+    """Keep in `cur`, for its next diff, the last value of each counter and histogram series that `prev` (read
+    `seconds` earlier) had and `cur` lacks, for up to `horizon` seconds after it was last read: a series missing from
+    one scrape (its line dropped as malformed) is then diffed against that value when it comes back, not counted from
+    zero, which in a sum of several series would add its whole history at once."""
+    for table in ("counter_series", "histogram_series"):
+        mine = getattr(cur, table)
+        for key, series in getattr(prev, table).items():
+            here = mine.setdefault(key, {})
+            for labels, value in series.items():
+                age = prev.carried.get((table, key, labels), 0.0) + seconds
+                if labels not in here and age <= horizon:
+                    here[labels] = value
+                    cur.carried[(table, key, labels)] = age
+
+
 def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
     """The change between two readings of one entity; None without a previous one."""
     if prev is None or seconds <= 0:
         return None
     out = Delta(seconds)
+
+    def share(table: str, key: str, labels: frozenset[tuple[str, str]]) -> float:
+        # A series carried over a gap rose over the gap and this interval: this interval's part of it.
+        return seconds / (seconds + prev.carried.get((table, key, labels), 0.0))
+
     for key, value in cur.counters.items():
         before, now = prev.counter_series.get(key), cur.counter_series.get(key)
         if before is not None and now is not None:
             # Series by series, as PromQL's sum(increase()): one that vanished (an agent instance reaped, a label
             # gone) adds nothing, one that appeared counts from zero, one that fell restarted.
-            out.increases[key] = sum(v if (b := before.get(s)) is None else v if v < b else v - b
-                                     for s, v in now.items())
+            out.increases[key] = sum(v if (b := before.get(s)) is None else
+                                     (v if v < b else v - b) * share("counter_series", key, s) for s, v in now.items())
             continue
         inc = counter_increase(prev.counters.get(key), value)
         if inc is not None:
@@ -249,7 +275,8 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
         series_before, series_now = prev.histogram_series.get(key), cur.histogram_series.get(key)
         if series_before is not None and series_now is not None:
             # Series by series, as for counters: one engine's restart (or a rank reaped) is not the whole sum's.
-            out.histograms[key] = sum((h if (was := series_before.get(s)) is None else histogram_increase(was, h) or h
+            out.histograms[key] = sum((h if (was := series_before.get(s)) is None else
+                                       (histogram_increase(was, h) or h).scaled(share("histogram_series", key, s))
                                        for s, h in series_now.items()), EMPTY_HISTOGRAM)
             continue
         inc_h = histogram_increase(prev.histograms.get(key), hist)

@@ -178,3 +178,22 @@ def test_one_series_restarting_resets_only_its_own_histogram() -> None:
     d = families.delta(before, after, 15.0)
     assert d is not None and d.histograms["ttft"].count == 12
     assert dict(d.histograms["ttft"].buckets) == {0.1: 6.0, float("inf"): 12.0}
+
+
+def test_a_series_missing_from_one_scrape_is_diffed_against_its_last_value_when_it_comes_back() -> None:
+    # Two series of one engine's request counter (stop and length), 1e6 requests each since start: the `length` line
+    # is malformed in the middle scrape. Counted from zero on its return it would add its million at once.
+    def body(stop: float, length: float | str) -> str:
+        lab = f'engine="0",{MODEL}'
+        return (f'vllm:request_success_total{{{lab},finished_reason="stop"}} {stop}\n'
+                f'vllm:request_success_total{{{lab},finished_reason="length"}} {length}\n')
+
+    d = SignalDeriver()
+    d.derive([_result(body(1e6, 1e6), 0.0)], 0.0)
+    middle = d.derive([_result(body(1e6 + 150, "1e6x"), 15.0)], 15.0)
+    assert middle.parse_errors and {s.name: s.value for s in middle.signals
+                                    if s.subject == "engine/prefill/p0/0"}["request_rate"] == pytest.approx(10.0)
+    back = d.derive([_result(body(1e6 + 300, 1e6 + 600), 30.0)], 30.0)
+    rate = {s.name: s.value for s in back.signals if s.subject == "engine/prefill/p0/0"}["request_rate"]
+    # stop: 150 in 15 s; length: 600 over the 30 s since it was last read, of which this interval's half.
+    assert rate == pytest.approx((150 + 300) / 15)
