@@ -73,8 +73,12 @@ class Scraper:
             now += offset
         if now < health.next_attempt_at:
             return ScrapeResult(target, now, ok=False, error=health.last_error, skipped=True)
+        queued = time.perf_counter()
         async with self._sem:
             started = time.perf_counter()
+            # Stamped when fetched: a target that waited for a slot behind slow ones is read that much later, and its
+            # rates divide by the interval it really had.
+            now += started - queued
             try:
                 body, size = await asyncio.wait_for(self._fetch(target.url), self._timeout)
                 error = _looks_wrong(body)

@@ -106,8 +106,9 @@ async def test_spread_scrapes_each_target_at_its_own_fixed_offset() -> None:
         second = await scraper.scrape(targets, now=115.0)
     offsets = [r.ts - 100.0 for r in first]
     assert all(0.0 <= o <= 3.0 for o in offsets) and len(set(offsets)) > 40
-    assert [b.ts - a.ts for a, b in zip(first, second, strict=True)] == [15.0] * 50  # intervals stay exact
-    assert sorted(slept[:50]) == pytest.approx(sorted(offsets))
+    # Intervals stay exact, but for the moment a target waits for a free slot.
+    assert [b.ts - a.ts for a, b in zip(first, second, strict=True)] == pytest.approx([15.0] * 50, abs=0.05)
+    assert sorted(slept[:50]) == pytest.approx(sorted(offsets), abs=0.05)
 
 
 async def test_a_target_whose_url_is_not_valid_fails_alone() -> None:
@@ -117,3 +118,11 @@ async def test_a_target_whose_url_is_not_valid_fails_alone() -> None:
     by = {r.target.pod: r for r in results}
     assert by["good"].ok
     assert not by["typo"].ok and "invalid URL 'http://vllm-0:80O0/metrics'" in (by["typo"].error or "")
+
+
+async def test_a_target_that_waited_for_a_slot_is_stamped_when_it_was_read() -> None:
+    # One slot, a hanging target ahead: the good one is read 0.2 s late, and its rates must divide by that.
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hanging)) as client:
+        scraper = Scraper(client, timeout_s=0.2, concurrency=1)
+        slow, good = await scraper.scrape([t("slow"), t("good")], now=100.0)
+    assert slow.ts == pytest.approx(100.0, abs=0.05) and good.ok and good.ts >= 100.19
