@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -237,29 +237,29 @@ class _Window:
         return f"({self.increase(series)} / {self.seconds!r})"
 
 
-def _expression(spec: SignalSpec, families: tuple[str, ...], sel: str, by: tuple[str, ...], window: _Window,
+def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window,
                 pod: tuple[str, ...] = ("pod", "instance")) -> str:
+    """The PromQL of one signal (`pod`: the labels that tell pods apart). A family's alternative spellings are joined
+    with `or` series by series, inside the aggregation: in a rolling upgrade each engine is read in the spelling it
+    has (one with both, in the current one), where a choice per pool would drop every engine still on the other."""
     grouping = ", ".join(by)
+
+    def each(position: int, series: Callable[[str], str]) -> str:
+        parts = [series(fams[position]) for fams in spec.families]
+        return parts[0] if len(parts) == 1 else " or ".join(f"({p})" for p in parts)
+
     if spec.kind == "rate":
-        return f"sum by ({grouping}) ({window.rate(families[0] + sel)})"
+        return f"sum by ({grouping}) ({each(0, lambda f: window.rate(f + sel))})"
     if spec.kind in ("ratio", "one_plus_ratio"):
-        num, den = (f"sum by ({grouping}) ({window.increase(f + sel)})" for f in families)
+        num, den = (f"sum by ({grouping}) ({each(i, lambda f: window.increase(f + sel))})" for i in (0, 1))
         ratio = f"{num} / ({den} > 0)"
         return ratio if spec.kind == "ratio" else f"1 + ({ratio})"
     if spec.kind == "quantile":
-        inner = window.increase(f"{families[0]}_bucket{sel}")
+        inner = each(0, lambda f: window.increase(f"{f}_bucket{sel}"))
         return f"histogram_quantile({spec.q!r}, sum by ({', '.join((*by, 'le'))}) ({inner}))"
     if spec.kind == "count_pods":  # the pods behind the engines: one series per pod, then counted
-        return f"count by ({grouping}) (count by ({', '.join(dict.fromkeys((*by, *pod)))}) ({families[0]}{sel}))"
-    return f"{spec.kind} by ({grouping}) ({families[0]}{sel})"
-
-
-def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window,
-                pod: tuple[str, ...] = ("pod", "instance")) -> str:
-    """The PromQL of one signal (`pod`: the labels that tell pods apart); alternative family spellings are tried per
-    group with `or`."""
-    alternatives = [_expression(spec, fams, sel, by, window, pod) for fams in spec.families]
-    return alternatives[0] if len(alternatives) == 1 else " or ".join(f"({a})" for a in alternatives)
+        return f"count by ({grouping}) (count by ({', '.join(dict.fromkeys((*by, *pod)))}) ({each(0, lambda f: f + sel)}))"
+    return f"{spec.kind} by ({grouping}) ({each(0, lambda f: f + sel)})"
 
 
 # --- results --------------------------------------------------------------------------------------

@@ -185,16 +185,21 @@ def test_rate_mode_queries() -> None:
     assert build_query(SPECS["ttft_p95"], SEL, ("pool",), w) == (
         'histogram_quantile(0.95, sum by (pool, le) (increase(vllm:time_to_first_token_seconds_bucket{job="vllm"}[15000ms])))'
     )
+    # A renamed family: each engine in the spelling it has, inside the aggregation (in a rolling upgrade a choice per
+    # pool would drop every engine still on the other).
     assert build_query(SPECS["kv_cache_usage_max"], SEL, ("pool",), w) == (
-        '(max by (pool) (vllm:kv_cache_usage_perc{job="vllm"})) or (max by (pool) (vllm:gpu_cache_usage_perc{job="vllm"}))'
+        'max by (pool) ((vllm:kv_cache_usage_perc{job="vllm"}) or (vllm:gpu_cache_usage_perc{job="vllm"}))'
     )
     assert build_query(SPECS["spec_mean_acceptance_length"], "", ("pool",), w) == (
         "1 + (sum by (pool) (increase(vllm:spec_decode_num_accepted_tokens_total[15000ms]))"
         " / (sum by (pool) (increase(vllm:spec_decode_num_drafts_total[15000ms])) > 0))"
     )
-    # Older spellings are tried per group, as a pair, after the current one.
+    # Each side of a ratio, likewise.
     hit = build_query(SPECS["prefix_cache_hit_rate"], "", ("pool",), w)
-    assert hit.count(" or ") == 1 and "gpu_prefix_cache_hits_total" in hit.split(" or ")[1]
+    assert hit == ("sum by (pool) ((increase(vllm:prefix_cache_hits_total[15000ms])) or "
+                   "(increase(vllm:gpu_prefix_cache_hits_total[15000ms]))) / (sum by (pool) "
+                   "((increase(vllm:prefix_cache_queries_total[15000ms])) or "
+                   "(increase(vllm:gpu_prefix_cache_queries_total[15000ms]))) > 0)")
     # Engines (one series each, per data-parallel rank) and the pods they run in, as the scraper counts them.
     assert build_query(SPECS["engines_reporting"], SEL, ("pool",), w) == (
         'count by (pool) (vllm:num_requests_running{job="vllm"})')
