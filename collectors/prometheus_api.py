@@ -379,6 +379,11 @@ class PrometheusSource:
             client = PrometheusConnect(url, headers=dict(headers) if headers else None, timeout=timeout, retry=retry)
         self._client: PrometheusClient = client
 
+    @property
+    def matchers(self) -> list[tuple[str, str, str]]:
+        """The fleet file's `selector` as label matchers: what every query this source asks is narrowed to."""
+        return list(self._matchers)
+
     def close(self) -> None:
         """Release the HTTP session."""
         self._client.close()

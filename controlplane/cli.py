@@ -895,7 +895,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             else:
                 raise click.UsageError("--source prometheus needs --prometheus-url or a fleet file with a prometheus section")
             stack.callback(prom.close)
-            pool_sel = ArmSelector.parse(f"{prom.labels.pool}={pool}")
+            pool_sel = ArmSelector.parse(f"pool={pool}")
             source = PromGateSource(prom, pool_sel.narrowed(base_sel), pool_sel.narrowed(can_sel), settings.metrics)
         else:
             if cfg is None:

@@ -230,8 +230,12 @@ class PromGateSource:
                  rules: Sequence[MetricRule]) -> None:
         _check_rules(rules, [*HISTOGRAMS, ERRORS], "Prometheus")
         self._prom = prom
+        # The fleet file's selector narrows every query (one Prometheus may hold staging and production), and `pod` and
+        # `pool` are read through its label names.
+        named = {"pod": prom.labels.pod, "pool": prom.labels.pool}
         try:
-            self._arms = {"baseline": selector(baseline.promql()), "canary": selector(canary.promql())}
+            self._arms = {arm: selector([*prom.matchers, *((named.get(k, k), op, v) for k, op, v in sel.promql())])
+                          for arm, sel in (("baseline", baseline), ("canary", canary))}
         except ValueError as exc:  # a Kubernetes label key (app.kubernetes.io/version) is no Prometheus label name
             raise GateInputError(f"a selector cannot be asked of Prometheus: {exc}") from None
         if self._arms["baseline"] == self._arms["canary"]:

@@ -15,7 +15,7 @@ import pytest
 
 from collectors import families
 from collectors.derive import Histogram
-from collectors.prometheus_api import PrometheusSource
+from collectors.prometheus_api import Labels, PrometheusSource
 from collectors.scraper import Scraper
 from collectors.types import Signal
 from controlplane.clock import VirtualClock
@@ -243,6 +243,29 @@ async def test_arms_that_overlap_are_refused_at_once() -> None:
         await session.consult(30.0)
     with pytest.raises(GateInputError, match="are the same"):
         PromGateSource(prom, ArmSelector.parse("pool=decode"), ArmSelector.parse("pool=decode"), rules)
+
+
+async def test_the_fleet_files_selector_and_label_names_narrow_every_query() -> None:
+    # One Prometheus holding staging and production, and a pod label relabelled: the gate reads only what the fleet
+    # file's prometheus section reads, under its label names.
+    seen: list[str] = []
+
+    class Recording:
+        def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+            seen.append(query)
+            return []
+
+        def close(self) -> None:
+            pass
+
+    prom = PrometheusSource("http://prometheus.invalid", client=Recording(), selector={"namespace": "llm"},
+                            labels=Labels(pool="llm_pool", pod="kubernetes_pod_name"))
+    src = PromGateSource(prom, ArmSelector.parse("pool=decode,pod!~.*canary.*"),
+                         ArmSelector.parse("pool=decode,pod=~.*canary.*"), (MetricRule(name="tpot"),))
+    await src.interval(0.0, 30.0)
+    assert seen and all('namespace="llm"' in q and 'llm_pool="decode"' in q for q in seen)
+    assert any('kubernetes_pod_name=~".*canary.*"' in q for q in seen)
+    assert not any("pod=" in q.replace("kubernetes_pod_name", "") or "pool=" in q.replace("llm_pool", "") for q in seen)
 
 
 async def test_a_step_with_a_canary_pod_down_does_not_count() -> None:
