@@ -886,7 +886,8 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
         client = None
         if source_kind == "store":
             assert store is not None
-            source: Any = StoreGateSource(store, pool, base_sel, can_sel, settings.metrics)
+            role = next((str(p.role) for p in cfg.pools if p.name == pool), None) if cfg is not None else None
+            source: Any = StoreGateSource(store, pool, base_sel, can_sel, settings.metrics, role=role)
         elif source_kind == "prometheus":
             if prometheus_url:
                 prom = PrometheusSource(prometheus_url)

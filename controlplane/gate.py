@@ -30,7 +30,7 @@ from collectors.scraper import Scraper
 from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
 from controlplane.clock import Clock
-from controlplane.errors import GateError, GateInputError
+from controlplane.errors import GateError, GateInputError, StoreUnavailable
 from controlplane.selectors import LabelSelector, split_clauses
 from controlplane.store.records import NewVerdict
 from policies.canary import (
@@ -117,6 +117,10 @@ class ArmSelector:
         """The pods both select."""
         return ArmSelector(f"{self.text},{other.text}", LabelSelector(self.labels.requirements + other.labels.requirements),
                            self.regexes + other.regexes)
+
+    def keys(self) -> set[str]:
+        """The labels it names."""
+        return {r.key for r in self.labels.requirements} | {key for key, _, _ in self.regexes}
 
     def matches(self, labels: Mapping[str, str]) -> bool:
         if not self.labels.matches(labels):
@@ -336,8 +340,15 @@ class StoreGateSource:
     """
 
     def __init__(self, store: SignalReader, pool: str, baseline: ArmSelector, canary: ArmSelector,
-                 rules: Sequence[MetricRule]) -> None:
+                 rules: Sequence[MetricRule], role: str | None = None) -> None:
         _check_rules(rules, [*ENGINE_MEANS, ERRORS], "the store")
+        # An engine in the store is known by its pool and pod (and its pool's role, from the fleet file): a selector on
+        # another label would match no pod, or every one, and the gate wait its whole window for nothing.
+        self._known = {"pool": pool, **({"role": role} if role else {})}
+        for sel in (baseline, canary):
+            if unknown := sorted(sel.keys() - {*self._known, "pod"}):
+                raise GateInputError(f"selector {sel.text!r} names {', '.join(unknown)}: the store knows the engines' "
+                                     f"{', '.join(sorted({*self._known, 'pod'}))}")
         quantiles = [r.label for r in rules if r.statistic != "mean"]
         if quantiles:
             raise GateInputError(f"rule(s) {quantiles}: the store keeps per-engine quantiles, which cannot be merged "
@@ -349,7 +360,10 @@ class StoreGateSource:
         wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
                   *(ENGINE_MEANS[n][0] for n in [*self._names, "itl"] if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was.
-        signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
+        try:
+            signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
+        except StoreUnavailable as exc:  # a database blip is a failed step, which the gate's patience covers
+            raise GateError(str(exc)) from None
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
@@ -357,7 +371,7 @@ class StoreGateSource:
         arms: dict[str, list[Mapping[str, Sequence[tuple[float, float]]]]] = {"baseline": [], "canary": []}
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
-            matched = [a for a, sel in self._arms.items() if sel.matches({"pool": pool, "pod": pod})]
+            matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
             if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
                 raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
             if matched:

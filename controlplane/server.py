@@ -248,7 +248,9 @@ def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None =
     """
     token = token or os.environ.get(TOKEN_ENV) or None
     if gates is None:
-        gates = GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules),
+        roles = {p.name: str(p.role) for p in loop.config.pools}
+        gates = GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules,
+                                                                        role=roles.get(pool)),
                          record=loop.store.record_verdict, claim=loop.store.claim)
     api = {"loop": loop, "token": token}
     gate = {**api, "gates": gates}
