@@ -129,7 +129,8 @@ class Dist:
 
     def statistic(self, name: str) -> float | None:
         """`mean` (exact: sum over count), or `p50`, `p90`, `p95`, `p99` from the samples or the buckets
-        (interpolated inside the bucket, as PromQL's `histogram_quantile`); None when it cannot be had."""
+        (interpolated inside the bucket, as PromQL's `histogram_quantile`); None when it cannot be had (a quantile
+        past the highest finite bound)."""
         if self.count <= 0:
             return None
         if name == "mean":
@@ -160,7 +161,9 @@ def _bucket_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float 
         if c >= rank:
             return lower_le + (le - lower_le) * (rank - lower_c) / (c - lower_c) if c > lower_c else le
         lower_le, lower_c = le, c
-    return finite[-1][0]  # in the +Inf bucket: the highest finite bound, as PromQL answers
+    # In the +Inf bucket: PromQL answers the highest finite bound, which would read a canary whose tail went past it
+    # as no slower than a baseline there too. Not known, so the block does not count.
+    return None
 
 
 class MetricRule(Settings):
