@@ -954,13 +954,14 @@ def gate_eval(seeds: int, aa_runs: int, jobs: int, as_json: bool) -> None:
         t.add_column("case")
         t.add_column("share")
         for j in JUDGES:
-            t.add_column(f"{j}: failed in 10 min / at all (median min)")
+            t.add_column(f"{j}: failed in 10 min / at all (median min); passed")
         t.add_column("gates")
         for row in report.rows():
             cells = []
             for j in JUDGES:
-                a, b, m = row[f"{j}_fail_10m"], row[f"{j}_fail"], row[f"{j}_minutes"]
-                cells.append("-" if b is None else f"{a:.0%} / {b:.0%}" + ("" if m is None else f" ({m:g})"))
+                a, b, m, p = row[f"{j}_fail_10m"], row[f"{j}_fail"], row[f"{j}_minutes"], row[f"{j}_pass"]
+                cells.append("-" if b is None else f"{a:.0%} / {b:.0%}" + ("" if m is None else f" ({m:g})")
+                             + f"; {p:.0%}")
             t.add_row(row["case"], f"{row['share']:.0%}", *cells, str(row["runs"]))
         out.print(t)
     _goals(data, as_json, gate=False)

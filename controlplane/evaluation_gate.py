@@ -44,6 +44,7 @@ WINDOW_S = 1200.0
 DEADLINE_S = 600.0  # the goal's "within 10 minutes"
 DETECTION_GOAL = 0.95  # of +10 % TPOT regressions at a 5 % share, failed within 10 minutes
 FALSE_FAIL_GOAL = 0.01  # of A/A gates failed under continuous monitoring
+FALSE_PASS_GOAL = 0.01  # of regressions of twice the allowance or more passed
 POOL_METRIC = {"decode": "tpot", "prefill": "ttft"}
 
 
@@ -239,6 +240,8 @@ class GateEvalReport:
                         row[f"{j}_fail_10m"] = _share(sum(d.after_s <= DEADLINE_S for d in fails), len(ds))
                         row[f"{j}_fail"] = _share(len(fails), len(ds))
                         row[f"{j}_minutes"] = round(statistics.median(d.after_s for d in fails) / 60, 1) if fails else None
+                        # A regression let through: the gate's other error, the one a rollout pays for.
+                        row[f"{j}_pass"] = _share(sum(d.outcome == "pass" for d in ds), len(ds))
                     row["runs"] = len(self._of("ours", pool=pool, size=size, share=share))
                     rows.append(row)
         for share in SHARES:
@@ -248,18 +251,24 @@ class GateEvalReport:
                 row[f"{j}_fail"] = _share(sum(d.outcome == "fail" for d in ds), len(ds))
                 row[f"{j}_fail_10m"] = _share(sum(d.outcome == "fail" and d.after_s <= DEADLINE_S for d in ds), len(ds))
                 row[f"{j}_minutes"] = None
+                row[f"{j}_pass"] = _share(sum(d.outcome == "pass" for d in ds), len(ds))
             row["runs"] = len(self._of("ours", size=0.0, share=share))
             rows.append(row)
         return rows
 
     def goals(self) -> list[Goal]:
-        """+10 % TPOT at a 5 % share failed within 10 minutes in 95 % of runs; at most 1 % of A/A gates failed."""
+        """+10 % TPOT at a 5 % share failed within 10 minutes in 95 % of runs; at most 1 % of A/A gates failed; at
+        most 1 % of regressions of twice the allowance or more passed."""
         hits = self._of("ours", pool="decode", size=0.10, share=0.05)
         detected = _share(sum(d.outcome == "fail" and d.after_s <= DEADLINE_S for d in hits), len(hits))
         aa = self._of("ours", size=0.0)
         false_fail = _share(sum(d.outcome == "fail" for d in aa), len(aa))
+        allowed = pool_settings("decode").metrics[0].allowed  # TTFT's and TPOT's, +5 %
+        clear = [d for d in self._of("ours") if d.size >= 2 * allowed - 1e-9]
+        false_pass = _share(sum(d.outcome == "pass" for d in clear), len(clear))
         return [at_least("+10% TPOT at a 5% canary share: failed within 10 minutes", detected, DETECTION_GOAL),
-                at_most("A/A gates failed under continuous monitoring", false_fail, FALSE_FAIL_GOAL)]
+                at_most("A/A gates failed under continuous monitoring", false_fail, FALSE_FAIL_GOAL),
+                at_most("regressions of +10% and more passed", false_pass, FALSE_PASS_GOAL)]
 
     def as_json(self) -> dict[str, Any]:
         """The report as JSON: the goals, the table, and every decision."""

@@ -32,8 +32,9 @@ def test_a_short_evaluation_fails_the_regression_and_not_the_same_version() -> N
     data = report.as_json()
     names = [g["name"] for g in data["goals"]]
     assert names == ["+10% TPOT at a 5% canary share: failed within 10 minutes",
-                     "A/A gates failed under continuous monitoring"]
+                     "A/A gates failed under continuous monitoring", "regressions of +10% and more passed"]
     assert data["goals"][1]["value"] == 0.0 and data["goals"][1]["holds"]
+    assert data["goals"][2]["value"] == 0.0 and data["goals"][2]["holds"]
     assert data["goals"][0]["value"] is None and not data["goals"][0]["holds"]  # that case was not run
 
 
@@ -41,14 +42,16 @@ def test_the_table_counts_fails_within_ten_minutes_and_at_all() -> None:
     from controlplane.evaluation_gate import Decision
 
     ds = [Decision("ours", "decode", 0.10, 0.05, s, "fail", 120.0 + 300 * s) for s in range(4)]
+    ds += [Decision("ours", "decode", 0.10, 0.05, 4, "pass", 400.0)]  # a regression let through
     ds += [Decision("ours", "decode", 0.0, 0.05, 9, "pass", 600.0), Decision("ours", "prefill", 0.0, 0.05, 9, "fail", 60.0)]
-    r = GateEvalReport(ds, seeds=4, aa_runs=1)
+    r = GateEvalReport(ds, seeds=5, aa_runs=1)
     row = next(x for x in r.rows() if x["case"] == "tpot +10%" and x["share"] == 0.05)
-    assert row["ours_fail_10m"] == 0.5 and row["ours_fail"] == 1.0 and row["ours_minutes"] == 9.5 and row["runs"] == 4
+    assert row["ours_fail_10m"] == 0.4 and row["ours_fail"] == 0.8 and row["ours_minutes"] == 9.5 and row["runs"] == 5
+    assert row["ours_pass"] == 0.2 and r.goals()[2].value == 0.2 and not r.goals()[2].holds
     aa = next(x for x in r.rows() if x["case"] == "A/A" and x["share"] == 0.05)
     assert aa["ours_fail"] == 0.5
     goals = {g.name: g for g in r.goals()}
-    assert goals["+10% TPOT at a 5% canary share: failed within 10 minutes"].value == 0.5
+    assert goals["+10% TPOT at a 5% canary share: failed within 10 minutes"].value == 0.4
     assert not goals["A/A gates failed under continuous monitoring"].holds
 
 
