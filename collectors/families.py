@@ -127,10 +127,12 @@ class _HistogramBuilder:
     def __init__(self) -> None:
         self.buckets: dict[float, float] = {}
         self.sum = 0.0
-        self.count = 0.0
+        self.count: float | None = None
 
     def build(self) -> Histogram:
-        return Histogram(tuple(sorted(self.buckets.items())), self.sum, self.count)
+        # Without its `_count` line (dropped as malformed) a histogram still counts what its `+Inf` bucket holds.
+        count = self.count if self.count is not None else self.buckets.get(math.inf, 0.0)
+        return Histogram(tuple(sorted(self.buckets.items())), self.sum, count)
 
 
 def _le(value: str) -> float:
@@ -194,7 +196,7 @@ def read(
             elif suffix == "_sum":
                 b.sum += s.value
             else:
-                b.count += s.value
+                b.count = (b.count or 0.0) + s.value
 
     for parts, attr in ((counters, "counters"), (gauges, "gauges")):
         best = _preferred(parts)

@@ -197,3 +197,15 @@ def test_a_series_missing_from_one_scrape_is_diffed_against_its_last_value_when_
     rate = {s.name: s.value for s in back.signals if s.subject == "engine/prefill/p0/0"}["request_rate"]
     # stop: 150 in 15 s; length: 600 over the 30 s since it was last read, of which this interval's half.
     assert rate == pytest.approx((150 + 300) / 15)
+
+
+def test_a_histogram_without_its_count_line_counts_its_inf_bucket() -> None:
+    # The `_count` line dropped as malformed: TTFT still has its quantiles and mean, from the +Inf bucket's count.
+    def body(n: int) -> str:
+        return "".join(line for line in exposition(100, 50, ttft=(n // 2, n, n)).splitlines(keepends=True)
+                       if "_count" not in line)
+
+    d = families.delta(vllm.read_engines(parse(body(10)))["0"], vllm.read_engines(parse(body(30)))["0"], 15.0)
+    assert d is not None and d.histograms["ttft"].count == 20
+    sig = {s.name: s.value for s in vllm.signals(d, 15.0, "engine/prefill/p0/0")}
+    assert sig["ttft_mean"] == pytest.approx(0.3) and "ttft_p50" in sig
