@@ -160,13 +160,19 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
     kept: list[Sample] = []
     blank: list[Sample] = []
     seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+    attrs: dict[str, dict[str, str]] = {}
     for s in samples:
-        series = (s.name, frozenset((k, v) for k, v in s.labels.items() if k not in _POD_LABELS))
-        if series in seen:
+        if s.name not in _INDEX or (entity := _entity(s.labels)) is None:
             continue
-        seen.add(series)
-        (blank if is_blank(s.value) else kept).append(s)
-    readings = read(kept, FAMILIES, _entity, _attrs, index=_INDEX)
+        attrs.setdefault(entity, _attrs(s.labels))
+        # The GPU's series, whichever pod's copy comes first: keyed by its pod, a copy listed in another order, or a
+        # pod that left, would read as a new series and count a counter's whole history at once.
+        labels = {k: v for k, v in s.labels.items() if k not in _POD_LABELS}
+        if (s.name, frozenset(labels.items())) in seen:
+            continue
+        seen.add((s.name, frozenset(labels.items())))
+        (blank if is_blank(s.value) else kept).append(Sample(s.name, labels, s.value, s.timestamp))
+    readings = read(kept, FAMILIES, _entity, lambda labels: attrs.get(_entity(labels) or "", {}), index=_INDEX)
     # A blank family is still exposed: record it, so only a real absence reads as missing.
     for s in blank:
         entity = _entity(s.labels)
@@ -174,7 +180,7 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
             continue
         reading = readings.get(entity)
         if reading is None:
-            reading = readings[entity] = Reading(attrs=_attrs(s.labels))
+            reading = readings[entity] = Reading(attrs=attrs.get(entity, {}))
         reading.families.add(s.name)
     return readings
 

@@ -29,13 +29,19 @@ class Histogram:
             return other
         if not other.buckets:
             return self
-        les = sorted({le for le, _ in self.buckets} | {le for le, _ in other.buckets})
-        merged = tuple((le, _at(self.buckets, le) + _at(other.buckets, le)) for le in les)
+        if len(self.buckets) == len(other.buckets) and all(
+                a[0] == b[0] for a, b in zip(self.buckets, other.buckets, strict=True)):
+            merged = tuple((le, a + b) for (le, a), (_, b) in zip(self.buckets, other.buckets, strict=True))
+        else:
+            les = sorted({le for le, _ in self.buckets} | {le for le, _ in other.buckets})
+            merged = tuple((le, _at(self.buckets, le) + _at(other.buckets, le)) for le in les)
         return Histogram(merged, self.sum + other.sum, self.count + other.count)
 
 
     def scaled(self, factor: float) -> Histogram:
         """Every count and the sum times `factor` (observations over a longer or shorter interval)."""
+        if factor == 1.0:
+            return self
         return Histogram(tuple((le, c * factor) for le, c in self.buckets), self.sum * factor, self.count * factor)
 
 
@@ -63,14 +69,16 @@ def counter_increase(prev: float | None, cur: float) -> float | None:
 
 
 def histogram_increase(prev: Histogram | None, cur: Histogram) -> Histogram | None:
-    """Bucket-wise increase of a cumulative histogram, treating any decrease as a reset. Over the bounds both
-    readings have: a bucket line missing from one scrape (malformed, dropped) leaves the others' increases exact, where
-    counting the whole history would multiply the rates by the process's age; a restart with new bounds also shows
-    as a reset, since its counts fall."""
+    """Bucket-wise increase of a cumulative histogram, treating any decrease, or bounds of which each reading has some
+    the other lacks (a restart with another layout), as a reset. Over the bounds both readings have: a bucket line
+    missing from one scrape (malformed, dropped) leaves the others' increases exact, where counting the whole history
+    would multiply the rates by the process's age."""
     if prev is None:
         return None
     before = dict(prev.buckets)
-    if cur.count < prev.count or any(c < before[le] for le, c in cur.buckets if le in before):
+    now = {le for le, _ in cur.buckets}
+    if cur.count < prev.count or any(c < before[le] for le, c in cur.buckets if le in before) or (
+            now - before.keys() and before.keys() - now):
         return cur
     deltas = tuple((le, c - before[le]) for le, c in cur.buckets if le in before)
     return Histogram(deltas, cur.sum - prev.sum, cur.count - prev.count)

@@ -181,10 +181,9 @@ class Parser:
                 key = line[: close + 1] if close >= 0 else line.split(None, 1)[0]
                 if key in seen:
                     # Prometheus refuses the scrape; summed, the series would count twice, and look reset when the
-                    # copy goes.
+                    # copy goes. (Told by its text: the same labels in another order are not caught.)
                     raise ExpositionError(line_no, "a series already given in this exposition: the first value is "
                                                    "kept", line)
-                seen.add(key)
                 hit = cache.get(key)
                 if hit is not None:
                     name, labels = hit
@@ -202,11 +201,15 @@ class Parser:
                     try:
                         if "_" in token or "y" in token:
                             raise ValueError(token)
-                        yield Sample(name, labels, float(token), None)
+                        value = float(token)
                     except ValueError:
                         raise ExpositionError(line_no, f"value {token!r} is not a number", line) from None
+                    seen.add(key)
+                    yield Sample(name, labels, value, None)
                     continue
-                yield _sample(name, labels, rest, openmetrics, line_no, line)
+                sample = _sample(name, labels, rest, openmetrics, line_no, line)
+                seen.add(key)
+                yield sample
             except ExpositionError as exc:
                 if not _record(errors, exc):
                     raise

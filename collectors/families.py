@@ -19,7 +19,7 @@ from collectors.types import Objectives, Sample, Signal
 __all__ = ["STALE_S", "Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "carry", "delta", "merge_all",
            "merge_rates", "missing_families", "read"]
 
-STALE_S = 300.0  # as Prometheus' staleness: a series not read for longer is gone, and one that comes back is new
+STALE_S = 300.0  # a series not read for longer is gone, and one that comes back is new (Prometheus' lookback)
 
 EntityOf = Callable[[Mapping[str, str]], str | None]
 
@@ -129,10 +129,11 @@ class _HistogramBuilder:
         self.sum = 0.0
         self.count: float | None = None
 
-    def build(self) -> Histogram:
-        # Without its `_count` line (dropped as malformed) a histogram still counts what its `+Inf` bucket holds.
-        count = self.count if self.count is not None else self.buckets.get(math.inf, 0.0)
-        return Histogram(tuple(sorted(self.buckets.items())), self.sum, count)
+    def build(self) -> Histogram | None:
+        # Without its `_count` line (dropped as malformed) a histogram still counts what its `+Inf` bucket holds;
+        # without that too, it is no reading (read as 0, it would look reset, and its next reading all new).
+        count = self.count if self.count is not None else self.buckets.get(math.inf)
+        return None if count is None else Histogram(tuple(sorted(self.buckets.items())), self.sum, count)
 
 
 def _le(value: str) -> float:
@@ -207,9 +208,10 @@ def read(
                     entities[entity].counter_series[key] = series[(entity, key, rank)]
     best = _preferred(hists)
     for (entity, key, rank), builders in hists.items():
-        built = {labels: b.build() for labels, b in builders.items() if b.buckets}
+        built = {labels: h for labels, b in builders.items() if b.buckets and (h := b.build()) is not None}
         if best[(entity, key)] == rank and built:
-            entities[entity].histograms[key] = sum(built.values(), EMPTY_HISTOGRAM)
+            whole = next(iter(built.values())) if len(built) == 1 else sum(built.values(), EMPTY_HISTOGRAM)
+            entities[entity].histograms[key] = whole
             entities[entity].histogram_series[key] = built
     return entities
 
@@ -244,10 +246,13 @@ def carry(prev: Reading, cur: Reading, seconds: float, horizon: float = STALE_S)
     for table in ("counter_series", "histogram_series"):
         mine = getattr(cur, table)
         for key, series in getattr(prev, table).items():
-            here = mine.setdefault(key, {})
+            here = mine.get(key)
             for labels, value in series.items():
                 age = prev.carried.get((table, key, labels), 0.0) + seconds
-                if labels not in here and age <= horizon:
+                if (here is None or labels not in here) and age <= horizon:
+                    # Only what is carried makes a key: an empty one would read a family back after the horizon as
+                    # all new series, counted from zero.
+                    here = mine.setdefault(key, {})
                     here[labels] = value
                     cur.carried[(table, key, labels)] = age
 

@@ -161,13 +161,15 @@ class Labels:
 
 @dataclass(frozen=True, slots=True)
 class SignalSpec:
-    """One signal: how to compute it, from which metric families (alternative spellings, current first)."""
+    """One signal: how to compute it, from which metric families (alternative spellings, current first), and from
+    which others where a group has none of them (`fallback`: another metric standing in, not a rename)."""
 
     name: str
     kind: Literal["rate", "ratio", "one_plus_ratio", "quantile", "sum", "avg", "max", "count", "count_pods"]
     families: tuple[tuple[str, ...], ...]  # each alternative: the families it needs, in order
     q: float = 0.0
     pools_only: bool = False  # a count of engines or pods: the scraper, too, gives it for pools alone
+    fallback: tuple[tuple[str, ...], ...] = ()
 
 
 _PREFIX = (("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
@@ -189,7 +191,7 @@ SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec("ttft_p95", "quantile", (("vllm:time_to_first_token_seconds",),), 0.95),
     SignalSpec("ttft_p99", "quantile", (("vllm:time_to_first_token_seconds",),), 0.99),
     # Older engines have no per-request TPOT; the collector falls back to the inter-token latency.
-    SignalSpec("tpot_p95", "quantile", (("vllm:request_time_per_output_token_seconds",), *_ITL), 0.95),
+    SignalSpec("tpot_p95", "quantile", (("vllm:request_time_per_output_token_seconds",),), 0.95, fallback=_ITL),
     SignalSpec("itl_p95", "quantile", _ITL, 0.95),
     SignalSpec("e2e_p95", "quantile", (("vllm:e2e_request_latency_seconds",),), 0.95),
     SignalSpec("queue_time_p95", "quantile", (("vllm:request_queue_time_seconds",),), 0.95),
@@ -208,10 +210,10 @@ SIGNALS: tuple[SignalSpec, ...] = (
 )
 # A pool's share of requests over its objective (signal, `Objectives`' field, the histogram's spellings), from the
 # pool's bucket increases.
-OBJECTIVE_SIGNALS: tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...] = tuple(
-    (Objectives.signal(objective), objective, spellings) for objective, spellings in (
-        ("ttft", (("vllm:time_to_first_token_seconds",),)),
-        ("tpot", (("vllm:request_time_per_output_token_seconds",), *_ITL))))
+OBJECTIVE_SIGNALS: tuple[tuple[str, str, tuple[tuple[tuple[str, ...], ...], ...]], ...] = tuple(
+    (Objectives.signal(objective), objective, groups) for objective, groups in (
+        ("ttft", ((("vllm:time_to_first_token_seconds",),),)),
+        ("tpot", ((("vllm:request_time_per_output_token_seconds",),), _ITL))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +243,18 @@ def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window
                 pod: tuple[str, ...] = ("pod", "instance")) -> str:
     """The PromQL of one signal (`pod`: the labels that tell pods apart). A family's alternative spellings are joined
     with `or` series by series, inside the aggregation: in a rolling upgrade each engine is read in the spelling it
-    has (one with both, in the current one), where a choice per pool would drop every engine still on the other."""
+    has (one with both, in the current one), where a choice per pool would drop every engine still on the other. A
+    fallback, another metric, stands in per group where the signal's own has no series."""
+    main = _aggregated(spec, spec.families, sel, by, window, pod)
+    return main if not spec.fallback else f"({main}) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
+
+
+def _aggregated(spec: SignalSpec, spellings: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
+                window: _Window, pod: tuple[str, ...]) -> str:
     grouping = ", ".join(by)
 
     def each(position: int, series: Callable[[str], str]) -> str:
-        parts = [series(fams[position]) for fams in spec.families]
+        parts = [series(fams[position]) for fams in spellings]
         return parts[0] if len(parts) == 1 else " or ".join(f"({p})" for p in parts)
 
     if spec.kind == "rate":
@@ -471,13 +480,13 @@ class PrometheusSource:
                             seen_pools.add((subject, spec.name))
                     if subject is not None:
                         out.signals.append(Signal(ts, subject, spec.name, value))
-        for name, field_name, alternatives in OBJECTIVE_SIGNALS:
+        for name, field_name, groups in OBJECTIVE_SIGNALS:
             wanted = {pool: v for pool, o in (objectives or {}).items() if (v := getattr(o, field_name)) is not None}
             for _, sel, by, fixed_pool in scopes[1:] if wanted else ():
                 if fixed_pool is not None and fixed_pool not in wanted:
                     continue
                 scope_wants = {fixed_pool} if fixed_pool is not None else set(wanted)
-                for pool, buckets in self._pool_buckets(name, alternatives, sel, by, fixed_pool, scope_wants,
+                for pool, buckets in self._pool_buckets(name, groups, sel, by, fixed_pool, scope_wants,
                                                         window, ts, out).items():
                     share = share_above(wanted[pool], buckets)
                     if math.isfinite(share) and (pool_subject(pool), name) not in seen_pools:
@@ -485,17 +494,20 @@ class PrometheusSource:
                         out.signals.append(Signal(ts, pool_subject(pool), name, share))
         return out
 
-    def _pool_buckets(self, signal: str, alternatives: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
-                      fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
+    def _pool_buckets(self, signal: str, groups: tuple[tuple[tuple[str, ...], ...], ...], sel: str,
+                      by: tuple[str, ...], fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
                       out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
         """Per pool of `wanted`, a histogram's cumulative bucket increases over the window, each pool from the first
-        spelling it has series of (pools run different engine versions). A pool with a bucket bound that is no number gets
-        none, with the series in `out.malformed`: its share cannot be read, and the other pools' still can."""
+        group of metrics it has series of (the histogram, else the one standing in for it), each engine in the spelling
+        it has (a rolling upgrade mixes them). A pool with a bucket bound that is no number gets none, with the
+        series in `out.malformed`: its share cannot be read, and the other pools' still can."""
         grouping = ", ".join((*by, "le"))
         buckets: dict[str, list[tuple[float, float]]] = {}
         broken: set[str] = set()
-        for families in alternatives:
-            query = f"sum by ({grouping}) ({window.increase(f'{families[0]}_bucket{sel}')})"
+        for spellings in groups:
+            families = spellings[0]
+            inner = " or ".join(f"({window.increase(f'{fams[0]}_bucket{sel}')})" for fams in spellings)
+            query = f"sum by ({grouping}) ({inner})"
             rows = self.query(query, ts)
             out.queries += 1
             found: dict[str, list[tuple[float, float]]] = {}
@@ -541,7 +553,7 @@ class PrometheusSource:
 
     def _families_exist(self, spec: SignalSpec, sel: str, ts: float, present: dict[str, bool], out: ApiOutput) -> bool:
         """Whether any spelling of the signal's families has series under the selector (cached per call)."""
-        for fams in spec.families:
+        for fams in (*spec.families, *spec.fallback):
             names = [f"{fam}_count{sel}" if spec.kind == "quantile" else f"{fam}{sel}" for fam in fams]
             for name in names:
                 if name not in present:

@@ -215,6 +215,8 @@ class TargetsGateSource:
                     self._prev[(res.target.key, entity)] = reading
                     if prev is not None and (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:
                         deltas.append(d)
+                    if prev is not None:
+                        families.carry(prev, reading, end - start)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
             if arm == "canary" and (down := [r for r in results if not r.ok]):

@@ -467,5 +467,16 @@ def test_a_gpu_shared_by_pods_is_read_once_not_summed() -> None:
     assert steady_text(window)["gpu_xid_errors_window"] == 3.0
 
 
+def test_a_shared_gpus_counters_do_not_restart_when_its_pods_change() -> None:
+    # The copies listed in another order, then one pod gone: the GPU's energy counter is one series throughout.
+    def energy(mj: float, pods: tuple[str, ...]) -> str:
+        return "".join(line("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", mj, pod=p, vgpu=str(i)) for i, p in enumerate(pods))
+
+    first, swapped, alone = energy(1e12, ("a", "b")), energy(1e12 + 15000, ("b", "a")), energy(1e12 + 30000, ("b",))
+    assert signal_map(first, swapped)["gpu_energy_joules_rate"] == pytest.approx(1.0)  # 15 J in 15 s
+    assert signal_map(swapped, alone)["gpu_energy_joules_rate"] == pytest.approx(1.0)
+    assert read(first)["node-a/0"].attrs["pod"] == "a", "the first copy's pod attributes the GPU"
+
+
 def steady_text(text: str) -> dict[str, float]:
     return signal_map(text, text)

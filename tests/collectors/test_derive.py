@@ -42,6 +42,9 @@ def test_histogram_increase_and_reset() -> None:
     assert histogram_increase(before, gap) == Histogram(((0.1, 1.0), (INF, 5.0)), 2.5, 5.0)
     assert histogram_increase(gap, Histogram(((0.1, 7.0), (1.0, 14.0), (INF, 17.0)), 7.0, 17.0)) == Histogram(
         ((0.1, 1.0), (INF, 2.0)), 0.5, 2.0)
+    # Bounds of which each reading has some the other lacks: another layout, after a restart, even if counts rose.
+    relaid = Histogram(((0.5, 20.0), (2.0, 30.0), (INF, 40.0)), 9.0, 40.0)
+    assert histogram_increase(before, relaid) == relaid
 
 
 @pytest.mark.parametrize(

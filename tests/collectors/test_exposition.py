@@ -242,6 +242,8 @@ def test_bad_bodies_are_recorded_not_fatal(body: str) -> None:
     assert samples[0].name == "ok" and samples[-1].name == "also_ok"
     # Either a line of the body is rejected with its number, or it is a valid (if odd) sample.
     assert all(2 <= e.line_no <= 1 + len(body.splitlines()) for e in errors)
+    if body == "m 1\nm 2\n":  # the second is refused, the first kept
+        assert [e.line_no for e in errors] == [3] and [s.value for s in samples if s.name == "m"] == [1.0]
 
 
 @pytest.mark.parametrize("text", ["foo 1\n   \nbar 2\n# EOF\n", "foo 1\r\n\r\nbar 2\r\n# EOF\r\n"])
@@ -250,3 +252,9 @@ def test_a_blank_line_in_openmetrics_is_an_error_of_its_line(text: str) -> None:
     assert [(s.name, s.value) for s in parse(text, errors=errors)] == [("foo", 1.0), ("bar", 2.0)]
     [error] = errors
     assert error.line_no == 2 and "only whitespace" in str(error)
+
+
+def test_a_malformed_line_does_not_block_a_good_one_of_the_same_series() -> None:
+    errors: list[ExpositionError] = []
+    assert [(s.name, s.value) for s in parse("ok 1x\nok 2\n", errors=errors)] == [("ok", 2.0)]
+    assert [e.line_no for e in errors] == [1]

@@ -194,6 +194,14 @@ def test_rate_mode_queries() -> None:
         "1 + (sum by (pool) (increase(vllm:spec_decode_num_accepted_tokens_total[15000ms]))"
         " / (sum by (pool) (increase(vllm:spec_decode_num_drafts_total[15000ms])) > 0))"
     )
+    # TPOT's stand-in, the inter-token latency, is another metric, not a spelling: per pool, outside the aggregation
+    # (mixed in, old engines' per-token observations would outnumber the new ones' per-request ones); its own two
+    # spellings inside.
+    tpot = build_query(SPECS["tpot_p95"], "", ("pool",), w)
+    assert tpot == ("(histogram_quantile(0.95, sum by (pool, le) (increase("
+                    "vllm:request_time_per_output_token_seconds_bucket[15000ms])))) or "
+                    "(histogram_quantile(0.95, sum by (pool, le) ((increase(vllm:inter_token_latency_seconds_bucket"
+                    "[15000ms])) or (increase(vllm:time_per_output_token_seconds_bucket[15000ms])))))")
     # Each side of a ratio, likewise.
     hit = build_query(SPECS["prefix_cache_hit_rate"], "", ("pool",), w)
     assert hit == ("sum by (pool) ((increase(vllm:prefix_cache_hits_total[15000ms])) or "

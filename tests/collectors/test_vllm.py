@@ -209,3 +209,16 @@ def test_a_histogram_without_its_count_line_counts_its_inf_bucket() -> None:
     assert d is not None and d.histograms["ttft"].count == 20
     sig = {s.name: s.value for s in vllm.signals(d, 15.0, "engine/prefill/p0/0")}
     assert sig["ttft_mean"] == pytest.approx(0.3) and "ttft_p50" in sig
+
+
+def test_a_family_back_after_the_horizon_gives_no_reading_for_that_interval() -> None:
+    # Gone for longer than five minutes: what it did meanwhile is not known, so its return is no rate (as on a first
+    # scrape), never its whole history at once.
+    lab = f'engine="0",{MODEL}'
+    d = SignalDeriver()
+    d.derive([_result(f"vllm:prompt_tokens_total{{{lab}}} 1e6\nvllm:num_requests_running{{{lab}}} 1\n", 0.0)], 0.0)
+    for k in range(1, 25):  # six minutes without the family
+        d.derive([_result(f"vllm:num_requests_running{{{lab}}} 1\n", 15.0 * k)], 15.0 * k)
+    back = d.derive([_result(f"vllm:prompt_tokens_total{{{lab}}} 1000150\nvllm:num_requests_running{{{lab}}} 1\n",
+                             375.0)], 375.0)
+    assert "prompt_tokens_rate" not in {s.name for s in back.signals if s.subject == "engine/prefill/p0/0"}
