@@ -130,14 +130,20 @@ class Dist:
     def statistic(self, name: str) -> float | None:
         """`mean` (exact: sum over count), or `p50`, `p90`, `p95`, `p99` from the samples or the buckets
         (interpolated inside the bucket, as PromQL's `histogram_quantile`); None when it cannot be had (a quantile
-        past the highest finite bound)."""
+        past the highest finite bound, which is only a lower bound of it)."""
+        got = self.bounded(name)
+        return None if got is None or got[1] else got[0]
+
+    def bounded(self, name: str) -> tuple[float, bool] | None:
+        """The statistic, and whether it is only a lower bound of it: a quantile whose rank lies past the highest
+        finite bucket bound is at least that bound (PromQL answers the bound itself)."""
         if self.count <= 0:
             return None
         if name == "mean":
-            return self.total / self.count
+            return self.total / self.count, False
         q = _quantile_level(name)
         if self.samples:
-            return float(np.quantile(np.asarray(self.samples), q))
+            return float(np.quantile(np.asarray(self.samples), q)), False
         if len(self.buckets) >= 2:
             return _bucket_quantile(q, self.buckets)
         return None
@@ -149,8 +155,9 @@ def _quantile_level(name: str) -> float:
     return int(name[1:]) / 100.0
 
 
-def _bucket_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
-    """The q-quantile of cumulative buckets, interpolated linearly inside its bucket from a lower bound of 0."""
+def _bucket_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> tuple[float, bool] | None:
+    """The q-quantile of cumulative buckets, interpolated linearly inside its bucket from a lower bound of 0, and
+    whether its rank lies past the highest finite bound (then the bound, a lower bound of it)."""
     finite = [(le, c) for le, c in buckets if math.isfinite(le)]
     total = buckets[-1][1]
     if total <= 0 or not finite:
@@ -159,11 +166,9 @@ def _bucket_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float 
     lower_le, lower_c = 0.0, 0.0
     for le, c in finite:
         if c >= rank:
-            return lower_le + (le - lower_le) * (rank - lower_c) / (c - lower_c) if c > lower_c else le
+            return (lower_le + (le - lower_le) * (rank - lower_c) / (c - lower_c) if c > lower_c else le), False
         lower_le, lower_c = le, c
-    # In the +Inf bucket: PromQL answers the highest finite bound, which would read a canary whose tail went past it
-    # as no slower than a baseline there too. Not known, so the block does not count.
-    return None
+    return finite[-1][0], True
 
 
 class MetricRule(Settings):
@@ -443,7 +448,11 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
               "canary": whole_c.statistic(rule.statistic) if whole_c else None}
     common = {"name": rule.label, "critical": rule.critical, "scale": rule.scale, **counts, **values}
     pairs = blocks(intervals, rule)
-    shifts = [d for b, c in pairs if (d := _shift(b, c, rule)) is not None]
+    read = [got for b, c in pairs if (got := _shift(b, c, rule)) is not None]
+    shifts = [d for d, _, _ in read]
+    # A quantile past the highest bucket bound is only a lower bound of itself: the canary's makes a block's shift a
+    # lower bound of the true one (it may show a regression, never clear one), the baseline's an upper bound.
+    understated, overstated = any(c for _, _, c in read), any(b for _, b, _ in read)
     if counts["baseline_count"] <= 0 or counts["canary_count"] <= 0:
         arm = "baseline" if counts["baseline_count"] <= 0 else "canary"
         return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=f"{rule.label}: no data from the {arm}",
@@ -461,8 +470,12 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
     margin = math.log1p(rule.margin) if ratio else rule.margin
     worse_up = _fails(mean, lo, allowed, margin) if rule.direction is not Direction.DECREASE else False
     worse_down = _fails(-mean, -hi, allowed, margin) if rule.direction is not Direction.INCREASE else False
-    within = (hi <= allowed if rule.direction is not Direction.DECREASE else True) and \
-             (lo >= -allowed if rule.direction is not Direction.INCREASE else True)
+    below, above = hi <= allowed, lo >= -allowed  # the shift shown within the allowance, from above and below
+    if understated:  # the true shift is at least this one: shown small from above, or worse downwards, it may not be
+        worse_down = below = False
+    if overstated:
+        worse_up = above = False
+    within = (below or rule.direction is Direction.DECREASE) and (above or rule.direction is Direction.INCREASE)
     if worse_up or worse_down:
         outcome, decided = Outcome.FAIL, True
     elif within:
@@ -475,9 +488,13 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
         outcome, decided = Outcome.INCONCLUSIVE, False
     shown = (math.exp(mean), math.exp(lo), math.exp(hi)) if ratio else (mean, lo, hi)
     threshold = 1.0 + rule.allowed if ratio else rule.allowed
+    reason = _explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha)
+    if understated or overstated:
+        arm = "the canary's" if understated else "the baseline's"
+        reason += (f" ({arm} {rule.statistic} lay past the highest bucket bound in some blocks: that bound is only a "
+                   f"lower bound of it, so the shift shown is a {'lower' if understated else 'upper'} bound)")
     return MetricVerdict(outcome=outcome, decided=decided, estimate=shown[0], lower=shown[1], upper=shown[2],
-                         threshold=threshold, blocks=len(shifts),
-                         reason=_explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha),
+                         threshold=threshold, blocks=len(shifts), reason=reason,
                          **common)  # type: ignore[arg-type]
 
 
@@ -506,15 +523,18 @@ def _whole(intervals: Sequence[Interval], name: str, *, baseline: bool) -> Dist 
     return out
 
 
-def _shift(base: Dist, can: Dist, rule: MetricRule) -> float | None:
-    b, c = base.statistic(rule.statistic), can.statistic(rule.statistic)
-    if b is None or c is None:
+def _shift(base: Dist, can: Dist, rule: MetricRule) -> tuple[float, bool, bool] | None:
+    """A block's shift, and whether the baseline's and the canary's statistic were only lower bounds of themselves
+    (None where both were, or either is missing)."""
+    got_b, got_c = base.bounded(rule.statistic), can.bounded(rule.statistic)
+    if got_b is None or got_c is None or (got_b[1] and got_c[1]):
         return None
+    (b, b_low), (c, c_low) = got_b, got_c
     if rule.scale is Scale.DIFFERENCE:
-        return c - b
+        return c - b, b_low, c_low
     if b <= 0 or c <= 0:
         return None
-    return math.log(c / b)
+    return math.log(c / b), b_low, c_low
 
 
 def _fmt(v: float | None) -> str:

@@ -306,3 +306,29 @@ def test_rare_errors_at_the_allowance_do_not_pass() -> None:
     assert _rare_errors(0.01, 200, seed=1).count(Outcome.PASS) <= 2  # the gate's alpha, 0.01
     # A clean canary still passes within the window: 0 errors in some 1,500 requests bound its rate under 1 %.
     assert _rare_errors(0.0, 20, seed=2) == [Outcome.PASS] * 20
+
+
+def _tail(past: float, seed: int) -> Dist:
+    """A TTFT histogram whose buckets end at 10 s: 200 requests under 1 s but `past` of them beyond 10 s."""
+    rng = np.random.default_rng(seed)
+    n_past = int(rng.binomial(200, past))
+    fast = 200 - n_past
+    return Dist(200.0, 0.3 * fast + 30.0 * n_past, ((0.5, fast * 0.6), (1.0, float(fast)), (10.0, float(fast)),
+                                                    (math.inf, 200.0)))
+
+
+def test_a_tail_past_the_highest_bound_can_fail_and_never_pass() -> None:
+    rule = MetricRule(name="ttft", statistic="p99", critical=True)
+    settings = GateSettings(metrics=(rule,))
+    steps = [Interval(30.0 * k, 30.0 * (k + 1), {"ttft": _tail(0.0, k)}, {"ttft": _tail(0.05, 100 + k)})
+             for k in range(20)]
+    verdict = judge(steps, settings)
+    # The canary's p99 is at least 10 s against a baseline's under 1 s: a regression, though the bound hides its size.
+    assert verdict.outcome is Outcome.FAIL and "only a lower bound" in verdict.metrics[0].reason
+    # The other way round, the baseline's tail past the bound: the canary is better by at least what is shown, so it
+    # may pass, and is never failed on it.
+    flipped = [Interval(s.start, s.end, s.canary, s.baseline) for s in steps]
+    assert judge(flipped, settings).outcome is Outcome.PASS
+    # A canary as slow past the bound as its baseline: nothing to compare, never a pass.
+    both = [Interval(s.start, s.end, s.canary, s.canary) for s in steps]
+    assert judge(both, settings, final=True).outcome is Outcome.INCONCLUSIVE
