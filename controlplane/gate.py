@@ -197,6 +197,7 @@ class TargetsGateSource:
         self._names = [r.name for r in rules]
         self._parser = Parser()
         self._prev: dict[tuple[str, str], families.Reading] = {}
+        self._answered: set[str] = set()  # targets that answered a scrape of this gate
 
     async def interval(self, start: float, end: float) -> Interval:
         seen: dict[str, list[families.Delta]] = {}
@@ -219,9 +220,11 @@ class TargetsGateSource:
                         families.carry(prev, reading, end - start)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
-            if arm == "canary" and (down := [r for r in results if not r.ok]):
+            self._answered.update(r.target.key for r in results if r.ok)
+            if arm == "canary" and (down := [r for r in results if not r.ok and r.target.key in self._answered]):
                 # A crash-looping canary pod would leave the step judged on its healthy ones alone (its requests fail
-                # before vLLM counts them): no step counts while one is down, and the gate stops if it stays down.
+                # before vLLM counts them): no step counts while one that answered before is down, and the gate
+                # stops if it stays down. One that has not answered yet is starting (loading its model).
                 raise GateError("canary pod(s) not answering: " + "; ".join(f"{r.target.url}: {r.error}" for r in down))
             seen[arm] = deltas
         read_as = tpot_spelling(seen.values())
@@ -249,6 +252,7 @@ class PromGateSource:
                                  "canary would be compared with itself")
         self._names = [r.name for r in rules]
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
+        self._began = math.inf  # the first step's start
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
         return self._prom.query(expr, ts)
@@ -313,11 +317,16 @@ class PromGateSource:
         if both:
             raise GateInputError(f"pod(s) {', '.join(both)} match both the baseline's and the canary's selector")
         # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
-        down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{self._arms['canary']} == 0", end))
+        # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
+        # scrape jobs of the same pods are not the engine).
+        can, since = self._arms["canary"], f"{max(1, round(end - self._began))}s"
+        served = f"group by (instance) (last_over_time(vllm:num_requests_running{can}[{since}]))"
+        down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{can} == 0 and on (instance) {served}", end))
         if down:
             raise GateError(f"canary pod(s) {', '.join(down)} not answering Prometheus's scrapes")
 
     async def interval(self, start: float, end: float) -> Interval:
+        self._began = min(self._began, start)
         try:
             await asyncio.to_thread(self._check_arms, start, end)
             read_as = await asyncio.to_thread(self._read_as, end, f"{max(1, round(end - start))}s")

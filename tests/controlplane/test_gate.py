@@ -203,7 +203,8 @@ class FakePrometheus:
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.queries.append(query)
         canary = 'pod=~".*canary.*"' in query
-        if query.startswith("up{"):
+        if query.startswith("up{"):  # only the canary's vLLM targets that served in this gate
+            assert canary and "and on (instance) group by (instance) (last_over_time(vllm:" in query, query
             return [{"metric": {"pod": p}, "value": [0, "0"]} for p in self.down]
         if query.startswith("group by (pod)"):
             return [{"metric": {"pod": p}, "value": [0, "1"]}
@@ -572,6 +573,11 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
 
     class Metrics(tornado.web.RequestHandler):
         def get(self, arm: str) -> None:
+            if arm == "flaky":  # a canary pod that answers once, then crash-loops
+                calls["flaky"] = calls.get("flaky", 0) + 1
+                if calls["flaky"] > 1:
+                    raise tornado.web.HTTPError(503)
+                arm = "can"
             n = calls["n"] = calls["n"] + 1
             obs = tuple(bodies[arm] * n)
             self.set_header("Content-Type", "text/plain; version=0.0.4")
@@ -579,7 +585,7 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
                        + "vllm:broken_line{ 1\n")
 
     port = free_port()
-    server = HTTPServer(tornado.web.Application([(r"/(base|can)/metrics", Metrics)]))
+    server = HTTPServer(tornado.web.Application([(r"/(base|can|flaky)/metrics", Metrics)]))
     server.listen(port, "127.0.0.1")
     try:
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -591,10 +597,15 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
             source = TargetsGateSource(scraper, base, can, TPOT_ONLY.metrics)
             await source.interval(0, 30)
             iv = await source.interval(30, 60)
-            # A second canary pod that does not answer (crash-looping): no step counts while it is down.
-            dead = Target(f"http://127.0.0.1:{free_port()}/metrics", "decode", "decode-canary-1")
-            with pytest.raises(GateError, match=rf"canary pod\(s\) not answering: {re.escape(dead.url)}"):
-                await TargetsGateSource(scraper, base, [*can, dead], TPOT_ONLY.metrics).interval(60, 90)
+            # A second canary pod that has not answered yet is starting (loading its model): the step counts.
+            starting = Target(f"http://127.0.0.1:{free_port()}/metrics", "decode", "decode-canary-1")
+            await TargetsGateSource(scraper, base, [*can, starting], TPOT_ONLY.metrics).interval(60, 90)
+            # One that answered, then stopped (crash-looping): no step counts while it is down.
+            flaky = Target(f"http://127.0.0.1:{port}/flaky/metrics", "decode", "decode-canary-2")
+            two = TargetsGateSource(scraper, base, [*can, flaky], TPOT_ONLY.metrics)
+            await two.interval(90, 120)
+            with pytest.raises(GateError, match=rf"canary pod\(s\) not answering: {re.escape(flaky.url)}"):
+                await two.interval(120, 150)
     finally:
         server.stop()
     assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.012)
