@@ -268,7 +268,7 @@ class GateEvalReport:
         false_pass = _share(sum(d.outcome == "pass" for d in clear), len(clear))
         return [at_least("+10% TPOT at a 5% canary share: failed within 10 minutes", detected, DETECTION_GOAL),
                 at_most("A/A gates failed under continuous monitoring", false_fail, FALSE_FAIL_GOAL),
-                at_most("regressions of +10% and more passed", false_pass, FALSE_PASS_GOAL)]
+                at_most(f"regressions of +{2 * allowed:.0%} and more passed", false_pass, FALSE_PASS_GOAL)]
 
     def as_json(self) -> dict[str, Any]:
         """The report as JSON: the goals, the table, and every decision."""

@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INCONCLUSIVE: 2}
 # Gate metric -> the vLLM histogram it reads (the current spelling first, as the collector reads them).
 HISTOGRAMS: Mapping[str, tuple[str, ...]] = {k: FAMILIES.histograms[k] for k in ("ttft", "tpot", "itl", "e2e", "queue_time")}
+_UNREAD = ""  # a metric not read this step (see `PromGateSource._read_as`)
 MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as Argo's consecutiveErrorLimit
 _REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
 
@@ -253,6 +254,7 @@ class PromGateSource:
         self._names = [r.name for r in rules]
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
         self._began = math.inf  # the first step's start
+        self._tpot_as: dict[str, str] | None = None
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
         return self._prom.query(expr, ts)
@@ -269,12 +271,19 @@ class PromGateSource:
         return self._families[(name, sel)]
 
     def _read_as(self, end: float, window: str) -> dict[str, str]:
-        """Where both arms' TPOT is read (as `tpot_spelling`): the per-request histogram where both export it, else
-        the inter-token latency for both (an arm on a vLLM before the per-request one)."""
+        """Where both arms' TPOT is read: the per-request histogram where each arm exports it, else the inter-token
+        latency for both (an arm on a vLLM before the per-request one). Decided once both arms export either, and
+        kept, so that blocks never mix the two; until then TPOT is not read (`_UNREAD`)."""
         if "tpot" not in self._names:
             return {}
-        every = all(self._family("tpot", sel, end, window) is not None for sel in self._arms.values())
-        return {} if every else {"tpot": "itl"}
+        if self._tpot_as is None:
+            for name, read_as in (("tpot", {}), ("itl", {"tpot": "itl"})):
+                if all(self._family(name, sel, end, window) is not None for sel in self._arms.values()):
+                    self._tpot_as = read_as
+                    break
+            else:
+                return {"tpot": _UNREAD}
+        return self._tpot_as
 
     def _arm(self, sel: str, start: float, end: float, read_as: Mapping[str, str]) -> dict[str, Dist]:
         window = f"{max(1, round(end - start))}s"
@@ -288,7 +297,8 @@ class PromGateSource:
                 if total:
                     out[name] = Dist.of_events(errors or 0.0, total)
                 continue
-            fam = self._family(read_as.get(name, name), sel, end, window)
+            source = read_as.get(name, name)
+            fam = None if source == _UNREAD else self._family(source, sel, end, window)
             if fam is None:
                 continue
             count = self._scalar(f"sum(increase({fam}_count{sel}[{window}]))", end)
@@ -369,7 +379,7 @@ class StoreGateSource:
 
     async def interval(self, start: float, end: float) -> Interval:
         wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
-                  *(ENGINE_MEANS[n][0] for n in [*self._names, "itl"] if n in ENGINE_MEANS)}
+                  *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was.
         try:
             signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
@@ -387,19 +397,12 @@ class StoreGateSource:
                 raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
             if matched:
                 arms[matched[0]].append(series)
-        # An engine before the per-request TPOT histogram stores its inter-token latency as `tpot_mean`, which the
-        # store cannot tell from a per-request mean: where every engine has the inter-token latency, TPOT is read
-        # from it on both arms, as `tpot_spelling` does for the other sources.
-        itl = all(ENGINE_MEANS["itl"][0] in engine for each in arms.values() for engine in each)
-        source_of = {n: "itl" if n == "tpot" and itl else n for n in self._names}
-        read = sorted(set(source_of.values()))
         dists: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
         for arm, each in arms.items():
             for engine in each:
-                for name, d in engine_dists(engine, read, start, end).items():
+                for name, d in engine_dists(engine, self._names, start, end).items():
                     merge_into(dists[arm], name, d)
-        base, can = ({n: d[src] for n, src in source_of.items() if src in d} for d in dists.values())
-        return Interval(start, end, base, can)
+        return Interval(start, end, dists["baseline"], dists["canary"])
 
 
 class GateSession:

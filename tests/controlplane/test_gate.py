@@ -154,35 +154,6 @@ async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> N
     with pytest.raises(GateError, match=r"\['kv_cache_usage'\] cannot be read"):
         StoreGateSource(store, "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"),
                         (MetricRule(name="kv_cache_usage"),))
-    # Where every engine also has the inter-token latency, TPOT is read from it on both arms: an older engine stores
-    # it as its `tpot_mean` too, and the store cannot tell the two apart.
-    await store.write_signals([Signal(ts, f"engine/decode/{pod}/0", name, value)
-                               for ts in (100.0, 115.0, 130.0)
-                               for pod, itl in (("decode-0", 0.02), ("decode-1", 0.02), ("decode-canary-0", 0.03))
-                               for name, value in (("itl_mean", itl), ("generation_tokens_rate", 10.0))])
-    both = await StoreGateSource(store, "decode", ArmSelector.parse("pod!~.*canary.*"),
-                                 ArmSelector.parse("pod=~.*canary.*"), (MetricRule(name="tpot"), MetricRule(name="itl"))
-                                 ).interval(100.0, 130.0)
-    assert both.canary["tpot"].statistic("mean") == pytest.approx(0.03) == both.canary["itl"].statistic("mean")
-    assert both.baseline["tpot"].statistic("mean") == pytest.approx(0.02)
-    # The pool's role from the fleet file: a selector on it matches; one on a label the store does not know is refused
-    # (it would match no pod, or all, and the gate wait its window for nothing).
-    by_role = StoreGateSource(store, "decode", ArmSelector.parse("role=decode,pod!~.*canary.*"),
-                              ArmSelector.parse("role=decode,pod=~.*canary.*"), rules, role="decode")
-    assert (await by_role.interval(100.0, 130.0)).canary["tpot"].count > 0
-    with pytest.raises(GateInputError, match="names role: the store knows the engines' pod, pool"):
-        StoreGateSource(store, "decode", ArmSelector.parse("role=decode"), ArmSelector.parse("pod=b"), rules)
-    with pytest.raises(GateInputError, match="names app"):
-        StoreGateSource(store, "decode", ArmSelector.parse("app=vllm"), ArmSelector.parse("pod=b"), rules)
-
-    class Down:
-        async def load_signals(self, since: float, names: object = None) -> list[Signal]:
-            raise StoreUnavailable("store postgresql://fleet@db/fleet: connection refused")
-
-    with pytest.raises(GateError, match="connection refused") as failed:  # a failed step, which the gate's patience covers
-        await StoreGateSource(Down(), "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"), rules).interval(
-            100.0, 130.0)
-    assert not isinstance(failed.value, StoreUnavailable)
     overlapping = StoreGateSource(store, "decode", ArmSelector.parse("pod=~decode-.*"),
                                   ArmSelector.parse("pod=~.*canary.*"), rules)
     with pytest.raises(GateInputError, match="decode-canary-0 matches both"):
@@ -321,6 +292,29 @@ async def test_tpot_is_read_from_the_inter_token_latency_for_both_arms_where_one
     assert iv.baseline["tpot"].count == 100 and iv.canary["tpot"].count == 50
     read = [q for q in fake.queries if "_bucket" in q]
     assert len(read) == 2 and all("vllm:inter_token_latency_seconds_bucket" in q for q in read), read
+
+
+async def test_tpot_is_not_read_until_both_arms_export_it_then_read_the_same_way_throughout() -> None:
+    # The canary not serving yet: the baseline's TPOT is not read as the inter-token latency meanwhile, which would
+    # merge into the first block beside the canary's per-request TPOT.
+    class Late(FakePrometheus):
+        serving = False
+
+        def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
+            if 'pod=~".*canary.*"' in query and not self.serving and not query.startswith(("group by", "up{")):
+                self.queries.append(query)
+                return []
+            return super().custom_query(query, params)
+
+    fake = Late()
+    src = PromGateSource(PrometheusSource("http://prometheus.invalid", client=fake),
+                         ArmSelector.parse("pool=decode,pod!~.*canary.*"), ArmSelector.parse("pool=decode,pod=~.*canary.*"),
+                         (MetricRule(name="tpot"),))
+    early = await src.interval(0.0, 30.0)
+    assert "tpot" not in early.baseline and not any("inter_token" in q and "_bucket" in q for q in fake.queries)
+    fake.serving = True
+    later = await src.interval(30.0, 60.0)
+    assert later.baseline["tpot"].count == 100 and later.canary["tpot"].count == 50
 
 
 async def test_each_arm_is_read_in_the_histogram_spelling_it_exports() -> None:
