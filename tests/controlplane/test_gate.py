@@ -154,6 +154,24 @@ async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> N
     with pytest.raises(GateError, match=r"\['kv_cache_usage'\] cannot be read"):
         StoreGateSource(store, "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"),
                         (MetricRule(name="kv_cache_usage"),))
+    # The pool's role from the fleet file: a selector on it matches; one on a label the store does not know is refused
+    # (it would match no pod, or all, and the gate wait its window for nothing).
+    by_role = StoreGateSource(store, "decode", ArmSelector.parse("role=decode,pod!~.*canary.*"),
+                              ArmSelector.parse("role=decode,pod=~.*canary.*"), rules, role="decode")
+    assert (await by_role.interval(100.0, 130.0)).canary["tpot"].count > 0
+    with pytest.raises(GateInputError, match="names role: the store knows the engines' pod, pool"):
+        StoreGateSource(store, "decode", ArmSelector.parse("role=decode"), ArmSelector.parse("pod=b"), rules)
+    with pytest.raises(GateInputError, match="names app"):
+        StoreGateSource(store, "decode", ArmSelector.parse("app=vllm"), ArmSelector.parse("pod=b"), rules)
+
+    class Down:
+        async def load_signals(self, since: float, names: object = None) -> list[Signal]:
+            raise StoreUnavailable("store postgresql://fleet@db/fleet: connection refused")
+
+    with pytest.raises(GateError, match="connection refused") as failed:  # a failed step, which the gate's patience covers
+        await StoreGateSource(Down(), "decode", ArmSelector.parse("pod=a"), ArmSelector.parse("pod=b"), rules).interval(
+            100.0, 130.0)
+    assert not isinstance(failed.value, StoreUnavailable)
     overlapping = StoreGateSource(store, "decode", ArmSelector.parse("pod=~decode-.*"),
                                   ArmSelector.parse("pod=~.*canary.*"), rules)
     with pytest.raises(GateInputError, match="decode-canary-0 matches both"):
