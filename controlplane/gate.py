@@ -368,8 +368,9 @@ class StoreGateSource:
         self._known = {"pool": pool, **({"role": role} if role else {})}
         for sel in (baseline, canary):
             if unknown := sorted(sel.keys() - {*self._known, "pod"}):
+                hint = " (a pool's role comes from the fleet file: pass --fleet)" if "role" in unknown else ""
                 raise GateInputError(f"selector {sel.text!r} names {', '.join(unknown)}: the store knows the engines' "
-                                     f"{', '.join(sorted({*self._known, 'pod'}))}")
+                                     f"{', '.join(sorted({*self._known, 'pod'}))}{hint}")
         quantiles = [r.label for r in rules if r.statistic != "mean"]
         if quantiles:
             raise GateInputError(f"rule(s) {quantiles}: the store keeps per-engine quantiles, which cannot be merged "
