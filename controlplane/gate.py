@@ -286,7 +286,7 @@ class PromGateSource:
         return self._tpot_as
 
     def _arm(self, sel: str, start: float, end: float, read_as: Mapping[str, str]) -> dict[str, Dist]:
-        window = f"{max(1, round(end - start))}s"
+        window = _window(start, end)
         out: dict[str, Dist] = {}
         inner = sel[1:-1] if sel else ""
         for name in self._names:
@@ -319,7 +319,7 @@ class PromGateSource:
         """Refuse pods that both arms select (a baseline regex that also matches the canary's pods): the canary
         would be diluted into its own baseline, and a regression read smaller than it is. And skip a step in which a
         canary pod is down."""
-        window, pod = f"{max(1, round(end - start))}s", self._prom.labels.pod
+        window, pod = _window(start, end), self._prom.labels.pod
         pods = [{labels.get(pod) for labels, _ in
                  self._query(f"group by ({pod}) (last_over_time(vllm:num_requests_running{sel}[{window}]))", end)}
                 for sel in (self._arms["baseline"], self._arms["canary"])]
@@ -329,7 +329,7 @@ class PromGateSource:
         # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
         # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
         # scrape jobs of the same pods are not the engine).
-        can, since = self._arms["canary"], f"{max(1, round(end - self._began))}s"
+        can, since = self._arms["canary"], _window(self._began, end)
         served = f"group by (instance) (last_over_time(vllm:num_requests_running{can}[{since}]))"
         down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{can} == 0 and on (instance) {served}", end))
         if down:
@@ -339,7 +339,7 @@ class PromGateSource:
         self._began = min(self._began, start)
         try:
             await asyncio.to_thread(self._check_arms, start, end)
-            read_as = await asyncio.to_thread(self._read_as, end, f"{max(1, round(end - start))}s")
+            read_as = await asyncio.to_thread(self._read_as, end, _window(start, end))
             base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end, read_as)
             can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end, read_as)
         except PrometheusError as exc:
@@ -390,20 +390,16 @@ class StoreGateSource:
         for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
                 engines[s.subject][s.name].append((s.ts, s.value))
-        arms: dict[str, list[Mapping[str, Sequence[tuple[float, float]]]]] = {"baseline": [], "canary": []}
+        arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
             matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
             if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
                 raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
             if matched:
-                arms[matched[0]].append(series)
-        dists: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
-        for arm, each in arms.items():
-            for engine in each:
-                for name, d in engine_dists(engine, self._names, start, end).items():
-                    merge_into(dists[arm], name, d)
-        return Interval(start, end, dists["baseline"], dists["canary"])
+                for name, d in engine_dists(series, self._names, start, end).items():
+                    merge_into(arms[matched[0]], name, d)
+        return Interval(start, end, arms["baseline"], arms["canary"])
 
 
 class GateSession:
@@ -591,6 +587,11 @@ def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, c
                 f'<property name="reason" value="{html.escape(verdict.reason)}"/></properties>\n'
                 + "\n".join(cases) + "\n</testsuite>\n")
     raise GateInputError(f"report format {fmt!r}: expected junit, json or markdown")
+
+
+def _window(start: float, end: float) -> str:
+    """A PromQL range covering `start` to `end`, in whole seconds."""
+    return f"{max(1, round(end - start))}s"
 
 
 def _bound(le: str | None) -> float | None:
