@@ -36,6 +36,7 @@ class Scraper:
         rng: random.Random | None = None,
         spread_s: float = 0.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._sem = asyncio.Semaphore(concurrency)
@@ -48,6 +49,7 @@ class Scraper:
         # fleet is not hit all at once; the offset comes from the target, so its interval stays exact.
         self._spread = spread_s
         self._sleep = sleep
+        self._clock = clock  # the loop's: a virtual one in the simulator, where no time passes while a slot is awaited
         self.health: dict[str, TargetHealth] = {}
 
     async def scrape(self, targets: Sequence[Target], now: float) -> list[ScrapeResult]:
@@ -73,12 +75,12 @@ class Scraper:
             now += offset
         if now < health.next_attempt_at:
             return ScrapeResult(target, now, ok=False, error=health.last_error, skipped=True)
-        queued = time.perf_counter()
+        queued = self._clock()
         async with self._sem:
-            started = time.perf_counter()
             # Stamped when fetched: a target that waited for a slot behind slow ones is read that much later, and its
             # rates divide by the interval it really had.
-            now += started - queued
+            now += self._clock() - queued
+            started = time.perf_counter()
             try:
                 body, size = await asyncio.wait_for(self._fetch(target.url), self._timeout)
                 error = _looks_wrong(body)
