@@ -220,6 +220,12 @@ class FakePrometheus:
         pass
 
 
+def arms(prom: PrometheusSource, rules: tuple[MetricRule, ...]) -> PromGateSource:
+    """The decode pool's canary pods against the others, read from `prom`."""
+    return PromGateSource(prom, ArmSelector.parse("pool=decode,pod!~.*canary.*"),
+                          ArmSelector.parse("pool=decode,pod=~.*canary.*"), rules)
+
+
 async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_arm() -> None:
     fake = FakePrometheus()
     prom = PrometheusSource("http://prometheus.invalid", client=fake)
@@ -268,8 +274,7 @@ async def test_the_fleet_files_selector_and_label_names_narrow_every_query() -> 
 
     prom = PrometheusSource("http://prometheus.invalid", client=Recording(), selector={"namespace": "llm"},
                             labels=Labels(pool="llm_pool", pod="kubernetes_pod_name"))
-    src = PromGateSource(prom, ArmSelector.parse("pool=decode,pod!~.*canary.*"),
-                         ArmSelector.parse("pool=decode,pod=~.*canary.*"), (MetricRule(name="tpot"),))
+    src = arms(prom, (MetricRule(name="tpot"),))
     await src.interval(0.0, 30.0)
     assert seen and all('namespace="llm"' in q and 'llm_pool="decode"' in q for q in seen)
     assert any('kubernetes_pod_name=~".*canary.*"' in q for q in seen)
@@ -281,9 +286,7 @@ async def test_a_step_with_a_canary_pod_down_does_not_count() -> None:
     # a crash-looping canary would pass. The step is a failed read; five in a row stop the gate (exit 3).
     fake = FakePrometheus(down=("decode-canary-1",))
     rules = (MetricRule(name="tpot"),)
-    src = PromGateSource(PrometheusSource("http://prometheus.invalid", client=fake),
-                         ArmSelector.parse("pool=decode,pod!~.*canary.*"), ArmSelector.parse("pool=decode,pod=~.*canary.*"),
-                         rules)
+    src = arms(PrometheusSource("http://prometheus.invalid", client=fake), rules)
     with pytest.raises(GateError, match="decode-canary-1 not answering"):
         await src.interval(0.0, 30.0)
     session = GateSession(src, GateSettings(metrics=rules), 0.0)
@@ -303,9 +306,7 @@ async def test_tpot_is_read_from_the_inter_token_latency_for_both_arms_where_one
             return super().custom_query(query, params)
 
     fake = OldBaseline()
-    src = PromGateSource(PrometheusSource("http://prometheus.invalid", client=fake),
-                         ArmSelector.parse("pool=decode,pod!~.*canary.*"), ArmSelector.parse("pool=decode,pod=~.*canary.*"),
-                         (MetricRule(name="tpot"),))
+    src = arms(PrometheusSource("http://prometheus.invalid", client=fake), (MetricRule(name="tpot"),))
     iv = await src.interval(0.0, 30.0)
     assert iv.baseline["tpot"].count == 100 and iv.canary["tpot"].count == 50
     read = [q for q in fake.queries if "_bucket" in q]
@@ -325,9 +326,7 @@ async def test_tpot_is_not_read_until_both_arms_export_it_then_read_the_same_way
             return super().custom_query(query, params)
 
     fake = Late()
-    src = PromGateSource(PrometheusSource("http://prometheus.invalid", client=fake),
-                         ArmSelector.parse("pool=decode,pod!~.*canary.*"), ArmSelector.parse("pool=decode,pod=~.*canary.*"),
-                         (MetricRule(name="tpot"),))
+    src = arms(PrometheusSource("http://prometheus.invalid", client=fake), (MetricRule(name="tpot"),))
     early = await src.interval(0.0, 30.0)
     assert "tpot" not in early.baseline and not any("inter_token" in q and "_bucket" in q for q in fake.queries)
     fake.serving = True
@@ -348,8 +347,7 @@ async def test_each_arm_is_read_in_the_histogram_spelling_it_exports() -> None:
             return super().custom_query(query.replace(has, "x"), params)
 
     prom = PrometheusSource("http://prometheus.invalid", client=Mixed())
-    src = PromGateSource(prom, ArmSelector.parse("pool=decode,pod!~.*canary.*"),
-                         ArmSelector.parse("pool=decode,pod=~.*canary.*"), (MetricRule(name="itl"),))
+    src = arms(prom, (MetricRule(name="itl"),))
     iv = await src.interval(0.0, 30.0)
     assert iv.baseline["itl"].count == 100 and iv.canary["itl"].count == 50
 
