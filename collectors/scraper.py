@@ -75,11 +75,12 @@ class Scraper:
             now += offset
         if now < health.next_attempt_at:
             return ScrapeResult(target, now, ok=False, error=health.last_error, skipped=True)
-        queued = self._clock()
+        queued = self._clock() if self._sem.locked() else None
         async with self._sem:
-            # Stamped when fetched: a target that waited for a slot behind slow ones is read that much later, and its
-            # rates divide by the interval it really had.
-            now += self._clock() - queued
+            if queued is not None:
+                # Every slot was taken: stamped when fetched, since a target that waited behind slow ones is read that
+                # much later, and its rates divide by the interval it really had.
+                now += self._clock() - queued
             started = time.perf_counter()
             try:
                 body, size = await asyncio.wait_for(self._fetch(target.url), self._timeout)
