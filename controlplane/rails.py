@@ -176,7 +176,7 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if any(a.state == ActionState.STARTED
            or (a.state in ACTIVE_STATES and (kind is not ActionKind.SCALE_POOL or a.kind == kind)) for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
-    if pool.ready != pool.desired and not undoing and not (sheds and pool.stalled_for is not None):
+    if pool.ready != pool.desired and not undoing and not sheds:
         stalled = ("" if pool.stalled_for is None else
                    f" for {pool.stalled_for / 60:.0f} min (only a scale-down to {pool.ready} or more runs)")
         return _held(RailsReason.POOL_NOT_SETTLED,
@@ -214,8 +214,8 @@ def _asks(change: Change, pool: PoolState) -> int:
 
 
 def _sheds(change: Change, pool: PoolState) -> bool:
-    """Whether a change gives up only engines the pool asks for and does not have ready."""
-    return pool.ready <= _asks(change, pool) < pool.desired
+    """Whether a change to a stalled pool gives up only engines it asks for and does not have ready."""
+    return pool.stalled_for is not None and pool.ready <= _asks(change, pool) < pool.desired
 
 
 def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
@@ -279,7 +279,8 @@ def check(
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {proposal.pool!r} is not in the fleet file")
     change = proposal.change
-    if pool.stalled_for is not None and _asks(change, pool) < pool.ready:  # stalled: fewer ready than asked for
+    # Stalled (and still short: readiness must hold for a few scrapes before the stall ends), fewer asked than ready.
+    if pool.stalled_for is not None and _asks(change, pool) < pool.ready < pool.desired:
         # A stalled pool gives up the engines it waits for before any that serve: down to its ready ones, this time.
         change = ScaleTo(max(pool.ready, pool.min_replicas))
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,

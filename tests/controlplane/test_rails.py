@@ -101,6 +101,16 @@ def test_scaling(mode: Mode, state: PoolState | None, history: list, proposal: P
     assert (d.change == ScaleTo(target)) if target else d.change is None
 
 
+def test_a_stalled_pool_ready_again_scales_as_any_other() -> None:
+    # Its stall ends only once readiness has held for a few scrapes; meanwhile a scale-down below its ready count is
+    # an ordinary one, not rewritten to the ready count (which is its count, and would be held at its limit).
+    recovered = replace(pool(), stalled_for=960.0)
+    for proposal in (up(-1), ask(ActionKind.SCALE_POOL, ScaleTo(2))):
+        got = check(proposal, recovered, mode=Mode.ACT, rails=RAILS, history=[], now=NOW)
+        plain = check(proposal, pool(), mode=Mode.ACT, rails=RAILS, history=[], now=NOW)
+        assert (got.reason, got.change) == (plain.reason, plain.change) and got.reason is RailsReason.ALLOWED
+
+
 def test_an_absolute_target_is_held_to_the_step_and_the_bounds() -> None:
     assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(9)), pool()) == (RailsReason.ALLOWED, ScaleTo(4))
     assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(1)), pool()) == (RailsReason.ALLOWED, ScaleTo(2))
