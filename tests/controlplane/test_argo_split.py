@@ -166,6 +166,11 @@ def test_a_blue_green_preview_keeps_its_own_count_until_promoted() -> None:
 def test_the_weighted_split_is_whole_and_near_the_weight(replicas: int, weight: int, surge: int) -> None:
     canary, total = argo_split._nearest(replicas, weight, 100, surge)
     assert 0 <= canary <= total and total in ((replicas, replicas + 1) if surge and replicas else (replicas,))
+    # Argo's own fallback where no option qualifies ("should not get here"): the share is exactly half way between two
+    # counts, its ceiling is every replica, and there is no surge to round into. Then the canary gets none, as upstream.
+    if replicas > 1 and surge == 0 and replicas * weight % 100 == 50 and -(-replicas * weight // 100) == replicas:
+        assert (canary, total) == (0, replicas)
+        return
     if replicas:
         # Within one engine of the weight's share, and no side emptied by a weight strictly between the ends.
         assert abs(canary - total * weight / 100) <= 1
