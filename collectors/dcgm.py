@@ -168,9 +168,10 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
         # The GPU's series, whichever pod's copy comes first: keyed by its pod, a copy listed in another order, or a
         # pod that left, would read as a new series and count a counter's whole history at once.
         labels = {k: v for k, v in s.labels.items() if k not in _POD_LABELS}
-        if (s.name, frozenset(labels.items())) in seen:
+        series = (s.name, frozenset(labels.items()))
+        if series in seen:
             continue
-        seen.add((s.name, frozenset(labels.items())))
+        seen.add(series)
         (blank if is_blank(s.value) else kept).append(Sample(s.name, labels, s.value, s.timestamp))
     readings = read(kept, FAMILIES, _entity, lambda labels: attrs.get(_entity(labels) or "", {}), index=_INDEX)
     # A blank family is still exposed: record it, so only a real absence reads as missing.

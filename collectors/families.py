@@ -208,8 +208,10 @@ def read(
                     entities[entity].counter_series[key] = series[(entity, key, rank)]
     best = _preferred(hists)
     for (entity, key, rank), builders in hists.items():
+        if best[(entity, key)] != rank:
+            continue
         built = {labels: h for labels, b in builders.items() if b.buckets and (h := b.build()) is not None}
-        if best[(entity, key)] == rank and built:
+        if built:
             whole = next(iter(built.values())) if len(built) == 1 else sum(built.values(), EMPTY_HISTOGRAM)
             entities[entity].histograms[key] = whole
             entities[entity].histogram_series[key] = built
@@ -248,8 +250,10 @@ def carry(prev: Reading, cur: Reading, seconds: float, horizon: float = STALE_S)
         for key, series in getattr(prev, table).items():
             here = mine.get(key)
             for labels, value in series.items():
+                if here is not None and labels in here:
+                    continue
                 age = prev.carried.get((table, key, labels), 0.0) + seconds
-                if (here is None or labels not in here) and age <= horizon:
+                if age <= horizon:
                     # Only what is carried makes a key: an empty one would read a family back after the horizon as
                     # all new series, counted from zero.
                     here = mine.setdefault(key, {})

@@ -9,6 +9,7 @@ client's own retries would only multiply a timeout; and what both read of an obj
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from controlplane.errors import ConfigError
 
-__all__ = ["api_client", "api_message", "dig", "field", "pod_ready"]
+__all__ = ["api_client", "api_message", "dig", "field", "int_or_percent", "pod_ready"]
 
 
 def api_client(kubeconfig: str | None, section: str) -> kclient.ApiClient:
@@ -74,3 +75,13 @@ def pod_ready(pod: Any) -> bool:
     if field(status, "phase") != "Running" or field(field(pod, "metadata"), "deletionTimestamp"):
         return False
     return any(field(c, "type") == "Ready" and field(c, "status") == "True" for c in field(status, "conditions") or [])
+
+
+def int_or_percent(value: Any, total: int, *, round_up: bool) -> int:
+    """An int-or-percent field of a rolling update (maxSurge, maxUnavailable) as a number of pods. A string is a
+    percentage with or without its `%`, as Argo Rollouts' (deprecated) parser reads it, its own defaults being
+    written "25"; the Deployment API accepts no string without one."""
+    if isinstance(value, str):
+        share = float(value.removesuffix("%")) * total / 100
+        return math.ceil(share) if round_up else math.floor(share)
+    return int(value)

@@ -29,8 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controlplane.actuators.rollout_split import int_or_percent
-from controlplane.kube import dig
+from controlplane.kube import dig, int_or_percent
 
 __all__ = ["POD_TEMPLATE_HASH", "sizes_after"]
 

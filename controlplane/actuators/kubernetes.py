@@ -64,7 +64,7 @@ from controlplane.actuators import argo_split, rollout_split
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
-from controlplane.kube import api_message, dig, pod_ready
+from controlplane.kube import api_message, dig, int_or_percent, pod_ready
 from policies.types import ActionKind, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation, describe
 
 __all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator", "WorkloadKind"]
@@ -75,7 +75,7 @@ ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the last action that chang
 SPEC_ANNOTATION = "fleet-controlplane.io/speculative-config"  # the config speculation was switched off with
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_COST = -1000  # a drained engine's deletion cost: its ReplicaSet removes it before any ready one
-REVISION = "deployment.kubernetes.io/revision"
+REVISION = rollout_split.REVISION
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 POD_INDEX = "apps.kubernetes.io/pod-index"
@@ -258,7 +258,7 @@ def _budget(value: Any, replicas: int) -> int | None:
     """maxUnavailable as a number of pods (percentages round down, as the controllers do; at least 1)."""
     if value is None:
         return None
-    return max(1, rollout_split.int_or_percent(value, replicas, round_up=False))
+    return max(1, int_or_percent(value, replicas, round_up=False))
 
 
 class _Conflict(Exception):

@@ -17,22 +17,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from controlplane.kube import dig
+from controlplane.kube import dig, int_or_percent
 
-__all__ = ["MAX_REPLICAS", "int_or_percent", "max_surge", "sizes_after"]
+__all__ = ["MAX_REPLICAS", "REVISION", "max_surge", "sizes_after"]
 
 MAX_REPLICAS = "deployment.kubernetes.io/max-replicas"
 REVISION = "deployment.kubernetes.io/revision"
-
-
-def int_or_percent(value: Any, total: int, *, round_up: bool) -> int:
-    """An int-or-percent field of a rolling update (maxSurge, maxUnavailable) as a number of pods. A string is a
-    percentage with or without its `%`, as Argo Rollouts' (deprecated) parser reads it, its own defaults being
-    written "25"; the Deployment API accepts no string without one."""
-    if isinstance(value, str):
-        share = float(value.removesuffix("%")) * total / 100
-        return math.ceil(share) if round_up else math.floor(share)
-    return int(value)
 
 
 def max_surge(deployment: Mapping[str, Any], replicas: int) -> int:
