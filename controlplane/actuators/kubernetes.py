@@ -222,6 +222,11 @@ def _gang(w: Workload, obj: Mapping[str, Any]) -> int:
     return int(dig(obj, path, 1)) if path else 1
 
 
+def _stamped(obj: Mapping[str, Any], order: Order) -> bool:
+    """Whether an object carries this action's annotation: the change was made."""
+    return bool(dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp)
+
+
 def _drained(meta: Mapping[str, Any] | None, order: Order) -> bool:
     """Whether a pod (its metadata) is out of routing by this action's drain: its stamp and the drain's deletion cost (a
     pod routed again loses the cost)."""
@@ -335,7 +340,7 @@ class KubernetesActuator:
         conflict) is made, and computing it again would apply a relative change twice or roll back past it."""
         for attempt in range(3):
             current = obj if attempt == 0 else await self._read(w)
-            if attempt and dig(current, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+            if attempt and _stamped(current, order):
                 return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
             try:
                 return await write(current)
@@ -449,11 +454,11 @@ class KubernetesActuator:
         if w is None:
             return None
         obj = await self._read(w)
-        if dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+        if _stamped(obj, order):
             return True
         if isinstance(order.change, Speculation | Eplb):  # a Rollout's change lands on the Deployment it follows first
             holder, held = await self._template_holder(w, obj)
-            return holder is not w and dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
+            return holder is not w and _stamped(held, order)
         return False
 
     def _workload(self, order: Order) -> Workload | None:
@@ -472,7 +477,7 @@ class KubernetesActuator:
         if w is None:
             raise ActuationError(f"{order.kind} on {order.pool}: no workload is configured for it")
         obj = await self._read(w)
-        if dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+        if _stamped(obj, order):
             # A leader that died after the write: the change is made; never make it twice.
             return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
         if isinstance(change, ScaleTo):
@@ -544,7 +549,7 @@ class KubernetesActuator:
     async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
                         obj: Mapping[str, Any]) -> dict[str, Any]:
         holder, held = await self._template_holder(w, obj)
-        if holder is not w and dig(held, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp:
+        if holder is not w and _stamped(held, order):
             # The referenced template carries the change already (the Rollout's stamp was lost): not made twice.
             await self._stamp_follower(order, w)
             return {"already_applied": f"{holder.kind} {holder.namespace}/{holder.name}"}
@@ -721,7 +726,7 @@ class KubernetesActuator:
                 raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
             size = _gang(w, obj)
             now_at = int(dig(obj, ("spec", "replicas"), 1)) * size
-            if (dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp
+            if (_stamped(obj, order)
                     or now_at == int(wait["replicas"])):
                 # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
                 return self._verifying(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
