@@ -856,6 +856,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
 
     from collectors.prometheus_api import PrometheusSource
     from collectors.scraper import Scraper, http_client
+    from controlplane.actuators.base import StaticTargets
     from controlplane.clock import WallClock
     from controlplane.config import load_config, parse_yaml
     from controlplane.errors import GateInputError
@@ -875,7 +876,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg'].removeprefix('Value error, ')}"
                                  for e in exc.errors(include_url=False))
             raise GateInputError(problems) from None
-    base_sel, can_sel = ArmSelector.parse(baseline), ArmSelector.parse(canary)
+    base_sel, can_sel, pool_sel = (ArmSelector.parse(s) for s in (baseline, canary, f"pool={pool}"))
     cfg = load_config(fleet_file) if fleet_file else None
     record = source_kind == "store" if record is None else record
     store = ThreadedStore.open(db) if record or source_kind == "store" else None
@@ -896,24 +897,23 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             else:
                 raise click.UsageError("--source prometheus needs --prometheus-url or a fleet file with a prometheus section")
             stack.callback(prom.close)
-            pool_sel = ArmSelector.parse(f"pool={pool}")
             source = PromGateSource(prom, pool_sel.narrowed(base_sel), pool_sel.narrowed(can_sel), settings.metrics)
         else:
             if cfg is None:
                 raise click.UsageError("--source targets needs --fleet with the targets (a static list or discovery)")
             discovered = discovered_targets(cfg, stack)
-            targets = await discovered.targets() if discovered is not None else static_targets(cfg)
-            in_pool = [t for t in targets if t.pool == pool and t.source == "vllm"]
-            labels = {t.key: {"pool": t.pool, "pod": t.pod, "role": str(t.role)} for t in in_pool}
+            found = discovered if discovered is not None else StaticTargets(static_targets(cfg))
             client = http_client(cfg.scrape.concurrency, cfg.scrape.timeout)
             scraper = Scraper(client, timeout_s=cfg.scrape.timeout)
-            source = TargetsGateSource(scraper, [t for t in in_pool if base_sel.matches(labels[t.key])],
-                                       [t for t in in_pool if can_sel.matches(labels[t.key])], settings.metrics)
+            source = TargetsGateSource(scraper, found, pool_sel.narrowed(base_sel), pool_sel.narrowed(can_sel),
+                                       settings.metrics)
 
         def progress(v: Any) -> None:
             err.print(f"{(v.ended_at - v.started_at) / 60:5.1f} min  {v.outcome.value:12s} {v.reason[:160]}")
 
         try:
+            if isinstance(source, TargetsGateSource):
+                await source.arms()  # a selector that matches no pod is told now, not a step later
             verdict = await run_gate(source, settings, clock, start=start, on_step=progress)
         finally:
             if client is not None:

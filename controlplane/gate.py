@@ -29,6 +29,7 @@ from collectors.prometheus_api import PrometheusError, PrometheusSource, escape_
 from collectors.scraper import Scraper
 from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
+from controlplane.actuators.base import TargetSource
 from controlplane.clock import Clock
 from controlplane.errors import GateError, GateInputError, StoreUnavailable
 from controlplane.selectors import LabelSelector, split_clauses
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INCONCLUSIVE: 2}
 # Gate metric -> the vLLM histogram it reads (the current spelling first, as the collector reads them).
 HISTOGRAMS: Mapping[str, tuple[str, ...]] = {k: FAMILIES.histograms[k] for k in ("ttft", "tpot", "itl", "e2e", "queue_time")}
-_UNREAD = ""  # a metric not read this step (see `PromGateSource._read_as`)
+_UNREAD = ""  # a metric not read this step (see `_TpotReading`)
 MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as Argo's consecutiveErrorLimit
 _REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
 
@@ -169,6 +170,20 @@ def tpot_spelling(arms: Iterable[Iterable[families.Delta]]) -> dict[str, str]:
     return {} if every else {"tpot": "itl"}
 
 
+class _TpotReading:
+    """Where one gate reads TPOT, decided once both arms report (`tpot_spelling`'s rule) and kept for the whole gate,
+    so that its blocks never mix a per-request mean with a token-weighted one; until then TPOT is not read."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._as: dict[str, str] | None = None if "tpot" in names else {}
+
+    def read_as(self, decide: Callable[[], dict[str, str] | None]) -> dict[str, str]:
+        """The metric -> histogram map for this step; `decide` gives it, or None while an arm has nothing yet."""
+        if self._as is None:
+            self._as = decide()
+        return {"tpot": _UNREAD} if self._as is None else self._as
+
+
 class GateSource(Protocol):
     """Where a gate's numbers come from: both arms' observations over one step."""
 
@@ -184,25 +199,51 @@ def _check_rules(rules: Sequence[MetricRule], known: Iterable[str], source: str)
 
 
 class TargetsGateSource:
-    """The pods' own `/metrics`, scraped at every step; each step is the difference from the last scrape."""
+    """The pods' own `/metrics`, scraped at every step; each step is the difference from the last scrape.
 
-    def __init__(self, scraper: Scraper, baseline: Sequence[Target], canary: Sequence[Target],
+    The arms are selected afresh each step from the source's vLLM targets (a pod's `pool`, `pod` and `role`), so the
+    canary's new pods count as its rollout scales it up and the stable's removed ones drop out. A canary pod that
+    answered in this gate is scraped until the gate ends, also once the source no longer lists it: discovery lists Ready
+    pods only, and a crash-looping canary leaving the arm would leave it judged on its healthy pods.
+    """
+
+    def __init__(self, scraper: Scraper, found: TargetSource, baseline: ArmSelector, canary: ArmSelector,
                  rules: Sequence[MetricRule]) -> None:
-        if not baseline or not canary:
-            raise GateInputError(f"no {'baseline' if not baseline else 'canary'} target matches its selector")
-        both = sorted({t.key for t in baseline} & {t.key for t in canary})
-        if both:  # a pod in both arms would be compared with itself, and read twice a step
-            raise GateInputError(f"{', '.join(both)} match both the baseline's and the canary's selector")
         _check_rules(rules, [*HISTOGRAMS, ERRORS], "the pods' /metrics")
-        self._scraper, self._arms = scraper, {"baseline": list(baseline), "canary": list(canary)}
+        self._scraper, self._found, self._selectors = scraper, found, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
         self._parser = Parser()
         self._prev: dict[tuple[str, str], families.Reading] = {}
-        self._answered: set[str] = set()  # targets that answered a scrape of this gate
+        self._answered: dict[str, Target] = {}  # canary targets that answered a scrape of this gate
+        self._steps = 0
+        self._tpot = _TpotReading(self._names)
+
+    async def arms(self) -> dict[str, list[Target]]:
+        """Each arm's targets now. GateInputError for a pod in both, or, before the first step, an arm with none."""
+        arms: dict[str, list[Target]] = {"baseline": [], "canary": []}
+        for t in await self._found.targets():
+            if t.source != "vllm":
+                continue
+            labels = {"pool": t.pool, "pod": t.pod, "role": str(t.role)}
+            for arm, sel in self._selectors.items():
+                if sel.matches(labels):
+                    arms[arm].append(t)
+        both = sorted({t.key for t in arms["baseline"]} & {t.key for t in arms["canary"]})
+        if both:  # a pod in both arms would be compared with itself, and read twice a step
+            raise GateInputError(f"{', '.join(both)} match both the baseline's and the canary's selector")
+        listed = {t.key for t in arms["canary"]}
+        arms["canary"] += [t for key, t in self._answered.items() if key not in listed]
+        for arm, targets in arms.items():
+            if not targets:
+                why = f"no {arm} target matches its selector {self._selectors[arm].text!r}"
+                raise GateInputError(why) if not self._steps else GateError(why + " now")
+        return arms
 
     async def interval(self, start: float, end: float) -> Interval:
         seen: dict[str, list[families.Delta]] = {}
-        for arm, targets in self._arms.items():
+        arms = await self.arms()
+        self._steps += 1
+        for arm, targets in arms.items():
             results = await self._scraper.scrape(targets, end)
             deltas = []
             for res in results:
@@ -221,16 +262,18 @@ class TargetsGateSource:
                         families.carry(prev, reading, end - start)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
-            self._answered.update(r.target.key for r in results if r.ok)
-            if arm == "canary" and (down := [r for r in results if not r.ok and r.target.key in self._answered]):
+            if arm == "canary":
                 # A crash-looping canary pod would leave the step judged on its healthy ones alone (its requests fail
                 # before vLLM counts them): no step counts while one that answered before is down, and the gate
                 # stops if it stays down. One that has not answered yet is starting (loading its model).
-                raise GateError("canary pod(s) not answering: " + "; ".join(f"{r.target.url}: {r.error}" for r in down))
+                if down := [r for r in results if not r.ok and r.target.key in self._answered]:
+                    raise GateError("canary pod(s) not answering: "
+                                    + "; ".join(f"{r.target.url}: {r.error}" for r in down))
+                self._answered.update((r.target.key, r.target) for r in results if r.ok)
             seen[arm] = deltas
-        read_as = tpot_spelling(seen.values())
-        arms = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
-        return Interval(start, end, arms["baseline"], arms["canary"])
+        read_as = self._tpot.read_as(lambda: tpot_spelling(seen.values()) if all(seen.values()) else None)
+        dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
+        return Interval(start, end, dists["baseline"], dists["canary"])
 
 
 class PromGateSource:
@@ -253,8 +296,8 @@ class PromGateSource:
                                  "canary would be compared with itself")
         self._names = [r.name for r in rules]
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
-        self._began = math.inf  # the first step's start
-        self._tpot_as: dict[str, str] | None = None
+        self._tpot = _TpotReading(self._names)
+        self._served: set[str] = set()  # the canary's vLLM targets (instances) that have served in this gate
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
         return self._prom.query(expr, ts)
@@ -270,20 +313,13 @@ class PromGateSource:
                 return None
         return self._families[(name, sel)]
 
-    def _read_as(self, end: float, window: str) -> dict[str, str]:
-        """Where both arms' TPOT is read: the per-request histogram where each arm exports it, else the inter-token
-        latency for both (an arm on a vLLM before the per-request one). Decided once both arms export either, and
-        kept, so that blocks never mix the two; until then TPOT is not read (`_UNREAD`)."""
-        if "tpot" not in self._names:
-            return {}
-        if self._tpot_as is None:
-            for name, read_as in (("tpot", {}), ("itl", {"tpot": "itl"})):
-                if all(self._family(name, sel, end, window) is not None for sel in self._arms.values()):
-                    self._tpot_as = read_as
-                    break
-            else:
-                return {"tpot": _UNREAD}
-        return self._tpot_as
+    def _spelling(self, end: float, window: str) -> dict[str, str] | None:
+        # The per-request histogram where each arm exports it, else the inter-token latency for both (an arm on a
+        # vLLM before the per-request one); None while an arm exports neither (not serving yet).
+        for name, read_as in (("tpot", {}), ("itl", {"tpot": "itl"})):
+            if all(self._family(name, sel, end, window) is not None for sel in self._arms.values()):
+                return read_as
+        return None
 
     def _arm(self, sel: str, start: float, end: float, read_as: Mapping[str, str]) -> dict[str, Dist]:
         window = _window(start, end)
@@ -319,27 +355,27 @@ class PromGateSource:
         """Refuse pods that both arms select (a baseline regex that also matches the canary's pods): the canary
         would be diluted into its own baseline, and a regression read smaller than it is. And skip a step in which a
         canary pod is down."""
-        window, pod = _window(start, end), self._prom.labels.pod
-        pods = [{labels.get(pod) for labels, _ in
-                 self._query(f"group by ({pod}) (last_over_time(vllm:num_requests_running{sel}[{window}]))", end)}
-                for sel in (self._arms["baseline"], self._arms["canary"])]
+        window, pod, instance = _window(start, end), self._prom.labels.pod, self._prom.labels.instance
+        seen = [self._query(f"group by ({pod}, {instance}) (last_over_time(vllm:num_requests_running{sel}[{window}]))",
+                            end) for sel in (self._arms["baseline"], self._arms["canary"])]
+        pods = [{labels.get(pod) for labels, _ in rows} for rows in seen]
         both = sorted(p for p in pods[0] & pods[1] if p)
         if both:
             raise GateInputError(f"pod(s) {', '.join(both)} match both the baseline's and the canary's selector")
         # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
         # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
         # scrape jobs of the same pods are not the engine).
-        can, since = self._arms["canary"], _window(self._began, end)
-        served = f"group by (instance) (last_over_time(vllm:num_requests_running{can}[{since}]))"
-        down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{can} == 0 and on (instance) {served}", end))
+        self._served.update(i for labels, _ in seen[1] if (i := labels.get(instance)))
+        down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{self._arms['canary']} == 0", end)
+                      if labels.get(instance) in self._served)
         if down:
             raise GateError(f"canary pod(s) {', '.join(down)} not answering Prometheus's scrapes")
 
     async def interval(self, start: float, end: float) -> Interval:
-        self._began = min(self._began, start)
         try:
             await asyncio.to_thread(self._check_arms, start, end)
-            read_as = await asyncio.to_thread(self._read_as, end, _window(start, end))
+            window = _window(start, end)
+            read_as = await asyncio.to_thread(self._tpot.read_as, lambda: self._spelling(end, window))
             base = await asyncio.to_thread(self._arm, self._arms["baseline"], start, end, read_as)
             can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end, read_as)
         except PrometheusError as exc:

@@ -18,6 +18,7 @@ from collectors.derive import Histogram
 from collectors.prometheus_api import Labels, PrometheusSource
 from collectors.scraper import Scraper
 from collectors.types import Signal
+from controlplane.actuators.base import StaticTargets
 from controlplane.clock import VirtualClock
 from controlplane.errors import GateError, GateInputError, StoreUnavailable
 from controlplane.gate import (
@@ -37,7 +38,7 @@ from controlplane.lab.engine import free_port
 from controlplane.loop import ControlLoop
 from controlplane.server import start_server
 from controlplane.sim.fleet import SimFleet
-from controlplane.sim.server import SimServer
+from controlplane.sim.server import SimServer, SimTargets
 from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewVerdict
 from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome
@@ -97,11 +98,8 @@ def rollout(request: pytest.FixtureRequest) -> Iterator[tuple[SimFleet, SimServe
 async def _gate_over_http(fleet: SimFleet, server: SimServer, clock: VirtualClock) -> tuple[Outcome, float]:
     async with httpx.AsyncClient(timeout=2.0) as client:
         scraper = Scraper(client, timeout_s=2.0)
-        targets = [t for t in server.targets() if t.pool == "decode" and t.source == "vllm"]
-        base, can = ArmSelector.parse("pod!~decode-canary-.*"), ArmSelector.parse("pod=~decode-canary-.*")
-        labels = lambda t: {"pool": t.pool, "pod": t.pod}  # noqa: E731
-        source = TargetsGateSource(scraper, [t for t in targets if base.matches(labels(t))],
-                                   [t for t in targets if can.matches(labels(t))], TPOT_ONLY.metrics)
+        base, can = ArmSelector.parse("pool=decode,pod!~decode-canary-.*"), ArmSelector.parse("pod=~decode-canary-.*")
+        source = TargetsGateSource(scraper, SimTargets(server), base, can, TPOT_ONLY.metrics)
         session = GateSession(source, TPOT_ONLY, clock.now())
         await source.interval(clock.now() - 30, clock.now())  # the first scrape is the baseline of the deltas
         while True:
@@ -185,19 +183,20 @@ class FakePrometheus:
     """A `PrometheusConnect` stand-in that answers the gate's queries from canned numbers (a double: the
     real Prometheus is exercised by the collectors' agreement tests)."""
 
-    def __init__(self, baseline_pods: tuple[str, ...] = ("decode-0", "decode-1"), down: tuple[str, ...] = ()) -> None:
+    def __init__(self, baseline_pods: tuple[str, ...] = ("decode-0", "decode-1"), down: tuple[str, ...] = (),
+                 served: tuple[str, ...] = ("decode-canary-0",)) -> None:
         self.queries: list[str] = []
-        self.baseline_pods, self.down = baseline_pods, down
+        self.baseline_pods, self.down, self.served = baseline_pods, down, served
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.queries.append(query)
         canary = 'pod=~".*canary.*"' in query
-        if query.startswith("up{"):  # only the canary's vLLM targets that served in this gate
-            assert canary and "and on (instance) group by (instance) (last_over_time(vllm:" in query, query
-            return [{"metric": {"pod": p}, "value": [0, "0"]} for p in self.down]
-        if query.startswith("group by (pod)"):
-            return [{"metric": {"pod": p}, "value": [0, "1"]}
-                    for p in (("decode-canary-0",) if canary else self.baseline_pods)]
+        if query.startswith("up{"):
+            assert canary and query.endswith("} == 0"), query
+            return [{"metric": {"pod": p, "instance": f"{p}:8000"}, "value": [0, "0"]} for p in self.down]
+        if query.startswith("group by (pod, instance) (last_over_time(vllm:num_requests_running{"):
+            return [{"metric": {"pod": p, "instance": f"{p}:8000"}, "value": [0, "1"]}
+                    for p in (self.served if canary else self.baseline_pods)]
         if query.startswith("count(last_over_time(vllm:request_time_per_output_token_seconds_count"):
             return [{"metric": {}, "value": [0, "3"]}]
         if query.startswith("count(last_over_time("):
@@ -284,11 +283,15 @@ async def test_the_fleet_files_selector_and_label_names_narrow_every_query() -> 
 async def test_a_step_with_a_canary_pod_down_does_not_count() -> None:
     # Its requests fail before vLLM counts them, and it drops out of the arm's sums: judged on the healthy pods alone,
     # a crash-looping canary would pass. The step is a failed read; five in a row stop the gate (exit 3).
-    fake = FakePrometheus(down=("decode-canary-1",))
+    fake = FakePrometheus(down=("decode-canary-1",), served=())  # still loading its model: starting, not down
     rules = (MetricRule(name="tpot"),)
     src = arms(PrometheusSource("http://prometheus.invalid", client=fake), rules)
+    await src.interval(0.0, 30.0)
+    fake.down, fake.served = (), ("decode-canary-0", "decode-canary-1")
+    await src.interval(30.0, 60.0)
+    fake.down, fake.served = ("decode-canary-1",), ("decode-canary-0",)  # served before, gone from this step's series
     with pytest.raises(GateError, match="decode-canary-1 not answering"):
-        await src.interval(0.0, 30.0)
+        await src.interval(60.0, 90.0)
     session = GateSession(src, GateSettings(metrics=rules), 0.0)
     with pytest.raises(GateError, match="5 steps in a row without data"):
         await session.consult(300.0)
@@ -602,20 +605,32 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
             from collectors.types import Target
 
             scraper = Scraper(client, timeout_s=2.0)
-            base = [Target(f"http://127.0.0.1:{port}/base/metrics", "decode", "decode-0")]
-            can = [Target(f"http://127.0.0.1:{port}/can/metrics", "decode", "decode-canary-0")]
-            source = TargetsGateSource(scraper, base, can, TPOT_ONLY.metrics)
+            base = Target(f"http://127.0.0.1:{port}/base/metrics", "decode", "decode-0")
+            can = Target(f"http://127.0.0.1:{port}/can/metrics", "decode", "decode-canary-0")
+            arms = ArmSelector.parse("pod=decode-0"), ArmSelector.parse("pod=~decode-canary-.*")
+            source = TargetsGateSource(scraper, StaticTargets([base, can]), *arms, TPOT_ONLY.metrics)
             await source.interval(0, 30)
             iv = await source.interval(30, 60)
             # A second canary pod that has not answered yet is starting (loading its model): the step counts.
             starting = Target(f"http://127.0.0.1:{free_port()}/metrics", "decode", "decode-canary-1")
-            await TargetsGateSource(scraper, base, [*can, starting], TPOT_ONLY.metrics).interval(60, 90)
-            # One that answered, then stopped (crash-looping): no step counts while it is down.
+            await TargetsGateSource(scraper, StaticTargets([base, can, starting]), *arms, TPOT_ONLY.metrics).interval(
+                60, 90)
+            # One that answered, then stopped (crash-looping): no step counts while it is down, also once pod
+            # discovery no longer lists it (it lists Ready pods only).
             flaky = Target(f"http://127.0.0.1:{port}/flaky/metrics", "decode", "decode-canary-2")
-            two = TargetsGateSource(scraper, base, [*can, flaky], TPOT_ONLY.metrics)
+            listed = [base, can, flaky]
+
+            class Discovered:
+                async def targets(self) -> list[Target]:
+                    return listed
+
+            two = TargetsGateSource(scraper, Discovered(), *arms, TPOT_ONLY.metrics)
             await two.interval(90, 120)
             with pytest.raises(GateError, match=rf"canary pod\(s\) not answering: {re.escape(flaky.url)}"):
                 await two.interval(120, 150)
+            listed.remove(flaky)
+            with pytest.raises(GateError, match=rf"canary pod\(s\) not answering: {re.escape(flaky.url)}"):
+                await two.interval(150, 180)
     finally:
         server.stop()
     assert iv.canary["tpot"].statistic("mean") == pytest.approx(0.012)
@@ -623,9 +638,76 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
     assert "malformed exposition line" in caplog.text
 
 
-def test_a_pod_in_both_arms_is_refused_up_front() -> None:
+async def test_the_pods_source_keeps_one_tpot_reading_for_the_whole_gate() -> None:
+    # The baseline has one pod on a vLLM before the per-request TPOT histogram: TPOT is read from the inter-token
+    # latency for both arms, also in a step that pod's scrape fails. Re-decided each step, that step would read the
+    # per-request mean, and the gate's blocks mix a per-request mean with a token-weighted one.
+    from collectors.types import ScrapeResult, Target
+    from tests.collectors.expositions import histogram
+
+    new, old = "vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds"
+    pods = {"decode-0": (new, old), "decode-old": (old,), "decode-canary-0": (new, old)}
+    down: set[str] = set()
+
+    seconds = {new: 0.04, old: 0.02}  # the per-request means differ from the token-weighted mean
+
+    class Pods:  # each engine serves 10 tokens a step
+        async def scrape(self, targets: Sequence[Target], now: float) -> list[ScrapeResult]:
+            return [ScrapeResult(t, now, False, error="refused") if t.pod in down else
+                    ScrapeResult(t, now, True, "".join(histogram(f, {}, ("0.01", "0.05"), (seconds[f],) * int(now // 3))
+                                                       for f in pods[t.pod])) for t in targets]
+
+    found = StaticTargets([Target(f"http://{p}:8000/metrics", "decode", p) for p in pods])
+    source = TargetsGateSource(cast(Scraper, Pods()), found, ArmSelector.parse("pod!~.*canary.*"),
+                               ArmSelector.parse("pod=~.*canary.*"), TPOT_ONLY.metrics)
+    await source.interval(0, 30)
+    first = await source.interval(30, 60)
+    down.add("decode-old")
+    second = await source.interval(60, 90)
+    assert first.baseline["tpot"].count == 20 and second.baseline["tpot"].count == 10
+    for step in (first, second):
+        assert step.baseline["tpot"].statistic("mean") == step.canary["tpot"].statistic("mean") == pytest.approx(0.02)
+
+
+async def test_the_pods_source_follows_the_rollout_as_it_moves_pods_between_the_arms() -> None:
+    # Argo's next step scales the canary up and the stable down: the canary's new pod counts from its second scrape,
+    # and the stable pod that left is not scraped (nor read as down).
+    from collectors.types import ScrapeResult, Target
+    from tests.collectors.expositions import histogram
+
+    listed = [Target(f"http://{p}:8000/metrics", "decode", p) for p in ("decode-0", "decode-1", "decode-canary-0")]
+    scraped: list[str] = []
+
+    class Pods:  # each engine serves 10 tokens a step
+        async def scrape(self, targets: Sequence[Target], now: float) -> list[ScrapeResult]:
+            scraped.extend(t.pod for t in targets)
+            body = histogram("vllm:request_time_per_output_token_seconds", {}, ("0.05",), (0.02,) * int(now // 3))
+            return [ScrapeResult(t, now, True, body) for t in targets]
+
+    class Discovered:
+        async def targets(self) -> list[Target]:
+            return listed
+
+    source = TargetsGateSource(cast(Scraper, Pods()), Discovered(), ArmSelector.parse("pod!~.*canary.*"),
+                               ArmSelector.parse("pod=~.*canary.*"), TPOT_ONLY.metrics)
+    await source.interval(0, 30)
+    listed[1:2] = [Target("http://decode-canary-1:8000/metrics", "decode", "decode-canary-1")]
+    before = await source.interval(30, 60)
+    after = await source.interval(60, 90)
+    assert (before.baseline["tpot"].count, before.canary["tpot"].count) == (10, 10)
+    assert (after.baseline["tpot"].count, after.canary["tpot"].count) == (10, 20)
+    assert scraped.count("decode-1") == 1 and scraped.count("decode-canary-1") == 2
+
+
+async def test_a_pod_in_both_arms_or_an_arm_without_pods_is_refused_at_the_first_step() -> None:
     from collectors.types import Target
 
     shared = Target("http://decode-0:8000/metrics", "decode", "decode-0")
+    both = TargetsGateSource(cast(Scraper, None), StaticTargets([shared]), ArmSelector.parse("pool=decode"),
+                             ArmSelector.parse("pod=~decode-.*"), TPOT_ONLY.metrics)
     with pytest.raises(GateInputError, match="decode/decode-0/vllm match both"):
-        TargetsGateSource(cast(Scraper, None), [shared], [shared], TPOT_ONLY.metrics)
+        await both.interval(0, 30)
+    none = TargetsGateSource(cast(Scraper, None), StaticTargets([shared]), ArmSelector.parse("pool=decode"),
+                             ArmSelector.parse("pod=~.*canary.*"), TPOT_ONLY.metrics)
+    with pytest.raises(GateInputError, match=r"no canary target matches its selector 'pod=~\.\*canary\.\*'"):
+        await none.interval(0, 30)

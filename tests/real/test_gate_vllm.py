@@ -24,8 +24,9 @@ import pytest
 from catalog.fleet import Role
 from collectors.scraper import Scraper
 from collectors.types import Target
+from controlplane.actuators.base import StaticTargets
 from controlplane.clock import WallClock
-from controlplane.gate import TargetsGateSource, report, run_gate
+from controlplane.gate import ArmSelector, TargetsGateSource, report, run_gate
 from controlplane.lab.engine import LAB_ARGS, VllmEngine, ensure_model, free_port
 from policies.canary import GateSettings, MetricRule, Outcome, Scale, Verdict
 from tests.real.vllm_setup import ensure_vllm
@@ -78,9 +79,10 @@ async def _gate(baseline: VllmEngine, canary: VllmEngine) -> tuple[Verdict, list
         await asyncio.sleep(10)  # warm both engines before the first step
         async with httpx.AsyncClient(timeout=5.0) as http:
             scraper = Scraper(http, timeout_s=5.0)
-            base = [Target(baseline.metrics_url, "lab", "vllm-base", Role.UNIFIED)]
-            can = [Target(canary.metrics_url, "lab", "vllm-canary", Role.UNIFIED)]
-            source = TargetsGateSource(scraper, base, can, SETTINGS.metrics)
+            found = StaticTargets([Target(baseline.metrics_url, "lab", "vllm-base", Role.UNIFIED),
+                                   Target(canary.metrics_url, "lab", "vllm-canary", Role.UNIFIED)])
+            source = TargetsGateSource(scraper, found, ArmSelector.parse("pod=vllm-base"),
+                                       ArmSelector.parse("pod=vllm-canary"), SETTINGS.metrics)
             clock = WallClock()
             await source.interval(clock.now() - SETTINGS.step, clock.now())  # the deltas' first reading
             verdict = await run_gate(source, SETTINGS, clock)
