@@ -413,13 +413,15 @@ class StoreGateSource:
                             f"across pods; judge the mean, or read Prometheus or the pods")
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
+        self._served: set[str] = set()  # the canary's engines that have reported in this gate
 
     async def interval(self, start: float, end: float) -> Interval:
+        step = end - start
         wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
                   *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was.
         try:
-            signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
+            signals = await self._store.load_signals(start - 2 * step, names=wanted)
         except StoreUnavailable as exc:  # a database blip is a failed step, which the gate's patience covers
             raise GateError(str(exc)) from None
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
@@ -427,15 +429,34 @@ class StoreGateSource:
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
                 engines[s.subject][s.name].append((s.ts, s.value))
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
+        canary: set[str] = set()
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
             matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
             if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
                 raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
+            if matched == ["canary"]:
+                canary.add(subject)
             if matched:
                 for name, d in engine_dists(series, self._names, start, end).items():
                     merge_into(arms[matched[0]], name, d)
+        self._check_served(engines, canary, start, end)
         return Interval(start, end, arms["baseline"], arms["canary"])
+
+    def _check_served(self, engines: Mapping[str, Mapping[str, list[tuple[float, float]]]], canary: set[str],
+                      start: float, end: float) -> None:
+        """Skip a step in which a canary engine that served in this gate reported nothing for two steps while the
+        pool's others reported in it: it is down (a failed scrape, or a crash loop that pod discovery no longer lists),
+        and the step would be judged on the healthy ones alone. Two steps, so that a step no longer than the scrape
+        interval does not miss one by where the ticks fall."""
+        def reported(subject: str, since: float) -> bool:
+            return any(since < ts <= end for ts, _ in engines[subject].get("request_rate", ()))
+
+        if any(reported(s, start) for s in engines):
+            down = sorted(s for s in self._served if s not in engines or not reported(s, 2 * start - end))
+            if down:
+                raise GateError(f"canary engine(s) {', '.join(down)} stopped reporting to the store")
+        self._served.update(s for s in canary if reported(s, start))
 
 
 class GateSession:

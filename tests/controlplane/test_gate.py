@@ -176,6 +176,30 @@ async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> N
         await overlapping.interval(100.0, 130.0)
 
 
+async def test_the_store_source_skips_a_step_with_a_canary_engine_that_stopped_reporting() -> None:
+    # Ticks every 15 s, steps of 15 s. decode-canary-1 reports until 160, then its scrapes fail (or discovery drops
+    # it, crash-looping): judged on decode-canary-0 alone, the canary would look healthy.
+    store = MemoryStore()
+    await store.write_signals([
+        Signal(ts, f"engine/decode/{pod}/0", name, value)
+        for ts in range(100, 250, 15)
+        for pod in ("decode-0", "decode-canary-0", *(("decode-canary-1",) if ts <= 160 else ()))
+        for name, value in (("request_rate", 2.0), ("tpot_mean", 0.01))])
+    rules = (MetricRule(name="tpot"),)
+    src = StoreGateSource(store, "decode", ArmSelector.parse("pod!~.*canary.*"), ArmSelector.parse("pod=~.*canary.*"),
+                          rules)
+    for t in range(100, 175, 15):  # one tick missed is within the two steps' allowance
+        await src.interval(float(t), t + 15.0)
+    with pytest.raises(GateError, match="decode/decode-canary-1/0 stopped reporting"):
+        await src.interval(175.0, 190.0)
+    # A canary engine that has not reported yet is starting, and a step without any report is no data, not a pod down.
+    late = StoreGateSource(store, "decode", ArmSelector.parse("pod=decode-0"), ArmSelector.parse("pod=decode-canary-1"),
+                           rules)
+    assert "tpot" not in (await late.interval(40.0, 55.0)).canary
+    assert (await late.interval(145.0, 160.0)).canary["tpot"].count > 0
+    assert (await late.interval(400.0, 415.0)).canary == {}
+
+
 # Prometheus ------------------------------------------------------------------------------------------
 
 
