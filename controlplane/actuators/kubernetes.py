@@ -222,6 +222,12 @@ def _gang(w: Workload, obj: Mapping[str, Any]) -> int:
     return int(dig(obj, path, 1)) if path else 1
 
 
+def _engines(w: Workload, obj: Mapping[str, Any]) -> tuple[int, int]:
+    """Engines per replica (`_gang`) and the engines the workload as read asks for."""
+    size = _gang(w, obj)
+    return size, int(dig(obj, ("spec", "replicas"), 1)) * size
+
+
 def _stamped(obj: Mapping[str, Any], order: Order) -> bool:
     """Whether an object carries this action's annotation: the change was made."""
     return bool(dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp)
@@ -493,8 +499,7 @@ class KubernetesActuator:
         return {"metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
-        size = _gang(w, obj)
-        desired = int(dig(obj, ("spec", "replicas"), 1)) * size
+        size, desired = _engines(w, obj)
         if change.replicas >= desired:
             return await self._set_replicas(order, w, change.replicas // size)
         # Scale down by draining: the engines that will go leave routing first.
@@ -508,8 +513,7 @@ class KubernetesActuator:
         """The live engines that scaling `w` (as read) down to `replicas` engines removes and are to drain, and those
         it keeps."""
         pods = await self._pods_of(w, obj)
-        size = _gang(w, obj)
-        desired = int(dig(obj, ("spec", "replicas"), 1)) * size
+        size, desired = _engines(w, obj)
         split = _SPLITS.get(w.kind)
         sizes = split(obj, await self._replica_sets(w, obj), replicas) if split is not None else None
         return _leaving(w, pods, replicas // size, desired - replicas, order,
@@ -719,47 +723,7 @@ class KubernetesActuator:
         detail = {"drained": pods, "idle": len(idle) == len(pods), "waited_s": round(now - float(wait["deadline"])
                                                                                    + self.settings.drain_grace, 1)}
         if wait["then"] == "scale":
-            w = self.workloads[order.pool]
-            try:
-                obj = await self._read(w)
-            except ActuationError as exc:  # not scaled: the drained engines would serve nothing
-                raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
-            size = _gang(w, obj)
-            now_at = int(dig(obj, ("spec", "replicas"), 1)) * size
-            if (_stamped(obj, order)
-                    or now_at == int(wait["replicas"])):
-                # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
-                return self._verifying(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
-                                                     "replicas": now_at, **detail})
-            if "from" in wait and now_at != int(wait["from"]):
-                # Someone scaled the workload while its engines drained: setting the count decided before would
-                # undo that. The drained engines go back into routing, and the pool is sized again from here.
-                raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
-                                     f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}; "
-                                     f"{await self._back_in(order, w, obj, pods)}")
-            victims, kept = await self._victims_now(order, w, obj, int(wait["replicas"])) or ([], set())
-            missing = [p for p in victims if p not in pods]
-            if missing:
-                # The ReplicaSets moved while the engines drained (a rollout went on, an engine went down): the scale
-                # now removes engines not drained yet. They drain too, and the scale waits for them.
-                try:
-                    await self._take_out(order, w, obj, missing, int(wait["replicas"]))
-                except ActuationError as exc:
-                    raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, pods)}") from None
-                return {"wait": {**wait, "pods": pods + missing,
-                                 "deadline": max(float(wait["deadline"]), now + self.settings.drain_grace)}}
-            # Drained, but the scale keeps it (another engine goes in its place): routed again, at the normal deletion
-            # cost, before the count is written, so that the ReplicaSet removes the engines that go and not this one.
-            spared = [p for p in pods if p in kept]
-            value = await self._routing_value(w, obj) if spared else ""
-            if failed := await self._reroute_all(order, w, spared, value):
-                raise ActuationError(f"{failed[0][1]}; not scaled; {await self._back_in(order, w, obj, pods, value)}")
-            if spared:
-                detail["spared"] = spared
-            going = [p for p in pods if p not in spared]
-            done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
-                    **detail}
-            return self._verifying(w, going, now, done)
+            return await self._scale_drained(order, wait, pods, detail, now)
         live = await self._live_pods(order)
         for pod in pods:
             if pod in live and dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
@@ -770,6 +734,50 @@ class KubernetesActuator:
             except _Missing:
                 pass  # gone already: what the drain was for
         return detail
+
+    async def _scale_drained(self, order: Order, wait: dict[str, Any], pods: list[str], detail: dict[str, Any],
+                             now: float) -> dict[str, Any]:
+        """Write the count a drain waited for, unless the workload moved meanwhile: scaled already (taken over from a
+        leader that stopped), scaled by someone else, or its controller now removing engines not drained yet."""
+        w = self.workloads[order.pool]
+        try:
+            obj = await self._read(w)
+        except ActuationError as exc:  # not scaled: the drained engines would serve nothing
+            raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
+        size, now_at = _engines(w, obj)
+        if _stamped(obj, order) or now_at == int(wait["replicas"]):
+            # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
+            return self._verifying(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",
+                                                 "replicas": now_at, **detail})
+        if "from" in wait and now_at != int(wait["from"]):
+            # Someone scaled the workload while its engines drained: setting the count decided before would
+            # undo that. The drained engines go back into routing, and the pool is sized again from here.
+            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {wait['from']} to {now_at} engines "
+                                 f"while {', '.join(pods)} drained: not scaled to {wait['replicas']}; "
+                                 f"{await self._back_in(order, w, obj, pods)}")
+        victims, kept = await self._victims_now(order, w, obj, int(wait["replicas"])) or ([], set())
+        missing = [p for p in victims if p not in pods]
+        if missing:
+            # The ReplicaSets moved while the engines drained (a rollout went on, an engine went down): the scale
+            # now removes engines not drained yet. They drain too, and the scale waits for them.
+            try:
+                await self._take_out(order, w, obj, missing, int(wait["replicas"]))
+            except ActuationError as exc:
+                raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, pods)}") from None
+            return {"wait": {**wait, "pods": pods + missing,
+                             "deadline": max(float(wait["deadline"]), now + self.settings.drain_grace)}}
+        # Drained, but the scale keeps it (another engine goes in its place): routed again, at the normal deletion
+        # cost, before the count is written, so that the ReplicaSet removes the engines that go and not this one.
+        spared = [p for p in pods if p in kept]
+        value = await self._routing_value(w, obj) if spared else ""
+        if failed := await self._reroute_all(order, w, spared, value):
+            raise ActuationError(f"{failed[0][1]}; not scaled; {await self._back_in(order, w, obj, pods, value)}")
+        if spared:
+            detail["spared"] = spared
+        going = [p for p in pods if p not in spared]
+        done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
+                **detail}
+        return self._verifying(w, going, now, done)
 
     async def _victims_now(self, order: Order, w: Workload, obj: Mapping[str, Any], replicas: int
                            ) -> tuple[list[str], set[str]] | None:
