@@ -229,31 +229,25 @@ class GateEvalReport:
     def rows(self) -> list[dict[str, Any]]:
         """Per judge, regression and share: detection within 10 min and at all, median minutes to a fail;
         per judge and share: the A/A false-fail rate."""
+        def cells(j: str, ds: list[Decision]) -> dict[str, Any]:
+            fails = [d for d in ds if d.outcome == "fail"]
+            # `pass`: a regression let through, the gate's other error, the one a rollout pays for.
+            return {f"{j}_fail_10m": _share(sum(d.after_s <= DEADLINE_S for d in fails), len(ds)),
+                    f"{j}_fail": _share(len(fails), len(ds)),
+                    f"{j}_minutes": round(statistics.median(d.after_s for d in fails) / 60, 1) if fails else None,
+                    f"{j}_pass": _share(sum(d.outcome == "pass" for d in ds), len(ds))}
+
+        cases: list[tuple[str, str | None, float]] = [
+            *((f"{metric} +{size:.0%}", pool, size) for pool, metric in POOL_METRIC.items() for size in SIZES),
+            ("A/A", None, 0.0)]
         rows = []
-        for pool, metric in POOL_METRIC.items():
-            for size in SIZES:
-                for share in SHARES:
-                    row: dict[str, Any] = {"case": f"{metric} +{size:.0%}", "share": share}
-                    for j in JUDGES:
-                        ds = self._of(j, pool=pool, size=size, share=share)
-                        fails = [d for d in ds if d.outcome == "fail"]
-                        row[f"{j}_fail_10m"] = _share(sum(d.after_s <= DEADLINE_S for d in fails), len(ds))
-                        row[f"{j}_fail"] = _share(len(fails), len(ds))
-                        row[f"{j}_minutes"] = round(statistics.median(d.after_s for d in fails) / 60, 1) if fails else None
-                        # A regression let through: the gate's other error, the one a rollout pays for.
-                        row[f"{j}_pass"] = _share(sum(d.outcome == "pass" for d in ds), len(ds))
-                    row["runs"] = len(self._of("ours", pool=pool, size=size, share=share))
-                    rows.append(row)
-        for share in SHARES:
-            row = {"case": "A/A", "share": share}
-            for j in JUDGES:
-                ds = self._of(j, size=0.0, share=share)
-                row[f"{j}_fail"] = _share(sum(d.outcome == "fail" for d in ds), len(ds))
-                row[f"{j}_fail_10m"] = _share(sum(d.outcome == "fail" and d.after_s <= DEADLINE_S for d in ds), len(ds))
-                row[f"{j}_minutes"] = None
-                row[f"{j}_pass"] = _share(sum(d.outcome == "pass" for d in ds), len(ds))
-            row["runs"] = len(self._of("ours", size=0.0, share=share))
-            rows.append(row)
+        for case, pool, size in cases:
+            for share in SHARES:
+                row: dict[str, Any] = {"case": case, "share": share}
+                for j in JUDGES:
+                    row.update(cells(j, self._of(j, pool=pool, size=size, share=share)))
+                row["runs"] = len(self._of("ours", pool=pool, size=size, share=share))
+                rows.append(row)
         return rows
 
     def goals(self) -> list[Goal]:
