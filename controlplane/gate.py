@@ -31,7 +31,7 @@ from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
 from controlplane.actuators.base import TargetSource
 from controlplane.clock import Clock
-from controlplane.errors import GateError, GateInputError, StoreUnavailable
+from controlplane.errors import FleetError, GateError, GateInputError, StoreUnavailable
 from controlplane.selectors import LabelSelector, split_clauses
 from controlplane.store.records import NewVerdict
 from policies.canary import (
@@ -202,9 +202,8 @@ class TargetsGateSource:
     """The pods' own `/metrics`, scraped at every step; each step is the difference from the last scrape.
 
     The arms are selected afresh each step from the source's vLLM targets (a pod's `pool`, `pod` and `role`), so the
-    canary's new pods count as its rollout scales it up and the stable's removed ones drop out. A canary pod that
-    answered in this gate is scraped until the gate ends, also once the source no longer lists it: discovery lists Ready
-    pods only, and a crash-looping canary leaving the arm would leave it judged on its healthy pods.
+    canary's new pods count as its rollout scales it up and the stable's removed ones drop out. A pod discovery no
+    longer lists (deleted, or not Ready: out of its Service's routing too) is no longer read.
     """
 
     def __init__(self, scraper: Scraper, found: TargetSource, baseline: ArmSelector, canary: ArmSelector,
@@ -214,35 +213,38 @@ class TargetsGateSource:
         self._names = [r.name for r in rules]
         self._parser = Parser()
         self._prev: dict[tuple[str, str], families.Reading] = {}
-        self._answered: dict[str, Target] = {}  # canary targets that answered a scrape of this gate
-        self._steps = 0
+        self._answered: set[str] = set()  # canary targets that answered a scrape of this gate
+        self._stepped = False
         self._tpot = _TpotReading(self._names)
 
     async def arms(self) -> dict[str, list[Target]]:
-        """Each arm's targets now. GateInputError for a pod in both, or, before the first step, an arm with none."""
+        """Each arm's targets now. GateInputError for a pod in both, or, before the first step, an arm with none;
+        after it, an arm with none or a failed listing is a failed step (GateError)."""
+        try:
+            found = await self._found.targets()
+        except FleetError as exc:  # the Kubernetes API down for a while: the gate's patience covers it
+            if not self._stepped or isinstance(exc, GateError):
+                raise
+            raise GateError(f"listing the pods: {exc}") from None
         arms: dict[str, list[Target]] = {"baseline": [], "canary": []}
-        for t in await self._found.targets():
-            if t.source != "vllm":
-                continue
+        for t in found:
             labels = {"pool": t.pool, "pod": t.pod, "role": str(t.role)}
             for arm, sel in self._selectors.items():
-                if sel.matches(labels):
+                if t.source == "vllm" and sel.matches(labels):
                     arms[arm].append(t)
         both = sorted({t.key for t in arms["baseline"]} & {t.key for t in arms["canary"]})
         if both:  # a pod in both arms would be compared with itself, and read twice a step
             raise GateInputError(f"{', '.join(both)} match both the baseline's and the canary's selector")
-        listed = {t.key for t in arms["canary"]}
-        arms["canary"] += [t for key, t in self._answered.items() if key not in listed]
         for arm, targets in arms.items():
             if not targets:
                 why = f"no {arm} target matches its selector {self._selectors[arm].text!r}"
-                raise GateInputError(why) if not self._steps else GateError(why + " now")
+                raise GateError(why + " now") if self._stepped else GateInputError(why)
         return arms
 
     async def interval(self, start: float, end: float) -> Interval:
         seen: dict[str, list[families.Delta]] = {}
         arms = await self.arms()
-        self._steps += 1
+        self._stepped = True
         for arm, targets in arms.items():
             results = await self._scraper.scrape(targets, end)
             deltas = []
@@ -263,13 +265,15 @@ class TargetsGateSource:
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
             if arm == "canary":
-                # A crash-looping canary pod would leave the step judged on its healthy ones alone (its requests fail
-                # before vLLM counts them): no step counts while one that answered before is down, and the gate
-                # stops if it stays down. One that has not answered yet is starting (loading its model).
-                if down := [r for r in results if not r.ok and r.target.key in self._answered]:
+                # A canary pod still routed that stopped answering would leave the step judged on its healthy ones
+                # alone (its requests fail before vLLM counts them): no step counts while one that answered before is
+                # down, and the gate stops if it stays down. One that has not answered yet is starting (loading its
+                # model).
+                down = [r for r in results if not r.ok and r.target.key in self._answered]
+                self._answered.update(r.target.key for r in results if r.ok)
+                if down:
                     raise GateError("canary pod(s) not answering: "
                                     + "; ".join(f"{r.target.url}: {r.error}" for r in down))
-                self._answered.update((r.target.key, r.target) for r in results if r.ok)
             seen[arm] = deltas
         read_as = self._tpot.read_as(lambda: tpot_spelling(seen.values()) if all(seen.values()) else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
@@ -356,19 +360,23 @@ class PromGateSource:
         would be diluted into its own baseline, and a regression read smaller than it is. And skip a step in which a
         canary pod is down."""
         window, pod, instance = _window(start, end), self._prom.labels.pod, self._prom.labels.instance
-        seen = [self._query(f"group by ({pod}, {instance}) (last_over_time(vllm:num_requests_running{sel}[{window}]))",
-                            end) for sel in (self._arms["baseline"], self._arms["canary"])]
+        by = ", ".join(dict.fromkeys((pod, instance)))  # one label where the fleet's pods are named by instance
+        seen = [self._query(f"group by ({by}) (last_over_time(vllm:num_requests_running{sel}[{window}]))", end)
+                for sel in (self._arms["baseline"], self._arms["canary"])]
         pods = [{labels.get(pod) for labels, _ in rows} for rows in seen]
         both = sorted(p for p in pods[0] & pods[1] if p)
         if both:
             raise GateInputError(f"pod(s) {', '.join(both)} match both the baseline's and the canary's selector")
         # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
         # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
-        # scrape jobs of the same pods are not the engine).
+        # scrape jobs of the same pods are not the engine); asked by its instance, since `up` carries the target's
+        # labels only, and the arm's selector may name one that only vLLM's series carry.
         self._served.update(i for labels, _ in seen[1] if (i := labels.get(instance)))
-        down = sorted(labels.get(pod, "?") for labels, _ in self._query(f"up{self._arms['canary']} == 0", end)
-                      if labels.get(instance) in self._served)
-        if down:
+        if not self._served:
+            return
+        served = "|".join(escape_regex(i) for i in sorted(self._served))
+        rows = self._query(f"up{selector([*self._prom.matchers, (instance, '=~', served)])} == 0", end)
+        if down := sorted({labels.get(pod) or labels.get(instance, "?") for labels, _ in rows}):
             raise GateError(f"canary pod(s) {', '.join(down)} not answering Prometheus's scrapes")
 
     async def interval(self, start: float, end: float) -> Interval:
@@ -413,50 +421,49 @@ class StoreGateSource:
                             f"across pods; judge the mean, or read Prometheus or the pods")
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
-        self._served: set[str] = set()  # the canary's engines that have reported in this gate
+        self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
 
     async def interval(self, start: float, end: float) -> Interval:
-        step = end - start
-        wanted = {"request_rate", "request_error_rate", "generation_tokens_rate",
+        wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate",
                   *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was.
         try:
-            signals = await self._store.load_signals(start - 2 * step, names=wanted)
+            signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
         except StoreUnavailable as exc:  # a database blip is a failed step, which the gate's patience covers
             raise GateError(str(exc)) from None
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+        scrapes: list[tuple[float, str, float]] = []  # (ts, pod, up) of the pool's vLLM targets in this step
         for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
                 engines[s.subject][s.name].append((s.ts, s.value))
+            elif s.name == "up" and s.subject.startswith(f"target/{self._pool}/") and s.subject.endswith("/vllm") \
+                    and start < s.ts <= end:
+                scrapes.append((s.ts, s.subject.split("/")[2], s.value))
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
-        canary: set[str] = set()
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
-            matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
-            if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
-                raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
-            if matched == ["canary"]:
-                canary.add(subject)
-            if matched:
+            arm = self._arm_of(pool, pod)
+            if arm is not None:
                 for name, d in engine_dists(series, self._names, start, end).items():
-                    merge_into(arms[matched[0]], name, d)
-        self._check_served(engines, canary, start, end)
+                    merge_into(arms[arm], name, d)
+        # A canary pod still scraped that stopped answering would leave the step judged on its healthy ones alone: as
+        # the other sources, no step counts while one that answered in this gate fails its scrapes (the loop's `up`).
+        down = set()
+        for _, pod, up in scrapes:
+            if self._arm_of(self._pool, pod) == "canary":
+                if up < 1 and pod in self._answered:
+                    down.add(pod)
+                elif up >= 1:
+                    self._answered.add(pod)
+        if down:
+            raise GateError(f"canary pod(s) {', '.join(sorted(down))} failing the control plane's scrapes")
         return Interval(start, end, arms["baseline"], arms["canary"])
 
-    def _check_served(self, engines: Mapping[str, Mapping[str, list[tuple[float, float]]]], canary: set[str],
-                      start: float, end: float) -> None:
-        """Skip a step in which a canary engine that served in this gate reported nothing for two steps while the
-        pool's others reported in it: it is down (a failed scrape, or a crash loop that pod discovery no longer lists),
-        and the step would be judged on the healthy ones alone. Two steps, so that a step no longer than the scrape
-        interval does not miss one by where the ticks fall."""
-        def reported(subject: str, since: float) -> bool:
-            return any(since < ts <= end for ts, _ in engines[subject].get("request_rate", ()))
-
-        if any(reported(s, start) for s in engines):
-            down = sorted(s for s in self._served if s not in engines or not reported(s, 2 * start - end))
-            if down:
-                raise GateError(f"canary engine(s) {', '.join(down)} stopped reporting to the store")
-        self._served.update(s for s in canary if reported(s, start))
+    def _arm_of(self, pool: str, pod: str) -> str | None:
+        matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
+        if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
+            raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
+        return matched[0] if matched else None
 
 
 class GateSession:
