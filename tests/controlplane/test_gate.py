@@ -732,6 +732,45 @@ async def test_the_pods_source_follows_the_rollout_as_it_moves_pods_between_the_
     assert scraped.count("decode-1") == 1 and scraped.count("decode-canary-1") == 2
 
 
+async def test_after_the_first_step_a_failed_pod_listing_or_an_empty_arm_is_a_failed_step() -> None:
+    # The Kubernetes API down for a minute, or the canary's pods all restarting at once: the gate's patience covers
+    # it, where before its first step the same is an error of its own (exit 4) or a wrong selector (exit 3).
+    from collectors.types import ScrapeResult, Target
+    from controlplane.discovery import DiscoveryError
+    from tests.collectors.expositions import histogram
+
+    listed: list[Target] | None = [Target(f"http://{p}:8000/metrics", "decode", p) for p in ("decode-0", "decode-c")]
+
+    class Discovered:
+        async def targets(self) -> list[Target]:
+            if listed is None:
+                raise DiscoveryError("listing pods in llm: 503 Service Unavailable")
+            return listed
+
+    class Pods:
+        async def scrape(self, targets: Sequence[Target], now: float) -> list[ScrapeResult]:
+            body = histogram("vllm:request_time_per_output_token_seconds", {}, ("0.05",), (0.02,) * int(now // 3))
+            return [ScrapeResult(t, now, True, body) for t in targets]
+
+    def source() -> TargetsGateSource:
+        return TargetsGateSource(cast(Scraper, Pods()), Discovered(), ArmSelector.parse("pod=decode-0"),
+                                 ArmSelector.parse("pod=decode-c"), TPOT_ONLY.metrics)
+
+    src = source()
+    await src.interval(0, 30)
+    all_listed, listed = listed, None
+    with pytest.raises(GateError, match="listing the pods: listing pods in llm: 503") as failed:
+        await src.interval(30, 60)
+    assert not isinstance(failed.value, GateInputError)
+    listed = all_listed[:1]
+    with pytest.raises(GateError, match="no canary target matches its selector 'pod=decode-c' now") as failed:
+        await src.interval(60, 90)
+    assert not isinstance(failed.value, GateInputError)
+    listed = None
+    with pytest.raises(DiscoveryError):
+        await source().arms()
+
+
 async def test_a_pod_in_both_arms_or_an_arm_without_pods_is_refused_at_the_first_step() -> None:
     from collectors.types import Target
 
