@@ -243,6 +243,7 @@ class TargetsGateSource:
 
     async def interval(self, start: float, end: float) -> Interval:
         seen: dict[str, list[families.Delta]] = {}
+        fresh = False  # an engine read for the first time this step
         arms = await self.arms()
         self._stepped = True
         for arm, targets in arms.items():
@@ -258,10 +259,12 @@ class TargetsGateSource:
                 for entity, reading in read_engines(samples).items():
                     prev = self._prev.get((res.target.key, entity))
                     self._prev[(res.target.key, entity)] = reading
-                    if prev is not None and (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:
+                    if prev is None:
+                        fresh = True  # its first reading: a delta from the next step on
+                        continue
+                    if (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:
                         deltas.append(d)
-                    if prev is not None:
-                        families.carry(prev, reading, end - start)
+                    families.carry(prev, reading, end - start)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
             if arm == "canary":
@@ -275,7 +278,8 @@ class TargetsGateSource:
                     raise GateError("canary pod(s) not answering: "
                                     + "; ".join(f"{r.target.url}: {r.error}" for r in down))
             seen[arm] = deltas
-        read_as = self._tpot.read_as(lambda: tpot_spelling(seen.values()) if all(seen.values()) else None)
+        # Decided once every engine that answered has a delta: one on an older vLLM left out would be left out for good.
+        read_as = self._tpot.read_as(lambda: tpot_spelling(seen.values()) if all(seen.values()) and not fresh else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
         return Interval(start, end, dists["baseline"], dists["canary"])
 

@@ -674,14 +674,14 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
 async def test_the_pods_source_keeps_one_tpot_reading_for_the_whole_gate() -> None:
     # The baseline has one pod on a vLLM before the per-request TPOT histogram: TPOT is read from the inter-token
     # latency for both arms, also in a step that pod's scrape fails. Re-decided each step, that step would read the
-    # per-request mean, and the gate's blocks mix a per-request mean with a token-weighted one.
+    # per-request mean, and the gate's blocks mix a per-request mean with a token-weighted one. Nor is it decided
+    # before that pod has a delta (its first scrape failed): decided without it, it would be left out for good.
     from collectors.types import ScrapeResult, Target
     from tests.collectors.expositions import histogram
 
     new, old = "vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds"
     pods = {"decode-0": (new, old), "decode-old": (old,), "decode-canary-0": (new, old)}
-    down: set[str] = set()
-
+    down = {"decode-old"}
     seconds = {new: 0.04, old: 0.02}  # the per-request means differ from the token-weighted mean
 
     class Pods:  # each engine serves 10 tokens a step
@@ -694,9 +694,12 @@ async def test_the_pods_source_keeps_one_tpot_reading_for_the_whole_gate() -> No
     source = TargetsGateSource(cast(Scraper, Pods()), found, ArmSelector.parse("pod!~.*canary.*"),
                                ArmSelector.parse("pod=~.*canary.*"), TPOT_ONLY.metrics)
     await source.interval(0, 30)
-    first = await source.interval(30, 60)
+    down.clear()
+    waiting = await source.interval(30, 60)  # decode-old's first reading
+    assert "tpot" not in waiting.baseline and "tpot" not in waiting.canary
+    first = await source.interval(60, 90)
     down.add("decode-old")
-    second = await source.interval(60, 90)
+    second = await source.interval(90, 120)
     assert first.baseline["tpot"].count == 20 and second.baseline["tpot"].count == 10
     for step in (first, second):
         assert step.baseline["tpot"].statistic("mean") == step.canary["tpot"].statistic("mean") == pytest.approx(0.02)
