@@ -787,7 +787,8 @@ def advise_eval(cases: tuple[str, ...], jobs: int, seeds: int | None, as_json: b
                                  "source's own labels), plus key=~regex.")
 @click.option("--canary", help="Selector of the canary pods, the same way.")
 @click.option("--config", "gate_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Gate settings (YAML): metrics with their allowed shift, alpha, step, max_window.")
+              help="Gate settings (YAML): metrics with their allowed shift, alpha, step, max_window "
+                   "(default: the --fleet file's policies.canary_regression.gate).")
 @click.option("--max-window", default=None, help="Answer by then (default 30m, or the settings').")
 @click.option("--step", default=None, help="How often the gate reads and judges (default 30s, or the settings').")
 @click.option("--start", "start", default=None, type=float, help="When the canary started (epoch seconds); default now. "
@@ -797,7 +798,8 @@ def advise_eval(cases: tuple[str, ...], jobs: int, seeds: int | None, as_json: b
               "scrapes the engines, or the engines' /metrics directly (the fleet file's targets or discovery).")
 @click.option("--fleet", "fleet_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The fleet file: its prometheus section or its targets (for --source prometheus or targets).")
-@click.option("--prometheus-url", default=None, help="Prometheus to read (instead of the fleet file's).")
+@click.option("--prometheus-url", default=None,
+              help="Prometheus to read (instead of the fleet file's url; its selector and label names still apply).")
 @_db_option
 @click.option("--record/--no-record", default=None, help="Keep the verdict in the store (default: with --source store).")
 @click.option("--report", "report_fmt", type=click.Choice(["junit", "json", "markdown"]), default=None,
@@ -866,8 +868,12 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
     from controlplane.store.threaded import ThreadedStore
     from policies.canary import GateSettings
 
+    cfg = load_config(fleet_file) if fleet_file else None
     text = gate_file.read_text() if gate_file else None  # noqa: ASYNC240 (read once, before the gate starts)
-    settings = parse_yaml(text, GateSettings, str(gate_file)) if text is not None else GateSettings()
+    if text is not None:
+        settings = parse_yaml(text, GateSettings, str(gate_file))
+    else:  # the fleet file's rules, as its control plane's loop and API judge
+        settings = cfg.policies.canary_regression.gate if cfg is not None else GateSettings()
     overrides = {k: v for k, v in (("max_window", max_window), ("step", step)) if v is not None}
     if overrides:
         try:
@@ -877,7 +883,6 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
                                  for e in exc.errors(include_url=False))
             raise GateInputError(problems) from None
     base_sel, can_sel, pool_sel = (ArmSelector.parse(s) for s in (baseline, canary, f"pool={pool}"))
-    cfg = load_config(fleet_file) if fleet_file else None
     record = source_kind == "store" if record is None else record
     store = ThreadedStore.open(db) if record or source_kind == "store" else None
     clock = WallClock()
@@ -890,10 +895,10 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             role = next((str(p.role) for p in cfg.pools if p.name == pool), None) if cfg is not None else None
             source: Any = StoreGateSource(store, pool, base_sel, can_sel, settings.metrics, role=role)
         elif source_kind == "prometheus":
-            if prometheus_url:
+            if cfg is not None and cfg.prometheus is not None:  # its selector and label names, at --prometheus-url
+                prom = prometheus_source(cfg, url=prometheus_url)
+            elif prometheus_url:
                 prom = PrometheusSource(prometheus_url)
-            elif cfg is not None and cfg.prometheus is not None:
-                prom = prometheus_source(cfg)
             else:
                 raise click.UsageError("--source prometheus needs --prometheus-url or a fleet file with a prometheus section")
             stack.callback(prom.close)

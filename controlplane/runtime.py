@@ -53,11 +53,11 @@ def scrape_client(config: FleetConfig) -> httpx.AsyncClient:
     return http_client(config.scrape.concurrency, config.scrape.timeout)
 
 
-def prometheus_source(config: FleetConfig) -> PrometheusSource:
-    """The Prometheus API client described by the fleet file's `prometheus` section."""
+def prometheus_source(config: FleetConfig, url: str | None = None) -> PrometheusSource:
+    """The Prometheus API client described by the fleet file's `prometheus` section (at `url` instead of its own)."""
     p = config.prometheus
     assert p is not None
-    return PrometheusSource(p.url, timeout=p.timeout, selector=p.selector, mode=p.mode,
+    return PrometheusSource(url or p.url, timeout=p.timeout, selector=p.selector, mode=p.mode,
                             labels=Labels(pool=p.pool_label, pod=p.pod_label))
 
 

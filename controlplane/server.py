@@ -29,7 +29,7 @@ from controlplane.gate import GateBook, GateKey, StoreGateSource
 from controlplane.loop import ControlLoop
 from policies.canary import GateSettings, Outcome, Verdict
 
-__all__ = ["TOKEN_ENV", "start_server"]
+__all__ = ["TOKEN_ENV", "start_server", "store_gates"]
 
 log = logging.getLogger(__name__)
 
@@ -238,20 +238,25 @@ class _FlaggerGate(_Gate):
         self.write({**verdict.as_dict(), "pool": key.pool, "revision": revision})
 
 
+def store_gates(loop: ControlLoop) -> GateBook:
+    """The gates the API runs by default: read from the loop's store, judged by the fleet file's gate rules (those
+    the loop's own canary judge applies), each verdict recorded once however many replicas serve the API."""
+    roles = {p.name: str(p.role) for p in loop.config.pools}
+    return GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules,
+                                                                   role=roles.get(pool)),
+                    loop.config.policies.canary_regression.gate, record=loop.store.record_verdict,
+                    claim=loop.store.claim)
+
+
 def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None = None,
                  gates: GateBook | None = None) -> tornado.httpserver.HTTPServer:
     """Start serving on the running asyncio loop; returns the server (call `.stop()` to end).
 
     `token` guards the write endpoints; without one it is read from FLEETCTL_API_TOKEN, and
-    with neither every write is refused. `gates` runs the canary gates (by default from the
-    loop's own store, where the loop writes every engine's signals).
+    with neither every write is refused. `gates` runs the canary gates (by default `store_gates`).
     """
     token = token or os.environ.get(TOKEN_ENV) or None
-    if gates is None:
-        roles = {p.name: str(p.role) for p in loop.config.pools}
-        gates = GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules,
-                                                                        role=roles.get(pool)),
-                         record=loop.store.record_verdict, claim=loop.store.claim)
+    gates = gates if gates is not None else store_gates(loop)
     api = {"loop": loop, "token": token}
     gate = {**api, "gates": gates}
     app = tornado.web.Application(

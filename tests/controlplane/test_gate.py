@@ -314,6 +314,23 @@ async def test_the_fleet_files_selector_and_label_names_narrow_every_query() -> 
     assert not any("pod=" in q.replace("kubernetes_pod_name", "") or "pool=" in q.replace("llm_pool", "") for q in seen)
 
 
+def test_a_prometheus_url_given_on_the_command_line_keeps_the_fleet_files_selector_and_labels() -> None:
+    # `fleetctl gate --fleet F --prometheus-url U` (a port-forward, say) reads the same series the fleet file's section
+    # names, at another address: before, the URL dropped the selector and mixed staging into production's baseline.
+    from controlplane.config import parse_config
+    from controlplane.runtime import prometheus_source
+
+    cfg = parse_config("pools: [{name: decode, role: decode, model: m, replicas: {min: 1, max: 2}}]\n"
+                       "prometheus: {url: 'http://prometheus.llm:9090', selector: {namespace: llm}, "
+                       "pod_label: kubernetes_pod_name, pool_label: llm_pool}\n")
+    prom = prometheus_source(cfg, url="http://127.0.0.1:9090")
+    try:
+        assert prom.url == "http://127.0.0.1:9090" and prom.matchers == [("namespace", "=", "llm")]
+        assert (prom.labels.pod, prom.labels.pool) == ("kubernetes_pod_name", "llm_pool")
+    finally:
+        prom.close()
+
+
 async def test_a_step_with_a_canary_pod_down_does_not_count() -> None:
     # Its requests fail before vLLM counts them, and it drops out of the arm's sums: judged on the healthy pods alone,
     # a crash-looping canary would pass. The step is a failed read; five in a row stop the gate (exit 3).
@@ -548,6 +565,22 @@ class _Loop:
         self.clock = clock
 
 
+def test_the_api_judges_with_the_fleet_files_gate_rules() -> None:
+    # Argo's and Flagger's gates and the loop's own canary judge apply the same rules; before, the API ran the defaults
+    # whatever `policies.canary_regression.gate` said.
+    from types import SimpleNamespace
+
+    from controlplane.config import parse_config
+    from controlplane.server import store_gates
+
+    cfg = parse_config("pools: [{name: decode, role: decode, model: m, replicas: {min: 1, max: 2}}]\n"
+                       "policies: {canary_regression: {gate: {step: 45s, max_window: 20m, "
+                       "metrics: [{name: tpot, allowed: 0.02}]}}}\n")
+    book = store_gates(cast(ControlLoop, SimpleNamespace(config=cfg, store=MemoryStore())))
+    assert book.settings == cfg.policies.canary_regression.gate
+    assert (book.settings.step, book.settings.max_window, book.settings.metrics[0].allowed) == (45.0, 1200.0, 0.02)
+
+
 async def test_argo_and_flagger_endpoints() -> None:
     clock = VirtualClock()
     made: list[str] = []
@@ -727,12 +760,13 @@ async def test_the_pods_source_follows_the_rollout_as_it_moves_pods_between_the_
     source = TargetsGateSource(cast(Scraper, Pods()), Discovered(), ArmSelector.parse("pod!~.*canary.*"),
                                ArmSelector.parse("pod=~.*canary.*"), TPOT_ONLY.metrics)
     await source.interval(0, 30)
+    await source.interval(30, 60)
     listed[1:2] = [Target("http://decode-canary-1:8000/metrics", "decode", "decode-canary-1")]
-    before = await source.interval(30, 60)
-    after = await source.interval(60, 90)
+    before = await source.interval(60, 90)
+    after = await source.interval(90, 120)
     assert (before.baseline["tpot"].count, before.canary["tpot"].count) == (10, 10)
     assert (after.baseline["tpot"].count, after.canary["tpot"].count) == (10, 20)
-    assert scraped.count("decode-1") == 1 and scraped.count("decode-canary-1") == 2
+    assert scraped.count("decode-1") == 2 and scraped.count("decode-canary-1") == 2
 
 
 async def test_after_the_first_step_a_failed_pod_listing_or_an_empty_arm_is_a_failed_step() -> None:
