@@ -879,8 +879,8 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
         try:
             settings = GateSettings.model_validate({**settings.model_dump(), **overrides})
         except ValidationError as exc:
-            problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg'].removeprefix('Value error, ')}"
-                                 for e in exc.errors(include_url=False))
+            problems = "; ".join(("--" + "-".join(map(str, e["loc"])).replace("_", "-") + ": " if e["loc"] else "")
+                                 + e["msg"].removeprefix("Value error, ") for e in exc.errors(include_url=False))
             raise GateInputError(problems) from None
     base_sel, can_sel, pool_sel = (ArmSelector.parse(s) for s in (baseline, canary, f"pool={pool}"))
     record = source_kind == "store" if record is None else record

@@ -162,11 +162,11 @@ def dists_of(deltas: Iterable[families.Delta], names: Iterable[str],
     return out
 
 
-def tpot_spelling(arms: Iterable[Iterable[families.Delta]]) -> dict[str, str]:
-    """Where both arms' TPOT is read: the per-request histogram when every engine of both has it, else the
+def tpot_spelling(engines: Iterable[families.Reading | families.Delta]) -> dict[str, str]:
+    """Where both arms' TPOT is read, from every engine of both: the per-request histogram when each has it, else the
     inter-token latency for both (engines before it). Each arm on its own would compare a per-request mean with a
     token-weighted one."""
-    every = all("tpot" in d.histograms for deltas in arms for d in deltas)
+    every = all("tpot" in e.histograms for e in engines)
     return {} if every else {"tpot": "itl"}
 
 
@@ -243,7 +243,6 @@ class TargetsGateSource:
 
     async def interval(self, start: float, end: float) -> Interval:
         seen: dict[str, list[families.Delta]] = {}
-        fresh = False  # an engine read for the first time this step
         arms = await self.arms()
         self._stepped = True
         for arm, targets in arms.items():
@@ -260,8 +259,7 @@ class TargetsGateSource:
                     prev = self._prev.get((res.target.key, entity))
                     self._prev[(res.target.key, entity)] = reading
                     if prev is None:
-                        fresh = True  # its first reading: a delta from the next step on
-                        continue
+                        continue  # its first reading: a delta from the next step on
                     if (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:
                         deltas.append(d)
                     families.carry(prev, reading, end - start)
@@ -278,8 +276,11 @@ class TargetsGateSource:
                     raise GateError("canary pod(s) not answering: "
                                     + "; ".join(f"{r.target.url}: {r.error}" for r in down))
             seen[arm] = deltas
-        # Decided once every engine that answered has a delta: one on an older vLLM left out would be left out for good.
-        read_as = self._tpot.read_as(lambda: tpot_spelling(seen.values()) if all(seen.values()) and not fresh else None)
+        # Decided from every engine of the arms that has answered in this gate, its first reading included: an older
+        # one whose scrape failed in the deciding step would be left out for good.
+        listed = {t.key for targets in arms.values() for t in targets}
+        read_as = self._tpot.read_as(lambda: tpot_spelling(r for (key, _), r in self._prev.items() if key in listed)
+                                     if all(seen.values()) else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
         return Interval(start, end, dists["baseline"], dists["canary"])
 
@@ -305,7 +306,7 @@ class PromGateSource:
         self._names = [r.name for r in rules]
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
         self._tpot = _TpotReading(self._names)
-        self._served: set[str] = set()  # the canary's vLLM targets (instances) that have served in this gate
+        self._served: set[tuple[str, str]] = set()  # the canary's vLLM targets (pod, instance) that served in this gate
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
         return self._prom.query(expr, ts)
@@ -375,12 +376,14 @@ class PromGateSource:
         # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
         # scrape jobs of the same pods are not the engine); asked by its instance, since `up` carries the target's
         # labels only, and the arm's selector may name one that only vLLM's series carry.
-        self._served.update(i for labels, _ in seen[1] if (i := labels.get(instance)))
+        # By pod as well: an address a deleted canary pod had may be another pod's soon after.
+        self._served.update((labels.get(pod, ""), i) for labels, _ in seen[1] if (i := labels.get(instance)))
         if not self._served:
             return
-        served = "|".join(escape_regex(i) for i in sorted(self._served))
+        served = "|".join(escape_regex(i) for i in sorted({i for _, i in self._served}))
         rows = self._query(f"up{selector([*self._prom.matchers, (instance, '=~', served)])} == 0", end)
-        if down := sorted({labels.get(pod) or labels.get(instance, "?") for labels, _ in rows}):
+        if down := sorted({labels.get(pod) or labels.get(instance, "?") for labels, _ in rows
+                           if (labels.get(pod, ""), labels.get(instance)) in self._served}):
             raise GateError(f"canary pod(s) {', '.join(down)} not answering Prometheus's scrapes")
 
     async def interval(self, start: float, end: float) -> Interval:
@@ -436,13 +439,16 @@ class StoreGateSource:
         except StoreUnavailable as exc:  # a database blip is a failed step, which the gate's patience covers
             raise GateError(str(exc)) from None
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
-        scrapes: list[tuple[float, str, float]] = []  # (ts, pod, up) of the pool's vLLM targets in this step
+        latest: dict[str, float] = {}  # the pool's vLLM targets: each pod's last `up` by `end`, a step back at most
         for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
                 engines[s.subject][s.name].append((s.ts, s.value))
             elif s.name == "up" and s.subject.startswith(f"target/{self._pool}/") and s.subject.endswith("/vllm") \
-                    and start < s.ts <= end:
-                scrapes.append((s.ts, s.subject.split("/")[2], s.value))
+                    and 2 * start - end < s.ts <= end:
+                pod = s.subject.split("/")[2]
+                latest[pod] = s.value
+                if s.value >= 1 and self._arm_of(self._pool, pod) == "canary":
+                    self._answered.add(pod)
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
         for subject, series in engines.items():
             _, pool, pod, _rank = subject.split("/", 3)
@@ -451,16 +457,12 @@ class StoreGateSource:
                 for name, d in engine_dists(series, self._names, start, end).items():
                     merge_into(arms[arm], name, d)
         # A canary pod still scraped that stopped answering would leave the step judged on its healthy ones alone: as
-        # the other sources, no step counts while one that answered in this gate fails its scrapes (the loop's `up`).
-        down = set()
-        for _, pod, up in scrapes:
-            if self._arm_of(self._pool, pod) == "canary":
-                if up < 1 and pod in self._answered:
-                    down.add(pod)
-                elif up >= 1:
-                    self._answered.add(pod)
-        if down:
-            raise GateError(f"canary pod(s) {', '.join(sorted(down))} failing the control plane's scrapes")
+        # the other sources, no step counts while one that answered in this gate fails the loop's scrapes (its last
+        # `up` by the step's end, so that one written after the read leaves the step before's; a pod deleted or out
+        # of discovery is scraped no more, and its last one goes by a step later). A fleet read through Prometheus
+        # records no `up`, and is not checked here.
+        if down := sorted(pod for pod, up in latest.items() if up < 1 and pod in self._answered):
+            raise GateError(f"canary pod(s) {', '.join(down)} failing the control plane's scrapes")
         return Interval(start, end, arms["baseline"], arms["canary"])
 
     def _arm_of(self, pool: str, pod: str) -> str | None:
