@@ -190,7 +190,9 @@ def demo(minutes: float, db: str, no_pace: bool, as_json: bool) -> None:
             a.add_row(str(x["id"]), str(x["finding_id"]), x["kind"], x["pool"], x["change"], x["state"],
                       f"{x['at_s'] / 60:.1f}", str(x["outcome"] or "pending"))
         out.print(a)
-        out.print(f"Open the dashboard: [bold]fleetctl dashboard --db {db}[/]")
+        # As it was run: `make demo` runs .venv/bin/fleetctl, which is not on the PATH.
+        exe = sys.argv[0] if Path(sys.argv[0]).name == "fleetctl" else "fleetctl"
+        out.print(f"Open the dashboard: [bold]{exe} dashboard --db {db}[/]")
     sys.exit(0 if summary.ok else 1)
 
 
