@@ -1,4 +1,4 @@
-"""Concurrent HTTP scraping of targets with timeouts and per-target exponential backoff.
+"""Concurrent HTTP scraping of targets with timeouts, and exponential backoff for targets whose failures are costly.
 
 Only I/O lives here: the HTTP client is passed in (so tests can hand in a mock transport) and
 the current time is an argument, so backoff works the same under a virtual clock.
@@ -31,7 +31,7 @@ class Scraper:
         concurrency: int = 64,
         timeout_s: float = 5.0,
         backoff_base_s: float = 15.0,
-        backoff_max_s: float = 300.0,
+        backoff_max_s: float = 60.0,
         max_body_bytes: int = 32 * 1024 * 1024,
         rng: random.Random | None = None,
         spread_s: float = 0.0,
@@ -82,17 +82,18 @@ class Scraper:
                 # much later, and its rates divide by the interval it really had.
                 now += self._clock() - queued
             started = time.perf_counter()
+            costly = False  # the failure held a slot for the whole timeout, or read a body too large
             try:
                 body, size = await asyncio.wait_for(self._fetch(target.url), self._timeout)
                 error = _looks_wrong(body)
-            except TimeoutError:
-                body, size, error = "", 0, f"timed out after {self._timeout:g}s"
+            except (TimeoutError, httpx.TimeoutException):
+                body, size, error, costly = "", 0, f"timed out after {self._timeout:g}s", True
             except httpx.HTTPError as exc:
                 body, size, error = "", 0, f"{type(exc).__name__}: {str(exc)[:200] or 'connection failed'}"
             except httpx.InvalidURL as exc:  # not an HTTPError: one target's bad URL must not fail the round
                 body, size, error = "", 0, f"invalid URL {target.url!r}: {exc}"
             except _ScrapeRefused as exc:
-                body, size, error = "", 0, str(exc)
+                body, size, error, costly = "", 0, str(exc), exc.costly
             duration = time.perf_counter() - started
         if error is None:
             health.consecutive_failures = 0
@@ -101,11 +102,14 @@ class Scraper:
             return ScrapeResult(target, now, ok=True, body=body, duration_s=duration, size_bytes=size)
         health.consecutive_failures += 1
         health.last_error = error
-        # Skip the next attempts of a failing target for a growing, jittered time so a dead
-        # target does not cost a timeout on every tick; the first failure retries next tick.
-        if health.consecutive_failures > 1:
+        # A skipped target reads as failing until it is asked again, so back off only where asking costs: a timeout
+        # holds a slot for the whole timeout, a refused connection or an error status costs nothing, and a pod that
+        # answers again is then seen at the next round. The first failure retries next round; the wait grows, jittered.
+        if costly and health.consecutive_failures > 1:
             wait = min(self._backoff_max, self._backoff_base * 2 ** (health.consecutive_failures - 2))
             health.next_attempt_at = now + wait * self._rng.uniform(0.8, 1.2)
+        else:
+            health.next_attempt_at = 0.0
         return ScrapeResult(target, now, ok=False, duration_s=duration, size_bytes=size, error=error)
 
     async def _fetch(self, url: str) -> tuple[str, int]:
@@ -120,13 +124,17 @@ class Scraper:
             async for chunk in resp.aiter_bytes():
                 size += len(chunk)
                 if size > self._max_body:
-                    raise _ScrapeRefused(f"body from {url} exceeds {self._max_body} bytes")
+                    raise _ScrapeRefused(f"body from {url} exceeds {self._max_body} bytes", costly=True)
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace"), size
 
 
 class _ScrapeRefused(Exception):
     """The target answered, but not with something we can use."""
+
+    def __init__(self, message: str, *, costly: bool = False) -> None:
+        super().__init__(message)
+        self.costly = costly
 
 
 def http_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:

@@ -1,4 +1,4 @@
-"""The scraper: concurrency, errors recorded per target, backoff driven by the given time.
+"""The scraper: concurrency, errors recorded per target, backoff for costly failures driven by the given time.
 
 HTTP is faked with httpx.MockTransport; a hanging target is a handler that never answers.
 """
@@ -51,26 +51,61 @@ async def test_each_failure_is_recorded_and_the_rest_succeed() -> None:
     assert by["slow"].error == "timed out after 0.2s"
 
 
-async def test_backoff_skips_a_failing_target_until_its_time() -> None:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        scraper = Scraper(client, backoff_base_s=15.0, backoff_max_s=60.0)
-        first = await scraper.scrape([t("dead")], now=0.0)
-        second = await scraper.scrape([t("dead")], now=15.0)  # first failure retries next tick
-        third = await scraper.scrape([t("dead")], now=20.0)
+async def test_backoff_skips_a_timing_out_target_until_its_time() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hanging)) as client:
+        scraper = Scraper(client, timeout_s=0.05, backoff_base_s=15.0, backoff_max_s=60.0)
+        first = await scraper.scrape([t("slow")], now=0.0)
+        second = await scraper.scrape([t("slow")], now=15.0)  # first failure retries next tick
+        third = await scraper.scrape([t("slow")], now=20.0)
         assert not first[0].skipped and not second[0].skipped
-        assert third[0].skipped and third[0].error and "ConnectError" in third[0].error
-        health = scraper.health["pool/dead/vllm"]
+        assert third[0].skipped and third[0].error == "timed out after 0.05s"
+        health = scraper.health["pool/slow/vllm"]
         assert health.consecutive_failures == 2
         assert 15.0 + 15.0 * 0.8 <= health.next_attempt_at <= 15.0 + 15.0 * 1.2
-        later = await scraper.scrape([t("dead")], now=health.next_attempt_at)
-        assert not later[0].skipped and scraper.health["pool/dead/vllm"].consecutive_failures == 3
+        later = await scraper.scrape([t("slow")], now=health.next_attempt_at)
+        assert not later[0].skipped and scraper.health["pool/slow/vllm"].consecutive_failures == 3
+
+
+async def test_httpx_own_timeout_backs_off_as_well() -> None:
+    def read_timeout(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("read timed out", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(read_timeout)) as client:
+        scraper = Scraper(client, backoff_base_s=15.0)
+        for now in (0.0, 15.0):
+            await scraper.scrape([t("slow")], now=now)
+        [res] = await scraper.scrape([t("slow")], now=20.0)
+    assert res.skipped and res.error == "timed out after 5s"
+
+
+async def test_cheap_failures_are_asked_every_round_and_a_recovered_pod_counts_at_once() -> None:
+    # A refused connection or an error status costs nothing to ask again; skipping it would read the pod as failing
+    # for up to backoff_max after it answers again (and hold its pool's inputs unfit, or a canary gate's steps).
+    answering = {"dead": False, "error": False}
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        return handler(httpx.Request("GET", "http://good/metrics")) if answering[host] else handler(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(flaky)) as client:
+        scraper = Scraper(client, backoff_base_s=15.0, backoff_max_s=300.0)
+        for now in range(0, 300, 15):
+            results = await scraper.scrape([t("dead"), t("error")], now=float(now))
+            assert not any(r.skipped or r.ok for r in results)
+        assert scraper.health["pool/dead/vllm"].consecutive_failures == 20
+        answering.update(dead=True, error=True)
+        results = await scraper.scrape([t("dead"), t("error")], now=300.0)
+    assert all(r.ok and r.body == GOOD for r in results)
 
 
 async def test_body_size_limit() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        scraper = Scraper(client, max_body_bytes=10)
+        scraper = Scraper(client, max_body_bytes=10, backoff_base_s=15.0)
         [res] = await scraper.scrape([t("good")], now=0.0)
+        await scraper.scrape([t("good")], now=15.0)
+        [again] = await scraper.scrape([t("good")], now=20.0)  # reading the body is costly: it backs off
     assert not res.ok and "exceeds 10 bytes" in (res.error or "")
+    assert again.skipped
 
 
 async def test_removed_targets_forget_their_health() -> None:
