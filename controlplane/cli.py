@@ -868,7 +868,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
     from controlplane.runtime import discovered_targets, prometheus_source, static_targets
     from controlplane.store.records import NewVerdict
     from controlplane.store.threaded import ThreadedStore
-    from policies.canary import GateSettings
+    from policies.canary import GateSettings, step_problem
 
     cfg = load_config(fleet_file) if fleet_file else None
     text = gate_file.read_text() if gate_file else None  # noqa: ASYNC240 (read once, before the gate starts)
@@ -884,6 +884,9 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             problems = "; ".join(("--" + "-".join(map(str, e["loc"])).replace("_", "-") + ": " if e["loc"] else "")
                                  + e["msg"].removeprefix("Value error, ") for e in exc.errors(include_url=False))
             raise GateInputError(problems) from None
+    # The store holds the loop's scrapes; the other sources' scrape intervals are not known here.
+    if source_kind == "store" and cfg is not None and (why := step_problem(settings.step, cfg.scrape.interval)):
+        raise GateInputError(f"{'--step' if step is not None else 'step'} {why}")
     base_sel, can_sel, pool_sel = (ArmSelector.parse(s) for s in (baseline, canary, f"pool={pool}"))
     record = source_kind == "store" if record is None else record
     store = ThreadedStore.open(db) if record or source_kind == "store" else None

@@ -46,6 +46,7 @@ from policies.canary import (
     engine_dists,
     judge,
     merge_into,
+    step_problem,
 )
 
 __all__ = [
@@ -567,14 +568,18 @@ class GateBook:
 
     def __init__(self, make_source: SourceFactory, settings: GateSettings | None = None,
                  record: Callable[[NewVerdict], Awaitable[int]] | None = None, max_sessions: int = 256,
-                 claim: Claim | None = None) -> None:
+                 claim: Claim | None = None, scrape_interval: float = 0.0) -> None:
         self._make, self.settings, self._record, self._claim = make_source, settings or GateSettings(), record, claim
+        self._interval = scrape_interval  # how often the sources' numbers are scraped: no step may be shorter
         self._max = max_sessions
         self._sessions: dict[GateKey, tuple[GateSession, float]] = {}
         self._locks: dict[GateKey, asyncio.Lock] = {}
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None) -> Verdict:
-        """The verdict of this rollout's gate now. GateError for a bad selector or a failing source."""
+        """The verdict of this rollout's gate now; `settings` for a gate not yet started. GateInputError for a bad
+        selector or a step shorter than the scrape interval, GateError for a failing source."""
+        if settings is not None and (why := step_problem(settings.step, self._interval)):
+            raise GateInputError(f"step {why}")
         self._forget(now)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:

@@ -245,7 +245,7 @@ def store_gates(loop: ControlLoop) -> GateBook:
     return GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules,
                                                                    role=roles.get(pool)),
                     loop.config.policies.canary_regression.gate, record=loop.store.record_verdict,
-                    claim=loop.store.claim)
+                    claim=loop.store.claim, scrape_interval=loop.config.scrape.interval)
 
 
 def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None = None,

@@ -65,6 +65,7 @@ __all__ = [
     "engine_dists",
     "judge",
     "merge_into",
+    "step_problem",
 ]
 
 ERRORS = "error_rate"  # errors among finished requests (vLLM's request_success_total{finished_reason="error"})
@@ -257,6 +258,13 @@ class GateSettings(Settings):
         if self.max_window / self.step > MAX_STEPS:
             raise ValueError(f"max_window over step is {self.max_window / self.step:.0f} steps, over {MAX_STEPS}")
         return self
+
+
+def step_problem(step: float, interval: float) -> str | None:
+    """Why a gate step is too short for numbers scraped every `interval`, or None."""
+    if step < interval:
+        return f"{step:g}s is shorter than the scrape interval ({interval:g}s): steps without a scrape hold no data"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from policies.canary import (
     engine_dists,
     judge,
     merge_into,
+    step_problem,
 )
 from policies.types import (
     ActionKind,
@@ -94,10 +95,8 @@ class CanaryRolloutSettings(Settings):
         return value
 
     def problems(self, interval: float) -> list[Problem]:
-        if self.gate.step < interval:
-            return [("gate.step", f"{self.gate.step:g}s is shorter than the scrape interval ({interval:g}s): "
-                                  f"steps without a scrape hold no data")]
-        return []
+        why = step_problem(self.gate.step, interval)
+        return [("gate.step", why)] if why else []
 
 
 class CanaryRegression:

@@ -69,6 +69,8 @@ def test_a_defect_exits_70_not_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest
 @pytest.mark.parametrize(("args", "says"), [
     (["--config", "missing.yaml"], "'missing.yaml' does not exist"),
     (["--step", "abc"], "--step: expected a duration"),
+    (["--fleet", "deploy/fleet.example.yaml", "--step", "10s"],
+     "--step 10s is shorter than the scrape interval (15s): steps without a scrape hold no data"),
     (["--source", "prometheus", "--prometheus-url", "http://127.0.0.1:9",
       "--baseline", "app.kubernetes.io/version=v1", "--canary", "app.kubernetes.io/version=v2"],
      "not a Prometheus label name: 'app.kubernetes.io/version'"),

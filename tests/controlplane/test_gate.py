@@ -580,6 +580,7 @@ def test_the_api_judges_with_the_fleet_files_gate_rules() -> None:
     book = store_gates(cast(ControlLoop, SimpleNamespace(config=cfg, store=MemoryStore())))
     assert book.settings == cfg.policies.canary_regression.gate
     assert (book.settings.step, book.settings.max_window, book.settings.metrics[0].allowed) == (45.0, 1200.0, 0.02)
+    assert book._interval == cfg.scrape.interval == 15.0  # a step override is checked against it
 
 
 async def test_argo_and_flagger_endpoints() -> None:
@@ -590,7 +591,7 @@ async def test_argo_and_flagger_endpoints() -> None:
         made.append(can.text)
         return Scripted(jittered(1.3 if "slow" in can.text else 1.0, 200))
 
-    book = GateBook(make, TPOT_ONLY)
+    book = GateBook(make, TPOT_ONLY, scrape_interval=15.0)
     port = free_port()
     http = start_server(cast(ControlLoop, _Loop(clock)), "127.0.0.1", port, token=None, gates=book)
     try:
@@ -613,6 +614,9 @@ async def test_argo_and_flagger_endpoints() -> None:
             assert worse.status_code == 400 and "not a regular expression" in worse.json()["error"]
             nometa = await c.post("/api/v1/gate/flagger/rollback", json={"name": "x"})
             assert nometa.status_code == 400
+            short = await c.get("/api/v1/gate", params={**params, "revision": "new", "step": "10s"})
+            assert short.status_code == 400 and short.json()["error"] == (
+                "step 10s is shorter than the scrape interval (15s): steps without a scrape hold no data")
     finally:
         http.stop()
     assert made.count("pod=slow") == 1  # one session for the Argo rollout, however often it asked
