@@ -246,6 +246,8 @@ class TargetsGateSource:
         seen: dict[str, list[families.Delta]] = {}
         arms = await self.arms()
         self._stepped = True
+        listed = {t.key for targets in arms.values() for t in targets}
+        self._prev = {slot: r for slot, r in self._prev.items() if slot[0] in listed}  # pods gone leave no readings
         for arm, targets in arms.items():
             results = await self._scraper.scrape(targets, end)
             deltas = []
@@ -279,9 +281,7 @@ class TargetsGateSource:
             seen[arm] = deltas
         # Decided from every engine of the arms that has answered in this gate, its first reading included: an older
         # one whose scrape failed in the deciding step would be left out for good.
-        listed = {t.key for targets in arms.values() for t in targets}
-        read_as = self._tpot.read_as(lambda: tpot_spelling(r for (key, _), r in self._prev.items() if key in listed)
-                                     if all(seen.values()) else None)
+        read_as = self._tpot.read_as(lambda: tpot_spelling(self._prev.values()) if all(seen.values()) else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
         return Interval(start, end, dists["baseline"], dists["canary"])
 
@@ -430,6 +430,7 @@ class StoreGateSource:
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
         self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
+        self._arm: dict[tuple[str, str], str | None] = {}
 
     async def interval(self, start: float, end: float) -> Interval:
         wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate",
@@ -467,10 +468,12 @@ class StoreGateSource:
         return Interval(start, end, arms["baseline"], arms["canary"])
 
     def _arm_of(self, pool: str, pod: str) -> str | None:
-        matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
-        if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
-            raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
-        return matched[0] if matched else None
+        if (pool, pod) not in self._arm:  # asked for every series of every step: matched once per pod
+            matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
+            if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
+                raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
+            self._arm[(pool, pod)] = matched[0] if matched else None
+        return self._arm[(pool, pod)]
 
 
 class GateSession:
