@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from collectors.derive import EMPTY_HISTOGRAM, Histogram, counter_increase, histogram_increase
 from collectors.types import Objectives, Sample, Signal
 
-__all__ = ["STALE_S", "Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "carry", "delta", "merge_all",
+__all__ = ["STALE_S", "Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "advance", "delta", "merge_all",
            "merge_rates", "missing_families", "read"]
 
 STALE_S = 300.0  # a series not read for longer is gone, and one that comes back is new (Prometheus' lookback)
@@ -238,6 +238,14 @@ def missing_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[s
         if not present.intersection(group):
             missing.append(fam)
     return missing
+
+
+def advance(prev: Reading, cur: Reading, seconds: float) -> Delta | None:
+    """The change from `prev` to `cur`, read `seconds` apart; then `cur` keeps what `prev` had and it lacks, for its
+    next diff (`carry`). In that order: a value carried into `cur` first would read as no change."""
+    d = delta(prev, cur, seconds)
+    carry(prev, cur, seconds)
+    return d
 
 
 def carry(prev: Reading, cur: Reading, seconds: float, horizon: float = STALE_S) -> None:

@@ -73,8 +73,7 @@ class SignalDeriver:
                 self._prev[slot] = (res.ts, reading)
                 if prev is None:
                     continue
-                d = families.delta(prev[1], reading, res.ts - prev[0])
-                families.carry(prev[1], reading, res.ts - prev[0])
+                d = families.advance(prev[1], reading, res.ts - prev[0])
                 if d is None:
                     continue
                 out.signals.extend(source.signals(d, res.ts, source.subject(t, entity, reading)))

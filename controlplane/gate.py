@@ -213,7 +213,7 @@ class TargetsGateSource:
         self._scraper, self._found, self._selectors = scraper, found, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
         self._parser = Parser()
-        self._prev: dict[tuple[str, str], families.Reading] = {}
+        self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}  # (target, engine) -> its last reading
         self._answered: set[str] = set()  # canary targets that answered a scrape of this gate
         self._stepped = False
         self._tpot = _TpotReading(self._names)
@@ -260,12 +260,12 @@ class TargetsGateSource:
                     log.warning("%s: %d malformed exposition line(s), first: %s", res.target.url, len(errors), errors[0])
                 for entity, reading in read_engines(samples).items():
                     prev = self._prev.get((res.target.key, entity))
-                    self._prev[(res.target.key, entity)] = reading
+                    self._prev[(res.target.key, entity)] = (res.ts, reading)
                     if prev is None:
                         continue  # its first reading: a delta from the next step on
-                    if (d := families.delta(prev, reading, max(end - start, 1e-9))) is not None:
+                    # Over the time since its last good scrape, which failed ones since make longer than a step.
+                    if (d := families.advance(prev[1], reading, res.ts - prev[0])) is not None:
                         deltas.append(d)
-                    families.carry(prev, reading, end - start)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
             if arm == "canary":
@@ -281,7 +281,7 @@ class TargetsGateSource:
             seen[arm] = deltas
         # Decided from every engine of the arms that has answered in this gate, its first reading included: an older
         # one whose scrape failed in the deciding step would be left out for good.
-        read_as = self._tpot.read_as(lambda: tpot_spelling(self._prev.values()) if all(seen.values()) else None)
+        read_as = self._tpot.read_as(lambda: tpot_spelling(r for _, r in self._prev.values()) if all(seen.values()) else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
         return Interval(start, end, dists["baseline"], dists["canary"])
 
