@@ -96,17 +96,24 @@ class Scraper:
                 body, size, error, costly = "", 0, str(exc), exc.costly
             duration = time.perf_counter() - started
         if error is None:
-            health.consecutive_failures = 0
+            health.consecutive_failures = health.costly_failures = 0
             health.next_attempt_at = 0.0
             health.last_error = None
             return ScrapeResult(target, now, ok=True, body=body, duration_s=duration, size_bytes=size)
         health.consecutive_failures += 1
         health.last_error = error
-        # A skipped target reads as failing until it is asked again, so back off only where asking costs: a timeout
-        # holds a slot for the whole timeout, a refused connection or an error status costs nothing, and a pod that
-        # answers again is then seen at the next round. The first failure retries next round; the wait grows, jittered.
-        if costly and health.consecutive_failures > 1:
-            wait = min(self._backoff_max, self._backoff_base * 2 ** (health.consecutive_failures - 2))
+        # A skipped target reads as failing until it is asked again, so back off only where asking costs: a failure
+        # that held its slot for half the timeout or more, or read a body too large. A refused connection or an error
+        # status costs nothing, and a pod that answers again is then seen at the next round. The first costly failure
+        # retries next round; the wait grows, jittered.
+        if costly or duration >= self._timeout / 2:
+            health.costly_failures += 1
+        else:
+            health.costly_failures = 0
+        if health.costly_failures > 1:
+            # Capped before it is raised: a target failing for days would overflow the float.
+            doublings = min(health.costly_failures - 2, 30)
+            wait = min(self._backoff_max, self._backoff_base * 2.0 ** doublings)
             health.next_attempt_at = now + wait * self._rng.uniform(0.8, 1.2)
         else:
             health.next_attempt_at = 0.0

@@ -915,7 +915,8 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             found = discovered if discovered is not None else StaticTargets(static_targets(cfg))
             client = http_client(cfg.scrape.concurrency, cfg.scrape.timeout)
             # No backoff: one scrape a step is no load, and a canary pod that answers again counts at once.
-            scraper = Scraper(client, timeout_s=cfg.scrape.timeout, backoff_max_s=0.0)
+            scraper = Scraper(client, concurrency=cfg.scrape.concurrency, timeout_s=cfg.scrape.timeout,
+                              backoff_max_s=0.0)
             source = TargetsGateSource(scraper, found, pool_sel.narrowed(base_sel), pool_sel.narrowed(can_sel),
                                        settings.metrics)
 

@@ -287,8 +287,10 @@ class Policies(Settings):
         return {name: getattr(self, name) for name in type(self).model_fields if getattr(self, name).enabled}
 
     def problems(self, interval: float) -> list[tuple[tuple[str, ...], str]]:
-        """(field path, problem) for settings of enabled policies under which a detector could never judge."""
-        return [(("policies", name, field), message) for name, settings in self.enabled().items()
+        """(field path, problem) for settings of enabled policies under which a detector could never judge, and of the
+        canary gate's, which the HTTP API's gates judge by whether or not the loop's canary judge runs."""
+        sections = {**self.enabled(), "canary_regression": self.canary_regression}
+        return [(("policies", name, field), message) for name, settings in sections.items()
                 for field, message in settings.problems(interval)]
 
 

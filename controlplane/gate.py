@@ -263,8 +263,9 @@ class TargetsGateSource:
                     self._prev[(res.target.key, entity)] = (res.ts, reading)
                     if prev is None:
                         continue  # its first reading: a delta from the next step on
-                    # Over the time since its last good scrape, which failed ones since make longer than a step.
-                    if (d := families.advance(prev[1], reading, res.ts - prev[0])) is not None:
+                    # Over the time since its last good scrape, which failed ones since make longer than a step (never
+                    # under a step: a scrape stamped late, behind slow ones, would leave the next one a shorter span).
+                    if (d := families.advance(prev[1], reading, max(res.ts - prev[0], end - start))) is not None:
                         deltas.append(d)
             if not any(r.ok for r in results):
                 raise GateError(f"no {arm} target answered: " + "; ".join(f"{r.target.url}: {r.error}" for r in results))
@@ -581,8 +582,6 @@ class GateBook:
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None) -> Verdict:
         """The verdict of this rollout's gate now; `settings` for a gate not yet started. GateInputError for a bad
         selector or a step shorter than the scrape interval, GateError for a failing source."""
-        if settings is not None and (why := step_problem(settings.step, self._interval)):
-            raise GateInputError(f"step {why}")
         self._forget(now)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:
@@ -598,6 +597,8 @@ class GateBook:
                 if len(self._sessions) >= self._max:
                     raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
                 s = settings or self.settings
+                if why := step_problem(s.step, self._interval):
+                    raise GateInputError(f"step {why}")
                 base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
                 source = self._make(key.pool, base, can, s.metrics)
                 # A start older than two windows is an earlier rollout's under the same key.

@@ -132,6 +132,11 @@ def test_settings_that_leave_a_detector_unable_to_judge_are_rejected() -> None:
     # Windows that hold what the detectors need pass, and a disabled detector is not judged.
     parse_config(text.replace("{baseline: 120s}", "{baseline: 140s}").replace("10s}", "15s}"))
     parse_config(text.replace("{baseline: 120s}", "{baseline: 120s, enabled: false}").replace("10s}", "15s}"))
+    # The canary gate's step is judged even with the loop's canary judge off: the HTTP API's gates run by it.
+    gate = ("scrape: {interval: 15s}\npools: [{name: lab, role: unified, model: m, replicas: {max: 2}}]\n"
+            "policies: {canary_regression: {enabled: false, gate: {step: 10s}}}\n")
+    assert problems(gate) == ["policies.canary_regression.gate.step (line 3): 10s is shorter than the scrape interval "
+                              "(15s): steps without a scrape hold no data"]
 
 
 def test_policy_sections_are_the_policies_own_settings() -> None:

@@ -583,6 +583,17 @@ def test_the_api_judges_with_the_fleet_files_gate_rules() -> None:
     assert book._interval == cfg.scrape.interval == 15.0  # a step override is checked against it
 
 
+async def test_a_gate_whose_step_is_shorter_than_the_scrape_interval_is_refused_from_any_settings() -> None:
+    book = GateBook(lambda *_: Scripted(jittered(1.0, 200)), GateSettings(step=10.0), scrape_interval=15.0)
+    key = GateKey("decode", "pod=old", "pod=new")
+    for settings in (None, GateSettings(step=10.0, max_window=600.0)):  # the book's own, or a max_window override
+        with pytest.raises(GateInputError, match="step 10s is shorter than the scrape interval"):
+            await book.consult(key, 0.0, settings)
+    started = await book.consult(key, 0.0, GateSettings(step=30.0))
+    # A running gate keeps its settings: a later consultation's are not read, so not refused.
+    assert started == await book.consult(key, 0.0, GateSettings(step=5.0))
+
+
 async def test_argo_and_flagger_endpoints() -> None:
     clock = VirtualClock()
     made: list[str] = []
