@@ -142,7 +142,8 @@ class Parser:
     """An exposition parser that remembers the series it has seen (bounded by `max_series`)."""
 
     def __init__(self, max_series: int = 200_000) -> None:
-        self._series: dict[str, tuple[str, dict[str, str]]] = {}
+        # series text -> (name, labels, identity): the identity is the same for the same labels in any order
+        self._series: dict[str, tuple[str, dict[str, str], tuple[str, frozenset[tuple[str, str]]]]] = {}
         self._max = max_series
 
     def parse(self, text: str, *, errors: list[ExpositionError] | None = None,
@@ -155,7 +156,7 @@ class Parser:
         if len(cache) > self._max:
             cache.clear()  # a target whose series churn without end must not grow us forever
         ended = False
-        seen: set[str] = set()
+        seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
         for line_no, raw in enumerate(text.split("\n"), start=1):
             line = raw.strip() if openmetrics is False else raw
             if not line:
@@ -179,21 +180,22 @@ class Parser:
                 if close < 0:
                     close = line.find("}\t")
                 key = line[: close + 1] if close >= 0 else line.split(None, 1)[0]
-                if key in seen:
-                    # Prometheus refuses the scrape; summed, the series would count twice, and look reset when the
-                    # copy goes. (Told by its text: the same labels in another order are not caught.)
-                    raise ExpositionError(line_no, "a series already given in this exposition: the first value is "
-                                                   "kept", line)
                 hit = cache.get(key)
                 if hit is not None:
-                    name, labels = hit
+                    name, labels, ident = hit
                     rest = line[len(key):]
                 else:
                     name, labels, end = _parse_series(line, line_no)
                     if name.endswith("_bucket") and "le" in labels:
                         _bound(labels["le"], line_no, line)
-                    cache[line[:end]] = (name, labels)
+                    ident = (name, frozenset(labels.items()))
+                    cache[line[:end]] = (name, labels, ident)
                     rest = line[end:]
+                if ident in seen:
+                    # Prometheus refuses the scrape; summed, the series would count twice, and look reset when the
+                    # copy goes. Told by name and labels, so the same labels in another order are caught too.
+                    raise ExpositionError(line_no, "a series already given in this exposition: the first value is "
+                                                   "kept", line)
                 parts = rest.split()
                 if len(parts) == 1 and not openmetrics:
                     # The hot path: a plain value. '_' and 'y' would pass float() but are invalid.
@@ -204,11 +206,11 @@ class Parser:
                         value = float(token)
                     except ValueError:
                         raise ExpositionError(line_no, f"value {token!r} is not a number", line) from None
-                    seen.add(key)
+                    seen.add(ident)
                     yield Sample(name, labels, value, None)
                     continue
                 sample = _sample(name, labels, rest, openmetrics, line_no, line)
-                seen.add(key)
+                seen.add(ident)
                 yield sample
             except ExpositionError as exc:
                 if not _record(errors, exc):

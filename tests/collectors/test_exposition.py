@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.parse import identical, reference_samples
-from collectors.exposition import ExpositionError, parse
+from collectors.exposition import ExpositionError, Parser, parse
 from controlplane.demo import demo_fleet
 from controlplane.sim.exporters import render_dcgm, render_nixl, render_vllm
 from tests.conftest import FIXTURES as FIXTURE_DIR
@@ -252,6 +252,16 @@ def test_a_blank_line_in_openmetrics_is_an_error_of_its_line(text: str) -> None:
     assert [(s.name, s.value) for s in parse(text, errors=errors)] == [("foo", 1.0), ("bar", 2.0)]
     [error] = errors
     assert error.line_no == 2 and "only whitespace" in str(error)
+
+
+def test_the_same_series_with_its_labels_in_another_order_is_a_duplicate() -> None:
+    errors: list[ExpositionError] = []
+    parser = Parser()
+    for _ in range(2):  # parsed, then read from the parser's cache of series texts
+        errors.clear()
+        text = 'm{a="1",b="2"} 1\nm{b="2",a="1"} 2\nm{a="1",b="3"} 3\n'
+        assert [s.value for s in parser.parse(text, errors=errors)] == [1.0, 3.0]
+        assert [e.line_no for e in errors] == [2] and "already given" in str(errors[0])
 
 
 def test_a_malformed_line_does_not_block_a_good_one_of_the_same_series() -> None:
