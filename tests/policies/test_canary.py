@@ -20,6 +20,7 @@ from policies.canary import (
     Scale,
     blocks,
     confidence_sequence,
+    event_rate_bound,
     judge,
 )
 from policies.canary_reference import hodges_lehmann, kayenta_judge, threshold_judge
@@ -306,6 +307,45 @@ def test_rare_errors_at_the_allowance_do_not_pass() -> None:
     assert _rare_errors(0.01, 200, seed=1).count(Outcome.PASS) <= 2  # the gate's alpha, 0.01
     # A clean canary still passes within the window: 0 errors in some 1,500 requests bound its rate under 1 %.
     assert _rare_errors(0.0, 20, seed=2) == [Outcome.PASS] * 20
+
+
+def test_a_clean_small_canary_passes_its_error_rule_from_its_request_counts() -> None:
+    # Alpha as the default four metrics share it. On the blocks alone (their spread floored at the binomial one at the
+    # allowance) a canary of 50 requests a step without errors passed after 20.5 minutes, one of 20 a step never.
+    rule = MetricRule(name="error_rate", scale=Scale.DIFFERENCE, allowed=0.01, critical=True, min_count=50)
+    settings = GateSettings(metrics=(rule,), alpha=0.01 / 4)
+    for per_step, minutes in ((50, 10.5), (20, 26.0)):
+        steps = [Interval(30.0 * k, 30.0 * (k + 1), {"error_rate": Dist.of_events(0, 200)},
+                          {"error_rate": Dist.of_events(0, per_step)}) for k in range(int(minutes * 2))]
+        assert judge(steps, settings).outcome is Outcome.PASS
+        assert judge(steps[:-1], settings).outcome is Outcome.INCONCLUSIVE
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5000), st.integers(1, 5000), st.sampled_from([1e-4, 0.01, 0.1]), st.sampled_from([1e-3, 0.01, 0.3]))
+def test_event_rate_bounds_bracket_the_rate_seen_and_widen_with_confidence(events: int, trials: int, delta: float,
+                                                                           prior: float) -> None:
+    events = min(events, trials)
+    seen = events / trials
+    up = event_rate_bound(events, trials, delta, upper=True, prior_mean=prior)
+    down = event_rate_bound(events, trials, delta, upper=False, prior_mean=prior)
+    assert 0.0 <= down <= seen <= up <= 1.0
+    assert event_rate_bound(events, trials, delta / 10, upper=True, prior_mean=prior) >= up - 1e-9
+    assert event_rate_bound(events, trials, delta / 10, upper=False, prior_mean=prior) <= down + 1e-9
+
+
+def test_event_rate_bounds_hold_however_often_they_are_read() -> None:
+    # Read every 100 trials up to 3,000: the share of sequences whose bound ever crosses the true rate stays under delta.
+    rng = np.random.default_rng(3)
+    delta, runs = 0.1, 300
+    for p in (0.01, 0.05):
+        ever_below = ever_above = 0
+        for _ in range(runs):
+            seen = np.cumsum(rng.random(3000) < p)
+            reads = range(100, 3001, 100)
+            ever_below += any(event_rate_bound(seen[n - 1], n, delta, upper=True, prior_mean=0.01) < p for n in reads)
+            ever_above += any(event_rate_bound(seen[n - 1], n, delta, upper=False, prior_mean=0.01) > p for n in reads)
+        assert ever_below <= delta * runs and ever_above <= delta * runs, (p, ever_below, ever_above)
 
 
 def _tail(past: float, seed: int) -> Dist:
