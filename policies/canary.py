@@ -19,9 +19,9 @@ Per metric:
    consultation at once, so the gate may be asked every interval and stop at the first answer with
    its false-fail rate still bounded by `alpha`.
 4. Fail when the whole interval lies on the worse side of `margin` and the estimate reaches the
-   allowed shift; pass when the worst end of the interval stays within the allowed shift. For error
-   rates that end is also bounded from the request counts (`event_rate_bound`), which rare errors
-   leave the blocks too few of. A large
+   allowed shift; pass when the worst end of the interval stays within the allowed shift. An error
+   rate also passes when the canary's own rate, bound from above from its request counts
+   (`event_rate_bound`), is within the allowance: rare errors leave the blocks too few of them. A large
    shift with a wide interval is never a pass; too few blocks is inconclusive, never a pass.
 
 Written here rather than taken from a library: `confseq` (quantile confidence sequences) builds
@@ -419,6 +419,9 @@ def event_rate_bound(events: float, trials: float, delta: float, *, upper: bool,
     the data (a Beta prior with mean `prior_mean`, cut at p0) against their likelihood under p0, rejected at 1/delta
     (Ville's inequality); the bound is where rejection starts. With no events in n trials it comes close to
     log(1/delta) / n, where a normal approximation needs several times the trials."""
+    if not (math.isfinite(events) and math.isfinite(trials)):
+        return 1.0 if upper else 0.0
+    events = min(max(events, 0.0), trials)  # counts read from rates over separately aligned series may overshoot
     if trials <= 0 or (upper and events >= trials) or (not upper and events <= 0):
         return 1.0 if upper else 0.0
     s, f = events, trials - events
@@ -438,7 +441,7 @@ def event_rate_bound(events: float, trials: float, delta: float, *, upper: bool,
     lo, hi = (seen, 1.0 - tiny) if upper else (tiny, seen)
     if (excess(hi) if upper else excess(lo)) < 0:  # nothing on that side is rejected yet
         return 1.0 if upper else 0.0
-    return float(brentq(excess, lo, hi, xtol=1e-9))
+    return float(brentq(excess, lo, hi, xtol=1e-12, rtol=1e-9))
 
 
 def judge(intervals: Sequence[Interval], settings: GateSettings, *, final: bool = False) -> Verdict:
@@ -509,14 +512,15 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
                              **common)  # type: ignore[arg-type]
     sampling = _sampling_spread(pairs, rule.allowed) if rule.name == ERRORS else 0.0
     mean, lo, hi = confidence_sequence(shifts, alpha, s.target_blocks, rule.floor(), at_least=sampling)
-    if rule.name == ERRORS and whole_b is not None and whole_c is not None:
-        hi = _error_shift_upper(shifts, whole_b, whole_c, rule, s.target_blocks, alpha, sampling)
     ratio = rule.scale is Scale.RATIO
     allowed = math.log1p(rule.allowed) if ratio else rule.allowed
     margin = math.log1p(rule.margin) if ratio else rule.margin
     worse_up = _fails(mean, lo, allowed, margin) if rule.direction is not Direction.DECREASE else False
     worse_down = _fails(-mean, -hi, allowed, margin) if rule.direction is not Direction.INCREASE else False
     below, above = hi <= allowed, lo >= -allowed  # the shift shown within the allowance, from above and below
+    canary_bound = None  # the canary's own error rate from above, where that shows it within the allowance
+    if rule.name == ERRORS and whole_c is not None:
+        below, canary_bound = _errors_below(shifts, whole_c, rule, s.target_blocks, alpha, sampling)
     if understated:  # the true shift is at least this one: shown small from above, or worse downwards, it may not be
         worse_down = below = False
     if overstated:
@@ -534,7 +538,11 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
         outcome, decided = Outcome.INCONCLUSIVE, False
     shown = (math.exp(mean), math.exp(lo), math.exp(hi)) if ratio else (mean, lo, hi)
     threshold = 1.0 + rule.allowed if ratio else rule.allowed
-    reason = _explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha)
+    why = None
+    if outcome is Outcome.PASS and canary_bound is not None:
+        why = (f"the canary's own error rate is at most {canary_bound:.4g} by its {counts['canary_count']:.0f} "
+               f"requests ({1 - alpha / 5:.2%} anytime-valid), within the allowance whatever the baseline's")
+    reason = _explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha, why)
     if understated or overstated:
         arm = "the canary's" if understated else "the baseline's"
         reason += (f" ({arm} {rule.statistic} lay past the highest bucket bound in some blocks: that bound is only a "
@@ -544,20 +552,20 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
                          **common)  # type: ignore[arg-type]
 
 
-def _error_shift_upper(shifts: Sequence[float], base: Dist, can: Dist, rule: MetricRule, target: int, alpha: float,
-                       sampling: float) -> float:
-    """The upper end of the error-rate shift's interval, which decides a pass: the tighter of two bounds that share
-    `alpha`. Where errors are rare most blocks see none, and the blocks' spread is floored at the binomial one at the
-    allowance, so a small canary needs some 2,500 requests to pass; counted request by request, the canary's rate
-    from above less the baseline's from below shows the same within about 1,000 (a clean canary of 50 requests a
-    step passes in 10.5 minutes, not 20.5). Where the baseline has errors of its own, the blocks, paired in time, are
-    tighter, so they keep most of `alpha` (with a fifth to the counts, 36 of 300 clean canaries beside a baseline
-    failing 2 % pass within 30 minutes, against 44 on the blocks alone and 25 with half). Failing reads the blocks."""
-    blocks_hi = confidence_sequence(shifts, alpha * 0.8, target, rule.floor(), at_least=sampling)[2]
-    prior = min(0.5, max(rule.allowed, 1e-3))
-    counts_hi = (event_rate_bound(can.total, can.count, alpha * 0.1, upper=True, prior_mean=prior)
-                 - event_rate_bound(base.total, base.count, alpha * 0.1, upper=False, prior_mean=prior))
-    return min(blocks_hi, counts_hi)
+def _errors_below(shifts: Sequence[float], can: Dist, rule: MetricRule, target: int, alpha: float,
+                  sampling: float) -> tuple[bool, float | None]:
+    """Whether the error rate's shift is shown within the allowance from above, and the canary's own bound where that
+    is what showed it. Where errors are rare most blocks see none, and the blocks' spread is floored at the binomial
+    one at the allowance, so a small canary needs some 2,500 requests to pass on them. The canary's own rate, bound
+    from above request by request (`event_rate_bound`), shows the same within about 1,000 (a clean canary of 50
+    requests a step passes in 10 minutes, not 20.5): a canary whose rate is under the allowance is within it whatever
+    its baseline's, and this holds with rates that move over the gate and arms whose shares do, where the difference
+    of the arms' pooled rates would not. The blocks keep four fifths of `alpha`, the counts take a fifth; failing
+    reads the blocks alone."""
+    if confidence_sequence(shifts, alpha * 0.8, target, rule.floor(), at_least=sampling)[2] <= rule.allowed:
+        return True, None
+    bound = event_rate_bound(can.total, can.count, alpha * 0.2, upper=True, prior_mean=min(0.5, max(rule.allowed, 1e-3)))
+    return (True, bound) if bound <= rule.allowed else (False, None)
 
 
 def _sampling_spread(pairs: Sequence[tuple[Dist, Dist]], allowed: float) -> float:
@@ -608,13 +616,13 @@ def _shift_text(v: float, scale: Scale) -> str:
 
 
 def _explain(rule: MetricRule, outcome: Outcome, decided: bool, shown: tuple[float, float, float], n: int,
-             values: Mapping[str, float | None], level: float) -> str:
+             values: Mapping[str, float | None], level: float, why: str | None = None) -> str:
     est, lo, hi = shown
     allowed = f"+{rule.allowed * 100:.1f}%" if rule.scale is Scale.RATIO else f"{rule.allowed:+.4g}"
     head = (f"{rule.label}: canary {_fmt(values['canary'])} vs baseline {_fmt(values['baseline'])}, "
             f"shift {_shift_text(est, rule.scale)} (interval {_shift_text(lo, rule.scale)} to "
             f"{_shift_text(hi, rule.scale)}, {level:.1%} anytime-valid, {n} blocks), allowed {allowed}")
-    why = {
+    why = why or {
         Outcome.FAIL: "the whole interval is worse than the baseline and the shift reaches the allowance",
         Outcome.PASS: "even the worst end of the interval stays within the allowance",
         Outcome.MARGINAL: "worse than the baseline with confidence, but not shown to reach the allowance",

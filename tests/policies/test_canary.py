@@ -314,7 +314,7 @@ def test_a_clean_small_canary_passes_its_error_rule_from_its_request_counts() ->
     # allowance) a canary of 50 requests a step without errors passed after 20.5 minutes, one of 20 a step never.
     rule = MetricRule(name="error_rate", scale=Scale.DIFFERENCE, allowed=0.01, critical=True, min_count=50)
     settings = GateSettings(metrics=(rule,), alpha=0.01 / 4)
-    for per_step, minutes in ((50, 10.5), (20, 26.0)):
+    for per_step, minutes in ((50, 9.5), (20, 24.0)):
         steps = [Interval(30.0 * k, 30.0 * (k + 1), {"error_rate": Dist.of_events(0, 200)},
                           {"error_rate": Dist.of_events(0, per_step)}) for k in range(int(minutes * 2))]
         assert judge(steps, settings).outcome is Outcome.PASS
