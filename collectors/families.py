@@ -70,7 +70,7 @@ class Reading:
     # a sum, or restarts, is no reset of the whole sum.
     counter_series: dict[str, dict[frozenset[tuple[str, str]], float]] = field(default_factory=dict)
     histogram_series: dict[str, dict[frozenset[tuple[str, str]], Histogram]] = field(default_factory=dict)
-    # Series this reading lacked, carried from earlier ones for the next diff (`carry`): how much older their values
+    # Series this reading lacked, carried from earlier ones for the next diff (`advance`): how much older their values
     # are than this reading, by (table, key, labels).
     carried: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
 
@@ -242,13 +242,13 @@ def missing_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[s
 
 def advance(prev: Reading, cur: Reading, seconds: float) -> Delta | None:
     """The change from `prev` to `cur`, read `seconds` apart; then `cur` keeps what `prev` had and it lacks, for its
-    next diff (`carry`). In that order: a value carried into `cur` first would read as no change."""
+    next diff (`_carry`). In that order: a value carried into `cur` first would read as no change."""
     d = delta(prev, cur, seconds)
-    carry(prev, cur, seconds)
+    _carry(prev, cur, seconds)
     return d
 
 
-def carry(prev: Reading, cur: Reading, seconds: float, horizon: float = STALE_S) -> None:
+def _carry(prev: Reading, cur: Reading, seconds: float, horizon: float = STALE_S) -> None:
     """Keep in `cur`, for its next diff, the last value of each counter and histogram series that `prev` (read
     `seconds` earlier) had and `cur` lacks, for up to `horizon` seconds after it was last read: a series missing from
     one scrape (its line dropped as malformed) is then diffed against that value when it comes back, not counted from

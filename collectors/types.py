@@ -79,7 +79,7 @@ class TargetHealth:
     """Per-target scrape bookkeeping for backoff and reporting."""
 
     consecutive_failures: int = 0
-    costly_failures: int = 0  # the last of them in a row that timed out or read too much: what the backoff grows by
+    costly_failures: int = 0  # the last of them in a row that timed out, took half the timeout or read too much
     next_attempt_at: float = 0.0
     last_error: str | None = None
     missing_families: list[str] = field(default_factory=list)

@@ -249,8 +249,9 @@ class Scrape(Settings):
     # Scrapes in flight. httpx's connection pool costs more CPU per request as it grows: 16
     # measured cheapest per scrape (bench scrape: 1,000 pods, 1.0 CPU-s at 16, 2.4 CPU-s at 64).
     concurrency: int = Field(16, ge=1, le=4096)
-    # The longest wait before a target that timed out is asked again (cheap failures are asked every round): it costs
-    # a slot for `timeout` that often, and a target reads as failing for up to that long after it answers again.
+    # The longest wait before a target whose failures cost a slot (timed out, took half the timeout, or sent too much)
+    # is asked again; others are asked every round. It costs a slot that often, and a target reads as failing for up
+    # to that long after it answers again.
     backoff_max: Seconds = 60.0
     # Targets are scraped at fixed offsets within this part of each interval so a large fleet is
     # not hit at one instant (Prometheus spreads its targets the same way).

@@ -594,11 +594,11 @@ class GateBook:
         async with lock:  # Argo and a person may ask at once: one read of each step
             entry = self._sessions.get(key)
             if entry is None:
+                s = settings or self.settings
+                if why := step_problem(s.step, self._interval):  # asked wrongly (400) before a full book (503)
+                    raise GateInputError(f"step {why}")
                 if len(self._sessions) >= self._max:
                     raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
-                s = settings or self.settings
-                if why := step_problem(s.step, self._interval):
-                    raise GateInputError(f"step {why}")
                 base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
                 source = self._make(key.pool, base, can, s.metrics)
                 # A start older than two windows is an earlier rollout's under the same key.

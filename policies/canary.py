@@ -21,7 +21,7 @@ Per metric:
 4. Fail when the whole interval lies on the worse side of `margin` and the estimate reaches the
    allowed shift; pass when the worst end of the interval stays within the allowed shift. An error
    rate also passes when the canary's own rate, bound from above from its request counts
-   (`event_rate_bound`), is within the allowance: rare errors leave the blocks too few of them. A large
+   (`event_rate_upper`), is within the allowance: rare errors leave the blocks too few of them. A large
    shift with a wide interval is never a pass; too few blocks is inconclusive, never a pass.
 
 Written here rather than taken from a library: `confseq` (quantile confidence sequences) builds
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field, model_validator
 from scipy.optimize import brentq
-from scipy.special import betainc, betaincc, betaln
+from scipy.special import betainc, betaln
 from scipy.stats import norm
 from scipy.stats import t as student_t
 
@@ -67,7 +67,7 @@ __all__ = [
     "blocks",
     "confidence_sequence",
     "engine_dists",
-    "event_rate_bound",
+    "event_rate_upper",
     "judge",
     "merge_into",
     "step_problem",
@@ -228,6 +228,8 @@ DEFAULT_METRICS = (
 )
 
 
+# An error rate's blocks are read at this share of its alpha; a pass from the canary's own counts takes the rest.
+BLOCKS_SHARE = 0.8
 MIN_STEP_S = 1.0
 MAX_WINDOW_S = 86400.0
 MAX_STEPS = 10_000
@@ -410,38 +412,36 @@ def confidence_sequence(shifts: Sequence[float], alpha: float, target: int, floo
     return mean, mean - half, mean + half
 
 
-def event_rate_bound(events: float, trials: float, delta: float, *, upper: bool, prior_mean: float) -> float:
-    """An anytime-valid bound on the rate of `events` among `trials`, above the rate seen (`upper`) or below it: where
-    every trial's chance of an event is at least p (at most p) whatever came before, the chance that the bound is
-    ever below p (above it), however often it is read, is at most `delta`.
+def event_rate_upper(events: float, trials: float, delta: float, prior_mean: float) -> float:
+    """An anytime-valid upper bound on the rate of `events` among `trials`: where every trial's chance of an event is
+    at least p whatever came before, the chance that the bound is ever below p, however often it is read, is at most
+    `delta`.
 
-    A test martingale per candidate rate p0: the likelihood of the trials under the rates on the far side of p0 from
-    the data (a Beta prior with mean `prior_mean`, cut at p0) against their likelihood under p0, rejected at 1/delta
-    (Ville's inequality); the bound is where rejection starts. With no events in n trials it comes close to
-    log(1/delta) / n, where a normal approximation needs several times the trials."""
-    if not (math.isfinite(events) and math.isfinite(trials)):
-        return 1.0 if upper else 0.0
+    A test martingale per candidate rate p0: the likelihood of the trials under the rates below p0 (a Beta prior with
+    mean `prior_mean`, cut at p0) against their likelihood under p0, rejected at 1/delta (Ville's inequality); the
+    bound is where rejection starts. With no events in n trials it comes close to log(1/delta) / n, where a normal
+    approximation needs several times the trials."""
+    if not (math.isfinite(events) and math.isfinite(trials)) or trials <= 0:
+        return 1.0
     events = min(max(events, 0.0), trials)  # counts read from rates over separately aligned series may overshoot
-    if trials <= 0 or (upper and events >= trials) or (not upper and events <= 0):
-        return 1.0 if upper else 0.0
+    if events >= trials:
+        return 1.0
     s, f = events, trials - events
     a, b = 1.0, max(1.0, 1.0 / prior_mean - 1.0)
     evidence = betaln(s + a, f + b) - betaln(a, b)
-    cut = betainc if upper else betaincc  # the prior's and the posterior's mass on the far side of p0
 
     def excess(p0: float) -> float:
-        posterior, prior = float(cut(s + a, f + b, p0)), float(cut(a, b, p0))
+        posterior, prior = float(betainc(s + a, f + b, p0)), float(betainc(a, b, p0))  # their mass below p0
         if posterior <= 0.0 or prior <= 0.0:  # a mass too small for a float: read as not rejected, the safe side
             return -1.0
         return float(evidence + math.log(posterior) - math.log(prior) - s * math.log(p0) - f * math.log1p(-p0)
                      - math.log(1.0 / delta))
 
     tiny = 1e-12
-    seen = min(max(s / trials, tiny), 1.0 - tiny)
-    lo, hi = (seen, 1.0 - tiny) if upper else (tiny, seen)
-    if (excess(hi) if upper else excess(lo)) < 0:  # nothing on that side is rejected yet
-        return 1.0 if upper else 0.0
-    return float(brentq(excess, lo, hi, xtol=1e-12, rtol=1e-9))
+    seen, top = min(max(s / trials, tiny), 1.0 - tiny), 1.0 - tiny
+    if excess(top) < 0:  # nothing above the rate seen is rejected yet
+        return 1.0
+    return float(brentq(excess, seen, top, xtol=1e-12, rtol=1e-9))
 
 
 def judge(intervals: Sequence[Interval], settings: GateSettings, *, final: bool = False) -> Verdict:
@@ -511,16 +511,18 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
         return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=reason, blocks=len(shifts),
                              **common)  # type: ignore[arg-type]
     sampling = _sampling_spread(pairs, rule.allowed) if rule.name == ERRORS else 0.0
-    mean, lo, hi = confidence_sequence(shifts, alpha, s.target_blocks, rule.floor(), at_least=sampling)
+    level = alpha * BLOCKS_SHARE if rule.name == ERRORS else alpha  # an error rate's counts take the rest
+    mean, lo, hi = confidence_sequence(shifts, level, s.target_blocks, rule.floor(), at_least=sampling)
     ratio = rule.scale is Scale.RATIO
     allowed = math.log1p(rule.allowed) if ratio else rule.allowed
     margin = math.log1p(rule.margin) if ratio else rule.margin
     worse_up = _fails(mean, lo, allowed, margin) if rule.direction is not Direction.DECREASE else False
     worse_down = _fails(-mean, -hi, allowed, margin) if rule.direction is not Direction.INCREASE else False
     below, above = hi <= allowed, lo >= -allowed  # the shift shown within the allowance, from above and below
-    canary_bound = None  # the canary's own error rate from above, where that shows it within the allowance
-    if rule.name == ERRORS and whole_c is not None:
-        below, canary_bound = _errors_below(shifts, whole_c, rule, s.target_blocks, alpha, sampling)
+    canary_bound = None  # the canary's own error rate from above, where that, not the blocks, shows it within
+    if rule.name == ERRORS and whole_c is not None and not below:
+        canary_bound = _canary_errors_within(whole_c, rule, alpha * (1.0 - BLOCKS_SHARE))
+        below = canary_bound is not None
     if understated:  # the true shift is at least this one: shown small from above, or worse downwards, it may not be
         worse_down = below = False
     if overstated:
@@ -541,8 +543,9 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
     why = None
     if outcome is Outcome.PASS and canary_bound is not None:
         why = (f"the canary's own error rate is at most {canary_bound:.4g} by its {counts['canary_count']:.0f} "
-               f"requests ({1 - alpha / 5:.2%} anytime-valid), within the allowance whatever the baseline's")
-    reason = _explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - alpha, why)
+               f"requests ({1 - alpha * (1 - BLOCKS_SHARE):.2%} anytime-valid), within the allowance whatever the "
+               f"baseline's")
+    reason = _explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - level, why)
     if understated or overstated:
         arm = "the canary's" if understated else "the baseline's"
         reason += (f" ({arm} {rule.statistic} lay past the highest bucket bound in some blocks: that bound is only a "
@@ -552,20 +555,15 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
                          **common)  # type: ignore[arg-type]
 
 
-def _errors_below(shifts: Sequence[float], can: Dist, rule: MetricRule, target: int, alpha: float,
-                  sampling: float) -> tuple[bool, float | None]:
-    """Whether the error rate's shift is shown within the allowance from above, and the canary's own bound where that
-    is what showed it. Where errors are rare most blocks see none, and the blocks' spread is floored at the binomial
-    one at the allowance, so a small canary needs some 2,500 requests to pass on them. The canary's own rate, bound
-    from above request by request (`event_rate_bound`), shows the same within about 1,000 (a clean canary of 50
-    requests a step passes in 10 minutes, not 20.5): a canary whose rate is under the allowance is within it whatever
-    its baseline's, and this holds with rates that move over the gate and arms whose shares do, where the difference
-    of the arms' pooled rates would not. The blocks keep four fifths of `alpha`, the counts take a fifth; failing
-    reads the blocks alone."""
-    if confidence_sequence(shifts, alpha * 0.8, target, rule.floor(), at_least=sampling)[2] <= rule.allowed:
-        return True, None
-    bound = event_rate_bound(can.total, can.count, alpha * 0.2, upper=True, prior_mean=min(0.5, max(rule.allowed, 1e-3)))
-    return (True, bound) if bound <= rule.allowed else (False, None)
+def _canary_errors_within(can: Dist, rule: MetricRule, delta: float) -> float | None:
+    """The canary's own error rate from above, request by request (`event_rate_upper`), where it is within the
+    allowance; None where it is not shown to be. Where errors are rare most blocks see none, and the blocks' spread is
+    floored at the binomial one at the allowance, so a small canary needs some 2,500 requests to pass on them; its
+    own rate shows the same within about 1,000 (a clean canary of 50 requests a step passes in 9.5 minutes, not 20.5).
+    A canary under the allowance is within it whatever its baseline's rate, and this holds where rates move over the
+    gate and the arms' shares do, where the difference of the arms' pooled rates would not (Simpson's paradox)."""
+    bound = event_rate_upper(can.total, can.count, delta, prior_mean=min(0.5, max(rule.allowed, 1e-3)))
+    return bound if bound <= rule.allowed else None
 
 
 def _sampling_spread(pairs: Sequence[tuple[Dist, Dist]], allowed: float) -> float:

@@ -20,7 +20,7 @@ from policies.canary import (
     Scale,
     blocks,
     confidence_sequence,
-    event_rate_bound,
+    event_rate_upper,
     judge,
 )
 from policies.canary_reference import hodges_lehmann, kayenta_judge, threshold_judge
@@ -323,29 +323,32 @@ def test_a_clean_small_canary_passes_its_error_rule_from_its_request_counts() ->
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 5000), st.integers(1, 5000), st.sampled_from([1e-4, 0.01, 0.1]), st.sampled_from([1e-3, 0.01, 0.3]))
-def test_event_rate_bounds_bracket_the_rate_seen_and_widen_with_confidence(events: int, trials: int, delta: float,
-                                                                           prior: float) -> None:
+def test_the_event_rate_bound_tightens_with_trials_and_widens_with_confidence(events: int, trials: int, delta: float,
+                                                                              prior: float) -> None:
     events = min(events, trials)
-    seen = events / trials
-    up = event_rate_bound(events, trials, delta, upper=True, prior_mean=prior)
-    down = event_rate_bound(events, trials, delta, upper=False, prior_mean=prior)
-    assert 0.0 <= down <= seen <= up <= 1.0
-    assert event_rate_bound(events, trials, delta / 10, upper=True, prior_mean=prior) >= up - 1e-9
-    assert event_rate_bound(events, trials, delta / 10, upper=False, prior_mean=prior) <= down + 1e-9
+    up = event_rate_upper(events, trials, delta, prior)
+    assert events / trials <= up <= 1.0
+    assert event_rate_upper(events, trials, delta / 10, prior) >= up - 1e-9
+    # Ten times the trials at the same rate seen: the bound comes down towards it.
+    assert event_rate_upper(10 * events, 10 * trials, delta, prior) <= up + 1e-9
 
 
-def test_event_rate_bounds_hold_however_often_they_are_read() -> None:
-    # Read every 100 trials up to 3,000: the share of sequences whose bound ever crosses the true rate stays under delta.
+def test_the_event_rate_bound_takes_counts_that_overshoot_and_none() -> None:
+    # Counts read from rates over separately aligned series may hold more errors than requests, or none at all.
+    assert event_rate_upper(2.0, 1.0, 0.01, 0.01) == event_rate_upper(float("nan"), 10.0, 0.01, 0.01) == 1.0
+    assert event_rate_upper(0.0, 0.0, 0.01, 0.01) == 1.0
+    assert event_rate_upper(-1.0, 1000.0, 0.01, 0.01) == event_rate_upper(0.0, 1000.0, 0.01, 0.01) < 0.02
+
+
+def test_the_event_rate_bound_holds_however_often_it_is_read() -> None:
+    # Read every 100 requests up to 3,000: the share of sequences whose bound ever falls below the true rate stays
+    # under delta (measured 0.039 at 0.05 for a rate of 1 %).
     rng = np.random.default_rng(3)
     delta, runs = 0.1, 300
     for p in (0.01, 0.05):
-        ever_below = ever_above = 0
-        for _ in range(runs):
-            seen = np.cumsum(rng.random(3000) < p)
-            reads = range(100, 3001, 100)
-            ever_below += any(event_rate_bound(seen[n - 1], n, delta, upper=True, prior_mean=0.01) < p for n in reads)
-            ever_above += any(event_rate_bound(seen[n - 1], n, delta, upper=False, prior_mean=0.01) > p for n in reads)
-        assert ever_below <= delta * runs and ever_above <= delta * runs, (p, ever_below, ever_above)
+        seen = [np.cumsum(rng.random(3000) < p) for _ in range(runs)]
+        below = sum(any(event_rate_upper(s[n - 1], n, delta, 0.01) < p for n in range(100, 3001, 100)) for s in seen)
+        assert below <= delta * runs, (p, below)
 
 
 def _tail(past: float, seed: int) -> Dist:
