@@ -859,13 +859,13 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
     from pydantic import ValidationError
 
     from collectors.prometheus_api import PrometheusSource
-    from collectors.scraper import Scraper, http_client
+    from collectors.scraper import Scraper
     from controlplane.actuators.base import StaticTargets
     from controlplane.clock import WallClock
     from controlplane.config import load_config, parse_yaml
     from controlplane.errors import GateInputError
     from controlplane.gate import ArmSelector, PromGateSource, StoreGateSource, TargetsGateSource, run_gate
-    from controlplane.runtime import discovered_targets, prometheus_source, static_targets
+    from controlplane.runtime import discovered_targets, prometheus_source, scrape_client, static_targets
     from controlplane.store.records import NewVerdict
     from controlplane.store.threaded import ThreadedStore
     from policies.canary import GateSettings, step_problem
@@ -913,7 +913,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
                 raise click.UsageError("--source targets needs --fleet with the targets (a static list or discovery)")
             discovered = discovered_targets(cfg, stack)
             found = discovered if discovered is not None else StaticTargets(static_targets(cfg))
-            client = http_client(cfg.scrape.concurrency, cfg.scrape.timeout)
+            client = scrape_client(cfg)
             # No backoff: one scrape a step is no load, and a canary pod that answers again counts at once.
             scraper = Scraper(client, concurrency=cfg.scrape.concurrency, timeout_s=cfg.scrape.timeout,
                               backoff_max_s=0.0)

@@ -431,7 +431,7 @@ class StoreGateSource:
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
         self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
-        self._arm: dict[tuple[str, str], str | None] = {}
+        self._arm: dict[str, str | None] = {}  # a pod of the pool -> its arm
 
     async def interval(self, start: float, end: float) -> Interval:
         wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate",
@@ -450,12 +450,11 @@ class StoreGateSource:
                     and 2 * start - end < s.ts <= end:
                 pod = s.subject.split("/")[2]
                 latest[pod] = s.value
-                if s.value >= 1 and self._arm_of(self._pool, pod) == "canary":
+                if s.value >= 1 and self._arm_of(pod) == "canary":
                     self._answered.add(pod)
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
         for subject, series in engines.items():
-            _, pool, pod, _rank = subject.split("/", 3)
-            arm = self._arm_of(pool, pod)
+            arm = self._arm_of(subject.split("/", 3)[2])  # engine/<pool>/<pod>/<rank>, of this pool
             if arm is not None:
                 for name, d in engine_dists(series, self._names, start, end).items():
                     merge_into(arms[arm], name, d)
@@ -468,13 +467,13 @@ class StoreGateSource:
             raise GateError(f"canary pod(s) {', '.join(down)} failing the control plane's scrapes")
         return Interval(start, end, arms["baseline"], arms["canary"])
 
-    def _arm_of(self, pool: str, pod: str) -> str | None:
-        if (pool, pod) not in self._arm:  # asked for every series of every step: matched once per pod
-            matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pool": pool, "pod": pod})]
+    def _arm_of(self, pod: str) -> str | None:
+        if pod not in self._arm:  # asked for every series of every step: matched once per pod
+            matched = [a for a, sel in self._arms.items() if sel.matches({**self._known, "pod": pod})]
             if len(matched) == 2:  # the canary diluted into its own baseline would read a regression smaller
                 raise GateInputError(f"pod {pod} matches both the baseline's and the canary's selector")
-            self._arm[(pool, pod)] = matched[0] if matched else None
-        return self._arm[(pool, pod)]
+            self._arm[pod] = matched[0] if matched else None
+        return self._arm[pod]
 
 
 class GateSession:
