@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["LabelSelector", "Requirement", "split_clauses"]
 
@@ -53,6 +53,7 @@ _SET_CLAUSE = re.compile(rf"^(?P<key>{_KEY})\s+(?P<op>in|notin)\s*\((?P<values>[
 _EQ_CLAUSE = re.compile(rf"^(?P<key>{_KEY})\s*(?P<op>==|!=|=)\s*(?P<value>{_VALUE})$")
 _EXISTS_CLAUSE = re.compile(rf"^(?P<neg>!?)\s*(?P<key>{_KEY})$")
 _VALUE_ONLY = re.compile(rf"^{_VALUE}$")
+_API_OPS = {"In": "in", "NotIn": "notin", "Exists": "exists", "DoesNotExist": "!exists"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,19 @@ class LabelSelector:
     def parse(cls, text: str) -> LabelSelector:
         """Parse `a=b,c!=d,e,!f,g in (x,y),h notin (z)`; ValueError names the clause it cannot read."""
         return cls(tuple(_parse_clause(c) for c in split_clauses(text)))
+
+    @classmethod
+    def from_api(cls, selector: Mapping[str, Any]) -> LabelSelector:
+        """A workload's `spec.selector` (matchLabels and matchExpressions); ValueError names an operator it cannot
+        read."""
+        out = [Requirement(str(k), "=", frozenset({str(v)})) for k, v in sorted((selector.get("matchLabels") or {}).items())]
+        for expr in selector.get("matchExpressions") or []:
+            op = _API_OPS.get(str(expr.get("operator")))
+            if op is None or not expr.get("key"):
+                raise ValueError(f"matchExpressions entry {dict(expr)!r}: expected a key and In, NotIn, Exists or "
+                                 "DoesNotExist")
+            out.append(Requirement(str(expr["key"]), op, frozenset(str(v) for v in expr.get("values") or [])))
+        return cls(tuple(out))
 
     def matches(self, labels: Mapping[str, str] | None) -> bool:
         """Whether a pod with these labels is selected."""

@@ -8,14 +8,15 @@ loop chose the change and its target, the rails allowed it; this only carries it
 
 What it needs, and nothing more (`VERBS`; `deploy/base/rbac.yaml` grants exactly that, and the
 emulator tests fail on any call outside it): get and patch on the workloads, patch on their `scale`
-subresource, list on ReplicaSets, patch on a Rollout's status (to abort it), list, patch and delete
-on pods, create on `pods/eviction`, patch on nodes, create on Events, get on its ConfigMap (the
+subresource, list on ReplicaSets, patch on a Rollout's status (to abort it), list and patch on pods,
+create on `pods/eviction`, patch on nodes, create on Events, get on its ConfigMap (the
 kill switch).
 
 How: scaling goes through the scale subresource, a LeaderWorkerSet's in whole groups. Scaling down
 drains first: the engines that will go are taken out of routing (their `routing_label` removed), and
 the scale-down follows once they are idle or `drain_grace` has passed (the loop resumes it each
-tick). A Deployment or Rollout gives up the least busy, given the lowest
+tick); the count is written onto the workload's version as read, so a scale by someone else
+meanwhile is seen, not overwritten. A Deployment or Rollout gives up the least busy, given the lowest
 `controller.kubernetes.io/pod-deletion-cost` so its ReplicaSet removes those; in the middle of an
 update the change is spread over the ReplicaSets as their controller spreads it (a Deployment's
 in proportion, `rollout_split`; an Argo Rollout's by the canary's weight or the blue-green
@@ -31,9 +32,12 @@ once, with the object's resourceVersion (for an Argo Rollout with a `workloadRef
 the Deployment it names, which the Rollout follows; that template's digest is the one reported);
 the rails have checked that the rollout restarts no more engines at
 once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
-previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is deleted once idle
-and its workload replaces it; a cordon marks the node unschedulable and evicts its engines through
-the Eviction API, which honours PodDisruptionBudgets (a refusal is retried until the grace ends).
+previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is evicted once idle
+and its workload replaces it; a cordon marks the node unschedulable and evicts the pool's engines on
+it. Both go through the Eviction API, which honours PodDisruptionBudgets: a refusal is retried until
+the grace ends (a drained engine's, one more grace after its drain), and the engines still there
+then are routed again. A workload's pods are those its selector matches (matchExpressions
+included) that no other controller owns.
 
 Every write carries the action's id in an annotation of the object it changes, so a restarted
 leader sees a change it already made (`applied`) and never makes it twice, and is followed by an
@@ -65,6 +69,7 @@ from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
 from controlplane.kube import api_message, dig, int_or_percent, pod_ready
+from controlplane.selectors import LabelSelector
 from policies.types import ActionKind, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation, describe
 
 __all__ = ["ACTION_ANNOTATION", "VERBS", "ConfigMapSwitch", "KubernetesActuator", "WorkloadKind"]
@@ -121,7 +126,7 @@ VERBS: frozenset[tuple[str, str, str]] = frozenset({
     *((k.group, k.plural, verb) for k in KINDS.values() for verb in ("get", "patch")),
     *((k.group, f"{k.plural}/scale", "patch") for k in KINDS.values()),
     ("apps", "replicasets", "list"), ("argoproj.io", "rollouts/status", "patch"),
-    ("", "pods", "list"), ("", "pods", "patch"), ("", "pods", "delete"), ("", "pods/eviction", "create"),
+    ("", "pods", "list"), ("", "pods", "patch"), ("", "pods/eviction", "create"),
     ("", "nodes", "patch"), ("events.k8s.io", "events", "create"), ("", "configmaps", "get"),
 })
 
@@ -181,12 +186,18 @@ def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) 
     return sorted(pods, key=rank)[:max(0, leaving)]
 
 
+def _controller(meta: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The kind and name of the object that controls a pod (None for an orphan)."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("kind")), str(ref.get("name"))
+    return None
+
+
 def _owner(meta: Mapping[str, Any]) -> str | None:
     """The name of the ReplicaSet that controls a pod."""
-    for ref in meta.get("ownerReferences") or []:
-        if ref.get("kind") == "ReplicaSet" and ref.get("controller"):
-            return str(ref.get("name"))
-    return None
+    ref = _controller(meta)
+    return ref[1] if ref is not None and ref[0] == "ReplicaSet" else None
 
 
 def _ordinal(pod: str, meta: Mapping[str, Any], label: str) -> int:
@@ -220,6 +231,20 @@ def _gang(w: Workload, obj: Mapping[str, Any]) -> int:
     """Engines per replica of the workload as read: a LeaderWorkerSet group's size, else 1."""
     path = KINDS[w.kind].gang
     return int(dig(obj, path, 1)) if path else 1
+
+
+def _selector(w: Workload, obj: Mapping[str, Any]) -> LabelSelector:
+    """The selector of the workload's pods, as read; ActuationError where it has none or one that cannot be read."""
+    # A LeaderWorkerSet has no selector in its spec: its controller labels every pod with the set's name.
+    try:
+        selector = (LabelSelector.parse(f"{LWS_NAME}={w.name}") if w.kind == "LeaderWorkerSet" else
+                    LabelSelector.from_api(dig(obj, ("spec", "selector"), {}) or {}))
+    except ValueError as exc:
+        raise ActuationError(f"{w.kind} {w.namespace}/{w.name}: its pod selector cannot be read: {exc}") from None
+    if not selector.requirements:
+        raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod selector: its engines cannot be told "
+                             "from others in the namespace")
+    return selector
 
 
 def _engines(w: Workload, obj: Mapping[str, Any]) -> tuple[int, int]:
@@ -277,7 +302,11 @@ class _Conflict(Exception):
 
 
 class _Missing(ActuationError):
-    """The object is not there (404): an error to most callers, done to a delete."""
+    """The object is not there (404): an error to most callers, done to an eviction."""
+
+
+class _Refused(ActuationError):
+    """Refused for now (429): an eviction a PodDisruptionBudget does not allow yet."""
 
 
 class KubernetesActuator:
@@ -311,6 +340,8 @@ class KubernetesActuator:
                     raise _Conflict(api_message(exc)) from None
                 if exc.status == 404:
                     raise _Missing(f"{what}: {api_message(exc)}") from None
+                if exc.status == 429:
+                    raise _Refused(f"{what}: {api_message(exc)}") from None
                 if exc.status in (403, 422) or attempt == 2 or (exc.status or 0) < 500:
                     raise ActuationError(f"{what}: {api_message(exc)}") from None
             except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -432,10 +463,10 @@ class KubernetesActuator:
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The ReplicaSets the workload (a Deployment or an Argo Rollout) owns, newest revision first."""
-        labels = dig(obj, ("spec", "selector", "matchLabels"), {}) or {}
-        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        selector = _selector(w, obj)
         items = (await self._json(f"listing the ReplicaSets of {w.namespace}/{w.name}",
-                                  self._apps.list_namespaced_replica_set, w.namespace, label_selector=selector))["items"]
+                                  self._apps.list_namespaced_replica_set, w.namespace,
+                                  label_selector=str(selector)))["items"]
         uid = dig(obj, ("metadata", "uid"))
         mine = [rs for rs in items
                 if uid is None or any(o.get("uid") == uid for o in dig(rs, ("metadata", "ownerReferences"), []) or [])]
@@ -499,23 +530,34 @@ class KubernetesActuator:
         return {"metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
-        size, desired = _engines(w, obj)
+        _, desired = _engines(w, obj)
         if change.replicas >= desired:
-            return await self._set_replicas(order, w, change.replicas // size)
+            return await self._retrying(f"scaling {w.kind} {w.namespace}/{w.name}", order, w, dict(obj),
+                                        lambda current: self._scale_up(order, w, current, change))
         # Scale down by draining: the engines that will go leave routing first.
         victims, _ = await self._victims(order, w, obj, change.replicas)
         await self._take_out(order, w, obj, victims, change.replicas)
         return {"wait": {"phase": "draining", "pods": victims, "namespace": w.namespace, "replicas": change.replicas,
                          "from": desired, "deadline": self.clock() + self.settings.drain_grace, "then": "scale"}}
 
+    async def _scale_up(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
+        """Write a count no lower than the workload's, as read, onto the version read."""
+        size, desired = _engines(w, obj)
+        if change.replicas < desired:  # raised by someone else since: a lower count now needs a drain
+            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went to {desired} engines, more than the "
+                                 f"{change.replicas} asked for: not scaled")
+        return await self._set_replicas(order, w, change.replicas // size,
+                                        version=dig(obj, ("metadata", "resourceVersion")))
+
     async def _victims(self, order: Order, w: Workload, obj: Mapping[str, Any], replicas: int
                        ) -> tuple[list[str], set[str]]:
         """The live engines that scaling `w` (as read) down to `replicas` engines removes and are to drain, and those
         it keeps."""
-        pods = await self._pods_of(w, obj)
-        size, desired = _engines(w, obj)
         split = _SPLITS.get(w.kind)
-        sizes = split(obj, await self._replica_sets(w, obj), replicas) if split is not None else None
+        sets = await self._replica_sets(w, obj) if split is not None else None
+        pods = await self._pods_of(w, obj, sets)
+        size, desired = _engines(w, obj)
+        sizes = split(obj, sets, replicas) if split is not None and sets is not None else None
         return _leaving(w, pods, replicas // size, desired - replicas, order,
                         first=int(dig(obj, ("spec", "ordinals", "start"), 0) or 0), sizes=sizes)
 
@@ -533,11 +575,15 @@ class KubernetesActuator:
             raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
 
     async def _set_replicas(self, order: Order, w: Workload, replicas: int, *, drained: Mapping[str, Any] | None = None,
-                            pods: Sequence[str] = ()) -> dict[str, Any]:
+                            pods: Sequence[str] = (), version: str | None = None) -> dict[str, Any]:
         """Scale through the subresource, then stamp the workload. With `drained` (the workload as read) a scale that
-        is refused puts the drained `pods` back in routing; once the count is written they stay out, whatever follows."""
+        is refused puts the drained `pods` back in routing; once the count is written they stay out, whatever follows.
+        With `version` (the workload's resourceVersion as read) the count is written only onto that version: a scale
+        by someone else since is not overwritten (`_Conflict`)."""
         kind = KINDS[w.kind]
-        body = {"spec": {"replicas": replicas}}
+        body: dict[str, Any] = {"spec": {"replicas": replicas}}
+        if version is not None:
+            body["metadata"] = {"resourceVersion": version}
         try:
             await self._call(f"scaling {w.kind} {w.namespace}/{w.name}",
                              self._custom.patch_namespaced_custom_object_scale, kind.group, kind.version, w.namespace,
@@ -640,22 +686,29 @@ class KubernetesActuator:
 
     # draining -------------------------------------------------------------------------------------
 
-    async def _pods_of(self, w: Workload, obj: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """The workload's live pods and their metadata."""
-        # A LeaderWorkerSet has no selector in its spec: its controller labels every pod with the set's name.
-        labels = ({LWS_NAME: w.name} if w.kind == "LeaderWorkerSet" else
-                  dig(obj, ("spec", "selector", "matchLabels"), {}) or {})
-        if not labels:
-            raise ActuationError(f"{w.kind} {w.namespace}/{w.name} has no pod selector: its engines cannot be told "
-                                 "from others in the namespace")
-        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    async def _pods_of(self, w: Workload, obj: Mapping[str, Any], sets: Sequence[Mapping[str, Any]] | None = None
+                       ) -> dict[str, dict[str, Any]]:
+        """The workload's live pods and their metadata: those its selector matches that no other object controls
+        (`sets`: a Deployment's or Rollout's ReplicaSets, where the caller has listed them)."""
+        selector = _selector(w, obj)
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
-                                  w.namespace, label_selector=selector)
+                                  w.namespace, label_selector=str(selector))
+        # Another workload's pods can carry the same labels (a second Deployment, the Deployment an Argo Rollout
+        # replaced): a pod controlled by anything but this workload's own is never drained, evicted or counted. An
+        # orphan stays in: its labels are the workload's, and its controller may adopt it.
+        if w.kind in _SPLITS:
+            owners: set[tuple[str, str]] | None = {
+                ("ReplicaSet", str(dig(rs, ("metadata", "name")))) for rs in
+                (sets if sets is not None else await self._replica_sets(w, obj))}
+        else:  # a LeaderWorkerSet's pods belong to StatefulSets and pods it owns; its name label is its controller's
+            owners = {(w.kind, w.name)} if w.kind == "StatefulSet" else None
         # As the controllers count them: a pod being deleted, or one that ended (evicted, completed), is no replica.
         return {p["metadata"]["name"]: {**p["metadata"], "ready": pod_ready(p), "phase": dig(p, ("status", "phase")),
                                         "node": dig(p, ("spec", "nodeName"))}
                 for p in listed["items"] if not dig(p, ("metadata", "deletionTimestamp"))
-                and dig(p, ("status", "phase")) not in ("Failed", "Succeeded")}
+                and dig(p, ("status", "phase")) not in ("Failed", "Succeeded")
+                and selector.matches(dig(p, ("metadata", "labels")))
+                and (owners is None or (ref := _controller(p["metadata"])) is None or ref in owners)}
 
     async def _unroute(self, order: Order, namespace: str, pod: str, cost: int | None = None) -> None:
         """Take a pod out of the router's pool (its routing label removed) and mark it with the action."""
@@ -689,11 +742,16 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        listed = await self._json(f"listing the pods on node {node}", self._core.list_namespaced_pod, w.namespace,
-                                  field_selector=f"spec.nodeName={node}")
-        pods = sorted(p["metadata"]["name"] for p in listed["items"])
-        for pod in pods:
-            await self._unroute(order, w.namespace, pod)
+        # The pool's own engines on the node: another pool's are its own actions' to move (one pool at a time).
+        obj = await self._read(w)
+        pods = sorted(p for p, meta in (await self._pods_of(w, obj)).items() if meta["node"] == node)
+        done: list[str] = []
+        try:
+            for pod in pods:
+                await self._unroute(order, w.namespace, pod)
+                done.append(pod)
+        except ActuationError as exc:
+            raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
         return {"wait": {"phase": "evicting", "pods": pods, "namespace": w.namespace, "then": "evict", "node": node,
                          "deadline": self.clock() + self.settings.drain_grace}}
 
@@ -705,18 +763,14 @@ class KubernetesActuator:
         late = now >= float(wait["deadline"])
         if wait["then"] == "evict":
             # Evict once idle (or at the grace's end): the Eviction API honours PodDisruptionBudgets.
-            left = []
-            for pod in pods:
-                if pod in idle or late:
-                    if not await self._evict(order, wait["namespace"], pod):
-                        left.append(pod)
-                else:
-                    left.append(pod)
+            left = await self._evict_all(order, wait, [p for p in pods if p in idle or late])
+            left += [p for p in pods if p not in idle and not late]
             if left and not late:
                 return {"wait": {**wait, "pods": left}}
             if left:
                 raise ActuationError(f"node {wait['node']}: {', '.join(left)} could not be evicted within "
-                                     f"{self.settings.drain_grace:g}s (a PodDisruptionBudget refused)")
+                                     f"{self.settings.drain_grace:g}s (a PodDisruptionBudget refused); "
+                                     f"{await self._back_in(order, self.workloads[order.pool], {}, left)}")
             return {"cordoned": wait["node"], "evicted": pods, "waited_for_idle": not late}
         if len(idle) < len(pods) and not late:
             return {"wait": wait}
@@ -725,25 +779,52 @@ class KubernetesActuator:
         if wait["then"] == "scale":
             return await self._scale_drained(order, wait, pods, detail, now)
         live = await self._live_pods(order)
-        for pod in pods:
-            if pod in live and dig(live[pod], ("annotations", ACTION_ANNOTATION)) != order.stamp:
-                continue  # a new pod under the drained one's name (a StatefulSet's): the drained one is gone
-            try:
-                await self._call(f"deleting drained pod {wait['namespace']}/{pod}", self._core.delete_namespaced_pod,
-                                 pod, wait["namespace"], **self._writes())
-            except _Missing:
-                pass  # gone already: what the drain was for
+        # A new pod under the drained one's name (a StatefulSet's) means the drained one is gone.
+        going = [p for p in pods if p not in live or dig(live[p], ("annotations", ACTION_ANNOTATION)) == order.stamp]
+        # Evicted, not deleted: a PodDisruptionBudget that allows no disruption now keeps the engine until it does.
+        if left := await self._evict_all(order, wait, going):
+            if now < float(wait["deadline"]) + self.settings.drain_grace:  # one more grace for the budget
+                return {"wait": {**wait, "pods": left}}
+            raise ActuationError(f"{', '.join(left)} drained but not evicted within {self.settings.drain_grace:g}s (a "
+                                 "PodDisruptionBudget refused); "
+                                 f"{await self._back_in(order, self.workloads[order.pool], {}, left)}")
         return detail
+
+    async def _evict_all(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> list[str]:
+        """Evict `pods`; those a PodDisruptionBudget refuses for now. On any other failure the ones not evicted are
+        routed again (they would run and serve nothing) and the error says so."""
+        left: list[str] = []
+        for i, pod in enumerate(pods):
+            try:
+                if not await self._evict(wait["namespace"], pod):
+                    left.append(pod)
+            except ActuationError as exc:
+                rest = left + list(pods[i:])
+                raise ActuationError(f"{exc}; {await self._back_in(order, self.workloads[order.pool], {}, rest)}"
+                                     ) from None
+        return left
 
     async def _scale_drained(self, order: Order, wait: dict[str, Any], pods: list[str], detail: dict[str, Any],
                              now: float) -> dict[str, Any]:
         """Write the count a drain waited for, unless the workload moved meanwhile: scaled already (taken over from a
         leader that stopped), scaled by someone else, or its controller now removing engines not drained yet."""
         w = self.workloads[order.pool]
-        try:
-            obj = await self._read(w)
-        except ActuationError as exc:  # not scaled: the drained engines would serve nothing
-            raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
+        for _ in range(3):
+            try:
+                obj = await self._read(w)
+            except ActuationError as exc:  # not scaled: the drained engines would serve nothing
+                raise ActuationError(f"{exc}; not scaled; {await self._back_in(order, w, {}, pods)}") from None
+            try:
+                return await self._scale_drained_as_read(order, wait, pods, detail, now, w, obj)
+            except _Conflict as exc:  # the workload changed since it was read: checked again from a fresh read
+                log.info("action %d: scaling %s: conflict (%s); reading again", order.action_id, order.pool, exc)
+        raise ActuationError(f"{w.kind} {w.namespace}/{w.name} kept changing under three attempts (409 conflict): not "
+                             f"scaled; {await self._back_in(order, w, {}, pods)}")
+
+    async def _scale_drained_as_read(self, order: Order, wait: dict[str, Any], pods: list[str], detail: dict[str, Any],
+                                     now: float, w: Workload, obj: dict[str, Any]) -> dict[str, Any]:
+        """`_scale_drained` on the workload as read; the count is written only if the workload is still as read
+        (`_Conflict` otherwise)."""
         size, now_at = _engines(w, obj)
         if _stamped(obj, order) or now_at == int(wait["replicas"]):
             # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
@@ -775,7 +856,8 @@ class KubernetesActuator:
         if spared:
             detail["spared"] = spared
         going = [p for p in pods if p not in spared]
-        done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going),
+        done = {**await self._set_replicas(order, w, int(wait["replicas"]) // size, drained=obj, pods=going,
+                                           version=dig(obj, ("metadata", "resourceVersion"))),
                 **detail}
         return self._verifying(w, going, now, done)
 
@@ -871,24 +953,27 @@ class KubernetesActuator:
             holder, held = await self._template_holder(w, obj)
         except ActuationError:
             holder, held = w, obj
+        if not held:  # the caller could not read it: one more try, for a label whose value is not `true`
+            try:
+                holder, held = await self._template_holder(w, await self._read(w))
+            except ActuationError:
+                pass
         labels = dig(held, (*KINDS[holder.kind].template, "metadata", "labels"), {}) or {}
         return str(labels.get(self.settings.routing_label, "true"))
 
-    async def _evict(self, order: Order, namespace: str, pod: str) -> bool:
+    async def _evict(self, namespace: str, pod: str) -> bool:
         """Evict one pod; False when a PodDisruptionBudget refuses it for now (HTTP 429)."""
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
         if self.dry_run:
             body["deleteOptions"] = {"dryRun": ["All"]}
         try:
-            await asyncio.to_thread(self._core.create_namespaced_pod_eviction, pod, namespace, body,
-                                    _request_timeout=self._timeout)
-        except ApiException as exc:
-            if exc.status == 429:
-                log.info("eviction of %s/%s refused for now: %s", namespace, pod, api_message(exc))
-                return False
-            if exc.status == 404:
-                return True  # already gone
-            raise ActuationError(f"evicting pod {namespace}/{pod}: {api_message(exc)}") from None
+            await self._call(f"evicting pod {namespace}/{pod}", self._core.create_namespaced_pod_eviction, pod,
+                             namespace, body)
+        except _Refused as exc:
+            log.info("%s; retried", exc)
+            return False
+        except _Missing:
+            pass  # gone already: what the eviction was for
         return True
 
     # events -----------------------------------------------------------------------------------------

@@ -12,12 +12,13 @@ each as the API server documents it:
   fail on;
 - PATCH follows its content type: JSON merge patch (RFC 7386, `null` deletes) or strategic merge
   patch (lists of named items such as `containers` merged by name), with the body's
-  `metadata.resourceVersion` as a precondition (409 when stale); every write bumps the version;
+  `metadata.resourceVersion` as a precondition (409 when stale; a Scale's is its object's); every
+  write bumps the version;
 - `?dryRun=All` validates and answers without storing anything;
 - the `scale` subresource reads and writes `spec.replicas` (answering a Scale object), `status`
   patches the status, `eviction` deletes a pod unless a PodDisruptionBudget (`pdb_blocks`) refuses
   with 429;
-- lists honour `labelSelector` (equality) and `fieldSelector` `spec.nodeName`;
+- lists honour `labelSelector` (equality- and set-based) and `fieldSelector` `spec.nodeName`;
 - `fail(...)` answers the next matching requests with an error status, `slow(...)` delays them.
 """
 
@@ -34,6 +35,7 @@ import attrs
 import kmock
 import kubernetes_validate
 
+from controlplane.selectors import LabelSelector
 from tests.crd_schemas import crd_name, problems, schema
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -104,12 +106,7 @@ def rbac_of(request: kmock.Request) -> tuple[str, str, str] | None:
 
 
 def _labels_match(obj: dict[str, Any], selector: str) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    for clause in filter(None, selector.split(",")):
-        key, _, value = clause.partition("=")
-        if labels.get(key) != value:
-            return False
-    return True
+    return LabelSelector.parse(selector).matches((obj.get("metadata") or {}).get("labels"))
 
 
 @attrs.define(kw_only=True)
@@ -249,6 +246,10 @@ class ApiServer(kmock.KubernetesEmulator):
             return _status(404, f"{request.resource.plural} {request.name!r} not found", "NotFound")
         patch = request.data
         kind = request.headers.get("Content-Type", "")
+        wanted = ((patch or {}).get("metadata") or {}).get("resourceVersion")
+        if wanted is not None and wanted != current["metadata"]["resourceVersion"] and request.subresource != "status":
+            return _status(409, "the object has been modified; please apply your changes to the latest version",
+                           "Conflict")
         if request.subresource == "scale":
             scale = self._scale_of(current)
             scale = merge_patch(scale, patch)
@@ -257,10 +258,6 @@ class ApiServer(kmock.KubernetesEmulator):
         elif request.subresource == "status":
             updated = merge_patch(current, {"status": (patch or {}).get("status", {})})
         else:
-            wanted = ((patch or {}).get("metadata") or {}).get("resourceVersion")
-            if wanted is not None and wanted != current["metadata"]["resourceVersion"]:
-                return _status(409, "the object has been modified; please apply your changes to the latest version",
-                               "Conflict")
             merge = strategic_merge if "strategic" in kind else merge_patch
             updated = merge(current, patch)
         updated.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))

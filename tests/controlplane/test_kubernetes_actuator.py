@@ -14,6 +14,8 @@ dry run, slow and failing API calls, the ConfigMap kill switch, and the RBAC it 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import kmock
@@ -974,3 +976,129 @@ async def test_the_emulator_holds_custom_resources_to_their_crds(server: ApiServ
     found, server.invalid[:] = list(server.invalid), []
     assert len(found) == 3 and "'workerTemplate' is a required property" in found[0]
     assert "'two' is not of type 'integer'" in found[1] and ".spec.strategy.canary.setWeight: unknown field" in found[2]
+
+
+def decode_with_replica_set(server: ApiServer, names: Sequence[str]) -> None:
+    """The decode Deployment with one ReplicaSet that controls `names`."""
+    dep = server.put(DEPLOYMENTS, deployment(replicas=len(names)))
+    server.put(REPLICASETS, replica_set(dep, 1, "vllm/vllm-openai:v0.11.0", "2026-12-01T09:30:00Z"))
+    for name in names:
+        server.put(PODS, owned_pod(server, name, "vllm-decode-h1"))
+
+
+async def test_pods_another_controller_owns_are_never_drained(server: ApiServer, api: client.ApiClient) -> None:
+    decode_with_replica_set(server, ["vllm-decode-a", "vllm-decode-b"])
+    # Another workload's pod with the same labels (the Deployment an Argo Rollout replaced, kept running): not
+    # answering this pool's scrapes, it would look idle and be drained first, while the decode ReplicaSet removes
+    # a busy engine of its own that nobody drained.
+    foreign = pod("vllm-decode-old-x")
+    foreign["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "controller": True,
+                                               "name": "vllm-decode-old-h7", "uid": "5b1c0e0a-old"}]
+    server.put(PODS, foreign)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(1), busy={"vllm-decode-a": 2.0, "vllm-decode-b": 1.0},
+              answering={"vllm-decode-a", "vllm-decode-b"})
+    first = await actuator(api).carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-b"]
+    assert routed(server, "vllm-decode-old-x") and routed(server, "vllm-decode-a")
+
+
+async def test_a_selectors_match_expressions_narrow_its_pods(server: ApiServer, api: client.ApiClient) -> None:
+    dep = deployment(replicas=2)
+    dep["spec"]["selector"]["matchExpressions"] = [{"key": "tier", "operator": "In", "values": ["gpu"]}]
+    dep["spec"]["template"]["metadata"]["labels"]["tier"] = "gpu"
+    server.put(DEPLOYMENTS, dep)
+    for name, tier in (("vllm-decode-a", "gpu"), ("vllm-decode-b", "gpu"), ("vllm-decode-cpu", "cpu")):
+        p = pod(name)
+        p["metadata"]["labels"]["tier"] = tier
+        server.put(PODS, p)
+    o = order(ActionKind.SCALE_POOL, ScaleTo(1), busy={"vllm-decode-a": 2.0, "vllm-decode-b": 1.0},
+              answering={"vllm-decode-a", "vllm-decode-b"})
+    assert (await actuator(api).carry_out(o))["wait"]["pods"] == ["vllm-decode-b"]
+    assert routed(server, "vllm-decode-cpu")
+
+
+async def test_cordon_takes_only_the_pools_engines_off_the_node(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    server.put(PODS, pod("vllm-decode-a", node="gpu-node-1"))
+    server.put(PODS, pod("vllm-prefill-x", app="vllm-prefill", node="gpu-node-1"))  # another pool's, same node
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), answering={"vllm-decode-a"}, busy={"vllm-decode-a": 0.0})
+    first = await act.carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-a"]
+    done = await act.resume(o, first["wait"], clock.t + 1)
+    assert done["evicted"] == ["vllm-decode-a"]
+    assert server.get(PODS, NS, "vllm-prefill-x") is not None and routed(server, "vllm-prefill-x")
+
+
+async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: ApiServer,
+                                                                     api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 0.0},
+              answering={"vllm-decode-a", "vllm-decode-b"})
+    first = await act.carry_out(o)
+    server.fail("POST", "vllm-decode-a/eviction", 500, "etcdserver: request timed out", times=2)
+    with pytest.raises(ActuationError, match="evicting pod llm/vllm-decode-a.*routed again"):
+        await act.resume(o, first["wait"], clock.t + 1)
+    assert routed(server, "vllm-decode-a") and routed(server, "vllm-decode-b"), "none left running, serving nothing"
+    server.pdb_blocks["vllm-decode-a"] = 99  # a budget that never allows it within the grace
+    again = await act.carry_out(replace(o, action_id=8))
+    with pytest.raises(ActuationError, match="could not be evicted.*routed again"):
+        await act.resume(replace(o, action_id=8), again["wait"], clock.t + 61)
+    assert routed(server, "vllm-decode-a")
+
+
+async def test_a_drained_engine_is_evicted_within_its_budget(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=2))
+    server.put(PODS, pod("vllm-decode-a"))
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 0.0})
+    first = await act.carry_out(o)
+    server.pdb_blocks["vllm-decode-a"] = 1  # another engine of the pool is down: the budget allows none now
+    held = await act.resume(o, first["wait"], clock.t + 1)
+    assert held["wait"]["pods"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-a") is not None
+    done = await act.resume(o, held["wait"], clock.t + 20)
+    assert done["drained"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-a") is None
+    # A budget that never allows it: routed again one grace after the drain's, rather than left serving nothing.
+    server.put(PODS, pod("vllm-decode-b"))
+    server.pdb_blocks["vllm-decode-b"] = 99
+    ob = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-b"), busy={"vllm-decode-b": 0.0}, action_id=9)
+    wait = (await act.carry_out(ob))["wait"]
+    assert "wait" in await act.resume(ob, wait, clock.t + 100)
+    with pytest.raises(ActuationError, match="drained but not evicted.*routed again"):
+        await act.resume(ob, wait, clock.t + 121)
+    assert routed(server, "vllm-decode-b")
+
+
+async def test_a_scale_made_while_the_count_is_written_is_not_overwritten(server: ApiServer,
+                                                                         api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    listing = act._victims_now
+
+    async def operator_scales_meanwhile(*args: Any) -> Any:
+        server.put(DEPLOYMENTS, deployment(replicas=5))  # between the drain's read and its write
+        return await listing(*args)
+
+    act._victims_now = operator_scales_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(ActuationError, match="went from 3 to 5 engines"):
+        await act.resume(o, wait, Clock().t + 5)
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 5  # type: ignore[index]
+    assert routed(server, "vllm-decode-a")
+
+
+async def test_a_conflicting_scale_is_written_again_on_a_fresh_read(server: ApiServer, api: client.ApiClient) -> None:
+    act, o, wait = await scaling_down(server, api)
+    server.fail("PATCH", "deployments/vllm-decode/scale", 409, "the object has been modified", times=1)
+    removing = await act.resume(o, wait, Clock().t + 5)  # its controller bumped the status meanwhile, say
+    assert removing["wait"]["then"] == "verify"
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+    server.fail("PATCH", "deployments/vllm-decode/scale", 409, "the object has been modified", times=1)
+    up = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=11))
+    assert up["replicas"] == 4
