@@ -87,13 +87,16 @@ class LeaseLeadership:
             return await self._create(now)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return self._failed("reading", exc)
+        # A change is dated when its read returned, not when it was sent: a renewal that landed during a slow read
+        # would otherwise look older than it is, and the holder's lease expire early in our eyes.
+        seen = self.clock()
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity") or ""
         record = (holder, lease["metadata"].get("resourceVersion"))  # every renewal writes a new version
         if record != self._observed:
-            self._observed, self._observed_at = record, now
+            self._observed, self._observed_at = record, seen
         duration = float(spec.get("leaseDurationSeconds") or s.lease_duration)
-        if holder and holder != self.identity and now < self._observed_at + duration:
+        if holder and holder != self.identity and seen < self._observed_at + duration:
             if self._renewed is not None:
                 log.warning("lost leadership to %s", holder)
             self._renewed = None

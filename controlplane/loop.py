@@ -23,7 +23,7 @@ from controlplane.actions import FINISHED_STATES, ActionState
 from controlplane.actuators.base import Actuator, FleetView, Order, PoolReplicas
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode, Rails
-from controlplane.errors import ActionConflict, ActuationError, FleetError
+from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, FleetError
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
 from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, rests_on, revert_of
@@ -111,6 +111,10 @@ class ControlLoop:
         self._last_replicas: dict[str, PoolReplicas] = {}  # as last read: an unreadable pool keeps them
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
+        self._unnoted: set[int] = set()  # waits whose note the store refused: noted again next tick
+        # Ends of started actions the store refused to record, kept to be written next tick: kind, state, detail,
+        # error, when it ended.
+        self._unrecorded: dict[int, tuple[str, ActionState, dict[str, Any], str | None, float]] = {}
         # Pools whose waiting change finished this tick (its pods deleted or evicted just now): the fleet read at the
         # tick's start does not show them unsettled yet, and no other disruptive change may start beside them.
         self._finished_now: list[str] = []
@@ -130,7 +134,10 @@ class ControlLoop:
         """Take over: reload the policy windows, then finish or account for every action a stopped
         control plane left started, so none is lost and none is carried out twice."""
         now = self.clock.now()
-        self._waiting.clear()  # whatever waited before leadership was lost is taken over from the audit log
+        # Whatever waited, or ended unrecorded, before leadership was lost is taken over from the audit log.
+        self._waiting.clear()
+        self._unnoted.clear()
+        self._unrecorded.clear()
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
         started = await self.store.actions(states=[ActionState.STARTED])
@@ -403,7 +410,15 @@ class ControlLoop:
         proposals: list[tuple[int | None, Proposal]] = []
         for policy in self.policies:
             with self.telemetry.span(f"policy.{policy.kind}"):
-                result = policy.evaluate(inp)
+                try:
+                    result = policy.evaluate(inp)
+                except Exception as exc:
+                    # One policy that cannot read this tick's numbers must not stop the others, the sizer, the
+                    # changes that wait (engines out of routing) or the outcomes; its findings stay as they were.
+                    log.exception("policy %s failed", policy.kind)
+                    self.telemetry.policy_failures.labels(str(policy.kind)).inc()
+                    report.errors[f"policy {policy.kind}"] = f"{type(exc).__name__}: {exc}"
+                    continue
             for key, reason in result.resolved:
                 row = open_rows.pop(key, None)
                 if row is None:
@@ -464,6 +479,7 @@ class ControlLoop:
         await self._expire(now, "not decided and run within its time to live (rails.proposal_ttl, or revert_ttl for "
                                 "an approved revert)", lambda a: now - a.created_at >= _ttl(rails, a))
         self._finished_now = []
+        await self._record_unrecorded()
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
@@ -577,22 +593,41 @@ class ControlLoop:
                 error = str(exc) if isinstance(exc, ActuationError) else f"{type(exc).__name__}: {exc}"
                 if self._waiting.pop(order.action_id, None) is not None:
                     self._finished_now.append(order.pool)  # a wait that failed may have evicted or deleted pods
-                await self.store.transition(order.action_id, ActionState.STARTED, ActionState.FAILED, self.clock.now(),
-                                            {"error": error}, error=error)
-                self.telemetry.actions.labels(kind, "failed").inc()
                 report.errors[f"action {order.action_id}"] = error
+                await self._finish(order.action_id, kind, ActionState.FAILED, {"error": error}, error)
                 return
         if "wait" in detail:
             before = self._waiting.get(order.action_id)
             self._waiting[order.action_id] = (order, detail["wait"])
-            if before is None or before[1] != detail["wait"]:  # the audit log gets each new wait, not every tick
+            # The audit log gets each new wait, not every tick; one whose note failed is noted again next tick.
+            if before is None or before[1] != detail["wait"] or order.action_id in self._unnoted:
+                self._unnoted.add(order.action_id)
                 await self.store.note(order.action_id, "waiting", self.clock.now(), detail)
+                self._unnoted.discard(order.action_id)
             return
         if self._waiting.pop(order.action_id, None) is not None:
             self._finished_now.append(order.pool)
-        state = ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED
-        await self.store.transition(order.action_id, ActionState.STARTED, state, self.clock.now(), detail)
-        self.telemetry.actions.labels(kind, str(state)).inc()
+        await self._finish(order.action_id, kind, ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED,
+                           detail)
+
+    async def _finish(self, action_id: int, kind: str, state: ActionState, detail: dict[str, Any],
+                      error: str | None = None) -> None:
+        """Record how a started action ended. The fleet has changed already, so a write the store refuses is kept and
+        tried again every tick (`_record_unrecorded`): until it lands the action stays started, holding its pool."""
+        self._unrecorded[action_id] = (kind, state, detail, error, self.clock.now())
+        await self._record_unrecorded()
+
+    async def _record_unrecorded(self) -> None:
+        """Write the ends of started actions that the store refused before (`_finish`), oldest first."""
+        for action_id, (kind, state, detail, error, at) in list(self._unrecorded.items()):
+            try:
+                await self.store.transition(action_id, ActionState.STARTED, state, at, detail, error=error)
+            except (ActionConflict, ActionNotFound) as exc:
+                # Moved already (a write that landed though its answer was lost, another leader's take-over).
+                log.warning("action %d ended %s, not recorded: %s", action_id, state, exc)
+            else:
+                self.telemetry.actions.labels(kind, str(state)).inc()
+            del self._unrecorded[action_id]
 
     def _with_engines(self, order: Order) -> Order:
         """`order` with the loop's view of its pool's engines: requests running or waiting on each at its
@@ -641,7 +676,10 @@ class ControlLoop:
             else:
                 gain = before - after if p.get("verify_lower_is_better", True) else after - before
                 change = gain / max(abs(before), 1e-9)
-                outcome = "recovered" if resolved or change >= IMPROVEMENT else "not_recovered"
+                # A finding can resolve because the action removed the series it watched (speculation switched off
+                # ends its acceptance rate): that is no recovery where the signal the action was to improve got worse.
+                outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change > -IMPROVEMENT)
+                           else "not_recovered")
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
             await self.store.record_outcome(action.id, outcome, now, detail)
             report.outcomes.append((action.id, outcome))

@@ -61,7 +61,7 @@ class RailsReason(StrEnum):
     ROLLOUT_IN_FLIGHT = "rollout_in_flight"  # another pool's engines are restarting: one pool at a time
     BLAST_RADIUS = "blast_radius"  # the change would restart more engines at once than the pool allows
     STALE_INPUTS = "stale_inputs"  # a signal it rests on is stale now (a target down, a series absent or frozen)
-    TRIED = "tried"  # the same kind of change for the same finding did not help (within the rails' history)
+    TRIED = "tried"  # the same kind of change on the pool, for a finding, did not help (within the rails' history)
     VERIFYING = "verifying"  # the same kind of change for the same finding is still being judged
     POOL_UNREADABLE = "pool_unreadable"  # the pool's workload could not be read now: its replicas are not known
 
@@ -245,6 +245,11 @@ def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> R
         return RailsDecision(RailsReason.ALLOWED, ScaleTo(target), f"scale {pool.name} {pool.desired} -> {target}")
     if isinstance(change, Drain) and pool.ready <= 1:
         return _held(RailsReason.AT_LIMIT, f"{change.pod} is the last ready engine of {pool.name}: never drained")
+    if isinstance(change, Drain) and pool.gang > 1:
+        # Its workload (a LeaderWorkerSet) recreates a group whose pod goes: the group's other engines, still routed,
+        # would drop their requests. A gang changes in whole groups, by a scale.
+        return _held(RailsReason.BLAST_RADIUS, f"{change.pod} is one engine of a gang of {pool.gang} in {pool.name}: "
+                                               "its whole group would restart, so it is never drained alone")
     return RailsDecision(RailsReason.ALLOWED, change, f"{describe(change)} ({pool.name})")
 
 
@@ -266,8 +271,12 @@ def check(
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     same = [a for a in history if finding_id is not None and a.finding_id == finding_id and a.kind == proposal.kind]
+    # A finding that went with the change and came back with its revert is a new finding: the change is no more
+    # likely to help it, so any finding's change of this kind on this pool that did not help counts.
+    tried = [a for a in history if finding_id is not None and a.finding_id is not None and a.kind == proposal.kind
+             and a.pool == proposal.pool]
     # A proposal rejected or left to expire changed nothing: the problem persisting then says nothing of the change.
-    if any(a.outcome == "not_recovered" and a.state not in _NEVER_RAN for a in same):
+    if any(a.outcome == "not_recovered" and a.state not in _NEVER_RAN for a in tried):
         # After a change that did not help (and was undone where it could be), asking again would
         # flap between the change and its revert.
         return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")

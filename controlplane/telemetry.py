@@ -47,6 +47,10 @@ class Telemetry:
             f"{ns}_sizing_failures", "Pools the sizer failed on in a tick (the pool kept its size).", ["pool"],
             registry=self.registry,
         )
+        self.policy_failures = Counter(
+            f"{ns}_policy_failures", "Policies that raised in a tick (their findings kept as they were).", ["policy"],
+            registry=self.registry,
+        )
         self.scrape_errors = Counter(
             f"{ns}_scrape_errors", "Failed scrapes by target.", ["target"], registry=self.registry
         )

@@ -125,3 +125,30 @@ async def test_a_fractional_lease_duration_is_written_rounded_up(server: ApiServ
     cb.t += 10.2
     assert a.leading() is True
     assert await b.contend() is False, "a follower took over while the leader still led"
+
+
+async def test_a_renewal_seen_through_a_slow_read_is_dated_when_the_read_returned(server: ApiServer,
+                                                                                  api: client.ApiClient) -> None:
+    ca, cb = Clock(), Clock(5000.0)
+    a, b = candidate(api, "a", ca), candidate(api, "b", cb)
+    assert await a.contend() is True
+    assert await b.contend() is False
+    read = b._api.read_namespaced_lease
+
+    def slow_read(*args: Any, **kwargs: Any) -> Any:
+        cb.t += 10  # the read takes 10 s, and the leader renews meanwhile
+        renewed = lease(server)
+        renewed["spec"]["renewTime"] = "2026-12-01T10:00:12.000000Z"
+        server.put(LEASES, renewed)
+        return read(*args, **kwargs)
+
+    cb.t += 4
+    b._api.read_namespaced_lease = slow_read  # type: ignore[method-assign]
+    assert await b.contend() is False  # sent at 5004, answered at 5014 with the renewal
+    b._api.read_namespaced_lease = read  # type: ignore[method-assign]
+    # The leader stops renewing. Its renewal landed up to 5014 on b's clock, so it may lead until 5024: b waits
+    # the lease's duration from 5014, not from when it sent the read.
+    cb.t = 5020.0
+    assert await b.contend() is False
+    cb.t = 5030.0
+    assert await b.contend() is True

@@ -347,6 +347,68 @@ async def test_a_pool_that_breaks_the_sizer_keeps_its_size_and_the_rest_of_the_t
     assert registry.get_sample_value("fleet_controlplane_ticks_total") == 1
 
 
+class Raises:
+    """A policy that cannot read this tick's numbers."""
+
+    kind = "broken_policy"
+
+    def evaluate(self, inp: PolicyInput) -> Any:
+        raise ValueError("a baseline needs at least one value")
+
+
+async def test_a_policy_that_raises_leaves_the_rest_of_the_tick(sim: tuple, sqlite_store: SqlStore,
+                                                                client: httpx.AsyncClient) -> None:
+    fleet, server, clock = sim
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.ACT})
+    loop = build_loop(cfg, ThreadedStore(sqlite_store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=AskFor("decode", 4))
+    loop.policies = [Raises(), *loop.policies]  # type: ignore[list-item]
+    h = Harness(loop, fleet, server, clock, sqlite_store)
+    await h.loop.start()
+    [report] = await h.ticks(1)
+    assert [(a.pool, a.params["replicas"]) for a in report.actions] == [("decode", 4)], "sized and acted on"
+    assert report.errors == {"policy broken_policy": "ValueError: a baseline needs at least one value"}
+    registry = loop.telemetry.registry
+    assert registry.get_sample_value("fleet_controlplane_policy_failures_total", {"policy": "broken_policy"}) == 1
+    assert registry.get_sample_value("fleet_controlplane_ticks_total") == 1
+
+
+class RefusesEnds(SqlStore):
+    """The real store, except that recording how an action ended fails `refuse` times (an outage at that moment)."""
+
+    refuse = 0
+
+    def transition(self, action_id, expected, to, now, detail=None, **fields):  # type: ignore[no-untyped-def]
+        if self.refuse and to in (ActionState.SUCCEEDED, ActionState.FAILED):
+            self.refuse -= 1
+            raise StoreUnavailable("transition: connection reset")
+        return super().transition(action_id, expected, to, now, detail, **fields)
+
+
+async def test_an_end_the_store_refused_is_recorded_next_tick(sim: tuple, sqlite_url: str,
+                                                              client: httpx.AsyncClient) -> None:
+    from controlplane.store import migrate
+
+    migrate.upgrade(sqlite_url)
+    store = RefusesEnds.open(sqlite_url)
+    fleet, server, clock = sim
+    cfg = demo_config(sqlite_url).model_copy(update={"mode": Mode.ACT})
+    loop = build_loop(cfg, ThreadedStore(store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=AskFor("decode", 4))
+    h = Harness(loop, fleet, server, clock, store)
+    await h.loop.start()
+    store.refuse = 1
+    with pytest.raises(StoreUnavailable):  # the fleet changed; its record did not land
+        await h.ticks(1)
+    assert fleet.desired["decode"] == 4
+    [started] = store.actions()
+    assert started.state == "started", "it holds its pool until its end is recorded"
+    await h.ticks(1)
+    [action] = store.actions()
+    assert (action.id, action.state) == (started.id, "succeeded"), "recorded once, not carried out again"
+    store.close()
+
+
 async def test_observing_the_sizer_advises_each_target_once(sim: tuple, sqlite_store: SqlStore,
                                                              client: httpx.AsyncClient) -> None:
     fleet, server, clock = sim

@@ -255,3 +255,37 @@ async def test_an_outcome_is_never_judged_on_points_from_before_the_change() -> 
     first = (await store.actions())[0]
     assert first.outcome == "unmeasured", "judged on nothing from before it"
     assert not [a for a in await store.actions() if "reverts" in a.params], "and not reverted on such numbers"
+
+
+class WorseOnceChanged(SlowTpot):
+    """TPOT at 100 ms, and 150 ms once the engines run with fewer speculative tokens."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+
+    async def observe(self, now: float) -> Observation:
+        return Observation(signals=[Signal(now, "pool/chat", "tpot_p95", 0.1 if self.engines.tokens == 3 else 0.15)])
+
+
+class GoesWithTheChange(Collapse):
+    """A finding that resolves once the change ran: the series it watched ends with it (speculation switched off)."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        if self.engines.tokens == 3:
+            return super().evaluate(inp)
+        key = FindingKey("test_spec", "pool/chat")
+        return PolicyResult(resolved=[(key, "no drafts to judge")] if key in inp.open_findings else [])
+
+
+async def test_a_finding_that_went_with_the_change_is_no_recovery_when_the_signal_got_worse() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = make_loop(store, engines, clock, policy=GoesWithTheChange(engines), source=WorseOnceChanged(engines))
+    await ticks(loop, clock, 4 * 12)
+    first, revert = await store.actions()
+    assert (first.outcome, revert.params["reverts"]) == ("not_recovered", first.id)
+    assert engines.history == [1, 3], "TPOT went from 100 to 150 ms: put back"
+    await ticks(loop, clock, 4 * 20)  # the finding came back with the revert, as a new one: not tried on it again
+    assert engines.history == [1, 3] and len(await store.actions()) == 2

@@ -219,6 +219,11 @@ def test_the_last_engine_is_never_drained() -> None:
     assert decide(ask(ActionKind.DRAIN_ENGINE, Drain("prefill-0")), pool(desired=1, lo=1))[0] is RailsReason.AT_LIMIT
 
 
+def test_one_engine_of_a_gang_is_never_drained_alone() -> None:
+    reason, _ = decide(ask(ActionKind.DRAIN_ENGINE, Drain("prefill-0-1")), pool(desired=8, gang=4, max_unavailable=8))
+    assert reason is RailsReason.BLAST_RADIUS
+
+
 def test_reason_spellings_are_stable() -> None:
     # They are metric label values; dashboards and alerts depend on them.
     assert [r.value for r in RailsReason] == [
