@@ -141,8 +141,19 @@ class ControlLoop:
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
         started = await self.store.actions(states=[ActionState.STARTED])
-        # Read the fleet once for all of them: a redo is checked against the pools as they are now.
-        pools = await self._pools(now, TickReport(ts=now)) if started else {}
+        pools: dict[str, PoolState] = {}
+        if started:
+            # A redo is checked against the fleet as it is now, numbers included: observed here first, not read from
+            # a tick this replica ran before it last lost leadership (or from none, on a fresh start).
+            self._unfit, self._answering = {}, {}
+            try:
+                await self._observe(now, TickReport(ts=now))
+                unobserved = None
+            except FleetError as exc:
+                unobserved = f"not observed since taking over ({exc})"
+            pools = await self._pools(now, TickReport(ts=now))
+            if unobserved is not None:
+                pools = {name: replace(p, unreadable=p.unreadable or unobserved) for name, p in pools.items()}
         for action in started:
             if not self.leading():  # the Lease was lost during the slow reads above: the new leader takes over
                 return
@@ -333,7 +344,7 @@ class ControlLoop:
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
                 stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
                 unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
-                stalled_for=stalled,
+                stalled_for=stalled, scaled_by=rep.scaled_by if rep else None,
             )
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),
@@ -479,6 +490,7 @@ class ControlLoop:
         await self._expire(now, "not decided and run within its time to live (rails.proposal_ttl, or revert_ttl for "
                                 "an approved revert)", lambda a: now - a.created_at >= _ttl(rails, a))
         self._finished_now = []
+        await self._approve_orphans(now)
         await self._record_unrecorded()
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
@@ -493,6 +505,23 @@ class ControlLoop:
             history.append(await self._record(proposal, decision, finding_id, now, pools, report))
         for action in await self.store.actions(states=[ActionState.APPROVED]):
             await self._execute(action, pools, history, now, report)
+
+    async def _approve_orphans(self, now: float) -> None:
+        """Approve act mode's proposals left unapproved: in act mode the rails approve what they record at once, so one
+        still proposed was cut off in between (the store failed, or the control plane stopped). Left, it would hold its
+        pool until `proposal_ttl`; approved, the rails check it again before it runs, as any approval."""
+        if self.config.mode is not Mode.ACT:
+            return
+        for orphan in await self.store.actions(states=[ActionState.PROPOSED]):
+            if orphan.mode != str(Mode.ACT):
+                continue  # proposed for a person before the mode was switched to act: theirs to decide
+            try:
+                await self.store.transition(orphan.id, ActionState.PROPOSED, ActionState.APPROVED, now,
+                                            {"by": "rails", "mode": str(Mode.ACT),
+                                             "resumed": "recorded, not yet approved, when the last tick failed"},
+                                            approved_by="rails")
+            except ActionConflict:
+                continue
 
     def _check(self, proposal: Proposal, finding_id: int | None, pools: dict[str, PoolState],
                history: Sequence[ActionRecord], now: float, paused: str | None) -> RailsDecision:
@@ -633,15 +662,18 @@ class ControlLoop:
         """`order` with the loop's view of its pool's engines: requests running or waiting on each at its
         latest fresh scrape, and which still answer (None where this tick scraped none of them itself)."""
         fresh = self.clock.now() - 2 * self.config.scrape.interval
+        # A cordon moves every pool's engines on its node: it sees them all.
+        cordon = order.kind is ActionKind.CORDON_NODE
         busy: dict[str, float] = {}
         for name in ("requests_running", "requests_waiting"):
-            for subject in self.windows.subjects(name, prefix=f"engine/{order.pool}/"):
+            for subject in self.windows.subjects(name, prefix="engine/" if cordon else f"engine/{order.pool}/"):
                 points = self.windows.series(subject, name, since=fresh)
                 if points:
                     pod = subject.split("/")[2]
                     busy[pod] = busy.get(pod, 0.0) + points[-1][1]
-        answering = self._answering.get(order.pool)
-        return replace(order, busy=busy, answering=None if answering is None else frozenset(answering))
+        seen = [self._answering.get(p.name) for p in self.config.pools] if cordon else [self._answering.get(order.pool)]
+        answering = None if any(s is None for s in seen) else frozenset(p for s in seen if s for p in s)
+        return replace(order, busy=busy, answering=answering)
 
     # verify -----------------------------------------------------------------------------------
 
@@ -678,14 +710,22 @@ class ControlLoop:
                 change = gain / max(abs(before), 1e-9)
                 # A finding can resolve because the action removed the series it watched (speculation switched off
                 # ends its acceptance rate): that is no recovery where the signal the action was to improve got worse.
-                outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change > -IMPROVEMENT)
+                outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change >= -IMPROVEMENT)
                            else "not_recovered")
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
+            if outcome == "not_recovered" and action.state is ActionState.SUCCEEDED:
+                # Before the outcome, which ends the judging: a revert or finding the store refused is written again
+                # next tick (each once), not lost with a judging that is over.
+                done = next((e.detail for e in reversed(log_) if e.event == "succeeded"), {})
+                try:
+                    if not any(e.event == "ineffective" for e in log_):  # not done twice by a judging cut off after it
+                        await self._ineffective(action, detail, done, now, pools, report)
+                except FleetError:
+                    raise
+                except Exception:  # a row it cannot read: judged all the same, not retried every tick
+                    log.exception("action %d: its revert and finding could not be made", action.id)
             await self.store.record_outcome(action.id, outcome, now, detail)
             report.outcomes.append((action.id, outcome))
-            if outcome == "not_recovered" and action.state is ActionState.SUCCEEDED:
-                done = next((e.detail for e in reversed(log_) if e.event == "succeeded"), {})
-                await self._ineffective(action, detail, done, now, pools, report)
 
     async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], done: Mapping[str, Any], now: float,
                            pools: dict[str, PoolState], report: TickReport) -> None:
@@ -703,10 +743,13 @@ class ControlLoop:
             inputs=tuple(p.get("inputs", ())))
         revert_id, why = None, "not reverted automatically: " + (
             "it is a revert" if "reverts" in p else f"a {action.kind} is undone by hand")
+        # The original's cooldown does not hold back its own undoing; every other rail does.
+        history = [a for a in await self.store.recent_actions(since=now - self.config.rails.history_s)
+                   if a.id != action.id]
+        if (earlier := next((a for a in history if a.params.get("reverts") == action.id), None)) is not None:
+            proposal = None  # recorded by a judging the store cut off before its outcome: not twice
+            revert_id, why = earlier.id, f"reverting as action {earlier.id} ({earlier.state})"
         if proposal is not None:
-            # The original's cooldown does not hold back its own undoing; every other rail does.
-            history = [a for a in await self.store.recent_actions(since=now - self.config.rails.history_s)
-                       if a.id != action.id]
             decision = self._check(proposal, None, pools, history, now, await self.switch.paused())
             why = f"revert held: {decision.note}"
             if decision.reason in WAIT_REASONS and self.config.mode is not Mode.OBSERVE:
@@ -718,6 +761,8 @@ class ControlLoop:
                 revert = await self._record(proposal, decision, action.finding_id, now, pools, report,
                                             extra={"reverts": action.id})
                 revert_id, why = revert.id, f"reverting as action {revert.id} ({revert.state})"
+        if any(f.kind == INEFFECTIVE and f.subject == f"action/{action.id}" for f in await self.store.open_findings()):
+            return  # opened by a judging the store cut off before its outcome
         finding = await self.store.open_finding(NewFinding(
             INEFFECTIVE, f"action/{action.id}", "warning",
             f"action {action.id} ({action.kind} on {action.pool}) did not improve {p.get('verify_signal')}",

@@ -61,15 +61,20 @@ class RailsReason(StrEnum):
     ROLLOUT_IN_FLIGHT = "rollout_in_flight"  # another pool's engines are restarting: one pool at a time
     BLAST_RADIUS = "blast_radius"  # the change would restart more engines at once than the pool allows
     STALE_INPUTS = "stale_inputs"  # a signal it rests on is stale now (a target down, a series absent or frozen)
-    TRIED = "tried"  # the same kind of change on the pool, for a finding, did not help (within the rails' history)
+    TRIED = "tried"  # the same kind of change did not help this finding, or an engine setting this pool (in the history)
     VERIFYING = "verifying"  # the same kind of change for the same finding is still being judged
     POOL_UNREADABLE = "pool_unreadable"  # the pool's workload could not be read now: its replicas are not known
+    SCALED_ELSEWHERE = "scaled_elsewhere"  # another controller (an HPA, KEDA's) sets the pool's replica count
 
 
 # An approved action held back for one of these waits for a later tick; any other reason cancels it.
 WAIT_REASONS = frozenset({RailsReason.IN_FLIGHT, RailsReason.COOLDOWN, RailsReason.POOL_NOT_SETTLED,
                           RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.STALE_INPUTS,
                           RailsReason.POOL_UNREADABLE})
+
+# Kinds that change a pool's engine settings, which a revert puts back.
+_SETTINGS = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,
+                       ActionKind.DISABLE_EPLB})
 
 # Kinds that restart or replace engines of a pool: the fleet rolls one pool at a time.
 DISRUPTIVE = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,
@@ -221,6 +226,10 @@ def _sheds(change: Change, pool: PoolState) -> bool:
 def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> RailsDecision:
     """The change as it may run on this pool: a scale resolved and clamped, a drain that leaves an engine."""
     if isinstance(change, ScaleBy | ScaleTo):
+        if pool.scaled_by is not None:
+            # Two controllers writing one count fight: each undoes the other, and every engine added starts cold.
+            return _held(RailsReason.SCALED_ELSEWHERE, f"{pool.scaled_by} sets {pool.name}'s replica count: remove it, "
+                                                       "or leave this pool's size to it")
         asked = _asks(change, pool)
         # A gang's engines (a LeaderWorkerSet group) come and go together: bounds and steps in whole groups, at
         # least one group a step. A target is a need, so it is met in whole groups: 7 engines in groups of 4 are
@@ -271,10 +280,12 @@ def check(
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     same = [a for a in history if finding_id is not None and a.finding_id == finding_id and a.kind == proposal.kind]
-    # A finding that went with the change and came back with its revert is a new finding: the change is no more
-    # likely to help it, so any finding's change of this kind on this pool that did not help counts.
-    tried = [a for a in history if finding_id is not None and a.finding_id is not None and a.kind == proposal.kind
-             and a.pool == proposal.pool]
+    # A pool's engine settings that did not help: a finding that went with the change and came back with its revert
+    # is a new finding, and the change is no more likely to help it. Only for changes that ran, to the pool's
+    # settings: a drain of another engine, or a rollback of another revision, is another change.
+    tried = [*same, *(a for a in history if finding_id is not None and a.finding_id is not None
+                      and a.kind == proposal.kind and a.pool == proposal.pool and a.kind in _SETTINGS
+                      and a.state == ActionState.SUCCEEDED)]
     # A proposal rejected or left to expire changed nothing: the problem persisting then says nothing of the change.
     if any(a.outcome == "not_recovered" and a.state not in _NEVER_RAN for a in tried):
         # After a change that did not help (and was undone where it could be), asking again would
@@ -346,6 +357,8 @@ def recheck(
                                         "computed from is not what runs now")
     if isinstance(change, ScaleTo):
         start = int(action.params["from_replicas"])
+        if pool.scaled_by is not None:  # it came after the approval: the change is its to make now
+            return _held(RailsReason.SCALED_ELSEWHERE, f"{pool.scaled_by} sets {pool.name}'s replica count now")
         if pool.desired != start:
             return _held(RailsReason.STALE, f"approved as {pool.name} {start} -> {change.replicas}, but {pool.name} is "
                                             f"at {pool.desired} now")

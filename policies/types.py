@@ -267,6 +267,7 @@ class PoolState:
     template: str | None = None  # a digest of the pod template its engines run (None: not known)
     # Seconds it has been short of ready engines, once that is `rails.settle_timeout` or more (None: not stalled).
     stalled_for: float | None = None
+    scaled_by: str | None = None  # another controller that sets its replica count (an HPA), where there is one
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,9 @@ class PoolReplicas:
     # A digest of the pod template its engines run: an approved restart computed for another template is stale.
     # None where the actuator cannot tell.
     template: str | None = None
+    # Another controller that sets the replica count (a HorizontalPodAutoscaler, KEDA's among them): scaling it too
+    # would fight it. None where there is none, or the actuator cannot tell.
+    scaled_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

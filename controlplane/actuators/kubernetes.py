@@ -10,7 +10,7 @@ What it needs, and nothing more (`VERBS`; `deploy/base/rbac.yaml` grants exactly
 emulator tests fail on any call outside it): get and patch on the workloads, patch on their `scale`
 subresource, list on ReplicaSets, patch on a Rollout's status (to abort it), list and patch on pods,
 create on `pods/eviction`, patch on nodes, create on Events, get on its ConfigMap (the
-kill switch).
+kill switch), list on HorizontalPodAutoscalers (a pool one scales is not scaled here too).
 
 How: scaling goes through the scale subresource, a LeaderWorkerSet's in whole groups. Scaling down
 drains first: the engines that will go are taken out of routing (their `routing_label` removed), and
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -128,6 +129,7 @@ VERBS: frozenset[tuple[str, str, str]] = frozenset({
     ("apps", "replicasets", "list"), ("argoproj.io", "rollouts/status", "patch"),
     ("", "pods", "list"), ("", "pods", "patch"), ("", "pods/eviction", "create"),
     ("", "nodes", "patch"), ("events.k8s.io", "events", "create"), ("", "configmaps", "get"),
+    ("autoscaling", "horizontalpodautoscalers", "list"),
 })
 
 
@@ -326,6 +328,7 @@ class KubernetesActuator:
         self._apps = k8s.AppsV1Api(api)
         self._custom = k8s.CustomObjectsApi(api)
         self._events = k8s.EventsV1Api(api)
+        self._autoscaling = k8s.AutoscalingV2Api(api)
         self._timeout = (settings.timeout, settings.timeout)
 
     # calling the API ----------------------------------------------------------------------------
@@ -390,22 +393,43 @@ class KubernetesActuator:
     async def observe(self) -> FleetView:
         # The reads are independent: one tick waits for the slowest, not for their sum.
         # One pool's workload that cannot be read (renamed, its CRD gone, a denied get) leaves the others known.
-        seen, (router_changed, router_template) = await asyncio.gather(
+        seen, (router_changed, router_template), scalers = await asyncio.gather(
             asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values()), return_exceptions=True),
-            self._router())
+            self._router(), self._autoscalers())
         pools, changed, unreadable = {}, {}, {}
-        for pool, got in zip(self.workloads, seen, strict=True):
+        for (pool, w), got in zip(self.workloads.items(), seen, strict=True):
             if isinstance(got, ActuationError):
                 unreadable[pool] = str(got)
             elif isinstance(got, BaseException):
                 raise got
             else:
-                pools[pool] = got[0]
+                pools[pool] = dataclasses.replace(got[0], scaled_by=scalers.get((w.namespace, w.kind, w.name)))
                 if got[1] is not None:
                     changed[pool] = got[1]
         if router_changed is not None:
             changed["router"] = router_changed
         return FleetView(pools, changed, unreadable, router_template)
+
+    async def _autoscalers(self) -> dict[tuple[str, str, str], str]:
+        """The HorizontalPodAutoscalers (KEDA's ScaledObjects make one each) that scale the pools' workloads, by the
+        workload's namespace, kind and name. One namespace's that cannot be listed is logged and left out: a pool is not
+        held for a list it may not be allowed (an older Role)."""
+        out: dict[tuple[str, str, str], str] = {}
+        groups = {k: KINDS[k].group for k in KINDS}
+        for namespace in sorted({w.namespace for w in self.workloads.values()}):
+            try:
+                listed = await self._json(f"listing the HorizontalPodAutoscalers in {namespace}",
+                                          self._autoscaling.list_namespaced_horizontal_pod_autoscaler, namespace)
+            except ActuationError as exc:
+                log.warning("%s; pools there are scaled as if none did", exc)
+                continue
+            for hpa in listed["items"]:
+                ref = dig(hpa, ("spec", "scaleTargetRef"), {}) or {}
+                kind, group = str(ref.get("kind")), str(ref.get("apiVersion", "")).rpartition("/")[0]
+                if kind in groups and group == groups[kind]:
+                    out[(namespace, kind, str(ref.get("name")))] = \
+                        f"HorizontalPodAutoscaler {namespace}/{dig(hpa, ('metadata', 'name'))}"
+        return out
 
     async def _router(self) -> tuple[float | None, str | None]:
         """When the router's current revision replaced another, and its pod template's digest (None for either: no
@@ -742,18 +766,40 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        # The pool's own engines on the node: another pool's are its own actions' to move (one pool at a time).
-        obj = await self._read(w)
-        pods = sorted(p for p, meta in (await self._pods_of(w, obj)).items() if meta["node"] == node)
+        pods = await self._engines_on(node, w)
         done: list[str] = []
         try:
             for pod in pods:
                 await self._unroute(order, w.namespace, pod)
                 done.append(pod)
         except ActuationError as exc:
-            raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
+            raise ActuationError(f"{exc}; {await self._back_in(order, w, {}, done)}") from None
         return {"wait": {"phase": "evicting", "pods": pods, "namespace": w.namespace, "then": "evict", "node": node,
                          "deadline": self.clock() + self.settings.drain_grace}}
+
+    async def _engines_on(self, node: str, w: Workload) -> list[str]:
+        """The engines a cordon of `node` moves: every configured pool's in `w`'s namespace (the faulty GPU may serve
+        any of them; the loop's view of their load comes with the order), and a gang's whole group where one of its
+        engines is there (its workload recreates the group). Another pool whose workload cannot be read is logged and
+        left; `w`'s own must be read."""
+        out: set[str] = set()
+        for other in self.workloads.values():
+            if other.namespace != w.namespace:
+                continue
+            try:
+                pods = await self._pods_of(other, await self._read(other))
+            except ActuationError as exc:
+                if other is w:
+                    raise
+                log.warning("cordoning %s: the engines of %s %s/%s are left there: %s", node, other.kind,
+                            other.namespace, other.name, exc)
+                continue
+            there = {p for p, meta in pods.items() if meta["node"] == node}
+            if other.kind == "LeaderWorkerSet":
+                groups = {dig(pods[p], ("labels", LWS_GROUP)) for p in there}
+                there |= {p for p, meta in pods.items() if dig(meta, ("labels", LWS_GROUP)) in groups}
+            out |= there
+        return sorted(out)
 
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         if wait["then"] == "verify":
@@ -763,8 +809,8 @@ class KubernetesActuator:
         late = now >= float(wait["deadline"])
         if wait["then"] == "evict":
             # Evict once idle (or at the grace's end): the Eviction API honours PodDisruptionBudgets.
-            left = await self._evict_all(order, wait, [p for p in pods if p in idle or late])
-            left += [p for p in pods if p not in idle and not late]
+            busy = [p for p in pods if p not in idle and not late]
+            left = await self._evict_all(order, wait, [p for p in pods if p in idle or late], busy) + busy
             if left and not late:
                 return {"wait": {**wait, "pods": left}}
             if left:
@@ -790,16 +836,17 @@ class KubernetesActuator:
                                  f"{await self._back_in(order, self.workloads[order.pool], {}, left)}")
         return detail
 
-    async def _evict_all(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> list[str]:
-        """Evict `pods`; those a PodDisruptionBudget refuses for now. On any other failure the ones not evicted are
-        routed again (they would run and serve nothing) and the error says so."""
+    async def _evict_all(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str],
+                         waiting: Sequence[str] = ()) -> list[str]:
+        """Evict `pods`; those a PodDisruptionBudget refuses for now. On any other failure the ones not evicted, and
+        those `waiting` to be, are routed again (they would run and serve nothing) and the error says so."""
         left: list[str] = []
         for i, pod in enumerate(pods):
             try:
                 if not await self._evict(wait["namespace"], pod):
                     left.append(pod)
             except ActuationError as exc:
-                rest = left + list(pods[i:])
+                rest = left + list(pods[i:]) + list(waiting)
                 raise ActuationError(f"{exc}; {await self._back_in(order, self.workloads[order.pool], {}, rest)}"
                                      ) from None
         return left
@@ -911,14 +958,14 @@ class KubernetesActuator:
     async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
         """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told
         (no workload configured, no selector, a failed read, a dry run whose drain stamped nothing): the drained pods
-        are deleted as named, as they would have been without the check."""
+        are evicted as named, as they would have been without the check."""
         w = self.workloads.get(order.pool)
         if w is None or self.dry_run:
             return {}
         try:
             return await self._pods_of(w, await self._read(w))
         except ActuationError as exc:
-            log.warning("action %d: the pods of %s cannot be listed (%s); deleting the drained ones as named",
+            log.warning("action %d: the pods of %s cannot be listed (%s); evicting the drained ones as named",
                         order.action_id, order.pool, exc)
             return {}
 

@@ -47,6 +47,7 @@ NODES = kmock.resource("", "v1", "nodes")
 EVENTS = kmock.resource("events.k8s.io", "v1", "events")
 CONFIGMAPS = kmock.resource("", "v1", "configmaps")
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
+HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
 
 
 @dataclass

@@ -36,6 +36,8 @@ from policies.inputs import StaleInputs
 from policies.settling import PoolStalled
 from policies.types import (
     ActionKind,
+    Cordon,
+    Drain,
     FindingKey,
     FindingReport,
     PolicyInput,
@@ -282,6 +284,20 @@ async def test_undecided_proposals_expire_after_the_ttl(clock: VirtualClock) -> 
     assert "proposal_ttl" in event.detail["why"]
 
 
+async def test_an_act_mode_proposal_cut_off_before_its_approval_runs(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    # The rails allowed it and it was recorded; the store failed before the approval was (or the process died).
+    orphan = await store.create_action(NewAction(None, "scale_pool", "prefill", {"change": change_as_dict(ScaleTo(4)),
+                                                                                 "from_replicas": 3},
+                                                 "act", "more prefill; rails: scale prefill 3 -> 4"), clock.now())
+    person = await store.create_action(NewAction(None, "rollback", "prefill", {"change": change_as_dict(RollBack("router"))},
+                                                 "propose", "proposed before act was switched on"), clock.now())
+    await tick(make_loop(Mode.ACT, store, pools, clock, policy), clock)
+    assert pools.calls == [4], "run once, not held until proposal_ttl"
+    states = {a.id: a.state for a in await store.actions()}
+    assert (states[orphan.id], states[person.id]) == (S.SUCCEEDED, S.PROPOSED), "a person's proposal stays theirs"
+
+
 async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualClock) -> None:
     store, pools, policy = MemoryStore(), Pools(ready=2), Asks()
     loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
@@ -321,6 +337,20 @@ async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClo
     assert (action.id, action.state, pools.calls) == (action_id, state, calls)
     events = [e.event for e in store.action_events(action_id)]
     assert events.count("started") == 1, "started once, by the control plane that was killed"
+
+
+async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: VirtualClock) -> None:
+    store, pools, source = MemoryStore(), Pools(already=False), NoMetrics()
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
+                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
+                                                  "inputs": ["requests_waiting"]}, "act", "more prefill"), clock.now())
+    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
+    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    source.down = 3  # the pool's vLLM target has been down since before the take-over
+    await make_loop(Mode.ACT, store, pools, clock, Asks(), source).start()
+    [taken] = await store.actions()
+    assert pools.calls == [] and taken.state is S.FAILED
+    assert "prefill/prefill-0/vllm is down" in str(taken.error), taken.error
 
 
 @pytest.mark.parametrize(("mode", "desired", "after_s", "why"), [
@@ -541,3 +571,23 @@ async def test_a_pool_that_is_only_slow_is_not_stalled(clock: VirtualClock, slow
     for _ in range(65):
         await tick(loop, clock)
     assert pools.calls == [] and [f.kind for f in await store.open_findings()] == ["test"]
+
+
+async def test_a_cordon_sees_every_pools_engines_a_drain_its_own(clock: VirtualClock) -> None:
+    two = """
+mode: act
+pools:
+  - {name: prefill, role: prefill, model: m, replicas: {min: 1, max: 8}}
+  - {name: decode, role: decode, model: m, replicas: {min: 1, max: 8}}
+"""
+    loop = ControlLoop(config=parse_config(two), source=NoMetrics(), store=MemoryStore(), policies=[],
+                       actuator=Pools(), clock=clock, telemetry=Telemetry())
+    now = clock.now()
+    loop.windows.extend([(now, "engine/prefill/prefill-0/0", "requests_running", 2.0),
+                         (now, "engine/decode/decode-0/0", "requests_running", 0.0)])
+    loop._answering = {"prefill": {"prefill-0"}, "decode": {"decode-0"}}
+    cordon = loop._with_engines(Order(1, ActionKind.CORDON_NODE, "decode", Cordon("gpu-1"), "gpu 3 failed"))
+    assert (cordon.busy, cordon.answering) == ({"prefill-0": 2.0, "decode-0": 0.0}, {"prefill-0", "decode-0"})
+    assert not cordon.idle("prefill-0"), "another pool's busy engine on the node is waited for"
+    drain = loop._with_engines(Order(2, ActionKind.DRAIN_ENGINE, "decode", Drain("decode-0"), "lagging"))
+    assert (drain.busy, drain.answering) == ({"decode-0": 0.0}, {"decode-0"})

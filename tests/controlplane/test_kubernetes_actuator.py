@@ -32,6 +32,7 @@ from tests.controlplane.apiserver import (
     CONFIGMAPS,
     DEPLOYMENTS,
     EVENTS,
+    HPAS,
     NODES,
     PODS,
     REPLICASETS,
@@ -1017,19 +1018,32 @@ async def test_a_selectors_match_expressions_narrow_its_pods(server: ApiServer, 
     assert routed(server, "vllm-decode-cpu")
 
 
-async def test_cordon_takes_only_the_pools_engines_off_the_node(server: ApiServer, api: client.ApiClient) -> None:
+async def test_a_cordon_moves_every_pools_engines_on_the_node_and_a_gangs_whole_group(
+        server: ApiServer, api: client.ApiClient) -> None:
     server.put(DEPLOYMENTS, deployment())
+    server.put(LWS, lws(replicas=1, size=2))
     server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
     server.put(PODS, pod("vllm-decode-a", node="gpu-node-1"))
-    server.put(PODS, pod("vllm-prefill-x", app="vllm-prefill", node="gpu-node-1"))  # another pool's, same node
+    server.put(PODS, pod("vllm-decode-b", node="gpu-node-2"))
+    leader, worker = group_pod(0, 0), group_pod(0, 1)  # one group: its leader on the node, its worker elsewhere
+    worker["spec"]["nodeName"] = "gpu-node-2"
+    server.put(PODS, leader)
+    server.put(PODS, worker)
+    server.put(PODS, pod("batch-job", app="batch", node="gpu-node-1"))  # no pool's: not the control plane's
     clock = Clock()
     act = actuator(api, clock)
-    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), answering={"vllm-decode-a"}, busy={"vllm-decode-a": 0.0})
+    # The faulty GPU may serve any pool's engine: gpu_health asks through one pool, the loop's view is of them all.
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"),
+              busy={"vllm-decode-a": 0.0, "vllm-prefill-0": 2.0, "vllm-prefill-0-1": 1.0},
+              answering={"vllm-decode-a", "vllm-decode-b", "vllm-prefill-0", "vllm-prefill-0-1"})
     first = await act.carry_out(o)
-    assert first["wait"]["pods"] == ["vllm-decode-a"]
-    done = await act.resume(o, first["wait"], clock.t + 1)
-    assert done["evicted"] == ["vllm-decode-a"]
-    assert server.get(PODS, NS, "vllm-prefill-x") is not None and routed(server, "vllm-prefill-x")
+    assert first["wait"]["pods"] == ["vllm-decode-a", "vllm-prefill-0", "vllm-prefill-0-1"]
+    assert not any(routed(server, p) for p in first["wait"]["pods"])
+    held = await act.resume(o, first["wait"], clock.t + 1)  # the idle one goes; the busy group finishes first
+    assert held["wait"]["pods"] == ["vllm-prefill-0", "vllm-prefill-0-1"] and server.get(PODS, NS, "vllm-decode-a") is None
+    done = await act.resume(o, held["wait"], clock.t + 61)
+    assert done["cordoned"] == "gpu-node-1" and server.get(PODS, NS, "vllm-prefill-0-1") is None
+    assert routed(server, "vllm-decode-b") and routed(server, "batch-job")
 
 
 async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: ApiServer,
@@ -1040,7 +1054,7 @@ async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: Ap
         server.put(PODS, pod(name, node="gpu-node-1"))
     clock = Clock()
     act = actuator(api, clock)
-    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 0.0},
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0},
               answering={"vllm-decode-a", "vllm-decode-b"})
     first = await act.carry_out(o)
     server.fail("POST", "vllm-decode-a/eviction", 500, "etcdserver: request timed out", times=2)
@@ -1102,3 +1116,26 @@ async def test_a_conflicting_scale_is_written_again_on_a_fresh_read(server: ApiS
     server.fail("PATCH", "deployments/vllm-decode/scale", 409, "the object has been modified", times=1)
     up = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=11))
     assert up["replicas"] == 4
+
+
+def hpa(target: str, kind: str = "Deployment", api_version: str = "apps/v1", name: str | None = None
+        ) -> dict[str, Any]:
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": name or f"keda-hpa-{target}", "namespace": NS},
+            "spec": {"scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": target},
+                     "minReplicas": 1, "maxReplicas": 8,
+                     "metrics": [{"type": "External", "external": {
+                         "metric": {"name": "s0-prometheus"},
+                         "target": {"type": "AverageValue", "averageValue": "5"}}}]}}
+
+
+async def test_a_pool_an_hpa_scales_is_marked_so_and_an_unlistable_namespace_marks_none(
+        server: ApiServer, api: client.ApiClient, caplog: pytest.LogCaptureFixture) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(HPAS, hpa("vllm-decode"))  # KEDA's, from a ScaledObject on the decode pool's queue
+    server.put(HPAS, hpa("vllm-decode", api_version="example.com/v1", name="other"))  # another group's Deployment
+    view = await actuator(api).observe()
+    assert view.pools["decode"].scaled_by == "HorizontalPodAutoscaler llm/keda-hpa-vllm-decode"
+    server.fail("GET", "/horizontalpodautoscalers", 403, "forbidden: an older Role")
+    view = await actuator(api).observe()
+    assert view.pools["decode"].scaled_by is None and "pools there are scaled as if none did" in caplog.text

@@ -17,7 +17,7 @@ from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import parse_config
-from controlplane.errors import ActuationError
+from controlplane.errors import ActuationError, StoreUnavailable
 from controlplane.killswitch import StoreSwitch
 from controlplane.loop import INEFFECTIVE, ControlLoop
 from controlplane.observe import Observation
@@ -100,7 +100,7 @@ async def test_an_ineffective_change_is_reverted_once_and_not_tried_again() -> N
     ineffective = {f.evidence["action_id"]: f for f in store.findings.values() if f.kind == INEFFECTIVE}
     assert ineffective[first.id].state == "resolved" and ineffective[first.id].evidence["revert_id"] == revert.id
     assert "did not improve tpot_p95" in ineffective[first.id].summary
-    assert [e.event for e in store.action_events(first.id)][-2:] == ["outcome:not_recovered", "ineffective"]
+    assert [e.event for e in store.action_events(first.id)][-2:] == ["ineffective", "outcome:not_recovered"]
     await ticks(loop, clock, 4 * 20)  # twenty minutes more: the finding is still open, the change still asked for
     assert engines.history == [1, 3], "never flaps between the change and its revert"
     assert len(await store.actions()) == 2, "not tried again for this finding, and a revert is never reverted"
@@ -289,3 +289,28 @@ async def test_a_finding_that_went_with_the_change_is_no_recovery_when_the_signa
     assert engines.history == [1, 3], "TPOT went from 100 to 150 ms: put back"
     await ticks(loop, clock, 4 * 20)  # the finding came back with the revert, as a new one: not tried on it again
     assert engines.history == [1, 3] and len(await store.actions()) == 2
+
+
+class FailsOnce(MemoryStore):
+    """The in-memory store, except that opening the first `action_ineffective` finding fails (an outage then)."""
+
+    failed = False
+
+    async def open_finding(self, finding: Any, now: float) -> Any:
+        if finding.kind == INEFFECTIVE and not self.failed:
+            self.failed = True
+            raise StoreUnavailable("open_finding: connection reset")
+        return await super().open_finding(finding, now)
+
+
+async def test_a_judging_the_store_cut_off_is_finished_next_tick_once() -> None:
+    clock, store, engines = VirtualClock(), FailsOnce(), Engines()
+    loop = make_loop(store, engines, clock)
+    with pytest.raises(StoreUnavailable):
+        await ticks(loop, clock, 4 * 12)
+    first, revert = await store.actions()
+    assert first.outcome is None, "not judged until its revert and finding are written"
+    await ticks(loop, clock, 8)
+    first, revert = await store.actions()  # one revert, not two
+    assert (first.outcome, revert.params["reverts"], engines.history) == ("not_recovered", first.id, [1, 3])
+    assert ineffective_of(store, first.id).evidence["revert_id"] == revert.id

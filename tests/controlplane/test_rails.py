@@ -224,12 +224,18 @@ def test_one_engine_of_a_gang_is_never_drained_alone() -> None:
     assert reason is RailsReason.BLAST_RADIUS
 
 
+def test_a_pool_another_controller_scales_is_not_scaled() -> None:
+    owned = replace(pool(), scaled_by="HorizontalPodAutoscaler llm/keda-hpa-vllm-prefill")
+    assert decide(up(), owned)[0] is RailsReason.SCALED_ELSEWHERE
+    assert decide(ask(ActionKind.ENABLE_EPLB, Eplb(True)), owned)[0] is RailsReason.ALLOWED
+
+
 def test_reason_spellings_are_stable() -> None:
     # They are metric label values; dashboards and alerts depend on them.
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
         "rate_limited", "pool_not_settled", "not_supported", "stale", "paused", "rollout_in_flight", "blast_radius",
-        "stale_inputs", "tried", "verifying", "pool_unreadable",
+        "stale_inputs", "tried", "verifying", "pool_unreadable", "scaled_elsewhere",
     ]
 
 
@@ -255,6 +261,8 @@ def due(start: int = 3, target: int = 4, kind: str = "scale_pool", change: Chang
         pytest.param(Mode.PROPOSE, pool(), due(), [], RailsReason.ALLOWED, id="approved-runs"),
         pytest.param(Mode.PROPOSE, pool(desired=4), due(), [], RailsReason.STALE, id="stale-approval"),
         pytest.param(Mode.PROPOSE, pool(hi=3), due(), [], RailsReason.AT_LIMIT, id="bounds-shrank"),
+        pytest.param(Mode.PROPOSE, replace(pool(), scaled_by="HorizontalPodAutoscaler llm/hpa"), due(), [],
+                     RailsReason.SCALED_ELSEWHERE, id="an-hpa-came-after-the-approval"),
         pytest.param(Mode.OBSERVE, pool(), due(), [], RailsReason.OBSERVE_MODE, id="switched-to-observe"),
         pytest.param(Mode.ACT, None, due(), [], RailsReason.UNKNOWN_POOL, id="pool-removed"),
         pytest.param(Mode.ACT, pool(), due(kind="drain_engine", change=Drain("prefill-0")), [], RailsReason.ALLOWED,
@@ -440,6 +448,19 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
 def test_one_change_per_finding_until_it_is_judged(earlier: Past, reason: RailsReason) -> None:
     d = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier], now=NOW, supported=ALL_KINDS, finding_id=5)
     assert d.reason is reason
+
+
+@pytest.mark.parametrize(("kind", "change", "reason"), [
+    # Speculation switched down did not help finding 6, which then went away; finding 5 came back with the revert.
+    ("tune_speculation", Speculation(step=-2), RailsReason.TRIED),
+    ("drain_engine", Drain("prefill-2"), RailsReason.ALLOWED),  # another engine's drain is another change
+])
+def test_an_engine_setting_that_did_not_help_is_not_tried_again_on_the_pool(kind: str, change: Change,
+                                                                             reason: RailsReason) -> None:
+    earlier = Past("prefill", "succeeded", NOW - 900, NOW - 800, kind=kind, finding_id=6, outcome="not_recovered")
+    d = check(ask(ActionKind(kind), change), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier], now=NOW,
+              supported=ALL_KINDS, finding_id=5)
+    assert d.reason is reason, d.note
 
 
 def test_a_stalled_pool_gives_up_the_engines_it_waits_for_first() -> None:
