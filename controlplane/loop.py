@@ -23,7 +23,7 @@ from controlplane.actions import FINISHED_STATES, ActionState
 from controlplane.actuators.base import Actuator, FleetView, Order, PoolReplicas
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode, Rails
-from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, FleetError
+from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, FleetError, StoreConflict
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
 from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, rests_on, revert_of
@@ -112,6 +112,7 @@ class ControlLoop:
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
         self._unnoted: set[int] = set()  # waits whose note the store refused: noted again next tick
+        self._took_over_at: float | None = None  # when `start` last observed, to take actions over
         # Ends of started actions the store refused to record, kept to be written next tick: kind, state, detail,
         # error, when it ended.
         self._unrecorded: dict[int, tuple[str, ActionState, dict[str, Any], str | None, float]] = {}
@@ -138,6 +139,7 @@ class ControlLoop:
         self._waiting.clear()
         self._unnoted.clear()
         self._unrecorded.clear()
+        self._took_over_at = None
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
         started = await self.store.actions(states=[ActionState.STARTED])
@@ -148,6 +150,7 @@ class ControlLoop:
             self._unfit, self._answering = {}, {}
             try:
                 await self._observe(now, TickReport(ts=now))
+                self._took_over_at = now
                 unobserved = None
             except FleetError as exc:
                 unobserved = f"not observed since taking over ({exc})"
@@ -224,6 +227,9 @@ class ControlLoop:
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every scrape interval until `stop` is set or leadership is lost; the current tick always finishes."""
         interval = self.config.scrape.interval
+        if self._took_over_at is not None:
+            # A take-over scraped just now: a tick at once would derive rates over a second or so.
+            await self._wait(stop, interval - (self.clock.now() - self._took_over_at))
         while not stop.is_set() and self.leading():
             started = self.clock.now()
             try:
@@ -620,8 +626,8 @@ class ControlLoop:
                 if not isinstance(exc, ActuationError):
                     log.exception("actuator %s raised on action %d", self.actuator.name, order.action_id)
                 error = str(exc) if isinstance(exc, ActuationError) else f"{type(exc).__name__}: {exc}"
-                if self._waiting.pop(order.action_id, None) is not None:
-                    self._finished_now.append(order.pool)  # a wait that failed may have evicted or deleted pods
+                # A wait that failed may have evicted pods.
+                self._finished_now += _touched(order, self._waiting.pop(order.action_id, None))
                 report.errors[f"action {order.action_id}"] = error
                 await self._finish(order.action_id, kind, ActionState.FAILED, {"error": error}, error)
                 return
@@ -634,8 +640,7 @@ class ControlLoop:
                 await self.store.note(order.action_id, "waiting", self.clock.now(), detail)
                 self._unnoted.discard(order.action_id)
             return
-        if self._waiting.pop(order.action_id, None) is not None:
-            self._finished_now.append(order.pool)
+        self._finished_now += _touched(order, self._waiting.pop(order.action_id, None))
         await self._finish(order.action_id, kind, ActionState.DRY_RUN if self.actuator.dry_run else ActionState.SUCCEEDED,
                            detail)
 
@@ -671,8 +676,9 @@ class ControlLoop:
                 if points:
                     pod = subject.split("/")[2]
                     busy[pod] = busy.get(pod, 0.0) + points[-1][1]
-        seen = [self._answering.get(p.name) for p in self.config.pools] if cordon else [self._answering.get(order.pool)]
-        answering = None if any(s is None for s in seen) else frozenset(p for s in seen if s for p in s)
+        # Per pool scraped here (a pool with no engine target has none to answer); None where none is scraped here.
+        seen = self._answering if cordon else {k: v for k, v in self._answering.items() if k == order.pool}
+        answering = frozenset(p for pods in seen.values() for p in pods) if seen else None
         return replace(order, busy=busy, answering=answering)
 
     # verify -----------------------------------------------------------------------------------
@@ -758,9 +764,13 @@ class ControlLoop:
                 decision = RailsDecision(RailsReason.ALLOWED if self.config.mode is Mode.ACT
                                          else RailsReason.NEEDS_APPROVAL, proposal.change, f"waits: {decision.note}")
             if decision.may_record and decision.change is not None:
-                revert = await self._record(proposal, decision, action.finding_id, now, pools, report,
-                                            extra={"reverts": action.id})
-                revert_id, why = revert.id, f"reverting as action {revert.id} ({revert.state})"
+                try:
+                    revert = await self._record(proposal, decision, action.finding_id, now, pools, report,
+                                                extra={"reverts": action.id})
+                except StoreConflict:  # an action of its kind on the pool is active (awaiting a person, say)
+                    why = f"revert held: a {proposal.kind} on {action.pool} is active already; undo it by hand"
+                else:
+                    revert_id, why = revert.id, f"reverting as action {revert.id} ({revert.state})"
         if any(f.kind == INEFFECTIVE and f.subject == f"action/{action.id}" for f in await self.store.open_findings()):
             return  # opened by a judging the store cut off before its outcome
         finding = await self.store.open_finding(NewFinding(
@@ -818,3 +828,11 @@ def _new_finding(report: FindingReport) -> NewFinding:
     """A policy's report as the store records it."""
     return NewFinding(report.key.kind, report.key.subject, str(report.severity), report.summary, report.cause,
                       dict(report.evidence), report.runbook)
+
+
+def _touched(order: Order, waited: tuple[Order, dict[str, Any]] | None) -> list[str]:
+    """The pools a change that waited touched, once it ends: its own, and for a cordon every pool whose engines it
+    evicted (none where it did not wait)."""
+    if waited is None:
+        return []
+    return sorted({order.pool, *(waited[1].get("pools") or {}).values()})

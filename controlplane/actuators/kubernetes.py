@@ -33,11 +33,11 @@ the Deployment it names, which the Rollout follows; that template's digest is th
 the rails have checked that the rollout restarts no more engines at
 once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
 previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is evicted once idle
-and its workload replaces it; a cordon marks the node unschedulable and evicts the pool's engines on
-it. Both go through the Eviction API, which honours PodDisruptionBudgets: a refusal is retried until
-the grace ends (a drained engine's, one more grace after its drain), and the engines still there
-then are routed again. A workload's pods are those its selector matches (matchExpressions
-included) that no other controller owns.
+and its workload replaces it; a cordon marks the node unschedulable and evicts the engines of every
+configured pool in the namespace on it (a gang's whole group). Both go through the Eviction API,
+which honours PodDisruptionBudgets: a refusal is retried until the grace ends (a drained engine's,
+one more grace after its drain), and the engines still there then are routed again. A workload's
+pods are those its selector matches (matchExpressions included) that no other controller owns.
 
 Every write carries the action's id in an annotation of the object it changes, so a restarted
 leader sees a change it already made (`applied`) and never makes it twice, and is followed by an
@@ -329,6 +329,8 @@ class KubernetesActuator:
         self._custom = k8s.CustomObjectsApi(api)
         self._events = k8s.EventsV1Api(api)
         self._autoscaling = k8s.AutoscalingV2Api(api)
+        self._scalers: dict[str, dict[tuple[str, str, str], str]] = {}  # per namespace, its HPAs as last listed
+        self._scalers_unlisted: set[str] = set()  # namespaces whose last list failed (warned of once)
         self._timeout = (settings.timeout, settings.timeout)
 
     # calling the API ----------------------------------------------------------------------------
@@ -412,24 +414,29 @@ class KubernetesActuator:
 
     async def _autoscalers(self) -> dict[tuple[str, str, str], str]:
         """The HorizontalPodAutoscalers (KEDA's ScaledObjects make one each) that scale the pools' workloads, by the
-        workload's namespace, kind and name. One namespace's that cannot be listed is logged and left out: a pool is not
-        held for a list it may not be allowed (an older Role)."""
-        out: dict[tuple[str, str, str], str] = {}
+        workload's namespace, kind and name. A namespace whose list fails keeps its last one read; one never read (a
+        Role without the grant, say) is warned of once and counts as having none."""
         groups = {k: KINDS[k].group for k in KINDS}
         for namespace in sorted({w.namespace for w in self.workloads.values()}):
             try:
                 listed = await self._json(f"listing the HorizontalPodAutoscalers in {namespace}",
                                           self._autoscaling.list_namespaced_horizontal_pod_autoscaler, namespace)
             except ActuationError as exc:
-                log.warning("%s; pools there are scaled as if none did", exc)
+                if namespace not in self._scalers_unlisted:
+                    self._scalers_unlisted.add(namespace)
+                    log.warning("%s; pools there are scaled as if by the last list (%s)", exc,
+                                "none yet" if namespace not in self._scalers else "kept")
                 continue
+            self._scalers_unlisted.discard(namespace)
+            found: dict[tuple[str, str, str], str] = {}
             for hpa in listed["items"]:
                 ref = dig(hpa, ("spec", "scaleTargetRef"), {}) or {}
                 kind, group = str(ref.get("kind")), str(ref.get("apiVersion", "")).rpartition("/")[0]
                 if kind in groups and group == groups[kind]:
-                    out[(namespace, kind, str(ref.get("name")))] = \
+                    found[(namespace, kind, str(ref.get("name")))] = \
                         f"HorizontalPodAutoscaler {namespace}/{dig(hpa, ('metadata', 'name'))}"
-        return out
+            self._scalers[namespace] = found
+        return {key: hpa for found in self._scalers.values() for key, hpa in found.items()}
 
     async def _router(self) -> tuple[float | None, str | None]:
         """When the router's current revision replaced another, and its pod template's digest (None for either: no
@@ -766,40 +773,57 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        pods = await self._engines_on(node, w)
+        owners, unmoved = await self._engines_on(node, order.pool)
+        wait: dict[str, Any] = {"phase": "evicting", "pods": sorted(owners), "namespace": w.namespace, "then": "evict",
+                                "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace}
+        if unmoved:
+            wait["unmoved"] = unmoved
         done: list[str] = []
         try:
-            for pod in pods:
+            for pod in wait["pods"]:
                 await self._unroute(order, w.namespace, pod)
                 done.append(pod)
         except ActuationError as exc:
-            raise ActuationError(f"{exc}; {await self._back_in(order, w, {}, done)}") from None
-        return {"wait": {"phase": "evicting", "pods": pods, "namespace": w.namespace, "then": "evict", "node": node,
-                         "deadline": self.clock() + self.settings.drain_grace}}
+            raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, done)}") from None
+        return {"wait": wait}
 
-    async def _engines_on(self, node: str, w: Workload) -> list[str]:
-        """The engines a cordon of `node` moves: every configured pool's in `w`'s namespace (the faulty GPU may serve
-        any of them; the loop's view of their load comes with the order), and a gang's whole group where one of its
-        engines is there (its workload recreates the group). Another pool whose workload cannot be read is logged and
-        left; `w`'s own must be read."""
-        out: set[str] = set()
-        for other in self.workloads.values():
-            if other.namespace != w.namespace:
+    async def _engines_on(self, node: str, pool: str) -> tuple[dict[str, str], dict[str, str]]:
+        """The engines a cordon of `node` asked for by `pool` moves, each with its pool: every configured pool's in
+        `pool`'s namespace (the faulty GPU may serve any of them; the loop's view of their load comes with the order),
+        and a gang's whole group where one of its engines is there (its workload recreates the group). Also the pools
+        whose workload cannot be read, with why: their engines stay there (`pool`'s own must be read)."""
+        namespace = self.workloads[pool].namespace
+        owners: dict[str, str] = {}
+        unmoved: dict[str, str] = {}
+        for name, other in self.workloads.items():
+            if other.namespace != namespace:
                 continue
             try:
                 pods = await self._pods_of(other, await self._read(other))
             except ActuationError as exc:
-                if other is w:
+                if name == pool:
                     raise
-                log.warning("cordoning %s: the engines of %s %s/%s are left there: %s", node, other.kind,
-                            other.namespace, other.name, exc)
+                if isinstance(exc, _Missing):
+                    continue  # no such workload: no engines of it anywhere
+                log.warning("cordoning %s: the engines of pool %s are left there: %s", node, name, exc)
+                unmoved[name] = str(exc)
                 continue
             there = {p for p, meta in pods.items() if meta["node"] == node}
             if other.kind == "LeaderWorkerSet":
                 groups = {dig(pods[p], ("labels", LWS_GROUP)) for p in there}
                 there |= {p for p, meta in pods.items() if dig(meta, ("labels", LWS_GROUP)) in groups}
-            out |= there
-        return sorted(out)
+            owners.update(dict.fromkeys(there, name))
+        return owners, unmoved
+
+    async def _back_in_each(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> str:
+        """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool)."""
+        owners: Mapping[str, str] = wait.get("pools") or {}
+        by_pool: dict[str, list[str]] = {}
+        for pod in pods:
+            pool = owners.get(pod, order.pool)
+            by_pool.setdefault(pool if pool in self.workloads else order.pool, []).append(pod)
+        return "; ".join([await self._back_in(order, self.workloads[pool], {}, names)
+                          for pool, names in sorted(by_pool.items())])
 
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         if wait["then"] == "verify":
@@ -816,8 +840,9 @@ class KubernetesActuator:
             if left:
                 raise ActuationError(f"node {wait['node']}: {', '.join(left)} could not be evicted within "
                                      f"{self.settings.drain_grace:g}s (a PodDisruptionBudget refused); "
-                                     f"{await self._back_in(order, self.workloads[order.pool], {}, left)}")
-            return {"cordoned": wait["node"], "evicted": pods, "waited_for_idle": not late}
+                                     f"{await self._back_in_each(order, wait, left)}")
+            done = {"cordoned": wait["node"], "evicted": pods, "waited_for_idle": not late}
+            return {**done, "unmoved": wait["unmoved"]} if wait.get("unmoved") else done
         if len(idle) < len(pods) and not late:
             return {"wait": wait}
         detail = {"drained": pods, "idle": len(idle) == len(pods), "waited_s": round(now - float(wait["deadline"])
@@ -847,8 +872,7 @@ class KubernetesActuator:
                     left.append(pod)
             except ActuationError as exc:
                 rest = left + list(pods[i:]) + list(waiting)
-                raise ActuationError(f"{exc}; {await self._back_in(order, self.workloads[order.pool], {}, rest)}"
-                                     ) from None
+                raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, rest)}") from None
         return left
 
     async def _scale_drained(self, order: Order, wait: dict[str, Any], pods: list[str], detail: dict[str, Any],
@@ -873,6 +897,11 @@ class KubernetesActuator:
         """`_scale_drained` on the workload as read; the count is written only if the workload is still as read
         (`_Conflict` otherwise)."""
         size, now_at = _engines(w, obj)
+        hpa = self._scalers.get(w.namespace, {}).get((w.namespace, w.kind, w.name))
+        if hpa is not None and not _stamped(obj, order):
+            # It came while the engines drained: the count is its to set now.
+            raise ActuationError(f"{hpa} scales {w.kind} {w.namespace}/{w.name} now: not scaled; "
+                                 f"{await self._back_in(order, w, obj, pods)}")
         if _stamped(obj, order) or now_at == int(wait["replicas"]):
             # Scaled already: by a leader that stopped before it could record it, taken over from its wait.
             return self._verifying(w, pods, now, {"already_applied": f"{w.kind} {w.namespace}/{w.name}",

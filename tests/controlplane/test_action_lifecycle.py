@@ -27,7 +27,7 @@ from controlplane.clock import VirtualClock
 from controlplane.config import Mode, parse_config
 from controlplane.errors import ActuationError
 from controlplane.killswitch import StoreSwitch
-from controlplane.loop import ControlLoop
+from controlplane.loop import ControlLoop, _touched
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewAction, Pause
@@ -591,3 +591,10 @@ pools:
     assert not cordon.idle("prefill-0"), "another pool's busy engine on the node is waited for"
     drain = loop._with_engines(Order(2, ActionKind.DRAIN_ENGINE, "decode", Drain("decode-0"), "lagging"))
     assert (drain.busy, drain.answering) == ({"decode-0": 0.0}, {"decode-0"})
+
+
+def test_a_cordon_that_ends_counts_every_pool_it_evicted_from_as_settling() -> None:
+    cordon = Order(1, ActionKind.CORDON_NODE, "decode", Cordon("gpu-1"), "gpu 3 failed")
+    waited = (cordon, {"pods": ["d-0", "p-0"], "pools": {"d-0": "decode", "p-0": "prefill"}})
+    assert _touched(cordon, waited) == ["decode", "prefill"], "no other pool's disruptive change starts beside it"
+    assert _touched(cordon, None) == [], "it never waited: nothing was evicted"

@@ -1036,6 +1036,7 @@ async def test_a_cordon_moves_every_pools_engines_on_the_node_and_a_gangs_whole_
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"),
               busy={"vllm-decode-a": 0.0, "vllm-prefill-0": 2.0, "vllm-prefill-0-1": 1.0},
               answering={"vllm-decode-a", "vllm-decode-b", "vllm-prefill-0", "vllm-prefill-0-1"})
+    server.fail("GET", "rollouts/vllm-canary", 403, "forbidden")  # a pool whose engines cannot be found now
     first = await act.carry_out(o)
     assert first["wait"]["pods"] == ["vllm-decode-a", "vllm-prefill-0", "vllm-prefill-0-1"]
     assert not any(routed(server, p) for p in first["wait"]["pods"])
@@ -1043,6 +1044,7 @@ async def test_a_cordon_moves_every_pools_engines_on_the_node_and_a_gangs_whole_
     assert held["wait"]["pods"] == ["vllm-prefill-0", "vllm-prefill-0-1"] and server.get(PODS, NS, "vllm-decode-a") is None
     done = await act.resume(o, held["wait"], clock.t + 61)
     assert done["cordoned"] == "gpu-node-1" and server.get(PODS, NS, "vllm-prefill-0-1") is None
+    assert "forbidden" in done["unmoved"]["canary"], "said, not hidden behind a success"
     assert routed(server, "vllm-decode-b") and routed(server, "batch-job")
 
 
@@ -1136,6 +1138,37 @@ async def test_a_pool_an_hpa_scales_is_marked_so_and_an_unlistable_namespace_mar
     server.put(HPAS, hpa("vllm-decode", api_version="example.com/v1", name="other"))  # another group's Deployment
     view = await actuator(api).observe()
     assert view.pools["decode"].scaled_by == "HorizontalPodAutoscaler llm/keda-hpa-vllm-decode"
-    server.fail("GET", "/horizontalpodautoscalers", 403, "forbidden: an older Role")
-    view = await actuator(api).observe()
-    assert view.pools["decode"].scaled_by is None and "pools there are scaled as if none did" in caplog.text
+    act = actuator(api)
+    await act.observe()
+    server.fail("GET", "/horizontalpodautoscalers", 503, "etcd timeout", times=2)
+    kept = await act.observe()  # one failed list keeps the last one read
+    assert kept.pools["decode"].scaled_by == "HorizontalPodAutoscaler llm/keda-hpa-vllm-decode"
+    server.fail("GET", "/horizontalpodautoscalers", 403, "forbidden: an older Role", times=4)
+    fresh = actuator(api)  # a Role without the grant: warned of once, none counted
+    assert (await fresh.observe()).pools["decode"].scaled_by is None
+    await fresh.observe()
+    assert caplog.text.count("pools there are scaled as if by the last list (none yet)") == 1
+
+
+async def test_a_failed_cordon_routes_each_pools_engines_back_as_that_pool_routes_them(
+        server: ApiServer, api: client.ApiClient) -> None:
+    dep = deployment()
+    dep["spec"]["template"]["metadata"]["labels"]["llm-d.ai/routed"] = "decode"  # this router pool's value
+    server.put(DEPLOYMENTS, dep)
+    server.put(LWS, lws(replicas=1, size=1))  # its template names no value: routed as `true`
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    engine = pod("vllm-decode-a")
+    engine["metadata"]["labels"]["llm-d.ai/routed"] = "decode"
+    server.put(PODS, engine)
+    server.put(PODS, group_pod(0, 0))
+    act = actuator(api)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-prefill-0": 0.0},
+              answering={"vllm-decode-a", "vllm-prefill-0"})
+    first = await act.carry_out(o)
+    assert first["wait"]["pools"] == {"vllm-decode-a": "decode", "vllm-prefill-0": "prefill"}
+    server.fail("POST", "/eviction", 500, "etcdserver: leader changed", times=2)
+    with pytest.raises(ActuationError, match="routed again"):
+        await act.resume(o, first["wait"], Clock().t + 1)
+    labels = {p: server.get(PODS, NS, p)["metadata"]["labels"]["llm-d.ai/routed"]  # type: ignore[index]
+              for p in ("vllm-decode-a", "vllm-prefill-0")}
+    assert labels == {"vllm-decode-a": "decode", "vllm-prefill-0": "true"}

@@ -22,6 +22,7 @@ from controlplane.killswitch import StoreSwitch
 from controlplane.loop import INEFFECTIVE, ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
+from controlplane.store.records import NewAction
 from controlplane.telemetry import Telemetry
 from policies.types import (
     ActionKind,
@@ -314,3 +315,18 @@ async def test_a_judging_the_store_cut_off_is_finished_next_tick_once() -> None:
     first, revert = await store.actions()  # one revert, not two
     assert (first.outcome, revert.params["reverts"], engines.history) == ("not_recovered", first.id, [1, 3])
     assert ineffective_of(store, first.id).evidence["revert_id"] == revert.id
+
+
+async def test_a_revert_another_active_action_of_its_kind_blocks_is_left_to_a_person() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = make_loop(store, engines, clock)
+    while engines.history != [1]:
+        await ticks(loop, clock, 1)
+    # A person's proposal of the same kind on the pool, waiting: the store holds one active action per pool and kind.
+    await store.create_action(NewAction(None, "tune_speculation", "chat",
+                                        {"change": {"type": "Speculation", "num_speculative_tokens": 2, "step": 0}},
+                                        "propose", "asked for by hand"), clock.now())
+    await ticks(loop, clock, 4 * 12)  # judged; the ticks go on
+    first = (await store.actions())[0]
+    assert first.outcome == "not_recovered" and engines.history == [1]
+    assert "is active already" in ineffective_of(store, first.id).cause
