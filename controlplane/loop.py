@@ -227,7 +227,7 @@ class ControlLoop:
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every scrape interval until `stop` is set or leadership is lost; the current tick always finishes."""
         interval = self.config.scrape.interval
-        if self._took_over_at is not None:
+        if self._took_over_at is not None and self.leading():
             # A take-over scraped just now: a tick at once would derive rates over a second or so.
             await self._wait(stop, interval - (self.clock.now() - self._took_over_at))
         while not stop.is_set() and self.leading():
@@ -676,9 +676,12 @@ class ControlLoop:
                 if points:
                     pod = subject.split("/")[2]
                     busy[pod] = busy.get(pod, 0.0) + points[-1][1]
-        # Per pool scraped here (a pool with no engine target has none to answer); None where none is scraped here.
-        seen = self._answering if cordon else {k: v for k, v in self._answering.items() if k == order.pool}
-        answering = frozenset(p for pods in seen.values() for p in pods) if seen else None
+        # Per pool scraped here; None where one whose engines the change may move is not (a pool with engines that
+        # is not scraped here would read as down, and its busy engines be evicted at once).
+        pools = [p.name for p in self.config.pools] if cordon else [order.pool]
+        unseen = [p for p in pools if p not in self._answering
+                  and ((rep := self._last_replicas.get(p)) is None or rep.desired > 0)]
+        answering = None if unseen else frozenset(e for p in pools for e in self._answering.get(p, ()))
         return replace(order, busy=busy, answering=answering)
 
     # verify -----------------------------------------------------------------------------------

@@ -816,14 +816,18 @@ class KubernetesActuator:
         return owners, unmoved
 
     async def _back_in_each(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> str:
-        """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool)."""
+        """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool), and
+        the pools a cordon left on the node."""
         owners: Mapping[str, str] = wait.get("pools") or {}
         by_pool: dict[str, list[str]] = {}
         for pod in pods:
             pool = owners.get(pod, order.pool)
             by_pool.setdefault(pool if pool in self.workloads else order.pool, []).append(pod)
-        return "; ".join([await self._back_in(order, self.workloads[pool], {}, names)
-                          for pool, names in sorted(by_pool.items())])
+        said = [await self._back_in(order, self.workloads[pool], {}, names)
+                for pool, names in sorted((by_pool or {order.pool: []}).items())]
+        if wait.get("unmoved"):
+            said.append(f"the engines of {', '.join(sorted(wait['unmoved']))} are still on the node (not read)")
+        return "; ".join(said)
 
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         if wait["then"] == "verify":

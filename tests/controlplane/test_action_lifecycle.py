@@ -591,6 +591,13 @@ pools:
     assert not cordon.idle("prefill-0"), "another pool's busy engine on the node is waited for"
     drain = loop._with_engines(Order(2, ActionKind.DRAIN_ENGINE, "decode", Drain("decode-0"), "lagging"))
     assert (drain.busy, drain.answering) == ({"decode-0": 0.0}, {"decode-0"})
+    # A pool with engines that is not scraped here (another namespace, a partial static list): its engines would read
+    # as down and be evicted busy, so no engine counts as idle for not answering.
+    loop._answering = {"decode": {"decode-0"}}
+    loop._last_replicas = {"prefill": PoolReplicas(2, 2), "decode": PoolReplicas(1, 1)}
+    assert loop._with_engines(Order(3, ActionKind.CORDON_NODE, "decode", Cordon("gpu-1"), "")).answering is None
+    loop._last_replicas["prefill"] = PoolReplicas(0, 0)  # scaled to zero: nothing of it to move
+    assert loop._with_engines(Order(4, ActionKind.CORDON_NODE, "decode", Cordon("gpu-1"), "")).answering == {"decode-0"}
 
 
 def test_a_cordon_that_ends_counts_every_pool_it_evicted_from_as_settling() -> None:
