@@ -32,6 +32,7 @@ from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewAction, Pause
 from controlplane.telemetry import Telemetry
+from policies.autoscale import PoolPlan
 from policies.inputs import StaleInputs
 from policies.settling import PoolStalled
 from policies.types import (
@@ -42,6 +43,7 @@ from policies.types import (
     FindingReport,
     PolicyInput,
     PolicyResult,
+    PoolState,
     Proposal,
     RollBack,
     ScaleBy,
@@ -339,6 +341,25 @@ async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClo
     assert events.count("started") == 1, "started once, by the control plane that was killed"
 
 
+async def test_a_take_over_held_for_now_is_redone_once_it_may_run_or_fails_at_its_ttl(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools(ready=2, already=False)  # the pool is settling: the redo waits
+    action_id = await started_elsewhere(store, clock.now())
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    await loop.start()
+    assert (await store.actions())[0].state is S.STARTED and pools.calls == []
+    pools.ready = 3
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.SUCCEEDED and pools.calls == [4]
+    store2, pools2 = MemoryStore(), Pools(ready=2, already=False)  # never settles within proposal_ttl (10 min)
+    action_id = await started_elsewhere(store2, clock.now())
+    loop2 = make_loop(Mode.ACT, store2, pools2, clock, Asks())
+    await loop2.start()
+    await tick(loop2, clock, 601.0)
+    [failed] = await store2.actions()
+    assert (failed.id, failed.state, pools2.calls) == (action_id, S.FAILED, [])
+    assert "past proposal_ttl" in str(failed.error)
+
+
 async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: VirtualClock) -> None:
     store, pools, source = MemoryStore(), Pools(already=False), NoMetrics()
     action = await store.create_action(NewAction(None, "scale_pool", "prefill",
@@ -347,10 +368,18 @@ async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: 
     await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
     await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
     source.down = 3  # the pool's vLLM target has been down since before the take-over
-    await make_loop(Mode.ACT, store, pools, clock, Asks(), source).start()
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
+    await loop.start()
     [taken] = await store.actions()
-    assert pools.calls == [] and taken.state is S.FAILED
-    assert "prefill/prefill-0/vllm is down" in str(taken.error), taken.error
+    assert pools.calls == [] and taken.state is S.STARTED, "held, as an approval waits"
+    assert "prefill/prefill-0/vllm is down" in store.action_events(action.id)[-1].detail["waits"]
+    await tick(loop, clock)
+    assert pools.calls == [], "still down"
+    source.down = 0
+    await tick(loop, clock)
+    [taken] = await store.actions()
+    assert (pools.calls, taken.state) == ([4], S.SUCCEEDED), "carried out once its numbers can be trusted"
+    assert [e.event for e in store.action_events(action.id)].count("taken_over") == 2, "held once, then redone"
 
 
 @pytest.mark.parametrize(("mode", "desired", "after_s", "why"), [
@@ -605,3 +634,34 @@ def test_a_cordon_that_ends_counts_every_pool_it_evicted_from_as_settling() -> N
     waited = (cordon, {"pods": ["d-0", "p-0"], "pools": {"d-0": "decode", "p-0": "prefill"}})
     assert _touched(cordon, waited) == ["decode", "prefill"], "no other pool's disruptive change starts beside it"
     assert _touched(cordon, None) == [], "it never waited: nothing was evicted"
+
+
+class Plans:
+    """A sizer that plans the prefill pool at `target`."""
+
+    name = "plans"
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan:
+        return PoolPlan(pool.name, pool.desired, pool.ready, self.target, self.target, f"load asks {self.target}")
+
+
+async def test_a_waiting_scale_the_sizers_plan_moved_past_is_cancelled_not_run(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools(ready=2)  # a rollout in progress: the pool does not settle yet
+    # Approved by the rails minutes ago at the load then, held since (another action ran on the pool first).
+    old = await store.create_action(NewAction(None, "scale_pool", "prefill",
+                                              {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
+                                               "asked_replicas": 4}, "act", "load asks 4"), clock.now())
+    await store.transition(old.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"}, approved_by="rails")
+    sizer = Plans(6)  # the load grew since
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[], actuator=pools, clock=clock, telemetry=Telemetry(), sizer=sizer)
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.CANCELLED
+    assert "superseded: the sizer plans 6 now, not 4" in store.action_events(old.id)[-1].detail["why"]
+    pools.ready = 3  # settled: the plan of now runs, not the one of then
+    await tick(loop, clock)
+    ran = [(a.state, a.params.get("asked_replicas")) for a in await store.actions()]
+    assert ran == [(S.CANCELLED, 4), (S.SUCCEEDED, 6)], "towards 6, as far as one step goes"
