@@ -112,8 +112,6 @@ class ControlLoop:
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
         self._unnoted: set[int] = set()  # waits whose note the store refused: noted again next tick
-        # Actions taken over that were not applied and whose redo the rails hold for now, tried again each tick.
-        self._pending: dict[int, ActionRecord] = {}
         self._took_over_at: float | None = None  # when `start` last observed, to take actions over
         # Ends of started actions the store refused to record, kept to be written next tick: kind, state, detail,
         # error, when it ended.
@@ -139,7 +137,6 @@ class ControlLoop:
         now = self.clock.now()
         # Whatever waited, or ended unrecorded, before leadership was lost is taken over from the audit log.
         self._waiting.clear()
-        self._pending.clear()
         self._unnoted.clear()
         self._unrecorded.clear()
         self._took_over_at = None
@@ -166,7 +163,6 @@ class ControlLoop:
             await self._take_over(action, now, pools)
 
     async def _take_over(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> None:
-        held = self._pending.pop(action.id, None) is not None  # taken over before, its redo held until now
         try:
             change = change_from_dict(action.params["change"])
         except (KeyError, TypeError, ValueError):  # a row from before changes were typed
@@ -196,13 +192,6 @@ class ControlLoop:
             self.telemetry.actions.labels(action.kind, "succeeded").inc()
         else:
             decision = await self._redo(action, now, pools)
-            if decision.reason in WAIT_REASONS:
-                # Held only for now (a pool settling, inputs stale, another pool's rollout): tried again every tick,
-                # as an approval waits, until it may run or its time to live has passed.
-                self._pending[action.id] = action
-                if not held:
-                    await self.store.note(action.id, "taken_over", now, {"waits": decision.note})
-                return
             if decision.reason is not RailsReason.ALLOWED or decision.change is None:
                 # Known not to have happened, and the fleet or the rules moved since: it fails, and whatever
                 # still needs doing is proposed again from fresh numbers.
@@ -510,10 +499,6 @@ class ControlLoop:
         await self._approve_orphans(now)
         await self._supersede(now, report)
         await self._record_unrecorded()
-        for action in list(self._pending.values()):  # taken over, held for now: with this tick's numbers
-            if not self.leading():
-                return
-            await self._take_over(action, now, pools)
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
