@@ -510,8 +510,10 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
                   f"traffic to judge yet")
         return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=reason, blocks=len(shifts),
                              **common)  # type: ignore[arg-type]
-    sampling = _sampling_spread(pairs, rule.allowed) if rule.name == ERRORS else 0.0
-    level = alpha * BLOCKS_SHARE if rule.name == ERRORS else alpha  # an error rate's counts take the rest
+    errors = rule.name == ERRORS
+    counts_alpha = alpha * (1.0 - BLOCKS_SHARE)  # an error rate's counts take the rest of its alpha
+    sampling = _sampling_spread(pairs, rule.allowed) if errors else 0.0
+    level = alpha * BLOCKS_SHARE if errors else alpha
     mean, lo, hi = confidence_sequence(shifts, level, s.target_blocks, rule.floor(), at_least=sampling)
     ratio = rule.scale is Scale.RATIO
     allowed = math.log1p(rule.allowed) if ratio else rule.allowed
@@ -520,8 +522,9 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
     worse_down = _fails(-mean, -hi, allowed, margin) if rule.direction is not Direction.INCREASE else False
     below, above = hi <= allowed, lo >= -allowed  # the shift shown within the allowance, from above and below
     canary_bound = None  # the canary's own error rate from above, where that, not the blocks, shows it within
-    if rule.name == ERRORS and whole_c is not None and not below:
-        canary_bound = _canary_errors_within(whole_c, rule, alpha * (1.0 - BLOCKS_SHARE))
+    if errors and not below:
+        assert whole_c is not None  # a canary without requests was answered above
+        canary_bound = _canary_errors_within(whole_c, rule, counts_alpha)
         below = canary_bound is not None
     if understated:  # the true shift is at least this one: shown small from above, or worse downwards, it may not be
         worse_down = below = False
@@ -543,7 +546,7 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
     why = None
     if outcome is Outcome.PASS and canary_bound is not None:
         why = (f"the canary's own error rate is at most {canary_bound:.4g} by its {counts['canary_count']:.0f} "
-               f"requests ({1 - alpha * (1 - BLOCKS_SHARE):.2%} anytime-valid), within the allowance whatever the "
+               f"requests ({1 - counts_alpha:.2%} anytime-valid), within the allowance whatever the "
                f"baseline's")
     reason = _explain(rule, outcome, decided, shown, len(shifts), values, 1.0 - level, why)
     if understated or overstated:

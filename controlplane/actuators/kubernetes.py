@@ -416,7 +416,6 @@ class KubernetesActuator:
         """The HorizontalPodAutoscalers (KEDA's ScaledObjects make one each) that scale the pools' workloads, by the
         workload's namespace, kind and name. A namespace whose list fails keeps its last one read; one never read (a
         Role without the grant, say) is warned of once and counts as having none."""
-        groups = {k: KINDS[k].group for k in KINDS}
         for namespace in sorted({w.namespace for w in self.workloads.values()}):
             try:
                 listed = await self._json(f"listing the HorizontalPodAutoscalers in {namespace}",
@@ -432,7 +431,7 @@ class KubernetesActuator:
             for hpa in listed["items"]:
                 ref = dig(hpa, ("spec", "scaleTargetRef"), {}) or {}
                 kind, group = str(ref.get("kind")), str(ref.get("apiVersion", "")).rpartition("/")[0]
-                if kind in groups and group == groups[kind]:
+                if kind in KINDS and group == KINDS[kind].group:
                     found[(namespace, kind, str(ref.get("name")))] = \
                         f"HorizontalPodAutoscaler {namespace}/{dig(hpa, ('metadata', 'name'))}"
             self._scalers[namespace] = found

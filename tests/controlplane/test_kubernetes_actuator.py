@@ -331,17 +331,24 @@ async def test_a_scale_made_by_hand_during_a_drain_is_not_undone(server: ApiServ
     assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {})
 
 
-async def test_a_drain_that_does_not_go_idle_ends_at_the_grace(server: ApiServer, api: client.ApiClient) -> None:
+async def draining(server: ApiServer, api: client.ApiClient, busy: float
+                   ) -> tuple[KubernetesActuator, Clock, Order, dict[str, Any]]:
+    """Two decode engines; `vllm-decode-a`, with `busy` requests, taken out of routing to drain: the actuator, its
+    clock, the order and the wait."""
     server.put(DEPLOYMENTS, deployment(replicas=2))
     server.put(PODS, pod("vllm-decode-a"))
     clock = Clock()
     act = actuator(api, clock)
-    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 3.0})
-    first = await act.carry_out(o)
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": busy})
+    return act, clock, o, (await act.carry_out(o))["wait"]
+
+
+async def test_a_drain_that_does_not_go_idle_ends_at_the_grace(server: ApiServer, api: client.ApiClient) -> None:
+    act, clock, o, wait = await draining(server, api, busy=3.0)
     clock.t += 61
-    done = await act.resume(o, first["wait"], clock.t)
+    done = await act.resume(o, wait, clock.t)
     assert done == {"drained": ["vllm-decode-a"], "idle": False, "waited_s": 61.0}
-    assert server.get(PODS, NS, "vllm-decode-a") is None, "deleted; its Deployment replaces it"
+    assert server.get(PODS, NS, "vllm-decode-a") is None, "evicted; its Deployment replaces it"
 
 
 async def test_a_late_count_is_waited_for_and_a_silent_engine_is_not(server: ApiServer,
@@ -1071,14 +1078,9 @@ async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: Ap
 
 
 async def test_a_drained_engine_is_evicted_within_its_budget(server: ApiServer, api: client.ApiClient) -> None:
-    server.put(DEPLOYMENTS, deployment(replicas=2))
-    server.put(PODS, pod("vllm-decode-a"))
-    clock = Clock()
-    act = actuator(api, clock)
-    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 0.0})
-    first = await act.carry_out(o)
+    act, clock, o, wait = await draining(server, api, busy=0.0)
     server.pdb_blocks["vllm-decode-a"] = 1  # another engine of the pool is down: the budget allows none now
-    held = await act.resume(o, first["wait"], clock.t + 1)
+    held = await act.resume(o, wait, clock.t + 1)
     assert held["wait"]["pods"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-a") is not None
     done = await act.resume(o, held["wait"], clock.t + 20)
     assert done["drained"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-a") is None
