@@ -56,6 +56,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,6 +101,12 @@ class WorkloadKind:
     max_unavailable: tuple[str, ...]  # path to the rollout's maxUnavailable
     gang: tuple[str, ...] = ()  # path to the number of pods restarted together
     revision: tuple[str, ...] = ("spec", "template")  # what a new revision changes (a LeaderWorkerSet: both templates)
+    others: tuple[tuple[str, ...], ...] = ()  # further pod templates that may run the engine (a LWS's leader's)
+
+    @property
+    def templates(self) -> tuple[tuple[str, ...], ...]:
+        """Every pod template of the kind that may run the engine (a leader's first)."""
+        return (*self.others, self.template)
 
     @property
     def api_version(self) -> str:
@@ -114,7 +121,8 @@ KINDS: dict[str, WorkloadKind] = {
     "LeaderWorkerSet": WorkloadKind("leaderworkerset.x-k8s.io", "v1", "leaderworkersets",
                                     ("spec", "leaderWorkerTemplate", "workerTemplate"),
                                     ("spec", "rolloutStrategy", "rollingUpdateConfiguration", "maxUnavailable"),
-                                    ("spec", "leaderWorkerTemplate", "size"), ("spec", "leaderWorkerTemplate")),
+                                    ("spec", "leaderWorkerTemplate", "size"), ("spec", "leaderWorkerTemplate"),
+                                    (("spec", "leaderWorkerTemplate", "leaderTemplate"),)),
     "Rollout": WorkloadKind("argoproj.io", "v1alpha1", "rollouts", ("spec", "template"),
                             ("spec", "strategy", "canary", "maxUnavailable")),
 }
@@ -283,13 +291,6 @@ def _rolling(obj: Mapping[str, Any]) -> bool:
         return True
     updated = dig(obj, ("status", "updatedReplicas"))
     return updated is not None and int(updated) < int(dig(obj, ("spec", "replicas"), 1))
-
-
-def _nest(path: Sequence[str], value: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {path[-1]: value}
-    for key in reversed(path[:-1]):
-        out = {key: out}
-    return out
 
 
 def _budget(value: Any, replicas: int) -> int | None:
@@ -633,45 +634,17 @@ class KubernetesActuator:
             # The referenced template carries the change already (the Rollout's stamp was lost): not made twice.
             await self._stamp_follower(order, w)
             return {"already_applied": f"{holder.kind} {holder.namespace}/{holder.name}"}
-        kind = KINDS[holder.kind]
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
-        template = copy.deepcopy(dig(held, kind.template))
-        if template is None:
-            raise ActuationError(f"{where} has no pod template at {'.'.join(kind.template)}")
-        containers = dig(template, ("spec", "containers"), []) or []
-        engine = next((c for c in containers if c.get("name") == w.container), None)
-        if engine is None:
-            names = ", ".join(c.get("name", "?") for c in containers)
-            raise ActuationError(f"{where} has no container {w.container!r} (has {names})")
-        field = "args" if engine.get("args") else "command" if engine.get("command") else "args"
-        args = list(engine.get(field) or [])
         annotations = dict(dig(held, ("metadata", "annotations"), {}) or {})
-        if isinstance(change, Eplb):
-            args = _without(args, "--enable-eplb", bare=True)
-            args = _without(args, "--eplb-config")
-            if change.enabled:
-                config = {"window_size": change.window_size, "step_interval": change.step_interval,
-                          "num_redundant_experts": change.num_redundant_experts}
-                args += ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
-            detail: dict[str, Any] = {"eplb": change.enabled}
-        else:
-            current = _value(args, "--speculative-config")
-            spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
-            if spec is None:
-                raise ActuationError(f"{where} has no --speculative-config to change")
-            before = int(spec.get("num_speculative_tokens", 0)) if current else 0
-            n = change.resolve(before)
-            args = _without(args, "--speculative-config")
-            if n > 0:
-                spec["num_speculative_tokens"] = n
-                args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-            else:
-                annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
-            detail = {"num_speculative_tokens": n, "from": before}
-        engine[field] = args
+        body: dict[str, Any] = {}
+        detail: dict[str, Any] = {}
+        for path, template, engine in _engine_templates(held, KINDS[holder.kind], w.container, where):
+            field = "args" if engine.get("args") else "command" if engine.get("command") else "args"
+            engine[field], detail = _changed_args(list(engine.get(field) or []), change, annotations,
+                                                  f"{where} ({'.'.join(path[1:])})")
+            _set_in(body, path, template)
         annotations[ACTION_ANNOTATION] = order.stamp
-        body = {"metadata": {"resourceVersion": dig(held, ("metadata", "resourceVersion")), "annotations": annotations},
-                **_nest(kind.template, template)}
+        body["metadata"] = {"resourceVersion": dig(held, ("metadata", "resourceVersion")), "annotations": annotations}
         await self._patch(holder, body, f"patching the pod template of {where}")
         if holder is not w:
             await self._stamp_follower(order, w)
@@ -1088,6 +1061,94 @@ class KubernetesActuator:
         except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
             log.warning("could not record an Event for action %d: %s", order.action_id, exc)
 
+
+
+def _engine_templates(held: Mapping[str, Any], kind: WorkloadKind, container: str,
+                      where: str) -> list[tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]]:
+    """(path, copy of the template, its engine container) for each pod template of `held` that runs vLLM's server.
+
+    Where every pod runs one template, its engine container is the engine, as the fleet file says. A LeaderWorkerSet
+    with a leader template runs the server where a container's command says so: in a Ray group only the leader does
+    (its workers run `ray start`, which an engine flag would break); with data parallelism over nodes every pod does,
+    and all change together.
+    """
+    found = []
+    for path in kind.templates:
+        template = copy.deepcopy(dig(held, path))
+        if template is None:
+            continue
+        containers = dig(template, ("spec", "containers"), []) or []
+        engine = next((c for c in containers if c.get("name") == container), None)
+        if engine is None:
+            continue
+        found.append((path, template, engine))
+    if not found:
+        raise ActuationError(f"{where} has no container {container!r} in its pod template at "
+                             f"{' or '.join('.'.join(p) for p in kind.templates)}")
+    serving = [t for t in found if _serves(t[2], f"{where} ({'.'.join(t[0][1:])})")]
+    if len(found) == 1 and all(dig(held, p) is None for p in kind.others):
+        return found  # every pod runs this template: its engine container is the engine, whatever starts it
+    if not serving:
+        raise ActuationError(f"{where}: none of its pod templates runs vLLM's server recognisably in container "
+                             f"{container!r} (`vllm serve`, `python -m vllm.entrypoints...`, or the image's own entrypoint)")
+    return serving
+
+
+# A shell's `-c` string that starts vLLM's server: its flags are inside the string, where no argument edit reaches.
+_SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
+_SERVER = re.compile(r"\bvllm\s+serve\b|vllm\.entrypoints")
+
+
+def _serves(engine: Mapping[str, Any], where: str) -> bool:
+    """Whether the container runs vLLM's server with flags an argument edit can change; ActuationError where it runs
+    it from a shell string (an edit would append flags the shell ignores: a change that silently does nothing)."""
+    command = [str(x) for x in engine.get("command") or []]
+    args = [str(x) for x in engine.get("args") or []]
+    if not command:
+        return True  # the image's entrypoint (vLLM's images: `vllm serve`) takes the args as its flags
+    if command[0].rsplit("/", 1)[-1] in _SHELLS and "-c" in command:
+        script = " ".join(command + args)
+        if not _SERVER.search(script):
+            return False
+        if args and ("$@" in script or "${@}" in script):
+            return True  # the flags are the args, handed on by the script
+        raise ActuationError(f"{where}: container {engine.get('name')!r} starts vLLM's server inside a shell string "
+                             f"({command[0]} -c); its flags cannot be changed there: give them to the container as "
+                             "args (handed on with \"$@\")")
+    return any("vllm" in token for token in command)
+
+
+def _changed_args(args: list[str], change: Speculation | Eplb, annotations: dict[str, Any],
+                  where: str) -> tuple[list[str], dict[str, Any]]:
+    """The engine's arguments with `change` made, and what changed; `annotations` keep a speculative config switched
+    off, for the revert that switches it back on."""
+    if isinstance(change, Eplb):
+        args = _without(_without(args, "--enable-eplb", bare=True), "--eplb-config")
+        if change.enabled:
+            config = {"window_size": change.window_size, "step_interval": change.step_interval,
+                      "num_redundant_experts": change.num_redundant_experts}
+            args += ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
+        return args, {"eplb": change.enabled}
+    current = _value(args, "--speculative-config")
+    spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
+    if spec is None:
+        raise ActuationError(f"{where} has no --speculative-config to change")
+    before = int(spec.get("num_speculative_tokens", 0)) if current else 0
+    n = change.resolve(before)
+    args = _without(args, "--speculative-config")
+    if n > 0:
+        spec["num_speculative_tokens"] = n
+        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    else:
+        annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
+    return args, {"num_speculative_tokens": n, "from": before}
+
+
+def _set_in(body: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    """Put `value` at `path` in a patch body, keeping what other paths put there."""
+    for key in path[:-1]:
+        body = body.setdefault(key, {})
+    body[path[-1]] = value
 
 def _value(args: Sequence[str], flag: str) -> str | None:
     """The value of `--flag VALUE` or `--flag=VALUE` in an argument list."""

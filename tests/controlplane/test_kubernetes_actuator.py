@@ -400,6 +400,78 @@ async def test_engine_arguments_for_eplb_and_speculation(server: ApiServer, api:
     assert "--enable-eplb" not in args and "--eplb-config" not in args and args[:4] == ARGS[:4]
 
 
+def lws_templates(leader: dict[str, Any] | None, worker: dict[str, Any]) -> dict[str, Any]:
+    """A LeaderWorkerSet whose leader and workers run the given `vllm` containers (no leader template: None)."""
+    group = lws()
+    spec = group["spec"]["leaderWorkerTemplate"]
+    spec["workerTemplate"] = {"spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", **worker}]}}
+    if leader is not None:
+        spec["leaderTemplate"] = {"spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+                                                           **leader}]}}
+    return group
+
+
+def containers_of(server: ApiServer) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    spec = server.get(LWS, NS, "vllm-prefill")["spec"]["leaderWorkerTemplate"]  # type: ignore[index]
+    leader = spec.get("leaderTemplate")
+    return (leader["spec"]["containers"][0] if leader else None), spec["workerTemplate"]["spec"]["containers"][0]
+
+
+async def test_a_gangs_engine_arguments_change_where_vllm_serves(server: ApiServer, api: client.ApiClient) -> None:
+    act = actuator(api)
+    # A Ray group: the leader serves, the workers join its cluster. Only the leader's flags change; a flag given to
+    # `ray start` would break the workers.
+    ray = ["ray", "start", "--address=$(LWS_LEADER_ADDRESS):6379", "--block"]
+    server.put(LWS, lws_templates({"command": ["vllm", "serve"], "args": list(ARGS)}, {"command": list(ray)}))
+    done = await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=1))
+    leader, worker = containers_of(server)
+    assert done["eplb"] is True and leader is not None and "--enable-eplb" in leader["args"]
+    assert worker["command"] == ray and "args" not in worker
+    done = await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), pool="prefill", action_id=2))
+    assert done["from"] == 3 and done["num_speculative_tokens"] == 2
+    # Data parallelism over nodes: every pod serves, so every template changes, in one write.
+    server.put(LWS, lws_templates({"args": [*ARGS, "--data-parallel-rank", "0"]},
+                                  {"args": [*ARGS, "--headless"]}))
+    await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=3))
+    leader, worker = containers_of(server)
+    assert leader is not None and "--enable-eplb" in leader["args"] and "--enable-eplb" in worker["args"]
+    assert leader["args"][:7] == [*ARGS, "--data-parallel-rank"] and "--headless" in worker["args"]
+    # No leader template: every pod runs the workers' one.
+    server.put(LWS, lws_templates(None, {"command": ["/entry.sh"], "args": list(ARGS)}))
+    await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=4))
+    assert "--enable-eplb" in containers_of(server)[1]["args"]
+    # Neither template recognisably serves: which to change is not guessed.
+    server.put(LWS, lws_templates({"command": ["/leader.sh"]}, {"command": ["/worker.sh"]}))
+    with pytest.raises(ActuationError, match="none of its pod templates runs vLLM's server recognisably"):
+        await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=5))
+
+
+async def test_flags_inside_a_shell_string_are_refused_not_silently_dropped(server: ApiServer,
+                                                                             api: client.ApiClient) -> None:
+    act = actuator(api)
+    # vLLM's own multi-node example starts the leader from `sh -c`: flags appended after the string would be the
+    # shell's positional parameters, which it ignores, and the change would do nothing.
+    script = "bash /vllm-workspace/multi-node-serving.sh leader; python3 -m vllm.entrypoints.openai.api_server --tp 8"
+    ray = ["sh", "-c", "bash /vllm-workspace/multi-node-serving.sh worker --ray_address=$(LWS_LEADER_ADDRESS)"]
+    server.put(LWS, lws_templates({"command": ["sh", "-c", script]}, {"command": ray}))
+    with pytest.raises(ActuationError, match=r"leaderTemplate\).*inside a shell string \(sh -c\)"):
+        await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=1))
+    leader, worker = containers_of(server)
+    assert leader is not None and leader["command"] == ["sh", "-c", script] and worker["command"] == ray
+    # A script that hands its args on to the server: the args are the flags.
+    dep = deployment()
+    dep["spec"]["template"]["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", 'exec vllm serve "$@"', "--"]
+    server.put(DEPLOYMENTS, dep)
+    await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=2))
+    vllm = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    assert "--enable-eplb" in vllm["args"] and vllm["command"][-1] == "--"
+    dep["spec"]["template"]["spec"]["containers"][0] |= {"command": ["bash", "-c", "vllm serve /m --port 8000"],
+                                                          "args": []}
+    server.put(DEPLOYMENTS, dep)
+    with pytest.raises(ActuationError, match="inside a shell string"):
+        await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=3))
+
+
 async def test_the_template_digest_moves_with_the_template_not_the_count(server: ApiServer,
                                                                          api: client.ApiClient) -> None:
     # What an approved restart is checked against when it is due (a template changed since: stale).
