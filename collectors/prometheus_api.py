@@ -51,6 +51,7 @@ __all__ = [
     "SIGNALS",
     "ApiOutput",
     "CounterMode",
+    "Down",
     "Labels",
     "Malformed",
     "Missing",
@@ -293,6 +294,14 @@ class Malformed:
     query: str
 
 
+@dataclass(frozen=True, slots=True)
+class Down:
+    """A target of `pool` whose last scrape by Prometheus failed (`up == 0`): the pool's sums lack its series."""
+
+    pool: str
+    instance: str
+
+
 @dataclass(slots=True)
 class ApiOutput:
     """Signals of one evaluation, what could not be computed, and series no pool could be given to."""
@@ -300,6 +309,7 @@ class ApiOutput:
     signals: list[Signal] = field(default_factory=list)
     missing: list[Missing] = field(default_factory=list)
     malformed: list[Malformed] = field(default_factory=list)
+    down: list[Down] = field(default_factory=list)
     unattributed: list[str] = field(default_factory=list)
     queries: int = 0
 
@@ -492,7 +502,23 @@ class PrometheusSource:
                     if math.isfinite(share) and (pool_subject(pool), name) not in seen_pools:
                         seen_pools.add((pool_subject(pool), name))
                         out.signals.append(Signal(ts, pool_subject(pool), name, share))
+        out.down = self._down(ts, pools, out)
         return out
+
+    def _down(self, ts: float, pools: Mapping[str, str], out: ApiOutput) -> list[Down]:
+        """The targets under the selector that Prometheus failed to scrape last, with their pools (by label or
+        `pools`; one with neither is no pool's). A pool's sums over its engines lack a down one's series, and look
+        like less load, not like a gap."""
+        lb = self.labels
+        grouping = ", ".join(dict.fromkeys((lb.instance, lb.pod, lb.pool)))
+        rows = self.query(f"group by ({grouping}) (up{selector(self._matchers)} == 0)", ts)
+        out.queries += 1
+        down = set()
+        for labels, _ in rows:
+            instance = labels.get(lb.instance, "")
+            if pool := labels.get(lb.pool) or pools.get(labels.get(lb.pod) or instance):
+                down.add(Down(pool, instance))
+        return sorted(down, key=lambda d: (d.pool, d.instance))
 
     def _pool_buckets(self, signal: str, groups: tuple[tuple[tuple[str, ...], ...], ...], sel: str,
                       by: tuple[str, ...], fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,

@@ -44,6 +44,7 @@ class Observation:
     errors: dict[str, str] = field(default_factory=dict)
     parse_errors: dict[str, list[str]] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
+    unfit: dict[str, dict[str, str]] = field(default_factory=dict)  # per pool, inputs the source says are unfit
 
     def answering_engines(self) -> dict[str, set[str]]:
         """Per pool scraped here, the engine pods whose vLLM target answers (down twice in a row is down,
@@ -61,8 +62,9 @@ class Observation:
     def unfit_inputs(self, pools: Sequence[str]) -> dict[str, dict[str, str]]:
         """What this observation says cannot be trusted, per pool, with why: a producer when one of
         the pool's targets is down (twice in a row: one timeout is noise) or lacks an expected
-        family, a signal when its Prometheus query matches nothing (`pools` for the fleet-wide ones)."""
-        out: dict[str, dict[str, str]] = {}
+        family, a signal when its Prometheus query matches nothing (`pools` for the fleet-wide ones),
+        and what the source itself says (`unfit`)."""
+        out: dict[str, dict[str, str]] = {pool: dict(inputs) for pool, inputs in self.unfit.items()}
         for r in self.results:
             health = self.health.get(r.target.key)
             if not r.ok and (health is None or health.consecutive_failures >= DOWN_AFTER):
@@ -125,10 +127,16 @@ class PrometheusApiSource:
         for m in out.missing:
             missing.setdefault(f"prometheus/{m.scope}", []).append(m.signal)
         malformed: dict[str, list[str]] = {}
+        unfit: dict[str, dict[str, str]] = {}
         for bad in out.malformed:
             malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
+            if bad.scope.startswith("pool/"):  # absent this tick, the signal's last value would be read as now's
+                unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = f"Prometheus' series: {bad.problem}"
+        for d in out.down:
+            # The selector picks the engines' jobs (as target discovery assumes): a down target is an engine.
+            unfit.setdefault(d.pool, {})[Source.VLLM] = f"target {d.instance} is down in Prometheus (up == 0)"
         return Observation(out.signals, errors=_counted(malformed, "signal(s) unreadable"), parse_errors=malformed,
-                           missing=missing)
+                           missing=missing, unfit=unfit)
 
 
 def _counted(problems: Mapping[str, list[str]], what: str) -> dict[str, str]:

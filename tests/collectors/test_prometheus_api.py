@@ -532,6 +532,19 @@ def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
     assert "le='half'" in bad.problem and "vllm:time_to_first_token_seconds" in bad.problem
 
 
+def test_targets_prometheus_failed_to_scrape_are_named_with_their_pools() -> None:
+    def answer(query: str) -> list[dict[str, Any]]:
+        if query.startswith("group by (instance, pod, pool) (up") and query.endswith("== 0)"):
+            return [_row(1, instance="10.0.0.2:8000", pod="p-1", pool="prefill"),
+                    _row(1, instance="10.0.0.3:8000", pod="d-0"),  # mapped
+                    _row(1, instance="10.0.0.4:9400", pod="dcgm-x")]  # no pool's
+        return _answer(query)
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, pools={"d-0": "decode"})
+    assert [(d.pool, d.instance) for d in out.down] == [("decode", "10.0.0.3:8000"), ("prefill", "10.0.0.2:8000")]
+    assert PrometheusSource(URL, client=FakeClient(_answer)).signals(1.0, 30.0).down == []
+
+
 def test_a_pool_without_an_objective_is_not_read_for_a_share() -> None:
     # Pool c has no TTFT objective: its buckets, bad bound and all, are none of the share's business.
     out = PrometheusSource(URL, client=FakeClient(ttft_buckets_of("c"))).signals(

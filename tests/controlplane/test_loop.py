@@ -265,6 +265,36 @@ async def test_an_unreadable_prometheus_histogram_is_a_tick_error_not_a_failed_t
     assert report.signals > 0
     assert "le='soon'" in report.errors["prometheus/pool/prefill"]
     assert loop.windows.latest("pool/prefill", "ttft_over_slo") is None
+    # Absent this tick, the share's last value would stand for now's: nothing rests on it meanwhile.
+    [stale] = [f for f in report.opened if f.kind == "stale_inputs" and f.subject == "pool/prefill"]
+    assert "le='soon'" in stale.evidence["inputs"]["ttft_over_slo"]
+
+
+async def test_a_target_down_in_prometheus_makes_its_pools_inputs_stale(sqlite_store: SqlStore,
+                                                                       client: httpx.AsyncClient) -> None:
+    """The pool's sums lack a down engine's series and read as less load: as when the loop scrapes it itself."""
+    from collectors.prometheus_api import PrometheusSource
+    from controlplane.observe import PrometheusApiSource
+    from tests.collectors.test_prometheus_api import FakeClient, _answer, _row
+
+    down: list[dict[str, Any]] = []
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        return down if query.startswith("group by (instance, pod, pool) (up") else _answer(query)
+
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
+    loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
+    loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(answer)), 60.0)
+
+    async def prefill_stale() -> dict[str, str]:
+        report = await loop.tick()
+        found = [f for f in (*report.opened, *report.updated) if f.kind == "stale_inputs" and f.subject == "pool/prefill"]
+        return found[0].evidence["inputs"] if found else {}
+
+    assert "vllm" not in await prefill_stale()
+    down.append(_row(1, instance="10.0.0.2:8000", pod="p-1", pool="prefill"))
+    loop.clock.advance(15.0)  # type: ignore[attr-defined]
+    assert "10.0.0.2:8000 is down in Prometheus" in (await prefill_stale())["vllm"]
 
 
 async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: SqlStore,

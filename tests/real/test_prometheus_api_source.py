@@ -55,7 +55,7 @@ def test_delta_mode_agrees_with_our_collectors(prometheus_run: Run) -> None:
     try:
         for w in run.windows:
             out = source.signals(w.ts, w.seconds, objectives=OBJECTIVES)
-            assert out.unattributed == []
+            assert out.unattributed == [] and out.down == []  # every engine answers Prometheus
             assert {(m.signal, m.scope) for m in out.missing} == {(n, "engine") for n in NOT_IN_SIM}
             ours, theirs = _ours(run, w.k), _theirs(out.signals)
             assert set(theirs) == set(ours), (w.k, sorted(set(theirs) ^ set(ours))[:6])
