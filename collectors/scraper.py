@@ -111,10 +111,11 @@ class Scraper:
         else:
             health.costly_failures = 0
         if health.costly_failures > 1:
-            # Capped before it is raised: a target failing for days would overflow the float.
+            # Capped before it is raised (a target failing for days would overflow the float), and jittered after the
+            # cap, so that the targets of a dead node do not all come back in the same round once they reach it.
             doublings = min(health.costly_failures - 2, 30)
-            wait = self._backoff_base * 2.0 ** doublings * self._rng.uniform(0.8, 1.2)
-            health.next_attempt_at = now + min(self._backoff_max, wait)
+            wait = min(self._backoff_max, self._backoff_base * 2.0 ** doublings)
+            health.next_attempt_at = now + wait * self._rng.uniform(0.8, 1.0)
         else:
             health.next_attempt_at = 0.0
         return ScrapeResult(target, now, ok=False, duration_s=duration, size_bytes=size, error=error)

@@ -116,11 +116,18 @@ async def test_backoff_counts_costly_failures_only_and_never_overflows() -> None
         assert (health.consecutive_failures, health.costly_failures, health.next_attempt_at) == (5, 1, 0.0)
         [again] = await scraper.scrape([t("slow")], now=75.0)
         assert not again.skipped and again.error == "HTTP 503 from http://slow/metrics"
-        assert health.costly_failures == 2 and 75.0 + 12.0 <= health.next_attempt_at <= 75.0 + 18.0
+        assert health.costly_failures == 2 and 75.0 + 12.0 <= health.next_attempt_at <= 75.0 + 15.0
         # Failing for days: the wait stays at backoff_max rather than overflowing the float (which failed every tick).
         health.costly_failures, at = 5000, health.next_attempt_at
         await scraper.scrape([t("slow")], now=at)
-        assert health.costly_failures == 5001 and health.next_attempt_at == at + 60.0  # never past backoff_max
+        assert health.costly_failures == 5001 and at + 48.0 <= health.next_attempt_at <= at + 60.0
+        # Still jittered at the cap: a dead node's targets do not come back in one round.
+        waits = set()
+        for _ in range(8):
+            at = health.next_attempt_at
+            await scraper.scrape([t("slow")], now=at)
+            waits.add(round(health.next_attempt_at - at, 6))
+        assert len(waits) > 1 and all(48.0 <= w <= 60.0 for w in waits)
 
 
 async def test_body_size_limit() -> None:
