@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 
 ACTION_ANNOTATION = "fleet-controlplane.io/action"  # the last action that changed the object (`Order.stamp`)
 SPEC_ANNOTATION = "fleet-controlplane.io/speculative-config"  # the config speculation was switched off with
+# What an engine-flag change reported, beside its stamp: a leader that finds the change made reports it again (the
+# speculation it replaced is what its revert sets back).
+RESULT_ANNOTATION = "fleet-controlplane.io/action-result"
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_COST = -1000  # a drained engine's deletion cost: its ReplicaSet removes it before any ready one
 REVISION = rollout_split.REVISION
@@ -268,6 +271,16 @@ def _stamped(obj: Mapping[str, Any], order: Order) -> bool:
     return bool(dig(obj, ("metadata", "annotations", ACTION_ANNOTATION)) == order.stamp)
 
 
+def _applied(obj: Mapping[str, Any], order: Order, where: str) -> dict[str, Any]:
+    """The outcome of a change found made (`_stamped`): what it reported then, where the object kept it."""
+    try:
+        kept = json.loads(dig(obj, ("metadata", "annotations", RESULT_ANNOTATION)) or "{}")
+    except ValueError:
+        kept = {}
+    result = kept.get("result") if isinstance(kept, dict) and kept.get("stamp") == order.stamp else None
+    return {**(result if isinstance(result, dict) else {}), "already_applied": where}
+
+
 def _drained(meta: Mapping[str, Any] | None, order: Order) -> bool:
     """Whether a pod (its metadata) is out of routing by this action's drain: its stamp and the drain's deletion cost (a
     pod routed again loses the cost)."""
@@ -384,7 +397,7 @@ class KubernetesActuator:
         for attempt in range(3):
             current = obj if attempt == 0 else await self._read(w)
             if attempt and _stamped(current, order):
-                return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
+                return _applied(current, order, f"{w.kind} {w.namespace}/{w.name}")
             try:
                 return await write(current)
             except _Conflict as exc:
@@ -547,7 +560,7 @@ class KubernetesActuator:
         obj = await self._read(w)
         if _stamped(obj, order):
             # A leader that died after the write: the change is made; never make it twice.
-            return {"already_applied": f"{w.kind} {w.namespace}/{w.name}"}
+            return _applied(obj, order, f"{w.kind} {w.namespace}/{w.name}")
         if isinstance(change, ScaleTo):
             return await self._scale(order, w, obj, change)
         what = f"{describe(change)} on {w.kind} {w.namespace}/{w.name}"
@@ -632,8 +645,9 @@ class KubernetesActuator:
         holder, held = await self._template_holder(w, obj)
         if holder is not w and _stamped(held, order):
             # The referenced template carries the change already (the Rollout's stamp was lost): not made twice.
-            await self._stamp_follower(order, w)
-            return {"already_applied": f"{holder.kind} {holder.namespace}/{holder.name}"}
+            done = _applied(held, order, f"{holder.kind} {holder.namespace}/{holder.name}")
+            await self._stamp_follower(order, w, dig(held, ("metadata", "annotations", RESULT_ANNOTATION)))
+            return done
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
         annotations = dict(dig(held, ("metadata", "annotations"), {}) or {})
         body: dict[str, Any] = {}
@@ -644,18 +658,23 @@ class KubernetesActuator:
                                                   f"{where} ({'.'.join(path[1:])})")
             _set_in(body, path, template)
         annotations[ACTION_ANNOTATION] = order.stamp
+        annotations[RESULT_ANNOTATION] = json.dumps({"stamp": order.stamp, "result": detail}, separators=(",", ":"))
         body["metadata"] = {"resourceVersion": dig(held, ("metadata", "resourceVersion")), "annotations": annotations}
         await self._patch(holder, body, f"patching the pod template of {where}")
         if holder is not w:
-            await self._stamp_follower(order, w)
+            await self._stamp_follower(order, w, annotations[RESULT_ANNOTATION])
         await self._event(order, w, describe(change))
         return {"patched": where, "container": w.container, **detail}
 
-    async def _stamp_follower(self, order: Order, w: Workload) -> None:
-        """Stamp a Rollout whose Deployment's template carries the change: for the audit only, as the Deployment's
-        stamp already says the change is made (`applied`), so a failure is logged, not the action's."""
+    async def _stamp_follower(self, order: Order, w: Workload, result: str | None) -> None:
+        """Stamp a Rollout whose Deployment's template carries the change, with the change's `result`: for the audit
+        only, as the Deployment's stamp already says the change is made (`applied`), so a failure is logged, not the
+        action's."""
+        stamp = self._stamp(order)
+        if result is not None:
+            stamp["metadata"]["annotations"][RESULT_ANNOTATION] = result
         try:
-            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            await self._patch(w, stamp, f"annotating Rollout {w.namespace}/{w.name}")
         except ActuationError as exc:
             log.warning("action %d: %s", order.action_id, exc)
 

@@ -27,6 +27,7 @@ from controlplane.actuators.base import Order
 from controlplane.actuators.kubernetes import ACTION_ANNOTATION, VERBS, ConfigMapSwitch, KubernetesActuator
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
+from controlplane.rails import revert_of
 from policies.types import ActionKind, Change, Cordon, Drain, Eplb, RollBack, ScaleTo, Speculation
 from tests.controlplane.apiserver import (
     CONFIGMAPS,
@@ -649,8 +650,17 @@ async def test_a_write_whose_answer_was_lost_is_not_made_twice(server: ApiServer
 
     act._patch = made_but_lost  # type: ignore[method-assign]
     before = tokens(server)
-    done = await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1)))
+    o = order(ActionKind.TUNE_SPECULATION, Speculation(step=-1))
+    done = await act.carry_out(o)
     assert "already_applied" in done and tokens(server) == before - 1
+    # What the change replaced comes back with it, as from a new leader: the revert sets it back.
+    for found in (done, await act.carry_out(o)):
+        assert (found["from"], found["num_speculative_tokens"]) == (before, before - 1)
+    assert revert_of(o.kind, o.change, done) == (ActionKind.TUNE_SPECULATION, Speculation(before))
+    # Another action's stamp since: the result kept is not this one's.
+    await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=8))
+    assert await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=8)) == {
+        "already_applied": "Deployment llm/vllm-decode"}
 
 
 async def test_a_failed_scale_down_puts_its_drained_engines_back(server: ApiServer, api: client.ApiClient) -> None:
@@ -916,7 +926,8 @@ async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(s
     del rollout["metadata"]["annotations"][ACTION_ANNOTATION]
     server.put(ROLLOUTS, rollout)
     assert await act.applied(o) is True
-    assert "already_applied" in await act.carry_out(o)
+    again = await act.carry_out(o)
+    assert "already_applied" in again and (again["from"], again["num_speculative_tokens"]) == (3, 2)
     args = server.get(DEPLOYMENTS, NS, "vllm-canary-source")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
     assert json.loads(args[args.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
     assert server.get(ROLLOUTS, NS, "vllm-canary")["metadata"]["annotations"][ACTION_ANNOTATION] == "11@0"  # type: ignore[index]
