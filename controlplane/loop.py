@@ -181,13 +181,15 @@ class ControlLoop:
             applied, why = None, str(exc)
         else:
             why = f"the {self.actuator.name} actuator cannot tell whether it was applied"
-        paused = None if applied else await self.switch.paused()
+        paused = None if applied is not False else await self.switch.paused()
         if applied is None or paused is not None:
             await self._unknown(action, now, why if paused is None else
                                 f"not applied before the stop, and acting is paused ({paused}): not redone")
-        elif applied:
+        elif applied is not False:
+            # What the change reported when it was made, where the fleet kept it: a revert is derived from it.
             await self.store.transition(action.id, ActionState.STARTED, ActionState.SUCCEEDED, now,
-                                        {"taken_over": "the fleet carries this action's id: applied before the stop, "
+                                        {**(applied if isinstance(applied, Mapping) else {}),
+                                         "taken_over": "the fleet carries this action's id: applied before the stop, "
                                                        "not repeated"})
             self.telemetry.actions.labels(action.kind, "succeeded").inc()
         else:

@@ -103,8 +103,10 @@ class Actuator(Protocol):
         """Take a waiting change further; returns its detail, with `wait` while it still waits."""
         ...
 
-    async def applied(self, order: Order) -> bool | None:
-        """Whether the fleet already carries this order's change (None: it cannot tell).
+    async def applied(self, order: Order) -> Mapping[str, Any] | bool | None:
+        """Whether the fleet already carries this order's change: True, or what the change reported when it was
+        made where the fleet kept that (the speculation it replaced, which a revert sets back); False where it does
+        not; None where it cannot tell.
 
         A control plane that took over from one that stopped mid-action asks this before it acts
         again, so the change is made once.

@@ -529,17 +529,19 @@ class KubernetesActuator:
 
     # carrying out -------------------------------------------------------------------------------
 
-    async def applied(self, order: Order) -> bool | None:
-        """Whether the workload carries this action's annotation (None when it cannot tell)."""
+    async def applied(self, order: Order) -> Mapping[str, Any] | bool | None:
+        """What the change reported, where the workload carries this action's annotation; False where it does not,
+        None where it cannot tell."""
         w = self._workload(order)
         if w is None:
             return None
         obj = await self._read(w)
         if _stamped(obj, order):
-            return True
+            return _applied(obj, order, f"{w.kind} {w.namespace}/{w.name}")
         if isinstance(order.change, Speculation | Eplb):  # a Rollout's change lands on the Deployment it follows first
             holder, held = await self._template_holder(w, obj)
-            return holder is not w and _stamped(held, order)
+            if holder is not w and _stamped(held, order):
+                return _applied(held, order, f"{holder.kind} {holder.namespace}/{holder.name}")
         return False
 
     def _workload(self, order: Order) -> Workload | None:
@@ -653,9 +655,7 @@ class KubernetesActuator:
         body: dict[str, Any] = {}
         detail: dict[str, Any] = {}
         for path, template, engine in _engine_templates(held, KINDS[holder.kind], w.container, where):
-            field = "args" if engine.get("args") else "command" if engine.get("command") else "args"
-            engine[field], detail = _changed_args(list(engine.get(field) or []), change, annotations,
-                                                  f"{where} ({'.'.join(path[1:])})")
+            detail = _changed_flags(engine, change, annotations, f"{where} ({'.'.join(path[1:])})")
             _set_in(body, path, template)
         annotations[ACTION_ANNOTATION] = order.stamp
         annotations[RESULT_ANNOTATION] = json.dumps({"stamp": order.stamp, "result": detail}, separators=(",", ":"))
@@ -1081,7 +1081,6 @@ class KubernetesActuator:
             log.warning("could not record an Event for action %d: %s", order.action_id, exc)
 
 
-
 def _engine_templates(held: Mapping[str, Any], kind: WorkloadKind, container: str,
                       where: str) -> list[tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]]:
     """(path, copy of the template, its engine container) for each pod template of `held` that runs vLLM's server.
@@ -1091,76 +1090,104 @@ def _engine_templates(held: Mapping[str, Any], kind: WorkloadKind, container: st
     (its workers run `ray start`, which an engine flag would break); with data parallelism over nodes every pod does,
     and all change together.
     """
-    found = []
+    found, names = [], []
     for path in kind.templates:
         template = copy.deepcopy(dig(held, path))
         if template is None:
             continue
         containers = dig(template, ("spec", "containers"), []) or []
+        names += [str(c.get("name", "?")) for c in containers]
         engine = next((c for c in containers if c.get("name") == container), None)
-        if engine is None:
-            continue
-        found.append((path, template, engine))
+        if engine is not None:
+            found.append((path, template, engine))
     if not found:
         raise ActuationError(f"{where} has no container {container!r} in its pod template at "
-                             f"{' or '.join('.'.join(p) for p in kind.templates)}")
-    serving = [t for t in found if _serves(t[2], f"{where} ({'.'.join(t[0][1:])})")]
+                             f"{' or '.join('.'.join(p) for p in kind.templates)} (has {', '.join(names) or 'none'})")
     if len(found) == 1 and all(dig(held, p) is None for p in kind.others):
-        return found  # every pod runs this template: its engine container is the engine, whatever starts it
-    if not serving:
-        raise ActuationError(f"{where}: none of its pod templates runs vLLM's server recognisably in container "
-                             f"{container!r} (`vllm serve`, `python -m vllm.entrypoints...`, or the image's own entrypoint)")
-    return serving
+        chosen = found  # every pod runs this template: its engine container is the engine, whatever starts it
+    else:
+        chosen = [t for t in found if _launch(t[2])[0]]
+        if not chosen:
+            raise ActuationError(f"{where}: none of its pod templates runs vLLM's server recognisably in container "
+                                 f"{container!r} (`vllm serve`, `python -m vllm.entrypoints...`, or the image's own "
+                                 "entrypoint)")
+    for path, _, engine in chosen:
+        if (why := _launch(engine)[1]) is not None:
+            raise ActuationError(f"{where} ({'.'.join(path[1:])}): container {container!r} {why}")
+    return chosen
 
 
-# A shell's `-c` string that starts vLLM's server: its flags are inside the string, where no argument edit reaches.
+# A shell's `-c` string: its flags are inside the string, where no argument edit reaches them.
 _SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
+_SHELL_OPTION_ARGS = frozenset({"-o", "+o", "-O", "+O"})  # options whose value is the next word
 _SERVER = re.compile(r"\bvllm\s+serve\b|vllm\.entrypoints")
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
-def _serves(engine: Mapping[str, Any], where: str) -> bool:
-    """Whether the container runs vLLM's server with flags an argument edit can change; ActuationError where it runs
-    it from a shell string (an edit would append flags the shell ignores: a change that silently does nothing)."""
+def _launch(engine: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """How the container starts: whether it runs vLLM's server recognisably, and why its flags cannot be changed by
+    an argument edit (None where they can): they sit inside a shell's `-c` string, where flags appended after it are
+    the shell's positional parameters, which it ignores (a change that would silently do nothing)."""
+    command = [str(x) for x in engine.get("command") or []]
+    argv = command + [str(x) for x in engine.get("args") or []]
+    i = 0
+    while i < len(argv) and (argv[i].rsplit("/", 1)[-1] == "env" or _ASSIGNMENT.match(argv[i])):
+        i += 1  # `env VAR=value program ...`: the program is what follows
+    if i < len(argv) and argv[i].rsplit("/", 1)[-1] in _SHELLS:
+        j, string = i + 1, False
+        while j < len(argv) and argv[j].startswith(("-", "+")) and argv[j] != "--":
+            string |= not argv[j].startswith("--") and "c" in argv[j][1:]  # -c, -ec, -lc
+            j += 2 if argv[j] in _SHELL_OPTION_ARGS else 1
+        if string and j < len(argv):
+            script = argv[j]
+            serves = bool(_SERVER.search(script))
+            if "$@" in script or "${@}" in script:
+                return serves, None  # what follows the string is handed on to what it runs
+            return serves, (f"runs a shell string ({' '.join(argv[i:j])} '...'), where flags appended after it would "
+                            "be ignored: give the engine its flags as args the string hands on with \"$@\"")
+    if not command:
+        return True, None  # the image's entrypoint (vLLM's images: `vllm serve`) takes the args as its flags
+    return bool(_SERVER.search(" ".join(argv))), None
+
+
+def _changed_flags(engine: dict[str, Any], change: Speculation | Eplb, annotations: dict[str, Any],
+                   where: str) -> dict[str, Any]:
+    """Make `change` in the engine container's flags, wherever in its command or args they are, and say what changed;
+    `annotations` keep a speculative config switched off, for the revert that switches it back on."""
     command = [str(x) for x in engine.get("command") or []]
     args = [str(x) for x in engine.get("args") or []]
-    if not command:
-        return True  # the image's entrypoint (vLLM's images: `vllm serve`) takes the args as its flags
-    if command[0].rsplit("/", 1)[-1] in _SHELLS and "-c" in command:
-        script = " ".join(command + args)
-        if not _SERVER.search(script):
-            return False
-        if args and ("$@" in script or "${@}" in script):
-            return True  # the flags are the args, handed on by the script
-        raise ActuationError(f"{where}: container {engine.get('name')!r} starts vLLM's server inside a shell string "
-                             f"({command[0]} -c); its flags cannot be changed there: give them to the container as "
-                             "args (handed on with \"$@\")")
-    return any("vllm" in token for token in command)
-
-
-def _changed_args(args: list[str], change: Speculation | Eplb, annotations: dict[str, Any],
-                  where: str) -> tuple[list[str], dict[str, Any]]:
-    """The engine's arguments with `change` made, and what changed; `annotations` keep a speculative config switched
-    off, for the revert that switches it back on."""
+    added: list[str] = []
     if isinstance(change, Eplb):
-        args = _without(_without(args, "--enable-eplb", bare=True), "--eplb-config")
+        command, args = (_without(_without(a, "--enable-eplb", bare=True), "--eplb-config") for a in (command, args))
         if change.enabled:
             config = {"window_size": change.window_size, "step_interval": change.step_interval,
                       "num_redundant_experts": change.num_redundant_experts}
-            args += ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
-        return args, {"eplb": change.enabled}
-    current = _value(args, "--speculative-config")
-    spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
-    if spec is None:
-        raise ActuationError(f"{where} has no --speculative-config to change")
-    before = int(spec.get("num_speculative_tokens", 0)) if current else 0
-    n = change.resolve(before)
-    args = _without(args, "--speculative-config")
-    if n > 0:
-        spec["num_speculative_tokens"] = n
-        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+            added = ["--enable-eplb", "--eplb-config", json.dumps(config, separators=(",", ":"))]
+        detail: dict[str, Any] = {"eplb": change.enabled}
     else:
-        annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
-    return args, {"num_speculative_tokens": n, "from": before}
+        current = _value(args, "--speculative-config") or _value(command, "--speculative-config")
+        spec = json.loads(current) if current else json.loads(annotations.get(SPEC_ANNOTATION, "null") or "null")
+        if spec is None:
+            raise ActuationError(f"{where} has no --speculative-config to change")
+        before = int(spec.get("num_speculative_tokens", 0)) if current else 0
+        n = change.resolve(before)
+        command, args = (_without(a, "--speculative-config") for a in (command, args))
+        if n > 0:
+            spec["num_speculative_tokens"] = n
+            added = ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        else:
+            annotations[SPEC_ANNOTATION] = json.dumps(spec, separators=(",", ":"))
+        detail = {"num_speculative_tokens": n, "from": before}
+    # New flags go where the engine's flags are: its args, or its command where it has none.
+    if args or not command:
+        args += added
+    else:
+        command += added
+    if command:
+        engine["command"] = command
+    if args or "args" in engine:
+        engine["args"] = args
+    return detail
 
 
 def _set_in(body: dict[str, Any], path: Sequence[str], value: Any) -> None:
@@ -1169,28 +1196,35 @@ def _set_in(body: dict[str, Any], path: Sequence[str], value: Any) -> None:
         body = body.setdefault(key, {})
     body[path[-1]] = value
 
+
+def _flag(arg: str) -> str:
+    """A long option's name as vLLM's parser reads it: `--enable_eplb` is `--enable-eplb`."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else arg
+
+
 def _value(args: Sequence[str], flag: str) -> str | None:
-    """The value of `--flag VALUE` or `--flag=VALUE` in an argument list."""
+    """The value of `--flag VALUE` or `--flag=VALUE` in an argument list (either spelling of the name)."""
     for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
+        if _flag(arg) != flag:
+            continue
+        if "=" in arg:
             return arg.split("=", 1)[1]
+        if i + 1 < len(args):
+            return args[i + 1]
     return None
 
 
 def _without(args: Sequence[str], flag: str, *, bare: bool = False) -> list[str]:
-    """`args` without `--flag VALUE` and `--flag=VALUE` (or without a bare `--flag` when `bare`)."""
+    """`args` without `--flag VALUE` and `--flag=VALUE` (or without a bare `--flag` when `bare`), either spelling."""
     out: list[str] = []
     skip = False
     for arg in args:
         if skip:
             skip = False
             continue
-        if arg == flag:
-            skip = not bare
-            continue
-        if arg.startswith(flag + "="):
+        if _flag(arg) == flag:
+            skip = not bare and "=" not in arg
             continue
         out.append(arg)
     return out

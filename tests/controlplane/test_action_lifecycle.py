@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +104,7 @@ class Pools:
     dry_run: bool = False
     error: Exception | None = None
     kinds: frozenset[ActionKind] = frozenset({ActionKind.SCALE_POOL})
-    already: bool | None = None  # what `applied` answers
+    already: Mapping[str, Any] | bool | None = None  # what `applied` answers
     waits: list[dict[str, Any]] = field(default_factory=list)  # the waits `resume` was called with
     resumed: list[Order] = field(default_factory=list)  # and the orders, with the loop's view of the engines
     hold: bool = False  # `resume` keeps waiting
@@ -129,7 +130,7 @@ class Pools:
         self.resumed.append(order)
         return {"wait": wait} if self.hold else {"drained": wait["pods"]}
 
-    async def applied(self, order: Order) -> bool | None:
+    async def applied(self, order: Order) -> Mapping[str, Any] | bool | None:
         return self.already
 
 
@@ -326,6 +327,7 @@ async def started_elsewhere(store: MemoryStore, now: float) -> int:
 
 @pytest.mark.parametrize(("already", "state", "calls"), [
     (True, S.SUCCEEDED, []),  # its write landed before the kill: not made again
+    ({"from_replicas": 3}, S.SUCCEEDED, []),  # and what it reported then is kept
     (False, S.SUCCEEDED, [4]),  # it never reached the fleet: made now, once
     (None, S.UNKNOWN, []),  # the actuator cannot tell: left for a person, never guessed
 ])
@@ -339,6 +341,9 @@ async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClo
     assert (action.id, action.state, pools.calls) == (action_id, state, calls)
     events = [e.event for e in store.action_events(action_id)]
     assert events.count("started") == 1, "started once, by the control plane that was killed"
+    if isinstance(already, dict):  # what the actuator kept of the change: a revert is derived from it
+        [succeeded] = [e for e in store.action_events(action_id) if e.event == "succeeded"]
+        assert succeeded.detail["from_replicas"] == 3 and "taken_over" in succeeded.detail
 
 
 async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: VirtualClock) -> None:

@@ -441,6 +441,13 @@ async def test_a_gangs_engine_arguments_change_where_vllm_serves(server: ApiServ
     server.put(LWS, lws_templates(None, {"command": ["/entry.sh"], "args": list(ARGS)}))
     await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=4))
     assert "--enable-eplb" in containers_of(server)[1]["args"]
+    # A path that names vLLM is not its server: the Ray workers' script takes no engine flags.
+    script = ["bash", "/vllm-workspace/examples/online_serving/multi-node-serving.sh", "worker",
+              "--ray_address=$(LWS_LEADER_ADDRESS)"]
+    server.put(LWS, lws_templates({"args": list(ARGS)}, {"command": list(script)}))
+    await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=6))
+    leader, worker = containers_of(server)
+    assert leader is not None and "--enable-eplb" in leader["args"] and worker["command"] == script
     # Neither template recognisably serves: which to change is not guessed.
     server.put(LWS, lws_templates({"command": ["/leader.sh"]}, {"command": ["/worker.sh"]}))
     with pytest.raises(ActuationError, match="none of its pod templates runs vLLM's server recognisably"):
@@ -455,7 +462,7 @@ async def test_flags_inside_a_shell_string_are_refused_not_silently_dropped(serv
     script = "bash /vllm-workspace/multi-node-serving.sh leader; python3 -m vllm.entrypoints.openai.api_server --tp 8"
     ray = ["sh", "-c", "bash /vllm-workspace/multi-node-serving.sh worker --ray_address=$(LWS_LEADER_ADDRESS)"]
     server.put(LWS, lws_templates({"command": ["sh", "-c", script]}, {"command": ray}))
-    with pytest.raises(ActuationError, match=r"leaderTemplate\).*inside a shell string \(sh -c\)"):
+    with pytest.raises(ActuationError, match=r"leaderTemplate\): container .vllm. runs a shell string \(sh -c"):
         await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=1))
     leader, worker = containers_of(server)
     assert leader is not None and leader["command"] == ["sh", "-c", script] and worker["command"] == ray
@@ -466,11 +473,37 @@ async def test_flags_inside_a_shell_string_are_refused_not_silently_dropped(serv
     await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=2))
     vllm = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
     assert "--enable-eplb" in vllm["args"] and vllm["command"][-1] == "--"
-    dep["spec"]["template"]["spec"]["containers"][0] |= {"command": ["bash", "-c", "vllm serve /m --port 8000"],
-                                                          "args": []}
+    # However the string is given: options run together, the shell named in command and the string in args, a
+    # shell behind `env`, or a shell string that starts no vLLM (a wrapper): appended flags would be ignored.
+    for n, launch in enumerate([
+            {"command": ["bash", "-c", "vllm serve /m --port 8000"], "args": []},
+            {"command": ["/bin/sh", "-ec", "exec vllm serve /m"]},
+            {"command": ["/bin/sh"], "args": ["-c", "exec vllm serve /m"]},
+            {"command": ["/usr/bin/env", "HF_HOME=/cache", "bash", "-o", "pipefail", "-c", "vllm serve /m | tee log"]},
+            {"command": ["sh", "-c", "/start.sh"], "args": ["--port", "8000"]}]):
+        dep["spec"]["template"]["spec"]["containers"][0] = {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+                                                            **launch}
+        server.put(DEPLOYMENTS, dep)
+        with pytest.raises(ActuationError, match="runs a shell string"):
+            await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=3 + n))
+
+
+async def test_engine_flags_are_found_wherever_and_however_spelled(server: ApiServer, api: client.ApiClient) -> None:
+    act = actuator(api)
+    dep = deployment()
+    # Flags in the command, more in args; vLLM's parser takes `_` for `-` in a name.
+    dep["spec"]["template"]["spec"]["containers"][0] |= {
+        "command": ["vllm", "serve", "/models/llama", "--enable_eplb", "--speculative_config",
+                    '{"method":"eagle","model":"/models/eagle","num_speculative_tokens":3}'],
+        "args": ["--port=8000"]}
     server.put(DEPLOYMENTS, dep)
-    with pytest.raises(ActuationError, match="inside a shell string"):
-        await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=3))
+    done = await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=1))
+    assert (done["from"], done["num_speculative_tokens"]) == (3, 2)
+    await act.carry_out(order(ActionKind.DISABLE_EPLB, Eplb(False), action_id=2))
+    vllm = server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    assert vllm["command"] == ["vllm", "serve", "/models/llama"]
+    assert vllm["args"][0] == "--port=8000" and vllm["args"][1] == "--speculative-config"
+    assert json.loads(vllm["args"][2])["num_speculative_tokens"] == 2
 
 
 async def test_the_template_digest_moves_with_the_template_not_the_count(server: ApiServer,
@@ -588,7 +621,7 @@ async def test_the_action_annotation_stops_a_repeat(server: ApiServer, api: clie
     o = order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=42)
     assert await act.applied(o) is False
     await act.carry_out(o)
-    assert await act.applied(o) is True
+    assert await act.applied(o) == {"already_applied": "Deployment llm/vllm-decode"}
     again = await act.carry_out(o)  # a new leader that cannot tell whether the old one got this far
     assert again == {"already_applied": "Deployment llm/vllm-decode"}
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
@@ -925,7 +958,9 @@ async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(s
     assert rollout is not None
     del rollout["metadata"]["annotations"][ACTION_ANNOTATION]
     server.put(ROLLOUTS, rollout)
-    assert await act.applied(o) is True
+    # A new leader finds it made, and what it reported then: the revert sets the speculation back to 3.
+    found = await act.applied(o)
+    assert isinstance(found, dict) and (found["from"], found["num_speculative_tokens"]) == (3, 2)
     again = await act.carry_out(o)
     assert "already_applied" in again and (again["from"], again["num_speculative_tokens"]) == (3, 2)
     args = server.get(DEPLOYMENTS, NS, "vllm-canary-source")["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
