@@ -26,7 +26,16 @@ from controlplane.config import FleetConfig, Mode, Rails
 from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, FleetError, StoreConflict
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
-from controlplane.rails import WAIT_REASONS, RailsDecision, RailsReason, check, recheck, rests_on, revert_of
+from controlplane.rails import (
+    WAIT_REASONS,
+    RailsDecision,
+    RailsReason,
+    check,
+    recheck,
+    rests_on,
+    revert_of,
+    stale_among,
+)
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
@@ -135,7 +144,12 @@ class ControlLoop:
         """Take over: reload the policy windows, then finish or account for every action a stopped
         control plane left started, so none is lost and none is carried out twice."""
         now = self.clock.now()
-        # Whatever waited, or ended unrecorded, before leadership was lost is taken over from the audit log.
+        # Ends this replica knows but the store refused are written first (one another leader moved meanwhile is
+        # skipped); whatever waited, or is still unrecorded, is then taken over from the audit log.
+        try:
+            await self._record_unrecorded()
+        except FleetError as exc:
+            log.warning("ends of %d action(s) not recorded before taking over: %s", len(self._unrecorded), exc)
         self._waiting.clear()
         self._unnoted.clear()
         self._unrecorded.clear()
@@ -219,7 +233,8 @@ class ControlLoop:
                                                           f"{setting} ({ttl:g}s)")
         history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
-                       supported=self.actuator.kinds, unsettled=_unsettled(pools), router_template=self._router_template)
+                       supported=self.actuator.kinds, unsettled=_unsettled(pools, history, now, rails.settle_timeout),
+                       router_template=self._router_template)
 
     async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
         await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
@@ -317,10 +332,11 @@ class ControlLoop:
             state = (r.ok, health.last_error if not r.ok else ",".join(health.missing_families) or None)
             if self._target_state.get(r.target.key) != state:
                 # Only changes are written: thousands of unchanged targets cost nothing per tick.
-                self._target_state[r.target.key] = state
-                changed.append((r.target, health, r.ok, now))
+                changed.append(((r.target, health, r.ok, now), state))
         if changed:
-            await self.store.record_targets(changed)
+            await self.store.record_targets([row for row, _ in changed])
+            # Remembered once written: a change the store refused is written again next tick.
+            self._target_state.update((row[0].key, state) for row, state in changed)
 
     async def _pools(self, now: float, report: TickReport) -> dict[str, PoolState]:
         """Every pool as the actuator sees it now. A pool whose workload cannot be read keeps its last replicas,
@@ -442,8 +458,10 @@ class ControlLoop:
                 row = open_rows.pop(key, None)
                 if row is None:
                     continue
-                await self.store.resolve_finding(row.id, reason, now)
+                # Its actions expire first: resolved with them still waiting (the store failing in between), the
+                # finding would not be reported again, and they would run for a problem that is gone.
                 await self._expire(now, "its finding resolved before it ran", functools.partial(_caused_by, row.id))
+                await self.store.resolve_finding(row.id, reason, now)
                 report.resolved.append(row)
             for finding in result.findings:
                 row = open_rows.get(finding.key)
@@ -501,6 +519,7 @@ class ControlLoop:
         await self._approve_orphans(now)
         await self._supersede(now, report)
         await self._record_unrecorded()
+        await self._adopt_strays(now, pools)
         await self._advance_waiting(now, report)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
@@ -514,6 +533,15 @@ class ControlLoop:
             history.append(await self._record(proposal, decision, finding_id, now, pools, report))
         for action in await self.store.actions(states=[ActionState.APPROVED]):
             await self._execute(action, pools, history, now, report)
+
+    async def _adopt_strays(self, now: float, pools: dict[str, PoolState]) -> None:
+        """Take over a started action this replica neither waits on nor holds an end for: its start was written though
+        the tick that wrote it failed before carrying it out (the store's answer lost), and left alone it would never
+        run nor end, holding its pool and every other pool's disruptive changes."""
+        for action in await self.store.actions(states=[ActionState.STARTED]):
+            if action.id not in self._waiting and action.id not in self._unrecorded and self.leading():
+                log.warning("action %d is started with nothing carrying it out: taken over", action.id)
+                await self._take_over(action, now, pools)
 
     async def _approve_orphans(self, now: float) -> None:
         """Approve act mode's proposals left unapproved: in act mode the rails approve what they record at once, so one
@@ -557,7 +585,8 @@ class ControlLoop:
         mode = self.config.mode
         return check(proposal, pools.get(proposal.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
                      rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds, paused=paused,
-                     unsettled=[*_unsettled(pools), *self._finished_now], finding_id=finding_id)
+                     unsettled=[*_unsettled(pools, history, now, self.config.rails.settle_timeout),
+                                *self._finished_now], finding_id=finding_id)
 
     async def _record(self, proposal: Proposal, decision: RailsDecision, finding_id: int | None, now: float,
                       pools: dict[str, PoolState], report: TickReport, extra: dict[str, Any] | None = None
@@ -599,8 +628,9 @@ class ControlLoop:
         """Run one approved action if the rails (and the kill switch, read again now) still allow it."""
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
                            history=history, now=now, supported=self.actuator.kinds,
-                           paused=await self.switch.paused(), unsettled=[*_unsettled(pools), *self._finished_now],
-                           router_template=self._router_template)
+                           paused=await self.switch.paused(),
+                           unsettled=[*_unsettled(pools, history, now, self.config.rails.settle_timeout),
+                                      *self._finished_now], router_template=self._router_template)
         if decision.reason in WAIT_REASONS or not self.leading():
             return
         if decision.reason is not RailsReason.ALLOWED or decision.change is None:
@@ -720,8 +750,12 @@ class ControlLoop:
     async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:
         """Did the signal recover after the action? Recorded once, never retried blindly; a change that
         did not help is reverted where it can be, and a finding says so."""
-        for action in await self.store.awaiting_outcome(finished_before=now - self.config.rails.verify_after):
+        verify_after = self.config.rails.verify_after
+        for action in await self.store.awaiting_outcome(finished_before=now - verify_after):
             p = action.params
+            unfit = _unfit_to_judge(action, pools.get(action.pool))
+            if unfit is not None and action.finished_at is not None and now - action.finished_at < 3 * verify_after:
+                continue  # judged once its numbers are fit again: a verdict from them would stand for good
             # The state it ran from (read when it started: an approval can come long after the proposal), and
             # the state after it, from points after it finished only: a signal that stopped is no recovery.
             log_ = await self.store.audit_log(action.id)
@@ -743,6 +777,8 @@ class ControlLoop:
                 outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change >= -IMPROVEMENT)
                            else "not_recovered")
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
+            if unfit is not None:  # unfit for three verify windows: not judged from them
+                outcome, detail = "unmeasured", {**detail, "unfit": unfit}
             if outcome == "not_recovered" and action.state is ActionState.SUCCEEDED:
                 # Before the outcome, which ends the judging: a revert or finding the store refused is written again
                 # next tick (each once), not lost with a judging that is over.
@@ -813,7 +849,9 @@ class ControlLoop:
         revert_id, cause_id = f.evidence.get("revert_id"), f.evidence.get("finding_id")
         ended = ""
         if revert_id is not None:
-            revert = next((a for a in await self.store.actions(since=f.opened_at - 1) if a.id == revert_id), None)
+            # A judging the store cut off before its finding recorded the revert ticks before the finding opened.
+            since = f.opened_at - self.config.rails.history_s
+            revert = next((a for a in await self.store.actions(since=since) if a.id == revert_id), None)
             if revert is None or revert.state not in FINISHED_STATES:
                 return None
             if revert.state in (ActionState.SUCCEEDED, ActionState.DRY_RUN):
@@ -834,8 +872,24 @@ class ControlLoop:
             await self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
 
 
-def _unsettled(pools: dict[str, PoolState]) -> list[str]:
-    return [name for name, p in pools.items() if p.ready != p.desired or p.rolling]
+def _unsettled(pools: dict[str, PoolState], history: Sequence[ActionRecord], now: float, within: float) -> list[str]:
+    """The pools mid-change: short of ready engines, rolling out a template, or unreadable within `within` of an
+    action on them ending (its engines may be restarting now, which the last read from before it cannot show)."""
+    changed = {a.pool for a in history if a.finished_at is not None and now - a.finished_at < within}
+    return [name for name, p in pools.items()
+            if p.ready != p.desired or p.rolling or (p.unreadable is not None and name in changed)]
+
+
+def _unfit_to_judge(action: ActionRecord, pool: PoolState | None) -> str | None:
+    """Why the numbers an action's outcome is judged by cannot be trusted now (its pool unreadable, the signal it
+    verifies by or one it rests on stale), or None."""
+    if pool is None:
+        return None
+    if pool.unreadable is not None:
+        return f"{pool.name} cannot be read: {pool.unreadable}"
+    names = [n for n in (action.params.get("verify_signal"), *action.params.get("inputs", ())) if n]
+    stale = stale_among(names, pool.stale_inputs)
+    return "; ".join(f"{k}: {v}" for k, v in sorted(stale.items())) or None
 
 
 def _caused_by(finding_id: int, action: ActionRecord) -> bool:

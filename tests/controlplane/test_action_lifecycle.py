@@ -26,7 +26,7 @@ from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode, parse_config
-from controlplane.errors import ActuationError
+from controlplane.errors import ActuationError, StoreUnavailable
 from controlplane.killswitch import StoreSwitch
 from controlplane.loop import ControlLoop, _touched
 from controlplane.observe import Observation
@@ -315,6 +315,40 @@ async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualCloc
     assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
 
 
+class RefusesAnExpiry(MemoryStore):
+    """Fails the first expiry it is asked to write (an outage at that moment)."""
+
+    refuse = 1
+
+    async def transition(self, action_id, expected, to, now, detail=None, **fields):  # type: ignore[no-untyped-def]
+        if self.refuse and to is S.EXPIRED:
+            self.refuse -= 1
+            raise StoreUnavailable("transition: connection reset")
+        return await super().transition(action_id, expected, to, now, detail, **fields)
+
+
+async def test_a_finding_resolves_only_once_its_waiting_actions_expired(clock: VirtualClock) -> None:
+    """Resolved first, with the expiry then refused, the finding would not be reported resolved again: its approved
+    action would run for a problem that is gone."""
+    store, pools, policy = RefusesAnExpiry(), Pools(ready=2), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    pools.ready = 3
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    pools.ready = 2  # settling: the approval waits
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    policy.on = False
+    with pytest.raises(StoreUnavailable):
+        await tick(loop, clock)
+    assert [f.state for f in store.findings.values()] == ["open"]
+    await tick(loop, clock)
+    pools.ready = 3
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
+    assert [f.state for f in store.findings.values()] == ["resolved"]
+
+
 async def started_elsewhere(store: MemoryStore, now: float) -> int:
     """An action another control plane started before it was killed."""
     action = await store.create_action(NewAction(None, "scale_pool", "prefill",
@@ -344,6 +378,19 @@ async def test_a_take_over_neither_repeats_nor_loses_an_action(clock: VirtualClo
     if isinstance(already, dict):  # what the actuator kept of the change: a revert is derived from it
         [succeeded] = [e for e in store.action_events(action_id) if e.event == "succeeded"]
         assert succeeded.detail["from_replicas"] == 3 and "taken_over" in succeeded.detail
+
+
+async def test_a_started_action_nothing_carries_out_is_taken_over(clock: VirtualClock) -> None:
+    """Its start was written though the tick that wrote it failed (the store's answer lost): the leader, ticking on,
+    finds it started with nothing carrying it out, and takes it over rather than leave it holding its pool."""
+    store, pools = MemoryStore(), Pools(already=False)
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    await tick(loop, clock)
+    action_id = await started_elsewhere(store, clock.now())
+    await tick(loop, clock)
+    [action] = await store.actions()
+    assert (action.id, action.state, pools.calls) == (action_id, S.SUCCEEDED, [4])
+    assert "taken_over" in [e.event for e in store.action_events(action_id)]
 
 
 async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: VirtualClock) -> None:

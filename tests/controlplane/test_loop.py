@@ -169,6 +169,34 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     assert "fleet_controlplane_ticks_total 1.0" in metrics
 
 
+async def test_a_target_state_the_store_refused_is_written_next_tick(client: httpx.AsyncClient) -> None:
+    """Only changes of a target's state are written: one the store refused must not count as written."""
+
+    class RefusesTargets(MemoryStore):
+        refuse = 1
+
+        async def record_targets(self, results):  # type: ignore[no-untyped-def]
+            if self.refuse:
+                self.refuse -= 1
+                raise StoreUnavailable("record_targets: connection reset")
+            await super().record_targets(results)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    cfg = demo_config("sqlite://")
+    store, clock = RefusesTargets(), VirtualClock()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
+        loop = build_loop(cfg, store, mock, targets=StaticTargets([Target("http://dead/metrics", "prefill", "dead")]),
+                          clock=clock)
+        with pytest.raises(StoreUnavailable):
+            await loop.tick()
+        clock.advance(15.0)
+        await loop.tick()
+    target, _, up, _ = store.targets["prefill/dead/vllm"]
+    assert target.pod == "dead" and up is False
+
+
 class FlakyStore(SqlStore):
     """The real store, except that writing signals fails while `down` is set (an outage)."""
 
@@ -436,6 +464,30 @@ async def test_an_end_the_store_refused_is_recorded_next_tick(sim: tuple, sqlite
     await h.ticks(1)
     [action] = store.actions()
     assert (action.id, action.state) == (started.id, "succeeded"), "recorded once, not carried out again"
+    store.close()
+
+
+async def test_an_end_the_store_refused_is_recorded_when_leadership_comes_back(sim: tuple, sqlite_url: str,
+                                                                              client: httpx.AsyncClient) -> None:
+    """Leadership lost and won back while an end waited to be recorded: the end this replica knows is written, not
+    guessed at by a take-over (the simulator's actuator cannot tell whether a change landed: it would be unknown)."""
+    from controlplane.store import migrate
+
+    migrate.upgrade(sqlite_url)
+    store = RefusesEnds.open(sqlite_url)
+    fleet, server, clock = sim
+    cfg = demo_config(sqlite_url).model_copy(update={"mode": Mode.ACT})
+    loop = build_loop(cfg, ThreadedStore(store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=AskFor("decode", 4))
+    h = Harness(loop, fleet, server, clock, store)
+    await h.loop.start()
+    store.refuse = 1
+    with pytest.raises(StoreUnavailable):
+        await h.ticks(1)
+    await h.loop.start()
+    [action] = store.actions()
+    assert action.state == "succeeded"
+    assert "taken_over" not in [e.event for e in store.action_events(action.id)]
     store.close()
 
 

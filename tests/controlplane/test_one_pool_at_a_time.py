@@ -103,3 +103,37 @@ async def test_a_wait_that_fails_this_tick_holds_another_pools_restart_too() -> 
     fleet = EvictsThenFails()
     await drain_then_restart(fleet)
     assert "enable_eplb b" not in fleet.log
+
+
+class LosesSightOfA(Fleet):
+    """Pool a's workload cannot be read after its change: its engines may be restarting, which no read shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blind = False
+
+    async def observe(self) -> FleetView:
+        view = await super().observe()
+        if not self.blind:
+            return view
+        return FleetView({"b": view.pools["b"]}, unreadable={"a": "reading Deployment llm/a: timed out"})
+
+
+async def test_a_pool_unread_after_its_change_holds_another_pools_restart() -> None:
+    fleet, clock, asks = LosesSightOfA(), VirtualClock(), Asks()
+    loop = ControlLoop(config=parse_config(FLEET), source=Quiet(), store=MemoryStore(), policies=[asks],
+                       actuator=fleet, clock=clock, telemetry=Telemetry())
+    asks.asks["a"] = Proposal(ActionKind.ENABLE_EPLB, "a", Eplb(True), "hot experts on a")
+    clock.advance(15)
+    await loop.tick()
+    assert fleet.log == ["enable_eplb a"]
+    # The last read of a is from before its new template: it looks settled, and cannot be read now.
+    fleet.blind, asks.asks = True, {"b": Proposal(ActionKind.ENABLE_EPLB, "b", Eplb(True), "hot experts on b")}
+    clock.advance(15)
+    report = await loop.tick()
+    assert fleet.log == ["enable_eplb a"] and ("b", RailsReason.ROLLOUT_IN_FLIGHT) in [
+        (p.pool, r) for p, r, _ in report.held]
+    # Long after its change (past `rails.settle_timeout`), an unreadable pool no longer holds the others.
+    clock.advance(parse_config(FLEET).rails.settle_timeout)
+    await loop.tick()
+    assert fleet.log == ["enable_eplb a", "enable_eplb b"]

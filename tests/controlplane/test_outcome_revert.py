@@ -315,6 +315,8 @@ async def test_a_judging_the_store_cut_off_is_finished_next_tick_once() -> None:
     first, revert = await store.actions()  # one revert, not two
     assert (first.outcome, revert.params["reverts"], engines.history) == ("not_recovered", first.id, [1, 3])
     assert ineffective_of(store, first.id).evidence["revert_id"] == revert.id
+    # Its revert ran, though it was recorded a tick before the finding opened: the finding resolves with it.
+    assert ineffective_of(store, first.id).state == "resolved"
 
 
 async def test_a_revert_another_active_action_of_its_kind_blocks_is_left_to_a_person() -> None:
@@ -330,3 +332,38 @@ async def test_a_revert_another_active_action_of_its_kind_blocks_is_left_to_a_pe
     first = (await store.actions())[0]
     assert first.outcome == "not_recovered" and engines.history == [1]
     assert "is active already" in ineffective_of(store, first.id).cause
+
+
+class TpotGoesStale(SlowTpot):
+    """TPOT at 100 ms, with the pool's engine target down from `down_from` until `down_until` (its inputs stale)."""
+
+    def __init__(self, down_from: float, down_until: float) -> None:
+        self.down_from, self.down_until = down_from, down_until
+
+    async def observe(self, now: float) -> Observation:
+        seen = await super().observe(now)
+        if self.down_from <= now < self.down_until:
+            seen.unfit = {"chat": {"vllm": "target chat/chat-0/vllm is down (connection refused)"}}
+        return seen
+
+
+async def test_an_outcome_waits_for_numbers_fit_to_judge_it() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    start = clock.now()
+    # The change runs in the first minute; its five-minute verification falls while the pool's engine is down.
+    source = TpotGoesStale(start + 4 * 60, start + 9 * 60)
+    loop = make_loop(store, engines, clock, source=source)
+    await ticks(loop, clock, 4 * 8)
+    [first] = await store.actions()
+    assert first.state is S.SUCCEEDED and first.outcome is None, "not judged on numbers it cannot trust"
+    await ticks(loop, clock, 4 * 2)  # fit again
+    first = (await store.actions())[0]
+    assert first.outcome == "not_recovered" and engines.history[:1] == [1]
+    # Unfit for three verify windows: judged unmeasured, saying why, and never reverted on them.
+    clock2, store2, engines2 = VirtualClock(), MemoryStore(), Engines()
+    loop2 = make_loop(store2, engines2, clock2, source=TpotGoesStale(clock2.now() + 60, clock2.now() + 3600))
+    await ticks(loop2, clock2, 4 * 20)
+    [only] = await store2.actions()
+    assert only.outcome == "unmeasured" and engines2.history == [1]
+    [judged] = [e for e in store2.action_events(only.id) if e.event == "outcome:unmeasured"]
+    assert "chat/chat-0/vllm is down" in judged.detail["unfit"]
