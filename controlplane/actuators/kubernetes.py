@@ -88,6 +88,7 @@ DRAINED_COST = -1000  # a drained engine's deletion cost: its ReplicaSet removes
 REVISION = rollout_split.REVISION
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER = "leaderworkerset.sigs.k8s.io/worker-index"  # 0: the group's leader
 POD_INDEX = "apps.kubernetes.io/pod-index"
 CONTROLLER = "fleet-controlplane"
 T = TypeVar("T")
@@ -764,11 +765,13 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        owners, unmoved = await self._engines_on(node, order.pool)
+        owners, unmoved, leaders = await self._engines_on(node, order.pool)
         wait: dict[str, Any] = {"phase": "evicting", "pods": sorted(owners), "namespace": w.namespace, "then": "evict",
                                 "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace}
         if unmoved:
             wait["unmoved"] = unmoved
+        if leaders:
+            wait["groups"] = leaders
         done: list[str] = []
         try:
             for pod in wait["pods"]:
@@ -778,14 +781,16 @@ class KubernetesActuator:
             raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, done)}") from None
         return {"wait": wait}
 
-    async def _engines_on(self, node: str, pool: str) -> tuple[dict[str, str], dict[str, str]]:
+    async def _engines_on(self, node: str, pool: str) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
         """The engines a cordon of `node` asked for by `pool` moves, each with its pool: every configured pool's in
         `pool`'s namespace (the faulty GPU may serve any of them; the loop's view of their load comes with the order),
         and a gang's whole group where one of its engines is there (its workload recreates the group). Also the pools
-        whose workload cannot be read, with why: their engines stay there (`pool`'s own must be read)."""
+        whose workload cannot be read, with why: their engines stay there (`pool`'s own must be read); and each gang
+        engine's group leader, the one pod evicted for the group."""
         namespace = self.workloads[pool].namespace
         owners: dict[str, str] = {}
         unmoved: dict[str, str] = {}
+        leaders: dict[str, str] = {}
         for name, other in self.workloads.items():
             if other.namespace != namespace:
                 continue
@@ -802,9 +807,16 @@ class KubernetesActuator:
             there = {p for p, meta in pods.items() if meta["node"] == node}
             if other.kind == "LeaderWorkerSet":
                 groups = {dig(pods[p], ("labels", LWS_GROUP)) for p in there}
-                there |= {p for p, meta in pods.items() if dig(meta, ("labels", LWS_GROUP)) in groups}
+                members: dict[Any, list[str]] = {}
+                for p, meta in sorted(pods.items()):
+                    if (group := dig(meta, ("labels", LWS_GROUP))) in groups:
+                        members.setdefault(group, []).append(p)
+                for group_pods in members.values():
+                    head = next((p for p in group_pods if dig(pods[p], ("labels", LWS_WORKER)) == "0"), group_pods[0])
+                    leaders.update(dict.fromkeys(group_pods, head))
+                    there |= set(group_pods)
             owners.update(dict.fromkeys(there, name))
-        return owners, unmoved
+        return owners, unmoved, leaders
 
     async def _back_in_each(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> str:
         """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool), and
@@ -827,9 +839,21 @@ class KubernetesActuator:
         idle = [p for p in pods if order.idle(p)]
         late = now >= float(wait["deadline"])
         if wait["then"] == "evict":
-            # Evict once idle (or at the grace's end): the Eviction API honours PodDisruptionBudgets.
-            busy = [p for p in pods if p not in idle and not late]
-            left = await self._evict_all(order, wait, [p for p in pods if p in idle or late], busy) + busy
+            # Gone already, or a new pod under its name (a StatefulSet's; a gang's group recreated): not evicted again.
+            if (stamped := await self._stamped_pods(order, wait)) is not None:
+                pods = [p for p in pods if p in stamped]
+            # Evict once idle (or at the grace's end): the Eviction API honours PodDisruptionBudgets. A gang goes as
+            # one once all of it is idle: its leader is evicted, and its LeaderWorkerSet recreates the whole group
+            # elsewhere (evicting each engine would recreate the group once per engine, busy ones included).
+            groups: dict[str, list[str]] = {}
+            for p in pods:
+                groups.setdefault((wait.get("groups") or {}).get(p, p), []).append(p)
+            due = [key for key, members in sorted(groups.items()) if late or all(m in idle for m in members)]
+            heads = [key if key in groups[key] else groups[key][0] for key in due]
+            busy = [p for key, members in sorted(groups.items()) if key not in due for p in members]
+            riding = [p for key, head in zip(due, heads, strict=True) for p in groups[key] if p != head]
+            refused = set(await self._evict_all(order, wait, heads, [*busy, *riding]))
+            left = [p for key, head in zip(due, heads, strict=True) if head in refused for p in groups[key]] + busy
             if left and not late:
                 return {"wait": {**wait, "pods": left}}
             if left:
@@ -978,6 +1002,23 @@ class KubernetesActuator:
             return {**wait["done"], "removed": removed}
         return {**wait["done"], "removed": removed, "not_removed": left,
                 "routing": await self._back_in(order, w, obj, left)}
+
+    async def _stamped_pods(self, order: Order, wait: Mapping[str, Any]) -> set[str] | None:
+        """The pods of every pool a cordon's wait moves that still carry its stamp; None where one pool's cannot be
+        listed (the pods are then evicted as named, as without the check)."""
+        out: set[str] = set()
+        for pool in sorted({*(wait.get("pools") or {}).values()} or {order.pool}):
+            w = self.workloads.get(pool)
+            if w is None or self.dry_run:
+                return None
+            try:
+                pods = await self._pods_of(w, await self._read(w))
+            except ActuationError as exc:
+                log.warning("action %d: the pods of %s cannot be listed (%s); evicting the cordoned ones as named",
+                            order.action_id, pool, exc)
+                return None
+            out |= {p for p, meta in pods.items() if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp}
+        return out
 
     async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
         """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told

@@ -1167,10 +1167,32 @@ async def test_a_cordon_moves_every_pools_engines_on_the_node_and_a_gangs_whole_
     assert not any(routed(server, p) for p in first["wait"]["pods"])
     held = await act.resume(o, first["wait"], clock.t + 1)  # the idle one goes; the busy group finishes first
     assert held["wait"]["pods"] == ["vllm-prefill-0", "vllm-prefill-0-1"] and server.get(PODS, NS, "vllm-decode-a") is None
+    assert held["wait"]["groups"] == {"vllm-prefill-0": "vllm-prefill-0", "vllm-prefill-0-1": "vllm-prefill-0"}
     done = await act.resume(o, held["wait"], clock.t + 61)
-    assert done["cordoned"] == "gpu-node-1" and server.get(PODS, NS, "vllm-prefill-0-1") is None
+    # The group goes as one: its leader is evicted, and the LeaderWorkerSet recreates the whole group elsewhere.
+    assert done["cordoned"] == "gpu-node-1" and server.get(PODS, NS, "vllm-prefill-0") is None
+    assert server.get(PODS, NS, "vllm-prefill-0-1") is not None, "not evicted on its own: the group is recreated"
     assert "forbidden" in done["unmoved"]["canary"], "said, not hidden behind a success"
     assert routed(server, "vllm-decode-b") and routed(server, "batch-job")
+
+
+async def test_a_cordon_evicts_no_new_pod_under_a_cordoned_ones_name(server: ApiServer,
+                                                                     api: client.ApiClient) -> None:
+    statefulset(server)  # vllm-kv-0 to -2
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-kv-0", "vllm-kv-1"):
+        server.put(PODS, pod(name, app="vllm-kv", node="gpu-node-1"))
+    clock = Clock()
+    act = actuator(api, clock)
+    act.workloads = {"kv": Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")}
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), pool="kv",
+              busy={"vllm-kv-0": 2.0, "vllm-kv-1": 0.0, "vllm-kv-2": 0.0}, answering={"vllm-kv-0", "vllm-kv-1", "vllm-kv-2"})
+    first = await act.carry_out(o)
+    # vllm-kv-0 failed meanwhile and its StatefulSet made it again under the same name, on another node.
+    server.put(PODS, pod("vllm-kv-0", app="vllm-kv", node="gpu-node-2"))
+    done = await act.resume(o, first["wait"], clock.t + 1)
+    assert done["cordoned"] == "gpu-node-1" and server.get(PODS, NS, "vllm-kv-0") is not None
+    assert server.get(PODS, NS, "vllm-kv-1") is None and server.get(PODS, NS, "vllm-kv-2") is None
 
 
 async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: ApiServer,
