@@ -41,7 +41,7 @@ from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, GANG, READY, ROLLING, STARTUP, TARGET, PoolPlan, Sizer, plan_each
-from policies.inputs import frozen_inputs
+from policies.inputs import frozen_inputs, vanished_inputs
 from policies.settling import stalled_since
 from policies.types import (
     ActionKind,
@@ -354,6 +354,9 @@ class ControlLoop:
         self.changed_at = dict(view.changed_at)
         self._router_template = view.router_template
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
+        # Two and a half intervals: one late scrape is noise, two in a row are not.
+        vanished = vanished_inputs(self.windows, [p.name for p in self.config.pools], now,
+                                   2.5 * self.config.scrape.interval)
         out = {}
         record: list[Signal] = []
         for pool in self.config.pools:
@@ -366,7 +369,7 @@ class ControlLoop:
                 min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
-                stale_inputs={**self._unfit.get(pool.name, {}), **frozen.get(pool.name, {})},
+                stale_inputs={**self._unfit.get(pool.name, {}), **vanished.get(pool.name, {}), **frozen.get(pool.name, {})},
                 unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
                 stalled_for=stalled, scaled_by=rep.scaled_by if rep else None,
             )

@@ -1,4 +1,4 @@
-"""Inputs fit to act on: a pool's targets down, expected series absent, gauges that stopped changing.
+"""Inputs fit to act on: a pool's targets down, expected series absent or stopped, gauges that stopped changing.
 
 The loop gathers what the collection says about each pool's inputs into `PoolState.stale_inputs`
 (keys: a signal name, or a producer such as `vllm` or `dcgm` when a whole target is down), adding
@@ -15,12 +15,17 @@ from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
 
-__all__ = ["FROZEN_WATCH", "KIND", "StaleInputs", "StaleInputsSettings", "frozen_inputs"]
+__all__ = ["FROZEN_WATCH", "KIND", "VANISH_WATCH", "StaleInputs", "StaleInputsSettings", "frozen_inputs",
+           "vanished_inputs"]
 
 KIND = "stale_inputs"
 # Gauges that move while an engine serves: one held at the same non-zero value for long is a
 # broken exporter or a stuck engine, not a steady fleet.
 FROZEN_WATCH = ("requests_running", "requests_waiting", "kv_cache_usage")
+# Pool signals a serving pool has at every scrape, idle or not (a latency quantile has none while nothing
+# finishes): one that stops has lost its series (the engines' targets gone from discovery, a Prometheus
+# relabelling that no longer matches), and its last value would be read as now's.
+VANISH_WATCH = ("requests_running", "requests_waiting", "kv_cache_usage", "request_rate")
 
 
 def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str, dict[str, str]]:
@@ -41,6 +46,17 @@ def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str,
             newest = windows.latest_ts(subject, name)
             if newest is not None and newest >= now - after:
                 out.setdefault(pool, {})[name] = f"{name} of {subject} has been {run[0]:g} for {run[1] / 60:.0f} min"
+    return out
+
+
+def vanished_inputs(windows: SignalWindows, pools: list[str], now: float, after: float) -> dict[str, dict[str, str]]:
+    """Per pool, the watched pool signals it had but has had no value of for `after` seconds, with why."""
+    out: dict[str, dict[str, str]] = {}
+    for pool in pools:
+        for name in VANISH_WATCH:
+            newest = windows.latest_ts(f"pool/{pool}", name)
+            if newest is not None and newest < now - after:
+                out.setdefault(pool, {})[name] = f"no value of {name} for {now - newest:.0f}s: its series stopped"
     return out
 
 

@@ -325,6 +325,34 @@ async def test_a_target_down_in_prometheus_makes_its_pools_inputs_stale(sqlite_s
     assert "10.0.0.2:8000 is down in Prometheus" in (await prefill_stale())["vllm"]
 
 
+async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlStore,
+                                                               client: httpx.AsyncClient) -> None:
+    """A pool whose series stop (its PodMonitor no longer matches, say) while other pools' go on is named by no
+    query: its last values would be read as now's. Two late scrapes in a row make them stale."""
+    from collectors.prometheus_api import PrometheusSource
+    from controlplane.observe import PrometheusApiSource
+    from tests.collectors.test_prometheus_api import FakeClient, _answer
+
+    gone: list[bool] = []
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        return [] if gone and "pool" in query else _answer(query)
+
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
+    clock = VirtualClock()
+    loop = build_loop(cfg, MemoryStore(), client, clock=clock)
+    loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(answer)), 60.0)
+    reports = [await loop.tick()]
+    gone.append(True)
+    for _ in range(3):
+        clock.advance(15.0)
+        reports.append(await loop.tick())
+    stale = [f for r in reports for f in (*r.opened, *r.updated) if f.kind == "stale_inputs" and f.subject == "pool/prefill"]
+    assert "its series stopped" in stale[-1].evidence["inputs"]["request_rate"]
+    assert not any("request_rate" in f.evidence["inputs"] for r in reports[:3] for f in (*r.opened, *r.updated)
+                   if f.kind == "stale_inputs" and f.subject == "pool/prefill"), "one or two late scrapes are noise"
+
+
 async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: SqlStore,
                                                                  client: httpx.AsyncClient) -> None:
     from controlplane.config import parse_config

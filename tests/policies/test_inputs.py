@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.inputs import StaleInputs, frozen_inputs
+from policies.inputs import StaleInputs, frozen_inputs, vanished_inputs
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState, Severity
 from policies.windows import SignalWindows
 
@@ -31,6 +31,15 @@ def test_a_moving_an_idle_a_short_or_an_old_series_is_not() -> None:
     assert frozen_inputs(windows([7.0] * 20), NOW, after=900) == {}, "5 minutes say nothing yet"
     assert frozen_inputs(windows([7.0] * 61), NOW + 3600, after=900) == {}, "an engine gone an hour ago"
     assert frozen_inputs(windows([7.0] * 61), NOW, after=0) == {}, "switched off"
+
+
+def test_a_pool_signal_that_stopped_is_stale_one_late_scrape_is_not() -> None:
+    w = SignalWindows(3600)
+    for pool, last in (("decode", NOW - 60), ("prefill", NOW - 15)):
+        w.extend((last - 15 * i, f"pool/{pool}", name, 1.0) for i in range(10) for name in ("request_rate", "ttft_p95"))
+    assert vanished_inputs(w, ["decode", "prefill", "kv"], NOW, after=37.5) == {
+        "decode": {"request_rate": "no value of request_rate for 60s: its series stopped"}}
+    # A latency quantile has no value while nothing finishes: not watched. A pool never seen has nothing to stop.
 
 
 def state(stale: dict[str, str]) -> PoolState:
