@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 
 # An action improved things when its verify signal moved at least this much the right way.
 IMPROVEMENT = 0.10
+# Points of its verify signal after an action that its outcome is judged on, at least.
+VERIFY_POINTS = 3
 
 
 @dataclass(slots=True)
@@ -275,20 +277,27 @@ class ControlLoop:
         wall = time.perf_counter()
         now = self.clock.now()
         report = TickReport(ts=now)
+        # A clock stepped back: until it passes the last tick again, this tick's points are older than the newest
+        # ones and the windows keep those, so nothing is acted on or judged from them meanwhile.
+        behind = None if self.last_tick_at is None or now >= self.last_tick_at else self.last_tick_at - now
         with self.telemetry.span("tick", ts=now):
             await self._observe(now, report)
             pools = await self._pools(now, report)
             inp, proposals = await self._detect(now, pools, report)
             proposals += await self._size(inp, report)
             await self._store_derived()
-            await self._act(now, pools, proposals, report)
-            await self._judge_outcomes(now, pools, report)
+            if behind is None:
+                await self._act(now, pools, proposals, report)
+                await self._judge_outcomes(now, pools, report)
+            else:
+                report.errors["clock"] = (f"the clock is {behind:.0f}s behind the last tick (stepped back): nothing is "
+                                          "acted on or judged until it passes it")
             await self._compact(now)
         report.duration_s = time.perf_counter() - wall
         self.telemetry.tick_duration.observe(report.duration_s)
         self.telemetry.ticks.inc()
         self.telemetry.last_tick.set(now)
-        self.last_tick_at = now
+        self.last_tick_at = now if behind is None else self.last_tick_at
         if self.on_report is not None:
             try:
                 await self.on_report(report)
@@ -757,6 +766,12 @@ class ControlLoop:
         for action in await self.store.awaiting_outcome(finished_before=now - verify_after):
             p = action.params
             unfit = _unfit_to_judge(action, pools.get(action.pool))
+            if unfit is None and action.finished_at is not None and p.get("verify_signal"):
+                # A clock stepped forward makes an action due with a point or two after it: not a settled state.
+                seen = self.windows.series(f"pool/{action.pool}", p["verify_signal"],
+                                           since=math.nextafter(action.finished_at, math.inf))
+                if 0 < len(seen) < VERIFY_POINTS:
+                    unfit = f"{len(seen)} point(s) of {p['verify_signal']} since it finished"
             if unfit is not None and action.finished_at is not None and now - action.finished_at < 3 * verify_after:
                 continue  # judged once its numbers are fit again: a verdict from them would stand for good
             # The state it ran from (read when it started: an approval can come long after the proposal), and

@@ -367,3 +367,24 @@ async def test_an_outcome_waits_for_numbers_fit_to_judge_it() -> None:
     assert only.outcome == "unmeasured" and engines2.history == [1]
     [judged] = [e for e in store2.action_events(only.id) if e.event == "outcome:unmeasured"]
     assert "chat/chat-0/vllm is down" in judged.detail["unfit"]
+
+
+async def test_an_outcome_waits_for_points_after_a_clock_that_jumped() -> None:
+    """A clock stepped forward past `verify_after` makes the change due with one point after it: not a settled state."""
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = make_loop(store, engines, clock)
+    await ticks(loop, clock, 2)
+    assert engines.history == [1]
+    clock.advance(400)  # a suspended machine resumes, past verify_after (5 min)
+    await loop.tick()
+    assert (await store.actions())[0].outcome is None
+    await ticks(loop, clock, 2)
+    assert (await store.actions())[0].outcome == "not_recovered"
+    # Gone for longer than three verify windows: judged unmeasured, never reverted on one point.
+    clock2, store2, engines2 = VirtualClock(), MemoryStore(), Engines()
+    loop2 = make_loop(store2, engines2, clock2)
+    await ticks(loop2, clock2, 2)
+    clock2.advance(3600)
+    await loop2.tick()
+    [judged] = await store2.actions()
+    assert judged.outcome == "unmeasured" and engines2.history == [1]
