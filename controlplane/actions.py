@@ -43,8 +43,9 @@ TRANSITIONS: dict[ActionState, frozenset[ActionState]] = {
     ActionState.PROPOSED: frozenset({ActionState.APPROVED, ActionState.REJECTED, ActionState.EXPIRED,
                                      ActionState.ADVISORY}),
     ActionState.APPROVED: frozenset({ActionState.STARTED, ActionState.EXPIRED, ActionState.CANCELLED}),
+    # Cancelled from started only by a take-over that finds it never applied and the rails not letting it run now.
     ActionState.STARTED: frozenset({ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN,
-                                    ActionState.DRY_RUN}),
+                                    ActionState.DRY_RUN, ActionState.CANCELLED}),
     **{s: frozenset() for s in FINISHED_STATES},
 }
 

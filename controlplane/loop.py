@@ -45,6 +45,7 @@ from policies.inputs import frozen_inputs, vanished_inputs
 from policies.settling import stalled_since
 from policies.types import (
     ActionKind,
+    Change,
     FindingKey,
     FindingReport,
     OpenFinding,
@@ -211,18 +212,43 @@ class ControlLoop:
         else:
             decision = await self._redo(action, now, pools)
             if decision.reason is not RailsReason.ALLOWED or decision.change is None:
-                # Known not to have happened, and the fleet or the rules moved since: it fails, and whatever
-                # still needs doing is proposed again from fresh numbers.
-                error = f"not applied before the stop, and not redone: {decision.note}"
-                await self.store.transition(action.id, ActionState.STARTED, ActionState.FAILED, now,
-                                            {"error": error, "rails": str(decision.reason)}, error=error)
-                self.telemetry.actions.labels(action.kind, "failed").inc()
+                # Known not to have happened, and the fleet or the rules moved since: cancelled, as an approval the
+                # rails stop when it is due (it never ran, so no cooldown follows it), and whatever still needs doing
+                # is proposed again from fresh numbers. Nothing proposes a revert again: one held only for now is
+                # recorded to wait afresh, as a judging records one.
+                why = f"not applied before the stop, and not redone: {decision.note}"
+                await self.store.transition(action.id, ActionState.STARTED, ActionState.CANCELLED, now,
+                                            {"why": why, "rails": str(decision.reason)})
+                self.telemetry.actions.labels(action.kind, "cancelled").inc()
+                if "reverts" in action.params and decision.reason in WAIT_REASONS:
+                    await self._revert_again(action, change, decision, now, pools)
                 return
             if not self.leading():
                 return
             await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
             order = replace(order, change=decision.change)
             await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
+
+    async def _revert_again(self, action: ActionRecord, change: Change, held: RailsDecision, now: float,
+                            pools: dict[str, PoolState]) -> None:
+        """Record a revert a take-over could not redo now, to wait as an approval waits (`_ineffective`)."""
+        p = action.params
+        if self.config.mode is Mode.OBSERVE or action.pool not in pools:
+            return
+        proposal = Proposal(ActionKind(action.kind), action.pool, change, action.reason.split("; rails: ")[0],
+                            verify_signal=p.get("verify_signal"),
+                            verify_lower_is_better=p.get("verify_lower_is_better", True),
+                            inputs=tuple(p.get("inputs", ())))
+        waits = RailsDecision(RailsReason.ALLOWED if self.config.mode is Mode.ACT else RailsReason.NEEDS_APPROVAL,
+                              change, f"waits: {held.note}")
+        try:
+            revert = await self._record(proposal, waits, action.finding_id, now, pools, TickReport(ts=now),
+                                        extra={"reverts": p["reverts"]})
+        except StoreConflict:  # an action of its kind on the pool is active (awaiting a person, say)
+            log.warning("action %d: its revert waits behind an active %s on %s; undo it by hand", action.id,
+                        action.kind, action.pool)
+            return
+        await self.store.note(action.id, "taken_over", now, {"reverting_as": revert.id})
 
     async def _redo(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> RailsDecision:
         """Whether an action a stopped control plane started but never applied may still be carried out: the rails

@@ -403,8 +403,34 @@ async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: 
     source.down = 3  # the pool's vLLM target has been down since before the take-over
     await make_loop(Mode.ACT, store, pools, clock, Asks(), source).start()
     [taken] = await store.actions()
-    assert pools.calls == [] and taken.state is S.FAILED
-    assert "prefill/prefill-0/vllm is down" in str(taken.error), taken.error
+    assert pools.calls == [] and taken.state is S.CANCELLED
+    assert "prefill/prefill-0/vllm is down" in cancelled_why(store, taken.id)
+
+
+def cancelled_why(store: MemoryStore, action_id: int) -> str:
+    [event] = [e for e in store.action_events(action_id) if e.event == "cancelled"]
+    return str(event.detail["why"])
+
+
+async def test_a_revert_a_take_over_cannot_redo_now_waits_afresh(clock: VirtualClock) -> None:
+    """Nothing proposes a revert again: cancelled with the rest, its undoing would be lost. It is recorded to wait as
+    an approval waits, and runs once the rails allow it, with no cooldown from the one that never ran."""
+    store, pools, source = MemoryStore(), Pools(already=False), NoMetrics()
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
+                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
+                                                  "inputs": ["requests_waiting"], "reverts": 99}, "act",
+                                                 "revert action 99"), clock.now())
+    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
+    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    source.down = 3
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
+    await loop.start()
+    first, again = await store.actions()
+    assert first.state is S.CANCELLED and (again.state, again.params["reverts"]) == (S.APPROVED, 99)
+    assert again.reason.startswith("revert action 99; rails: waits: ")
+    source.down = 0
+    await tick(loop, clock)
+    assert pools.calls == [4] and (await store.actions())[1].state is S.SUCCEEDED
 
 
 @pytest.mark.parametrize(("mode", "desired", "after_s", "why"), [
@@ -419,8 +445,8 @@ async def test_a_take_over_redoes_only_what_the_rails_allow_now(clock: VirtualCl
     clock.advance(after_s)
     await make_loop(mode, store, pools, clock, Asks()).start()
     [action] = await store.actions()
-    assert (action.id, action.state, pools.calls) == (action_id, S.FAILED, [])
-    assert why in (action.error or "") and "not applied before the stop" in (action.error or "")
+    assert (action.id, action.state, pools.calls) == (action_id, S.CANCELLED, [])
+    assert why in cancelled_why(store, action_id) and "not applied before the stop" in cancelled_why(store, action_id)
 
 
 async def test_a_replica_that_does_not_lead_takes_nothing_over(clock: VirtualClock) -> None:
