@@ -502,16 +502,21 @@ class PrometheusSource:
                     if math.isfinite(share) and (pool_subject(pool), name) not in seen_pools:
                         seen_pools.add((pool_subject(pool), name))
                         out.signals.append(Signal(ts, pool_subject(pool), name, share))
-        out.down = self._down(ts, pools, out)
+        out.down = self._down(ts, window_s, pools, out)
         return out
 
-    def _down(self, ts: float, pools: Mapping[str, str], out: ApiOutput) -> list[Down]:
-        """The targets under the selector that Prometheus failed to scrape last, with their pools (by label or
-        `pools`; one with neither is no pool's). A pool's sums over its engines lack a down one's series, and look
-        like less load, not like a gap."""
+    def _down(self, ts: float, window_s: float, pools: Mapping[str, str], out: ApiOutput) -> list[Down]:
+        """The engines under the selector that answered within the last ten windows (at least ten minutes) but whose
+        every scrape by Prometheus failed over the last window, with their pools (by label or `pools`; one with
+        neither is no pool's). A pool's sums over its engines lack a down one's series, and look like less load, not
+        like a gap. An engine still starting (a scale-up, a crash loop) has never answered, and is no engine of the
+        sums yet, as a pod not Ready is no target of the control plane's own scrapes."""
         lb = self.labels
+        sel = selector(self._matchers)
         grouping = ", ".join(dict.fromkeys((lb.instance, lb.pod, lb.pool)))
-        rows = self.query(f"group by ({grouping}) (up{selector(self._matchers)} == 0)", ts)
+        recent, last = _Window(self.mode, max(600.0, 10 * window_s)).duration, _Window(self.mode, window_s).duration
+        rows = self.query(f"group by ({grouping}) ((max_over_time(up{sel}[{last}]) == 0) and on ({lb.instance}) "
+                          f"(count_over_time(vllm:num_requests_running{sel}[{recent}]) > 0))", ts)
         out.queries += 1
         down = set()
         for labels, _ in rows:

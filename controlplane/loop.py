@@ -150,6 +150,10 @@ class ControlLoop:
         # Ends this replica knows but the store refused are written first (one another leader moved meanwhile is
         # skipped); whatever waited, or is still unrecorded, is then taken over from the audit log.
         try:
+            for action_id, (_, _, _, _, at) in list(self._unrecorded.items()):
+                # Another leader took it over meanwhile (it redid it, or waits on it): its record, not this one's.
+                if any(e.ts > at for e in await self.store.audit_log(action_id)):
+                    del self._unrecorded[action_id]
             await self._record_unrecorded()
         except FleetError as exc:
             log.warning("ends of %d action(s) not recorded before taking over: %s", len(self._unrecorded), exc)
@@ -303,27 +307,27 @@ class ControlLoop:
         wall = time.perf_counter()
         now = self.clock.now()
         report = TickReport(ts=now)
-        # A clock stepped back: until it passes the last tick again, this tick's points are older than the newest
-        # ones and the windows keep those, so nothing is acted on or judged from them meanwhile.
-        behind = None if self.last_tick_at is None or now >= self.last_tick_at else self.last_tick_at - now
+        if self.last_tick_at is not None and now < self.last_tick_at:
+            # A clock stepped back: the points stamped after now would keep every new one out of the windows (as
+            # older), and decisions would rest on them. They go; what the fleet shows from now on counts.
+            dropped = self.windows.rewind(now)
+            report.errors["clock"] = (f"the clock stepped back {self.last_tick_at - now:.0f}s behind the last tick: "
+                                      f"{dropped} point(s) stamped after now dropped")
+            log.warning("%s", report.errors["clock"])
         with self.telemetry.span("tick", ts=now):
             await self._observe(now, report)
             pools = await self._pools(now, report)
             inp, proposals = await self._detect(now, pools, report)
             proposals += await self._size(inp, report)
             await self._store_derived()
-            if behind is None:
-                await self._act(now, pools, proposals, report)
-                await self._judge_outcomes(now, pools, report)
-            else:
-                report.errors["clock"] = (f"the clock is {behind:.0f}s behind the last tick (stepped back): nothing is "
-                                          "acted on or judged until it passes it")
+            await self._act(now, pools, proposals, report)
+            await self._judge_outcomes(now, pools, report)
             await self._compact(now)
         report.duration_s = time.perf_counter() - wall
         self.telemetry.tick_duration.observe(report.duration_s)
         self.telemetry.ticks.inc()
         self.telemetry.last_tick.set(now)
-        self.last_tick_at = now if behind is None else self.last_tick_at
+        self.last_tick_at = now
         if self.on_report is not None:
             try:
                 await self.on_report(report)
@@ -557,8 +561,8 @@ class ControlLoop:
         await self._approve_orphans(now)
         await self._supersede(now, report)
         await self._record_unrecorded()
-        await self._adopt_strays(now, pools)
         await self._advance_waiting(now, report)
+        await self._adopt_strays(now, pools)  # after the waits: one it starts waiting is taken further next tick
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
         for finding_id, proposal in proposals:
@@ -577,7 +581,9 @@ class ControlLoop:
         the tick that wrote it failed before carrying it out (the store's answer lost), and left alone it would never
         run nor end, holding its pool and every other pool's disruptive changes."""
         for action in await self.store.actions(states=[ActionState.STARTED]):
-            if action.id not in self._waiting and action.id not in self._unrecorded and self.leading():
+            # At least a tick old: one this tick started is being carried out now (none is, when this runs).
+            fresh = action.started_at is not None and now - action.started_at < self.config.scrape.interval
+            if action.id not in self._waiting and action.id not in self._unrecorded and not fresh and self.leading():
                 log.warning("action %d is started with nothing carrying it out: taken over", action.id)
                 await self._take_over(action, now, pools)
 

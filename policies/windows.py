@@ -50,6 +50,19 @@ class SignalWindows:
             if not series:
                 del self._series[key]
 
+    def rewind(self, now: float) -> int:
+        """Drop points stamped after `now` (a clock stepped back: they would keep every newer point out, as older
+        than them); how many were dropped."""
+        dropped = 0
+        for key in list(self._series):
+            series = self._series[key]
+            while series and series[-1][0] > now:
+                series.pop()
+                dropped += 1
+            if not series:
+                del self._series[key]
+        return dropped
+
     def series(self, subject: str, name: str, since: float | None = None) -> list[tuple[float, float]]:
         """Points of one series, oldest first, optionally only those at or after `since`."""
         series = self._series.get((subject, name))

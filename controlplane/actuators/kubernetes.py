@@ -1160,9 +1160,22 @@ def _engine_templates(held: Mapping[str, Any], kind: WorkloadKind, container: st
 
 # A shell's `-c` string: its flags are inside the string, where no argument edit reaches them.
 _SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
-_SHELL_OPTION_ARGS = frozenset({"-o", "+o", "-O", "+O"})  # options whose value is the next word
+# Programs that start another (`env VAR=value sh -c ...`, an init process): the program is what follows.
+_WRAPPERS = frozenset({"env", "tini", "dumb-init", "catatonit"})
 _SERVER = re.compile(r"\bvllm\s+serve\b|vllm\.entrypoints")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def _program(argv: Sequence[str]) -> int:
+    """Where the program a container runs stands in its argv, past wrappers, their options and `VAR=value`s."""
+    i = 0
+    while i < len(argv) and argv[i].rsplit("/", 1)[-1] in _WRAPPERS:
+        i += 1
+        while i < len(argv) and (argv[i].startswith("-") or _ASSIGNMENT.match(argv[i])):
+            i += 2 if argv[i] in ("-u", "--unset", "-C", "--chdir") else 1  # env's options that take a value
+            if argv[i - 1] == "--":
+                break
+    return i
 
 
 def _launch(engine: Mapping[str, Any]) -> tuple[bool, str | None]:
@@ -1171,21 +1184,24 @@ def _launch(engine: Mapping[str, Any]) -> tuple[bool, str | None]:
     the shell's positional parameters, which it ignores (a change that would silently do nothing)."""
     command = [str(x) for x in engine.get("command") or []]
     argv = command + [str(x) for x in engine.get("args") or []]
-    i = 0
-    while i < len(argv) and (argv[i].rsplit("/", 1)[-1] == "env" or _ASSIGNMENT.match(argv[i])):
-        i += 1  # `env VAR=value program ...`: the program is what follows
+    i = _program(argv)
     if i < len(argv) and argv[i].rsplit("/", 1)[-1] in _SHELLS:
         j, string = i + 1, False
         while j < len(argv) and argv[j].startswith(("-", "+")) and argv[j] != "--":
-            string |= not argv[j].startswith("--") and "c" in argv[j][1:]  # -c, -ec, -lc
-            j += 2 if argv[j] in _SHELL_OPTION_ARGS else 1
+            option = argv[j]
+            short = not option.startswith("--")
+            string |= short and "c" in option[1:]  # -c, -ec, -lc
+            j += 2 if short and ("o" in option[1:] or "O" in option[1:]) else 1  # -o pipefail, -euo pipefail
         if string and j < len(argv):
-            script = argv[j]
+            script, shown = argv[j], " ".join(argv[i:j])
             serves = bool(_SERVER.search(script))
-            if "$@" in script or "${@}" in script:
-                return serves, None  # what follows the string is handed on to what it runs
-            return serves, (f"runs a shell string ({' '.join(argv[i:j])} '...'), where flags appended after it would "
-                            "be ignored: give the engine its flags as args the string hands on with \"$@\"")
+            if "$@" not in script and "${@}" not in script:
+                return serves, (f"runs a shell string ({shown} '...'), where flags appended after it would be "
+                                "ignored: give the engine its flags as args the string hands on with \"$@\"")
+            if j + 1 == len(argv):  # the first word after the string is $0, not one of "$@"
+                return serves, (f"runs a shell string ({shown} '...') that hands on \"$@\" with nothing after it to "
+                                "stand for $0: an appended flag would become $0; add `--` after the string")
+            return serves, None  # what follows the string is handed on to what it runs
     if not command:
         return True, None  # the image's entrypoint (vLLM's images: `vllm serve`) takes the args as its flags
     return bool(_SERVER.search(" ".join(argv))), None
@@ -1197,6 +1213,11 @@ def _changed_flags(engine: dict[str, Any], change: Speculation | Eplb, annotatio
     `annotations` keep a speculative config switched off, for the revert that switches it back on."""
     command = [str(x) for x in engine.get("command") or []]
     args = [str(x) for x in engine.get("args") or []]
+    names = ("--enable-eplb", "--eplb-config") if isinstance(change, Eplb) else ("--speculative-config",)
+    for word in command + args:
+        if _flag(word) not in names and any(n in word.replace("_", "-") for n in names):
+            raise ActuationError(f"{where}: {' or '.join(names)} is set inside {word[:80]!r}, where an edit of the "
+                                 "engine's flags cannot reach it")
     added: list[str] = []
     if isinstance(change, Eplb):
         command, args = (_without(_without(a, "--enable-eplb", bare=True), "--eplb-config") for a in (command, args))

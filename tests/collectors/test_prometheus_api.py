@@ -534,7 +534,7 @@ def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
 
 def test_targets_prometheus_failed_to_scrape_are_named_with_their_pools() -> None:
     def answer(query: str) -> list[dict[str, Any]]:
-        if query.startswith("group by (instance, pod, pool) (up") and query.endswith("== 0)"):
+        if query.startswith("group by (instance, pod, pool) ((max_over_time(up") and "count_over_time(vllm:" in query:
             return [_row(1, instance="10.0.0.2:8000", pod="p-1", pool="prefill"),
                     _row(1, instance="10.0.0.3:8000", pod="d-0"),  # mapped
                     _row(1, instance="10.0.0.4:9400", pod="dcgm-x")]  # no pool's

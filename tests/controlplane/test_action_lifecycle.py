@@ -530,21 +530,6 @@ async def test_a_follower_acts_on_nothing(clock: VirtualClock) -> None:
     assert pools.calls == [4]
 
 
-async def test_nothing_acts_while_the_clock_is_behind_the_last_tick(clock: VirtualClock) -> None:
-    """A wall clock stepped back: this tick's points are older than the newest ones, which the windows keep."""
-    store, pools, policy = MemoryStore(), Pools(), Asks()
-    loop = make_loop(Mode.ACT, store, pools, clock, policy)
-    await tick(loop, clock, 60)
-    policy.on = True
-    clock._now -= 45  # stepped back by 45 s
-    report = await loop.tick()
-    assert pools.calls == [] and "stepped back" in report.errors["clock"]
-    await tick(loop, clock, 30)  # 15 s behind still
-    assert pools.calls == []
-    await tick(loop, clock, 30)  # past the last tick again
-    assert pools.calls == [4]
-
-
 async def test_nothing_acts_on_a_pool_whose_target_is_down(clock: VirtualClock) -> None:
     store, pools, policy, source = MemoryStore(), Pools(), Asks(), NoMetrics()
     loop = make_loop(Mode.ACT, store, pools, clock, policy, source)

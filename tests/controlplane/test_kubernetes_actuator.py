@@ -480,12 +480,25 @@ async def test_flags_inside_a_shell_string_are_refused_not_silently_dropped(serv
             {"command": ["/bin/sh", "-ec", "exec vllm serve /m"]},
             {"command": ["/bin/sh"], "args": ["-c", "exec vllm serve /m"]},
             {"command": ["/usr/bin/env", "HF_HOME=/cache", "bash", "-o", "pipefail", "-c", "vllm serve /m | tee log"]},
-            {"command": ["sh", "-c", "/start.sh"], "args": ["--port", "8000"]}]):
+            {"command": ["sh", "-c", "/start.sh"], "args": ["--port", "8000"]},
+            {"command": ["bash", "-euo", "pipefail", "-c", "vllm serve /m"]},
+            {"command": ["tini", "--", "sh", "-c", "vllm serve /m"]},
+            {"command": ["/usr/bin/dumb-init", "--", "bash", "-c", "vllm serve /m"]},
+            {"command": ["env", "-i", "sh", "-c", "vllm serve /m"]},
+            # Hands on "$@", with nothing after the string for $0: the first flag appended would become $0.
+            {"command": ["sh", "-c", 'exec vllm serve /m "$@"']}]):
         dep["spec"]["template"]["spec"]["containers"][0] = {"name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
                                                             **launch}
         server.put(DEPLOYMENTS, dep)
         with pytest.raises(ActuationError, match="runs a shell string"):
             await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=3 + n))
+    # A flag set inside a string that hands on "$@": no edit of the args takes it away.
+    dep["spec"]["template"]["spec"]["containers"][0] = {
+        "name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+        "command": ["sh", "-c", 'exec vllm serve /m --enable-eplb "$@"', "--"], "args": ["--port", "8000"]}
+    server.put(DEPLOYMENTS, dep)
+    with pytest.raises(ActuationError, match="--enable-eplb or --eplb-config is set inside"):
+        await act.carry_out(order(ActionKind.DISABLE_EPLB, Eplb(False), action_id=20))
 
 
 async def test_engine_flags_are_found_wherever_and_however_spelled(server: ApiServer, api: client.ApiClient) -> None:

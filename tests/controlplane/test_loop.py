@@ -308,7 +308,7 @@ async def test_a_target_down_in_prometheus_makes_its_pools_inputs_stale(sqlite_s
     down: list[dict[str, Any]] = []
 
     def answer(query: str) -> list[dict[str, Any]]:
-        return down if query.startswith("group by (instance, pod, pool) (up") else _answer(query)
+        return down if query.startswith("group by (instance, pod, pool) ((max_over_time(up") else _answer(query)
 
     cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
     loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
@@ -516,6 +516,32 @@ async def test_an_end_the_store_refused_is_recorded_when_leadership_comes_back(s
     [action] = store.actions()
     assert action.state == "succeeded"
     assert "taken_over" not in [e.event for e in store.action_events(action.id)]
+    store.close()
+
+
+async def test_an_end_kept_is_dropped_where_another_leader_took_the_action_over(sim: tuple, sqlite_url: str,
+                                                                                client: httpx.AsyncClient) -> None:
+    """Another leader took the action over meanwhile (redid it, or drained for it): the end this replica kept is of
+    before that, and would close the action over the other leader's work."""
+    from controlplane.store import migrate
+
+    migrate.upgrade(sqlite_url)
+    store = RefusesEnds.open(sqlite_url)
+    fleet, server, clock = sim
+    cfg = demo_config(sqlite_url).model_copy(update={"mode": Mode.ACT})
+    loop = build_loop(cfg, ThreadedStore(store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
+                      clock=clock, sizer=AskFor("decode", 4))
+    h = Harness(loop, fleet, server, clock, store)
+    await h.loop.start()
+    store.refuse = 1
+    with pytest.raises(StoreUnavailable):
+        await h.ticks(1)
+    [started] = store.actions()
+    store.note(started.id, "taken_over", clock.now() + 5, {"redo": "not applied before the stop"})
+    clock.advance(30)
+    await h.loop.start()
+    [action] = store.actions()
+    assert action.state == "unknown", "taken over again from what the fleet shows, not closed with the old end"
     store.close()
 
 

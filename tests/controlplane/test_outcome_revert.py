@@ -388,3 +388,15 @@ async def test_an_outcome_waits_for_points_after_a_clock_that_jumped() -> None:
     await loop2.tick()
     [judged] = await store2.actions()
     assert judged.outcome == "unmeasured" and engines2.history == [1]
+
+
+async def test_a_clock_stepped_back_drops_the_points_stamped_after_it() -> None:
+    """Kept, points stamped after now would keep every new one out of the windows (as older), and the policies would
+    read the last values from before the step for as long as the step."""
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = make_loop(store, engines, clock)
+    await ticks(loop, clock, 4)
+    clock._now -= 45  # an NTP correction steps the wall clock back
+    report = await loop.tick()
+    assert "stepped back 45s" in report.errors["clock"]
+    assert loop.windows.latest_ts("pool/chat", "tpot_p95") == clock.now(), "what the fleet shows now counts"
