@@ -163,6 +163,7 @@ class ControlLoop:
         self._took_over_at = None
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
+        self.windows.rewind(now)  # points stamped by a clock ahead of this one would keep every new point out
         started = await self.store.actions(states=[ActionState.STARTED])
         pools: dict[str, PoolState] = {}
         if started:
@@ -202,10 +203,8 @@ class ControlLoop:
             applied, why = None, str(exc)
         else:
             why = f"the {self.actuator.name} actuator cannot tell whether it was applied"
-        paused = None if applied is not False else await self.switch.paused()
-        if applied is None or paused is not None:
-            await self._unknown(action, now, why if paused is None else
-                                f"not applied before the stop, and acting is paused ({paused}): not redone")
+        if applied is None:
+            await self._unknown(action, now, why)
         elif applied is not False:
             # What the change reported when it was made, where the fleet kept it: a revert is derived from it.
             await self.store.transition(action.id, ActionState.STARTED, ActionState.SUCCEEDED, now,
@@ -214,7 +213,9 @@ class ControlLoop:
                                                        "not repeated"})
             self.telemetry.actions.labels(action.kind, "succeeded").inc()
         else:
-            decision = await self._redo(action, now, pools)
+            paused = await self.switch.paused()
+            decision = (await self._redo(action, now, pools) if paused is None else
+                        RailsDecision(RailsReason.PAUSED, None, f"acting is paused ({paused})"))
             if decision.reason is not RailsReason.ALLOWED or decision.change is None:
                 # Known not to have happened, and the fleet or the rules moved since: cancelled, as an approval the
                 # rails stop when it is due (it never ran, so no cooldown follows it), and whatever still needs doing
@@ -260,12 +261,13 @@ class ControlLoop:
         creation, as an approval that was never run."""
         rails = self.config.rails
         setting, ttl = rails.ttl_for(action.params)
-        if now - action.created_at >= ttl:
+        if not 0 <= now - action.created_at < ttl:  # a creation time ahead of now: a clock stepped back
             return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
                                                           f"{setting} ({ttl:g}s)")
         history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
-                       supported=self.actuator.kinds, unsettled=_unsettled(pools, history, now, rails.settle_timeout),
+                       supported=self.actuator.kinds,
+                       unsettled=[*_unsettled(pools, history, now, rails.settle_timeout), *self._finished_now],
                        router_template=self._router_template)
 
     async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
@@ -394,8 +396,8 @@ class ControlLoop:
         self._router_template = view.router_template
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         # Two and a half intervals: one late scrape is noise, two in a row are not.
-        vanished = vanished_inputs(self.windows, [p.name for p in self.config.pools], now,
-                                   2.5 * self.config.scrape.interval)
+        serving = [p.name for p in self.config.pools if (r := self._last_replicas.get(p.name)) is None or r.desired > 0]
+        vanished = vanished_inputs(self.windows, serving, now, 2.5 * self.config.scrape.interval)
         out = {}
         record: list[Signal] = []
         for pool in self.config.pools:
@@ -556,7 +558,7 @@ class ControlLoop:
         """The single audited path from proposals (and approvals) to the actuator."""
         rails = self.config.rails
         await self._expire(now, "not decided and run within its time to live (rails.proposal_ttl, or revert_ttl for "
-                                "an approved revert)", lambda a: now - a.created_at >= _ttl(rails, a))
+                                "an approved revert)", lambda a: not 0 <= now - a.created_at < _ttl(rails, a))
         self._finished_now = []
         await self._approve_orphans(now)
         await self._supersede(now, report)
@@ -582,7 +584,7 @@ class ControlLoop:
         run nor end, holding its pool and every other pool's disruptive changes."""
         for action in await self.store.actions(states=[ActionState.STARTED]):
             # At least a tick old: one this tick started is being carried out now (none is, when this runs).
-            fresh = action.started_at is not None and now - action.started_at < self.config.scrape.interval
+            fresh = action.started_at is not None and 0 <= now - action.started_at < self.config.scrape.interval
             if action.id not in self._waiting and action.id not in self._unrecorded and not fresh and self.leading():
                 log.warning("action %d is started with nothing carrying it out: taken over", action.id)
                 await self._take_over(action, now, pools)
@@ -925,9 +927,15 @@ class ControlLoop:
 def _unsettled(pools: dict[str, PoolState], history: Sequence[ActionRecord], now: float, within: float) -> list[str]:
     """The pools mid-change: short of ready engines, rolling out a template, or unreadable within `within` of an
     action on them ending (its engines may be restarting now, which the last read from before it cannot show)."""
-    changed = {a.pool for a in history if a.finished_at is not None and now - a.finished_at < within}
+    ran = [a for a in history if a.state in _RAN and a.finished_at is not None and 0 <= now - a.finished_at < within]
+    # A cordon moves any pool's engines off its node.
+    changed = set(pools) if any(a.kind == ActionKind.CORDON_NODE for a in ran) else {a.pool for a in ran}
     return [name for name, p in pools.items()
             if p.ready != p.desired or p.rolling or (p.unreadable is not None and name in changed)]
+
+
+# The ends of an action that ran (it may have changed the fleet).
+_RAN = frozenset({ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN})
 
 
 def _unfit_to_judge(action: ActionRecord, pool: PoolState | None) -> str | None:

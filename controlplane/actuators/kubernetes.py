@@ -848,7 +848,9 @@ class KubernetesActuator:
             groups: dict[str, list[str]] = {}
             for p in pods:
                 groups.setdefault((wait.get("groups") or {}).get(p, p), []).append(p)
-            due = [key for key, members in sorted(groups.items()) if late or all(m in idle for m in members)]
+            # Judged by the members the loop has numbers for, the leader always: a Ray worker exports none.
+            due = [key for key, members in sorted(groups.items())
+                   if late or all(m in idle for m in members if m == key or m in order.busy or len(members) == 1)]
             heads = [key if key in groups[key] else groups[key][0] for key in due]
             busy = [p for key, members in sorted(groups.items()) if key not in due for p in members]
             riding = [p for key, head in zip(due, heads, strict=True) for p in groups[key] if p != head]
@@ -1160,8 +1162,14 @@ def _engine_templates(held: Mapping[str, Any], kind: WorkloadKind, container: st
 
 # A shell's `-c` string: its flags are inside the string, where no argument edit reaches them.
 _SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
-# Programs that start another (`env VAR=value sh -c ...`, an init process): the program is what follows.
-_WRAPPERS = frozenset({"env", "tini", "dumb-init", "catatonit"})
+# Programs that start another (`env VAR=value sh -c ...`, an init process), with their options that take a value:
+# the program is what follows them.
+_WRAPPERS: dict[str, frozenset[str]] = {
+    "env": frozenset({"-u", "--unset", "-C", "--chdir", "-S", "--split-string"}),
+    "tini": frozenset({"-p", "-e"}),
+    "dumb-init": frozenset({"-r", "--rewrite"}),
+    "catatonit": frozenset(),
+}
 _SERVER = re.compile(r"\bvllm\s+serve\b|vllm\.entrypoints")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -1169,10 +1177,10 @@ _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 def _program(argv: Sequence[str]) -> int:
     """Where the program a container runs stands in its argv, past wrappers, their options and `VAR=value`s."""
     i = 0
-    while i < len(argv) and argv[i].rsplit("/", 1)[-1] in _WRAPPERS:
+    while i < len(argv) and (valued := _WRAPPERS.get(argv[i].rsplit("/", 1)[-1])) is not None:
         i += 1
         while i < len(argv) and (argv[i].startswith("-") or _ASSIGNMENT.match(argv[i])):
-            i += 2 if argv[i] in ("-u", "--unset", "-C", "--chdir") else 1  # env's options that take a value
+            i += 2 if argv[i] in valued else 1
             if argv[i - 1] == "--":
                 break
     return i

@@ -349,6 +349,18 @@ async def test_a_finding_resolves_only_once_its_waiting_actions_expired(clock: V
     assert [f.state for f in store.findings.values()] == ["resolved"]
 
 
+async def test_an_action_created_ahead_of_the_clock_expires(clock: VirtualClock) -> None:
+    """Created before a clock stepped back, its age reads negative: it would live for the step and its time to live,
+    and run on numbers far older than that."""
+    store, pools = MemoryStore(), Pools()
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill", {"change": change_as_dict(ScaleTo(4))},
+                                                 "act", "more prefill"), clock.now() + 3600)
+    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now() + 3600, {"by": "rails"})
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
+
+
 async def started_elsewhere(store: MemoryStore, now: float) -> int:
     """An action another control plane started before it was killed."""
     action = await store.create_action(NewAction(None, "scale_pool", "prefill",
@@ -467,8 +479,29 @@ async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> N
                        policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
     await loop.start()
     [action] = await store.actions()
-    assert (action.id, action.state, pools.calls) == (action_id, S.UNKNOWN, [])
-    assert "acting is paused" in store.action_events(action_id)[-1].detail["why"]
+    # Known not to have happened: cancelled, as an approval the kill switch stops; nothing redone while paused.
+    assert (action.id, action.state, pools.calls) == (action_id, S.CANCELLED, [])
+    assert "acting is paused (paused by oncall: incident)" in cancelled_why(store, action_id)
+
+
+async def test_a_revert_taken_over_while_paused_waits_for_the_switch(clock: VirtualClock) -> None:
+    store, pools = MemoryStore(), Pools(already=False)
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
+                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
+                                                  "reverts": 99}, "act", "revert action 99"), clock.now())
+    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
+    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    store.pause = Pause(by="oncall", reason="incident", at=clock.now())
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+    await loop.start()
+    first, again = await store.actions()
+    assert first.state is S.CANCELLED and (again.state, again.params["reverts"]) == (S.APPROVED, 99)
+    await tick(loop, clock)
+    assert pools.calls == [], "paused"
+    store.pause = None
+    await tick(loop, clock)
+    assert pools.calls == [4]
 
 
 async def test_a_take_over_resumes_a_wait_from_the_audit_log(clock: VirtualClock) -> None:

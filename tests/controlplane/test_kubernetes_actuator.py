@@ -483,6 +483,7 @@ async def test_flags_inside_a_shell_string_are_refused_not_silently_dropped(serv
             {"command": ["sh", "-c", "/start.sh"], "args": ["--port", "8000"]},
             {"command": ["bash", "-euo", "pipefail", "-c", "vllm serve /m"]},
             {"command": ["tini", "--", "sh", "-c", "vllm serve /m"]},
+            {"command": ["tini", "-p", "SIGTERM", "--", "sh", "-c", "vllm serve /m"]},
             {"command": ["/usr/bin/dumb-init", "--", "bash", "-c", "vllm serve /m"]},
             {"command": ["env", "-i", "sh", "-c", "vllm serve /m"]},
             # Hands on "$@", with nothing after the string for $0: the first flag appended would become $0.
@@ -1187,6 +1188,22 @@ async def test_a_cordon_moves_every_pools_engines_on_the_node_and_a_gangs_whole_
     assert server.get(PODS, NS, "vllm-prefill-0-1") is not None, "not evicted on its own: the group is recreated"
     assert "forbidden" in done["unmoved"]["canary"], "said, not hidden behind a success"
     assert routed(server, "vllm-decode-b") and routed(server, "batch-job")
+
+
+async def test_a_gang_goes_once_its_leader_is_idle_where_its_workers_report_nothing(
+        server: ApiServer, api: client.ApiClient) -> None:
+    server.put(LWS, lws(replicas=1, size=2))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    server.put(PODS, group_pod(0, 0))
+    server.put(PODS, group_pod(0, 1))
+    server.put(DEPLOYMENTS, deployment())
+    clock = Clock()
+    act = actuator(api, clock)
+    # Read from Prometheus: which engines answer is not known, and a Ray worker exports no vLLM counts.
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), pool="prefill", busy={"vllm-prefill-0": 0.0})
+    first = await act.carry_out(o)
+    done = await act.resume(o, first["wait"], clock.t + 1)
+    assert done["waited_for_idle"] is True and server.get(PODS, NS, "vllm-prefill-0") is None
 
 
 async def test_a_cordon_evicts_no_new_pod_under_a_cordoned_ones_name(server: ApiServer,

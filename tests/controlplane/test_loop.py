@@ -340,7 +340,9 @@ async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlS
 
     cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
     clock = VirtualClock()
-    loop = build_loop(cfg, MemoryStore(), client, clock=clock)
+    # The dry-run actuator counts a pool's engines from its targets: prefill has one (a pool at zero has no series).
+    loop = build_loop(cfg, MemoryStore(), client, clock=clock,
+                      targets=StaticTargets([Target("http://10.0.0.1:8000/metrics", "prefill", "p-0")]))
     loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(answer)), 60.0)
     reports = [await loop.tick()]
     gone.append(True)
@@ -351,6 +353,12 @@ async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlS
     assert "its series stopped" in stale[-1].evidence["inputs"]["request_rate"]
     assert not any("request_rate" in f.evidence["inputs"] for r in reports[:3] for f in (*r.opened, *r.updated)
                    if f.kind == "stale_inputs" and f.subject == "pool/prefill"), "one or two late scrapes are noise"
+    # A pool scaled to zero has no series to stop: no stale finding for it.
+    loop.actuator = build_loop(cfg, MemoryStore(), client, clock=clock).actuator  # no targets: every pool at zero
+    clock.advance(15.0)
+    report = await loop.tick()
+    assert not [f for f in (*report.opened, *report.updated) if f.kind == "stale_inputs" and f.subject == "pool/prefill"
+                and "request_rate" in f.evidence["inputs"]]
 
 
 async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: SqlStore,

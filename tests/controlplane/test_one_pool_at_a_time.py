@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import parse_config
@@ -137,3 +138,22 @@ async def test_a_pool_unread_after_its_change_holds_another_pools_restart() -> N
     clock.advance(parse_config(FLEET).rails.settle_timeout)
     await loop.tick()
     assert fleet.log == ["enable_eplb a", "enable_eplb b"]
+
+
+async def test_an_unreadable_pool_holds_others_only_after_a_change_that_ran() -> None:
+    from controlplane.loop import _unsettled
+    from controlplane.store.records import ActionRecord
+    from policies.types import PoolState
+
+    def record(state: str, kind: str = "enable_eplb", pool: str = "a") -> ActionRecord:
+        return ActionRecord(id=1, finding_id=None, kind=kind, pool=pool, params={}, mode="act", state=S(state),
+                            reason="", created_at=0.0, started_at=None, finished_at=100.0, outcome=None)
+
+    pools = {"a": PoolState("a", "unified", 2, 2, 1, 8, unreadable="timed out"),
+             "b": PoolState("b", "unified", 2, 2, 1, 8),
+             "c": PoolState("c", "unified", 2, 2, 1, 8, unreadable="timed out")}
+    assert _unsettled(pools, [record("rejected")], 200.0, 900.0) == [], "a proposal that never ran changed nothing"
+    assert _unsettled(pools, [record("succeeded")], 200.0, 900.0) == ["a"]
+    assert _unsettled(pools, [record("succeeded")], 2000.0, 900.0) == [], "long settled"
+    # A cordon moves any pool's engines off its node: every unreadable pool may be restarting.
+    assert _unsettled(pools, [record("succeeded", "cordon_node", "b")], 200.0, 900.0) == ["a", "c"]

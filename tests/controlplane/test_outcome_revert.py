@@ -400,3 +400,14 @@ async def test_a_clock_stepped_back_drops_the_points_stamped_after_it() -> None:
     report = await loop.tick()
     assert "stepped back 45s" in report.errors["clock"]
     assert loop.windows.latest_ts("pool/chat", "tpot_p95") == clock.now(), "what the fleet shows now counts"
+
+
+async def test_a_take_over_drops_points_stamped_ahead_of_its_clock() -> None:
+    """Written by a replica whose clock ran ahead (or before a clock stepped back): kept, they would keep every new
+    point out of the windows."""
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    await store.write_signals([Signal(clock.now() + 600, "pool/chat", "tpot_p95", 0.3)])
+    loop = make_loop(store, engines, clock)
+    await loop.start()
+    await ticks(loop, clock, 1)
+    assert loop.windows.latest("pool/chat", "tpot_p95") == 0.1 and loop.windows.latest_ts("pool/chat", "tpot_p95") == clock.now()
