@@ -301,16 +301,23 @@ async def test_an_act_mode_proposal_cut_off_before_its_approval_runs(clock: Virt
     assert (states[orphan.id], states[person.id]) == (S.SUCCEEDED, S.PROPOSED), "a person's proposal stays theirs"
 
 
-async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualClock) -> None:
-    store, pools, policy = MemoryStore(), Pools(ready=2), Asks()
+async def approved_then_gone(store: MemoryStore, clock: VirtualClock) -> tuple[ControlLoop, Pools]:
+    """A person approved a finding's proposal while its pool settles; then the finding's policy no longer reports it."""
+    pools, policy = Pools(ready=2), Asks()
     loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
     policy.on = True
     pools.ready = 3
     await tick(loop, clock)
     [proposal] = await store.actions()
-    pools.ready = 2
+    pools.ready = 2  # settling: the approval waits
     await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
     policy.on = False
+    return loop, pools
+
+
+async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualClock) -> None:
+    store = MemoryStore()
+    loop, pools = await approved_then_gone(store, clock)
     await tick(loop, clock)
     assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
 
@@ -330,15 +337,8 @@ class RefusesAnExpiry(MemoryStore):
 async def test_a_finding_resolves_only_once_its_waiting_actions_expired(clock: VirtualClock) -> None:
     """Resolved first, with the expiry then refused, the finding would not be reported resolved again: its approved
     action would run for a problem that is gone."""
-    store, pools, policy = RefusesAnExpiry(), Pools(ready=2), Asks()
-    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
-    policy.on = True
-    pools.ready = 3
-    await tick(loop, clock)
-    [proposal] = await store.actions()
-    pools.ready = 2  # settling: the approval waits
-    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
-    policy.on = False
+    store = RefusesAnExpiry()
+    loop, pools = await approved_then_gone(store, clock)
     with pytest.raises(StoreUnavailable):
         await tick(loop, clock)
     assert [f.state for f in store.findings.values()] == ["open"]

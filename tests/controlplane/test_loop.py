@@ -479,8 +479,8 @@ class RefusesEnds(SqlStore):
         return super().transition(action_id, expected, to, now, detail, **fields)
 
 
-async def test_an_end_the_store_refused_is_recorded_next_tick(sim: tuple, sqlite_url: str,
-                                                              client: httpx.AsyncClient) -> None:
+async def an_end_refused(sim: tuple, sqlite_url: str, client: httpx.AsyncClient) -> tuple[Harness, RefusesEnds]:
+    """A leading loop whose scale of decode to 4 landed on the fleet while the store refused to record its end."""
     from controlplane.store import migrate
 
     migrate.upgrade(sqlite_url)
@@ -494,7 +494,13 @@ async def test_an_end_the_store_refused_is_recorded_next_tick(sim: tuple, sqlite
     store.refuse = 1
     with pytest.raises(StoreUnavailable):  # the fleet changed; its record did not land
         await h.ticks(1)
-    assert fleet.desired["decode"] == 4
+    return h, store
+
+
+async def test_an_end_the_store_refused_is_recorded_next_tick(sim: tuple, sqlite_url: str,
+                                                              client: httpx.AsyncClient) -> None:
+    h, store = await an_end_refused(sim, sqlite_url, client)
+    assert h.fleet.desired["decode"] == 4
     [started] = store.actions()
     assert started.state == "started", "it holds its pool until its end is recorded"
     await h.ticks(1)
@@ -507,19 +513,7 @@ async def test_an_end_the_store_refused_is_recorded_when_leadership_comes_back(s
                                                                               client: httpx.AsyncClient) -> None:
     """Leadership lost and won back while an end waited to be recorded: the end this replica knows is written, not
     guessed at by a take-over (the simulator's actuator cannot tell whether a change landed: it would be unknown)."""
-    from controlplane.store import migrate
-
-    migrate.upgrade(sqlite_url)
-    store = RefusesEnds.open(sqlite_url)
-    fleet, server, clock = sim
-    cfg = demo_config(sqlite_url).model_copy(update={"mode": Mode.ACT})
-    loop = build_loop(cfg, ThreadedStore(store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
-                      clock=clock, sizer=AskFor("decode", 4))
-    h = Harness(loop, fleet, server, clock, store)
-    await h.loop.start()
-    store.refuse = 1
-    with pytest.raises(StoreUnavailable):
-        await h.ticks(1)
+    h, store = await an_end_refused(sim, sqlite_url, client)
     await h.loop.start()
     [action] = store.actions()
     assert action.state == "succeeded"
@@ -531,22 +525,10 @@ async def test_an_end_kept_is_dropped_where_another_leader_took_the_action_over(
                                                                                 client: httpx.AsyncClient) -> None:
     """Another leader took the action over meanwhile (redid it, or drained for it): the end this replica kept is of
     before that, and would close the action over the other leader's work."""
-    from controlplane.store import migrate
-
-    migrate.upgrade(sqlite_url)
-    store = RefusesEnds.open(sqlite_url)
-    fleet, server, clock = sim
-    cfg = demo_config(sqlite_url).model_copy(update={"mode": Mode.ACT})
-    loop = build_loop(cfg, ThreadedStore(store), client, targets=SimTargets(server), actuator=SimActuator(fleet),
-                      clock=clock, sizer=AskFor("decode", 4))
-    h = Harness(loop, fleet, server, clock, store)
-    await h.loop.start()
-    store.refuse = 1
-    with pytest.raises(StoreUnavailable):
-        await h.ticks(1)
+    h, store = await an_end_refused(sim, sqlite_url, client)
     [started] = store.actions()
-    store.note(started.id, "taken_over", clock.now() + 5, {"redo": "not applied before the stop"})
-    clock.advance(30)
+    store.note(started.id, "taken_over", h.clock.now() + 5, {"redo": "not applied before the stop"})
+    h.clock.advance(30)
     await h.loop.start()
     [action] = store.actions()
     assert action.state == "unknown", "taken over again from what the fleet shows, not closed with the old end"
