@@ -160,6 +160,7 @@ class ControlLoop:
         self._waiting.clear()
         self._unnoted.clear()
         self._unrecorded.clear()
+        self._finished_now = []  # of the last tick this replica led, maybe long ago
         self._took_over_at = None
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
@@ -396,7 +397,9 @@ class ControlLoop:
         self._router_template = view.router_template
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         # Two and a half intervals: one late scrape is noise, two in a row are not.
-        serving = [p.name for p in self.config.pools if (r := self._last_replicas.get(p.name)) is None or r.desired > 0]
+        # A pool that may scale to zero and is there has no series to stop; one that may not is down, not idle.
+        serving = [p.name for p in self.config.pools
+                   if p.replicas.min > 0 or (r := self._last_replicas.get(p.name)) is None or r.desired > 0]
         vanished = vanished_inputs(self.windows, serving, now, 2.5 * self.config.scrape.interval)
         out = {}
         record: list[Signal] = []
@@ -767,11 +770,13 @@ class ControlLoop:
         # A cordon moves every pool's engines on its node: it sees them all.
         cordon = order.kind is ActionKind.CORDON_NODE
         busy: dict[str, float] = {}
+        counted: set[str] = set()
         for name in ("requests_running", "requests_waiting"):
             for subject in self.windows.subjects(name, prefix="engine/" if cordon else f"engine/{order.pool}/"):
+                pod = subject.split("/")[2]
+                counted.add(pod)
                 points = self.windows.series(subject, name, since=fresh)
                 if points:
-                    pod = subject.split("/")[2]
                     busy[pod] = busy.get(pod, 0.0) + points[-1][1]
         # Per pool scraped here; None where one whose engines the change may move is not (a pool with engines that
         # is not scraped here would read as down, and its busy engines be evicted at once).
@@ -779,7 +784,7 @@ class ControlLoop:
         unseen = [p for p in pools if p not in self._answering
                   and ((rep := self._last_replicas.get(p)) is None or rep.desired > 0)]
         answering = None if unseen else frozenset(e for p in pools for e in self._answering.get(p, ()))
-        return replace(order, busy=busy, answering=answering)
+        return replace(order, busy=busy, answering=answering, counted=frozenset(counted))
 
     # verify -----------------------------------------------------------------------------------
 

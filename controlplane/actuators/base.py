@@ -59,6 +59,9 @@ class Order:
     # the source cannot tell (Prometheus keeps no per-target health for us).
     answering: frozenset[str] | None = None
     created_at: float = 0.0  # when the action was created: with its id, what the fleet is stamped with
+    # The pods that report requests at all (fresh or not): one missing from `busy` is late, one not here reports none
+    # (a Ray worker of a gang runs no vLLM server).
+    counted: frozenset[str] = frozenset()
 
     @property
     def stamp(self) -> str:

@@ -848,9 +848,10 @@ class KubernetesActuator:
             groups: dict[str, list[str]] = {}
             for p in pods:
                 groups.setdefault((wait.get("groups") or {}).get(p, p), []).append(p)
-            # Judged by the members the loop has numbers for, the leader always: a Ray worker exports none.
+            # Judged by the members that report requests (a late count waits), the leader always: a Ray worker of a
+            # gang runs no vLLM server and reports none.
             due = [key for key, members in sorted(groups.items())
-                   if late or all(m in idle for m in members if m == key or m in order.busy or len(members) == 1)]
+                   if late or all(m in idle for m in members if m == key or m in order.counted or len(members) == 1)]
             heads = [key if key in groups[key] else groups[key][0] for key in due]
             busy = [p for key, members in sorted(groups.items()) if key not in due for p in members]
             riding = [p for key, head in zip(due, heads, strict=True) for p in groups[key] if p != head]

@@ -1202,6 +1202,9 @@ async def test_a_gang_goes_once_its_leader_is_idle_where_its_workers_report_noth
     # Read from Prometheus: which engines answer is not known, and a Ray worker exports no vLLM counts.
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), pool="prefill", busy={"vllm-prefill-0": 0.0})
     first = await act.carry_out(o)
+    # A member that reports requests but whose count is late (an overloaded data-parallel rank) is waited for.
+    late = replace(o, counted=frozenset({"vllm-prefill-0", "vllm-prefill-0-1"}))
+    assert "wait" in await act.resume(late, first["wait"], clock.t + 1)
     done = await act.resume(o, first["wait"], clock.t + 1)
     assert done["waited_for_idle"] is True and server.get(PODS, NS, "vllm-prefill-0") is None
 

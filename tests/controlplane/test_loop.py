@@ -353,12 +353,21 @@ async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlS
     assert "its series stopped" in stale[-1].evidence["inputs"]["request_rate"]
     assert not any("request_rate" in f.evidence["inputs"] for r in reports[:3] for f in (*r.opened, *r.updated)
                    if f.kind == "stale_inputs" and f.subject == "pool/prefill"), "one or two late scrapes are noise"
-    # A pool scaled to zero has no series to stop: no stale finding for it.
+    # Its engines gone from discovery too (the dry-run actuator counts targets): a pool that may not scale to zero is
+    # down, not idle, and stays stale; one that may, and is at zero, has no series to stop.
     loop.actuator = build_loop(cfg, MemoryStore(), client, clock=clock).actuator  # no targets: every pool at zero
-    clock.advance(15.0)
-    report = await loop.tick()
-    assert not [f for f in (*report.opened, *report.updated) if f.kind == "stale_inputs" and f.subject == "pool/prefill"
-                and "request_rate" in f.evidence["inputs"]]
+
+    async def prefill_stale() -> bool:
+        clock.advance(15.0)
+        report = await loop.tick()
+        return any(f.kind == "stale_inputs" and f.subject == "pool/prefill" and "request_rate" in f.evidence["inputs"]
+                   for f in (*report.opened, *report.updated))
+
+    assert await prefill_stale()
+    loop.config = cfg.model_copy(update={"pools": [
+        p.model_copy(update={"replicas": p.replicas.model_copy(update={"min": 0})}) if p.name == "prefill" else p
+        for p in cfg.pools]})
+    assert not await prefill_stale()
 
 
 async def test_fleet_file_prometheus_section_builds_an_api_source(sqlite_store: SqlStore,

@@ -16,8 +16,20 @@ from controlplane.loop import ControlLoop, TickReport
 from controlplane.observe import Observation
 from controlplane.rails import RailsReason
 from controlplane.store.memory import MemoryStore
+from controlplane.store.records import NewAction
 from controlplane.telemetry import Telemetry
-from policies.types import ActionKind, Drain, Eplb, FindingKey, FindingReport, PolicyInput, PolicyResult, Proposal, Severity
+from policies.types import (
+    ActionKind,
+    Drain,
+    Eplb,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    Proposal,
+    Severity,
+    change_as_dict,
+)
 
 FLEET = """
 mode: act
@@ -157,3 +169,30 @@ async def test_an_unreadable_pool_holds_others_only_after_a_change_that_ran() ->
     assert _unsettled(pools, [record("succeeded")], 2000.0, 900.0) == [], "long settled"
     # A cordon moves any pool's engines off its node: every unreadable pool may be restarting.
     assert _unsettled(pools, [record("succeeded", "cordon_node", "b")], 200.0, 900.0) == ["a", "c"]
+
+
+async def test_a_take_over_forgets_the_pools_its_last_leadership_saw_settling() -> None:
+    """Pool a's drain ended in the last tick this replica led; leadership lost and won back long after, a's settled:
+    b's change, started by the other leader and never applied, is redone, not held behind a's old drain."""
+    fleet, clock, store, asks = Fleet(), VirtualClock(), MemoryStore(), Asks()
+    loop = ControlLoop(config=parse_config(FLEET), source=Quiet(), store=store, policies=[asks], actuator=fleet,
+                       clock=clock, telemetry=Telemetry())
+    asks.asks["a"] = Proposal(ActionKind.DRAIN_ENGINE, "a", Drain("a-1"), "a lagging worker")
+    for _ in range(2):
+        clock.advance(15)
+        await loop.tick()
+    assert fleet.log == ["drain_engine a", "deleted ['a-1']"]
+    asks.asks = {}
+    fleet.replicas["a"] = [2, 2]  # its replacement is up
+    clock.advance(3600)
+    eplb = await store.create_action(NewAction(None, "enable_eplb", "b", {"change": change_as_dict(Eplb(True))}, "act",
+                                               "hot experts"), clock.now())
+    await store.transition(eplb.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
+    await store.transition(eplb.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    fleet.applied = lambda order: _false()  # type: ignore[method-assign,assignment]
+    await loop.start()
+    assert fleet.log[-1] == "enable_eplb b"
+
+
+async def _false() -> bool:
+    return False
