@@ -396,10 +396,10 @@ class ControlLoop:
         self.changed_at = dict(view.changed_at)
         self._router_template = view.router_template
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
-        # Two and a half intervals: one late scrape is noise, two in a row are not.
         # A pool that may scale to zero and is there has no series to stop; one that may not is down, not idle.
         serving = [p.name for p in self.config.pools
                    if p.replicas.min > 0 or (r := self._last_replicas.get(p.name)) is None or r.desired > 0]
+        # Two and a half intervals: one late scrape is noise, two in a row are not.
         vanished = vanished_inputs(self.windows, serving, now, 2.5 * self.config.scrape.interval)
         out = {}
         record: list[Signal] = []

@@ -1181,9 +1181,10 @@ def _program(argv: Sequence[str]) -> int:
     while i < len(argv) and (valued := _WRAPPERS.get(argv[i].rsplit("/", 1)[-1])) is not None:
         i += 1
         while i < len(argv) and (argv[i].startswith("-") or _ASSIGNMENT.match(argv[i])):
-            i += 2 if argv[i] in valued else 1
-            if argv[i - 1] == "--":
+            if argv[i] == "--":
+                i += 1
                 break
+            i += 2 if argv[i] in valued else 1
     return i
 
 

@@ -493,6 +493,8 @@ async def test_flags_inside_a_shell_string_are_refused_not_silently_dropped(serv
         server.put(DEPLOYMENTS, dep)
         with pytest.raises(ActuationError, match="runs a shell string"):
             await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=3 + n))
+    # A wrapper's option whose value is missing ends the command: nothing to read past it.
+    assert kubernetes_actuator._launch({"command": ["tini", "-p"]}) == (False, None)
     # A flag set inside a string that hands on "$@": no edit of the args takes it away.
     dep["spec"]["template"]["spec"]["containers"][0] = {
         "name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
