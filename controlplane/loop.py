@@ -251,8 +251,9 @@ class ControlLoop:
             revert = await self._record(proposal, waits, action.finding_id, now, pools, TickReport(ts=now),
                                         extra={"reverts": p["reverts"]})
         except StoreConflict:  # an action of its kind on the pool is active (awaiting a person, say)
-            log.warning("action %d: its revert waits behind an active %s on %s; undo it by hand", action.id,
-                        action.kind, action.pool)
+            why = f"a {action.kind} on {action.pool} is active already; undo it by hand"
+            log.warning("action %d: its revert is not recorded again: %s", action.id, why)
+            await self.store.note(action.id, "taken_over", now, {"revert_held": why})
             return
         await self.store.note(action.id, "taken_over", now, {"reverting_as": revert.id})
 
@@ -568,6 +569,7 @@ class ControlLoop:
         await self._record_unrecorded()
         await self._advance_waiting(now, report)
         await self._adopt_strays(now, pools)  # after the waits: one it starts waiting is taken further next tick
+        await self._recover_reverts(now, pools)
         history: list[ActionRecord] = await self.store.recent_actions(since=now - rails.history_s)
         paused = await self.switch.paused()
         for finding_id, proposal in proposals:
@@ -591,6 +593,28 @@ class ControlLoop:
             if action.id not in self._waiting and action.id not in self._unrecorded and not fresh and self.leading():
                 log.warning("action %d is started with nothing carrying it out: taken over", action.id)
                 await self._take_over(action, now, pools)
+
+    async def _recover_reverts(self, now: float, pools: dict[str, PoolState]) -> None:
+        """Record again a revert that a take-over cancelled for now but did not record afresh (the store failed, or the
+        process stopped, in between): nothing else would propose it, and the change it undoes would stay."""
+        if self.config.mode is Mode.OBSERVE:
+            return
+        recent = await self.store.actions(since=now - self.config.rails.revert_ttl)
+        pending = {a.params["reverts"] for a in recent if "reverts" in a.params and a.state is not ActionState.CANCELLED}
+        waits = {str(r) for r in WAIT_REASONS}
+        for action in recent:
+            if action.state is not ActionState.CANCELLED or action.params.get("reverts") in (None, *pending):
+                continue
+            log_ = await self.store.audit_log(action.id)
+            if any(e.event == "taken_over" and {"reverting_as", "revert_held"} & e.detail.keys() for e in log_):
+                continue  # recorded again, or left to a person, when it was cancelled
+            cancelled = next((e.detail for e in reversed(log_) if e.event == "cancelled"), {})
+            if cancelled.get("rails") in waits and "not applied before the stop" in str(cancelled.get("why")):
+                log.warning("action %d: its revert was not recorded again when it was cancelled; recorded now",
+                            action.id)
+                held = RailsDecision(RailsReason(cancelled["rails"]), None, str(cancelled["why"]))
+                await self._revert_again(action, change_from_dict(action.params["change"]), held, now, pools)
+                pending.add(action.params["reverts"])
 
     async def _approve_orphans(self, now: float) -> None:
         """Approve act mode's proposals left unapproved: in act mode the rails approve what they record at once, so one

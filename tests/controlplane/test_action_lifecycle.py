@@ -484,6 +484,42 @@ async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> N
     assert "acting is paused (paused by oncall: incident)" in cancelled_why(store, action_id)
 
 
+class RefusesACreation(MemoryStore):
+    """Fails the first action it is asked to create (an outage at that moment)."""
+
+    refuse = 1
+
+    async def create_action(self, action, now):  # type: ignore[no-untyped-def]
+        if self.refuse:
+            self.refuse -= 1
+            raise StoreUnavailable("create_action: connection reset")
+        return await super().create_action(action, now)
+
+
+async def test_a_revert_cancelled_at_take_over_and_not_recorded_again_is_recovered(clock: VirtualClock) -> None:
+    """The store failed between the cancel and the new record: nothing else would propose the revert again."""
+    store, pools, source = RefusesACreation(), Pools(already=False), NoMetrics()
+    store.refuse = 0
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
+                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
+                                                  "inputs": ["requests_waiting"], "reverts": 99}, "act",
+                                                 "revert action 99"), clock.now())
+    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
+    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    source.down = 3
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
+    store.refuse = 1
+    with pytest.raises(StoreUnavailable):
+        await loop.start()
+    assert [a.state for a in await store.actions()] == [S.CANCELLED]
+    source.down = 0
+    await tick(loop, clock)
+    first, again = await store.actions()
+    assert (again.params["reverts"], again.state, pools.calls) == (99, S.SUCCEEDED, [4])
+    await tick(loop, clock)
+    assert len(await store.actions()) == 2, "recorded again once"
+
+
 async def test_a_revert_taken_over_while_paused_waits_for_the_switch(clock: VirtualClock) -> None:
     store, pools = MemoryStore(), Pools(already=False)
     action = await store.create_action(NewAction(None, "scale_pool", "prefill",
