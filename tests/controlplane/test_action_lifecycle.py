@@ -515,7 +515,7 @@ async def test_a_revert_cancelled_at_take_over_and_not_recorded_again_is_recover
     source.down = 0
     await tick(loop, clock)
     first, again = await store.actions()
-    assert (again.params["reverts"], again.state, pools.calls) == (99, S.SUCCEEDED, [4])
+    assert first.state is S.CANCELLED and (again.params["reverts"], again.state, pools.calls) == (99, S.SUCCEEDED, [4])
     await tick(loop, clock)
     assert len(await store.actions()) == 2, "recorded again once"
 
