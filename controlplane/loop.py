@@ -124,6 +124,7 @@ class ControlLoop:
         # Changes this process started that wait (an engine draining), by action id.
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
         self._unnoted: set[int] = set()  # waits whose note the store refused: noted again next tick
+        self._unkept: list[NewVerdict] = []  # gate verdicts the store refused: written again next tick
         self._took_over_at: float | None = None  # when `start` last observed, to take actions over
         # Ends of started actions the store refused to record, kept to be written next tick: kind, state, detail,
         # error, when it ended.
@@ -487,6 +488,7 @@ class ControlLoop:
 
     async def _detect(self, now: float, pools: dict[str, PoolState], report: TickReport
                       ) -> tuple[PolicyInput, list[tuple[int | None, Proposal]]]:
+        await self._keep_unkept()
         open_rows = {FindingKey(f.kind, f.subject): f for f in await self.store.open_findings()}
         open_view = {k: OpenFinding(k, f.opened_at, f.evidence) for k, f in open_rows.items()}
         inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view, changed_at=self.changed_at)
@@ -538,11 +540,20 @@ class ControlLoop:
         return inp, proposals
 
     async def _keep_verdict(self, finding: FindingReport, v: Mapping[str, Any]) -> None:
-        """A finding's gate verdict goes where `fleetctl gate` keeps its own: the dashboard's Canary page."""
-        await self.store.record_verdict(NewVerdict(
+        """A finding's gate verdict goes where `fleetctl gate` keeps its own: the dashboard's Canary page. Its finding
+        is open already, so the policy will not report it as new again: one the store refuses is kept and written
+        at the next tick."""
+        self._unkept.append(NewVerdict(
             str(v["gate"]), finding.key.subject.removeprefix("pool/"), str(v["baseline"]), str(v["canary"]),
             float(v["started_at"]), float(v["ended_at"]), str(v["result"]), v.get("score"),
             {**v, "finding": finding.summary}))
+        await self._keep_unkept()
+
+    async def _keep_unkept(self) -> None:
+        """Write the gate verdicts kept since the store refused them, oldest first."""
+        while self._unkept:
+            await self.store.record_verdict(self._unkept[0])
+            self._unkept.pop(0)
 
     # act --------------------------------------------------------------------------------------
 

@@ -785,3 +785,39 @@ async def test_a_waiting_scale_the_sizers_plan_moved_past_is_cancelled_not_run(c
     await tick(loop, clock)
     ran = [(a.state, a.params.get("asked_replicas")) for a in await store.actions()]
     assert ran == [(S.CANCELLED, 4), (S.SUCCEEDED, 6)], "towards 6, as far as one step goes"
+
+
+class FailsTheGate:
+    """A canary gate's failed verdict behind a finding, open while it lasts."""
+
+    kind = "canary_regression"
+    reads = ("tpot_p95",)
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        verdict = {"gate": "tpot", "baseline": "v1", "canary": "v2", "started_at": 0.0, "ended_at": inp.now,
+                   "result": "fail", "score": 0.2}
+        return PolicyResult([FindingReport(FindingKey("canary_regression", "pool/prefill"), Severity.WARNING,
+                                           "canary fails", "TPOT +21 %", {}, "canary_regression", verdict=verdict)])
+
+
+class RefusesAVerdict(MemoryStore):
+    refuse = 1
+
+    async def record_verdict(self, verdict):  # type: ignore[no-untyped-def]
+        if self.refuse:
+            self.refuse -= 1
+            raise StoreUnavailable("record_verdict: connection reset")
+        return await super().record_verdict(verdict)
+
+
+async def test_a_verdict_the_store_refused_is_written_next_tick(clock: VirtualClock) -> None:
+    """Its finding opened before it: the policy will not report it as new again, so it is kept, not lost."""
+    store = RefusesAVerdict()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.OBSERVE)), source=NoMetrics(), store=store,
+                       policies=[FailsTheGate()], actuator=Pools(), clock=clock, telemetry=Telemetry())
+    with pytest.raises(StoreUnavailable):
+        await tick(loop, clock)
+    assert [f.kind for f in await store.open_findings()] == ["canary_regression"] and store.verdicts == []
+    await tick(loop, clock)
+    await tick(loop, clock)
+    assert [(v.gate, v.result) for v in store.verdicts] == [("tpot", "fail")], "written once"
