@@ -159,6 +159,17 @@ class Labels:
         """Labels that tell engines apart, without duplicates."""
         return tuple(dict.fromkeys((self.pool, self.pod, self.instance, self.engine)))
 
+    def target_grouping(self) -> str:
+        """The labels that name a scrape target and its pool, for a `group by`."""
+        return ", ".join(dict.fromkeys((self.instance, self.pod, self.pool)))
+
+    def target_of(self, labels: Mapping[str, str], pools: Mapping[str, str]) -> tuple[str, str, str | None]:
+        """A series' instance, pod (the instance where it has no pod label) and pool (its pool label, else
+        `pools[pod]`; None with neither)."""
+        instance = labels.get(self.instance, "")
+        pod = labels.get(self.pod) or instance
+        return instance, pod, labels.get(self.pool) or pools.get(pod)
+
 
 @dataclass(frozen=True, slots=True)
 class SignalSpec:
@@ -294,9 +305,13 @@ class Malformed:
     query: str
 
 
+# A series every serving vLLM engine exports: what discovery and the down check find engines by.
+ENGINE_SERIES = "vllm:num_requests_running"
+
+
 @dataclass(frozen=True, slots=True)
 class Down:
-    """A target of `pool` whose last scrape by Prometheus failed (`up == 0`): the pool's sums lack its series."""
+    """An engine of `pool` that Prometheus failed to scrape over the last window: the pool's sums lack its series."""
 
     pool: str
     instance: str
@@ -513,15 +528,14 @@ class PrometheusSource:
         sums yet, as a pod not Ready is no target of the control plane's own scrapes."""
         lb = self.labels
         sel = selector(self._matchers)
-        grouping = ", ".join(dict.fromkeys((lb.instance, lb.pod, lb.pool)))
         recent, last = _Window(self.mode, max(600.0, 10 * window_s)).duration, _Window(self.mode, window_s).duration
-        rows = self.query(f"group by ({grouping}) ((max_over_time(up{sel}[{last}]) == 0) and on ({lb.instance}) "
-                          f"(count_over_time(vllm:num_requests_running{sel}[{recent}]) > 0))", ts)
+        rows = self.query(f"group by ({lb.target_grouping()}) ((max_over_time(up{sel}[{last}]) == 0) and on "
+                          f"({lb.instance}) (count_over_time({ENGINE_SERIES}{sel}[{recent}]) > 0))", ts)
         out.queries += 1
         down = set()
         for labels, _ in rows:
-            instance = labels.get(lb.instance, "")
-            if pool := labels.get(lb.pool) or pools.get(labels.get(lb.pod) or instance):
+            instance, _, pool = lb.target_of(labels, pools)
+            if pool:
                 down.add(Down(pool, instance))
         return sorted(down, key=lambda d: (d.pool, d.instance))
 
@@ -564,9 +578,7 @@ class PrometheusSource:
     def _engine_subject(self, labels: Mapping[str, str], pools: Mapping[str, str], seen: dict[str, str],
                         out: ApiOutput) -> str | None:
         lb = self.labels
-        instance = labels.get(lb.instance, "")
-        pod = labels.get(lb.pod) or instance
-        pool = labels.get(lb.pool) or pools.get(pod)
+        instance, pod, pool = lb.target_of(labels, pools)
         engine = labels.get(lb.engine) or "0"
         if not pool:
             note = f"{pod or '?'}: no {lb.pool} label and not in the pool mapping"
@@ -602,7 +614,7 @@ class PrometheusSource:
         *,
         pools: Mapping[str, str] | None = None,
         roles: Mapping[str, Role] | None = None,
-        metric: str = "vllm:num_requests_running",
+        metric: str = ENGINE_SERIES,
         include_down: bool = False,
         scheme: str = "http",
         metrics_path: str = "/metrics",
@@ -618,18 +630,16 @@ class PrometheusSource:
         if not _LABEL_NAME.match(metric.replace(":", "_")):
             raise ValueError(f"not a metric name: {metric!r}")
         sel = selector(self._matchers)
-        grouping = ", ".join(dict.fromkeys((lb.instance, lb.pod, lb.pool)))
+        grouping = lb.target_grouping()
         expr = f"group by ({grouping}) ({metric}{sel})"
         if include_down:
             expr += f" or group by ({grouping}) (up{sel} == 0)"
         pools = dict(pools or {})
         found: dict[str, Target] = {}
         for labels, _ in self.query(expr, ts):
-            instance = labels.get(lb.instance, "")
+            instance, pod, pool = lb.target_of(labels, pools)
             if not instance or instance in found:
                 continue
-            pod = labels.get(lb.pod) or instance
-            pool = labels.get(lb.pool) or pools.get(pod)
             if not pool:
                 log.warning("prometheus discovery: %s has no %s label and is not in the pool mapping", instance, lb.pool)
                 continue

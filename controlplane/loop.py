@@ -125,6 +125,8 @@ class ControlLoop:
         self._waiting: dict[int, tuple[Order, dict[str, Any]]] = {}
         self._unnoted: set[int] = set()  # waits whose note the store refused: noted again next tick
         self._unkept: list[NewVerdict] = []  # gate verdicts the store refused: written again next tick
+        # Whether a revert a take-over cancelled may lack its new record (a take-over began; this process is new).
+        self._reverts_unsure = True
         self._took_over_at: float | None = None  # when `start` last observed, to take actions over
         # Ends of started actions the store refused to record, kept to be written next tick: kind, state, detail,
         # error, when it ended.
@@ -224,6 +226,7 @@ class ControlLoop:
                 # is proposed again from fresh numbers. Nothing proposes a revert again: one held only for now is
                 # recorded to wait afresh, as a judging records one.
                 why = f"not applied before the stop, and not redone: {decision.note}"
+                self._reverts_unsure = True  # until `_recover_reverts` has seen it recorded again
                 await self.store.transition(action.id, ActionState.STARTED, ActionState.CANCELLED, now,
                                             {"why": why, "rails": str(decision.reason)})
                 self.telemetry.actions.labels(action.kind, "cancelled").inc()
@@ -235,6 +238,10 @@ class ControlLoop:
             await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
             order = replace(order, change=decision.change)
             await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
+
+    def _changing(self, pools: dict[str, PoolState], history: Sequence[ActionRecord], now: float) -> list[str]:
+        """The pools mid-change for the rails' one-pool-at-a-time rule: unsettled ones, and those a wait left this tick."""
+        return [*_unsettled(pools, history, now, self.config.rails.settle_timeout), *self._finished_now]
 
     async def _revert_again(self, action: ActionRecord, change: Change, held: RailsDecision, now: float,
                             pools: dict[str, PoolState]) -> None:
@@ -270,7 +277,7 @@ class ControlLoop:
         history = await self.store.recent_actions(since=now - rails.history_s)
         return recheck(action, pools.get(action.pool), mode=self.config.mode, rails=rails, history=history, now=now,
                        supported=self.actuator.kinds,
-                       unsettled=[*_unsettled(pools, history, now, rails.settle_timeout), *self._finished_now],
+                       unsettled=self._changing(pools, history, now),
                        router_template=self._router_template)
 
     async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
@@ -608,7 +615,7 @@ class ControlLoop:
     async def _recover_reverts(self, now: float, pools: dict[str, PoolState]) -> None:
         """Record again a revert that a take-over cancelled for now but did not record afresh (the store failed, or the
         process stopped, in between): nothing else would propose it, and the change it undoes would stay."""
-        if self.config.mode is Mode.OBSERVE:
+        if self.config.mode is Mode.OBSERVE or not self._reverts_unsure:
             return
         recent = await self.store.actions(since=now - self.config.rails.revert_ttl)
         pending = {a.params["reverts"] for a in recent if "reverts" in a.params and a.state is not ActionState.CANCELLED}
@@ -626,6 +633,7 @@ class ControlLoop:
                 held = RailsDecision(RailsReason(cancelled["rails"]), None, str(cancelled["why"]))
                 await self._revert_again(action, change_from_dict(action.params["change"]), held, now, pools)
                 pending.add(action.params["reverts"])
+        self._reverts_unsure = False
 
     async def _approve_orphans(self, now: float) -> None:
         """Approve act mode's proposals left unapproved: in act mode the rails approve what they record at once, so one
@@ -669,8 +677,7 @@ class ControlLoop:
         mode = self.config.mode
         return check(proposal, pools.get(proposal.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
                      rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds, paused=paused,
-                     unsettled=[*_unsettled(pools, history, now, self.config.rails.settle_timeout),
-                                *self._finished_now], finding_id=finding_id)
+                     unsettled=self._changing(pools, history, now), finding_id=finding_id)
 
     async def _record(self, proposal: Proposal, decision: RailsDecision, finding_id: int | None, now: float,
                       pools: dict[str, PoolState], report: TickReport, extra: dict[str, Any] | None = None
@@ -713,8 +720,7 @@ class ControlLoop:
         decision = recheck(action, pools.get(action.pool), mode=self.config.mode, rails=self.config.rails,
                            history=history, now=now, supported=self.actuator.kinds,
                            paused=await self.switch.paused(),
-                           unsettled=[*_unsettled(pools, history, now, self.config.rails.settle_timeout),
-                                      *self._finished_now], router_template=self._router_template)
+                           unsettled=self._changing(pools, history, now), router_template=self._router_template)
         if decision.reason in WAIT_REASONS or not self.leading():
             return
         if decision.reason is not RailsReason.ALLOWED or decision.change is None:

@@ -1011,31 +1011,28 @@ class KubernetesActuator:
         listed (the pods are then evicted as named, as without the check)."""
         out: set[str] = set()
         for pool in sorted({*(wait.get("pools") or {}).values()} or {order.pool}):
-            w = self.workloads.get(pool)
-            if w is None or self.dry_run:
-                return None
-            try:
-                pods = await self._pods_of(w, await self._read(w))
-            except ActuationError as exc:
-                log.warning("action %d: the pods of %s cannot be listed (%s); evicting the cordoned ones as named",
-                            order.action_id, pool, exc)
+            if (pods := await self._pods_now(order, pool)) is None:
                 return None
             out |= {p for p, meta in pods.items() if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp}
         return out
 
     async def _live_pods(self, order: Order) -> dict[str, dict[str, Any]]:
-        """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told
-        (no workload configured, no selector, a failed read, a dry run whose drain stamped nothing): the drained pods
-        are evicted as named, as they would have been without the check."""
-        w = self.workloads.get(order.pool)
+        """The pool's pods now, to tell a drained pod from a new one under its name; empty where that cannot be told:
+        the drained pods are evicted as named, as they would have been without the check."""
+        return await self._pods_now(order, order.pool) or {}
+
+    async def _pods_now(self, order: Order, pool: str) -> dict[str, dict[str, Any]] | None:
+        """A pool's pods as listed now; None where that cannot be told (no workload configured, a failed read, a dry
+        run whose changes stamped nothing)."""
+        w = self.workloads.get(pool)
         if w is None or self.dry_run:
-            return {}
+            return None
         try:
             return await self._pods_of(w, await self._read(w))
         except ActuationError as exc:
-            log.warning("action %d: the pods of %s cannot be listed (%s); evicting the drained ones as named",
-                        order.action_id, order.pool, exc)
-            return {}
+            log.warning("action %d: the pods of %s cannot be listed (%s); evicting the ones it took out as named",
+                        order.action_id, pool, exc)
+            return None
 
     async def _back_in(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str],
                        value: str | None = None) -> str:
@@ -1147,18 +1144,19 @@ def _engine_templates(held: Mapping[str, Any], kind: WorkloadKind, container: st
     if not found:
         raise ActuationError(f"{where} has no container {container!r} in its pod template at "
                              f"{' or '.join('.'.join(p) for p in kind.templates)} (has {', '.join(names) or 'none'})")
+    launches = [_launch(engine) for _, _, engine in found]
     if len(found) == 1 and all(dig(held, p) is None for p in kind.others):
-        chosen = found  # every pod runs this template: its engine container is the engine, whatever starts it
+        chosen = [0]  # every pod runs this template: its engine container is the engine, whatever starts it
     else:
-        chosen = [t for t in found if _launch(t[2])[0]]
+        chosen = [i for i, (serves, _) in enumerate(launches) if serves]
         if not chosen:
             raise ActuationError(f"{where}: none of its pod templates runs vLLM's server recognisably in container "
                                  f"{container!r} (`vllm serve`, `python -m vllm.entrypoints...`, or the image's own "
                                  "entrypoint)")
-    for path, _, engine in chosen:
-        if (why := _launch(engine)[1]) is not None:
-            raise ActuationError(f"{where} ({'.'.join(path[1:])}): container {container!r} {why}")
-    return chosen
+    for i in chosen:
+        if (why := launches[i][1]) is not None:
+            raise ActuationError(f"{where} ({'.'.join(found[i][0][1:])}): container {container!r} {why}")
+    return [found[i] for i in chosen]
 
 
 # A shell's `-c` string: its flags are inside the string, where no argument edit reaches them.

@@ -361,11 +361,11 @@ async def test_an_action_created_ahead_of_the_clock_expires(clock: VirtualClock)
     assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
 
 
-async def started_elsewhere(store: MemoryStore, now: float) -> int:
-    """An action another control plane started before it was killed."""
+async def started_elsewhere(store: MemoryStore, now: float, reason: str = "more prefill", **params: Any) -> int:
+    """An action another control plane started before it was killed (`params`: more of its parameters)."""
     action = await store.create_action(NewAction(None, "scale_pool", "prefill",
-                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3}, "act",
-                                                 "more prefill"), now)
+                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3, **params},
+                                                 "act", reason), now)
     await store.transition(action.id, S.PROPOSED, S.APPROVED, now, {"by": "rails"})
     await store.transition(action.id, S.APPROVED, S.STARTED, now, {"actuator": "fake"})
     return action.id
@@ -428,12 +428,7 @@ async def test_a_revert_a_take_over_cannot_redo_now_waits_afresh(clock: VirtualC
     """Nothing proposes a revert again: cancelled with the rest, its undoing would be lost. It is recorded to wait as
     an approval waits, and runs once the rails allow it, with no cooldown from the one that never ran."""
     store, pools, source = MemoryStore(), Pools(already=False), NoMetrics()
-    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
-                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
-                                                  "inputs": ["requests_waiting"], "reverts": 99}, "act",
-                                                 "revert action 99"), clock.now())
-    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
-    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    await started_elsewhere(store, clock.now(), "revert action 99", inputs=["requests_waiting"], reverts=99)
     source.down = 3
     loop = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
     await loop.start()
@@ -500,12 +495,7 @@ async def test_a_revert_cancelled_at_take_over_and_not_recorded_again_is_recover
     """The store failed between the cancel and the new record: nothing else would propose the revert again."""
     store, pools, source = RefusesACreation(), Pools(already=False), NoMetrics()
     store.refuse = 0
-    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
-                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
-                                                  "inputs": ["requests_waiting"], "reverts": 99}, "act",
-                                                 "revert action 99"), clock.now())
-    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
-    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    await started_elsewhere(store, clock.now(), "revert action 99", inputs=["requests_waiting"], reverts=99)
     source.down = 3
     loop = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
     store.refuse = 1
@@ -522,11 +512,7 @@ async def test_a_revert_cancelled_at_take_over_and_not_recorded_again_is_recover
 
 async def test_a_revert_taken_over_while_paused_waits_for_the_switch(clock: VirtualClock) -> None:
     store, pools = MemoryStore(), Pools(already=False)
-    action = await store.create_action(NewAction(None, "scale_pool", "prefill",
-                                                 {"change": change_as_dict(ScaleTo(4)), "from_replicas": 3,
-                                                  "reverts": 99}, "act", "revert action 99"), clock.now())
-    await store.transition(action.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"})
-    await store.transition(action.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake"})
+    await started_elsewhere(store, clock.now(), "revert action 99", reverts=99)
     store.pause = Pause(by="oncall", reason="incident", at=clock.now())
     loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
                        policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
