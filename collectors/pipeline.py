@@ -46,9 +46,10 @@ class SignalDeriver:
         seen: set[tuple[str, str]] = set()
         for res in results:
             t = res.target
-            pool_up[t.pool].append(1.0 if res.ok else 0.0)
+            if not res.late:  # a target the round had no time for is neither up nor down
+                pool_up[t.pool].append(1.0 if res.ok else 0.0)
+                out.signals.append(Signal(res.ts, target_subject(t), "up", 1.0 if res.ok else 0.0))
             health = target_subject(t)
-            out.signals.append(Signal(res.ts, health, "up", 1.0 if res.ok else 0.0))
             if not res.ok:
                 # Keep the previous readings: the next good scrape spans the gap correctly.
                 seen.update(k for k in self._prev if k[0] == t.key)

@@ -22,7 +22,7 @@ ACCEPT = "text/plain;version=0.0.4;q=0.9,*/*;q=0.1"
 
 
 class Scraper:
-    """Scrapes many targets at once, bounded by `concurrency`, each within `timeout_s`."""
+    """Scrapes many targets at once, bounded by `concurrency`, each within `timeout_s`, a round within `round_s`."""
 
     def __init__(
         self,
@@ -35,6 +35,7 @@ class Scraper:
         max_body_bytes: int = 32 * 1024 * 1024,
         rng: random.Random | None = None,
         spread_s: float = 0.0,
+        round_s: float | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -48,6 +49,9 @@ class Scraper:
         # Each target is scraped at a fixed offset within the first `spread_s` of a round, so a
         # fleet is not hit all at once; the offset comes from the target, so its interval stays exact.
         self._spread = spread_s
+        # A round ends this long after it starts, whatever its targets do: a tick's numbers come on time, and a
+        # target still waiting for a slot then (behind slow or dead ones) is read next round instead.
+        self._round = round_s
         self._sleep = sleep
         self._clock = clock  # the loop's: a virtual one in the simulator, where no time passes while a slot is awaited
         self.health: dict[str, TargetHealth] = {}
@@ -58,7 +62,8 @@ class Scraper:
         for key in list(self.health):
             if key not in live:
                 del self.health[key]
-        return list(await asyncio.gather(*(self._one(t, now) for t in targets)))
+        deadline = None if self._round is None else self._clock() + self._round
+        return list(await asyncio.gather(*(self._one(t, now, deadline) for t in targets)))
 
     def offset(self, target: Target) -> float:
         """The target's fixed scrape offset within a round, in seconds."""
@@ -67,7 +72,7 @@ class Scraper:
         digest = zlib.crc32(target.key.encode())
         return self._spread * (digest / 0xFFFFFFFF)
 
-    async def _one(self, target: Target, now: float) -> ScrapeResult:
+    async def _one(self, target: Target, now: float, deadline: float | None) -> ScrapeResult:
         health = self.health.setdefault(target.key, TargetHealth())
         offset = self.offset(target)
         if offset:
@@ -76,17 +81,28 @@ class Scraper:
         if now < health.next_attempt_at:
             return ScrapeResult(target, now, ok=False, error=health.last_error, skipped=True)
         queued = self._clock() if self._sem.locked() else None
-        async with self._sem:
+        try:
+            await asyncio.wait_for(self._sem.acquire(), None if deadline is None else max(0.0, deadline - self._clock()))
+        except TimeoutError:
+            return self._late(target, now, f"every slot was taken until the round's end ({self._round:g}s)")
+        try:
             if queued is not None:
                 # Every slot was taken: stamped when fetched, since a target that waited behind slow ones is read that
                 # much later, and its rates divide by the interval it really had.
                 now += self._clock() - queued
+            # Its own timeout, or what is left of the round where that is less: a read the round cut off says
+            # nothing of the target.
+            budget = self._timeout if deadline is None else min(self._timeout, deadline - self._clock())
+            if budget <= 0:
+                return self._late(target, now, f"its slot came free at the round's end ({self._round:g}s)")
             started = time.perf_counter()
             costly = False  # the failure held a slot for the whole timeout, or read a body too large
             try:
-                body, size = await asyncio.wait_for(self._fetch(target.url), self._timeout)
+                body, size = await asyncio.wait_for(self._fetch(target.url), budget)
                 error = _looks_wrong(body)
             except (TimeoutError, httpx.TimeoutException):
+                if budget < self._timeout:
+                    return self._late(target, now, f"the round ended ({self._round:g}s) {budget:.3g}s into its read")
                 body, size, error, costly = "", 0, f"timed out after {self._timeout:g}s", True
             except httpx.HTTPError as exc:
                 body, size, error = "", 0, f"{type(exc).__name__}: {str(exc)[:200] or 'connection failed'}"
@@ -95,6 +111,8 @@ class Scraper:
             except _ScrapeRefused as exc:
                 body, size, error, costly = "", 0, str(exc), exc.costly
             duration = time.perf_counter() - started
+        finally:
+            self._sem.release()
         if error is None:
             health.consecutive_failures = health.costly_failures = 0
             health.next_attempt_at = 0.0
@@ -119,6 +137,11 @@ class Scraper:
         else:
             health.next_attempt_at = 0.0
         return ScrapeResult(target, now, ok=False, duration_s=duration, size_bytes=size, error=error)
+
+    @staticmethod
+    def _late(target: Target, now: float, why: str) -> ScrapeResult:
+        """Not read this round for want of time: no failure of the target's, so its health stays as it was."""
+        return ScrapeResult(target, now, ok=False, error=f"not scraped this round: {why}", late=True)
 
     async def _fetch(self, url: str) -> tuple[str, int]:
         async with self._client.stream("GET", url, headers={"Accept": ACCEPT}) as resp:

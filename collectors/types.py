@@ -72,6 +72,7 @@ class ScrapeResult:
     size_bytes: int = 0
     error: str | None = None
     skipped: bool = False  # in backoff: not attempted this round
+    late: bool = False  # not read within the round's time (`Scraper` round_s): says nothing of the target
 
 
 @dataclass(slots=True)

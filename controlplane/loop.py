@@ -356,7 +356,7 @@ class ControlLoop:
         report.targets_up = sum(1 for r in obs.results if r.ok)
         report.errors.update(obs.errors)
         for r in obs.results:
-            if not r.ok and not r.skipped:
+            if not (r.ok or r.skipped or r.late):  # the target's own failures; a late one is in the tick's errors
                 self.telemetry.scrape_errors.labels(r.target.key).inc()
         for key, errs in obs.parse_errors.items():
             self.telemetry.parse_errors.labels(key).inc(len(errs))
@@ -378,6 +378,8 @@ class ControlLoop:
                 self._missing[key] = families
                 log.warning("%s: expected but absent: %s", key, ", ".join(families))
         for r in obs.results:
+            if r.late:  # not read: no news of the target
+                continue
             health = obs.health.get(r.target.key, TargetHealth())
             health.missing_families = obs.missing.get(r.target.key, [])
             state = (r.ok, health.last_error if not r.ok else ",".join(health.missing_families) or None)

@@ -61,13 +61,15 @@ class Observation:
 
     def unfit_inputs(self, pools: Sequence[str]) -> dict[str, dict[str, str]]:
         """What this observation says cannot be trusted, per pool, with why: a producer when one of
-        the pool's targets is down (twice in a row: one timeout is noise) or lacks an expected
-        family, a signal when its Prometheus query matches nothing (`pools` for the fleet-wide ones),
+        the pool's targets is down (twice in a row: one timeout is noise), was not read within the
+        round, or lacks an expected family, a signal when its Prometheus query matches nothing (`pools` for the fleet-wide ones),
         and what the source itself says (`unfit`)."""
         out: dict[str, dict[str, str]] = {pool: dict(inputs) for pool, inputs in self.unfit.items()}
         for r in self.results:
             health = self.health.get(r.target.key)
-            if not r.ok and (health is None or health.consecutive_failures >= DOWN_AFTER):
+            if r.late:  # up, as far as anyone knows, but its pool's sums lack it this tick
+                out.setdefault(r.target.pool, {}).setdefault(r.target.source, f"target {r.target.key}: {r.error}")
+            elif not r.ok and (health is None or health.consecutive_failures >= DOWN_AFTER):
                 out.setdefault(r.target.pool, {})[r.target.source] = \
                     f"target {r.target.key} is down ({r.error or 'scrape failed'})"
         for key, names in self.missing.items():

@@ -193,3 +193,28 @@ async def test_a_target_that_waited_for_a_slot_is_stamped_when_it_was_read() -> 
         scraper = Scraper(client, timeout_s=0.2, concurrency=1)
         slow, good = await scraper.scrape([t("slow"), t("good")], now=100.0)
     assert slow.ts == pytest.approx(100.0, abs=0.05) and good.ok and good.ts >= 100.19
+
+
+async def test_a_round_ends_on_time_and_what_it_had_no_time_for_is_late_not_failing() -> None:
+    # One slot and a hanging target ahead: without an end the round would last the hanging one's timeout and then the
+    # good one's read; with it, both come back by its end, neither counted as the target's failure.
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hanging)) as client:
+        scraper = Scraper(client, timeout_s=5.0, concurrency=1, round_s=0.2)
+        began = asyncio.get_running_loop().time()
+        slow, good = await scraper.scrape([t("slow"), t("good")], now=100.0)
+        took = asyncio.get_running_loop().time() - began
+    assert took < 1.0
+    assert slow.late and not slow.ok and "the round ended (0.2s)" in (slow.error or "")
+    assert good.late and not good.ok and "every slot was taken until the round's end" in (good.error or "")
+    for key in ("pool/slow/vllm", "pool/good/vllm"):
+        health = scraper.health[key]
+        assert (health.consecutive_failures, health.costly_failures, health.next_attempt_at) == (0, 0, 0.0)
+
+
+async def test_within_the_round_a_target_keeps_its_own_timeout_and_the_rest_are_read() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hanging)) as client:
+        scraper = Scraper(client, timeout_s=0.1, concurrency=1, round_s=2.0)
+        slow, good = await scraper.scrape([t("slow"), t("good")], now=100.0)
+    assert not slow.late and slow.error == "timed out after 0.1s"
+    assert scraper.health["pool/slow/vllm"].consecutive_failures == 1
+    assert good.ok and not good.late

@@ -136,6 +136,24 @@ def test_a_pool_rate_is_the_sum_of_its_engines_rates_when_one_missed_scrapes() -
     assert rates == {"engine/p/a/0": 10.0, "engine/p/b/0": 10.0, "pool/p": pytest.approx(20.0)}
 
 
+def test_a_target_the_round_had_no_time_for_is_neither_up_nor_down_and_its_next_read_spans_the_gap() -> None:
+    def body(n: float) -> str:
+        return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
+
+    a, b = Target("http://a", "p", "a"), Target("http://b", "p", "b")
+    d = SignalDeriver()
+    d.derive([ScrapeResult(a, 0.0, ok=True, body=body(0)), ScrapeResult(b, 0.0, ok=True, body=body(0))], 0.0)
+    out = d.derive([ScrapeResult(a, 15.0, ok=True, body=body(150)),
+                    ScrapeResult(b, 15.0, ok=False, error="not scraped this round: x", late=True)], 15.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals}
+    assert ("target/p/b/vllm", "up") not in sig and sig[("target/p/a/vllm", "up")] == 1.0
+    assert sig[("pool/p", "targets")] == 1 and sig[("pool/p", "targets_up")] == 1
+    out = d.derive([ScrapeResult(a, 30.0, ok=True, body=body(300)), ScrapeResult(b, 30.0, ok=True, body=body(300))],
+                   30.0)
+    rates = {s.subject: s.value for s in out.signals if s.name == "request_rate"}
+    assert rates["engine/p/b/0"] == pytest.approx(10.0)
+
+
 def test_a_bucket_bound_that_is_no_number_costs_that_line_only() -> None:
     d = SignalDeriver()
     bad = 'vllm:time_to_first_token_seconds_bucket{engine="0",le="abc",model_name="m"} 1\n'

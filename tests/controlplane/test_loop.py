@@ -7,6 +7,7 @@ target and a malformed exposition are recorded while the loop goes on; self-metr
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +168,32 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     assert 'fleet_controlplane_scrape_errors_total{target="prefill/dead/vllm"} 1.0' in metrics
     assert 'fleet_controlplane_parse_errors_total{target="prefill/bad/vllm"} 1.0' in metrics
     assert "fleet_controlplane_ticks_total 1.0" in metrics
+
+
+async def test_a_round_with_no_time_left_for_a_target_leaves_its_pool_unfit_not_its_target_down(
+        sqlite_store: SqlStore) -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "slow":
+            await asyncio.sleep(3600)
+        return httpx.Response(200, text="vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n")
+
+    cfg = demo_config(str(sqlite_store.engine.url))
+    cfg = cfg.model_copy(update={"scrape": cfg.scrape.model_copy(update={"timeout": 0.3, "spread": 0.0,
+                                                                         "concurrency": 1})})
+    store = MemoryStore()
+    targets = StaticTargets([Target("http://slow/metrics", "prefill", "slow"),
+                             Target("http://queued/metrics", "prefill", "queued")])
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
+        loop = build_loop(cfg, store, mock, targets=targets, clock=VirtualClock())
+        report = await loop.tick()
+    # The round ended 0.3 s in: the slow read was cut off and the queued one never got a slot.
+    assert report.targets == 2 and report.targets_up == 0
+    assert "the round ended" in report.errors["prefill/slow/vllm"]
+    assert "every slot was taken" in report.errors["prefill/queued/vllm"]
+    assert "not scraped this round" in loop._unfit["prefill"]["vllm"]
+    assert loop._answering["prefill"] == {"slow", "queued"}
+    assert "scrape_errors_total{" not in generate_latest(loop.telemetry.registry).decode()
+    assert store.targets == {}  # nothing known of either: no state recorded
 
 
 async def test_a_target_state_the_store_refused_is_written_next_tick(client: httpx.AsyncClient) -> None:
