@@ -423,7 +423,11 @@ def _findings_floor(inp: PolicyInput, pool: PoolState, short: Sequence[str], rec
     """One engine more than the pool has while a capacity finding names it short and its SLO breaks now, though
     the curves call it enough (level-triggered: not for a burn that is clearing)."""
     w, subject = inp.windows, f"pool/{pool.name}"
-    breaching = any(slo is not None and (v := _recent(w, subject, name, 2)) is not None and v > slo
+    # Fresh points only: a latency quantile has none while nothing finishes, and the last ones of a burst that
+    # stopped would read as a breach now.
+    fresh = inp.now - 2 * _interval(w, subject)
+    breaching = any(slo is not None and (points := w.series(subject, name, since=fresh)[-2:])
+                    and statistics.fmean(v for _, v in points) > slo
                     for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
     if short and breaching and recommended <= pool.desired and pool.ready == pool.desired:
         return pool.desired + 1, f"{pool.name}: {', '.join(short)} open although the curves call {pool.desired} enough: add one"
@@ -457,10 +461,13 @@ def learned_startup(w: SignalWindows, pool: str, since: float) -> tuple[float | 
     desired = w.series(subject, DESIRED, since=since)
     ready = w.series(subject, READY, since=since)
     took = []
-    for (t0, before), (t1, after) in itertools.pairwise(desired):
+    for i, ((t0, before), (t1, after)) in enumerate(itertools.pairwise(desired)):
         if after <= before:
             continue
-        done = next((t for t, r in ready if t >= t1 and r >= after), None)
+        # Ready by the next change of the target, or never: a raise given up (its pods never scheduled, the target
+        # lowered again) is no start-up, nor is a later scale-up's readiness its own.
+        until = next((t for t, d in desired[i + 2:] if d != after), math.inf)
+        done = next((t for t, r in ready if t1 <= t <= until and r >= after), None)
         if done is not None:
             took.append(done - t0)  # the raise happened between t0 and t1: count from the scrape before
     return (statistics.median(took) if took else None), len(took)

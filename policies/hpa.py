@@ -48,7 +48,8 @@ class HpaRule:
             return Unplanned(pool.name, "no KV usage or queue reported yet")
         engines = max(1.0, inp.windows.latest(subject, "engines_reporting") or pool.ready)
         ratio = max(kv / s.kv_usage, waiting / engines / s.waiting_per_replica)
-        recommended = pool.desired if abs(ratio - 1.0) <= s.tolerance else math.ceil(pool.desired * ratio)
+        # Never below one: an HPA's minReplicas is at least 1, and from zero the rule could not start the pool again.
+        recommended = pool.desired if abs(ratio - 1.0) <= s.tolerance else max(1, math.ceil(pool.desired * ratio))
         target = stabilised(inp.windows, subject, inp.now, s.scale_down_stabilization, recommended, pool.desired)
         target = max(pool.min_replicas, min(pool.max_replicas, int(target)))
         reason = (f"{pool.name}: KV usage {kv:.0%} (target {s.kv_usage:.0%}), {waiting / engines:.1f} waiting per "

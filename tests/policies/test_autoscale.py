@@ -121,6 +121,18 @@ def test_start_up_time_is_measured_from_the_pools_own_scale_ups() -> None:
     assert ups == 1 and took is not None and 120 <= took <= 150
 
 
+def test_a_raise_given_up_before_it_was_ready_is_no_start_up_of_a_later_one() -> None:
+    # 4 -> 6 at 150 s never scheduled and was lowered at 900 s; 4 -> 6 again at 2,400 s was ready 120 s later.
+    w = SignalWindows(3600)
+    for i in range(200):
+        ts = i * STEP
+        desired = 6 if 150 <= ts < 900 or ts >= 2400 else 4
+        w.add(ts, "pool/chat", DESIRED, desired)
+        w.add(ts, "pool/chat", READY, 6 if ts >= 2520 else 4)
+    took, ups = learned_startup(w, "chat", 0.0)
+    assert ups == 1 and took is not None and 120 <= took <= 135
+
+
 def test_twice_the_load_asks_for_about_twice_the_engines() -> None:
     one = plan(windows(30, 50.0), pool(8))
     two = plan(windows(30, 100.0), pool(8))
@@ -240,6 +252,20 @@ def test_an_open_capacity_finding_adds_an_engine_while_the_slo_breaks() -> None:
     assert clearing.target == 6, "the burn is clearing: nothing added, and nothing shed while it is open"
 
 
+def test_an_open_capacity_finding_adds_nothing_once_requests_stop_finishing() -> None:
+    # A burst that broke TTFT, then nothing finishes for ten minutes: its last p95s are no breach now.
+    key = FindingKey("slo_burn", "pool/decode")
+    findings = {key: OpenFinding(key, 0.0, {"short_pools": ["chat"]})}
+    w = windows(30, 5.0, engines=6, ttft=2.5)
+    for i in range(40):
+        ts = 30 * 60 + (i + 1) * STEP
+        for name, value in (("request_rate", 0.0), ("requests_running", 0.0), ("requests_waiting", 0.0),
+                            ("engines_reporting", 6.0), (DESIRED, 6.0), (READY, 6.0)):
+            w.add(ts, "pool/chat", name, value)
+    p = plan(w, pool(6), findings)
+    assert p.target == 6 and "slo_burn" not in p.reason
+
+
 def test_fitted_curves_never_claim_more_than_the_prior_or_what_was_seen() -> None:
     # An hour at low load with fast responses: a fit through it alone would promise a huge capacity.
     w = windows(60, 5.0, ttft=0.05, tpot=0.006, running=2.0)
@@ -297,6 +323,17 @@ def test_the_hpa_rule_holds_scale_down_for_its_stabilisation_window() -> None:
         w.add(i * STEP + 1, "pool/chat", TARGET, 1.0)
     p = hpa(now + 2, w, pool(8))
     assert p.target == 1
+
+
+def test_the_hpa_rule_never_asks_for_fewer_than_one_replica() -> None:
+    # An idle pool that may go to zero: an HPA's floor is one replica, and from none the rule could not come back.
+    w = SignalWindows(3600)
+    for i in range(40):
+        for name in ("kv_cache_usage", "requests_waiting"):
+            w.add(i * STEP, "pool/chat", name, 0.0)
+        w.add(i * STEP, "pool/chat", TARGET, 1.0)
+    p = hpa(39 * STEP + 2, w, pool(2, lo=0))
+    assert p.recommended == 1 and p.target == 1
 
 
 class _BreaksOnOnePool(HpaRule):
