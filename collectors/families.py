@@ -126,14 +126,18 @@ class _HistogramBuilder:
 
     def __init__(self) -> None:
         self.buckets: dict[float, float] = {}
-        self.sum = 0.0
+        self.sum: float | None = None
         self.count: float | None = None
 
     def build(self) -> Histogram | None:
         # Without its `_count` line (dropped as malformed) a histogram still counts what its `+Inf` bucket holds;
-        # without that too, it is no reading (read as 0, it would look reset, and its next reading all new).
+        # without that too, it is no reading (read as 0, it would look reset, and its next reading all new). Without
+        # its `_sum` it is no reading either: read as 0, the sum's increase would be minus its whole history, then
+        # all of it at once (a mean of -50 s, then of 51 s).
         count = self.count if self.count is not None else self.buckets.get(math.inf)
-        return None if count is None else Histogram(tuple(sorted(self.buckets.items())), self.sum, count)
+        if count is None or self.sum is None:
+            return None
+        return Histogram(tuple(sorted(self.buckets.items())), self.sum, count)
 
 
 def _le(value: str) -> float:
@@ -195,7 +199,7 @@ def read(
                 bound = _le(le)
                 b.buckets[bound] = b.buckets.get(bound, 0.0) + s.value
             elif suffix == "_sum":
-                b.sum += s.value
+                b.sum = (b.sum or 0.0) + s.value
             else:
                 b.count = (b.count or 0.0) + s.value
 

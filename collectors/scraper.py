@@ -93,6 +93,7 @@ class Scraper:
             # Its own timeout, or what is left of the round where that is less: a read the round cut off says
             # nothing of the target.
             budget = self._timeout if deadline is None else min(self._timeout, deadline - self._clock())
+            cut = budget < self._timeout - 1e-3  # the round's end comes first (a clock of epoch seconds rounds)
             if budget <= 0:
                 return self._late(target, now, f"its slot came free at the round's end ({self._round:g}s)")
             started = time.perf_counter()
@@ -101,9 +102,12 @@ class Scraper:
                 body, size = await asyncio.wait_for(self._fetch(target.url), budget)
                 error = _looks_wrong(body)
             except (TimeoutError, httpx.TimeoutException):
-                if budget < self._timeout:
+                # Half its timeout is long enough to count, as a slow answer counts (below): a hung target that
+                # always waits for a slot must still read as down and back off, not hold a slot every round.
+                if budget < self._timeout / 2:
                     return self._late(target, now, f"the round ended ({self._round:g}s) {budget:.3g}s into its read")
-                body, size, error, costly = "", 0, f"timed out after {self._timeout:g}s", True
+                body, size, costly = "", 0, True
+                error = f"timed out after {budget:.3g}s" + (" (the round's end)" if cut else "")
             except httpx.HTTPError as exc:
                 body, size, error = "", 0, f"{type(exc).__name__}: {str(exc)[:200] or 'connection failed'}"
             except httpx.InvalidURL as exc:  # not an HTTPError: one target's bad URL must not fail the round

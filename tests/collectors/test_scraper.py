@@ -211,6 +211,23 @@ async def test_a_round_ends_on_time_and_what_it_had_no_time_for_is_late_not_fail
         assert (health.consecutive_failures, health.costly_failures, health.next_attempt_at) == (0, 0, 0.0)
 
 
+async def test_a_hung_target_cut_off_by_the_round_after_half_its_timeout_still_fails_and_backs_off() -> None:
+    # Behind a slow one for a slot every round, a hung target gets only part of its timeout: half is enough to count.
+    async def slow_then_hanging(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "busy":
+            await asyncio.sleep(0.1)
+            return handler(httpx.Request("GET", "http://good/metrics"))
+        return await hanging(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(slow_then_hanging)) as client:
+        scraper = Scraper(client, timeout_s=0.3, concurrency=1, round_s=0.35, backoff_base_s=15.0)
+        for i in range(2):
+            busy, slow = await scraper.scrape([t("busy"), t("slow")], now=15.0 * i)
+            assert busy.ok and not slow.late and "(the round's end)" in (slow.error or "")
+    health = scraper.health["pool/slow/vllm"]
+    assert health.consecutive_failures == 2 and health.next_attempt_at > 15.0
+
+
 async def test_within_the_round_a_target_keeps_its_own_timeout_and_the_rest_are_read() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(hanging)) as client:
         scraper = Scraper(client, timeout_s=0.1, concurrency=1, round_s=2.0)

@@ -229,6 +229,21 @@ def test_a_histogram_without_its_count_line_counts_its_inf_bucket() -> None:
     assert sig["ttft_mean"] == pytest.approx(0.3) and "ttft_p50" in sig
 
 
+def test_a_histogram_without_its_sum_line_is_no_reading_and_the_next_one_spans_the_gap() -> None:
+    # TTFT's `_sum` malformed in the middle scrape: read as 0 it would make a mean of minus the whole history.
+    def body(n: int, *, sum_line: bool = True) -> str:
+        return "".join(line for line in exposition(100, 50, ttft=(n // 2, n, n)).splitlines(keepends=True)
+                       if sum_line or "_sum" not in line)
+
+    d = SignalDeriver()
+    d.derive([_result(body(1000), 0.0)], 0.0)
+    middle = d.derive([_result(body(1010, sum_line=False), 15.0)], 15.0)
+    assert not any(s.name == "ttft_mean" for s in middle.signals)
+    back = d.derive([_result(body(1020), 30.0)], 30.0)
+    means = [s.value for s in back.signals if s.name == "ttft_mean" and s.subject == "engine/prefill/p0/0"]
+    assert means == [pytest.approx(0.3)]
+
+
 def test_a_family_back_after_the_horizon_gives_no_reading_for_that_interval() -> None:
     # Gone for longer than five minutes: what it did meanwhile is not known, so its return is no rate (as on a first
     # scrape), never its whole history at once.

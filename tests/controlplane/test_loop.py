@@ -186,14 +186,17 @@ async def test_a_round_with_no_time_left_for_a_target_leaves_its_pool_unfit_not_
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
         loop = build_loop(cfg, store, mock, targets=targets, clock=VirtualClock())
         report = await loop.tick()
-    # The round ended 0.3 s in: the slow read was cut off and the queued one never got a slot.
+    # The round ended 0.3 s in, with the slow read's timeout: the queued one never got a slot.
     assert report.targets == 2 and report.targets_up == 0
-    assert "the round ended" in report.errors["prefill/slow/vllm"]
+    assert report.errors["prefill/slow/vllm"] == "timed out after 0.3s"
     assert "every slot was taken" in report.errors["prefill/queued/vllm"]
-    assert "not scraped this round" in loop._unfit["prefill"]["vllm"]
+    # The slow one failed once (noise, not down yet); the queued one says nothing of itself, but its pool's sums
+    # lack it.
+    assert "queued/vllm: not scraped this round" in loop._unfit["prefill"]["vllm"]
     assert loop._answering["prefill"] == {"slow", "queued"}
-    assert "scrape_errors_total{" not in generate_latest(loop.telemetry.registry).decode()
-    assert store.targets == {}  # nothing known of either: no state recorded
+    metrics = generate_latest(loop.telemetry.registry).decode()
+    assert 'scrape_errors_total{target="prefill/slow/vllm"} 1.0' in metrics and "queued" not in metrics
+    assert list(store.targets) == ["prefill/slow/vllm"]  # nothing known of the queued one: no state recorded
 
 
 async def test_a_target_state_the_store_refused_is_written_next_tick(client: httpx.AsyncClient) -> None:
