@@ -165,6 +165,8 @@ class ControlLoop:
         self._unrecorded.clear()
         self._finished_now = []  # of the last tick this replica led, maybe long ago
         self._took_over_at = None
+        # Another leader may have cancelled a revert since this replica last led, and not recorded it again.
+        self._reverts_unsure = True
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
         self.windows.rewind(now)  # points stamped by a clock ahead of this one would keep every new point out
@@ -189,6 +191,14 @@ class ControlLoop:
             await self._take_over(action, now, pools)
 
     async def _take_over(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> None:
+        """Finish, redo or account for one started action nobody here carries out (`start`, `_adopt_strays`); one
+        that moved meanwhile (the last leader's tick, which always finishes, recorded its end) is left as it is."""
+        try:
+            await self._take_over_one(action, now, pools)
+        except ActionConflict as exc:
+            log.info("action %d moved while it was taken over: %s", action.id, exc)
+
+    async def _take_over_one(self, action: ActionRecord, now: float, pools: dict[str, PoolState]) -> None:
         try:
             change = change_from_dict(action.params["change"])
         except (KeyError, TypeError, ValueError):  # a row from before changes were typed
@@ -238,6 +248,10 @@ class ControlLoop:
             await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
             order = replace(order, change=decision.change)
             await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
+            # Done or waiting, it changed the fleet this tick, which the pools read at its start do not show: no other
+            # disruptive change starts beside it (a wait stays started, and holds them as any started action does).
+            self._finished_now += ([p.name for p in self.config.pools] if order.kind is ActionKind.CORDON_NODE
+                                   else [order.pool])
 
     def _changing(self, pools: dict[str, PoolState], history: Sequence[ActionRecord], now: float) -> list[str]:
         """The pools mid-change for the rails' one-pool-at-a-time rule: unsettled ones, and those a wait left this tick."""
@@ -640,17 +654,22 @@ class ControlLoop:
     async def _approve_orphans(self, now: float) -> None:
         """Approve act mode's proposals left unapproved: in act mode the rails approve what they record at once, so one
         still proposed was cut off in between (the store failed, or the control plane stopped). Left, it would hold its
-        pool until `proposal_ttl`; approved, the rails check it again before it runs, as any approval."""
-        if self.config.mode is not Mode.ACT:
-            return
+        pool until `proposal_ttl`; approved, the rails check it again before it runs, as any approval. Observe mode's,
+        cut off the same way, become the advisories they were recorded to be."""
         for orphan in await self.store.actions(states=[ActionState.PROPOSED]):
-            if orphan.mode != str(Mode.ACT):
-                continue  # proposed for a person before the mode was switched to act: theirs to decide
             try:
-                await self.store.transition(orphan.id, ActionState.PROPOSED, ActionState.APPROVED, now,
-                                            {"by": "rails", "mode": str(Mode.ACT),
-                                             "resumed": "recorded, not yet approved, when the last tick failed"},
-                                            approved_by="rails")
+                if orphan.mode == str(Mode.OBSERVE):
+                    # Observe mode's record of what act would have done, cut off before it became one: left
+                    # proposed it would hold its pool's advisories, and expire as though a person let it lapse.
+                    await self.store.transition(orphan.id, ActionState.PROPOSED, ActionState.ADVISORY, now,
+                                                {"why": "observe mode: act would have run it now",
+                                                 "resumed": "recorded, not yet marked advisory, when a tick failed"})
+                elif orphan.mode == str(Mode.ACT) and self.config.mode is Mode.ACT:
+                    await self.store.transition(orphan.id, ActionState.PROPOSED, ActionState.APPROVED, now,
+                                                {"by": "rails", "mode": str(Mode.ACT),
+                                                 "resumed": "recorded, not yet approved, when the last tick failed"},
+                                                approved_by="rails")
+                # Otherwise proposed for a person (before a switch to act, or in propose mode): theirs to decide.
             except ActionConflict:
                 continue
 

@@ -301,6 +301,19 @@ async def test_an_act_mode_proposal_cut_off_before_its_approval_runs(clock: Virt
     assert (states[orphan.id], states[person.id]) == (S.SUCCEEDED, S.PROPOSED), "a person's proposal stays theirs"
 
 
+@pytest.mark.parametrize("mode", [Mode.OBSERVE, Mode.PROPOSE, Mode.ACT])
+async def test_an_observe_mode_record_cut_off_before_it_became_an_advisory_becomes_one(
+        clock: VirtualClock, mode: Mode) -> None:
+    store, pools = MemoryStore(), Pools()
+    orphan = await store.create_action(NewAction(None, "scale_pool", "prefill", {"change": change_as_dict(ScaleTo(4)),
+                                                                                 "from_replicas": 3},
+                                                 "observe", "more prefill; rails: scale prefill 3 -> 4"), clock.now())
+    await tick(make_loop(mode, store, pools, clock, Asks()), clock)
+    [advisory] = [a for a in await store.actions() if a.id == orphan.id]
+    assert advisory.state is S.ADVISORY, "never run, never a person's to decide, never expired as one"
+    assert "resumed" in next(e for e in store.action_events(orphan.id) if e.event == "advisory").detail
+
+
 async def approved_then_gone(store: MemoryStore, clock: VirtualClock) -> tuple[ControlLoop, Pools]:
     """A person approved a finding's proposal while its pool settles; then the finding's policy no longer reports it."""
     pools, policy = Pools(ready=2), Asks()
@@ -508,6 +521,49 @@ async def test_a_revert_cancelled_at_take_over_and_not_recorded_again_is_recover
     assert first.state is S.CANCELLED and (again.params["reverts"], again.state, pools.calls) == (99, S.SUCCEEDED, [4])
     await tick(loop, clock)
     assert len(await store.actions()) == 2, "recorded again once"
+
+
+async def test_a_revert_another_leader_cancelled_and_lost_is_recovered_when_leadership_comes_back(
+        clock: VirtualClock) -> None:
+    """Replica A led (and found nothing to recover); B took over, cancelled a revert it could not redo, and stopped
+    before recording it again; A leads again: the revert must not be lost with B."""
+    store, pools, source = RefusesACreation(), Pools(already=False), NoMetrics()
+    store.refuse = 0
+    a = make_loop(Mode.ACT, store, pools, clock, Asks(), source)
+    await a.start()
+    await tick(a, clock)
+    await started_elsewhere(store, clock.now(), "revert action 99", inputs=["requests_waiting"], reverts=99)
+    source.down, store.refuse = 3, 1
+    with pytest.raises(StoreUnavailable):
+        await make_loop(Mode.ACT, store, pools, clock, Asks(), source).start()
+    source.down = 0
+    await a.start()
+    await tick(a, clock)
+    first, again = await store.actions()
+    assert first.state is S.CANCELLED and (again.params["reverts"], again.state, pools.calls) == (99, S.SUCCEEDED, [4])
+
+
+@dataclass
+class EndedMeanwhile(Pools):
+    """While the new leader asks, the old leader's last tick (which always finishes) records the action's end."""
+
+    store: MemoryStore | None = None
+
+    async def applied(self, order: Order) -> Mapping[str, Any] | bool | None:
+        assert self.store is not None
+        await self.store.transition(order.action_id, S.STARTED, S.SUCCEEDED, 0.0, {"by": "the old leader"})
+        return True
+
+
+async def test_an_action_that_ends_elsewhere_while_taken_over_is_left_as_it_ended(clock: VirtualClock) -> None:
+    store = MemoryStore()
+    pools = EndedMeanwhile(already=True, store=store)
+    first = await started_elsewhere(store, clock.now())
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    await loop.start()  # no ActionConflict out of it: the new leader goes on
+    [action] = await store.actions()
+    assert action.id == first and action.state is S.SUCCEEDED
+    assert [e.detail for e in store.action_events(first) if e.event == "succeeded"] == [{"by": "the old leader"}]
 
 
 async def test_a_revert_taken_over_while_paused_waits_for_the_switch(clock: VirtualClock) -> None:

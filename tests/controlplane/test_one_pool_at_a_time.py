@@ -196,3 +196,29 @@ async def test_a_take_over_forgets_the_pools_its_last_leadership_saw_settling() 
 
 async def _false() -> bool:
     return False
+
+
+class NotApplied(Fleet):
+    """A fleet that never saw the action it is asked about: a take-over redoes it."""
+
+    async def applied(self, order: Order) -> bool | None:
+        return False
+
+
+async def test_a_change_a_take_over_redoes_mid_tick_holds_another_pools_restart() -> None:
+    """Pool a's restart was recorded started, but the tick failed before it ran: the next tick takes it over and
+    redoes it, and pool b's restart, asked for in that tick, waits for it, though the pools were read before it."""
+    fleet, clock, store, asks = NotApplied(), VirtualClock(), MemoryStore(), Asks()
+    loop = ControlLoop(config=parse_config(FLEET), source=Quiet(), store=store, policies=[asks], actuator=fleet,
+                       clock=clock, telemetry=Telemetry())
+    stray = await store.create_action(NewAction(None, "enable_eplb", "a", {"change": change_as_dict(Eplb(True)),
+                                                                           "from_replicas": 2}, "act", "hot experts on a"),
+                                      clock.now())
+    await store.transition(stray.id, S.PROPOSED, S.APPROVED, clock.now(), {}, approved_by="rails")
+    await store.transition(stray.id, S.APPROVED, S.STARTED, clock.now(), {})
+    asks.asks["b"] = Proposal(ActionKind.ENABLE_EPLB, "b", Eplb(True), "hot experts on b")
+    clock.advance(30)
+    report = await loop.tick()
+    assert fleet.log == ["enable_eplb a"], "b's restart waits for a's"
+    assert ("b", RailsReason.ROLLOUT_IN_FLIGHT) in [(p.pool, r) for p, r, _ in report.held]
+    assert [a.state for a in await store.actions() if a.id == stray.id] == [S.SUCCEEDED]
