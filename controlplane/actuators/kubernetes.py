@@ -35,9 +35,11 @@ once than the workload allows. A Deployment rolls back as `kubectl rollout undo`
 previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is evicted once idle
 and its workload replaces it; a cordon marks the node unschedulable and evicts the engines of every
 configured pool in the namespace on it (a gang's whole group). Both go through the Eviction API,
-which honours PodDisruptionBudgets: a refusal is retried until the grace ends (a drained engine's,
-one more grace after its drain), and the engines still there then are routed again. A workload's
-pods are those its selector matches (matchExpressions included) that no other controller owns.
+which honours PodDisruptionBudgets: a refusal (or a conflict with the pod changing under it) is
+retried until the grace ends (a drained engine's, one more grace after its drain), and the engines
+still there then are routed again. A workload's pods are those its selector matches
+(matchExpressions included; a Rollout without one has its Deployment's) that no other controller
+owns. A scale whose stamp fails after its count is written is made, and says so (`unstamped`).
 
 Every write carries the action's id in an annotation of the object it changes, so a restarted
 leader sees a change it already made (`applied`) and never makes it twice, and is followed by an
@@ -498,7 +500,9 @@ class KubernetesActuator:
         """The workload whose pod template `w`'s engines run, as read: `w` itself, or the Deployment an Argo Rollout
         names in `spec.workloadRef` (its controller follows that Deployment's template, which is where changes go)."""
         ref = dig(obj, ("spec", "workloadRef"))
-        if w.kind != "Rollout" or not isinstance(ref, Mapping) or dig(obj, KINDS[w.kind].template) is not None:
+        # With a workloadRef its controller follows the Deployment's template whatever its own holds (one left empty,
+        # as conversions write it).
+        if w.kind != "Rollout" or not isinstance(ref, Mapping):
             return w, obj
         if ref.get("kind") != "Deployment" or not ref.get("name"):
             raise ActuationError(f"Rollout {w.namespace}/{w.name} refers to {ref.get('kind')} {ref.get('name')}: only a "
@@ -506,9 +510,17 @@ class KubernetesActuator:
         holder = Workload(kind="Deployment", namespace=w.namespace, name=str(ref["name"]), container=w.container)
         return holder, await self._read(holder)
 
+    async def _selector(self, w: Workload, obj: Mapping[str, Any]) -> LabelSelector:
+        """`_selector`, or for an Argo Rollout without one of its own, the selector of the Deployment it follows: its
+        controller takes that one."""
+        if w.kind == "Rollout" and not dig(obj, ("spec", "selector")) and dig(obj, ("spec", "workloadRef")):
+            holder, held = await self._template_holder(w, obj)
+            return _selector(holder, held)
+        return _selector(w, obj)
+
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The ReplicaSets the workload (a Deployment or an Argo Rollout) owns, newest revision first."""
-        selector = _selector(w, obj)
+        selector = await self._selector(w, obj)
         items = (await self._json(f"listing the ReplicaSets of {w.namespace}/{w.name}",
                                   self._apps.list_namespaced_replica_set, w.namespace,
                                   label_selector=str(selector)))["items"]
@@ -639,9 +651,17 @@ class KubernetesActuator:
             if drained is None:
                 raise
             raise ActuationError(f"{exc}; {await self._back_in(order, w, drained, pods)}") from None
-        await self._patch(w, self._stamp(order), f"annotating {w.kind} {w.namespace}/{w.name}")
+        done: dict[str, Any] = {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
+        try:
+            await self._patch(w, self._stamp(order), f"annotating {w.kind} {w.namespace}/{w.name}")
+        except (ActuationError, _Conflict) as exc:
+            # The count is written: the change is made, and what follows it (the check that drained engines went)
+            # must run. Unstamped, a new leader reads the pool's count instead, which a redo's rails compare.
+            log.warning("%s %s/%s is scaled to %d, but not stamped with action %d: %s", w.kind, w.namespace, w.name,
+                        replicas, order.action_id, exc)
+            done["unstamped"] = str(exc)
         await self._event(order, w, f"scaled to {replicas}")
-        return {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
+        return done
 
     async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
                         obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -713,7 +733,7 @@ class KubernetesActuator:
                        ) -> dict[str, dict[str, Any]]:
         """The workload's live pods and their metadata: those its selector matches that no other object controls
         (`sets`: a Deployment's or Rollout's ReplicaSets, where the caller has listed them)."""
-        selector = _selector(w, obj)
+        selector = await self._selector(w, obj)
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                   w.namespace, label_selector=str(selector))
         # Another workload's pods can carry the same labels (a second Deployment, the Deployment an Argo Rollout
@@ -1074,7 +1094,8 @@ class KubernetesActuator:
         return str(labels.get(self.settings.routing_label, "true"))
 
     async def _evict(self, namespace: str, pod: str) -> bool:
-        """Evict one pod; False when a PodDisruptionBudget refuses it for now (HTTP 429)."""
+        """Evict one pod; False when a PodDisruptionBudget refuses it for now (HTTP 429), or the pod changed under the
+        eviction (409)."""
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
         if self.dry_run:
             body["deleteOptions"] = {"dryRun": ["All"]}
@@ -1083,6 +1104,9 @@ class KubernetesActuator:
                              namespace, body)
         except _Refused as exc:
             log.info("%s; retried", exc)
+            return False
+        except _Conflict as exc:  # the pod changed while the eviction deleted it (a Pending pod's status): next tick
+            log.info("evicting pod %s/%s: %s; retried", namespace, pod, exc)
             return False
         except _Missing:
             pass  # gone already: what the eviction was for

@@ -332,6 +332,16 @@ async def test_a_scale_made_by_hand_during_a_drain_is_not_undone(server: ApiServ
     assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {})
 
 
+async def test_an_eviction_that_loses_to_a_change_of_its_pod_is_asked_again(server: ApiServer,
+                                                                            api: client.ApiClient) -> None:
+    act, clock, o, wait = await draining(server, api, busy=0.0)
+    server.fail("POST", "/eviction", 409, "Operation cannot be fulfilled on pods: the object has been modified")
+    held = await act.resume(o, wait, clock.t + 1)
+    assert held["wait"]["pods"] == ["vllm-decode-a"], "asked again next tick, not a failed action"
+    done = await act.resume(o, held["wait"], clock.t + 20)
+    assert done["drained"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-a") is None
+
+
 async def draining(server: ApiServer, api: client.ApiClient, busy: float
                    ) -> tuple[KubernetesActuator, Clock, Order, dict[str, Any]]:
     """Two decode engines; `vllm-decode-a`, with `busy` requests, taken out of routing to drain: the actuator, its
@@ -806,11 +816,14 @@ async def test_drained_pods_stay_drained_once_the_count_is_written(server: ApiSe
         raise ActuationError(f"{what}: ReadTimeoutError")
 
     act._patch = times_out  # type: ignore[method-assign]  # the stamp after the scale fails
-    with pytest.raises(ActuationError, match="annotating"):
-        await act.resume(o, wait, Clock().t + 5)
+    later = await act.resume(o, wait, Clock().t + 5)
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
     assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"], (  # type: ignore[index]
         "the ReplicaSet removes it: never routed again")
+    # The change is made, not failed: what follows it, the check that the drained engine went, still runs.
+    removing = later["wait"]
+    assert removing["then"] == "verify" and removing["pods"] == ["vllm-decode-a"]
+    assert "ReadTimeoutError" in removing["done"]["unstamped"] and removing["done"]["replicas"] == 2
 
 
 async def test_a_drain_deletes_its_pod_even_where_the_pools_pods_cannot_be_listed(server: ApiServer,
@@ -989,6 +1002,26 @@ async def test_a_rollout_with_a_workload_ref_changes_the_deployment_it_follows(s
         await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), pool="canary", action_id=12))
     seen = (await act.observe()).pools["canary"]
     assert seen.desired == 2 and seen.template is None, "its count is still known, its template not"
+
+
+async def test_a_rollout_that_takes_its_selector_from_the_deployment_it_follows_scales_down(
+        server: ApiServer, api: client.ApiClient) -> None:
+    # Argo lets a Rollout with a workloadRef leave out its selector (its controller takes the Deployment's), and its
+    # template empty: the engines are found, and changed, through the Deployment.
+    server.put(DEPLOYMENTS, deployment("vllm-canary-source", replicas=0))
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS},
+                          "spec": {"replicas": 2, "template": {"spec": {"containers": []}},
+                                   "workloadRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                   "name": "vllm-canary-source"}}})
+    for name in ("vllm-canary-a", "vllm-canary-b"):
+        server.put(PODS, pod(name, app="vllm-canary-source"))
+    act = actuator(api)
+    wait = (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(1), pool="canary",
+                                      busy={"vllm-canary-a": 0.0, "vllm-canary-b": 2.0})))["wait"]
+    assert wait["pods"] == ["vllm-canary-a"]
+    done = await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True, 1000, 3000, 8), pool="canary", action_id=13))
+    assert done["patched"] == "Deployment llm/vllm-canary-source"
 
 
 async def test_a_rollout_following_a_deployment_is_routed_again_with_its_label(server: ApiServer,
