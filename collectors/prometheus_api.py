@@ -295,6 +295,11 @@ class Missing:
     query: str
 
 
+# The kinds whose value is NaN when the window holds no observations (0/0): a quantile, a ratio. Any other kind's NaN
+# comes from a series under it.
+_EMPTY_IS_NAN = frozenset({"ratio", "one_plus_ratio", "quantile"})
+
+
 @dataclass(frozen=True, slots=True)
 class Malformed:
     """A signal that could not be computed for `scope` because Prometheus answered with series it cannot read."""
@@ -490,6 +495,12 @@ class PrometheusSource:
                     continue
                 for labels, value in rows:
                     if not math.isfinite(value):
+                        if spec.kind not in _EMPTY_IS_NAN:
+                            # A sum or rate is no number only where a series under it is none: dropped, the signal's
+                            # last value would be read as now's; kept, one engine's NaN would hide the others'.
+                            where = (pool_subject(labels.get(lb.pool, "")) if scope == "pool" else scope)
+                            out.malformed.append(Malformed(spec.name, where, f"the {spec.kind} is {value} ({labels}): a "
+                                                           "series under it is no number", shorten(expr)))
                         continue  # no observations in the window, as the scraper emits nothing then
                     if scope == "engine":
                         subject = self._engine_subject(labels, pools, seen_engines, out)
@@ -522,14 +533,15 @@ class PrometheusSource:
 
     def _down(self, ts: float, window_s: float, pools: Mapping[str, str], out: ApiOutput) -> list[Down]:
         """The engines under the selector that answered within the last ten windows (at least ten minutes) but whose
-        every scrape by Prometheus failed over the last window, with their pools (by label or `pools`; one with
-        neither is no pool's). A pool's sums over its engines lack a down one's series, and look like less load, not
-        like a gap. An engine still starting (a scale-up, a crash loop) has never answered, and is no engine of the
-        sums yet, as a pod not Ready is no target of the control plane's own scrapes."""
+        latest scrape by Prometheus failed, with their pools (by label or `pools`; one with neither is no pool's). A
+        failed scrape marks every series of the target stale at once, so a pool's sums over its engines lack a down
+        one's from then on, and look like less load, not like a gap. An engine still starting (a scale-up, a crash
+        loop) has never answered, and is no engine of the sums yet, as a pod not Ready is no target of the control
+        plane's own scrapes."""
         lb = self.labels
         sel = selector(self._matchers)
         recent, last = _Window(self.mode, max(600.0, 10 * window_s)).duration, _Window(self.mode, window_s).duration
-        rows = self.query(f"group by ({lb.target_grouping()}) ((max_over_time(up{sel}[{last}]) == 0) and on "
+        rows = self.query(f"group by ({lb.target_grouping()}) ((last_over_time(up{sel}[{last}]) == 0) and on "
                           f"({lb.instance}) (count_over_time({ENGINE_SERIES}{sel}[{recent}]) > 0))", ts)
         out.queries += 1
         down = set()

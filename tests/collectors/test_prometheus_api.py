@@ -534,7 +534,7 @@ def test_a_bucket_bound_that_is_no_number_loses_that_pools_share_only() -> None:
 
 def test_targets_prometheus_failed_to_scrape_are_named_with_their_pools() -> None:
     def answer(query: str) -> list[dict[str, Any]]:
-        if query.startswith("group by (instance, pod, pool) ((max_over_time(up") and "count_over_time(vllm:" in query:
+        if query.startswith("group by (instance, pod, pool) ((last_over_time(up") and "count_over_time(vllm:" in query:
             return [_row(1, instance="10.0.0.2:8000", pod="p-1", pool="prefill"),
                     _row(1, instance="10.0.0.3:8000", pod="d-0"),  # mapped
                     _row(1, instance="10.0.0.4:9400", pod="dcgm-x")]  # no pool's
@@ -543,6 +543,22 @@ def test_targets_prometheus_failed_to_scrape_are_named_with_their_pools() -> Non
     out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, pools={"d-0": "decode"})
     assert [(d.pool, d.instance) for d in out.down] == [("decode", "10.0.0.3:8000"), ("prefill", "10.0.0.2:8000")]
     assert PrometheusSource(URL, client=FakeClient(_answer)).signals(1.0, 30.0).down == []
+
+
+def test_a_sum_that_is_no_number_is_malformed_not_dropped_but_an_empty_ratio_is_no_reading() -> None:
+    # One engine of pool prefill exposes NaN requests waiting: PromQL's sum is NaN. Dropped, the pool's last value
+    # would stand for now's.
+    def answer(query: str) -> list[dict[str, Any]]:
+        if "num_requests_waiting" in query and "by (pool)" in query:
+            return [_row("NaN", pool="prefill")]
+        return _answer(query)
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
+    [bad] = out.malformed
+    assert (bad.signal, bad.scope) == ("requests_waiting", "pool/prefill") and "the sum is nan" in bad.problem
+    assert ("pool/prefill", "requests_waiting") not in {(s.subject, s.name) for s in out.signals}
+    # The engine scope's NaN TTFT quantile of `_answer` is no observations, not malformed.
+    assert not any(m.signal == "ttft_p95" for m in out.malformed)
 
 
 def test_a_pool_without_an_objective_is_not_read_for_a_share() -> None:
