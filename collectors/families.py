@@ -17,7 +17,7 @@ from collectors.derive import EMPTY_HISTOGRAM, Histogram, counter_increase, hist
 from collectors.types import Objectives, Sample, Signal
 
 __all__ = ["STALE_S", "Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "advance", "delta", "merge_all",
-           "merge_rates", "missing_families", "read"]
+           "merge_rates", "missing_families", "read", "unnumbered_families"]
 
 STALE_S = 300.0  # a series not read for longer is gone, and one that comes back is new (Prometheus' lookback)
 
@@ -73,6 +73,7 @@ class Reading:
     # Series this reading lacked, carried from earlier ones for the next diff (`advance`): how much older their values
     # are than this reading, by (table, key, labels).
     carried: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
+    not_numbers: set[str] = field(default_factory=set)  # families with a value that was NaN or infinite: no reading
 
 
 @dataclass(slots=True)
@@ -154,7 +155,8 @@ def read(
     """Group samples into per-entity readings; a current family spelling wins over an old one.
 
     `entity_of` returns None for samples that belong to no entity (they are ignored). A NaN or infinite value is no
-    reading (its family still counts as exposed): summed with the others it would hide every engine's.
+    reading (its family still counts as exposed; the reading lists it in `not_numbers`): summed with the others it
+    would hide every engine's.
     """
     idx = index if index is not None else fmap.index()
     entities: dict[str, Reading] = {}
@@ -177,8 +179,10 @@ def read(
         r = entities.get(entity)
         if r is None:
             r = entities[entity] = Reading(attrs=attrs_of(s.labels) if attrs_of else {})
-        r.families.add(s.name[: -len(suffix)] if suffix else s.name)
+        family = s.name[: -len(suffix)] if suffix else s.name
+        r.families.add(family)
         if not math.isfinite(s.value):
+            r.not_numbers.add(family)
             continue
         if kind == "counter":
             counters[(entity, key, rank)] = counters.get((entity, key, rank), 0.0) + s.value
@@ -242,6 +246,18 @@ def missing_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[s
         if not present.intersection(group):
             missing.append(fam)
     return missing
+
+
+def unnumbered_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[str]:
+    """Expected families (any spelling) of which some entity of a target exposed a value that is no number, each with
+    the entities: that value is missing from the sums as much as an absent family's."""
+    groups = [*fmap.counters.values(), *fmap.gauges.values(), *fmap.histograms.values()]
+    expected = {name for fam in fmap.expected for name in next((g for g in groups if fam in g), (fam,))}
+    bad: dict[str, list[str]] = {}
+    for entity, r in sorted(readings.items()):
+        for fam in sorted(r.not_numbers & expected):
+            bad.setdefault(fam, []).append(entity)
+    return [f"{fam} (a value that is no number: {', '.join(entities)})" for fam, entities in bad.items()]
 
 
 def advance(prev: Reading, cur: Reading, seconds: float) -> Delta | None:

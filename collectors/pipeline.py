@@ -63,7 +63,8 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_samples", float(len(samples))))
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
-            missing = families.missing_families(readings, source.families)
+            missing = families.missing_families(readings, source.families) + families.unnumbered_families(
+                readings, source.families)
             if missing:
                 out.missing_families[t.key] = missing
             pod_deltas: list[families.Delta] = []

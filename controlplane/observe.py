@@ -62,8 +62,9 @@ class Observation:
     def unfit_inputs(self, pools: Sequence[str]) -> dict[str, dict[str, str]]:
         """What this observation says cannot be trusted, per pool, with why: a producer when one of
         the pool's targets is down (twice in a row: one timeout is noise), was not read within the
-        round, or lacks an expected family, a signal when its Prometheus query matches nothing (`pools` for the fleet-wide ones),
-        and what the source itself says (`unfit`)."""
+        round, sent malformed lines, or lacks an expected family or a value that is a number, a signal
+        when its Prometheus query matches nothing (`pools` for the fleet-wide ones), and what the source
+        itself says (`unfit`)."""
         out: dict[str, dict[str, str]] = {pool: dict(inputs) for pool, inputs in self.unfit.items()}
         for r in self.results:
             health = self.health.get(r.target.key)
@@ -72,6 +73,10 @@ class Observation:
             elif not r.ok and (health is None or health.consecutive_failures >= DOWN_AFTER):
                 out.setdefault(r.target.pool, {})[r.target.source] = \
                     f"target {r.target.key} is down ({r.error or 'scrape failed'})"
+        for key, errs in self.parse_errors.items():
+            if not key.startswith("prometheus/"):  # a malformed line's value is missing from its pool's sums
+                pool, pod, source = key.split("/", 2)
+                out.setdefault(pool, {}).setdefault(source, f"{pod}: {len(errs)} malformed line(s), first: {errs[0]}")
         for key, names in self.missing.items():
             head, _, rest = key.partition("/")
             if head == "prometheus":

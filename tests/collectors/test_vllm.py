@@ -174,8 +174,11 @@ def test_a_value_that_is_no_number_is_no_reading_not_a_poisoned_sum() -> None:
     assert "kv_cache_usage" not in readings["1"].gauges and "vllm:kv_cache_usage_perc" in readings["1"].families
     d = SignalDeriver()
     d.derive([_result(two, 0.0)], 0.0)
-    sig = {(s.subject, s.name): s.value for s in d.derive([_result(two, 15.0)], 15.0).signals}
+    out = d.derive([_result(two, 15.0)], 15.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals}
     assert sig[("pool/prefill", "kv_cache_usage")] == pytest.approx(0.5)
+    # But the pool's numbers lack engine 1's, as they would if it exposed no KV usage at all: said, not silent.
+    assert "vllm:kv_cache_usage_perc (a value that is no number: 1)" in out.missing_families["prefill/p0/vllm"]
 
 
 def test_one_series_restarting_resets_only_its_own_histogram() -> None:

@@ -338,7 +338,7 @@ async def test_a_target_down_in_prometheus_makes_its_pools_inputs_stale(sqlite_s
     down: list[dict[str, Any]] = []
 
     def answer(query: str) -> list[dict[str, Any]]:
-        return down if query.startswith("group by (instance, pod, pool) ((max_over_time(up") else _answer(query)
+        return down if query.startswith("group by (instance, pod, pool) ((last_over_time(up") else _answer(query)
 
     cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
     loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
