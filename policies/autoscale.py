@@ -572,20 +572,21 @@ class Autoscaler:
         """The plan for one pool, or why not: no profile or SLO to size it by, no load reported yet, or requests
         arriving of which none has finished to size them by."""
         # The curves, the pool's record and its scrapes count vLLM engines, its workload pods: a pod serving k
-        # data-parallel engines is planned as k engines that come and go together, and the plan given in pods.
-        k = engines_per_pod(inp.windows, f"pool/{pool.name}")
-        if k == 1:
-            return self._plan(inp, pool, 1)
-        plan = self._plan(inp, replace(pool, desired=pool.desired * k, ready=pool.ready * k,
-                                       min_replicas=pool.min_replicas * k, max_replicas=pool.max_replicas * k,
-                                       gang=max(1, pool.gang) * k), k)
+        # data-parallel engines, or a LeaderWorkerSet group of pods serving one engine across them, is planned in
+        # engines that come and go together, and the plan given in pods.
+        unit = scaling_unit(inp.windows, f"pool/{pool.name}", pool)
+        if unit == ScalingUnit():
+            return self._plan(inp, pool, unit)
+        plan = self._plan(inp, replace(pool, desired=unit.engines_in(pool.desired), ready=unit.engines_in(pool.ready),
+                                       min_replicas=unit.engines_in(pool.min_replicas, up=True),
+                                       max_replicas=unit.engines_in(pool.max_replicas), gang=unit.engines), unit)
         if isinstance(plan, Unplanned):
             return plan
-        plan.evidence["engines_per_pod"] = k
-        return PoolPlan(pool.name, pool.desired, pool.ready, -(-plan.target // k), -(-plan.recommended // k),
-                        f"{plan.reason} ({k} engines a pod)", plan.evidence)
+        plan.evidence["engines_per_pod"] = unit.engines / unit.pods
+        return PoolPlan(pool.name, pool.desired, pool.ready, unit.pods_for(plan.target),
+                        unit.pods_for(plan.recommended), f"{plan.reason} ({unit})", plan.evidence)
 
-    def _plan(self, inp: PolicyInput, pool: PoolState, per_pod: int) -> PoolPlan | Unplanned:
+    def _plan(self, inp: PolicyInput, pool: PoolState, unit: ScalingUnit) -> PoolPlan | Unplanned:
         if pool.name not in self.curves:
             return Unplanned(pool.name, "no engine profile to size it by")
         if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
@@ -634,7 +635,7 @@ class Autoscaler:
             reason = f"{pool.name}: no arrivals now {why}: one engine is enough"
         short = _short_findings(inp, pool)
         recommended, reason = _findings_floor(inp, pool, short, recommended, reason)
-        target, reason = self._held(inp, pool, bool(short), recommended, reason, per_pod)
+        target, reason = self._held(inp, pool, bool(short), recommended, reason, unit)
         return PoolPlan(pool.name, pool.desired, pool.ready, target, recommended, reason, evidence)
 
     def _sized(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
@@ -670,10 +671,10 @@ class Autoscaler:
         return recommended, reason
 
     def _held(self, inp: PolicyInput, pool: PoolState, short: bool, recommended: int, reason: str,
-              per_pod: int) -> tuple[int, str]:
+              unit: ScalingUnit) -> tuple[int, str]:
         """The target from the recommendation: a scale-down held while capacity is short or the SLO broke within
         the hold window, else until lower recommendations last it, and a quarter of the engines at most at once
-        (`per_pod`: the engines of one pod, the unit its recorded targets count in)."""
+        (`unit`: how the pods its recorded targets count serve engines)."""
         s, w, subject = self.settings, inp.windows, f"pool/{pool.name}"
         # An open capacity finding, or a breach within the hold window, holds every scale-down: the curves
         # said enough then too. Otherwise a lower target must last the hold window, and a pool sheds at
@@ -684,9 +685,9 @@ class Autoscaler:
         if short or breached_since:
             target = max(recommended, pool.desired)
         else:
-            # The targets recorded are pods, `per_pod` engines each.
-            target = per_pod * stabilised(w, subject, inp.now, s.scale_down_after, -(-recommended // per_pod),
-                                          pool.desired // per_pod)
+            # The targets recorded are pods.
+            target = unit.engines_in(stabilised(w, subject, inp.now, s.scale_down_after, unit.pods_for(recommended),
+                                                unit.pods_for(pool.desired)))
             # A gang pool (a LeaderWorkerSet) sheds a whole group at least, or it could never shed one.
             target = max(target, pool.desired - max(1, pool.gang, pool.desired // 4))
         held = target > recommended
@@ -906,6 +907,42 @@ def engines_per_pod(w: SignalWindows, subject: str) -> int:
     """vLLM engines a pod of the pool serves (its data-parallel ranks), as the last scrape saw them; 1 unknown."""
     engines, pods = w.latest(subject, "engines_reporting"), w.latest(subject, "pods_reporting")
     return max(1, round(engines / pods)) if engines and pods else 1
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingUnit:
+    """What a pool's workload adds or removes at once, counted both ways: `pods` pods (a LeaderWorkerSet group's
+    size, else one) serving `engines` vLLM engines."""
+
+    engines: int = 1
+    pods: int = 1
+
+    def engines_in(self, pods: int, up: bool = False) -> int:
+        """The engines `pods` pods serve: whole units only (a partial group serves none), or `up` to the next one."""
+        units = -(-pods // self.pods) if up else pods // self.pods
+        return units * self.engines
+
+    def pods_for(self, engines: int) -> int:
+        """The pods that serve `engines` engines: whole units, rounded up."""
+        return -(-engines // self.engines) * self.pods
+
+    def __str__(self) -> str:
+        if self.pods == 1:
+            return f"{self.engines} engines a pod"
+        return f"{self.engines} engine{'s' * (self.engines != 1)} a group of {self.pods} pods"
+
+
+def scaling_unit(w: SignalWindows, subject: str, pool: PoolState) -> ScalingUnit:
+    """How the pool's pods serve engines, as the last scrape saw them: a pod's data-parallel ranks (`engines_per_pod`,
+    over the pods that report) and, in a gang pool, whether every pod of a group serves (data parallel across it) or
+    only its leader does (one engine across the group's nodes, whose other pods run no vLLM server and report none),
+    told apart by how many of the ready groups' pods report."""
+    k, g = engines_per_pod(w, subject), max(1, pool.gang)
+    if g == 1:
+        return ScalingUnit(k, 1)
+    pods, groups = w.latest(subject, "pods_reporting"), pool.ready // g
+    leaders_only = bool(pods and groups and pods / groups < (1 + g) / 2)
+    return ScalingUnit(k * (1 if leaders_only else g), g)
 
 
 def stabilised(w: SignalWindows, subject: str, now: float, window_s: float, target: int, desired: int) -> int:

@@ -562,6 +562,20 @@ def test_pods_of_several_data_parallel_engines_are_planned_in_pods() -> None:
     assert (dp.recommended, dp.target) == (2, 2), "16 engines are two pods of eight"
 
 
+@pytest.mark.parametrize("rate", [30.0, 60.0])
+def test_a_gang_pool_whose_groups_each_serve_one_engine_is_planned_in_groups(rate: float) -> None:
+    # Two LeaderWorkerSet groups of four pods, each one engine across its nodes (only the leader runs a vLLM server
+    # and reports): 8 pods, 2 engines. Planned as 8 engines it would shed a group the load needs.
+    gangs = windows(30, rate, engines=2)
+    for ts, _ in gangs.series("pool/chat", "request_rate"):
+        for name, value in ((DESIRED, 8.0), (READY, 8.0), ("pods_reporting", 2.0), (TARGET, 8.0)):
+            gangs.add(ts, "pool/chat", name, value)
+    p = plan(gangs, replace(pool(8, hi=32), gang=4))
+    engines = plan(windows(30, rate, engines=2), pool(2, hi=8)).recommended  # the same load on plain engines
+    assert (p.recommended, p.target) == (4 * engines, 4 * max(2, engines))
+    assert "1 engine a group of 4 pods" in p.reason
+
+
 def test_a_start_up_time_measured_before_the_history_still_sets_the_horizon() -> None:
     # No scale-up within the hour: the start-up time the loop recorded when it was last measured (10 minutes, a
     # large model pulling its weights) still plans that far ahead, not the 2-minute default.
