@@ -20,7 +20,7 @@ from typing import Any
 
 from collectors.types import Signal, TargetHealth
 from controlplane.actions import FINISHED_STATES, ActionState
-from controlplane.actuators.base import Actuator, FleetView, Order, PoolReplicas
+from controlplane.actuators.base import Actuator, FleetView, Order, PoolReplicas, Releases
 from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode, Rails
 from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, FleetError, StoreConflict
@@ -218,7 +218,7 @@ class ControlLoop:
         else:
             why = f"the {self.actuator.name} actuator cannot tell whether it was applied"
         if applied is None:
-            await self._unknown(action, now, why)
+            await self._unknown(action, now, why, await self._release(order))
         elif applied is not False:
             # What the change reported when it was made, where the fleet kept it: a revert is derived from it.
             await self.store.transition(action.id, ActionState.STARTED, ActionState.SUCCEEDED, now,
@@ -238,7 +238,7 @@ class ControlLoop:
                 why = f"not applied before the stop, and not redone: {decision.note}"
                 self._reverts_unsure = True  # until `_recover_reverts` has seen it recorded again
                 await self.store.transition(action.id, ActionState.STARTED, ActionState.CANCELLED, now,
-                                            {"why": why, "rails": str(decision.reason)})
+                                            {"why": why, "rails": str(decision.reason), **await self._release(order)})
                 self.telemetry.actions.labels(action.kind, "cancelled").inc()
                 if "reverts" in action.params and decision.reason in WAIT_REASONS:
                     await self._revert_again(action, change, decision, now, pools)
@@ -294,9 +294,21 @@ class ControlLoop:
                        unsettled=self._changing(pools, history, now),
                        router_template=self._router_template)
 
-    async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
+    async def _release(self, order: Order) -> dict[str, str]:
+        """Undo what a stopped control plane began of a change that is not carried further (engines it took out of
+        routing to drain would run and serve nothing), for the audit log."""
+        if not isinstance(self.actuator, Releases):
+            return {}
+        try:
+            return {"released": await self.actuator.release(order)}
+        except ActuationError as exc:
+            log.error("action %d: what it began is not undone: %s", order.action_id, exc)
+            return {"release_failed": str(exc)}
+
+    async def _unknown(self, action: ActionRecord, now: float, why: str, released: dict[str, str] | None = None
+                       ) -> None:
         await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
-                                    {"why": f"control plane stopped while it ran; {why}"})
+                                    {"why": f"control plane stopped while it ran; {why}", **(released or {})})
         self.telemetry.actions.labels(action.kind, "unknown").inc()
 
     async def run(self, stop: asyncio.Event) -> None:

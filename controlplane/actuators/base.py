@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from collectors.types import Target
 from policies.types import ActionKind, Change
 
-__all__ = ["ALL_KINDS", "Actuator", "FleetView", "Order", "PoolReplicas", "StaticTargets", "TargetSource"]
+__all__ = ["ALL_KINDS", "Actuator", "FleetView", "Order", "PoolReplicas", "Releases", "StaticTargets", "TargetSource"]
 
 ALL_KINDS = frozenset(ActionKind)
 
@@ -114,6 +114,16 @@ class Actuator(Protocol):
         A control plane that took over from one that stopped mid-action asks this before it acts
         again, so the change is made once.
         """
+        ...
+
+
+@runtime_checkable
+class Releases(Protocol):
+    """An actuator whose changes begin before they are made (engines taken out of routing to drain): what a stopped
+    control plane began of one that is then not carried out can be undone."""
+
+    async def release(self, order: Order) -> str:
+        """Undo what was begun of `order` (its engines routed again); says what, or that there was nothing."""
         ...
 
 

@@ -545,6 +545,8 @@ class KubernetesActuator:
     async def applied(self, order: Order) -> Mapping[str, Any] | bool | None:
         """What the change reported, where the workload carries this action's annotation; False where it does not,
         None where it cannot tell."""
+        if isinstance(order.change, Drain | Cordon):
+            return False  # its start is made again at no cost (each step is idempotent), or released (`release`)
         w = self._workload(order)
         if w is None:
             return None
@@ -556,6 +558,26 @@ class KubernetesActuator:
             if holder is not w and _stamped(held, order):
                 return _applied(held, order, f"{holder.kind} {holder.namespace}/{holder.name}")
         return False
+
+    async def release(self, order: Order) -> str:
+        """Route again the engines `order` took out of routing (they carry its stamp and no routing label): a stopped
+        leader began its drain, and it will not be carried out. For a cordon, every configured pool's in its
+        namespace (the node stays cordoned: that much is its point)."""
+        w = self.workloads.get(order.pool)
+        if w is None:
+            return "nothing to release: no workload is configured for the pool"
+        pools = ([name for name, other in self.workloads.items() if other.namespace == w.namespace]
+                 if isinstance(order.change, Cordon) else [order.pool])
+        said = []
+        for name in pools:
+            other = self.workloads[name]
+            obj = await self._read(other)
+            out = [p for p, meta in (await self._pods_of(other, obj)).items()
+                   if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
+                   and self.settings.routing_label not in (meta.get("labels") or {})]
+            if out:
+                said.append(await self._back_in(order, other, obj, sorted(out)))
+        return "; ".join(said) or "nothing was taken out of routing"
 
     def _workload(self, order: Order) -> Workload | None:
         change = order.change
@@ -775,7 +797,10 @@ class KubernetesActuator:
         if w is None:
             raise ActuationError(f"{order.kind} on {order.pool}: no workload is configured for it")
         if isinstance(change, Drain):
-            await self._unroute(order, w.namespace, change.pod)
+            try:
+                await self._unroute(order, w.namespace, change.pod)
+            except _Missing:  # gone already (a drain taken over after its eviction): what it was for
+                return {"drained": [change.pod], "already_gone": True}
             await self._pod_event(order, w.namespace, change.pod, "taken out of routing to drain")
             return {"wait": {"phase": "draining", "pods": [change.pod], "namespace": w.namespace, "then": "delete",
                              "deadline": self.clock() + self.settings.drain_grace}}

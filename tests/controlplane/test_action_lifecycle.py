@@ -492,6 +492,34 @@ async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> N
     assert "acting is paused (paused by oncall: incident)" in cancelled_why(store, action_id)
 
 
+@dataclass
+class Releasing(Pools):
+    """An actuator whose changes begin before they are made (engines out of routing): what was begun can be undone."""
+
+    released: list[int] = field(default_factory=list)
+
+    async def release(self, order: Order) -> str:
+        self.released.append(order.action_id)
+        return "the drained engines are routed again (prefill-2)"
+
+
+@pytest.mark.parametrize(("already", "state"), [(False, S.CANCELLED), (None, S.UNKNOWN)])
+async def test_a_take_over_that_carries_a_change_no_further_undoes_what_was_begun_of_it(
+        clock: VirtualClock, already: bool | None, state: S) -> None:
+    # The stopped leader took an engine out of routing to drain it, and stopped before its wait was noted: not redone
+    # now (paused), or not known, the engine must not stay out of routing, running and serving nothing.
+    store, pools = MemoryStore(), Releasing(already=already)
+    action_id = await started_elsewhere(store, clock.now())
+    store.pause = Pause(by="oncall", reason="incident", at=clock.now())
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+    await loop.start()
+    [action] = await store.actions()
+    assert (action.state, pools.calls, pools.released) == (state, [], [action_id])
+    [ended] = [e for e in store.action_events(action_id) if e.event == str(state)]
+    assert ended.detail["released"] == "the drained engines are routed again (prefill-2)"
+
+
 class RefusesACreation(MemoryStore):
     """Fails the first action it is asked to create (an outage at that moment)."""
 

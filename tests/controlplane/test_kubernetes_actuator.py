@@ -342,6 +342,34 @@ async def test_an_eviction_that_loses_to_a_change_of_its_pod_is_asked_again(serv
     assert done["drained"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-a") is None
 
 
+async def test_a_scale_down_begun_by_a_leader_that_stopped_is_released_when_it_is_not_carried_further(
+        server: ApiServer, api: client.ApiClient) -> None:
+    act, o, _ = await scaling_down(server, api)
+    assert await act.applied(o) is False, "its count is not written: not applied"
+    assert "llm-d.ai/routed" not in server.get(PODS, NS, "vllm-decode-a")["metadata"]["labels"]  # type: ignore[index]
+    said = await actuator(api).release(o)  # the new leader's actuator: nothing but the fleet to go by
+    assert said == "the drained engines are routed again (vllm-decode-a)"
+    back = server.get(PODS, NS, "vllm-decode-a")
+    assert back is not None and back["metadata"]["labels"]["llm-d.ai/routed"] == "true"
+    assert "controller.kubernetes.io/pod-deletion-cost" not in back["metadata"].get("annotations", {})
+    assert await actuator(api).release(o) == "nothing was taken out of routing"
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 3  # type: ignore[index]
+
+
+async def test_a_drain_taken_over_is_begun_again_and_one_whose_pod_is_gone_is_done(server: ApiServer,
+                                                                                 api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=2))
+    server.put(PODS, pod("vllm-decode-a"))
+    o = order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-a"), busy={"vllm-decode-a": 2.0})
+    act = actuator(api)
+    await act.carry_out(o)
+    assert await act.applied(o) is False, "begun again at no cost, or released"
+    again = await act.carry_out(o)
+    assert again["wait"]["pods"] == ["vllm-decode-a"]
+    server.objects[PODS, NS, "vllm-decode-a"].delete()  # evicted before the stopped leader recorded it
+    assert await act.carry_out(o) == {"drained": ["vllm-decode-a"], "already_gone": True}
+
+
 async def draining(server: ApiServer, api: client.ApiClient, busy: float
                    ) -> tuple[KubernetesActuator, Clock, Order, dict[str, Any]]:
     """Two decode engines; `vllm-decode-a`, with `busy` requests, taken out of routing to drain: the actuator, its
