@@ -36,8 +36,8 @@ previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is 
 and its workload replaces it; a cordon marks the node unschedulable and evicts the engines of every
 configured pool in the namespace on it (a gang's whole group). Both go through the Eviction API,
 which honours PodDisruptionBudgets: a refusal (or a conflict with the pod changing under it) is
-retried until the grace ends (a drained engine's, one more grace after its drain), and the engines
-still there then are routed again. A workload's pods are those its selector matches
+retried until one more grace after the engines were due (idle, or the drain's or cordon's grace
+ended), and the engines still there then are routed again. A workload's pods are those its selector matches
 (matchExpressions included; a Rollout without one has its Deployment's) that no other controller
 owns. A scale whose stamp fails after its count is written is made, and says so (`unstamped`).
 
@@ -902,12 +902,14 @@ class KubernetesActuator:
             riding = [p for key, head in zip(due, heads, strict=True) for p in groups[key] if p != head]
             refused = set(await self._evict_all(order, wait, heads, [*busy, *riding]))
             left = [p for key, head in zip(due, heads, strict=True) if head in refused for p in groups[key]] + busy
-            if left and not late:
+            # As for a drain, one more grace for the budget: engines busy until the grace's end are all evicted at
+            # once, and a budget of one lets the first go and refuses the next until its replacement is ready.
+            if left and now < float(wait["deadline"]) + (self.settings.drain_grace if late else 0.0):
                 return {"wait": {**wait, "pods": left}}
             if left:
                 raise ActuationError(f"node {wait['node']}: {', '.join(left)} could not be evicted within "
-                                     f"{self.settings.drain_grace:g}s (a PodDisruptionBudget refused); "
-                                     f"{await self._back_in_each(order, wait, left)}")
+                                     f"{self.settings.drain_grace:g}s of the grace's end (a PodDisruptionBudget "
+                                     f"refused); {await self._back_in_each(order, wait, left)}")
             done = {"cordoned": wait["node"], "evicted": pods, "waited_for_idle": not late}
             return {**done, "unmoved": wait["unmoved"]} if wait.get("unmoved") else done
         if len(idle) < len(pods) and not late:

@@ -1308,8 +1308,11 @@ async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: Ap
     assert routed(server, "vllm-decode-a") and routed(server, "vllm-decode-b"), "none left running, serving nothing"
     server.pdb_blocks["vllm-decode-a"] = 99  # a budget that never allows it within the grace
     again = await act.carry_out(replace(o, action_id=8))
+    # Past the grace everything goes at once; the budget gets one more grace, as a drain's does.
+    held = await act.resume(replace(o, action_id=8), again["wait"], clock.t + 61)
+    assert held["wait"]["pods"] == ["vllm-decode-a"] and server.get(PODS, NS, "vllm-decode-b") is None
     with pytest.raises(ActuationError, match="could not be evicted.*routed again"):
-        await act.resume(replace(o, action_id=8), again["wait"], clock.t + 61)
+        await act.resume(replace(o, action_id=8), held["wait"], clock.t + 121)
     assert routed(server, "vllm-decode-a")
 
 
