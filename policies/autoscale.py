@@ -383,10 +383,12 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     broken = by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
                        for ts, ttft in w.series(subject, "ttft_p95", since=since))
     sizes, rates = by_minute(engines), by_minute(arrivals)
+    # A whole minute's scrapes: four at 15 s, two at 30 s, the one at a minute (whose p95 is the minute's own).
+    whole = min(4, max(1, round(60.0 / _interval(w, subject))))
     out = []
     for m, broke in sorted(broken.items()):
         start, end = (m - 1) * 60.0, m * 60.0
-        if len(broke) < 4 or not _most(broke) or any(start - STEADY_S < t <= end for t in changes):
+        if len(broke) < whole or not _most(broke) or any(start - STEADY_S < t <= end for t in changes):
             continue
         if sizes.get(m) and rates.get(m) and (r := statistics.fmean(rates[m])) > 0:
             out.append((end, statistics.fmean(sizes[m]), r))
@@ -444,9 +446,10 @@ def burst_factor(arrivals: Sequence[tuple[float, float]]) -> tuple[float, float]
     ts = [t for t, _ in arrivals]
     interval = statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
     ratios = []
+    enough = min(3, max(2, round(60.0 / interval)))  # scrapes of a loaded minute to compare: two at 30 s
     for counts in by_minute((t, rate * interval) for t, rate in arrivals).values():
         mean = statistics.fmean(counts)
-        if len(counts) < 3 or mean < MIN_BURST_COUNT:
+        if len(counts) < enough or mean < MIN_BURST_COUNT:
             continue
         # Blom's approximation of the expected largest of k standard normals: the busiest of k Poisson counts.
         k = len(counts)

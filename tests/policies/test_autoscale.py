@@ -505,6 +505,29 @@ def test_a_steady_minute_that_broke_ttft_with_requests_waiting_keeps_an_engine_m
     assert broke.evidence["broke_with"] == [{"minute_end": 1200.0, "engines": 6.0, "arrivals": 5.0}]
 
 
+def every(w: SignalWindows, seconds: float) -> SignalWindows:
+    """`w` as a scrape every `seconds` would have seen it: its points at multiples of `seconds` only."""
+    out = SignalWindows(w.horizon_s)
+    for (subject, name), points in w._series.items():
+        for ts, value in points:
+            if ts % seconds == 0:
+                out.add(ts, subject, name, value)
+    return out
+
+
+def test_a_broken_minute_counts_at_a_thirty_second_scrape_interval_too() -> None:
+    # Two scrapes a minute are the whole minute there: both broke TTFT with requests queued.
+    broke = plan(every(windows(30, 5.0, engines=6, ttft=_broken_at(20), waiting=3.0), 30.0), pool(6))
+    assert broke.evidence["broke_with"] == [{"minute_end": 1200.0, "engines": 6.0, "arrivals": 5.0}]
+    assert broke.recommended == 7
+
+
+def test_bursts_inside_the_minute_are_seen_at_a_thirty_second_scrape_interval_too() -> None:
+    lumped = [((i + 1) * 30.0, (80.0 if i % 2 == 1 else 0.0)) for i in range(120)]
+    factor, interval = burst_factor(lumped)
+    assert interval == 30.0 and factor == pytest.approx(2.0, rel=0.05)
+
+
 def test_a_lower_load_than_the_breach_scales_its_floor_down() -> None:
     w = windows(20, 10.0, engines=6, ttft=_broken_at(10, minutes=20), waiting=3.0)
     for ts, name, value in [(1200.0 + (i + 1) * STEP, name, value) for i in range(40)
