@@ -15,6 +15,7 @@ it to `<name>_total`; Prometheus itself stores it as exposed).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 
@@ -113,7 +114,7 @@ def _parse_labels(text: str, start: int, line_no: int, line: str) -> tuple[dict[
 
 
 # The common shape, matched in C: a name and labels without escapes or odd spacing.
-_FAST_SERIES = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*",?)*)\}')
+_FAST_SERIES = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\]*"(?:,|(?=\})))*)\}')
 _FAST_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*)"')
 
 
@@ -220,9 +221,11 @@ class Parser:
 def _bound(le: str, line_no: int, line: str) -> None:
     """A histogram bucket's `le` must be a number (or `+Inf`): every quantile and share is read off the bounds."""
     try:
-        float(le)
+        bound = float(le)
     except ValueError:
         raise ExpositionError(line_no, f"bucket bound le={le!r} is not a number", line) from None
+    if math.isnan(bound):
+        raise ExpositionError(line_no, f"bucket bound le={le!r} is not a number", line)
 
 
 def _record(errors: list[ExpositionError] | None, exc: ExpositionError) -> bool:

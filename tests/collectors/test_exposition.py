@@ -80,6 +80,8 @@ def test_escapes_special_values_and_timestamps() -> None:
         pytest.param('m{a="1",a="2"} 1', "duplicate label", id="duplicate-label"),
         pytest.param("<html> 1", "invalid metric name", id="html"),
         pytest.param("ok 3", "already given in this exposition", id="duplicate-series"),
+        pytest.param('m{a="1"b="2"} 1', "expected ',' or '}' after a label", id="labels-without-a-comma"),
+        pytest.param('m_bucket{le="NaN"} 1', "bucket bound le='NaN' is not a number", id="nan-bucket-bound"),
     ],
 )
 def test_malformed_lines_name_line_and_problem(line: str, problem: str) -> None:
