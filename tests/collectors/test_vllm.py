@@ -120,35 +120,34 @@ def test_deriver_records_malformed_lines_and_keeps_the_rest() -> None:
     assert any(s.name == "prefix_cache_hit_rate" for s in out.signals)
 
 
-def test_a_pool_rate_is_the_sum_of_its_engines_rates_when_one_missed_scrapes() -> None:
-    def body(n: float) -> str:
-        return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
+def finished(n: float) -> str:
+    """An engine's exposition of `n` requests finished, and nothing else."""
+    return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
 
+
+def test_a_pool_rate_is_the_sum_of_its_engines_rates_when_one_missed_scrapes() -> None:
     a, b = Target("http://a", "p", "a"), Target("http://b", "p", "b")
     d = SignalDeriver()
-    d.derive([ScrapeResult(a, 0.0, ok=True, body=body(0)), ScrapeResult(b, 0.0, ok=True, body=body(0))], 0.0)
+    d.derive([ScrapeResult(a, 0.0, ok=True, body=finished(0)), ScrapeResult(b, 0.0, ok=True, body=finished(0))], 0.0)
     for i in range(1, 6):  # b misses five scrapes; its next delta spans 60 s, a's 10 s
-        d.derive([ScrapeResult(a, 10.0 * i, ok=True, body=body(100 * i)),
+        d.derive([ScrapeResult(a, 10.0 * i, ok=True, body=finished(100 * i)),
                   ScrapeResult(b, 10.0 * i, ok=False, error="timed out")], 10.0 * i)
-    out = d.derive([ScrapeResult(a, 60.0, ok=True, body=body(600)), ScrapeResult(b, 60.0, ok=True, body=body(600))],
+    out = d.derive([ScrapeResult(a, 60.0, ok=True, body=finished(600)), ScrapeResult(b, 60.0, ok=True, body=finished(600))],
                    60.0)
     rates = {s.subject: s.value for s in out.signals if s.name == "request_rate"}
     assert rates == {"engine/p/a/0": 10.0, "engine/p/b/0": 10.0, "pool/p": pytest.approx(20.0)}
 
 
 def test_a_target_the_round_had_no_time_for_is_neither_up_nor_down_and_its_next_read_spans_the_gap() -> None:
-    def body(n: float) -> str:
-        return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
-
     a, b = Target("http://a", "p", "a"), Target("http://b", "p", "b")
     d = SignalDeriver()
-    d.derive([ScrapeResult(a, 0.0, ok=True, body=body(0)), ScrapeResult(b, 0.0, ok=True, body=body(0))], 0.0)
-    out = d.derive([ScrapeResult(a, 15.0, ok=True, body=body(150)),
+    d.derive([ScrapeResult(a, 0.0, ok=True, body=finished(0)), ScrapeResult(b, 0.0, ok=True, body=finished(0))], 0.0)
+    out = d.derive([ScrapeResult(a, 15.0, ok=True, body=finished(150)),
                     ScrapeResult(b, 15.0, ok=False, error="not scraped this round: x", late=True)], 15.0)
     sig = {(s.subject, s.name): s.value for s in out.signals}
     assert ("target/p/b/vllm", "up") not in sig and sig[("target/p/a/vllm", "up")] == 1.0
     assert sig[("pool/p", "targets")] == 1 and sig[("pool/p", "targets_up")] == 1
-    out = d.derive([ScrapeResult(a, 30.0, ok=True, body=body(300)), ScrapeResult(b, 30.0, ok=True, body=body(300))],
+    out = d.derive([ScrapeResult(a, 30.0, ok=True, body=finished(300)), ScrapeResult(b, 30.0, ok=True, body=finished(300))],
                    30.0)
     rates = {s.subject: s.value for s in out.signals if s.name == "request_rate"}
     assert rates["engine/p/b/0"] == pytest.approx(10.0)

@@ -479,13 +479,20 @@ async def test_a_replica_that_does_not_lead_takes_nothing_over(clock: VirtualClo
     assert (action.id, action.state, pools.calls) == (action_id, S.STARTED, []), "left for the leader"
 
 
-async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> None:
-    store, pools = MemoryStore(), Pools(already=False)
+async def taken_over_while_paused(pools: Pools, clock: VirtualClock) -> tuple[MemoryStore, int]:
+    """An action another control plane left started, taken over by a new leader while acting is paused."""
+    store = MemoryStore()
     action_id = await started_elsewhere(store, clock.now())
     store.pause = Pause(by="oncall", reason="incident", at=clock.now())
     loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
                        policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
     await loop.start()
+    return store, action_id
+
+
+async def test_a_take_over_while_paused_redoes_nothing(clock: VirtualClock) -> None:
+    pools = Pools(already=False)
+    store, action_id = await taken_over_while_paused(pools, clock)
     [action] = await store.actions()
     # Known not to have happened: cancelled, as an approval the kill switch stops; nothing redone while paused.
     assert (action.id, action.state, pools.calls) == (action_id, S.CANCELLED, [])
@@ -508,12 +515,8 @@ async def test_a_take_over_that_carries_a_change_no_further_undoes_what_was_begu
         clock: VirtualClock, already: bool | None, state: S) -> None:
     # The stopped leader took an engine out of routing to drain it, and stopped before its wait was noted: not redone
     # now (paused), or not known, the engine must not stay out of routing, running and serving nothing.
-    store, pools = MemoryStore(), Releasing(already=already)
-    action_id = await started_elsewhere(store, clock.now())
-    store.pause = Pause(by="oncall", reason="incident", at=clock.now())
-    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
-                       policies=[Asks()], actuator=pools, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
-    await loop.start()
+    pools = Releasing(already=already)
+    store, action_id = await taken_over_while_paused(pools, clock)
     [action] = await store.actions()
     assert (action.state, pools.calls, pools.released) == (state, [], [action_id])
     [ended] = [e for e in store.action_events(action_id) if e.event == str(state)]
