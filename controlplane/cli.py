@@ -9,11 +9,13 @@ Commands that report take `--json`: one JSON object on stdout; logs go to stderr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from controlplane.errors import FleetError
+from controlplane.store.records import MAX_ID
 
 __all__ = ["main"]
 
@@ -106,7 +109,8 @@ def db_upgrade(db: str, revision: str) -> None:
     from controlplane.store import migrate
     from controlplane.store.db import redact
 
-    migrate.upgrade(db, revision)
+    with _revision_named(revision):
+        migrate.upgrade(db, revision)
     err.print(f"{redact(db)}: at revision {migrate.current(db)}")
 
 
@@ -118,8 +122,20 @@ def db_downgrade(db: str, revision: str) -> None:
     from controlplane.store import migrate
     from controlplane.store.db import redact
 
-    migrate.downgrade(db, revision)
+    with _revision_named(revision):
+        migrate.downgrade(db, revision)
     err.print(f"{redact(db)}: at revision {migrate.current(db) or 'base'}")
+
+
+@contextlib.contextmanager
+def _revision_named(revision: str) -> Iterator[None]:
+    """A revision the migrations do not know is a usage error naming it, not a traceback."""
+    from alembic.util import CommandError
+
+    try:
+        yield
+    except CommandError as exc:
+        raise click.BadParameter(f"{revision!r}: {exc}", param_hint="--revision") from None
 
 
 @db.command("current")
@@ -245,7 +261,11 @@ def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
     import time
 
     from controlplane.errors import ActionConflict
+    from controlplane.store.records import MAX_NAME
     from controlplane.store.writer import SqlStore
+
+    if not by.strip() or len(by) > MAX_NAME:
+        raise click.BadParameter(f"who decides goes into the audit log: 1 to {MAX_NAME} characters", param_hint="--by")
 
     store = SqlStore.open(db)
     try:
@@ -291,8 +311,11 @@ def resume(db: str) -> None:
     out.print("acting resumed" + (f" (was paused by {was.by}: {was.reason})" if was else " (it was not paused)"))
 
 
+ACTION_ID = click.IntRange(1, MAX_ID)  # as the store holds them
+
+
 @actions.command("approve")
-@click.argument("action_id", type=int)
+@click.argument("action_id", type=ACTION_ID)
 @click.option("--by", default=lambda: os.environ.get("USER", "operator"), help="Who approves (audit log).")
 @click.pass_obj
 def actions_approve(db: str, action_id: int, by: str) -> None:
@@ -301,7 +324,7 @@ def actions_approve(db: str, action_id: int, by: str) -> None:
 
 
 @actions.command("reject")
-@click.argument("action_id", type=int)
+@click.argument("action_id", type=ACTION_ID)
 @click.option("--by", default=lambda: os.environ.get("USER", "operator"))
 @click.pass_obj
 def actions_reject(db: str, action_id: int, by: str) -> None:
@@ -824,6 +847,9 @@ def gate(ctx: click.Context, pool: str | None, baseline: str | None, canary: str
     if missing:
         raise click.UsageError(f"{', '.join(missing)} required (or a subcommand: eval)")
     assert pool is not None and baseline is not None and canary is not None
+    if out_file is not None and not os.access(out_file.parent, os.W_OK):
+        # Checked before the gate runs (up to its window): a verdict whose report cannot be written loses its exit code.
+        raise click.BadParameter(f"{out_file}: its folder does not exist or cannot be written", param_hint="--out")
     verdict = asyncio.run(_gate(pool, baseline, canary, gate_file, max_window, step, start, source_kind,
                                           fleet_file, prometheus_url, db, record, gate_name))
     from controlplane.gate import EXIT_CODES, report
@@ -831,8 +857,11 @@ def gate(ctx: click.Context, pool: str | None, baseline: str | None, canary: str
     if report_fmt is not None:
         text = report(verdict, report_fmt, gate=gate_name, pool=pool, baseline=baseline, canary=canary)
         if out_file is not None:
-            out_file.write_text(text)
-            err.print(f"report: {out_file}")
+            try:
+                out_file.write_text(text)
+                err.print(f"report: {out_file}")
+            except OSError as exc:  # the verdict's exit code stands; the report is said to be missing
+                err.print(f"report not written to {out_file}: {exc.strerror or exc}")
         else:
             click.echo(text)
     if report_fmt is None or out_file is not None:

@@ -457,6 +457,14 @@ class FleetConfig(Settings):
         if self.kubernetes is not None:
             problems += [f"pools[{i}].workload is required to act on Kubernetes (kubernetes is set)"
                          for i, p in enumerate(self.pools) if p.workload is None]
+        # Two pools on one workload would both size and change it, each within its own rails: never one at a time.
+        objects = [(p.name, (w.kind, w.namespace, w.name)) for p in self.pools if (w := p.workload) is not None]
+        seen: dict[tuple[str, str, str], str] = {}
+        for name, obj in objects:
+            if obj in seen:
+                problems.append(f"pools {seen[obj]!r} and {name!r} both name {obj[0]} {obj[1]}/{obj[2]} as their "
+                                "workload: a workload is one pool's")
+            seen.setdefault(obj, name)
         priced = self.advisor.gpu_types
         problems += [f"pools[{i}].engine.gpu_type {p.engine.gpu_type!r} has no price in advisor.gpu_types "
                      f"({', '.join(sorted(priced))})" for i, p in enumerate(self.pools) if p.engine.gpu_type not in priced]
@@ -569,8 +577,15 @@ def load_config(path: str | Path, env: EnvOverrides | None = None) -> FleetConfi
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(p), [f"cannot read the file: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), [f"not UTF-8 text (byte {exc.start}): a fleet file is YAML"]) from None
     cfg = parse_config(text, str(p))
-    env = env or EnvOverrides()
+    if env is None:
+        try:
+            env = EnvOverrides()
+        except ValidationError as exc:
+            raise ConfigError("the environment", [f"FLEETCTL_{str(e['loc'][0]).upper()}: {e['msg']}"
+                                                  for e in exc.errors()]) from None
     updates: dict[str, Any] = {}
     if env.store_url:
         updates["store"] = cfg.store.model_copy(update={"url": env.store_url})

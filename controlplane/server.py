@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controlplane.errors import ActionConflict, ActionNotFound, FleetError, GateError, GateInputError
 from controlplane.gate import GateBook, GateKey, StoreGateSource
 from controlplane.loop import ControlLoop
+from controlplane.store.records import MAX_ID, MAX_NAME
 from policies.canary import GateSettings, Outcome, Verdict
 
 __all__ = ["TOKEN_ENV", "start_server", "store_gates"]
@@ -34,8 +35,6 @@ __all__ = ["TOKEN_ENV", "start_server", "store_gates"]
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLEETCTL_API_TOKEN"
-MAX_NAME = 255
-MAX_ID = 2**63 - 1  # the largest id a BIGINT column holds
 
 
 def _health(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:

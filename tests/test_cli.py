@@ -52,6 +52,27 @@ def test_usage_errors_exit_3() -> None:
     assert fleetctl("config", "check").returncode == 3
 
 
+def test_bad_input_is_a_clear_error_naming_it_never_a_traceback(tmp_path: Path) -> None:
+    binary = tmp_path / "fleet.yaml"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe")
+    res = fleetctl("config", "check", str(binary))
+    assert res.returncode == 1 and "not UTF-8 text" in res.stdout + res.stderr and "Traceback" not in res.stderr
+    res = fleetctl("config", "check", "deploy/fleet.example.yaml", env={"FLEETCTL_MODE": "enforce"})
+    assert res.returncode == 1 and "FLEETCTL_MODE" in res.stdout + res.stderr and "Traceback" not in res.stderr
+    # An unreadable store URL is not echoed: it may carry a password.
+    for url in ("postgresql//u:s3cret@db/fleet", "postgresql+psycopg://u:s3cret@db:54x2/fleet"):
+        res = fleetctl("findings", "--db", url)
+        assert res.returncode == 4 and "the store URL cannot be read" in res.stderr and "s3cret" not in res.stderr
+    res = fleetctl("db", "upgrade", "--revision", "bogus", "--db", f"sqlite:///{tmp_path / 'x.db'}")
+    assert res.returncode == 3 and "--revision" in res.stderr and "'bogus'" in res.stderr
+    for args in (["9223372036854775808"], ["7", "--by", " "]):
+        res = fleetctl("actions", "approve", *args, "--db", f"sqlite:///{tmp_path / 'x.db'}")
+        assert res.returncode == 3 and "Traceback" not in res.stderr, args
+    res = fleetctl("gate", "--pool", "p", "--baseline", "a=b", "--canary", "a=c", "--report", "junit",
+                   "--out", str(tmp_path / "no" / "such" / "r.xml"), "--db", f"sqlite:///{tmp_path / 'x.db'}")
+    assert res.returncode == 3 and "--out" in res.stderr and "cannot be written" in res.stderr
+
+
 def test_a_defect_exits_70_not_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # Python's own status for an uncaught exception is 1, which a pipeline reads as a failed canary (a rollback).
     from controlplane import cli

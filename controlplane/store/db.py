@@ -28,7 +28,7 @@ def redact(url: str) -> str:
     """The URL with any password hidden, for logs and error messages."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is no number
         return "<unparseable store URL>"
 
 
@@ -37,8 +37,11 @@ def make_engine(url: str, *, check: bool = True) -> Engine:
     url = normalize_url(url)
     try:
         parsed = make_url(url)
-    except ArgumentError:
-        raise StoreUnavailable(f"store URL {url!r} is not a database URL (e.g. sqlite:///fleet.db)") from None
+    except (ArgumentError, ValueError) as exc:
+        # Not the URL itself: one that cannot be parsed cannot have its password hidden either.
+        why = "its port is not a number" if isinstance(exc, ValueError) else "it is not a database URL"
+        raise StoreUnavailable(f"the store URL cannot be read: {why} (e.g. sqlite:///fleet.db or "
+                               "postgresql+psycopg://user@host/db)") from None
     kwargs: dict[str, Any] = {}
     if parsed.get_backend_name() == "sqlite":
         kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}

@@ -7,8 +7,11 @@ from typing import Any
 
 from controlplane.actions import ActionState
 
-__all__ = ["ActionEvent", "ActionRecord", "AdviceRecord", "FindingRecord", "NewAction", "NewAdvice", "NewFinding", "NewVerdict",
-           "Pause"]
+__all__ = ["MAX_ID", "MAX_NAME", "ActionEvent", "ActionRecord", "AdviceRecord", "FindingRecord", "NewAction",
+           "NewAdvice", "NewFinding", "NewVerdict", "Pause"]
+
+MAX_ID = 2**63 - 1  # the largest id a BIGINT column holds: a larger one no store holds, and a database refuses
+MAX_NAME = 255  # the longest name a person gives (who approved, who paused)
 
 
 @dataclass(frozen=True, slots=True)

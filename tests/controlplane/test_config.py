@@ -154,3 +154,9 @@ def test_policy_sections_are_the_policies_own_settings() -> None:
     assert any("recent_points" in p and "greater than or equal to 2" in p for p in problems(
         "pools: [{name: p, role: unified, model: m, replicas: {max: 2}}]\n"
         "policies: {spec_decode_collapse: {recent_points: 1}}\n"))
+
+
+def test_two_pools_on_one_workload_are_a_config_error() -> None:
+    text = EXAMPLE.read_text().replace("name: llama-decode}", "name: llama-prefill}")
+    with pytest.raises(ConfigError, match="pools 'prefill' and 'decode' both name Deployment llm/llama-prefill"):
+        parse_config(text)
