@@ -62,12 +62,13 @@ def reported_since(windows: SignalWindows, subject: str, names: Iterable[str], s
 
 def current_since(windows: SignalWindows, subjects: Iterable[str], names: Sequence[str], now: float,
                   stale_s: float) -> float:
-    """From when a subject counts as current: it reported in the latest scrape of any of `subjects`
+    """From when a subject counts as current: it reported in the latest round of scrapes of `subjects`
     (one that missed it left, or was replaced: its old points say nothing about now), and within
-    `stale_s`."""
+    `stale_s`. A round stamps each target at `now` plus its offset within the round (`scrape.spread`),
+    so the round is what came at or after `now`, or, where nothing did (a replay), the newest point."""
     newest = max((ts for s in subjects for n in names if (ts := windows.latest_ts(s, n)) is not None),
                  default=now - stale_s)
-    return max(newest, now - stale_s)
+    return max(min(newest, now), now - stale_s)
 
 
 def gone_findings(inp: PolicyInput, kind: str, names: Iterable[str], stale_s: float,

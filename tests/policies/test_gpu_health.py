@@ -150,3 +150,15 @@ def test_a_gpu_that_stops_reporting_resolves() -> None:
     gpu.ts += 1000.0
     result = gpu.run({KEY: OpenFinding(KEY, 0.0, f.evidence)})
     assert result.findings == [] and [k for k, _ in result.resolved] == [KEY]
+
+
+def test_every_node_of_a_round_is_judged_though_each_is_scraped_at_its_own_offset() -> None:
+    # A round at t stamps each target at t plus its offset within `scrape.spread`: node-a at t+0.4, node-b at t+2.1.
+    w = SignalWindows(horizon_s=3 * 3600)
+    for i in range(1, 41):
+        t = i * STEP
+        for gpu, offset, dbe in (("gpu/node-a/0", 0.4, 1.0 if i == 40 else 0.0), ("gpu/node-b/0", 2.1, 0.0)):
+            for name, value in (("gpu_utilization", 0.8), ("gpu_xid_errors_window", 0.0), ("gpu_ecc_dbe_rate", dbe)):
+                w.add(t + offset, gpu, name, value)
+    [f] = GpuHealth().evaluate(PolicyInput(40 * STEP, w, {}, {})).findings
+    assert f.key == FindingKey("gpu_health", "gpu/node-a/0") and f.severity == "critical"
