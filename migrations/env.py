@@ -16,15 +16,26 @@ def run() -> None:
     engine: Engine | None = config.attributes.get("engine")
     if engine is None:
         engine = make_engine(config.get_main_option("sqlalchemy.url") or "")
-    with engine.begin() as conn:
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            # SQLite alters a table by copying it and dropping the old one, which a row of another table that refers
+            # to it forbids while foreign keys are enforced; the pragma takes effect only outside a transaction.
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            conn.commit()
         context.configure(
             connection=conn,
             target_metadata=target_metadata,
-            render_as_batch=conn.dialect.name == "sqlite",  # SQLite cannot ALTER most things
+            render_as_batch=sqlite,  # SQLite cannot ALTER most things
             compare_type=True,
         )
         with context.begin_transaction():
             context.run_migrations()
+            if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
+                raise RuntimeError(f"the migration left rows that refer to none: {broken[:5]}")
+        conn.commit()
+        if sqlite:
+            conn.exec_driver_sql("PRAGMA foreign_keys=ON")
 
 
 run()

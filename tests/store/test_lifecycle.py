@@ -204,11 +204,15 @@ def test_migration_expires_duplicate_active_actions(db_url: str) -> None:
         for state, ts in (("proposed", 1.0), ("approved", 2.0), ("succeeded", 0.5)):
             conn.execute(text("INSERT INTO actions (kind, pool, params, mode, state, reason, created_at) "
                               "VALUES ('scale_pool', 'prefill', '{}', 'act', :state, 'x', :ts)"), {"state": state, "ts": ts})
+        # Every action has its audit log, which refers to it (SQLite's copy of the table must not trip over it).
+        conn.execute(text("INSERT INTO action_events (action_id, ts, event, detail) "
+                          "SELECT id, created_at, 'proposed', '{}' FROM actions"))
     sql.close()
     migrate.upgrade(db_url)
     sql = SqlStore.open(db_url)
     try:
         assert [str(a.state) for a in sql.actions()] == ["expired", "approved", "succeeded"]
+        assert next(e.event for e in sql.action_events(1)) == "proposed", "the audit log kept"
         assert [a.dry_run for a in sql.actions()] == [False] * 3
         with pytest.raises(StoreConflict):
             sql.create_action(scale(), 3.0)
