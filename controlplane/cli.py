@@ -960,10 +960,13 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
             if client is not None:
                 await client.aclose()
         if record and store is not None:
-            vid = await store.record_verdict(NewVerdict(gate_name, pool, baseline, canary, verdict.started_at,
-                                                        verdict.ended_at, verdict.outcome.value, verdict.score,
-                                                        verdict.as_dict()))
-            err.print(f"verdict #{vid} recorded")
+            try:
+                vid = await store.record_verdict(NewVerdict(gate_name, pool, baseline, canary, verdict.started_at,
+                                                            verdict.ended_at, verdict.outcome.value, verdict.score,
+                                                            verdict.as_dict()))
+                err.print(f"verdict #{vid} recorded")
+            except FleetError as exc:  # the verdict and its exit code stand: a pipeline rolls back on them
+                err.print(f"verdict not recorded: {exc}")
     return verdict
 
 

@@ -100,3 +100,10 @@ def test_fleetctl_gate_judges_the_store_exits_by_verdict_and_records_it(tmp_path
     assert json.loads(ok.stdout)["result"] == "pass"
     bad = _gate(same, now, "--canary", "pod=~a**")
     assert bad.returncode == 3 and "not a regular expression" in bad.stderr
+    # A store that cannot take the verdict (an outage at the end, a read-only user) leaves the verdict's exit code.
+    store = SqlStore.open(slow)
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE verdicts")
+    store.close()
+    unrecorded = _gate(slow, now)
+    assert unrecorded.returncode == 1 and "verdict not recorded" in unrecorded.stderr
