@@ -921,7 +921,10 @@ class ControlLoop:
                     raise
                 except Exception:  # a row it cannot read: judged all the same, not retried every tick
                     log.exception("action %d: its revert and finding could not be made", action.id)
-            await self.store.record_outcome(action.id, outcome, now, detail)
+            try:
+                await self.store.record_outcome(action.id, outcome, now, detail)
+            except ActionConflict:  # judged by the last leader's tick meanwhile: its verdict stands
+                continue
             report.outcomes.append((action.id, outcome))
 
     async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], done: Mapping[str, Any], now: float,

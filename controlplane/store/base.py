@@ -105,7 +105,7 @@ class Store(Protocol):
         ...
 
     async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
-        """Write the measured outcome of a finished action."""
+        """Write the measured outcome of a finished action, once (ActionConflict where it has one)."""
         ...
 
     async def compact(self, now: float, retention: Retention) -> CompactionReport:

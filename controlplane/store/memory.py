@@ -206,6 +206,8 @@ class MemoryStore:
         self.events.append(ActionEvent(action_id, now, event, jsonable(detail)))
 
     async def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
+        if self.action_rows[action_id].outcome is not None:
+            raise ActionConflict(action_id, "awaiting its outcome", "judged already")
         self.action_rows[action_id] = replace(self.action_rows[action_id], outcome=outcome)
         self.outcome_at[action_id] = now
         self.events.append(ActionEvent(action_id, now, f"outcome:{outcome}", jsonable(detail)))

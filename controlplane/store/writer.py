@@ -300,9 +300,13 @@ class SqlStore(metaclass=_Translating):
             s.add(ActionEventRow(action_id=action_id, ts=now, event=event, detail=jsonable(detail)))
 
     def record_outcome(self, action_id: int, outcome: str, now: float, detail: dict[str, Any]) -> None:
-        """Write the measured outcome of a finished action."""
+        """Write the measured outcome of a finished action, once: ActionConflict where it is judged already (by an old
+        leader's last tick, which always finishes)."""
         with self._write() as s:
-            s.execute(update(ActionRow).where(ActionRow.id == action_id).values(outcome=outcome, outcome_at=now))
+            done = s.execute(update(ActionRow).where(ActionRow.id == action_id, ActionRow.outcome.is_(None))
+                             .values(outcome=outcome, outcome_at=now))
+            if done.rowcount != 1:  # type: ignore[attr-defined]
+                raise ActionConflict(action_id, "awaiting its outcome", "judged already")
             s.add(ActionEventRow(action_id=action_id, ts=now, event=f"outcome:{outcome}", detail=jsonable(detail)))
 
     def actions(self, *, states: Collection[ActionState] | None = None, since: float | None = None,

@@ -73,6 +73,19 @@ async def test_transitions_move_only_from_the_expected_state(any_store: Store) -
     assert [a.id for a in await any_store.awaiting_outcome(1e9)] == []  # a dry run is no fleet outcome
 
 
+async def test_an_outcome_is_recorded_once(any_store: Store) -> None:
+    # Two leaders judging one action (the old one's last tick always finishes): the first verdict stands.
+    a = await any_store.create_action(scale(), 1.0)
+    await any_store.decide(a.id, approve=True, by="alice", now=2.0, via="cli")
+    await any_store.transition(a.id, S.APPROVED, S.STARTED, 3.0)
+    await any_store.transition(a.id, S.STARTED, S.SUCCEEDED, 4.0)
+    await any_store.record_outcome(a.id, "recovered", 400.0, {"before": 2.0, "after": 1.0})
+    with pytest.raises(ActionConflict, match="judged already"):
+        await any_store.record_outcome(a.id, "not_recovered", 401.0, {"before": 2.0, "after": 2.0})
+    [judged] = [x for x in await any_store.actions() if x.id == a.id]
+    assert judged.outcome == "recovered"
+
+
 async def test_one_active_action_per_pool_and_kind(any_store: Store) -> None:
     first = await any_store.create_action(scale(), 1.0)
     with pytest.raises(StoreConflict):
