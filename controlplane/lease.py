@@ -84,7 +84,7 @@ class LeaseLeadership:
         except ApiException as exc:
             if exc.status != 404:
                 return self._failed("reading", exc)
-            return await self._create(now)
+            return await self._gone(now)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return self._failed("reading", exc)
         # A change is dated when its read returned, not when it was sent: a renewal that landed during a slow read
@@ -123,6 +123,18 @@ class LeaseLeadership:
         self._renewed = now
         return True
 
+    async def _gone(self, now: float) -> bool:
+        """The Lease is not there (never created, or deleted: by hand, a prune). Its leader steps down before it
+        creates one again, and a candidate that saw another holder waits out that holder's lease first: that one
+        may still act until it reads the Lease gone, or its renew deadline passes."""
+        if self._renewed is not None:
+            log.warning("the lease %s/%s is gone: stepping down", self.settings.namespace, self.settings.name)
+            self._renewed = None
+        holder = self._observed[0] if self._observed is not None else ""
+        if holder and holder != self.identity and self.clock() < self._observed_at + self.settings.lease_duration:
+            return False
+        return await self._create(now)
+
     async def _create(self, now: float) -> bool:
         s = self.settings
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
@@ -132,7 +144,8 @@ class LeaseLeadership:
         try:
             await self._call(self._api.create_namespaced_lease, s.namespace, body)
         except ApiException as exc:
-            if exc.status == 409:  # created by another candidate just now
+            if exc.status == 409:  # created by another candidate just now: it leads
+                self._renewed = None
                 return False
             return self._failed("creating", exc)
         except (urllib3.exceptions.HTTPError, OSError) as exc:

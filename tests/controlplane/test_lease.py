@@ -152,3 +152,30 @@ async def test_a_renewal_seen_through_a_slow_read_is_dated_when_the_read_returne
     assert await b.contend() is False
     cb.t = 5030.0
     assert await b.contend() is True
+
+
+async def test_a_deleted_lease_is_not_a_free_one_while_its_holder_may_still_act(server: ApiServer,
+                                                                               api: client.ApiClient) -> None:
+    ca, cb = Clock(), Clock(5000.0)
+    a, b = candidate(api, "a", ca), candidate(api, "b", cb)
+    assert await a.contend() is True and await b.contend() is False
+    server.objects[LEASES, NS, "fleet-controlplane"].delete()  # kubectl delete, a prune
+    cb.t += 2
+    assert await b.contend() is False, "a renewed 2 s ago and may act until it reads the lease gone"
+    assert a.leading() is True
+    cb.t += 14
+    assert await b.contend() is True  # a's lease would have run out by now: b creates it and leads
+    ca.t += 16
+    assert a.leading() is False and await a.contend() is False
+    assert lease(server)["spec"]["holderIdentity"] == "b"
+
+
+async def test_a_leader_that_finds_its_lease_gone_steps_down_before_it_takes_it_again(server: ApiServer,
+                                                                                     api: client.ApiClient) -> None:
+    ca = Clock()
+    a = candidate(api, "a", ca)
+    assert await a.contend() is True
+    server.objects[LEASES, NS, "fleet-controlplane"].delete()
+    ca.t += 2
+    server.fail("POST", "/leases", 409, "already exists")  # another candidate created it first
+    assert await a.contend() is False and a.leading() is False
