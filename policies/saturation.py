@@ -155,7 +155,11 @@ class Saturation:
         s = self.settings
         w = inp.windows
         pool = subject.removeprefix("pool/")
-        queue_signal = WAITING_CAPACITY if w.latest(subject, WAITING_CAPACITY) is not None else WAITING
+        # The queue for want of capacity where the engines report it, and report it still (not after a rollout to a
+        # vLLM without the by-reason gauge, whose last values would stand for now's).
+        capacity_at, waiting_at = w.latest_ts(subject, WAITING_CAPACITY), w.latest_ts(subject, WAITING)
+        fresh = capacity_at is not None and (waiting_at is None or capacity_at >= waiting_at)
+        queue_signal = WAITING_CAPACITY if fresh else WAITING
         level = recent_mean(w, subject, queue_signal, s.level_points)
         if level is None:
             return None
@@ -205,7 +209,10 @@ class Saturation:
         queue = w.last(subject, state.queue_signal, n)
         if len(queue) < n or self._long(statistics.fmean(queue) / state.engines, state.normal):
             return None
-        if self._kv_exhausted(w, subject, n):
+        # Clean means each of the last n intervals was: a KV cache full in any of them while preemptions go on keeps
+        # it open (a mean of them, against the bar it opened at, would resolve and reopen it every other tick).
+        if any(v >= s.kv_full for v in w.last(subject, KV, n)) and any(
+                v > 0 for v in w.last(subject, PREEMPTIONS, s.preempt_points)):
             return None
         # The errors of the last n intervals, one without requests counting as clean: over the intervals that had
         # requests only, an idle pool would show the same old errors for as long as the history keeps them.

@@ -102,6 +102,30 @@ def test_kv_full_with_preemptions_opens_but_kv_full_alone_does_not() -> None:
     assert f.evidence["short_pools"] == ["decode"] and f.evidence["signal"] == "kv_cache_usage"
 
 
+def test_a_kv_cache_full_every_other_interval_keeps_its_finding_open_not_flapping() -> None:
+    pool = Pool().tick(40)
+    opened: dict = {}
+    states = []
+    for i in range(20):  # 0.94 and 0.85 in turn, preempting all along
+        pool.tick(kv=0.94 if i % 2 == 0 else 0.85, preempt=0.5)
+        result = pool.run(opened)
+        for f in result.findings:
+            opened[f.key] = OpenFinding(f.key, pool.ts, dict(f.evidence))
+        for key, _ in result.resolved:
+            opened.pop(key, None)
+        states.append((bool(result.findings), bool(result.resolved)))
+    first = next(i for i, (found, _) in enumerate(states) if found)
+    assert not any(resolved for _, resolved in states[first:]), "open until the cache stays clear"
+
+
+def test_a_capacity_queue_that_stopped_reporting_is_not_read_for_now() -> None:
+    # The engines were rolled to a vLLM without the by-reason gauge: its last value (a long queue) is not now's.
+    pool = Pool().tick(40, capacity=0.0)
+    for i in range(12):  # the capacity queue grows, then the gauge is gone
+        pool.tick(waiting=0.0, capacity=3.0 + 1.5 * i)
+    assert not pool.tick(8, waiting=0.0).run().findings
+
+
 def test_errors_count_only_under_load() -> None:
     assert not Pool().tick(40).tick(5, errors=2.0).run().findings, "errors on a quiet pool are not saturation"
     [f] = Pool().tick(40, waiting=9.0).tick(5, errors=2.0, waiting=9.0).run().findings
