@@ -30,6 +30,7 @@ from policies.types import (
     Proposal,
     Severity,
 )
+from policies.windows import SignalWindows
 
 __all__ = ["KIND", "PATHS", "KvTransferLag", "KvTransferSettings"]
 
@@ -188,9 +189,10 @@ class KvTransferLag:
             baseline = None
         peers = self._peer_median(inp, path, subject, subjects, path.p99)
         threshold = self._threshold(baseline, peers)
-        recent = inp.windows.last(subject, path.p99, s.recent_points)
+        recent, scrapes = _tail(inp.windows, path, subject, s.recent_points)
         failures = inp.windows.last(subject, path.failures, s.recent_points)
-        slow = threshold is not None and len(recent) == s.recent_points and all(v > threshold for v in recent)
+        slow = (threshold is not None and scrapes == len(recent) == s.recent_points
+                and all(v > threshold for v in recent))
         if slow and not is_open:
             slow = self._stands_out(recent, baseline, peers) and self._bandwidth_fell(inp, path, subject, subjects)
         failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
@@ -237,13 +239,25 @@ class KvTransferLag:
 
     def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: Mapping[str, Any]) -> bool:
         s = self.settings
-        recent = inp.windows.last(subject, path.p99, s.resolve_points)
+        recent, scrapes = _tail(inp.windows, path, subject, s.resolve_points)
         failures = inp.windows.last(subject, path.failures, s.resolve_points)
         bar = evidence.get("threshold_s")
         # Recovered: resolve_points clean points in a row against two bad ones to open is the
         # hysteresis. A lower bar than the opening threshold would not be: a p99 read from a
         # histogram lands on bucket bounds, and one ordinary sample in the next bucket up would
         # hold a recovered path open for many intervals.
-        tail_ok = bar is None or (len(recent) == s.resolve_points and all(v <= bar for v in recent))
+        tail_ok = bar is None or (scrapes == s.resolve_points and all(v <= bar for v in recent))
         fail_ok = len(failures) == s.resolve_points and all(v == 0 for v in failures) if failures else True
         return tail_ok and fail_ok
+
+
+def _tail(w: SignalWindows, path: PathSignals, subject: str, n: int) -> tuple[list[float], int]:
+    """The transfer-time p99s of the subject's last `n` scrapes, and how many scrapes that is. The failure counter
+    reports every scrape, the p99 only those with transfers: a path gone idle keeps its last bad p99s, which say
+    nothing about now, and a scrape without one has no tail. Without a failure counter, the last `n` p99 points."""
+    scrapes = w.series(subject, path.failures)[-n:]
+    if not scrapes:
+        recent = w.last(subject, path.p99, n)
+        return recent, len(recent)
+    at = dict(w.series(subject, path.p99, since=scrapes[0][0]))
+    return [at[t] for t, _ in scrapes if t in at], len(scrapes)

@@ -88,6 +88,18 @@ def test_resolves_only_after_three_good_points() -> None:
     assert done.resolved == [(f.key, "transfer tail and failures back to normal")]
 
 
+def test_a_path_gone_idle_is_judged_by_its_scrapes_not_by_its_last_slow_transfers() -> None:
+    # The tail grew, then no transfer went that way (the router avoids it): the failure counter goes on reporting 0
+    # every scrape, the p99 only where there were transfers. Its last slow p99s say nothing about now.
+    [f] = run(windows({PATH: BASE + [0.02, 0.025]})).findings
+    opened = {f.key: OpenFinding(f.key, 0.0, f.evidence)}
+    w = windows({PATH: BASE + [0.02, 0.025]})
+    for i in range(12, 16):
+        w.add(i * STEP, PATH, "kv_failure_rate", 0.0)
+    result = KvTransferLag().evaluate(PolicyInput(15 * STEP, w, {}, opened))
+    assert result.resolved == [(f.key, "transfer tail and failures back to normal")] and not result.findings
+
+
 def test_points_back_under_the_opening_threshold_resolve_even_above_the_baseline() -> None:
     """A histogram p99 lands on bucket bounds: one ordinary sample a bucket up must not hold it open."""
     [f] = run(windows({PATH: BASE + [0.02, 0.025]})).findings
