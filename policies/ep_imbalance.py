@@ -424,13 +424,17 @@ class EpImbalance:
         w = inp.windows
         subject = f"pool/{pool}"
         key = FindingKey(KIND, subject)
+        opened = inp.open_findings.get(key)
         if enabled_at is None:
             return
         before = [(ts, v) for ts, v in w.series(subject, s.signal, since=enabled_at - s.baseline_s) if ts < enabled_at]
         after = [(ts, v) for ts, v in w.series(subject, s.signal, since=enabled_at)][-s.window_points:]
-        if len(before) < s.min_baseline_points or len(after) < s.min_ticks:
+        # An open finding keeps the baseline it opened against: the points from before EPLB leave the history in a
+        # few hours, and it would be neither judged nor resolved from then on.
+        kept = opened.evidence.get("baseline") if opened is not None else None
+        if (len(before) < s.min_baseline_points and kept is None) or len(after) < s.min_ticks:
             return
-        base_itl = statistics.median(v for _, v in before)
+        base_itl = float(kept) if kept is not None else statistics.median(v for _, v in before)
         bound = base_itl * (1 + s.eplb_overhead)
         run_before = [v for ts, v in w.series(subject, RUNNING, since=enabled_at - s.baseline_s) if ts < enabled_at]
         run_after = [v for _, v in w.series(subject, RUNNING, since=enabled_at)][-s.window_points:]

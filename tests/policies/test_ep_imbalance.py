@@ -216,6 +216,17 @@ def test_eplb_overhead_needs_balanced_groups_and_resolves_when_step_time_returns
     assert g.run(opened, EpImbalanceSettings()).resolved == [(key, "the pool no longer runs EPLB")]
 
 
+def test_an_eplb_overhead_finding_still_resolves_once_the_points_from_before_eplb_left_the_history() -> None:
+    g, settings = eplb_overhead(0.036)
+    [f] = g.run(settings=settings).findings
+    opened = {f.key: OpenFinding(f.key, g.ts, f.evidence)}
+    g.tick(4 * 3600 // 15, pool_itl=0.036)  # hours later: the pre-EPLB points are gone, the overhead is not
+    g.w.trim(g.ts)  # as the loop trims its windows every tick
+    assert g.run(opened, settings).findings, "still judged, against the baseline it opened with"
+    g.tick(8, pool_itl=0.030)
+    assert g.run(opened, settings).resolved == [(f.key, "pool step time back at its pre-EPLB level")]
+
+
 def test_a_resolved_group_is_not_reopened_by_the_incident_still_in_its_window() -> None:
     g = Group().tick(20, itl=HOT)
     opened = opening(g)
