@@ -116,7 +116,8 @@ class CanaryRegression:
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         result = PolicyResult()
         engines = {pool: e for pool in inp.pools if (e := self._engines(inp, pool))}
-        rollouts = {pool: arms for pool, e in engines.items() if (arms := _rollout(e)) is not None}
+        rollouts = {pool: arms for pool, e in engines.items()
+                    if (arms := _rollout(e, (state := inp.pools.get(pool)) is not None and state.rolling)) is not None}
         promoted = {pool: p for pool, e in engines.items()
                     if pool not in rollouts and (p := self._promoted(inp, e)) is not None}
         for key in inp.open_findings:
@@ -265,11 +266,13 @@ class _Engine:
     live: bool  # reported within the last few steps
 
 
-def _rollout(engines: list[_Engine]) -> tuple[list[_Engine], list[_Engine], float] | None:
-    """(baseline, canary, when the canary started) while both serve, else None."""
+def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list[_Engine], float] | None:
+    """(baseline, canary, when the canary started) while both serve, else None. The canary is every new engine that
+    reported in the rollout, a quiet one too: a canary pod that crashed must not take its bad steps with it. With none
+    of them serving, the rollout goes on only while the pool still rolls out (its workload says so)."""
     base = [e for e in engines if e.live and not e.new]
-    canary = [e for e in engines if e.live and e.new]
-    if not base or not canary:
+    canary = [e for e in engines if e.new]
+    if not base or not canary or not (rolling or any(e.live for e in canary)):
         return None
     return base, canary, min(e.first for e in canary)
 

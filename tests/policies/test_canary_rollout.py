@@ -116,6 +116,23 @@ def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
     assert res.findings == [] and res.resolved and "rollout ended" in res.resolved[0][1]
 
 
+def test_a_canary_that_crashed_while_the_pool_still_rolls_out_keeps_its_bad_steps() -> None:
+    # The slow canary pod crashes (and restarts) mid-rollout: its history is the rollout's, and the rollback stands.
+    w, now = fleet(1.3)
+    crashed = SignalWindows(horizon_s=3 * 3600)
+    for subject in w.subjects("request_rate"):
+        for name in ("request_rate", "tpot_mean", "ttft_mean", "e2e_mean", "request_error_rate"):
+            for ts, v in w.series(subject, name):
+                if "7f9c" not in subject or ts < now - 300:
+                    crashed.add(ts, subject, name, v)
+    key = FindingKey(KIND, "pool/decode")
+    pools = {"decode": PoolState("decode", "decode", 4, 3, 1, 8, rolling=True)}
+    res = CanaryRegression().evaluate(PolicyInput(now, crashed, pools, {key: OpenFinding(key, now - 900, {})},
+                                                  {"decode": CHANGE}))
+    [f] = res.findings
+    assert not res.resolved and f.severity is Severity.CRITICAL and f.evidence["canary"] == ["decode-7f9c-0"]
+
+
 def promoted(slow: float, load: float = 1.0, drained_early: int = 0) -> tuple[SignalWindows, float]:
     """Three old engines until ten minutes after the change (and `drained_early` more that left a minute after it),
     three new ones from the change on: a promotion; then fifteen minutes of the new revision alone, at `load` times
