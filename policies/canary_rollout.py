@@ -57,6 +57,7 @@ from policies.types import (
     RollBack,
     Severity,
 )
+from policies.windows import HISTORY_S
 
 __all__ = ["KIND", "CanaryRegression", "CanaryRolloutSettings"]
 
@@ -96,7 +97,17 @@ class CanaryRolloutSettings(Settings):
 
     def problems(self, interval: float) -> list[Problem]:
         why = step_problem(self.gate.step, interval)
-        return [("gate.step", why)] if why else []
+        out: list[Problem] = [("gate.step", why)] if why else []
+        # The loop tells a canary from the others by when its engines first reported, in the history it keeps: a
+        # judgement that outlasts the history would count every engine new, and end the rollout in its eyes.
+        if self.gate.max_window > HISTORY_S:
+            out.append(("gate.max_window", f"{self.gate.max_window:g}s is longer than the {HISTORY_S:g}s of history "
+                                           "the loop judges a rollout from (fleetctl gate judges longer ones)"))
+        if self.lookback + self.watch_after_promotion > HISTORY_S:
+            out.append(("watch_after_promotion", f"lookback plus watch_after_promotion "
+                                                 f"({self.lookback + self.watch_after_promotion:g}s) is longer than "
+                                                 f"the {HISTORY_S:g}s of history the loop keeps"))
+        return out
 
 
 class CanaryRegression:

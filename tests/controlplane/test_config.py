@@ -65,6 +65,8 @@ def test_errors_name_path_line_and_value() -> None:
         pytest.param(("mode: propose", "mode: propose\nextra_key: 1"), "extra_key", id="unknown-key"),
         pytest.param(("mode: propose", "mode: propose\nrails: {settle_timeout: 4h}"),
                      "settle_timeout (14400s) must be shorter than the history the loop keeps", id="stall-beyond-history"),
+        pytest.param(("mode: propose", "mode: propose\npolicies: {canary_regression: {gate: {max_window: 4h}}}"),
+                     "gate.max_window", id="canary-window-beyond-history"),
         pytest.param(("model: m", "model: m\n    role: decode"), "not valid YAML", id="yaml-duplicate-key-ok"),
     ],
 )
