@@ -218,7 +218,8 @@ class ControlLoop:
         else:
             why = f"the {self.actuator.name} actuator cannot tell whether it was applied"
         if applied is None:
-            await self._unknown(action, now, why, await self._release(order))
+            await self._unknown(action, now, why)
+            await self._release(order, now)
         elif applied is not False:
             # What the change reported when it was made, where the fleet kept it: a revert is derived from it.
             await self.store.transition(action.id, ActionState.STARTED, ActionState.SUCCEEDED, now,
@@ -238,8 +239,9 @@ class ControlLoop:
                 why = f"not applied before the stop, and not redone: {decision.note}"
                 self._reverts_unsure = True  # until `_recover_reverts` has seen it recorded again
                 await self.store.transition(action.id, ActionState.STARTED, ActionState.CANCELLED, now,
-                                            {"why": why, "rails": str(decision.reason), **await self._release(order)})
+                                            {"why": why, "rails": str(decision.reason)})
                 self.telemetry.actions.labels(action.kind, "cancelled").inc()
+                await self._release(order, now)
                 if "reverts" in action.params and decision.reason in WAIT_REASONS:
                     await self._revert_again(action, change, decision, now, pools)
                 return
@@ -294,21 +296,21 @@ class ControlLoop:
                        unsettled=self._changing(pools, history, now),
                        router_template=self._router_template)
 
-    async def _release(self, order: Order) -> dict[str, str]:
-        """Undo what a stopped control plane began of a change that is not carried further (engines it took out of
-        routing to drain would run and serve nothing), for the audit log."""
+    async def _release(self, order: Order, now: float) -> None:
+        """Undo what a stopped control plane began of a change that is now ended without being carried further
+        (engines it took out of routing to drain would run and serve nothing), and say so in its audit log."""
         if not isinstance(self.actuator, Releases):
-            return {}
+            return
         try:
-            return {"released": await self.actuator.release(order)}
+            said = {"released": await self.actuator.release(order)}
         except ActuationError as exc:
             log.error("action %d: what it began is not undone: %s", order.action_id, exc)
-            return {"release_failed": str(exc)}
+            said = {"release_failed": str(exc)}
+        await self.store.note(order.action_id, "released", now, said)
 
-    async def _unknown(self, action: ActionRecord, now: float, why: str, released: dict[str, str] | None = None
-                       ) -> None:
+    async def _unknown(self, action: ActionRecord, now: float, why: str) -> None:
         await self.store.transition(action.id, ActionState.STARTED, ActionState.UNKNOWN, now,
-                                    {"why": f"control plane stopped while it ran; {why}", **(released or {})})
+                                    {"why": f"control plane stopped while it ran; {why}"})
         self.telemetry.actions.labels(action.kind, "unknown").inc()
 
     async def run(self, stop: asyncio.Event) -> None:

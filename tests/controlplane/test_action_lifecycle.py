@@ -519,8 +519,10 @@ async def test_a_take_over_that_carries_a_change_no_further_undoes_what_was_begu
     store, action_id = await taken_over_while_paused(pools, clock)
     [action] = await store.actions()
     assert (action.state, pools.calls, pools.released) == (state, [], [action_id])
-    [ended] = [e for e in store.action_events(action_id) if e.event == str(state)]
-    assert ended.detail["released"] == "the drained engines are routed again (prefill-2)"
+    events = [e.event for e in store.action_events(action_id)]
+    assert events.index(str(state)) < events.index("released"), "undone once it is ended, not before"
+    [released] = [e for e in store.action_events(action_id) if e.event == "released"]
+    assert released.detail == {"released": "the drained engines are routed again (prefill-2)"}
 
 
 class RefusesACreation(MemoryStore):
