@@ -131,6 +131,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
         for label, q in QUANTILES:
             emit(f"{key}_{label}", histogram_quantile(q, hist.buckets))
         emit(f"{key}_mean", hist.sum / hist.count)
+        if key == "tpot":
+            # Which TPOT it is: the per-request one, or the inter-token latency an older engine has instead. A canary
+            # judge compares arms on one of them only (`policies.canary.tpot_reading`).
+            emit("tpot_per_request", 1.0 if "tpot" in d.histograms else 0.0)
     nixl_bytes = hists.get("nixl_bytes")
     if nixl_bytes is not None and nixl_bytes.count > 0:
         emit("nixl_bytes_rate", nixl_bytes.sum * per_s)

@@ -47,6 +47,8 @@ from policies.canary import (
     judge,
     merge_into,
     step_problem,
+    stored_tpot_reading,
+    tpot_reading,
 )
 
 __all__ = [
@@ -167,8 +169,7 @@ def tpot_spelling(engines: Iterable[families.Reading | families.Delta]) -> dict[
     """Where both arms' TPOT is read, from every engine of both: the per-request histogram when each has it, else the
     inter-token latency for both (engines before it). Each arm on its own would compare a per-request mean with a
     token-weighted one."""
-    every = all("tpot" in e.histograms for e in engines)
-    return {} if every else {"tpot": "itl"}
+    return tpot_reading("tpot" in e.histograms for e in engines)
 
 
 class _TpotReading:
@@ -432,9 +433,11 @@ class StoreGateSource:
         self._names = [r.name for r in rules]
         self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
         self._arm: dict[str, str | None] = {}  # a pod of the pool -> its arm
+        self._tpot = _TpotReading(self._names)
 
     async def interval(self, start: float, end: float) -> Interval:
-        wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate",
+        tpot = {"tpot_per_request", *ENGINE_MEANS["itl"]} if "tpot" in self._names else set()
+        wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate", *tpot,
                   *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was.
         try:
@@ -453,11 +456,26 @@ class StoreGateSource:
                 if s.value >= 1 and self._arm_of(pod) == "canary":
                     self._answered.add(pod)
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
-        for subject, series in engines.items():
-            arm = self._arm_of(subject.split("/", 3)[2])  # engine/<pool>/<pod>/<rank>, of this pool
-            if arm is not None:
-                for name, d in engine_dists(series, self._names, start, end).items():
-                    merge_into(arms[arm], name, d)
+        armed = {subject: arm for subject in engines
+                 if (arm := self._arm_of(subject.split("/", 3)[2])) is not None}  # engine/<pool>/<pod>/<rank>
+        both = {arm: [engines[s] for s, a in armed.items() if a == arm] for arm in arms}
+
+        def decide() -> dict[str, str] | None:
+            """Which TPOT both arms are read on, once each has said which it has (an engine upgraded past the
+            per-request histogram beside older ones), kept for the gate; as stored where neither says but both
+            have a TPOT (signals from before engines said)."""
+            since = start - (end - start)
+            said = [stored_tpot_reading(e, since) for e in both.values()]
+            if all(r is not None for r in said):
+                return stored_tpot_reading([*both["baseline"], *both["canary"]], since)
+            if all(r is None for r in said) and all(any(s.get("tpot_mean") for s in e) for e in both.values()):
+                return {}
+            return None
+
+        read_as = self._tpot.read_as(decide)
+        for subject, arm in armed.items():
+            for name, d in engine_dists(engines[subject], self._names, start, end, read_as).items():
+                merge_into(arms[arm], name, d)
         # A canary pod still scraped that stopped answering would leave the step judged on its healthy ones alone: as
         # the other sources, no step counts while one that answered in this gate fails the loop's scrapes (its last
         # `up` by the step's end, so that one written after the read leaves the step before's; a pod deleted or out

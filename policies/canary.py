@@ -37,7 +37,7 @@ gate from passing, and a gate no metric failed is never worse than marginal.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -71,6 +71,8 @@ __all__ = [
     "judge",
     "merge_into",
     "step_problem",
+    "stored_tpot_reading",
+    "tpot_reading",
 ]
 
 ERRORS = "error_rate"  # errors among finished requests (vLLM's request_success_total{finished_reason="error"})
@@ -329,11 +331,28 @@ class Verdict:
                 "metrics": [m.as_dict() for m in self.metrics]}
 
 
+def tpot_reading(per_request: Iterable[bool]) -> dict[str, str]:
+    """Where both arms' TPOT is read, given whether each engine of both has the per-request histogram: that one when
+    every engine has it, else the inter-token latency for all (engines before it). Each arm on its own would compare
+    a per-request mean with a token-weighted one."""
+    return {} if all(per_request) else {"tpot": "itl"}
+
+
+def stored_tpot_reading(engines: Iterable[Mapping[str, Sequence[tuple[float, float]]]], since: float
+                        ) -> dict[str, str] | None:
+    """`tpot_reading` from engines' stored signals (each name -> points): by each engine's last `tpot_per_request`
+    after `since`; None where none of them has one yet."""
+    marks = [points[-1][1] >= 1.0 for e in engines if (points := [p for p in e.get("tpot_per_request", ())
+                                                                   if p[0] > since])]
+    return tpot_reading(marks) if marks else None
+
+
 def engine_dists(series: Mapping[str, Sequence[tuple[float, float]]], names: Sequence[str], start: float,
-                 end: float) -> dict[str, Dist]:
+                 end: float, read_as: Mapping[str, str] | None = None) -> dict[str, Dist]:
     """One engine's observations in (start, end] from its stored signals (name -> points, oldest first): each
     interval mean weighted by the observations its rate implies since the point before it. Only means: the
-    per-engine quantiles the collectors keep cannot be merged across engines."""
+    per-engine quantiles the collectors keep cannot be merged across engines. `read_as`: a metric read as another's
+    mean (`tpot_reading`), or not at all ("")."""
     def counts(name: str) -> dict[float, float]:
         out: dict[float, float] = {}
         prev: float | None = None
@@ -355,7 +374,10 @@ def engine_dists(series: Mapping[str, Sequence[tuple[float, float]]], names: Seq
             if trials > 0:
                 out[name] = Dist.of_events(sum(counts("request_error_rate").values()), trials)
             continue
-        mean_name, rate_name = ENGINE_MEANS[name]
+        source = (read_as or {}).get(name, name)
+        if not source:
+            continue
+        mean_name, rate_name = ENGINE_MEANS[source]
         weights = requests if rate_name == "request_rate" else counts(rate_name)
         for ts, value in series.get(mean_name, ()):
             n = weights.get(ts, 0.0)

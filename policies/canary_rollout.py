@@ -46,6 +46,7 @@ from policies.canary import (
     judge,
     merge_into,
     step_problem,
+    stored_tpot_reading,
 )
 from policies.types import (
     ActionKind,
@@ -63,6 +64,7 @@ __all__ = ["KIND", "CanaryRegression", "CanaryRolloutSettings"]
 
 KIND = "canary_regression"
 _LOAD = "request_rate"
+_TPOT_AS_ITL = (*ENGINE_MEANS["itl"],)  # what a TPOT read as the inter-token latency needs
 
 
 class CanaryRolloutSettings(Settings):
@@ -185,23 +187,37 @@ class CanaryRegression:
         return old, new, promoted_at
 
     def _steps(self, inp: PolicyInput, engines: list[_Engine], start: float, width: float, n: int,
-               names: list[str]) -> list[dict[str, Dist]]:
-        """The engines' observations merged, in `n` consecutive steps of `width` seconds from `start`."""
+               names: list[str], read_as: dict[str, str]) -> list[dict[str, Dist]]:
+        """The engines' observations merged, in `n` consecutive steps of `width` seconds from `start` (`read_as`:
+        `tpot_reading`'s choice for both arms)."""
         out: list[dict[str, Dist]] = [{} for _ in range(n)]
         for e in engines:
             series = {name: inp.windows.series(e.subject, name, since=start - 2 * self.settings.gate.step)
-                      for name in self.reads}
+                      for name in (*self.reads, *_TPOT_AS_ITL)}
             for k in range(n):
-                for name, d in engine_dists(series, names, start + k * width, start + (k + 1) * width).items():
+                for name, d in engine_dists(series, names, start + k * width, start + (k + 1) * width,
+                                            read_as).items():
                     merge_into(out[k], name, d)
         return out
+
+    def _tpot_as(self, inp: PolicyInput, arms: tuple[list[_Engine], ...], since: float) -> dict[str, str]:
+        """Which TPOT both arms are read on (`tpot_reading`): the per-request one unless an engine of either has only
+        the inter-token latency (a canary upgraded past it beside older engines). As stored where an arm does not
+        say (signals from before engines said)."""
+        said = [stored_tpot_reading([{"tpot_per_request": inp.windows.series(e.subject, "tpot_per_request",
+                                                                            since=since)} for e in arm], since)
+                for arm in arms]
+        if "tpot" not in self._names or any(r is None for r in said):
+            return {}
+        return {"tpot": "itl"} if any(said) else {}
 
     def _watch(self, inp: PolicyInput, pool: str, old: list[_Engine], new: list[_Engine],
                promoted_at: float) -> FindingReport | None:
         """The new revision's steps since the promotion against the old one's level, at matched load."""
         s, gate = self.settings, self.settings.gate
         names = [*self._names, REQUESTS]
-        [level] = self._steps(inp, old, promoted_at - s.lookback, s.lookback, 1, names)
+        read_as = self._tpot_as(inp, (old, new), promoted_at - s.lookback)
+        [level] = self._steps(inp, old, promoted_at - s.lookback, s.lookback, 1, names, read_as)
         if REQUESTS not in level:
             return None
         # Per engine-second the old engines served within the lookback: some left early in the rollout.
@@ -212,7 +228,7 @@ class CanaryRegression:
         per_engine = level[REQUESTS].count / served
         n = int((inp.now - promoted_at) // gate.step)
         intervals = []
-        for k, step in enumerate(self._steps(inp, new, promoted_at, gate.step, n, names)):
+        for k, step in enumerate(self._steps(inp, new, promoted_at, gate.step, n, names, read_as)):
             load = step[REQUESTS].count / gate.step / len(new) if REQUESTS in step else 0.0
             if abs(load / per_engine - 1.0) <= s.load_match:
                 t = promoted_at + k * gate.step
@@ -238,8 +254,9 @@ class CanaryRegression:
         n = int((inp.now - start) // gate.step)
         if n <= 0:
             return None
-        steps = zip(self._steps(inp, base, start, gate.step, n, self._names),
-                    self._steps(inp, canary, start, gate.step, n, self._names), strict=True)
+        read_as = self._tpot_as(inp, (base, canary), start - 2 * gate.step)
+        steps = zip(self._steps(inp, base, start, gate.step, n, self._names, read_as),
+                    self._steps(inp, canary, start, gate.step, n, self._names, read_as), strict=True)
         intervals = [Interval(start + k * gate.step, start + (k + 1) * gate.step, b, c) for k, (b, c) in enumerate(steps)]
         final = inp.now - start >= gate.max_window
         verdict = judge(intervals, gate, final=final)

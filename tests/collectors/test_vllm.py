@@ -8,6 +8,8 @@ from collectors import families, vllm
 from collectors.exposition import parse
 from collectors.pipeline import SignalDeriver
 from collectors.types import Objectives, ScrapeResult, Target
+from controlplane.demo import demo_fleet
+from controlplane.sim.exporters import render_vllm
 
 MODEL = 'model_name="m"'
 
@@ -257,3 +259,24 @@ def test_a_family_back_after_the_horizon_gives_no_reading_for_that_interval() ->
     back = d.derive([_result(f"vllm:prompt_tokens_total{{{lab}}} 1000150\nvllm:num_requests_running{{{lab}}} 1\n",
                              375.0)], 375.0)
     assert "prompt_tokens_rate" not in {s.name for s in back.signals if s.subject == "engine/prefill/p0/0"}
+
+
+def test_tpot_says_whether_it_is_per_request_or_an_older_engines_inter_token_latency() -> None:
+    fleet = demo_fleet(now=1000.0)
+    decode = fleet.members["decode"][0]
+    bodies = []
+    for t in (1030.0, 1060.0):
+        fleet.advance_to(t)
+        bodies.append(render_vllm(decode, "m").decode())
+
+    def marks(keep: bool) -> list[float]:
+        d = SignalDeriver()
+        out = []
+        for k, body in enumerate(bodies):
+            text = "".join(line for line in body.splitlines(keepends=True)
+                           if keep or "request_time_per_output_token" not in line)
+            out += [s.value for s in d.derive([_result(text, 30.0 * k)], 30.0 * k).signals
+                    if s.name == "tpot_per_request" and s.subject.startswith("engine/")]
+        return out
+
+    assert marks(keep=True) == [1.0] and marks(keep=False) == [0.0]

@@ -126,6 +126,26 @@ async def test_the_same_version_as_a_canary_does_not_fail(rollout: tuple[SimFlee
 # the store -------------------------------------------------------------------------------------------
 
 
+async def test_the_store_source_reads_tpot_as_the_inter_token_latency_where_an_arm_lacks_the_per_request_one(
+        ) -> None:
+    # The baseline runs a vLLM before the per-request TPOT histogram (its stored TPOT is the inter-token latency), the
+    # canary one after it: same speed per token, but a per-request mean of short and long answers reads 3x higher.
+    store = MemoryStore()
+    signals = []
+    for ts in (100.0, 115.0, 130.0):
+        for pod, tpot, per_request in (("decode-0", 0.02, 0.0), ("decode-canary-0", 0.06, 1.0)):
+            subject = f"engine/decode/{pod}/0"
+            signals += [Signal(ts, subject, "request_rate", 2.0), Signal(ts, subject, "tpot_mean", tpot),
+                        Signal(ts, subject, "tpot_per_request", per_request), Signal(ts, subject, "itl_mean", 0.02),
+                        Signal(ts, subject, "generation_tokens_rate", 100.0)]
+    await store.write_signals(signals)
+    src = StoreGateSource(store, "decode", ArmSelector.parse("pod!~.*canary.*"), ArmSelector.parse("pod=~.*canary.*"),
+                          (MetricRule(name="tpot"),))
+    iv = await src.interval(100.0, 130.0)
+    assert iv.baseline["tpot"].statistic("mean") == iv.canary["tpot"].statistic("mean") == pytest.approx(0.02)
+    assert iv.canary["tpot"].count == pytest.approx(2 * 100.0 * 15), "weighted by tokens, as the latency is"
+
+
 async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> None:
     store = MemoryStore()
     signals = []

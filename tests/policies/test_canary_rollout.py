@@ -133,6 +133,20 @@ def test_a_canary_that_crashed_while_the_pool_still_rolls_out_keeps_its_bad_step
     assert not res.resolved and f.severity is Severity.CRITICAL and f.evidence["canary"] == ["decode-7f9c-0"]
 
 
+def test_a_canary_upgraded_past_the_per_request_tpot_is_judged_on_the_latency_both_arms_have() -> None:
+    # Same speed per token; the canary's vLLM has the per-request TPOT histogram, the baseline's does not (its stored
+    # TPOT is the inter-token latency). Read each on its own, the canary looks 40 % slower and would be rolled back.
+    w, now = fleet(1.4)
+    for subject in list(w.subjects("request_rate")):
+        canary = "7f9c" in subject
+        for ts, _ in w.series(subject, "request_rate"):
+            w.add(ts + 0.5, subject, "tpot_per_request", 1.0 if canary else 0.0)
+            w.add(ts + 0.5, subject, "itl_mean", 0.02)
+            w.add(ts + 0.5, subject, "generation_tokens_rate", 200.0)
+    s = CanaryRolloutSettings(gate={"metrics": [{"name": "tpot", "critical": True}]})
+    assert run(w, now, {"decode": CHANGE}, settings=s).findings == []
+
+
 def promoted(slow: float, load: float = 1.0, drained_early: int = 0) -> tuple[SignalWindows, float]:
     """Three old engines until ten minutes after the change (and `drained_early` more that left a minute after it),
     three new ones from the change on: a promotion; then fifteen minutes of the new revision alone, at `load` times
