@@ -93,6 +93,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("spec_acceptance_pos_{n}", "ratio", _E, _V, "acceptance of the draft token at position n, per draft"),
     _s(f"ttft_{Q}", "s", _E, _V, "time to first token"),
     _s(f"tpot_{Q}", "s", _E, _V, "time per output token of a request (the inter-token latency where vLLM has no TPOT)"),
+    _s("tpot_per_request", "0/1", _E, _V, "1 where tpot_* is vLLM's per-request TPOT, 0 where it is the inter-token "
+       "latency of an engine without it"),
     _s("ttft_over_slo", "ratio", Subject.POOL, _V, "share of requests whose TTFT exceeded the pool's objective (exact on a "
        "bucket bound)"),
     _s("tpot_over_slo", "ratio", Subject.POOL, _V, "share of requests whose TPOT exceeded the pool's objective (exact on a "
