@@ -257,6 +257,13 @@ class Scrape(Settings):
     # not hit at one instant (Prometheus spreads its targets the same way).
     spread: NonNegativeSeconds = 3.0
 
+    @property
+    def round_s(self) -> float:
+        """How long a round of scrapes may take: four fifths of the interval, the rest the tick's own (its writes,
+        detection, acting), and at least one target's offset and timeout. A target the round has no time for is
+        read next round."""
+        return max(self.spread + self.timeout, 0.8 * self.interval)
+
     @model_validator(mode="after")
     def _timeout_fits(self) -> Scrape:
         if self.timeout >= self.interval:

@@ -43,11 +43,11 @@ from policies.canary import (
     MetricRule,
     Outcome,
     Verdict,
+    arms_tpot_reading,
     engine_dists,
     judge,
     merge_into,
     step_problem,
-    stored_tpot_reading,
     tpot_reading,
 )
 
@@ -460,19 +460,9 @@ class StoreGateSource:
                  if (arm := self._arm_of(subject.split("/", 3)[2])) is not None}  # engine/<pool>/<pod>/<rank>
         both = {arm: [engines[s] for s, a in armed.items() if a == arm] for arm in arms}
 
-        def decide() -> dict[str, str] | None:
-            """Which TPOT both arms are read on, once each has said which it has (an engine upgraded past the
-            per-request histogram beside older ones), kept for the gate; as stored where neither says but both
-            have a TPOT (signals from before engines said)."""
-            since = start - (end - start)
-            said = [stored_tpot_reading(e, since) for e in both.values()]
-            if all(r is not None for r in said):
-                return stored_tpot_reading([*both["baseline"], *both["canary"]], since)
-            if all(r is None for r in said) and all(any(s.get("tpot_mean") for s in e) for e in both.values()):
-                return {}
-            return None
-
-        read_as = self._tpot.read_as(decide)
+        # Which TPOT both arms are read on (an engine upgraded past the per-request histogram beside older ones),
+        # decided once they say and kept for the gate.
+        read_as = self._tpot.read_as(lambda: arms_tpot_reading(both["baseline"], both["canary"], start - (end - start)))
         for subject, arm in armed.items():
             for name, d in engine_dists(engines[subject], self._names, start, end, read_as).items():
                 merge_into(arms[arm], name, d)

@@ -72,6 +72,7 @@ class LeaseLeadership:
         self._renewed: float | None = None  # our last successful write of the Lease, on our clock
         self._observed: tuple[Any, ...] | None = None  # the holder's record as we last read it
         self._observed_at = 0.0  # when that record last changed, on our clock
+        self._observed_for = settings.lease_duration  # the lease duration that record gave its holder
 
     def leading(self) -> bool:
         return self._renewed is not None and self.clock() - self._renewed < self.settings.renew_deadline
@@ -93,9 +94,10 @@ class LeaseLeadership:
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity") or ""
         record = (holder, lease["metadata"].get("resourceVersion"))  # every renewal writes a new version
+        duration = float(spec.get("leaseDurationSeconds") or s.lease_duration)
         if record != self._observed:
             self._observed, self._observed_at = record, seen
-        duration = float(spec.get("leaseDurationSeconds") or s.lease_duration)
+        self._observed_for = duration
         if holder and holder != self.identity and seen < self._observed_at + duration:
             if self._renewed is not None:
                 log.warning("lost leadership to %s", holder)
@@ -128,10 +130,11 @@ class LeaseLeadership:
         creates one again, and a candidate that saw another holder waits out that holder's lease first: that one
         may still act until it reads the Lease gone, or its renew deadline passes."""
         if self._renewed is not None:
-            log.warning("the lease %s/%s is gone: stepping down", self.settings.namespace, self.settings.name)
+            log.warning("the lease %s/%s is gone: leading only if it can be created again", self.settings.namespace,
+                        self.settings.name)
             self._renewed = None
         holder = self._observed[0] if self._observed is not None else ""
-        if holder and holder != self.identity and self.clock() < self._observed_at + self.settings.lease_duration:
+        if holder and holder != self.identity and self.clock() < self._observed_at + self._observed_for:
             return False
         return await self._create(now)
 

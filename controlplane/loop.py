@@ -388,8 +388,10 @@ class ControlLoop:
                 self.telemetry.scrape_errors.labels(r.target.key).inc()
         for key, errs in obs.parse_errors.items():
             self.telemetry.parse_errors.labels(key).inc(len(errs))
+        late = sum(1 for r in obs.results if r.late)  # neither up nor down: the round had no time for them
         self.telemetry.targets.labels("up").set(report.targets_up)
-        self.telemetry.targets.labels("down").set(report.targets - report.targets_up)
+        self.telemetry.targets.labels("late").set(late)
+        self.telemetry.targets.labels("down").set(report.targets - report.targets_up - late)
         with self.telemetry.span("store.signals", signals=len(obs.signals)):
             report.signals = await self.store.write_signals(obs.signals)
         self.telemetry.signals_written.inc(report.signals)

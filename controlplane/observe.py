@@ -141,7 +141,7 @@ class PrometheusApiSource:
                 unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = f"Prometheus' series: {bad.problem}"
         for d in out.down:
             # The selector picks the engines' jobs (as target discovery assumes): a down target is an engine.
-            unfit.setdefault(d.pool, {})[Source.VLLM] = f"target {d.instance} is down in Prometheus (up == 0 all window)"
+            unfit.setdefault(d.pool, {})[Source.VLLM] = f"target {d.instance} is down in Prometheus (its latest scrape failed)"
         return Observation(out.signals, errors=_counted(malformed, "signal(s) unreadable"), parse_errors=malformed,
                            missing=missing, unfit=unfit)
 

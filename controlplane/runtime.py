@@ -121,7 +121,7 @@ def build_loop(
         scraper = Scraper(
             client, concurrency=config.scrape.concurrency, timeout_s=config.scrape.timeout,
             backoff_base_s=config.scrape.interval, backoff_max_s=config.scrape.backoff_max,
-            spread_s=config.scrape.spread, round_s=config.scrape.spread + config.scrape.timeout,
+            spread_s=config.scrape.spread, round_s=config.scrape.round_s,
             sleep=clock.sleep, clock=clock.now,
         )
         source = ScrapeSource(targets, scraper, objectives(config))

@@ -23,19 +23,22 @@ def run() -> None:
             # to it forbids while foreign keys are enforced; the pragma takes effect only outside a transaction.
             conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
             conn.commit()
-        context.configure(
-            connection=conn,
-            target_metadata=target_metadata,
-            render_as_batch=sqlite,  # SQLite cannot ALTER most things
-            compare_type=True,
-        )
-        with context.begin_transaction():
-            context.run_migrations()
-            if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
-                raise RuntimeError(f"the migration left rows that refer to none: {broken[:5]}")
-        conn.commit()
-        if sqlite:
-            conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+        try:
+            context.configure(
+                connection=conn,
+                target_metadata=target_metadata,
+                render_as_batch=sqlite,  # SQLite cannot ALTER most things
+                compare_type=True,
+            )
+            with context.begin_transaction():
+                context.run_migrations()
+                if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
+                    raise RuntimeError(f"the migration left rows that refer to none: {broken[:5]}")
+            conn.commit()
+        finally:
+            if sqlite:  # the connection goes back to a pool its engine's other users share
+                conn.rollback()
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
 
 
 run()

@@ -64,6 +64,7 @@ __all__ = [
     "Outcome",
     "Scale",
     "Verdict",
+    "arms_tpot_reading",
     "blocks",
     "confidence_sequence",
     "engine_dists",
@@ -71,7 +72,6 @@ __all__ = [
     "judge",
     "merge_into",
     "step_problem",
-    "stored_tpot_reading",
     "tpot_reading",
 ]
 
@@ -338,13 +338,28 @@ def tpot_reading(per_request: Iterable[bool]) -> dict[str, str]:
     return {} if all(per_request) else {"tpot": "itl"}
 
 
-def stored_tpot_reading(engines: Iterable[Mapping[str, Sequence[tuple[float, float]]]], since: float
+def _stored_tpot_reading(engines: Iterable[Mapping[str, Sequence[tuple[float, float]]]], since: float
                         ) -> dict[str, str] | None:
     """`tpot_reading` from engines' stored signals (each name -> points): by each engine's last `tpot_per_request`
     after `since`; None where none of them has one yet."""
     marks = [points[-1][1] >= 1.0 for e in engines if (points := [p for p in e.get("tpot_per_request", ())
                                                                    if p[0] > since])]
     return tpot_reading(marks) if marks else None
+
+
+Series = Mapping[str, Sequence[tuple[float, float]]]  # an engine's stored signals: name -> points, oldest first
+
+
+def arms_tpot_reading(baseline: Sequence[Series], canary: Sequence[Series], since: float) -> dict[str, str] | None:
+    """`tpot_reading` for two arms from their engines' stored signals, once each arm has said which TPOT its engines
+    have (`_stored_tpot_reading`); as stored where neither has said but both have a TPOT (signals from before engines
+    said); None while that is not known yet (TPOT is then not read)."""
+    said = [_stored_tpot_reading(arm, since) for arm in (baseline, canary)]
+    if all(r is not None for r in said):
+        return _stored_tpot_reading([*baseline, *canary], since)
+    if all(r is None for r in said) and all(any(e.get("tpot_mean") for e in arm) for arm in (baseline, canary)):
+        return {}
+    return None
 
 
 def engine_dists(series: Mapping[str, Sequence[tuple[float, float]]], names: Sequence[str], start: float,

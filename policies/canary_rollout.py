@@ -42,11 +42,11 @@ from policies.canary import (
     Interval,
     Outcome,
     Verdict,
+    arms_tpot_reading,
     engine_dists,
     judge,
     merge_into,
     step_problem,
-    stored_tpot_reading,
 )
 from policies.types import (
     ActionKind,
@@ -200,23 +200,25 @@ class CanaryRegression:
                     merge_into(out[k], name, d)
         return out
 
-    def _tpot_as(self, inp: PolicyInput, arms: tuple[list[_Engine], ...], since: float) -> dict[str, str]:
-        """Which TPOT both arms are read on (`tpot_reading`): the per-request one unless an engine of either has only
-        the inter-token latency (a canary upgraded past it beside older engines). As stored where an arm does not
-        say (signals from before engines said)."""
-        said = [stored_tpot_reading([{"tpot_per_request": inp.windows.series(e.subject, "tpot_per_request",
-                                                                            since=since)} for e in arm], since)
-                for arm in arms]
-        if "tpot" not in self._names or any(r is None for r in said):
+    def _tpot_as(self, inp: PolicyInput, base: list[_Engine], canary: list[_Engine], since: float) -> dict[str, str]:
+        """Which TPOT both arms are read on (`arms_tpot_reading`: the per-request one unless an engine of either has
+        only the inter-token latency); not read while that is not known."""
+        if "tpot" not in self._names:
             return {}
-        return {"tpot": "itl"} if any(said) else {}
+
+        def stored(arm: list[_Engine]) -> list[dict[str, list[tuple[float, float]]]]:
+            return [{name: inp.windows.series(e.subject, name, since=since) for name in ("tpot_per_request",
+                                                                                         "tpot_mean")} for e in arm]
+
+        decided = arms_tpot_reading(stored(base), stored(canary), since)
+        return {"tpot": ""} if decided is None else decided
 
     def _watch(self, inp: PolicyInput, pool: str, old: list[_Engine], new: list[_Engine],
                promoted_at: float) -> FindingReport | None:
         """The new revision's steps since the promotion against the old one's level, at matched load."""
         s, gate = self.settings, self.settings.gate
         names = [*self._names, REQUESTS]
-        read_as = self._tpot_as(inp, (old, new), promoted_at - s.lookback)
+        read_as = self._tpot_as(inp, old, new, promoted_at - s.lookback)
         [level] = self._steps(inp, old, promoted_at - s.lookback, s.lookback, 1, names, read_as)
         if REQUESTS not in level:
             return None
@@ -254,7 +256,7 @@ class CanaryRegression:
         n = int((inp.now - start) // gate.step)
         if n <= 0:
             return None
-        read_as = self._tpot_as(inp, (base, canary), start - 2 * gate.step)
+        read_as = self._tpot_as(inp, base, canary, start - 2 * gate.step)
         steps = zip(self._steps(inp, base, start, gate.step, n, self._names, read_as),
                     self._steps(inp, canary, start, gate.step, n, self._names, read_as), strict=True)
         intervals = [Interval(start + k * gate.step, start + (k + 1) * gate.step, b, c) for k, (b, c) in enumerate(steps)]

@@ -569,12 +569,18 @@ class KubernetesActuator:
         pools = ([name for name, other in self.workloads.items() if other.namespace == w.namespace]
                  if isinstance(order.change, Cordon) else [order.pool])
         said = []
-        for name in pools:
+        for name in pools:  # each pool on its own: one that cannot be read leaves the others' engines to route
             other = self.workloads[name]
-            obj = await self._read(other)
-            out = [p for p, meta in (await self._pods_of(other, obj)).items()
-                   if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
-                   and self.settings.routing_label not in (meta.get("labels") or {})]
+            try:
+                obj = await self._read(other)
+                out = [p for p, meta in (await self._pods_of(other, obj)).items()
+                       if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
+                       and self.settings.routing_label not in (meta.get("labels") or {})]
+            except _Missing:
+                continue  # no such workload: no engines of it anywhere
+            except ActuationError as exc:
+                said.append(f"{name}'s engines not looked at ({exc}): route any it drained by hand")
+                continue
             if out:
                 said.append(await self._back_in(order, other, obj, sorted(out)))
         return "; ".join(said) or "nothing was taken out of routing"

@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from collectors.types import Target
 from controlplane.actions import ActionState
 from controlplane.actuators.base import StaticTargets
-from controlplane.clock import VirtualClock
+from controlplane.clock import VirtualClock, WallClock
 from controlplane.config import Mode
 from controlplane.demo import demo_config
 from controlplane.errors import StoreUnavailable
@@ -173,29 +173,31 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
 async def test_a_round_with_no_time_left_for_a_target_leaves_its_pool_unfit_not_its_target_down(
         sqlite_store: SqlStore) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "slow":
+        if request.url.host in ("slow", "queued"):
             await asyncio.sleep(3600)
         return httpx.Response(200, text="vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n")
 
     cfg = demo_config(str(sqlite_store.engine.url))
-    cfg = cfg.model_copy(update={"scrape": cfg.scrape.model_copy(update={"timeout": 0.3, "spread": 0.0,
-                                                                         "concurrency": 1})})
+    cfg = cfg.model_copy(update={"scrape": cfg.scrape.model_copy(update={"interval": 0.5, "timeout": 0.3,
+                                                                         "spread": 0.0, "concurrency": 1})})
     store = MemoryStore()
     targets = StaticTargets([Target("http://slow/metrics", "prefill", "slow"),
                              Target("http://queued/metrics", "prefill", "queued")])
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
-        loop = build_loop(cfg, store, mock, targets=targets, clock=VirtualClock())
+        loop = build_loop(cfg, store, mock, targets=targets, clock=WallClock())  # a round's end is real time
         report = await loop.tick()
-    # The round ended 0.3 s in, with the slow read's timeout: the queued one never got a slot.
+    # The round ends 0.4 s in (four fifths of the interval): the slow read took its whole timeout, and the one queued
+    # behind it had 0.1 s left, too little to say anything of it.
     assert report.targets == 2 and report.targets_up == 0
     assert report.errors["prefill/slow/vllm"] == "timed out after 0.3s"
-    assert "every slot was taken" in report.errors["prefill/queued/vllm"]
+    assert "not scraped this round" in report.errors["prefill/queued/vllm"]
     # The slow one failed once (noise, not down yet); the queued one says nothing of itself, but its pool's sums
     # lack it.
     assert "queued/vllm: not scraped this round" in loop._unfit["prefill"]["vllm"]
     assert loop._answering["prefill"] == {"slow", "queued"}
     metrics = generate_latest(loop.telemetry.registry).decode()
     assert 'scrape_errors_total{target="prefill/slow/vllm"} 1.0' in metrics and "queued" not in metrics
+    assert 'targets{state="late"} 1.0' in metrics and 'targets{state="down"} 1.0' in metrics
     assert list(store.targets) == ["prefill/slow/vllm"]  # nothing known of the queued one: no state recorded
 
 

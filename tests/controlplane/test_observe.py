@@ -32,15 +32,10 @@ def test_a_down_target_outweighs_a_late_one_in_the_same_pool() -> None:
     assert obs.answering_engines() == {"decode": {"decode-0"}}
 
 
-def test_a_target_with_malformed_lines_or_a_value_that_is_no_number_leaves_its_pool_unfit() -> None:
+def test_a_target_with_malformed_lines_leaves_its_pool_unfit() -> None:
     a, b = _target("decode-0"), _target("decode-1")
     obs = Observation(
         results=[ScrapeResult(a, 10.0, ok=True), ScrapeResult(b, 10.0, ok=True)],
         health={a.key: TargetHealth(), b.key: TargetHealth()},
-        parse_errors={a.key: ["line 7: value '7x' is not a number: 'vllm:num_requests_waiting{engine=\"1\"} 7x'"]},
-        missing={b.key: ["vllm:kv_cache_usage_perc (a value that is no number: 0)"]})
-    only_a = Observation(results=obs.results, health=obs.health, parse_errors=obs.parse_errors)
-    assert only_a.unfit_inputs(["decode"])["decode"]["vllm"].startswith("decode-0: 1 malformed line(s)")
-    only_b = Observation(results=obs.results, health=obs.health, missing=obs.missing)
-    assert only_b.unfit_inputs(["decode"])["decode"]["vllm"] == (
-        "decode-1 lacks vllm:kv_cache_usage_perc (a value that is no number: 0)")
+        parse_errors={a.key: ["line 7: value '7x' is not a number: 'vllm:num_requests_waiting{engine=\"1\"} 7x'"]})
+    assert obs.unfit_inputs(["decode"])["decode"]["vllm"].startswith("decode-0: 1 malformed line(s)")
