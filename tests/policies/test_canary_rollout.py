@@ -103,14 +103,20 @@ def test_a_canary_still_undecided_when_the_window_ends_goes_to_a_person() -> Non
         assert f.severity is Severity.WARNING and "a person decides" in f.summary and f.proposals == ()
 
 
-def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
-    w, now = fleet(1.3)
-    stopped = SignalWindows(horizon_s=3 * 3600)
+def canary_gone(w: SignalWindows, since: float) -> SignalWindows:
+    """`w` with the canary engine reporting nothing from `since` on."""
+    out = SignalWindows(horizon_s=3 * 3600)
     for subject in w.subjects("request_rate"):
         for name in ("request_rate", "tpot_mean", "ttft_mean", "e2e_mean", "request_error_rate"):
             for ts, v in w.series(subject, name):
-                if "7f9c" not in subject or ts < now - 300:  # the canary was deleted five minutes ago
-                    stopped.add(ts, subject, name, v)
+                if "7f9c" not in subject or ts < since:
+                    out.add(ts, subject, name, v)
+    return out
+
+
+def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
+    w, now = fleet(1.3)
+    stopped = canary_gone(w, now - 300)  # the canary was deleted five minutes ago
     key = FindingKey(KIND, "pool/decode")
     res = run(stopped, now, {"decode": CHANGE}, {key: OpenFinding(key, now - 900, {})})
     assert res.findings == [] and res.resolved and "rollout ended" in res.resolved[0][1]
@@ -119,12 +125,7 @@ def test_a_canary_that_stopped_reporting_is_no_longer_an_arm() -> None:
 def test_a_canary_that_crashed_while_the_pool_still_rolls_out_keeps_its_bad_steps() -> None:
     # The slow canary pod crashes (and restarts) mid-rollout: its history is the rollout's, and the rollback stands.
     w, now = fleet(1.3)
-    crashed = SignalWindows(horizon_s=3 * 3600)
-    for subject in w.subjects("request_rate"):
-        for name in ("request_rate", "tpot_mean", "ttft_mean", "e2e_mean", "request_error_rate"):
-            for ts, v in w.series(subject, name):
-                if "7f9c" not in subject or ts < now - 300:
-                    crashed.add(ts, subject, name, v)
+    crashed = canary_gone(w, now - 300)
     key = FindingKey(KIND, "pool/decode")
     pools = {"decode": PoolState("decode", "decode", 4, 3, 1, 8, rolling=True)}
     res = CanaryRegression().evaluate(PolicyInput(now, crashed, pools, {key: OpenFinding(key, now - 900, {})},
