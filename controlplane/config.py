@@ -6,6 +6,7 @@ problems are reported at once. Durations accept seconds or `30s`, `5m`, `48h`, `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -91,6 +92,11 @@ class LeaderElection(Settings):
                              f"< lease_duration ({self.lease_duration:g}s) must hold, or two replicas could "
                              "act at once")
         return self
+
+    def call_timeout(self, api_timeout: float) -> float:
+        """How long one Lease call may take: the API's timeout, but short enough that a stalled call leaves the leader
+        time for another before its renew deadline (one stalled renewal would otherwise cost it leadership)."""
+        return min(api_timeout, (self.renew_deadline - self.retry_period) / 2)
 
 
 class Kubernetes(Settings):
@@ -196,6 +202,17 @@ class Discovery(Settings):
     role_label: str | None = "llm-d.ai/role"  # prefill | decode | both, as llm-d deployments label pods
     port: int | str = "metrics"  # a number, or a named container port
     path: str = Field("/metrics", pattern=r"^/")
+
+    @field_validator("port")
+    @classmethod
+    def _a_port(cls, value: int | str) -> int | str:
+        # Kubernetes' own rules: a number 1 to 65535, or a container port's name (IANA_SVC_NAME).
+        if isinstance(value, int) and not 1 <= value <= 65535:
+            raise ValueError(f"port {value} is not 1 to 65535")
+        if isinstance(value, str) and not re.fullmatch(r"(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", value):
+            raise ValueError(f"port {value!r} is no container port name (1 to 15 lowercase letters, digits and "
+                             "inner dashes, with a letter)")
+        return value
     source: str = "vllm"
     max_stale_failures: int = Field(3, ge=0)  # API failures during which the last list is kept
     timeout: Seconds = 10.0

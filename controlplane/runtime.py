@@ -183,7 +183,7 @@ def kubernetes_acting(config: FleetConfig, store: Store, stack: contextlib.ExitS
         switch = AnySwitch(switch, ConfigMapSwitch(api, k.switch, k.timeout))
     leadership: Leadership = AlwaysLeader()
     if k.leader_election is not None:
-        leadership = LeaseLeadership(api, k.leader_election, timeout=k.timeout)
+        leadership = LeaseLeadership(api, k.leader_election, timeout=k.leader_election.call_timeout(k.timeout))
     return Acting(actuator, switch, leadership)
 
 

@@ -67,6 +67,12 @@ def test_errors_name_path_line_and_value() -> None:
                      "settle_timeout (14400s) must be shorter than the history the loop keeps", id="stall-beyond-history"),
         pytest.param(("mode: propose", "mode: propose\npolicies: {canary_regression: {gate: {max_window: 4h}}}"),
                      "gate.max_window", id="canary-window-beyond-history"),
+        pytest.param(("targets:\n  - {url: \"http://10.0.0.1:8000/metrics\", pool: prefill, pod: prefill-0}",
+                      "discovery: {namespace: llm, selector: app=vllm, port: 80800}"), "port 80800 is not 1 to 65535",
+                     id="discovery-port-out-of-range"),
+        pytest.param(("targets:\n  - {url: \"http://10.0.0.1:8000/metrics\", pool: prefill, pod: prefill-0}",
+                      "discovery: {namespace: llm, selector: app=vllm, port: Metrics_Port}"),
+                     "'Metrics_Port' is no container port name", id="discovery-port-name"),
         pytest.param(("model: m", "model: m\n    role: decode"), "not valid YAML", id="yaml-duplicate-key-ok"),
     ],
 )
@@ -162,3 +168,10 @@ def test_two_pools_on_one_workload_are_a_config_error() -> None:
     text = EXAMPLE.read_text().replace("name: llama-decode}", "name: llama-prefill}")
     with pytest.raises(ConfigError, match="pools 'prefill' and 'decode' both name Deployment llm/llama-prefill"):
         parse_config(text)
+
+
+def test_a_lease_call_leaves_the_leader_time_to_retry_before_its_renew_deadline() -> None:
+    from controlplane.config import LeaderElection
+
+    election = LeaderElection(namespace="fleet-system")  # renew deadline 10 s, retry every 2 s
+    assert election.call_timeout(10.0) == 4.0 and election.call_timeout(3.0) == 3.0
