@@ -227,7 +227,12 @@ class AdviceRow(Base):
     measured: Mapped[float | None] = mapped_column(Float)
     error: Mapped[float | None] = mapped_column(Float)
 
-    __table_args__ = (Index(None, "kind", "pool", "state"),)
+    __table_args__ = (
+        Index(None, "kind", "pool", "state"),
+        # At most one open piece of advice per kind and pool, enforced by the database (two advisor runs at once).
+        Index("uq_advice_open_kind_pool", "kind", "pool", unique=True, sqlite_where=text("state = 'open'"),
+              postgresql_where=text("state = 'open'")),
+    )
 
 
 class MetaRow(Base):

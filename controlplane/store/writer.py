@@ -376,6 +376,7 @@ class SqlStore(metaclass=_Translating):
                 change = jsonable(item.change)
                 if row is not None and row.change != change:
                     row.state, row.updated_at = "superseded", now
+                    s.flush()  # before its successor's insert: one open row per kind and pool, by the database
                     row = None
                 if row is None:
                     row = AdviceRow(kind=item.kind, pool=item.pool, change=change, state="open", created_at=now)

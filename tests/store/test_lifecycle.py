@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
 from controlplane.actions import TRANSITIONS, IllegalTransition
 from controlplane.actions import ActionState as S
@@ -207,6 +208,30 @@ def _race(stores: list[SqlStore], action_id: int) -> tuple[list[str], list[str]]
     for t in threads:
         t.join()
     return wins, losses
+
+
+def test_one_open_advice_per_kind_and_pool_is_the_databases_rule_and_the_migration_keeps_the_newest(
+        db_url: str) -> None:
+    # Two advisor runs at once could each insert an open row: a store from before the rule may hold both.
+    migrate.upgrade(db_url, "0004")
+    sql = SqlStore.open(db_url, require_current=False)
+    with sql.engine.begin() as conn:
+        for ts in (1.0, 2.0):
+            conn.execute(text("INSERT INTO advice (kind, pool, act, advice, change, metric, before, predicted, "
+                              "confidence, evidence, state, created_at, updated_at) VALUES ('kv_precision', 'chat', "
+                              ":act, 'x', '{}', 'm', 1.0, 1.0, 0.5, '{}', 'open', :ts, :ts)"), {"ts": ts, "act": True})
+    sql.close()
+    migrate.upgrade(db_url)
+    sql = SqlStore.open(db_url)
+    try:
+        assert [(r.created_at, r.state) for r in sql.advice()] == [(2.0, "open"), (1.0, "superseded")]
+        with pytest.raises(IntegrityError), sql.engine.begin() as conn:  # the database itself refuses two
+            conn.execute(text("UPDATE advice SET state = 'open'"))
+        [other] = sql.record_advice([advice({"kv_cache_dtype": "fp8"})], now=3.0)  # supersedes, then inserts
+        assert [r.state for r in sql.advice()] == ["open", "superseded", "superseded"] and other.created_at == 3.0
+    finally:
+        sql.close()
+    migrate.downgrade(db_url, "0004")
 
 
 def test_migration_expires_duplicate_active_actions(db_url: str) -> None:
