@@ -239,20 +239,21 @@ def missing_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[s
     present: set[str] = set()
     for r in readings.values():
         present |= r.families
-    groups = [*fmap.counters.values(), *fmap.gauges.values(), *fmap.histograms.values()]
-    missing = []
-    for fam in fmap.expected:
-        group = next((g for g in groups if fam in g), (fam,))
-        if not present.intersection(group):
-            missing.append(fam)
-    return missing
+    return [fam for fam in fmap.expected if not present.intersection(_spellings(fmap, fam))]
+
+
+def _spellings(fmap: FamilyMap, fam: str) -> tuple[str, ...]:
+    """Every spelling of an expected family (itself where the map lists it under none)."""
+    return next((g for g in (*fmap.counters.values(), *fmap.gauges.values(), *fmap.histograms.values()) if fam in g),
+                (fam,))
 
 
 def unnumbered_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[str]:
     """Expected families (any spelling) of which some entity of a target exposed a value that is no number, each with
     the entities: that value is missing from the sums as much as an absent family's."""
-    groups = [*fmap.counters.values(), *fmap.gauges.values(), *fmap.histograms.values()]
-    expected = {name for fam in fmap.expected for name in next((g for g in groups if fam in g), (fam,))}
+    if not any(r.not_numbers for r in readings.values()):
+        return []  # every scrape of every target comes here: nothing to look up where all values are numbers
+    expected = {name for fam in fmap.expected for name in _spellings(fmap, fam)}
     bad: dict[str, list[str]] = {}
     for entity, r in sorted(readings.items()):
         for fam in sorted(r.not_numbers & expected):

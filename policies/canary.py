@@ -338,16 +338,15 @@ def tpot_reading(per_request: Iterable[bool]) -> dict[str, str]:
     return {} if all(per_request) else {"tpot": "itl"}
 
 
-def _stored_tpot_reading(engines: Iterable[Mapping[str, Sequence[tuple[float, float]]]], since: float
-                        ) -> dict[str, str] | None:
+Series = Mapping[str, Sequence[tuple[float, float]]]  # an engine's stored signals: name -> points, oldest first
+
+
+def _stored_tpot_reading(engines: Iterable[Series], since: float) -> dict[str, str] | None:
     """`tpot_reading` from engines' stored signals (each name -> points): by each engine's last `tpot_per_request`
     after `since`; None where none of them has one yet."""
     marks = [points[-1][1] >= 1.0 for e in engines if (points := [p for p in e.get("tpot_per_request", ())
                                                                    if p[0] > since])]
     return tpot_reading(marks) if marks else None
-
-
-Series = Mapping[str, Sequence[tuple[float, float]]]  # an engine's stored signals: name -> points, oldest first
 
 
 def arms_tpot_reading(baseline: Sequence[Series], canary: Sequence[Series], since: float) -> dict[str, str] | None:
@@ -362,7 +361,7 @@ def arms_tpot_reading(baseline: Sequence[Series], canary: Sequence[Series], sinc
     return None
 
 
-def engine_dists(series: Mapping[str, Sequence[tuple[float, float]]], names: Sequence[str], start: float,
+def engine_dists(series: Series, names: Sequence[str], start: float,
                  end: float, read_as: Mapping[str, str] | None = None) -> dict[str, Dist]:
     """One engine's observations in (start, end] from its stored signals (name -> points, oldest first): each
     interval mean weighted by the observations its rate implies since the point before it. Only means: the

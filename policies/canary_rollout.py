@@ -192,8 +192,9 @@ class CanaryRegression:
         `tpot_reading`'s choice for both arms)."""
         out: list[dict[str, Dist]] = [{} for _ in range(n)]
         for e in engines:
+            wanted = (*self.reads, *(_TPOT_AS_ITL if read_as.get("tpot") == "itl" else ()))
             series = {name: inp.windows.series(e.subject, name, since=start - 2 * self.settings.gate.step)
-                      for name in (*self.reads, *_TPOT_AS_ITL)}
+                      for name in wanted}
             for k in range(n):
                 for name, d in engine_dists(series, names, start + k * width, start + (k + 1) * width,
                                             read_as).items():

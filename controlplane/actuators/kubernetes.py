@@ -510,7 +510,7 @@ class KubernetesActuator:
         holder = Workload(kind="Deployment", namespace=w.namespace, name=str(ref["name"]), container=w.container)
         return holder, await self._read(holder)
 
-    async def _selector(self, w: Workload, obj: Mapping[str, Any]) -> LabelSelector:
+    async def _pod_selector(self, w: Workload, obj: Mapping[str, Any]) -> LabelSelector:
         """`_selector`, or for an Argo Rollout without one of its own, the selector of the Deployment it follows: its
         controller takes that one."""
         if w.kind == "Rollout" and not dig(obj, ("spec", "selector")) and dig(obj, ("spec", "workloadRef")):
@@ -520,7 +520,7 @@ class KubernetesActuator:
 
     async def _replica_sets(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The ReplicaSets the workload (a Deployment or an Argo Rollout) owns, newest revision first."""
-        selector = await self._selector(w, obj)
+        selector = await self._pod_selector(w, obj)
         items = (await self._json(f"listing the ReplicaSets of {w.namespace}/{w.name}",
                                   self._apps.list_namespaced_replica_set, w.namespace,
                                   label_selector=str(selector)))["items"]
@@ -761,7 +761,7 @@ class KubernetesActuator:
                        ) -> dict[str, dict[str, Any]]:
         """The workload's live pods and their metadata: those its selector matches that no other object controls
         (`sets`: a Deployment's or Rollout's ReplicaSets, where the caller has listed them)."""
-        selector = await self._selector(w, obj)
+        selector = await self._pod_selector(w, obj)
         listed = await self._json(f"listing the pods of {w.kind} {w.namespace}/{w.name}", self._core.list_namespaced_pod,
                                   w.namespace, label_selector=str(selector))
         # Another workload's pods can carry the same labels (a second Deployment, the Deployment an Argo Rollout
