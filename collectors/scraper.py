@@ -7,6 +7,8 @@ the current time is an argument, so backoff works the same under a virtual clock
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import random
 import time
 import zlib
@@ -40,7 +42,7 @@ class Scraper:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
-        self._sem = asyncio.Semaphore(concurrency)
+        self._slots = _Slots(concurrency)
         self._timeout = timeout_s
         self._backoff_base = backoff_base_s
         self._backoff_max = backoff_max_s
@@ -63,7 +65,15 @@ class Scraper:
             if key not in live:
                 del self.health[key]
         deadline = None if self._round is None else self._clock() + self._round
-        return list(await asyncio.gather(*(self._one(t, now, deadline) for t in targets)))
+        # Those left late by earlier rounds go first, so a round too short for the fleet reads a different part of it
+        # each time rather than never reaching the same targets (whose pools would never be fit to act on).
+        order = sorted(range(len(targets)), key=lambda i: -self._late_rounds(targets[i]))
+        done = dict(zip(order, await asyncio.gather(*(self._one(targets[i], now, deadline) for i in order)), strict=True))
+        return [done[i] for i in range(len(targets))]
+
+    def _late_rounds(self, target: Target) -> int:
+        health = self.health.get(target.key)
+        return health.late_rounds if health is not None else 0
 
     def offset(self, target: Target) -> float:
         """The target's fixed scrape offset within a round, in seconds."""
@@ -80,11 +90,12 @@ class Scraper:
             now += offset
         if now < health.next_attempt_at:
             return ScrapeResult(target, now, ok=False, error=health.last_error, skipped=True)
-        queued = self._clock() if self._sem.locked() else None
+        queued = self._clock() if self._slots.busy() else None
+        wait = None if deadline is None else max(0.0, deadline - self._clock())
         try:
-            await asyncio.wait_for(self._sem.acquire(), None if deadline is None else max(0.0, deadline - self._clock()))
+            await asyncio.wait_for(self._slots.acquire(-health.late_rounds), wait)
         except TimeoutError:
-            return self._late(target, now, f"every slot was taken until the round's end ({self._round:g}s)")
+            return self._late(health, target, now, f"every slot was taken until the round's end ({self._round:g}s)")
         try:
             if queued is not None:
                 # Every slot was taken: stamped when fetched, since a target that waited behind slow ones is read that
@@ -95,7 +106,7 @@ class Scraper:
             budget = self._timeout if deadline is None else min(self._timeout, deadline - self._clock())
             cut = budget < self._timeout - 1e-3  # the round's end comes first (a clock of epoch seconds rounds)
             if budget <= 0:
-                return self._late(target, now, f"its slot came free at the round's end ({self._round:g}s)")
+                return self._late(health, target, now, f"its slot came free at the round's end ({self._round:g}s)")
             started = time.perf_counter()
             costly = False  # the failure held a slot for the whole timeout, or read a body too large
             try:
@@ -105,7 +116,7 @@ class Scraper:
                 # Half its timeout is long enough to count, as a slow answer counts (below): a hung target that
                 # always waits for a slot must still read as down and back off, not hold a slot every round.
                 if budget < self._timeout / 2:
-                    return self._late(target, now, f"the round ended ({self._round:g}s) {budget:.3g}s into its read")
+                    return self._late(health, target, now, f"the round ended ({self._round:g}s) {budget:.3g}s into its read")
                 body, size, costly = "", 0, True
                 error = f"timed out after {budget:.3g}s" + (" (the round's end)" if cut else "")
             except httpx.HTTPError as exc:
@@ -116,7 +127,8 @@ class Scraper:
                 body, size, error, costly = "", 0, str(exc), exc.costly
             duration = time.perf_counter() - started
         finally:
-            self._sem.release()
+            self._slots.release()
+        health.late_rounds = 0
         if error is None:
             health.consecutive_failures = health.costly_failures = 0
             health.next_attempt_at = 0.0
@@ -143,8 +155,10 @@ class Scraper:
         return ScrapeResult(target, now, ok=False, duration_s=duration, size_bytes=size, error=error)
 
     @staticmethod
-    def _late(target: Target, now: float, why: str) -> ScrapeResult:
-        """Not read this round for want of time: no failure of the target's, so its health stays as it was."""
+    def _late(health: TargetHealth, target: Target, now: float, why: str) -> ScrapeResult:
+        """Not read this round for want of time: no failure of the target's, so its health stays as it was, but it
+        goes ahead of the others next round."""
+        health.late_rounds += 1
         return ScrapeResult(target, now, ok=False, error=f"not scraped this round: {why}", late=True)
 
     async def _fetch(self, url: str) -> tuple[str, int]:
@@ -162,6 +176,42 @@ class Scraper:
                     raise _ScrapeRefused(f"body from {url} exceeds {self._max_body} bytes", costly=True)
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace"), size
+
+
+class _Slots:
+    """At most `n` reads at once; a freed slot goes to the waiter with the lowest priority number, then the earliest."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def busy(self) -> bool:
+        """Whether a read asking now would wait (a slot is freed only when no one waits for it)."""
+        return self._free <= 0
+
+    async def acquire(self, priority: int) -> None:
+        """Wait for a slot; cancelled (the round's end), it holds none."""
+        if not self.busy():
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed the slot as it was cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """Hand the slot to the first waiter still waiting, else free it."""
+        while self._waiters:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
 
 
 class _ScrapeRefused(Exception):

@@ -84,6 +84,7 @@ class TargetHealth:
     next_attempt_at: float = 0.0
     last_error: str | None = None
     missing_families: list[str] = field(default_factory=list)
+    late_rounds: int = 0  # rounds in a row that ended before it was read
 
 
 def engine_subject(pool: str, pod: str, engine: str) -> str:

@@ -6,6 +6,7 @@ HTTP is faked with httpx.MockTransport; a hanging target is a handler that never
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import httpx
 import pytest
@@ -235,3 +236,39 @@ async def test_within_the_round_a_target_keeps_its_own_timeout_and_the_rest_are_
     assert not slow.late and slow.error == "timed out after 0.1s"
     assert scraper.health["pool/slow/vllm"].consecutive_failures == 1
     assert good.ok and not good.late
+
+
+async def test_a_round_too_short_for_the_fleet_reads_those_it_left_late_first() -> None:
+    # One slot, each read 0.1 s, a round of 0.25 s: two of three targets fit. Without turns the third would be late
+    # every round and its pool never fit to act on; with them no target is late two rounds in a row.
+    async def slow_reads(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.1)
+        return handler(httpx.Request("GET", "http://good/metrics"))
+
+    targets = [t("a"), t("b"), t("c")]
+    late_rounds = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(slow_reads)) as client:
+        scraper = Scraper(client, timeout_s=1.0, concurrency=1, round_s=0.25)
+        for i in range(4):
+            results = await scraper.scrape(targets, now=15.0 * i)
+            assert [r.target for r in results] == targets  # still in the targets' order
+            late_rounds.append({r.target.pod for r in results if r.late})
+    assert all(len(late) == 1 for late in late_rounds)
+    assert late_rounds[0] == {"c"} and all(a.isdisjoint(b) for a, b in itertools.pairwise(late_rounds))
+
+
+async def test_a_slot_handed_to_a_read_the_round_cut_off_goes_to_the_next() -> None:
+    from collectors.scraper import _Slots
+
+    slots = _Slots(1)
+    await slots.acquire(0)
+    first = asyncio.ensure_future(slots.acquire(0))
+    second = asyncio.ensure_future(slots.acquire(0))
+    await asyncio.sleep(0)
+    slots.release()  # handed to `first`, which is cancelled before it runs
+    first.cancel()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert first.cancelled() and second.done() and slots.busy()
+    slots.release()
+    assert not slots.busy()
