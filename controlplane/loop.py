@@ -41,7 +41,7 @@ from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, GANG, READY, ROLLING, STARTUP, TARGET, PoolPlan, Sizer, plan_each
-from policies.inputs import frozen_inputs, vanished_inputs
+from policies.inputs import VANISH_WATCH, frozen_inputs, vanished_inputs
 from policies.settling import stalled_since
 from policies.types import (
     ActionKind,
@@ -141,6 +141,8 @@ class ControlLoop:
         self._derived: list[Signal] = []  # replica counts and plans of this tick, stored once it has planned
         # Per pool, this tick's inputs not fit to act on (a target down, a series absent), with why.
         self._unfit: dict[str, dict[str, str]] = {}
+        # When each pool signal last had a value: one stopped for longer than the history is still stopped, not unknown.
+        self._last_seen: dict[tuple[str, str], float] = {}
         # Per pool, the engine pods whose /metrics answered this tick (down once is noise), when scraped here.
         self._answering: dict[str, set[str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
@@ -440,8 +442,12 @@ class ControlLoop:
         # A pool that may scale to zero and is there has no series to stop; one that may not is down, not idle.
         serving = [p.name for p in self.config.pools
                    if p.replicas.min > 0 or (r := self._last_replicas.get(p.name)) is None or r.desired > 0]
+        for pool in self.config.pools:
+            for name in VANISH_WATCH:
+                if (ts := self.windows.latest_ts(f"pool/{pool.name}", name)) is not None:
+                    self._last_seen[(pool.name, name)] = ts
         # Two and a half intervals: one late scrape is noise, two in a row are not.
-        vanished = vanished_inputs(self.windows, serving, now, 2.5 * self.config.scrape.interval)
+        vanished = vanished_inputs(self.windows, serving, now, 2.5 * self.config.scrape.interval, self._last_seen)
         out = {}
         record: list[Signal] = []
         for pool in self.config.pools:

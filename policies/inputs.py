@@ -10,6 +10,8 @@ an in-flight series that no longer changed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from catalog.settings import SwitchSettings
 from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
@@ -49,12 +51,16 @@ def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str,
     return out
 
 
-def vanished_inputs(windows: SignalWindows, pools: list[str], now: float, after: float) -> dict[str, dict[str, str]]:
-    """Per pool, the watched pool signals it had but has had no value of for `after` seconds, with why."""
+def vanished_inputs(windows: SignalWindows, pools: list[str], now: float, after: float,
+                    seen: Mapping[tuple[str, str], float] | None = None) -> dict[str, dict[str, str]]:
+    """Per pool, the watched pool signals it had but has had no value of for `after` seconds, with why. `seen`:
+    when each (pool, signal) last had a value, for those stopped so long ago that the windows no longer hold them."""
     out: dict[str, dict[str, str]] = {}
     for pool in pools:
         for name in VANISH_WATCH:
             newest = windows.latest_ts(f"pool/{pool}", name)
+            if newest is None and seen is not None:
+                newest = seen.get((pool, name))
             if newest is not None and newest < now - after:
                 out.setdefault(pool, {})[name] = f"no value of {name} for {now - newest:.0f}s: its series stopped"
     return out

@@ -37,6 +37,7 @@ from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
 from policies.autoscale import PoolPlan, Unplanned
 from policies.types import PolicyInput, PoolState
+from policies.windows import HISTORY_S
 
 
 @dataclass
@@ -395,6 +396,8 @@ async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlS
         return any(f.kind == "stale_inputs" and f.subject == "pool/prefill" and "request_rate" in f.evidence["inputs"]
                    for f in (*report.opened, *report.updated))
 
+    assert await prefill_stale()
+    clock.advance(HISTORY_S)  # the history no longer holds its last values: stopped still, not unknown
     assert await prefill_stale()
     loop.config = cfg.model_copy(update={"pools": [
         p.model_copy(update={"replicas": p.replicas.model_copy(update={"min": 0})}) if p.name == "prefill" else p
