@@ -467,7 +467,7 @@ class FleetConfig(Settings):
             if t.pool not in names:
                 problems.append(f"targets[{i}].pool {t.pool!r} names no pool (pools: {', '.join(names)})")
         urls = [t.url for t in self.targets]
-        problems += [f"target url {u!r} is listed more than once" for u in sorted({u for u in urls if urls.count(u) > 1})]
+        problems += [f"target url {_masked(u)} is listed more than once" for u in sorted({u for u in urls if urls.count(u) > 1})]
         given = [name for name, on in (("targets", bool(self.targets)), ("discovery", self.discovery is not None),
                                         ("prometheus", self.prometheus is not None)) if on]
         if len(given) > 1:
@@ -578,7 +578,7 @@ def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
             loc = tuple(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             shown = err["type"] != "missing" and not isinstance(err["input"], dict | list)
-            given = f": got {err['input']!r}" if shown else ""
+            given = f": got {_masked(err['input'])}" if shown else ""
             problems.append(f"{_path(loc)}{_where(root, loc)}: {msg}{given}")
         raise ConfigError(source, problems) from None
     # Then what is valid field by field but cannot work together (a window no detector can fill).
@@ -587,6 +587,15 @@ def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
     if together:
         raise ConfigError(source, [f"{_path(loc)}{_where(root, loc)}: {msg}" for loc, msg in together])
     return valid
+
+
+# The user and password of a URL (`scheme://user:pass@host`): an error about the value must not print them.
+_USERINFO = re.compile(r"(?<=://)[^/?#@\s]*@")
+
+
+def _masked(value: object) -> str:
+    """The value as an error shows it, credentials in a URL hidden."""
+    return _USERINFO.sub("***@", repr(value))
 
 
 def _where(root: yaml.Node | None, loc: tuple[int | str, ...]) -> str:
