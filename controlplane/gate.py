@@ -585,6 +585,9 @@ class GateBook:
         self._max = max_sessions
         self._sessions: dict[GateKey, tuple[GateSession, float]] = {}
         self._locks: dict[GateKey, asyncio.Lock] = {}
+        # Decided verdicts this process is to record and has not yet (the store refused): asked again at every
+        # consultation, since the claim that made this process the recorder keeps every other from doing it.
+        self._owed: dict[GateKey, NewVerdict] = {}
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None) -> Verdict:
         """The verdict of this rollout's gate now; `settings` for a gate not yet started. GateInputError for a bad
@@ -619,9 +622,17 @@ class GateBook:
             if verdict.decided and not decided_before and self._record is not None and (
                     self._claim is None
                     or (await self._claim(f"gate-verdict:{key.id}", session.start, session.start))[1]):
-                await self._record(NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
-                                              verdict.ended_at, verdict.outcome.value, verdict.score,
-                                              {**verdict.as_dict(), "revision": key.revision}))
+                self._owed[key] = NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
+                                             verdict.ended_at, verdict.outcome.value, verdict.score,
+                                             {**verdict.as_dict(), "revision": key.revision})
+            if key in self._owed and self._record is not None:
+                # The verdict is the rollout's answer whether or not it is on record yet.
+                try:
+                    await self._record(self._owed[key])
+                    del self._owed[key]
+                except FleetError as exc:
+                    log.warning("%s's gate verdict (%s) not recorded yet, asked again at its next consultation: %s",
+                                key.pool, verdict.outcome.value, exc)
             return verdict
 
     def _forget(self, now: float) -> None:
@@ -629,6 +640,9 @@ class GateBook:
             if now - seen > 2 * session.settings.max_window:
                 del self._sessions[key]
                 self._locks.pop(key, None)
+                if (lost := self._owed.pop(key, None)) is not None:
+                    log.error("%s's gate verdict (%s) was never recorded: the store refused it until its gate was "
+                              "forgotten", key.pool, lost.result)
 
 
 def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, canary: str) -> str:

@@ -520,6 +520,29 @@ async def test_the_gate_book_keeps_one_session_per_rollout_and_records_the_decis
     assert len(book._locks) == len(book._sessions) == 2
 
 
+async def test_a_verdict_the_store_refused_is_still_the_answer_and_is_recorded_at_a_later_consultation() -> None:
+    recorded: list[NewVerdict] = []
+    refusals = [StoreUnavailable("the store is down")]
+
+    async def record(v: NewVerdict) -> int:
+        if refusals:
+            raise refusals.pop()
+        recorded.append(v)
+        return len(recorded)
+
+    store = MemoryStore()
+    book = GateBook(lambda *_: Scripted(jittered(1.2, 100)), TPOT_ONLY, record, claim=store.claim)
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    t = 1000.0
+    while not (v := await book.consult(key, t)).decided:
+        t += 30
+    assert v.outcome is Outcome.FAIL and recorded == [] and not refusals
+    assert (await book.consult(key, t + 30)).outcome is Outcome.FAIL
+    assert len(recorded) == 1 and recorded[0].result == "fail"
+    await book.consult(key, t + 60)
+    assert len(recorded) == 1
+
+
 class Timed:
     """A gate source whose every step's numbers follow from the step's time, as two replicas reading one store see."""
 
