@@ -331,6 +331,8 @@ class ApiOutput:
     malformed: list[Malformed] = field(default_factory=list)
     down: list[Down] = field(default_factory=list)
     unattributed: list[str] = field(default_factory=list)
+    # Per pool, why its sums cannot be trusted: an engine counted twice, or pods left out of the labelled aggregate.
+    doubtful: dict[str, str] = field(default_factory=dict)
     queries: int = 0
 
 
@@ -511,6 +513,8 @@ class PrometheusSource:
                             note = f"{subject}: some series carry the {lb.pool} label and some are only mapped; kept the labelled"
                             if note not in out.unattributed:
                                 out.unattributed.append(note)
+                                out.doubtful.setdefault(subject.removeprefix("pool/"), f"{spec.name}: {note}, which "
+                                                        "lacks the mapped pods")
                             subject = None
                         else:
                             seen_pools.add((subject, spec.name))
@@ -603,6 +607,8 @@ class PrometheusSource:
             note = f"{subject}: served by both {owner} and {instance}; kept {owner}"
             if note not in out.unattributed:
                 out.unattributed.append(note)
+                # The pool's own aggregates sum every series under the selector: that engine's, twice.
+                out.doubtful.setdefault(pool, f"{note}, and the pool's sums count it twice")
             return None
         return subject
 

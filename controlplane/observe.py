@@ -142,8 +142,13 @@ class PrometheusApiSource:
         for d in out.down:
             # The selector picks the engines' jobs (as target discovery assumes): a down target is an engine.
             unfit.setdefault(d.pool, {})[Source.VLLM] = f"target {d.instance} is down in Prometheus (its latest scrape failed)"
-        return Observation(out.signals, errors=_counted(malformed, "signal(s) unreadable"), parse_errors=malformed,
-                           missing=missing, unfit=unfit)
+        for pool, why in out.doubtful.items():
+            unfit.setdefault(pool, {}).setdefault(Source.VLLM, f"Prometheus' series: {why}")
+        errors = _counted(malformed, "signal(s) unreadable")
+        if out.unattributed:
+            errors["prometheus/unattributed"] = (f"series of {len(out.unattributed)} engine(s) or pool(s) left out of "
+                                                 f"the signals, first: {out.unattributed[0]}")
+        return Observation(out.signals, errors=errors, parse_errors=malformed, missing=missing, unfit=unfit)
 
 
 def _counted(problems: Mapping[str, list[str]], what: str) -> dict[str, str]:

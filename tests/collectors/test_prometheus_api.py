@@ -295,7 +295,7 @@ def test_signals_from_canned_results() -> None:
     assert [(m.signal, m.scope) for m in out.missing] == [("spec_acceptance_rate", "engine"),
                                                           ("spec_mean_acceptance_length", "engine")]
     assert "spec_decode_num_accepted_tokens_total" in out.missing[0].query
-    assert out.unattributed == ["orphan: no pool label and not in the pool mapping"]
+    assert out.unattributed == ["orphan: no pool label and not in the pool mapping"] and out.doubtful == {}
     assert not any(s.subject.startswith("engine/") and "orphan" in s.subject for s in out.signals)
 
 
@@ -324,6 +324,7 @@ def test_an_engine_seen_on_two_instances_is_kept_once() -> None:
     out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
     assert {s.value for s in out.signals if s.name == "request_rate"} == {1.0}
     assert out.unattributed == ["engine/a/p/0: served by both h1:1 and h2:1; kept h1:1"]
+    assert "the pool's sums count it twice" in out.doubtful["a"]
 
 
 def test_window_must_be_positive() -> None:
@@ -464,6 +465,7 @@ def test_a_pool_both_labelled_and_mapped_keeps_the_labelled_aggregate() -> None:
     out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0, pools={"p-9": "prefill"})
     assert {s.value for s in out.signals if s.subject == "pool/prefill"} == {5.0}
     assert out.unattributed == ["pool/prefill: some series carry the pool label and some are only mapped; kept the labelled"]
+    assert "lacks the mapped pods" in out.doubtful["prefill"]
 
 
 def test_a_pool_with_objectives_gets_its_share_of_requests_over_them() -> None:

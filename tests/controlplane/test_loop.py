@@ -358,6 +358,31 @@ async def test_a_target_down_in_prometheus_makes_its_pools_inputs_stale(sqlite_s
     assert "10.0.0.2:8000 is down in Prometheus" in (await prefill_stale())["vllm"]
 
 
+async def test_an_engine_prometheus_scrapes_twice_makes_its_pools_sums_unfit(sqlite_store: SqlStore,
+                                                                            client: httpx.AsyncClient) -> None:
+    """Two jobs scraping one pod (a PodMonitor and a ServiceMonitor, say): the pool's sums count that engine twice,
+    and a pool read at twice its load would be scaled for it. Series no pool is given to are a tick error."""
+    from collectors.prometheus_api import PrometheusSource
+    from controlplane.observe import PrometheusApiSource
+    from tests.collectors.test_prometheus_api import FakeClient, _answer, _row
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        rows = _answer(query)
+        if "by (pool, pod, instance, engine" in query:
+            rows = [*rows, _row(2.0, pool="prefill", pod="p-0", instance="10.0.0.1:9400", engine="0")]
+        return rows
+
+    cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
+    loop = build_loop(cfg, MemoryStore(), client, clock=VirtualClock())
+    loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(answer)), 60.0)
+    report = await loop.tick()
+    [stale] = [f for f in report.opened if f.kind == "stale_inputs" and f.subject == "pool/prefill"]
+    assert "served by both 10.0.0.1:8000 and 10.0.0.1:9400" in stale.evidence["inputs"]["vllm"]
+    assert "count it twice" in stale.evidence["inputs"]["vllm"]
+    assert report.errors["prometheus/unattributed"].startswith(
+        "series of 2 engine(s) or pool(s) left out of the signals, first: orphan")
+
+
 async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlStore,
                                                                client: httpx.AsyncClient) -> None:
     """A pool whose series stop (its PodMonitor no longer matches, say) while other pools' go on is named by no
