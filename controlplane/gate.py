@@ -607,7 +607,7 @@ class GateBook:
                 s = settings or self.settings
                 if why := step_problem(s.step, self._interval):  # asked wrongly (400) before a full book (503)
                     raise GateInputError(f"step {why}")
-                if len(self._sessions) >= self._max:
+                if len(self._sessions) >= self._max and not self._make_room(now):
                     raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
                 base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
                 source = self._make(key.pool, base, can, s.metrics)
@@ -635,14 +635,27 @@ class GateBook:
                                 key.pool, verdict.outcome.value, exc)
             return verdict
 
+    def _make_room(self, now: float) -> bool:
+        """Forget the session consulted longest ago, if no one has asked it for two of its steps (a rollout asks every
+        step), so that gates started and left behind cannot keep the next rollout's from starting. With a claim, one
+        asked again later catches up from the store."""
+        idle = [(seen, key) for key, (session, seen) in self._sessions.items() if now - seen > 2 * session.settings.step]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda entry: entry[0])[1])
+        return True
+
     def _forget(self, now: float) -> None:
         for key, (session, seen) in list(self._sessions.items()):
             if now - seen > 2 * session.settings.max_window:
-                del self._sessions[key]
-                self._locks.pop(key, None)
-                if (lost := self._owed.pop(key, None)) is not None:
-                    log.error("%s's gate verdict (%s) was never recorded: the store refused it until its gate was "
-                              "forgotten", key.pool, lost.result)
+                self._drop(key)
+
+    def _drop(self, key: GateKey) -> None:
+        del self._sessions[key]
+        self._locks.pop(key, None)
+        if (lost := self._owed.pop(key, None)) is not None:
+            log.error("%s's gate verdict (%s) was never recorded: the store refused it until its gate was forgotten",
+                      key.pool, lost.result)
 
 
 def report(verdict: Verdict, fmt: str, *, gate: str, pool: str, baseline: str, canary: str) -> str:

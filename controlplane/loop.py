@@ -135,6 +135,9 @@ class ControlLoop:
         # tick's start does not show them unsettled yet, and no other disruptive change may start beside them.
         self._finished_now: list[str] = []
         self.last_tick_at: float | None = None
+        # When the take-over or tick in progress began (None between them): one that never ends (a store query hung
+        # on a half-open connection) fails the liveness probe, so that the pod restarts and another replica leads.
+        self.busy_since: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
         self._missing: dict[str, list[str]] = {}
@@ -151,6 +154,13 @@ class ControlLoop:
     async def start(self) -> None:
         """Take over: reload the policy windows, then finish or account for every action a stopped
         control plane left started, so none is lost and none is carried out twice."""
+        self.busy_since = self.clock.now()
+        try:
+            await self._start()
+        finally:
+            self.busy_since = None
+
+    async def _start(self) -> None:
         now = self.clock.now()
         # Ends this replica knows but the store refused are written first (one another leader moved meanwhile is
         # skipped); whatever waited, or is still unrecorded, is then taken over from the audit log.
@@ -346,6 +356,13 @@ class ControlLoop:
 
     async def tick(self) -> TickReport:
         """One full pass of the data flow at the clock's current time."""
+        self.busy_since = self.clock.now()
+        try:
+            return await self._tick()
+        finally:
+            self.busy_since = None
+
+    async def _tick(self) -> TickReport:
         wall = time.perf_counter()
         now = self.clock.now()
         report = TickReport(ts=now)

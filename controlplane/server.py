@@ -9,7 +9,9 @@ The canary gate: `GET|POST /api/v1/gate?pool=&baseline=&canary=[&revision=]` ans
 as JSON (Argo Rollouts' web metric provider reads `$.result`); `POST /api/v1/gate/flagger/rollback`
 and `.../promotion` take Flagger's webhook payload (selectors in its `metadata`) and answer 200 when
 Flagger should roll back (the gate failed) or promote (it passed), 403 otherwise. They change
-nothing in the fleet, so they need no token (Flagger's webhooks cannot send one).
+nothing in the fleet, so by default they need no token (Flagger's webhooks cannot send one) and the
+deployment's NetworkPolicy decides who reaches them; with FLEETCTL_GATE_TOKEN set (Argo Rollouts'
+web metric sends headers) they need it as their bearer token.
 """
 
 from __future__ import annotations
@@ -30,11 +32,16 @@ from controlplane.loop import ControlLoop
 from controlplane.store.records import MAX_ID, MAX_NAME
 from policies.canary import GateSettings, Outcome, Verdict
 
-__all__ = ["TOKEN_ENV", "start_server", "store_gates"]
+__all__ = ["GATE_TOKEN_ENV", "TOKEN_ENV", "start_server", "store_gates"]
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLEETCTL_API_TOKEN"
+GATE_TOKEN_ENV = "FLEETCTL_GATE_TOKEN"
+# Every body the API takes is a few hundred bytes; Tornado's default would hold 100 MiB of one in memory.
+MAX_BODY = 64 * 1024
+# The verdicts table's columns: a gate naming longer ones would never be recorded.
+MAX_POOL, MAX_SELECTOR = 128, MAX_NAME
 
 
 def _health(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:
@@ -60,9 +67,27 @@ class _Metrics(tornado.web.RequestHandler):
         self.write(generate_latest(self.loop.telemetry.registry))
 
 
+def _alive(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:
+    """(alive, report): alive unless this replica leads and its take-over or tick has run for ten scrape intervals
+    (five minutes at least), which no healthy one takes: restarted, the pod gives up its Lease to a replica that acts."""
+    busy = loop.busy_since
+    if busy is None or not loop.leading():
+        return True, {"status": "ok"}
+    age, limit = loop.clock.now() - busy, max(300.0, 10 * loop.config.scrape.interval)
+    if age > limit:
+        return False, {"status": "stuck", "reason": f"a tick has run for {age:.0f}s (the limit is {limit:g}s)"}
+    return True, {"status": "ok"}
+
+
 class _Healthz(tornado.web.RequestHandler):
+    def initialize(self, loop: ControlLoop) -> None:
+        self.loop = loop
+
     def get(self) -> None:
-        self.write({"status": "ok"})
+        alive, report = _alive(self.loop)
+        if not alive:
+            self.set_status(503)
+        self.write(report)
 
 
 class _Readyz(tornado.web.RequestHandler):
@@ -97,6 +122,23 @@ class _Json(tornado.web.RequestHandler):
         self.set_status(status)
         self.finish({"error": message, "code": status})
 
+    def json_body(self) -> Any:
+        """The request's body as JSON (an empty one is `{}`); 400 for anything else."""
+        try:
+            return json.loads(self.request.body or b"{}")
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+            raise tornado.web.HTTPError(400, reason="the body is not JSON") from None
+
+    def authorized(self, token: str) -> bool:
+        """Whether the request carries `token` as its bearer token; answers 401 where it does not."""
+        header = self.request.headers.get("Authorization", "")
+        given = header[7:] if header[:7].lower() == "bearer " else ""
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return True
+        self.set_header("WWW-Authenticate", 'Bearer realm="fleetctl"')
+        self.fail(401, "missing or wrong bearer token")
+        return False
+
 
 class _Status(_Json):
     def get(self) -> None:
@@ -113,20 +155,13 @@ class _Decide(_Json):
         if self.token is None:
             self.fail(403, f"writes are disabled: set {TOKEN_ENV} where the control plane runs to enable them")
             return
-        header = self.request.headers.get("Authorization", "")
-        given = header[7:] if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), self.token.encode()):
-            self.set_header("WWW-Authenticate", 'Bearer realm="fleetctl"')
-            self.fail(401, "missing or wrong bearer token")
+        if not self.authorized(self.token):
             return
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except ValueError:
-            self.fail(400, "the body is not JSON")
-            return
+        body = self.json_body()
         by = body.get("by") if isinstance(body, dict) else None
-        if not isinstance(by, str) or not by.strip() or len(by) > MAX_NAME:
-            self.fail(400, f'the body must be {{"by": NAME}} with a name of 1 to {MAX_NAME} characters')
+        # No line breaks or other control characters: the name goes into logs and the audit trail as one line.
+        if not isinstance(by, str) or not by.strip() or len(by) > MAX_NAME or not by.isprintable():
+            self.fail(400, f'the body must be {{"by": NAME}} with a name of 1 to {MAX_NAME} printable characters')
             return
         by = by.strip()
         aid = int(action_id)
@@ -152,17 +187,20 @@ class _Decide(_Json):
 class _Gate(_Json):
     """The canary gate's verdict now, for Argo Rollouts' web metric provider and scripts."""
 
-    def initialize(self, loop: ControlLoop, token: str | None, gates: GateBook) -> None:  # type: ignore[override]
+    def initialize(self, loop: ControlLoop, token: str | None, gates: GateBook,  # type: ignore[override]
+                   gate_token: str | None) -> None:
         super().initialize(loop, token)
         self.gates = gates
+        self.gate_token = gate_token
+
+    def prepare(self) -> None:
+        if self.gate_token is not None and not self.authorized(self.gate_token):
+            return  # answered 401: finished, so the handler method does not run
 
     def _params(self) -> dict[str, str]:
         params = {k: self.get_argument(k, "") for k in ("pool", "baseline", "canary", "revision", "max_window", "step")}
         if self.request.method == "POST" and self.request.body:
-            try:
-                body = json.loads(self.request.body)
-            except ValueError:
-                raise tornado.web.HTTPError(400, reason="the body is not JSON") from None
+            body = self.json_body()
             if not isinstance(body, dict):
                 raise tornado.web.HTTPError(400, reason="the body must be a JSON object")
             params.update({k: str(v) for k, v in body.items() if k in params and v is not None})
@@ -175,6 +213,9 @@ class _Gate(_Json):
             return None
         if any(len(params[k]) > 4 * MAX_NAME for k in params):
             self.fail(400, "a parameter is too long")
+            return None
+        if len(params["pool"]) > MAX_POOL or max(len(params["baseline"]), len(params["canary"])) > MAX_SELECTOR:
+            self.fail(400, f"a pool is at most {MAX_POOL} characters, a selector at most {MAX_SELECTOR}")
             return None
         overrides = {k: params[k] for k in ("max_window", "step") if params.get(k)}
         try:
@@ -216,11 +257,7 @@ class _FlaggerGate(_Gate):
     """Flagger's webhooks: `rollback` answers 200 once the gate failed, `promotion` once it passed."""
 
     async def post(self, hook: str) -> None:  # type: ignore[override]
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except ValueError:
-            self.fail(400, "the body is not JSON")
-            return
+        body = self.json_body()
         meta = body.get("metadata") if isinstance(body, dict) else None
         if not isinstance(meta, dict):
             self.fail(400, "Flagger's payload must carry metadata with pool, baseline and canary")
@@ -248,20 +285,22 @@ def store_gates(loop: ControlLoop) -> GateBook:
 
 
 def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None = None,
-                 gates: GateBook | None = None) -> tornado.httpserver.HTTPServer:
+                 gates: GateBook | None = None, gate_token: str | None = None) -> tornado.httpserver.HTTPServer:
     """Start serving on the running asyncio loop; returns the server (call `.stop()` to end).
 
     `token` guards the write endpoints; without one it is read from FLEETCTL_API_TOKEN, and
-    with neither every write is refused. `gates` runs the canary gates (by default `store_gates`).
+    with neither every write is refused. `gates` runs the canary gates (by default `store_gates`); with
+    `gate_token` (or FLEETCTL_GATE_TOKEN) they answer only requests that carry it.
     """
     token = token or os.environ.get(TOKEN_ENV) or None
+    gate_token = gate_token or os.environ.get(GATE_TOKEN_ENV) or None
     gates = gates if gates is not None else store_gates(loop)
     api = {"loop": loop, "token": token}
-    gate = {**api, "gates": gates}
+    gate = {**api, "gates": gates, "gate_token": gate_token}
     app = tornado.web.Application(
         [
             (r"/metrics", _Metrics, {"loop": loop}),
-            (r"/healthz", _Healthz),
+            (r"/healthz", _Healthz, {"loop": loop}),
             (r"/readyz", _Readyz, {"loop": loop}),
             (r"/api/status", _Status, api),
             (r"/api/actions/([0-9]+)/(approve|reject)", _Decide, api),
@@ -269,6 +308,8 @@ def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None =
             (r"/api/v1/gate/flagger/(rollback|promotion)", _FlaggerGate, gate),
         ]
     )
-    server = tornado.httpserver.HTTPServer(app)
+    # A body that trickles in holds a connection open: each read may wait this long.
+    server = tornado.httpserver.HTTPServer(app, max_body_size=MAX_BODY, body_timeout=10.0,
+                                           idle_connection_timeout=60.0)
     server.listen(port, address=host)
     return server

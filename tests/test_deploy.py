@@ -157,3 +157,13 @@ def test_the_examples_call_the_endpoints_and_selectors_the_gate_has() -> None:
         assert ArmSelector.parse(hook["metadata"]["baseline"]).matches({"pod": "decode-primary-7d9f-x2"})
         canary = ArmSelector.parse(hook["metadata"]["canary"])
         assert canary.matches({"pod": "decode-6c4b-q1"}) and not canary.matches({"pod": "decode-primary-7d9f-x2"})
+
+
+def test_the_network_policy_guards_the_control_planes_port_and_admits_its_callers() -> None:
+    policy, pods = one("NetworkPolicy")["spec"], one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["policyTypes"] == ["Ingress"] and policy["podSelector"]["matchLabels"].items() <= pods.items()
+    [rule] = policy["ingress"]
+    assert rule["ports"] == [{"port": one("Service")["spec"]["ports"][0]["targetPort"], "protocol": "TCP"}]
+    [namespaces] = rule["from"][0]["namespaceSelector"]["matchExpressions"]
+    callers = {"monitoring", "argo-rollouts", "flagger-system", one("Deployment")["metadata"]["namespace"]}
+    assert namespaces["key"] == "kubernetes.io/metadata.name" and set(namespaces["values"]) == callers

@@ -7,6 +7,7 @@ acts on an approval. Writes need the bearer token and are refused without one co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -144,9 +145,12 @@ async def test_writes_need_the_right_token_and_a_name(api: Api) -> None:
         not_json = await c.post(f"/api/actions/{aid}/approve", content=b"by=eve", headers=auth())
         unknown = await c.post("/api/actions/999/approve", json={"by": "eve"}, headers=auth())
         bad_verb = await c.post(f"/api/actions/{aid}/delete", json={"by": "eve"}, headers=auth())
+        forged = await c.post(f"/api/actions/{aid}/approve", json={"by": "eve\nINFO action 1 approved by bob"},
+                              headers=auth())
+        deep = await c.post(f"/api/actions/{aid}/approve", content=b"[" * 20_000, headers=auth())
     assert missing.status_code == wrong.status_code == basic.status_code == 401
     assert missing.headers["WWW-Authenticate"].startswith("Bearer")
-    assert no_name.status_code == not_json.status_code == 400
+    assert no_name.status_code == not_json.status_code == forged.status_code == deep.status_code == 400
     assert unknown.status_code == 404
     assert bad_verb.status_code == 404
     assert TOKEN not in missing.text + wrong.text + no_name.text
@@ -173,3 +177,26 @@ async def test_the_token_comes_from_the_environment(sim: tuple, sqlite_store: Sq
         async with httpx.AsyncClient(base_url=a.base) as c:
             r = await c.post(f"/api/actions/{aid}/approve", json={"by": "carol"}, headers=auth())
         assert r.status_code == 200
+
+
+async def test_a_leader_whose_tick_hangs_fails_its_liveness_probe(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tick stuck on a hung store query holds the Lease while nothing acts: restarted, the pod lets another lead."""
+    import asyncio
+
+    hung = asyncio.Event()
+
+    async def observe_hanging(*_: object) -> None:
+        await hung.wait()
+
+    monkeypatch.setattr(api.loop, "_observe", observe_hanging)
+    tick = asyncio.ensure_future(api.loop.tick())
+    async with httpx.AsyncClient(base_url=api.base) as c:
+        await asyncio.sleep(0.05)
+        assert (await c.get("/healthz")).status_code == 200  # a tick in progress is no fault
+        api.clock.advance(301.0)
+        stuck = await c.get("/healthz")
+        assert stuck.status_code == 503 and stuck.json()["status"] == "stuck"
+        hung.set()
+        with contextlib.suppress(Exception):
+            await tick
+        assert (await c.get("/healthz")).json() == {"status": "ok"}

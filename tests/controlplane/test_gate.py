@@ -676,6 +676,42 @@ async def test_argo_and_flagger_endpoints() -> None:
     assert made.count("pod=slow") == 1  # one session for the Argo rollout, however often it asked
 
 
+async def test_gate_endpoints_refuse_what_would_hold_memory_or_never_be_recorded_and_may_need_a_token() -> None:
+    clock = VirtualClock()
+    book = GateBook(lambda *_: Scripted(jittered(1.0, 200)), TPOT_ONLY, scrape_interval=15.0)
+    port = free_port()
+    http = start_server(cast(ControlLoop, _Loop(clock)), "127.0.0.1", port, token=None, gates=book,
+                        gate_token="gate-secret")
+    params = {"pool": "decode", "baseline": "pod=old", "canary": "pod=new"}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            anonymous = await c.get("/api/v1/gate", params=params)
+            flagger = await c.post("/api/v1/gate/flagger/rollback", json={"metadata": params})
+            assert anonymous.status_code == flagger.status_code == 401 and book._sessions == {}
+            c.headers["Authorization"] = "Bearer gate-secret"
+            assert (await c.get("/api/v1/gate", params=params)).status_code == 200
+            deep = await c.post("/api/v1/gate", content=b"[" * 20_000)
+            assert deep.status_code == 400 and deep.json()["error"] == "the body is not JSON"
+            with pytest.raises(httpx.ReadError):  # refused before it is read: the connection is closed
+                await c.post("/api/v1/gate", content=b"{" + b" " * 100_000 + b"}")
+            long_pool = await c.get("/api/v1/gate", params={**params, "pool": "p" * 129})
+            assert long_pool.status_code == 400 and "a pool is at most 128 characters" in long_pool.json()["error"]
+    finally:
+        http.stop()
+
+
+async def test_a_full_book_makes_room_by_forgetting_a_gate_no_one_asks_any_more() -> None:
+    book = GateBook(lambda *_: Scripted(jittered(1.0, 200)), TPOT_ONLY, max_sessions=2)
+    old, live, new = (GateKey("decode", "pod=a", "pod=b", rev) for rev in ("r1", "r2", "r3"))
+    await book.consult(old, 0.0)
+    await book.consult(live, 0.0)
+    with pytest.raises(GateError, match="2 gates are running"):
+        await book.consult(new, 30.0)  # both were asked within two steps
+    await book.consult(live, 90.0)
+    await book.consult(new, 90.0)  # `old` was last asked three steps ago
+    assert set(book._sessions) == {live, new}
+
+
 # the loop rolls a failed canary back --------------------------------------------------------------------
 
 
