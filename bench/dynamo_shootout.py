@@ -40,13 +40,16 @@ from controlplane.sim.engine import BLOCK_TOKENS, SimEngine
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.perf import PerfModel, load_model
 from controlplane.sim.scenario import PoolModel, Scenario
+from policies.stats import MAX_CONTEXT
 
 __all__ = ["CONFIGURATIONS", "DynamoError", "DynamoPeer", "DynamoRun", "FleetObserver", "PlannerProcess", "benchmark_fpms",
            "capabilities", "check_environment", "default_python", "fpm_snapshot", "planner_config"]
 
 WORKER = Path(__file__).resolve().parent / "dynamo" / "planner_worker.py"
 DEFAULT_VENV = Path(os.environ.get("FLEET_DYNAMO_VENV", Path.home() / ".cache" / "fleet-controlplane" / "dynamo-venv"))
-CONTEXT_LENGTH = 32_768  # --max-model-len: covers every prompt of these traces; Dynamo's threshold modes scale with it
+# --max-model-len: the longest prompt an engine takes (Mooncake's reach 126k tokens); Dynamo's threshold modes scale
+# with it.
+CONTEXT_LENGTH = int(MAX_CONTEXT)
 
 # The planner's configurations tried on every trace; the report keeps each one's row and names the best.
 # sla-*: throughput-based scaling on a load forecast and the performance model, every minute (Dynamo's
@@ -313,7 +316,6 @@ class DynamoRun:
         s = self.scenario
         pools = {p.role: p for p in s.fleet.pools}
         prefill, decode = pools.get(Role.PREFILL), pools.get(Role.DECODE) or pools[Role.UNIFIED]
-        by_name = {p.name: p for p in s.fleet.pools}
         sized = resized(s, self.start)
         fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
         meter = MinuteMeter(fleet, 0.0, {p.name: p.gpus for p in s.fleet.pools})
@@ -336,14 +338,21 @@ class DynamoRun:
                 fleet.advance_to(t)
                 if next_tick is not None and t >= next_tick - 1e-9:
                     answer = planner.ask({"op": "tick", "result": observer.result(fleet)})
-                    targets = {decode.name: answer["target_decode"]}
+                    targets = {"decode": (decode, answer["target_decode"])}
                     if prefill is not None:
-                        targets[prefill.name] = answer["target_prefill"]
-                    for pool, n in targets.items():
-                        n = None if n is None else max(1, min(pool_ceiling(by_name[pool]), int(n)))
-                        if n is not None and n != fleet.desired[pool]:
-                            fleet.scale(pool, n)
+                        targets["prefill"] = (prefill, answer["target_prefill"])
+                    capped: dict[str, int] = {}
+                    for role, (pool, asked) in targets.items():
+                        if asked is None:
+                            continue
+                        n = max(1, min(pool_ceiling(pool), int(asked)))
+                        if n != int(asked):
+                            capped[role] = n
+                        if n != fleet.desired[pool.name]:
+                            fleet.scale(pool.name, n)
                             events += 1
+                    if capped:
+                        planner.ask({"op": "capped", **capped})
                     next_tick = answer["next_tick_s"]
                 if t >= sample_at - 1e-9:
                     meter.sample(fleet)

@@ -75,6 +75,18 @@ def tick(adapter: ReplayPlannerAdapter, msg: dict[str, Any]) -> dict[str, Any]:
             "next_tick_s": None if next_ms is None else next_ms / 1000.0}
 
 
+def capped(adapter: ReplayPlannerAdapter, msg: dict[str, Any]) -> dict[str, Any]:
+    """The driver applied fewer engines than a target asked (every strategy's pools stop at one ceiling): the adapter
+    waits for the count it applied, or it would wait for ever for one that never comes and decide nothing more."""
+    for role in ("prefill", "decode"):
+        if msg.get(role) is not None:
+            name = f"_scaling_target_{role}"
+            if not hasattr(adapter, name):  # another version of the adapter: say so, never set a name it ignores
+                raise RuntimeError(f"this ai-dynamo's replay adapter keeps no {name}")
+            setattr(adapter, name, int(msg[role]))
+    return {}
+
+
 def main() -> None:
     """Answer requests until `close` or the end of input."""
     adapter: ReplayPlannerAdapter | None = None
@@ -92,6 +104,10 @@ def main() -> None:
                 if adapter is None:
                     raise RuntimeError("tick before start")
                 reply = tick(adapter, msg)
+            elif op == "capped":
+                if adapter is None:
+                    raise RuntimeError("capped before start")
+                reply = capped(adapter, msg)
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as exc:  # the driver reports it with the tick that caused it

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,3 +144,62 @@ def test_autoscale_eval_adds_dynamo_s_rows(dynamo_python: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "eval", "--peers", "dynamo",
                           "--dynamo-config", "psychic"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 3 and "psychic: not one of" in bad.stderr
+
+
+def test_a_target_over_the_pools_ceiling_is_capped_and_the_planner_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every strategy's pools stop at one ceiling. Dynamo's replay adapter waits for the count it asked before it
+    decides again (in disaggregated mode for both pools): not told, it would wait for ever and decide nothing more."""
+    import bench.dynamo_shootout as shootout
+
+    asked: list[dict[str, object]] = []
+
+    class Planner:
+        def __init__(self, python: Path) -> None:
+            self.ticks = 0
+
+        def ask(self, msg: dict[str, object]) -> dict[str, object]:
+            asked.append(msg)
+            if msg["op"] == "start":
+                return {"first_tick_s": 5.0}
+            if msg["op"] == "tick":
+                self.ticks += 1
+                return {"target_prefill": 99, "target_decode": 3, "next_tick_s": 5.0 * (self.ticks + 1)}
+            return {}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(shootout, "PlannerProcess", Planner)
+    sc = load_scenario("autoscale/mooncake-conversation").model_copy(update={"duration": 30.0})
+    [run] = DynamoPeer(Path("python"), ("load",)).runs("mooncake", sc, {"prefill": [2], "decode": [2]})
+    result = run()
+    ceiling = {p.role: shootout.pool_ceiling(p) for p in sc.fleet.pools}
+    assert {"op": "capped", "prefill": ceiling["prefill"]} in asked
+    assert not any(m["op"] == "capped" and "decode" in m for m in asked), "3 decode engines fit"
+    assert max(n["prefill"] for _, n in result.replicas) == ceiling["prefill"]
+
+
+@pytest.mark.slow
+def test_dynamo_s_adapter_takes_the_capped_count_and_goes_on_deciding(dynamo_python: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.dynamo_shootout as shootout
+
+    sent: list[dict[str, object]] = []
+    replies: list[dict[str, object]] = []
+
+    class Recorded(shootout.PlannerProcess):
+        def ask(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+            sent.append(dict(msg))
+            replies.append(reply := super().ask(msg))
+            return reply
+
+    monkeypatch.setattr(shootout, "PlannerProcess", Recorded)
+    sc = load_scenario("autoscale/mooncake-conversation")
+    pools = [p.model_copy(update={"max_replicas": 2}) if p.role == "prefill" else p for p in sc.fleet.pools]
+    sc = sc.model_copy(update={"duration": 600.0, "fleet": sc.fleet.model_copy(update={"pools": pools})})
+    [run] = DynamoPeer(dynamo_python, ("load",)).runs("mooncake", sc, {"prefill": [2] * 10, "decode": [1] * 10})
+    run()
+    capped = [i for i, m in enumerate(sent) if m["op"] == "capped"]
+    assert capped, "two prefill engines cannot take Mooncake's prompts: the planner asks for more"
+    later = [r for r in replies[capped[0] + 1:] if r.get("target_prefill") or r.get("target_decode")]
+    assert later, "told the count it got, the planner decides again"
