@@ -515,13 +515,16 @@ class SqlStore(metaclass=_Translating):
 
 
 def jsonable(value: Any) -> Any:
-    """Evidence as plain JSON types (tuples to lists, enums to strings)."""
+    """Evidence as plain JSON types (tuples to lists, enums to strings, a float that is no number to null: JSON has
+    none, and PostgreSQL refuses the `NaN` SQLite and Python write)."""
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     if isinstance(value, str):
         return str(value)
-    if isinstance(value, bool | int | float) or value is None:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, bool | int) or value is None:
         return value
     return str(value)

@@ -111,6 +111,12 @@ def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
     with store.engine.connect() as conn:
         states = conn.execute(select(FindingRow.state).order_by(FindingRow.id)).scalars().all()
     assert states == ["resolved", "open"]
+    # A ratio over nothing in the evidence: JSON has no NaN, and PostgreSQL refuses the one Python writes.
+    nan = NewFinding("prefix_cache_hit_drop", "pool/prefill", "warning", "hit rate fell", "routing",
+                     {"value": math.nan, "share": (math.inf, 0.5)}, "prefix_cache_hit_drop")
+    store.update_finding(second.id, nan, now=60.0)
+    [kept] = store.open_findings()
+    assert kept.evidence["value"] is None and kept.evidence["share"] == [None, 0.5]
 
 
 def test_actions_and_audit_log(store: SqlStore) -> None:
