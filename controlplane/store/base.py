@@ -129,7 +129,8 @@ class Store(Protocol):
         ...
 
     async def unfollow_advice(self, advice_id: int, now: float) -> None:
-        """A followed recommendation the fleet no longer runs (changed back before it was scored): open again."""
+        """A followed recommendation the fleet no longer runs (changed back before it was scored): open again, or
+        superseded where newer advice of its kind for its pool is open."""
         ...
 
     async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:

@@ -107,7 +107,10 @@ class MemoryStore:
         row = self.advice_rows.get(advice_id)
         if row is None or row.state != "followed":
             raise StoreConflict(f"advice {advice_id} is not followed")
-        self.advice_rows[advice_id] = replace(row, state="open", applied_at=None, updated_at=now)
+        if any(r.kind == row.kind and r.pool == row.pool and r.state == "open" for r in self.advice_rows.values()):
+            self.advice_rows[advice_id] = replace(row, state="superseded", updated_at=now)
+        else:
+            self.advice_rows[advice_id] = replace(row, state="open", applied_at=None, updated_at=now)
 
     async def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         row = self.advice_rows.get(advice_id)

@@ -375,8 +375,10 @@ class SqlStore(metaclass=_Translating):
                 row = s.scalars(q).first()
                 change = jsonable(item.change)
                 if row is not None and row.change != change:
-                    row.state, row.updated_at = "superseded", now
-                    s.flush()  # before its successor's insert: one open row per kind and pool, by the database
+                    # Only while still open (another run may have just followed it), and before its successor's
+                    # insert: one open row per kind and pool, by the database.
+                    s.execute(update(AdviceRow).where(AdviceRow.id == row.id, AdviceRow.state == "open")
+                              .values(state="superseded", updated_at=now))
                     row = None
                 if row is None:
                     row = AdviceRow(kind=item.kind, pool=item.pool, change=change, state="open", created_at=now)
@@ -401,8 +403,14 @@ class SqlStore(metaclass=_Translating):
         self._advance_advice(advice_id, "open", {"state": "followed", "applied_at": now, "updated_at": now})
 
     def unfollow_advice(self, advice_id: int, now: float) -> None:
-        """A followed recommendation the fleet no longer runs: open again, to be followed (and timed) afresh."""
-        self._advance_advice(advice_id, "followed", {"state": "open", "applied_at": None, "updated_at": now})
+        """A followed recommendation the fleet no longer runs: open again, to be followed (and timed) afresh, or
+        superseded where newer advice of its kind for its pool is open meanwhile."""
+        with self._session() as s:
+            row = s.get(AdviceRow, advice_id)
+            newer = row is not None and s.scalars(select(AdviceRow.id).where(
+                AdviceRow.kind == row.kind, AdviceRow.pool == row.pool, AdviceRow.state == "open")).first() is not None
+        self._advance_advice(advice_id, "followed", {"state": "superseded", "updated_at": now} if newer
+                             else {"state": "open", "applied_at": None, "updated_at": now})
 
     def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         """A followed recommendation: the metric measured since it was followed, and the error."""

@@ -25,9 +25,10 @@ from controlplane.errors import StoreConflict, StoreUnavailable
 from controlplane.store import migrate
 from controlplane.store.compaction import Retention
 from controlplane.store.db import make_engine
+from controlplane.store.memory import MemoryStore
 from controlplane.store.models import Base, FindingRow, SignalRollupRow
 from controlplane.store.queries import ReadStore
-from controlplane.store.records import NewAction, NewFinding
+from controlplane.store.records import NewAction, NewAdvice, NewFinding
 from controlplane.store.writer import SqlStore
 
 TABLES = {"targets", "signals", "signal_rollups", "findings", "actions", "action_events", "verdicts", "store_meta"}
@@ -206,3 +207,25 @@ def test_kill_9_during_ingest_loses_nothing_committed(db_url: str) -> None:
                 assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
     finally:
         store.close()
+
+
+
+def _advice(k: int) -> NewAdvice:
+    return NewAdvice("spec_tuning", "decode", True, f"k={k}", {"k": k}, "tpot", 0.05, 0.04, None, 0.8, {})
+
+
+def test_followed_advice_changed_back_after_newer_advice_is_superseded_not_opened_twice(store: SqlStore) -> None:
+    [first] = store.record_advice([_advice(2)], 10.0)
+    store.follow_advice(first.id, 20.0)
+    [newer] = store.record_advice([_advice(3)], 30.0)  # the advisor changed its mind while the fleet ran k=2
+    store.unfollow_advice(first.id, 40.0)  # the fleet went back: k=2 is no longer the advice
+    assert {r.id: r.state for r in store.advice()} == {first.id: "superseded", newer.id: "open"}
+
+
+async def test_the_memory_store_supersedes_such_advice_as_the_database_does() -> None:
+    memory = MemoryStore()
+    [first] = await memory.record_advice([_advice(2)], 10.0)
+    await memory.follow_advice(first.id, 20.0)
+    [newer] = await memory.record_advice([_advice(3)], 30.0)
+    await memory.unfollow_advice(first.id, 40.0)
+    assert {r.id: r.state for r in await memory.advice()} == {first.id: "superseded", newer.id: "open"}
