@@ -10,7 +10,7 @@ from controlplane.actions import ActionState
 __all__ = ["MAX_ID", "MAX_NAME", "ActionEvent", "ActionRecord", "AdviceRecord", "FindingRecord", "NewAction",
            "NewAdvice", "NewFinding", "NewVerdict", "Pause"]
 
-MAX_ID = 2**63 - 1  # the largest id a BIGINT column holds: a larger one no store holds, and a database refuses
+MAX_ID = 2**31 - 1  # the largest id an INTEGER column holds: a larger one no store holds, and PostgreSQL refuses
 MAX_NAME = 255  # the longest name a person gives (who approved, who paused)
 
 

@@ -112,7 +112,9 @@ async def test_approve_through_the_api_and_the_loop_acts(api: Api, caplog: pytes
         again = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
         assert again.status_code == 409 and "not awaiting approval (it is approved)" in again.json()["error"]
         huge = await c.post(f"/api/actions/{2**64}/approve", json={"by": "alice"}, headers=auth())
-        assert huge.status_code == 404 and f"no action {2**64}" in huge.json()["error"], "no 500 past BIGINT"
+        assert huge.status_code == 404 and f"no action {2**64}" in huge.json()["error"], "no 500 past what a store holds"
+        endless = await c.post(f"/api/actions/{'9' * 5000}/approve", json={"by": "alice"}, headers=auth())
+        assert endless.status_code == 404
     [action] = api.store.actions()
     assert action.state == "approved"
     await api.ticks(1)

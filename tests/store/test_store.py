@@ -120,6 +120,14 @@ def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
     assert kept.evidence["value"] is None and kept.evidence["share"] == [None, 0.5]
 
 
+def test_the_largest_action_id_a_caller_may_ask_for_is_one_every_database_compares(store: SqlStore) -> None:
+    from controlplane.errors import ActionNotFound
+    from controlplane.store.records import MAX_ID
+
+    with pytest.raises(ActionNotFound):  # not a refused query: PostgreSQL's INTEGER ends there
+        store.decide(MAX_ID, approve=True, by="alice", now=1.0, via="cli")
+
+
 def test_actions_and_audit_log(store: SqlStore) -> None:
     f = store.open_finding(report(), now=10.0)
     a = store.create_action(NewAction(f.id, "scale_pool", "prefill", {"replicas": 4}, "act", "test"), now=10.0)
