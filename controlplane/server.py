@@ -164,10 +164,11 @@ class _Decide(_Json):
             self.fail(400, f'the body must be {{"by": NAME}} with a name of 1 to {MAX_NAME} printable characters')
             return
         by = by.strip()
-        aid = int(action_id) if len(action_id) <= len(str(MAX_ID)) else MAX_ID + 1  # int() refuses 4,300 digits
-        if aid > MAX_ID:  # no store holds it, and a database refuses to compare with it
-            self.fail(404, f"no action {aid}")
+        # No store holds a larger one, and a database refuses to compare with it (int() refuses 4,300 digits).
+        if len(action_id) > len(str(MAX_ID)) or int(action_id) > MAX_ID:
+            self.fail(404, f"no action {action_id}")
             return
+        aid = int(action_id)
         try:
             action = await self.loop.store.decide(aid, approve=verb == "approve", by=by, now=self.loop.clock.now(),
                                                   via="api")
