@@ -140,6 +140,7 @@ class ControlLoop:
         self.busy_since: float | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
+        self._live_targets: set[str] | None = None
         self._missing: dict[str, list[str]] = {}
         self._derived: list[Signal] = []  # replica counts and plans of this tick, stored once it has planned
         # Per pool, this tick's inputs not fit to act on (a target down, a series absent), with why.
@@ -174,6 +175,9 @@ class ControlLoop:
             log.warning("ends of %d action(s) not recorded before taking over: %s", len(self._unrecorded), exc)
         self._waiting.clear()
         self._unnoted.clear()
+        # Another leader may have written the targets meanwhile: all of them are written again at the first tick.
+        self._target_state.clear()
+        self._live_targets = None
         self._unrecorded.clear()
         self._finished_now = []  # of the last tick this replica led, maybe long ago
         self._took_over_at = None
@@ -435,10 +439,17 @@ class ControlLoop:
             if self._target_state.get(r.target.key) != state:
                 # Only changes are written: thousands of unchanged targets cost nothing per tick.
                 changed.append(((r.target, health, r.ok, now), state))
-        if changed:
-            await self.store.record_targets([row for row, _ in changed])
+        # The targets there are now, when they differ from those last written (and at a take-over, which knows none):
+        # the store forgets the others, or the dashboard would count a pool's departed pods as up for good.
+        live = {r.target.key for r in obs.results}
+        forget = live if live != self._live_targets else None
+        if changed or forget is not None:
+            await self.store.record_targets([row for row, _ in changed], live=forget)
             # Remembered once written: a change the store refused is written again next tick.
             self._target_state.update((row[0].key, state) for row, state in changed)
+            for key in set(self._target_state) - live:
+                del self._target_state[key]
+            self._live_targets = live
 
     async def _pools(self, now: float, report: TickReport) -> dict[str, PoolState]:
         """Every pool as the actuator sees it now. A pool whose workload cannot be read keeps its last replicas,

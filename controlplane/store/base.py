@@ -46,8 +46,10 @@ class Store(Protocol):
         """Raw signals at or after `since`, oldest first."""
         ...
 
-    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
-        """Upsert each target's latest health: (target, health, up, scraped_at)."""
+    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],
+                             live: Collection[str] | None = None) -> None:
+        """Upsert each target's latest health: (target, health, up, scraped_at); with `live`, the keys of every target
+        there is now, forget the others (pods gone, pools removed)."""
         ...
 
     async def open_findings(self) -> list[FindingRecord]:

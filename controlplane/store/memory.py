@@ -62,9 +62,13 @@ class MemoryStore:
         return sorted((s for s in self.signals.values() if s.ts >= since and (wanted is None or s.name in wanted)),
                       key=lambda s: s.ts)
 
-    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
+    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],
+                             live: Collection[str] | None = None) -> None:
         for target, health, up, at in results:
             self.targets[target.key] = (target, health, up, at)
+        if live is not None:
+            for key in set(self.targets) - set(live):
+                del self.targets[key]
 
     async def compact(self, now: float, retention: Retention) -> CompactionReport:
         old = [k for k, s in self.signals.items() if s.ts < now - retention.raw_s]

@@ -59,8 +59,9 @@ class ThreadedStore:
     async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
         return await self._run(self.sql.load_signals, since, names)
 
-    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
-        await self._run(self.sql.record_targets, list(results))
+    async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],
+                             live: Collection[str] | None = None) -> None:
+        await self._run(self.sql.record_targets, list(results), None if live is None else list(live))
 
     async def open_findings(self) -> list[FindingRecord]:
         return await self._run(self.sql.open_findings)

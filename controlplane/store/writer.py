@@ -177,10 +177,19 @@ class SqlStore(metaclass=_Translating):
 
     # targets ---------------------------------------------------------------------------------
 
-    def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]]) -> None:
-        """Upsert each target's latest health: (target, health, up, scraped_at)."""
+    def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],
+                       live: Collection[str] | None = None) -> None:
+        """Upsert each target's latest health: (target, health, up, scraped_at); with `live`, the keys of every target
+        there is now, forget the others (pods gone, pools removed)."""
         with self._write() as s:
             existing = {t.key: t for t in s.scalars(select(TargetRow))}
+            if live is not None:
+                keep = set(live)
+                gone = [key for key in existing if key not in keep]
+                for i in range(0, len(gone), 500):  # a bound parameter list every database takes
+                    s.execute(delete(TargetRow).where(TargetRow.key.in_(gone[i:i + 500])))
+                for key in gone:
+                    del existing[key]
             for target, health, up, at in results:
                 row = existing.get(target.key)
                 if row is None:

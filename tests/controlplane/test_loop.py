@@ -17,7 +17,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
 
-from collectors.types import Target
+from collectors.types import Target, TargetHealth
 from controlplane.actions import ActionState
 from controlplane.actuators.base import StaticTargets
 from controlplane.clock import VirtualClock, WallClock
@@ -208,11 +208,11 @@ async def test_a_target_state_the_store_refused_is_written_next_tick(client: htt
     class RefusesTargets(MemoryStore):
         refuse = 1
 
-        async def record_targets(self, results):  # type: ignore[no-untyped-def]
+        async def record_targets(self, results, live=None):  # type: ignore[no-untyped-def]
             if self.refuse:
                 self.refuse -= 1
                 raise StoreUnavailable("record_targets: connection reset")
-            await super().record_targets(results)
+            await super().record_targets(results, live)
 
     def handler(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
@@ -228,6 +228,36 @@ async def test_a_target_state_the_store_refused_is_written_next_tick(client: htt
         await loop.tick()
     target, _, up, _ = store.targets["prefill/dead/vllm"]
     assert target.pod == "dead" and up is False
+
+
+async def test_the_store_forgets_targets_that_are_gone(sqlite_store: SqlStore) -> None:
+    """A pool scaled from three pods to one: the dashboard must not count the two gone as up for good, nor may a
+    leader that takes over keep the targets its predecessor knew of and it never sees."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text='vllm:num_requests_running{engine="0",model_name="m"} 1\n')
+
+    from controlplane.store.queries import ReadStore
+
+    def known() -> set[str]:
+        return {t["key"] for t in ReadStore.open(str(sqlite_store.engine.url)).targets()}
+
+    targets = StaticTargets([Target(f"http://p{i}/metrics", "prefill", f"p{i}") for i in range(3)])
+    cfg, clock = demo_config(str(sqlite_store.engine.url)), VirtualClock()
+    store = ThreadedStore(sqlite_store)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
+        loop = build_loop(cfg, store, mock, targets=targets, clock=clock)
+        await loop.tick()
+        assert known() == {"prefill/p0/vllm", "prefill/p1/vllm", "prefill/p2/vllm"}
+        targets._targets = targets._targets[:1]
+        clock.advance(15.0)
+        await loop.tick()
+        assert known() == {"prefill/p0/vllm"}
+        sqlite_store.record_targets([(Target("http://p9/metrics", "prefill", "p9"), TargetHealth(), True, 1.0)])
+        successor = build_loop(cfg, store, mock, targets=targets, clock=clock)
+        await successor.start()
+        clock.advance(15.0)
+        await successor.tick()
+        assert known() == {"prefill/p0/vllm"}
 
 
 class FlakyStore(SqlStore):
