@@ -1371,8 +1371,9 @@ class ConfigMapSwitch:
             data = await asyncio.to_thread(_body, self._core.read_namespaced_config_map, f.name, f.namespace,
                                            _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status == 404:
-                return None  # no ConfigMap, no flag
+            if exc.status == 404:  # deleting the switch must not be a way to turn acting back on
+                return (f"the kill switch ConfigMap {f.namespace}/{f.name} does not exist: not acting until it does "
+                        f"(with {f.key}: \"false\")")
             return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({api_message(exc)}): not acting"
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return f"the kill switch ConfigMap {f.namespace}/{f.name} cannot be read ({exc}): not acting"

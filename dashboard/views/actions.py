@@ -14,7 +14,7 @@ from dashboard import common as c
 
 w = c.window()
 wanted = c.chosen("action")
-data = c.page_data("actions", w, action_id=int(wanted) if wanted and wanted.isdigit() else None)
+data = c.page_data("actions", w, action_id=int(wanted) if wanted and wanted.isascii() and wanted.isdigit() else None)
 st.title("Actions")
 
 proposed = data["proposed"]

@@ -701,9 +701,12 @@ async def test_server_side_dry_run_changes_nothing(server: ApiServer, api: clien
 
 async def test_the_configmap_kill_switch(server: ApiServer, api: client.ApiClient) -> None:
     switch = ConfigMapSwitch(api, ConfigMapFlag(namespace=NS, name="fleet-controlplane"))
-    assert await switch.paused() is None  # no ConfigMap: not paused
-    server.put(CONFIGMAPS, {"apiVersion": "v1", "kind": "ConfigMap",
-                            "metadata": {"name": "fleet-controlplane", "namespace": NS}, "data": {"paused": "True"}})
+    missing = await switch.paused()  # a switch named and deleted: not a way to turn acting back on
+    assert missing is not None and "does not exist: not acting" in missing
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "fleet-controlplane", "namespace": NS}}
+    server.put(CONFIGMAPS, {**configmap, "data": {"paused": "false"}})
+    assert await switch.paused() is None
+    server.put(CONFIGMAPS, {**configmap, "data": {"paused": "True"}})
     assert await switch.paused() == "ConfigMap llm/fleet-controlplane has paused: true"
     server.fail("GET", "/configmaps/fleet-controlplane", 500, "etcd down")
     reason = await switch.paused()
