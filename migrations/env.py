@@ -10,6 +10,7 @@ from controlplane.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
+_LOCK = 0x666C656574  # this schema's migrations, as a PostgreSQL advisory lock key ("fleet")
 
 
 def run() -> None:
@@ -31,6 +32,10 @@ def run() -> None:
                 compare_type=True,
             )
             with context.begin_transaction():
+                if conn.dialect.name == "postgresql":
+                    # Replicas that start together each run `fleetctl db upgrade`: one migrates, the others wait for it
+                    # and then find the schema at head (without the lock, one fails on tables the other just made).
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_LOCK})")
                 context.run_migrations()
                 if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
                     raise RuntimeError(f"the migration left rows that refer to none: {broken[:5]}")

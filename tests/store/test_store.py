@@ -49,6 +49,17 @@ def test_migrations_upgrade_downgrade_upgrade(db_url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.postgres
+def test_replicas_that_migrate_a_new_database_at_once_all_succeed(pg_url: str) -> None:
+    # Processes, as replicas are: Alembic's context is one per process.
+    code = "import sys; from controlplane.store import migrate; migrate.upgrade(sys.argv[1])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, pg_url], stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    assert migrate.current(pg_url) == migrate.head()
+
+
 def test_models_match_the_migrations(store: SqlStore) -> None:
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
