@@ -133,6 +133,8 @@ def test_the_ci_job_is_a_valid_job_that_runs_the_gate() -> None:
     ctx = gate.make_context("gate", list(container["args"][1:]))  # every option exists and parses
     assert ctx.params["pool"] == "decode" and ctx.params["report_fmt"] == "junit"
     assert doc["spec"]["backoffLimit"] == 0  # a failed gate must not be retried into a pass
+    pod = doc["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
 
 
 def test_the_examples_call_the_endpoints_and_selectors_the_gate_has() -> None:

@@ -25,11 +25,14 @@ def normalize_url(url: str) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL with any password hidden, for logs and error messages."""
+    """The URL with any password hidden, for logs and error messages: its own, and one given as a query parameter
+    (libpq takes `?password=`, and `sslpassword=` for a client key)."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except (ArgumentError, ValueError):  # ValueError: a port that is no number
         return "<unparseable store URL>"
+    secret = {k: "***" for k in parsed.query if "password" in k.lower()}
+    return parsed.update_query_dict(secret).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
 def make_engine(url: str, *, check: bool = True) -> Engine:

@@ -60,6 +60,14 @@ def test_replicas_that_migrate_a_new_database_at_once_all_succeed(pg_url: str) -
     assert migrate.current(pg_url) == migrate.head()
 
 
+def test_a_store_url_is_printed_without_its_passwords() -> None:
+    from controlplane.store.db import redact
+
+    assert redact("postgresql://fleet:pw@db/fleet?password=s3&sslpassword=k3y&sslmode=require") == (
+        "postgresql://fleet:***@db/fleet?password=***&sslmode=require&sslpassword=***")
+    assert redact("sqlite:///fleet.db") == "sqlite:///fleet.db"
+
+
 def test_models_match_the_migrations(store: SqlStore) -> None:
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
