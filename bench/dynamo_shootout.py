@@ -39,7 +39,7 @@ from controlplane.evaluation_autoscale import MinuteMeter, StrategyRun, pool_cei
 from controlplane.sim.engine import BLOCK_TOKENS, SimEngine
 from controlplane.sim.fleet import SimFleet
 from controlplane.sim.perf import PerfModel, load_model
-from controlplane.sim.scenario import PoolModel, Scenario
+from controlplane.sim.scenario import FaultTimeline, PoolModel, Scenario
 from policies.stats import MAX_CONTEXT
 
 __all__ = ["CONFIGURATIONS", "DynamoError", "DynamoPeer", "DynamoRun", "FleetObserver", "PlannerProcess", "benchmark_fpms",
@@ -97,7 +97,7 @@ def benchmark_fpms(model: PerfModel, pool: PoolModel, granularity: int = 8) -> d
     top = pool.max_batched_tokens
     prefill = [_fpm(model.prefill_batch_seconds([(isl, 0)]), num_prefill_requests=1, sum_prefill_tokens=isl)
                for isl in range(100, top + 1, max(1, (top - 100) // granularity))]
-    max_kv = pool.kv_blocks * BLOCK_TOKENS
+    max_kv = pool.engine_kv_blocks * BLOCK_TOKENS
     decode = []
     for ctx in (500, 2000, 4000, 8000):
         for bs in range(1, pool.max_num_seqs + 1, max(1, pool.max_num_seqs // granularity)):
@@ -120,7 +120,7 @@ def capabilities(pool: PoolModel) -> dict[str, Any]:
     """What Dynamo reads from an engine's card: batch limits, KV capacity, GPUs."""
     return {"num_gpu": pool.gpus, "max_num_batched_tokens": pool.max_batched_tokens,
             "max_num_seqs": pool.max_num_seqs, "context_length": CONTEXT_LENGTH,
-            "max_kv_tokens": pool.kv_blocks * BLOCK_TOKENS, "kv_cache_block_size": BLOCK_TOKENS}
+            "max_kv_tokens": pool.engine_kv_blocks * BLOCK_TOKENS, "kv_cache_block_size": BLOCK_TOKENS}
 
 
 # the fleet in the planner's terms ---------------------------------------------------------------------
@@ -319,11 +319,12 @@ class DynamoRun:
         sized = resized(s, self.start)
         fleet = SimFleet(sized.fleet_spec(), sized.requests(), now=0.0)
         meter = MinuteMeter(fleet, 0.0, {p.name: p.gpus for p in s.fleet.pools})
+        faults = FaultTimeline(s.faults, 0.0)  # as every strategy's replay meets them
         observer = FleetObserver(prefill.name if prefill else None, decode.name)
         events = 0
         planner = PlannerProcess(self.python)
         try:
-            seeds = {role: benchmark_fpms(load_model(p.profile, p.speed), p)
+            seeds = {role: benchmark_fpms(load_model(p.profile, p.speed, p.decode_speed), p)
                      for role, p in (("prefill", prefill or decode), ("decode", decode))}
             caps = {"prefill": capabilities(prefill) if prefill else None, "decode": capabilities(decode)}
             next_tick: float | None = planner.ask({
@@ -335,6 +336,7 @@ class DynamoRun:
             sample_at = interval
             while sample_at <= s.duration + 1e-9:
                 t = sample_at if next_tick is None else min(sample_at, next_tick)
+                faults.advance(fleet, t)
                 fleet.advance_to(t)
                 if next_tick is not None and t >= next_tick - 1e-9:
                     answer = planner.ask({"op": "tick", "result": observer.result(fleet)})

@@ -43,6 +43,9 @@ def test_the_planner_is_seeded_on_dynamo_s_benchmark_grid_timed_by_the_pool_s_en
     assert slow["prefill"][-1]["wall_time"] == pytest.approx(2 * fast["prefill"][-1]["wall_time"], rel=0.01), (
         "a pool at half an H200's speed is benchmarked at half the speed")
     assert capabilities(pool)["max_kv_tokens"] == pool.kv_blocks * 16
+    fp8 = pool.model_copy(update={"kv_cache_dtype": "fp8"})  # twice the blocks in the same memory, as the engine has
+    assert capabilities(fp8)["max_kv_tokens"] == 2 * pool.kv_blocks * 16
+    assert capabilities(fp8)["context_length"] >= 126_195, "Mooncake's longest prompt"
     model = load_model(speed=1.0)
     mixed = fast["mixed"][0]
     assert mixed["num_prefill_requests"] == 1 and mixed["num_decode_requests"] >= 1, "an aggregated engine's iteration"
