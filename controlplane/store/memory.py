@@ -146,7 +146,9 @@ class MemoryStore:
         return row
 
     async def update_finding(self, finding_id: int, finding: NewFinding, now: float) -> None:
-        row = self.findings[finding_id]
+        row = self.findings.get(finding_id)
+        if row is None or row.state != "open":
+            return
         self.findings[finding_id] = replace(row, severity=finding.severity, summary=finding.summary,
                                             cause=finding.cause, evidence=jsonable(finding.evidence), updated_at=now)
 

@@ -224,14 +224,12 @@ class SqlStore(metaclass=_Translating):
             return _finding(row)
 
     def update_finding(self, finding_id: int, finding: NewFinding, now: float) -> None:
-        """Refresh an open finding's severity, summary and evidence (policies keep its baseline)."""
+        """Refresh an open finding's severity, summary and evidence (policies keep its baseline); one resolved
+        meanwhile (by the leader after this one) keeps what it was resolved with."""
         with self._write() as s:
-            row = s.get_one(FindingRow, finding_id)
-            row.severity = finding.severity
-            row.summary = finding.summary
-            row.cause = finding.cause
-            row.evidence = jsonable(finding.evidence)
-            row.updated_at = now
+            s.execute(update(FindingRow).where(FindingRow.id == finding_id, FindingRow.state == "open").values(
+                severity=finding.severity, summary=finding.summary, cause=finding.cause,
+                evidence=jsonable(finding.evidence), updated_at=now))
 
     def resolve_finding(self, finding_id: int, reason: str, now: float) -> None:
         """Close a finding; its incident ends."""

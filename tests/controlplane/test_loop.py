@@ -239,7 +239,8 @@ async def test_the_store_forgets_targets_that_are_gone(sqlite_store: SqlStore) -
     from controlplane.store.queries import ReadStore
 
     def known() -> set[str]:
-        return {t["key"] for t in ReadStore.open(str(sqlite_store.engine.url)).targets()}
+        read = ReadStore(sqlite_store.engine)
+        return {t["key"] for t in read.targets()}
 
     targets = StaticTargets([Target(f"http://p{i}/metrics", "prefill", f"p{i}") for i in range(3)])
     cfg, clock = demo_config(str(sqlite_store.engine.url)), VirtualClock()

@@ -126,6 +126,9 @@ def test_finding_lifecycle_and_one_open_per_key(store: SqlStore) -> None:
         store.open_finding(report(), now=30.0)  # the database refuses a second open finding
     store.resolve_finding(f.id, "recovered", now=40.0)
     assert store.open_findings() == []
+    store.update_finding(f.id, report(value=0.1), now=45.0)  # an old leader's last tick, after the new one resolved it
+    with store.engine.connect() as conn:
+        assert conn.execute(select(FindingRow.evidence).where(FindingRow.id == f.id)).scalar_one()["value"] == 0.3
     second = store.open_finding(report(), now=50.0)  # a new incident on the same subject
     assert second.id != f.id
     with store.engine.connect() as conn:
