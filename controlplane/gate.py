@@ -588,6 +588,7 @@ class GateBook:
         # Decided verdicts this process is to record and has not yet (the store refused): asked again at every
         # consultation, since the claim that made this process the recorder keeps every other from doing it.
         self._owed: dict[GateKey, NewVerdict] = {}
+        self._recording = asyncio.Lock()
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None) -> Verdict:
         """The verdict of this rollout's gate now; `settings` for a gate not yet started. GateInputError for a bad
@@ -625,15 +626,23 @@ class GateBook:
                 self._owed[key] = NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
                                              verdict.ended_at, verdict.outcome.value, verdict.score,
                                              {**verdict.as_dict(), "revision": key.revision})
-            if key in self._owed and self._record is not None:
-                # The verdict is the rollout's answer whether or not it is on record yet.
+        await self._record_owed()
+        return verdict
+
+    async def _record_owed(self) -> None:
+        """Record every decided verdict still owed, whichever gate is consulted now: a rollout that aborted on its
+        verdict asks no more. The verdict is the rollout's answer whether or not it is on record yet."""
+        if not self._owed or self._record is None:
+            return
+        async with self._recording:  # two consultations at once must not record one verdict twice
+            for key, owed in list(self._owed.items()):
                 try:
-                    await self._record(self._owed[key])
-                    del self._owed[key]
+                    await self._record(owed)
                 except FleetError as exc:
-                    log.warning("%s's gate verdict (%s) not recorded yet, asked again at its next consultation: %s",
-                                key.pool, verdict.outcome.value, exc)
-            return verdict
+                    log.warning("%s's gate verdict (%s) not recorded yet, asked again at the next consultation: %s",
+                                key.pool, owed.result, exc)
+                    return
+                self._owed.pop(key, None)
 
     def _make_room(self, now: float) -> bool:
         """Forget the session consulted longest ago, if no one has asked it for two of its steps (a rollout asks every
