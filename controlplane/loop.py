@@ -41,6 +41,7 @@ from controlplane.store.compaction import Retention
 from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, GANG, READY, ROLLING, STARTUP, TARGET, PoolPlan, Sizer, plan_each
+from policies.inputs import KIND as STALE_KIND
 from policies.inputs import VANISH_WATCH, frozen_inputs, vanished_inputs
 from policies.settling import stalled_since
 from policies.types import (
@@ -135,9 +136,9 @@ class ControlLoop:
         # tick's start does not show them unsettled yet, and no other disruptive change may start beside them.
         self._finished_now: list[str] = []
         self.last_tick_at: float | None = None
-        # When the take-over or tick in progress began (None between them): one that never ends (a store query hung
-        # on a half-open connection) fails the liveness probe, so that the pod restarts and another replica leads.
-        self.busy_since: float | None = None
+        # The take-over or tick in progress and when it began (None between them): one that never ends (a store query
+        # hung on a half-open connection) fails the liveness probe, so that the pod restarts and another replica leads.
+        self.busy: tuple[str, float] | None = None
         self._last_compaction: float | None = None
         self._target_state: dict[str, tuple[bool, str | None]] = {}
         self._live_targets: set[str] | None = None
@@ -155,11 +156,11 @@ class ControlLoop:
     async def start(self) -> None:
         """Take over: reload the policy windows, then finish or account for every action a stopped
         control plane left started, so none is lost and none is carried out twice."""
-        self.busy_since = self.clock.now()
+        self.busy = ("taking over", self.clock.now())
         try:
             await self._start()
         finally:
-            self.busy_since = None
+            self.busy = None
 
     async def _start(self) -> None:
         now = self.clock.now()
@@ -186,6 +187,14 @@ class ControlLoop:
         signals = await self.store.load_signals(now - HISTORY_S)
         self.windows.extend((s.ts, s.subject, s.name, s.value) for s in signals)
         self.windows.rewind(now)  # points stamped by a clock ahead of this one would keep every new point out
+        # A pool signal that stopped before the history began is known stopped only by the finding that says so: it
+        # stopped before that opened. Without this, a new leader would read it as never had, and act.
+        for f in await self.store.open_findings():
+            if f.kind == STALE_KIND and isinstance(inputs := f.evidence.get("inputs"), dict):
+                pool = f.subject.removeprefix("pool/")
+                for name in set(inputs) & set(VANISH_WATCH):
+                    if self.windows.latest_ts(f.subject, name) is None:
+                        self._last_seen.setdefault((pool, name), f.opened_at)
         started = await self.store.actions(states=[ActionState.STARTED])
         pools: dict[str, PoolState] = {}
         if started:
@@ -360,11 +369,11 @@ class ControlLoop:
 
     async def tick(self) -> TickReport:
         """One full pass of the data flow at the clock's current time."""
-        self.busy_since = self.clock.now()
+        self.busy = ("tick", self.clock.now())
         try:
             return await self._tick()
         finally:
-            self.busy_since = None
+            self.busy = None
 
     async def _tick(self) -> TickReport:
         wall = time.perf_counter()
@@ -442,7 +451,8 @@ class ControlLoop:
         # The targets there are now, when they differ from those last written (and at a take-over, which knows none):
         # the store forgets the others, or the dashboard would count a pool's departed pods as up for good.
         live = {r.target.key for r in obs.results}
-        forget = live if live != self._live_targets else None
+        # A leader that lost the Lease mid-tick (a store query hung) knows the targets of then: it forgets none.
+        forget = live if live != self._live_targets and self.leading() else None
         if changed or forget is not None:
             await self.store.record_targets([row for row, _ in changed], live=forget)
             # Remembered once written: a change the store refused is written again next tick.

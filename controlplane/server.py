@@ -68,14 +68,16 @@ class _Metrics(tornado.web.RequestHandler):
 
 
 def _alive(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:
-    """(alive, report): alive unless this replica leads and its take-over or tick has run for ten scrape intervals
-    (five minutes at least), which no healthy one takes: restarted, the pod gives up its Lease to a replica that acts."""
-    busy = loop.busy_since
-    if busy is None or not loop.leading():
+    """(alive, report): alive unless this replica leads and its tick has run for ten scrape intervals (five minutes at
+    least), or its take-over (three hours of signals to load) for three times that, which no healthy one takes:
+    restarted, the pod gives up its Lease to a replica that acts."""
+    if loop.busy is None or not loop.leading():
         return True, {"status": "ok"}
-    age, limit = loop.clock.now() - busy, max(300.0, 10 * loop.config.scrape.interval)
+    doing, since = loop.busy
+    age = loop.clock.now() - since
+    limit = max(300.0, 10 * loop.config.scrape.interval) * (3 if doing == "taking over" else 1)
     if age > limit:
-        return False, {"status": "stuck", "reason": f"a tick has run for {age:.0f}s (the limit is {limit:g}s)"}
+        return False, {"status": "stuck", "reason": f"{doing} for {age:.0f}s (the limit is {limit:g}s)"}
     return True, {"status": "ok"}
 
 

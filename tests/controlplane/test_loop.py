@@ -253,12 +253,19 @@ async def test_the_store_forgets_targets_that_are_gone(sqlite_store: SqlStore) -
         clock.advance(15.0)
         await loop.tick()
         assert known() == {"prefill/p0/vllm"}
+        # Another leader led meanwhile and wrote a target this one never saw; this one leads again.
         sqlite_store.record_targets([(Target("http://p9/metrics", "prefill", "p9"), TargetHealth(), True, 1.0)])
-        successor = build_loop(cfg, store, mock, targets=targets, clock=clock)
-        await successor.start()
+        await loop.start()
         clock.advance(15.0)
-        await successor.tick()
+        await loop.tick()
         assert known() == {"prefill/p0/vllm"}
+        # A leader that lost the Lease mid-tick knows the targets of then: it forgets none of the new leader's.
+        sqlite_store.record_targets([(Target("http://p9/metrics", "prefill", "p9"), TargetHealth(), True, 1.0)])
+        targets._targets = [*targets._targets, Target("http://p1/metrics", "prefill", "p1")]
+        loop.leading = lambda: False
+        clock.advance(15.0)
+        await loop.tick()
+        assert known() == {"prefill/p0/vllm", "prefill/p9/vllm", "prefill/p1/vllm"}
 
 
 class FlakyStore(SqlStore):
@@ -430,7 +437,8 @@ async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlS
     cfg = demo_config(str(sqlite_store.engine.url)).model_copy(update={"mode": Mode.OBSERVE})
     clock = VirtualClock()
     # The dry-run actuator counts a pool's engines from its targets: prefill has one (a pool at zero has no series).
-    loop = build_loop(cfg, MemoryStore(), client, clock=clock,
+    store = MemoryStore()
+    loop = build_loop(cfg, store, client, clock=clock,
                       targets=StaticTargets([Target("http://10.0.0.1:8000/metrics", "prefill", "p-0")]))
     loop.source = PrometheusApiSource(PrometheusSource("http://prometheus:9090", client=FakeClient(answer)), 60.0)
     reports = [await loop.tick()]
@@ -454,6 +462,12 @@ async def test_a_pools_series_that_stop_make_its_inputs_stale(sqlite_store: SqlS
 
     assert await prefill_stale()
     clock.advance(HISTORY_S)  # the history no longer holds its last values: stopped still, not unknown
+    assert await prefill_stale()
+    # Nor for a leader that takes over now (a restart, say): the open finding says the series stopped.
+    actuator, source = loop.actuator, loop.source
+    loop = build_loop(cfg, store, client, clock=clock)
+    loop.actuator, loop.source = actuator, source
+    await loop.start()
     assert await prefill_stale()
     loop.config = cfg.model_copy(update={"pools": [
         p.model_copy(update={"replicas": p.replicas.model_copy(update={"min": 0})}) if p.name == "prefill" else p
