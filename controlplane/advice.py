@@ -244,7 +244,8 @@ async def advise_and_score(config: FleetConfig, store: Store, now: float, since:
                 await store.follow_advice(rec.id, now)
         for rec in await store.advice(states=("followed",)):
             if (done := followed(rec, config)) is None:
-                # Changed back before it was judged: open again, its time taken afresh once followed again.
+                # Changed back before it was judged: open again, its time taken afresh once followed again (or
+                # superseded, where newer advice of its kind for its pool is open).
                 await store.unfollow_advice(rec.id, now)
                 continue
             start = max(since, rec.applied_at if rec.applied_at is not None else now)

@@ -412,12 +412,16 @@ class SqlStore(metaclass=_Translating):
     def unfollow_advice(self, advice_id: int, now: float) -> None:
         """A followed recommendation the fleet no longer runs: open again, to be followed (and timed) afresh, or
         superseded where newer advice of its kind for its pool is open meanwhile."""
-        with self._session() as s:
+        with self._write() as s:
             row = s.get(AdviceRow, advice_id)
             newer = row is not None and s.scalars(select(AdviceRow.id).where(
                 AdviceRow.kind == row.kind, AdviceRow.pool == row.pool, AdviceRow.state == "open")).first() is not None
-        self._advance_advice(advice_id, "followed", {"state": "superseded", "updated_at": now} if newer
-                             else {"state": "open", "applied_at": None, "updated_at": now})
+            values = ({"state": "superseded", "updated_at": now} if newer
+                      else {"state": "open", "applied_at": None, "updated_at": now})
+            done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == "followed")
+                             .values(values))
+            if done.rowcount != 1:  # type: ignore[attr-defined]
+                raise StoreConflict(f"advice {advice_id} is not followed")
 
     def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         """A followed recommendation: the metric measured since it was followed, and the error."""
