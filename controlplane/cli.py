@@ -264,8 +264,9 @@ def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
     from controlplane.store.records import MAX_NAME
     from controlplane.store.writer import SqlStore
 
-    if not by.strip() or len(by) > MAX_NAME:
-        raise click.BadParameter(f"who decides goes into the audit log: 1 to {MAX_NAME} characters", param_hint="--by")
+    if not by.strip() or len(by) > MAX_NAME or not by.isprintable():
+        raise click.BadParameter(f"who decides goes into the audit log as one line: 1 to {MAX_NAME} printable "
+                                 "characters", param_hint="--by")
 
     store = SqlStore.open(db)
     try:

@@ -183,6 +183,16 @@ def chosen(key: str) -> str | None:
     return str(value) if value else None
 
 
+def chosen_id(key: str) -> int | None:
+    """The id a link names (an action's, a finding's), or None where it names none a store could hold."""
+    from controlplane.store.records import MAX_ID
+
+    value = chosen(key)
+    if value is None or not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_ID)):
+        return None
+    return int(value) if int(value) <= MAX_ID else None
+
+
 # fleet file and control-plane API --------------------------------------------------------------
 
 @st.cache_resource(show_spinner=False)

@@ -13,8 +13,7 @@ from controlplane.store.db import redact
 from dashboard import common as c
 
 w = c.window()
-wanted = c.chosen("action")
-data = c.page_data("actions", w, action_id=int(wanted) if wanted and wanted.isascii() and wanted.isdigit() else None)
+data = c.page_data("actions", w, action_id=c.chosen_id("action"))
 st.title("Actions")
 
 proposed = data["proposed"]

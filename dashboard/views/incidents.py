@@ -49,8 +49,7 @@ def demote(markdown: str) -> str:
 
 
 w = c.window()
-wanted = c.chosen("finding")
-data = c.page_data("incidents", w, finding_id=int(wanted) if wanted and wanted.isascii() and wanted.isdigit() else None)
+data = c.page_data("incidents", w, finding_id=c.chosen_id("finding"))
 st.title("Incidents")
 st.caption(f"{w.label} up to {c.when(w.end)} UTC")
 counts = data["open_counts"]

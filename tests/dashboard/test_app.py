@@ -338,3 +338,14 @@ def test_what_the_gate_api_was_sent_shows_as_typed_never_as_a_link() -> None:
     from dashboard.common import literal
 
     assert literal("pod=~[login](https://evil.example)`x") == "`pod=~[login](https://evil.example)'x`"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(("page", "key"), [("actions", "action"), ("incidents", "finding")])
+def test_a_link_to_an_id_no_store_holds_shows_the_page(monkeypatch: pytest.MonkeyPatch, pg_url: str, page: str,
+                                                      key: str) -> None:
+    # A superscript digit is a digit to str.isdigit(), and PostgreSQL's INTEGER ends at 2^31-1.
+    migrate.upgrade(pg_url)
+    for wanted in ("\u00b2", "99999999999"):
+        at = render(monkeypatch, pg_url, page, query={key: wanted})
+        assert EMPTY[page] in texts(at) and not at.error
