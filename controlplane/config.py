@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from catalog.fleet import Role, Source
+from catalog.redaction import without_credentials
 from catalog.settings import NonNegativeSeconds, Seconds, Settings
 from controlplane.errors import ConfigError
 from controlplane.selectors import LabelSelector
@@ -589,13 +590,9 @@ def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
     return valid
 
 
-# The user and password of a URL (`scheme://user:pass@host`): an error about the value must not print them.
-_USERINFO = re.compile(r"(?<=://)[^/?#@\s]*@")
-
-
 def _masked(value: object) -> str:
     """The value as an error shows it, credentials in a URL hidden."""
-    return _USERINFO.sub("***@", repr(value))
+    return without_credentials(repr(value))
 
 
 def _where(root: yaml.Node | None, loc: tuple[int | str, ...]) -> str:

@@ -239,16 +239,17 @@ async def test_within_the_round_a_target_keeps_its_own_timeout_and_the_rest_are_
 
 
 async def test_a_round_too_short_for_the_fleet_reads_those_it_left_late_first() -> None:
-    # One slot, each read 0.1 s, a round of 0.25 s: two of three targets fit. Without turns the third would be late
-    # every round and its pool never fit to act on; with them no target is late two rounds in a row.
+    # One slot, each read 0.2 s, a round of 0.6 s: two of three targets fit (the third gets less than half its timeout
+    # and is cut off). Without turns the third would be late every round and its pool never fit to act on; with them
+    # no target is late two rounds in a row.
     async def slow_reads(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
         return handler(httpx.Request("GET", "http://good/metrics"))
 
     targets = [t("a"), t("b"), t("c")]
     late_rounds = []
     async with httpx.AsyncClient(transport=httpx.MockTransport(slow_reads)) as client:
-        scraper = Scraper(client, timeout_s=1.0, concurrency=1, round_s=0.25)
+        scraper = Scraper(client, timeout_s=1.0, concurrency=1, round_s=0.6)
         for i in range(4):
             results = await scraper.scrape(targets, now=15.0 * i)
             assert [r.target for r in results] == targets  # still in the targets' order
@@ -272,3 +273,12 @@ async def test_a_slot_handed_to_a_read_the_round_cut_off_goes_to_the_next() -> N
     assert first.cancelled() and second.done() and slots.busy()
     slots.release()
     assert not slots.busy()
+
+
+async def test_a_targets_credentials_are_in_no_error_it_reports() -> None:
+    def refusing(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, text="unavailable")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refusing)) as client:
+        [result] = await Scraper(client).scrape([Target("http://scraper:p@ss@good/metrics", "pool", "good")], now=0.0)
+    assert result.error == "HTTP 503 from http://***@good/metrics"
