@@ -63,6 +63,7 @@ __all__ = [
     "MetricVerdict",
     "Outcome",
     "Scale",
+    "Series",
     "Verdict",
     "arms_tpot_reading",
     "blocks",

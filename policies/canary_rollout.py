@@ -41,6 +41,7 @@ from policies.canary import (
     GateSettings,
     Interval,
     Outcome,
+    Series,
     Verdict,
     arms_tpot_reading,
     engine_dists,
@@ -191,8 +192,8 @@ class CanaryRegression:
         """The engines' observations merged, in `n` consecutive steps of `width` seconds from `start` (`read_as`:
         `tpot_reading`'s choice for both arms)."""
         out: list[dict[str, Dist]] = [{} for _ in range(n)]
+        wanted = (*self.reads, *(_TPOT_AS_ITL if read_as.get("tpot") == "itl" else ()))
         for e in engines:
-            wanted = (*self.reads, *(_TPOT_AS_ITL if read_as.get("tpot") == "itl" else ()))
             series = {name: inp.windows.series(e.subject, name, since=start - 2 * self.settings.gate.step)
                       for name in wanted}
             for k in range(n):
@@ -207,7 +208,7 @@ class CanaryRegression:
         if "tpot" not in self._names:
             return {}
 
-        def stored(arm: list[_Engine]) -> list[dict[str, list[tuple[float, float]]]]:
+        def stored(arm: list[_Engine]) -> list[Series]:
             return [{name: inp.windows.series(e.subject, name, since=since) for name in ("tpot_per_request",
                                                                                          "tpot_mean")} for e in arm]
 

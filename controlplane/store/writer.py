@@ -416,12 +416,8 @@ class SqlStore(metaclass=_Translating):
             row = s.get(AdviceRow, advice_id)
             newer = row is not None and s.scalars(select(AdviceRow.id).where(
                 AdviceRow.kind == row.kind, AdviceRow.pool == row.pool, AdviceRow.state == "open")).first() is not None
-            values = ({"state": "superseded", "updated_at": now} if newer
-                      else {"state": "open", "applied_at": None, "updated_at": now})
-            done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == "followed")
-                             .values(values))
-            if done.rowcount != 1:  # type: ignore[attr-defined]
-                raise StoreConflict(f"advice {advice_id} is not followed")
+            _advance(s, advice_id, "followed", {"state": "superseded", "updated_at": now} if newer
+                     else {"state": "open", "applied_at": None, "updated_at": now})
 
     def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         """A followed recommendation: the metric measured since it was followed, and the error."""
@@ -431,10 +427,7 @@ class SqlStore(metaclass=_Translating):
     def _advance_advice(self, advice_id: int, state: str, values: dict[str, Any]) -> None:
         """Move a recommendation on from `state`, conditionally: of two advisor runs only one does."""
         with self._write() as s:
-            done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == state)
-                             .values(values))
-            if done.rowcount != 1:  # type: ignore[attr-defined]
-                raise StoreConflict(f"advice {advice_id} is not {state}")
+            _advance(s, advice_id, state, values)
 
     def pause_state(self) -> Pause | None:
         """The kill switch: set (who, why, when) or None."""
@@ -531,6 +524,13 @@ class SqlStore(metaclass=_Translating):
         """Drop raw signals older than `cutoff`."""
         with self.engine.begin() as conn:
             return conn.execute(delete(SignalRow).where(SignalRow.ts < cutoff)).rowcount or 0
+
+
+def _advance(s: Session, advice_id: int, state: str, values: dict[str, Any]) -> None:
+    """In `s`, move a recommendation on from `state` if it is still in it; StoreConflict where it is not."""
+    done = s.execute(update(AdviceRow).where(AdviceRow.id == advice_id, AdviceRow.state == state).values(values))
+    if done.rowcount != 1:  # type: ignore[attr-defined]
+        raise StoreConflict(f"advice {advice_id} is not {state}")
 
 
 def jsonable(value: Any) -> Any:
