@@ -218,6 +218,12 @@ def _asks(change: Change, pool: PoolState) -> int:
     return pool.desired + change.delta if isinstance(change, ScaleBy) else pool.desired
 
 
+def _undoes_rollout(change: Change, pool: PoolState) -> bool:
+    """Whether a change rolls its own pool back: a canary fails while its pool is mid-rollout (the new revision beside
+    the old), so that rollout, and the surge or crash-looping pods it brings, must not hold its own undoing."""
+    return isinstance(change, RollBack) and change.workload == pool.name
+
+
 def _sheds(change: Change, pool: PoolState) -> bool:
     """Whether a change to a stalled pool gives up only engines it asks for and does not have ready."""
     return pool.stalled_for is not None and pool.ready <= _asks(change, pool) < pool.desired
@@ -304,7 +310,8 @@ def check(
         # A stalled pool gives up the engines it waits for before any that serve: down to its ready ones, this time.
         change = ScaleTo(max(pool.ready, pool.min_replicas))
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,
-                  now=now, unsettled=unsettled, inputs=proposal.inputs, sheds=_sheds(change, pool))
+                  now=now, unsettled=unsettled, inputs=proposal.inputs, undoing=_undoes_rollout(change, pool),
+                  sheds=_sheds(change, pool))
     if gate is not None:
         return gate
     recent = [a for a in history if now - a.created_at < 3600 and a.state not in _NEVER_RAN]
@@ -341,7 +348,8 @@ def recheck(
     others = [a for a in history if _bears_on(a, action)]
     change = change_from_dict(action.params["change"])
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
-                  unsettled=unsettled, inputs=action.params.get("inputs", ()), undoing="reverts" in action.params,
+                  unsettled=unsettled, inputs=action.params.get("inputs", ()),
+                  undoing="reverts" in action.params or _undoes_rollout(change, pool),
                   sheds=_sheds(change, pool))
     if gate is not None:
         return gate

@@ -378,6 +378,23 @@ def test_a_revert_is_not_held_by_its_own_pools_rollout(state: PoolState) -> None
                    unsettled=["decode"]).reason is RailsReason.ROLLOUT_IN_FLIGHT
 
 
+@pytest.mark.parametrize("state", [replace(pool(), rolling=True), replace(pool(ready=4), rolling=True), pool(ready=2)],
+                         ids=["canary-paused", "surging", "new-pods-crash-looping"])
+def test_a_pool_rolls_back_its_own_rollout(state: PoolState) -> None:
+    # A canary is judged only while its pool is mid-rollout: that rollout must not hold the rollback it calls for.
+    rollback = ask(ActionKind.ROLLBACK, RollBack("prefill"))
+    assert decide(rollback, state) == (RailsReason.ALLOWED, RollBack("prefill"))
+    approved = due(kind="rollback", change=RollBack("prefill"))
+    assert recheck(approved, state, mode=Mode.ACT, rails=RAILS, history=[approved], now=NOW,
+                   supported=ALL_KINDS).reason is RailsReason.ALLOWED
+    # Another pool changing still holds it (one pool at a time), and so does the pool's own rollout a rollback of
+    # another workload (the router) would not undo.
+    assert check(rollback, state, mode=Mode.ACT, rails=RAILS, history=[], now=NOW, supported=ALL_KINDS,
+                 unsettled=["decode"]).reason is RailsReason.ROLLOUT_IN_FLIGHT
+    assert decide(ask(ActionKind.ROLLBACK, RollBack("router")), state)[0] in (
+        RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.POOL_NOT_SETTLED)
+
+
 def test_a_due_action_waits_while_paused_and_runs_once_resumed() -> None:
     action = due()
     held = recheck(action, pool(), mode=Mode.ACT, rails=RAILS, history=[action], now=NOW, supported=ALL_KINDS,
