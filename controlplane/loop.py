@@ -152,6 +152,9 @@ class ControlLoop:
         self._answering: dict[str, set[str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
         self.on_report: Callable[[TickReport], Awaitable[None]] | None = None
+        # Called at every take-over with the findings open then (alert delivery learns what another leader left
+        # firing); inside the take-over, so a store that hangs there fails the liveness probe like any take-over read.
+        self.on_take_over: Callable[[list[FindingRecord], float], None] | None = None
 
     async def start(self) -> None:
         """Take over: reload the policy windows, then finish or account for every action a stopped
@@ -189,7 +192,10 @@ class ControlLoop:
         self.windows.rewind(now)  # points stamped by a clock ahead of this one would keep every new point out
         # A pool signal that stopped before the history began is known stopped only by the finding that says so: it
         # stopped before that opened. Without this, a new leader would read it as never had, and act.
-        for f in await self.store.open_findings():
+        open_findings = await self.store.open_findings()
+        if self.on_take_over is not None:
+            self.on_take_over(open_findings, now)
+        for f in open_findings:
             if f.kind == STALE_KIND and isinstance(inputs := f.evidence.get("inputs"), dict):
                 pool = f.subject.removeprefix("pool/")
                 for name in set(inputs) & set(VANISH_WATCH):

@@ -214,6 +214,7 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
     if config.alerting is not None:
         notifier = AlertNotifier(config.alerting, registry=loop.telemetry.registry)
         loop.on_report = notifier.on_report
+        loop.on_take_over = notifier.restore
     server = start_server(loop, config.server.host, config.server.port)
     log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
     contending = asyncio.create_task(_contend(leader, stop))
@@ -225,8 +226,6 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
                 continue
             loop.telemetry.leader.set(1)
             await loop.start()
-            if notifier is not None:
-                notifier.restore(await store.open_findings(), loop.clock.now())
             if once:
                 await loop.tick()
                 break

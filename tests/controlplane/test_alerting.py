@@ -31,7 +31,7 @@ from controlplane.config import Alerting, parse_config
 from controlplane.errors import ConfigError
 from controlplane.loop import ControlLoop, TickReport
 from controlplane.observe import Observation
-from controlplane.store.records import FindingRecord
+from controlplane.store.records import FindingRecord, NewFinding
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 from controlplane.telemetry import Telemetry
@@ -414,3 +414,18 @@ async def test_leading_again_resolves_what_another_replica_resolved_meanwhile(re
     await step(n, T0 + 960)
     assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"]
     await n.aclose()
+
+
+async def test_a_take_over_hands_the_open_findings_to_alert_delivery_inside_its_liveness_window(
+    sqlite_store: SqlStore,
+) -> None:
+    # What the previous leader left firing is learnt during the take-over, whose time the liveness probe bounds: a
+    # store that hung on this read once left a leader holding the Lease and doing nothing, unnoticed.
+    left = await ThreadedStore(sqlite_store).open_finding(
+        NewFinding("saturation", "pool/decode", "warning", "saturated", "queue", {}, "runbooks/saturation.md"), T0 - 600)
+    loop, _ = loop_with(sqlite_store, Scripted())
+    seen: list[tuple[list[int], tuple[str, float] | None, float]] = []
+    loop.on_take_over = lambda findings, now: seen.append(([f.id for f in findings], loop.busy, now))
+    await loop.start()
+    assert seen == [([left.id], ("taking over", T0), T0)]
+    assert loop.busy is None
