@@ -42,7 +42,7 @@ from sklearn.linear_model import LinearRegression
 from catalog.settings import Seconds, Settings
 from policies.stats import MAX_CONTEXT, lognormal_p95, lognormal_sigma, quadratic_moments
 from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
-from policies.windows import SignalWindows, by_minute, minute_means
+from policies.windows import HISTORY_S, SignalWindows, by_minute, minute_means
 
 __all__ = [
     "CAPACITY_FINDINGS",
@@ -106,6 +106,14 @@ class AutoscaleSettings(Settings):
         if self.scale_down_after < 4 * interval:
             out.append(("scale_down_after", f"{self.scale_down_after:g}s holds fewer than 4 scrapes at "
                                             f"{interval:g}s: a lull between two scrapes would shed capacity"))
+        # The loop keeps HISTORY_S of signals: a hold longer than that never sees its window covered, so the pool
+        # would never shrink; curves and forecast would silently read less than asked.
+        if self.scale_down_after > HISTORY_S - interval:
+            out.append(("scale_down_after", f"{self.scale_down_after:g}s is not shorter than the {HISTORY_S:g}s of "
+                                            "history the loop keeps: the hold would never be covered, and the pool "
+                                            "never scale down"))
+        if self.history > HISTORY_S:
+            out.append(("history", f"{self.history:g}s is longer than the {HISTORY_S:g}s of history the loop keeps"))
         return out
 
 
