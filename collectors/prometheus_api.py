@@ -217,6 +217,10 @@ SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec("prompt_len_p95", "quantile", (("vllm:request_prompt_tokens",),), 0.95),
     SignalSpec("output_len_p50", "quantile", (("vllm:request_generation_tokens",),), 0.5),
     SignalSpec("output_len_p95", "quantile", (("vllm:request_generation_tokens",),), 0.95),
+    # Their means, over the requests that finished (the token counters count a prompt when it is prefilled).
+    SignalSpec("prompt_len_mean", "ratio", (("vllm:request_prompt_tokens_sum", "vllm:request_prompt_tokens_count"),)),
+    SignalSpec("output_len_mean", "ratio",
+               (("vllm:request_generation_tokens_sum", "vllm:request_generation_tokens_count"),)),
     SignalSpec("engines_reporting", "count", (("vllm:num_requests_running",),), pools_only=True),
     SignalSpec("pods_reporting", "count_pods", (("vllm:num_requests_running",),), pools_only=True),
 )

@@ -34,7 +34,6 @@ from controlplane.rails import (
     recheck,
     rests_on,
     revert_of,
-    stale_among,
 )
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
@@ -42,7 +41,7 @@ from controlplane.store.records import ActionRecord, FindingRecord, NewAction, N
 from controlplane.telemetry import Telemetry
 from policies.autoscale import DESIRED, FORECAST, GANG, READY, ROLLING, STARTUP, TARGET, PoolPlan, Sizer, plan_each
 from policies.inputs import KIND as STALE_KIND
-from policies.inputs import VANISH_WATCH, frozen_inputs, vanished_inputs
+from policies.inputs import VANISH_WATCH, frozen_inputs, stale_among, vanished_inputs
 from policies.settling import stalled_since
 from policies.types import (
     ActionKind,

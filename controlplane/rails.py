@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from catalog.signals import lookup
 from controlplane.actions import ACTIVE_STATES, ActionState
 from controlplane.config import Mode, Rails
+from policies.inputs import stale_among
 from policies.types import (
     ActionKind,
     Change,
@@ -147,17 +147,6 @@ _NO_COOLDOWN = frozenset({ActionState.EXPIRED, ActionState.CANCELLED})
 
 def _held(reason: RailsReason, note: str) -> RailsDecision:
     return RailsDecision(reason, None, note)
-
-
-def stale_among(inputs: Collection[str], stale: Mapping[str, str]) -> dict[str, str]:
-    """The entries of `stale` that `inputs` rest on: the signal itself, or a producer of it."""
-    out = {}
-    for name in inputs:
-        spec = lookup(name)
-        for key in (name, *(str(p) for p in (spec.producers if spec else ()))):
-            if key in stale:
-                out[key] = stale[key]
-    return out
 
 
 def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],

@@ -40,6 +40,7 @@ from pydantic import Field
 from sklearn.linear_model import LinearRegression
 
 from catalog.settings import Seconds, Settings
+from policies.inputs import stale_among
 from policies.stats import MAX_CONTEXT, lognormal_p95, lognormal_sigma, quadratic_moments
 from policies.types import ActionKind, PolicyInput, PoolState, Proposal, ScaleTo
 from policies.windows import HISTORY_S, SignalWindows, by_minute, minute_means
@@ -307,6 +308,33 @@ def _recent(w: SignalWindows, subject: str, name: str, points: int = 4, since: f
     return statistics.fmean(values) if values else None
 
 
+def _length_points(w: SignalWindows, subject: str, since: float | None) -> list[tuple[float, float, float, float]]:
+    """(time, requests finished a second, prompt and output tokens a second of those requests) per scrape since
+    `since` (any). From the length histograms, which count a request when it finishes, as the finished count does: the
+    token counters count a prompt when it is prefilled and an output token as it is made, so while the load steps up
+    tokens over finished requests read lengths many times too long (the requests begun outnumber those done). Where
+    the histograms are not reported, the token counters stand in."""
+    finished = w.series(subject, "request_rate", since=since)
+    prompt_mean = dict(w.series(subject, "prompt_len_mean", since=since))
+    if prompt_mean:  # a scrape that finished none has no mean, and adds nothing
+        output_mean = dict(w.series(subject, "output_len_mean", since=since))
+        return [(ts, r, r * prompt_mean.get(ts, 0.0), r * output_mean.get(ts, 0.0)) for ts, r in finished
+                if r <= 0 or ts in prompt_mean]
+    prompt = dict(w.series(subject, "prompt_tokens_rate", since=since))
+    gen = dict(w.series(subject, "generation_tokens_rate", since=since))
+    return [(ts, r, prompt[ts], gen.get(ts, 0.0)) for ts, r in finished if ts in prompt]
+
+
+def _mean_lengths(w: SignalWindows, subject: str, since: float | None) -> tuple[float, float]:
+    """Mean prompt and output tokens per finished request over the newest `LENGTH_SCRAPES` scrapes (those since
+    `since` where there are any); (0, 0) while none finished."""
+    points = (_length_points(w, subject, since) or _length_points(w, subject, None))[-LENGTH_SCRAPES:]
+    done = sum(r for _, r, _, _ in points)
+    if done <= 0:
+        return 0.0, 0.0
+    return sum(p for _, _, p, _ in points) / done, sum(o for _, _, _, o in points) / done
+
+
 def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float]],
               shape_since: float | None = None) -> PoolLoad | None:
     """The pool's load over its last few scrapes (arrivals, from `arrival_series`, over the last minute;
@@ -320,13 +348,11 @@ def pool_load(w: SignalWindows, pool: str, arrivals: Sequence[tuple[float, float
         return _recent(w, subject, name, LENGTH_SCRAPES, shape_since)
 
     rate = statistics.fmean(v for _, v in arrivals[-4:])
-    prompt = recent("prompt_tokens_rate") or 0.0
-    gen = recent("generation_tokens_rate") or 0.0
-    finished = recent("request_rate") or 0.0
+    prompt, output = _mean_lengths(w, subject, shape_since)
     return PoolLoad(
         arrivals=rate,
-        prompt_tokens=prompt / finished if finished > 0 else 0.0,
-        output_tokens=gen / finished if finished > 0 else 0.0,
+        prompt_tokens=prompt,
+        output_tokens=output,
         hit_rate=min(1.0, max(0.0, recent("prefix_cache_hit_rate") or 0.0)),
         prompt_sigma=lognormal_sigma(recent("prompt_len_p50"), recent("prompt_len_p95")),
     )
@@ -515,20 +541,22 @@ def _fit(rows: Sequence[tuple[float, ...]], y: Sequence[float], prior: _Fit, min
         return prior  # one operating point says nothing about the slope
     target = np.asarray(y, dtype=float)
     model = LinearRegression(positive=True).fit(x, target)
+    if model.intercept_ < 0:
+        # Points bunched at high load, steep across them: the line crosses zero before an idle engine. Raising its
+        # intercept to zero would lift it everywhere (several times what was seen where the points lie); the line
+        # through the origin is the nearest that predicts no negative time, and it is scored as it is used.
+        model = LinearRegression(positive=True, fit_intercept=False).fit(x, target)
     r2 = round(float(model.score(x, target)), 3)
     if r2 < MIN_R2:  # noise around a flat line: the prior knows more
         return replace(prior, points=len(rows), r2=r2)
-    return _Fit(tuple(float(c) for c in model.coef_), max(0.0, float(model.intercept_)), len(rows), "fitted", r2)
+    return _Fit(tuple(float(c) for c in model.coef_), float(model.intercept_), len(rows), "fitted", r2)
 
 
 def _lengths(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float, float]]:
     """(time, prompt tokens, output tokens) per finished request, per scrape that finished at least
-    `MIN_BURST_COUNT` requests (with fewer, a prompt counted before its request finished skews the ratio)."""
-    req = dict(w.series(subject, "request_rate", since=since))
-    gen = dict(w.series(subject, "generation_tokens_rate", since=since))
+    `MIN_BURST_COUNT` requests (a few long or short ones would read as a new shape)."""
     interval = _interval(w, subject)
-    return [(ts, p / r, gen.get(ts, 0.0) / r) for ts, p in w.series(subject, "prompt_tokens_rate", since=since)
-            if (r := req.get(ts)) and r * interval >= MIN_BURST_COUNT]
+    return [(ts, p / r, o / r) for ts, r, p, o in _length_points(w, subject, since) if r * interval >= MIN_BURST_COUNT]
 
 
 def _since_shape(w: SignalWindows, subject: str, since: float, shift: float) -> float:
@@ -602,6 +630,11 @@ class Autoscaler:
             return Unplanned(pool.name, "no engine profile to size it by")
         if pool.ttft_p95_slo is None and pool.tpot_p95_slo is None:
             return Unplanned(pool.name, "no TTFT or TPOT objective to size it for (`pools[].slo`)")
+        if stale := stale_among(READS, pool.stale_inputs):
+            # Sums over part of the pool read as a lull: planned, their lower targets would later count towards the
+            # scale-down hold. Unplanned, the gap restarts the hold once the inputs are whole again.
+            why = "; ".join(f"{k}: {v}" for k, v in sorted(stale.items()))
+            return Unplanned(pool.name, f"its inputs are stale, so it is not sized: {why}")
         s, w, prior = self.settings, inp.windows, self.curves[pool.name]
         since = inp.now - s.history
         subject = f"pool/{pool.name}"

@@ -10,15 +10,16 @@ an in-flight series that no longer changed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from catalog.settings import SwitchSettings
+from catalog.signals import lookup
 from policies.common import removed_pools
 from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, Severity
 from policies.windows import SignalWindows
 
 __all__ = ["FROZEN_WATCH", "KIND", "VANISH_WATCH", "StaleInputs", "StaleInputsSettings", "frozen_inputs",
-           "vanished_inputs"]
+           "stale_among", "vanished_inputs"]
 
 KIND = "stale_inputs"
 # Gauges that move while an engine serves: one held at the same non-zero value for long is a
@@ -28,6 +29,17 @@ FROZEN_WATCH = ("requests_running", "requests_waiting", "kv_cache_usage")
 # finishes): one that stops has lost its series (the engines' targets gone from discovery, a Prometheus
 # relabelling that no longer matches), and its last value would be read as now's.
 VANISH_WATCH = ("requests_running", "requests_waiting", "kv_cache_usage", "request_rate")
+
+
+def stale_among(inputs: Collection[str], stale: Mapping[str, str]) -> dict[str, str]:
+    """The entries of `stale` that `inputs` rest on: the signal itself, or a producer of it."""
+    out = {}
+    for name in inputs:
+        spec = lookup(name)
+        for key in (name, *(str(p) for p in (spec.producers if spec else ()))):
+            if key in stale:
+                out[key] = stale[key]
+    return out
 
 
 def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str, dict[str, str]]:

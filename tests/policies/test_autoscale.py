@@ -93,6 +93,33 @@ def test_load_counts_queue_growth_as_arrivals_and_nets_out_cache_hits() -> None:
     assert pool_load(SignalWindows(3600), "chat", []) is None
 
 
+def test_lengths_come_from_the_requests_that_finished_not_the_tokens_begun_while_the_load_steps_up() -> None:
+    # An idle pool gets 4 req/s of 2000-token prompts whose outputs (200 tokens) take 40 s: for the first scrapes
+    # prompts are prefilled and tokens made for requests far more than those that finish.
+    w = SignalWindows(3600)
+    for i in range(8):
+        ts = (i + 1) * STEP
+        begun = 4.0 if ts > 0 else 0.0
+        done = 0.0 if ts <= 40 else 4.0 * min(1.0, (ts - 40) / STEP)
+        for name, value in (("request_rate", done), ("prompt_tokens_rate", begun * 2000.0),
+                            ("generation_tokens_rate", begun * 5.0 * 40.0 * min(1.0, ts / 40.0)),
+                            ("requests_running", begun * min(ts, 40.0)), ("requests_waiting", 0.0)):
+            w.add(ts, "pool/chat", name, value)
+        if done:
+            w.add(ts, "pool/chat", "prompt_len_mean", 2000.0)
+            w.add(ts, "pool/chat", "output_len_mean", 200.0)
+    load = pool_load(w, "chat", arrival_series(w, "pool/chat", 0.0))
+    assert load is not None
+    assert load.prompt_tokens == pytest.approx(2000.0) and load.output_tokens == pytest.approx(200.0)
+    # Without the length histograms, tokens over finished requests stand in, and read the prompts far too long.
+    bare = SignalWindows(3600)
+    for name in ("request_rate", "prompt_tokens_rate", "generation_tokens_rate", "requests_running", "requests_waiting"):
+        for ts, v in w.series("pool/chat", name):
+            bare.add(ts, "pool/chat", name, v)
+    skewed = pool_load(bare, "chat", arrival_series(bare, "pool/chat", 0.0))
+    assert skewed is not None and skewed.prompt_tokens == pytest.approx(3000.0)  # half again too long, two minutes in
+
+
 def test_the_forecast_leads_a_rising_load_and_its_headroom_comes_from_its_own_errors() -> None:
     rising = [(i * STEP, 5.0 + 0.05 * i) for i in range(200)]
     fc = forecast(rising, 150.0, SETTINGS)
@@ -159,6 +186,21 @@ def test_a_lull_sheds_nothing_until_lower_targets_last_the_hold_window() -> None
     w.add(40 * 60 + STEP, "pool/chat", "request_rate", 5.0)
     shed = plan(w, pool(8))
     assert shed.recommended < 6 and shed.target == 6, "a quarter of the engines at once"
+
+
+def test_a_pool_with_stale_inputs_is_not_sized_and_its_hold_starts_again_once_they_are_whole() -> None:
+    # One engine's metrics endpoint is down while it serves: the pool's sums lack its load and read as a lull.
+    w = windows(30, 5.0, engines=8)
+    down = replace(pool(8), stale_inputs={"vllm": "target chat-3 down"})
+    for i in range(40):  # ten minutes of ticks with the endpoint down
+        ts = 30 * 60 + (i + 1) * STEP
+        w.add(ts, "pool/chat", "request_rate", 5.0)
+        inp = PolicyInput(now=ts, windows=w, pools={"chat": down}, open_findings={})
+        run = plan_each(Autoscaler(SETTINGS, {"chat": CURVES}), inp)
+        assert run.plans == [] and "stale" in run.unplanned["chat"] and "chat-3 down" in run.unplanned["chat"]
+    # Back: the loop recorded no target meanwhile, so a lower one waits the whole hold again.
+    back = plan(w, pool(8))
+    assert back.recommended < 8 and back.target == 8
 
 
 def test_a_pool_whose_load_stops_plans_one_engine_and_sheds_it_through_the_hold() -> None:
