@@ -892,7 +892,7 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
     from collectors.scraper import Scraper
     from controlplane.actuators.base import StaticTargets
     from controlplane.clock import WallClock
-    from controlplane.config import load_config, parse_yaml
+    from controlplane.config import Scrape, load_config, parse_yaml
     from controlplane.errors import GateInputError
     from controlplane.gate import ArmSelector, PromGateSource, StoreGateSource, TargetsGateSource, run_gate
     from controlplane.runtime import discovered_targets, prometheus_source, scrape_client, static_targets
@@ -928,7 +928,10 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
         if source_kind == "store":
             assert store is not None
             role = next((str(p.role) for p in cfg.pools if p.name == pool), None) if cfg is not None else None
-            source: Any = StoreGateSource(store, pool, base_sel, can_sel, settings.metrics, role=role)
+            # Without the fleet file its scrape interval is not known: the default's.
+            interval = cfg.scrape.interval if cfg is not None else Scrape().interval
+            source: Any = StoreGateSource(store, pool, base_sel, can_sel, settings.metrics, role=role,
+                                          scrape_interval=interval)
         elif source_kind == "prometheus":
             if cfg is not None and cfg.prometheus is not None:  # its selector and label names, at --prometheus-url
                 prom = prometheus_source(cfg, url=prometheus_url)

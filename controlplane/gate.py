@@ -189,6 +189,10 @@ class _TpotReading:
 class GateSource(Protocol):
     """Where a gate's numbers come from: both arms' observations over one step."""
 
+    # Seconds after a step ends before all of its numbers can be read: a step read sooner would miss points stamped
+    # within it but written later, and the next step, which starts at its end, would never read them.
+    settle: float
+
     async def interval(self, start: float, end: float) -> Interval:
         """What each arm observed between `start` and `end` (raises on a failed read)."""
         ...
@@ -207,6 +211,8 @@ class TargetsGateSource:
     canary's new pods count as its rollout scales it up and the stable's removed ones drop out. A pod discovery no
     longer lists (deleted, or not Ready: out of its Service's routing too) is no longer read.
     """
+
+    settle = 0.0  # each step is scraped when it ends
 
     def __init__(self, scraper: Scraper, found: TargetSource, baseline: ArmSelector, canary: ArmSelector,
                  rules: Sequence[MetricRule]) -> None:
@@ -290,6 +296,8 @@ class TargetsGateSource:
 
 class PromGateSource:
     """A Prometheus that scrapes the engines: bucket, sum and count increases per arm over each step."""
+
+    settle = 0.0  # increase() over a step reads the samples Prometheus holds by its end
 
     def __init__(self, prom: PrometheusSource, baseline: ArmSelector, canary: ArmSelector,
                  rules: Sequence[MetricRule]) -> None:
@@ -415,7 +423,9 @@ class StoreGateSource:
     """
 
     def __init__(self, store: SignalReader, pool: str, baseline: ArmSelector, canary: ArmSelector,
-                 rules: Sequence[MetricRule], role: str | None = None) -> None:
+                 rules: Sequence[MetricRule], role: str | None = None, scrape_interval: float = 0.0) -> None:
+        # The loop stamps a scrape when its round starts and writes it when the round ends, within an interval.
+        self.settle = scrape_interval
         _check_rules(rules, [*ENGINE_MEANS, ERRORS], "the store")
         # An engine in the store is known by its pool and pod (and its pool's role, from the fleet file): a selector on
         # another label would match no pod, or every one, and the gate wait its whole window for nothing.
@@ -496,17 +506,19 @@ class GateSession:
 
     @property
     def next_step_at(self) -> float:
-        return self._t + self.settings.step
+        """When the next step can be read: its end, and the source's settling time after it."""
+        return self._t + self.settings.step + self.source.settle
 
     async def consult(self, now: float) -> Verdict:
-        """Read every step that has ended by `now`, then judge; once decided, the answer stays.
-        GateError after more than `MAX_SOURCE_ERRORS` failed steps in a row."""
+        """Read every step that can be read by `now`, judging after each as a gate asked every step would; once
+        decided, the answer stays. GateError after more than `MAX_SOURCE_ERRORS` failed steps in a row."""
         if self.verdict is not None:
             return self.verdict
-        step = self.settings.step
-        while self._t + step <= now + 1e-9 and self._t - self.start < self.settings.max_window - 1e-9:
+        verdict: Verdict | None = None
+        while self.next_step_at <= now + 1e-9 and not self._final:
+            end = self._t + self.settings.step
             try:
-                self.intervals.append(await self.source.interval(self._t, self._t + step))
+                self.intervals.append(await self.source.interval(self._t, end))
                 self._failures = 0
             except GateInputError:
                 raise  # asked wrongly: waiting does not mend it
@@ -514,16 +526,21 @@ class GateSession:
                 self._failures += 1
                 if self._failures > MAX_SOURCE_ERRORS:
                     raise GateError(f"{self._failures} steps in a row without data: {exc}") from None
-            self._t += step
-        final = self._t - self.start >= self.settings.max_window - 1e-9
-        if self.intervals:
-            verdict = judge(self.intervals, self.settings, final=final)
-        else:
-            verdict = Verdict(Outcome.INCONCLUSIVE, final, None, "no step has produced data yet", (), self.start,
-                              self._t)
+            self._t = end
+            # A catch-up (a replica that did not start the gate, a past start) stops at the first step a gate asked
+            # all along would have decided at: the answer depends on the data, not on when it was asked.
+            if self.intervals and (verdict := judge(self.intervals, self.settings, final=self._final)).decided:
+                break
+        if verdict is None:
+            verdict = judge(self.intervals, self.settings, final=self._final) if self.intervals else Verdict(
+                Outcome.INCONCLUSIVE, self._final, None, "no step has produced data yet", (), self.start, self._t)
         if verdict.decided:
             self.verdict = verdict
         return verdict
+
+    @property
+    def _final(self) -> bool:
+        return self._t - self.start >= self.settings.max_window - 1e-9
 
 
 async def run_gate(source: GateSource, settings: GateSettings, clock: Clock, *, start: float | None = None,

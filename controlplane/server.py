@@ -282,7 +282,8 @@ def store_gates(loop: ControlLoop) -> GateBook:
     the loop's own canary judge applies), each verdict recorded once however many replicas serve the API."""
     roles = {p.name: str(p.role) for p in loop.config.pools}
     return GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules,
-                                                                   role=roles.get(pool)),
+                                                                   role=roles.get(pool),
+                                                                   scrape_interval=loop.config.scrape.interval),
                     loop.config.policies.canary_regression.gate, record=loop.store.record_verdict,
                     claim=loop.store.claim, scrape_interval=loop.config.scrape.interval)
 

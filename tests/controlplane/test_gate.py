@@ -444,9 +444,10 @@ def test_both_arms_read_tpot_from_the_same_histogram() -> None:
 class Scripted:
     """A gate source that answers from a list of intervals, failing where an entry is None."""
 
-    def __init__(self, intervals: Sequence[Interval | None]) -> None:
+    def __init__(self, intervals: Sequence[Interval | None], settle: float = 0.0) -> None:
         self.intervals = list(intervals)
         self.calls = 0
+        self.settle = settle
 
     async def interval(self, start: float, end: float) -> Interval:
         self.calls += 1
@@ -471,6 +472,35 @@ async def test_run_gate_consults_every_step_and_stops_at_the_first_decision() ->
     assert verdict.outcome is Outcome.FAIL and verdict.decided
     assert seen[-1] is Outcome.FAIL and all(o is Outcome.INCONCLUSIVE for o in seen[:-1]) and len(seen) >= 6
     assert clock.now() - verdict.started_at == pytest.approx(30 * len(seen))
+
+
+async def test_a_catch_up_answers_as_a_gate_asked_every_step_would() -> None:
+    # Six steps of a canary 20 % slower, then a better one: asked every step, the gate fails it at the sixth. A replica
+    # first asked twenty minutes in (another one started the gate), or a past start, must not pass it on the whole.
+    steps = [*jittered(1.2, 6), *jittered(0.8, 40)]
+    live = GateSession(Scripted(list(steps)), TPOT_ONLY, 0.0)
+    for k in range(1, 41):
+        asked = await live.consult(30.0 * k)
+        if asked.decided:
+            break
+    assert asked.outcome is Outcome.FAIL and asked.ended_at == 180.0
+    late = await GateSession(Scripted(list(steps)), TPOT_ONLY, 0.0).consult(1200.0)
+    assert (late.outcome, late.ended_at) == (Outcome.FAIL, 180.0)
+    past = await run_gate(Scripted(list(steps)), TPOT_ONLY, VirtualClock(1200.0), start=0.0)
+    assert (past.outcome, past.ended_at) == (Outcome.FAIL, 180.0)
+
+
+async def test_a_step_is_read_only_once_its_scrapes_are_written() -> None:
+    # The loop stamps a scrape when its round starts and writes it when the round ends: read at the step's end, the
+    # store would lack the last round's points, and the next step, which starts there, would never read them.
+    source = Scripted(jittered(1.2, 60), settle=15.0)
+    session = GateSession(source, TPOT_ONLY, 0.0)
+    assert (await session.consult(30.0)).reason == "no step has produced data yet" and source.calls == 0
+    await session.consult(45.0)
+    assert source.calls == 1 and session.next_step_at == 75.0
+    clock = VirtualClock(0.0)
+    verdict = await run_gate(Scripted(jittered(1.2, 60), settle=15.0), TPOT_ONLY, clock)
+    assert clock.now() == verdict.ended_at + 15.0
 
 
 async def test_a_source_down_for_a_while_is_tolerated_and_one_that_stays_down_is_an_error() -> None:
@@ -546,6 +576,8 @@ async def test_a_verdict_the_store_refused_is_still_the_answer_and_is_recorded_a
 
 class Timed:
     """A gate source whose every step's numbers follow from the step's time, as two replicas reading one store see."""
+
+    settle = 0.0
 
     async def interval(self, start: float, end: float) -> Interval:
         step = Scripted.make(1.2 * (1 + 0.01 * ((round(start / 30) * 7) % 5 - 2)))
