@@ -278,10 +278,13 @@ class CanaryRegression:
                           f"roll {pool} back to its previous revision: its canary failed the gate ({_worst(verdict)})",
                           inputs=self.reads),),
                 verdict=_verdict_record(verdict, pods))
-        if final and verdict.outcome is not Outcome.PASS:
+        # A decided marginal (a non-critical metric worse, the critical ones not) is told at once: a rollout that
+        # finishes before the window ends leaves no canary to judge at its end.
+        if (final or verdict.decided) and verdict.outcome is not Outcome.PASS:
             return FindingReport(
                 key, Severity.WARNING,
-                f"{pool}'s canary is {verdict.outcome.value} after {gate.max_window / 60:g} min: a person decides",
+                f"{pool}'s canary is {verdict.outcome.value} after {(verdict.ended_at - verdict.started_at) / 60:g} "
+                "min: a person decides",
                 verdict.reason, {**verdict.as_dict(), **pods}, KIND, verdict=_verdict_record(verdict, pods))
         return None
 

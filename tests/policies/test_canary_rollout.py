@@ -15,8 +15,9 @@ CHANGE = 3600.0  # the pool's workload changed an hour in; its canary engine rep
 
 
 def fleet(slow: float, minutes: float = 20.0, pools: tuple[str, ...] = ("decode",),
-          canary_from: dict[str, float] | None = None) -> tuple[SignalWindows, float]:
-    """Three old engines per pool from the start, one new one from its pool's change, TPOT `slow` times theirs."""
+          canary_from: dict[str, float] | None = None, longer: float | None = None) -> tuple[SignalWindows, float]:
+    """Three old engines per pool from the start, one new one from its pool's change, TPOT `slow` times theirs (and
+    its requests' end-to-end time `longer` times, where given, else `slow` times)."""
     w = SignalWindows(horizon_s=3 * 3600)
     end = CHANGE + minutes * 60
     for pool in pools:
@@ -27,8 +28,9 @@ def fleet(slow: float, minutes: float = 20.0, pools: tuple[str, ...] = ("decode"
             while t <= end:
                 wobble = 1 + 0.03 * ((i * 7 + len(pod)) % 5 - 2)
                 subject = f"engine/{pool}/{pod}/0"
+                e2e = longer if longer is not None and pod.startswith(f"{pool}-7f9c") else factor
                 for name, value in (("request_rate", 4.0), ("tpot_mean", 0.02 * factor * wobble),
-                                    ("ttft_mean", 0.3 * wobble), ("e2e_mean", 4.0 * factor * wobble),
+                                    ("ttft_mean", 0.3 * wobble), ("e2e_mean", 4.0 * e2e * wobble),
                                     ("request_error_rate", 0.0)):
                     w.add(t, subject, name, value)
                 t, i = t + STEP, i + 1
@@ -101,6 +103,15 @@ def test_a_canary_still_undecided_when_the_window_ends_goes_to_a_person() -> Non
     if res.findings:
         [f] = res.findings
         assert f.severity is Severity.WARNING and "a person decides" in f.summary and f.proposals == ()
+
+
+def test_a_decided_marginal_canary_is_told_before_its_rollout_can_finish() -> None:
+    # The new revision answers at the old one's TPOT but writes longer answers: the end-to-end time, not critical, is
+    # confidently worse. Argo's steps end well before the gate's window: told only at the window's end, never told.
+    w, now = fleet(1.0, minutes=10, longer=1.3)
+    [f] = run(w, now, {"decode": CHANGE}).findings
+    assert f.severity is Severity.WARNING and "marginal" in f.summary and "a person decides" in f.summary
+    assert f.proposals == () and f.evidence["result"] == "marginal" and f.evidence["decided"]
 
 
 def canary_gone(w: SignalWindows, since: float) -> SignalWindows:
