@@ -299,14 +299,15 @@ def _digest(template: Any) -> str | None:
 
 
 def _rolling(obj: Mapping[str, Any]) -> bool:
-    """Whether a new pod template is still rolling out: fewer replicas on it than the spec asks (a maxSurge rollout
-    keeps the old pods ready meanwhile, so the ready count does not show it), or a spec its controller has not
-    caught up with yet."""
+    """Whether a new pod template is still rolling out: fewer pods on it than exist (a maxSurge rollout keeps the old
+    pods ready meanwhile, so the ready count does not show it), or a spec its controller has not caught up with yet.
+    Pods that were never created (a quota, an admission webhook) are no rollout: the pool is short, not rolling."""
     generation, observed = dig(obj, ("metadata", "generation")), dig(obj, ("status", "observedGeneration"))
     if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
         return True
     updated = dig(obj, ("status", "updatedReplicas"))
-    return updated is not None and int(updated) < int(dig(obj, ("spec", "replicas"), 1))
+    existing = dig(obj, ("status", "replicas"))
+    return updated is not None and int(updated) < int(existing if existing is not None else dig(obj, ("spec", "replicas"), 1))
 
 
 def _budget(value: Any, replicas: int) -> int | None:

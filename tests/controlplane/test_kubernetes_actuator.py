@@ -152,9 +152,13 @@ async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiSer
 
 
 @pytest.mark.parametrize(("status", "rolling"), [
-    ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 5}, False),
+    ({"replicas": 3, "readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 5}, False),
     ({"readyReplicas": 3, "updatedReplicas": 1, "observedGeneration": 5}, True),  # maxSurge 1: old pods still ready
+    ({"replicas": 4, "readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 5}, True),  # one old pod left
     ({"readyReplicas": 3, "updatedReplicas": 3, "observedGeneration": 4}, True),  # a spec not yet reconciled
+    # Pods a quota or an admission webhook keeps from being created: no rollout, a pool short of engines (which
+    # may never come: the stall path's to handle, which a pool read as rolling never reaches).
+    ({"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 5}, False),
 ])
 async def test_a_rollout_in_progress_reads_as_rolling(server: ApiServer, api: client.ApiClient,
                                                       status: dict[str, int], rolling: bool) -> None:
@@ -165,7 +169,8 @@ async def test_a_rollout_in_progress_reads_as_rolling(server: ApiServer, api: cl
     server.put(DEPLOYMENTS, deployment("epp", replicas=1))
     view = await actuator(api).observe()
     decode = view.pools["decode"]
-    assert (decode.desired, decode.ready, decode.rolling) == (3, 3, rolling), "ready counts every ready pod"
+    assert (decode.desired, decode.ready, decode.rolling) == (3, status["readyReplicas"], rolling), \
+        "ready counts every ready pod"
 
 
 @pytest.mark.parametrize(("strategy", "budget"), [
