@@ -184,6 +184,20 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
     return drain, kept
 
 
+# Graces after the first that a StatefulSet's or LeaderWorkerSet's drained pod still above its count may take to go.
+REMOVAL_GRACES = 4
+
+
+def _due_to_go(w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Those of `pods` that a StatefulSet or LeaderWorkerSet (as read) still has to remove: at or above its count."""
+    if w.kind not in ("StatefulSet", "LeaderWorkerSet"):
+        return []
+    count = int(dig(obj, ("spec", "replicas"), 1))
+    label, least = ((POD_INDEX, int(dig(obj, ("spec", "ordinals", "start"), 0) or 0) + count)
+                    if w.kind == "StatefulSet" else (LWS_GROUP, count))
+    return sorted(p for p in pods if _ordinal(p, pods[p], label) >= least)
+
+
 _PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
 
 
@@ -1057,6 +1071,12 @@ class KubernetesActuator:
         removed = [p for p in wait["pods"] if dig(live.get(p), ("annotations", ACTION_ANNOTATION)) != order.stamp]
         if not left:
             return {**wait["done"], "removed": removed}
+        # A StatefulSet or LeaderWorkerSet removes its highest ordinals one at a time, and (OrderedReady) only once the
+        # lower pods are healthy: one still above its count is going, slowly, and routed again now it would be killed
+        # later while serving. It gets a few more graces; the count raised meanwhile, it is routed again at once.
+        if _due_to_go(w, obj, {p: live[p] for p in left}) and \
+                now < float(wait["deadline"]) + REMOVAL_GRACES * self.settings.drain_grace:
+            return {"wait": wait}
         return {**wait["done"], "removed": removed, "not_removed": left,
                 "routing": await self._back_in(order, w, obj, left)}
 

@@ -315,6 +315,40 @@ async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api:
     assert first["wait"]["pods"] == ["vllm-kv-2"], "the ordinal the StatefulSet removes, not the idlest"
 
 
+async def test_a_statefulsets_drained_ordinal_still_above_its_count_is_waited_for_longer(
+        server: ApiServer, api: client.ApiClient) -> None:
+    # The StatefulSet removes one pod at a time, and with OrderedReady not while a lower one is unhealthy: its top
+    # ordinal may outlast the grace. It is going all the same; routed again, it would be killed later while serving.
+    statefulset(server)
+    act = actuator(api)
+    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    o = order(ActionKind.SCALE_POOL, ScaleTo(2), pool="kv", busy={f"vllm-kv-{i}": 0.0 for i in range(3)})
+    first = await act.carry_out(o)
+    removing = await act.resume(o, first["wait"], Clock().t + 5)
+    assert server.get(STATEFULSETS, NS, "vllm-kv")["spec"]["replicas"] == 2  # type: ignore[index]
+    assert "wait" in await act.resume(o, removing["wait"], Clock().t + 66) and not routed(server, "vllm-kv-2")
+    remove(server, "vllm-kv-2")
+    done = await act.resume(o, removing["wait"], Clock().t + 120)
+    assert done["removed"] == ["vllm-kv-2"] and "not_removed" not in done
+    # Never removed: routed again at the last grace's end, as a Deployment's spared pod is at the first.
+    statefulset(server)
+    first = await act.carry_out(o)
+    removing = await act.resume(o, first["wait"], Clock().t + 5)
+    assert "wait" in await act.resume(o, removing["wait"], Clock().t + 200)
+    done = await act.resume(o, removing["wait"], Clock().t + 5 + 60 * 5 + 1)
+    assert done["not_removed"] == ["vllm-kv-2"] and routed(server, "vllm-kv-2")
+    # The count raised again meanwhile (by a person, or the next plan): the ordinal stays, and serves again at once.
+    statefulset(server)
+    first = await act.carry_out(o)
+    removing = await act.resume(o, first["wait"], Clock().t + 5)
+    sts = server.get(STATEFULSETS, NS, "vllm-kv")
+    assert sts is not None
+    sts["spec"]["replicas"] = 3
+    server.put(STATEFULSETS, sts)
+    done = await act.resume(o, removing["wait"], Clock().t + 70)
+    assert done["not_removed"] == ["vllm-kv-2"] and routed(server, "vllm-kv-2")
+
+
 async def scaling_down(server: ApiServer, api: client.ApiClient) -> tuple[KubernetesActuator, Order, dict[str, Any]]:
     """Three decode engines scaled to two: the idle one, `vllm-decode-a`, drains; the actuator, order and wait."""
     server.put(DEPLOYMENTS, deployment(replicas=3))
