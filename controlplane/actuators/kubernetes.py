@@ -26,7 +26,9 @@ that go are worked out again before the count is written: where the ReplicaSets 
 rollout went on, an engine went down), those the scale now removes drain too, and a drained engine
 it no longer removes is routed again. The action ends once the controller has removed the drained
 engines; one still there when the grace ends (the controller chose another: a rollout's own
-progress, a split not foreseen) is routed again, and the outcome says so (`not_removed`).
+progress, a split not foreseen) is routed again, and the outcome says so (`not_removed`). A
+StatefulSet's or LeaderWorkerSet's pod still above the count is going, one at a time: it gets
+`REMOVAL_GRACES` more graces first.
 New engine arguments (EPLB, speculative decoding) patch the engine container of the pod template
 once, with the object's resourceVersion (for an Argo Rollout with a `workloadRef`, the template of
 the Deployment it names, which the Rollout follows; that template's digest is the one reported);
