@@ -395,6 +395,21 @@ def test_a_pool_rolls_back_its_own_rollout(state: PoolState) -> None:
         RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.POOL_NOT_SETTLED)
 
 
+def test_no_pool_sheds_engines_while_another_pools_cordon_moves_engines_off_a_node() -> None:
+    # The cordon has taken this pool's engines on the node out of routing too, and waits for them to go idle: a
+    # scale-down would take those idle ones as its own.
+    cordoning = [Past("decode", "started", NOW - 30, None, kind="cordon_node")]
+    d = check(ask(ActionKind.SCALE_POOL, ScaleTo(2)), pool(), mode=Mode.ACT, rails=RAILS, history=cordoning, now=NOW,
+              supported=ALL_KINDS)
+    assert d.reason is RailsReason.IN_FLIGHT and "cordon asked by decode" in d.note
+    assert recheck(due(target=2), pool(), mode=Mode.ACT, rails=RAILS, history=cordoning, now=NOW,
+                   supported=ALL_KINDS).reason is RailsReason.IN_FLIGHT
+    # A scale-up replaces what the cordon evicts; once it ended, the scale-down runs.
+    assert decide(up(), pool(), history=cordoning)[0] is RailsReason.ALLOWED
+    ended = [Past("decode", "succeeded", NOW - 300, NOW - 30, kind="cordon_node")]
+    assert decide(ask(ActionKind.SCALE_POOL, ScaleTo(2)), pool(), history=ended)[0] is RailsReason.ALLOWED
+
+
 def test_a_due_action_waits_while_paused_and_runs_once_resumed() -> None:
     action = due()
     held = recheck(action, pool(), mode=Mode.ACT, rails=RAILS, history=[action], now=NOW, supported=ALL_KINDS,
