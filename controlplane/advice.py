@@ -81,6 +81,15 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
     def mean(name: str) -> float | None:
         return _mean(w, subject, name, since)
 
+    def engines_at_peak() -> float | None:
+        """Engines reporting in the minute whose arrivals are the busy quantile (one that happened)."""
+        arrivals, engines = per_minute("request_rate"), per_minute("engines_reporting")
+        minutes = [m for m in arrivals if m in engines]
+        if not minutes:
+            return None
+        target = float(np.quantile([arrivals[m] for m in minutes], quantile, method="higher"))
+        return engines[next(m for m in minutes if arrivals[m] == target)]
+
     prompt, gen = mean("prompt_tokens_rate") or 0.0, mean("generation_tokens_rate") or 0.0
     ttft_minute = _busy_ttft_minute(per_minute, quantile)
     engines = mean("engines_reporting") or 1.0
@@ -96,6 +105,7 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         prompt_tokens=prompt / finished if finished > 0 else 0.0,
         output_tokens=gen / finished if finished > 0 else 0.0,
         hit_rate=min(1.0, max(0.0, mean("prefix_cache_hit_rate") or 0.0)), engines=engines,
+        engines_peak=engines_at_peak(),
         running=(mean("requests_running") or 0.0) / max(engines, 1.0), kv_usage=mean("kv_cache_usage") or 0.0,
         kv_usage_max=float(np.quantile(kv_max, quantile)) if kv_max else 0.0,
         preemptions=mean("preemption_rate") or 0.0, ttft_p95=mean("ttft_p95"), tpot_p95=mean("tpot_p95"),

@@ -150,6 +150,9 @@ class PoolObserved:
     hit_rate: float
     engines: float  # engines reporting, mean
     running: float = 0.0  # requests in the batch per engine
+    # Engines reporting in the minute whose arrivals are `arrivals_peak`: an autoscaled pool serves its busy minutes
+    # with more than its mean, and the model is calibrated at the engines that served that load.
+    engines_peak: float | None = None
     kv_usage: float = 0.0
     kv_usage_max: float = 0.0
     preemptions: float = 0.0  # per second, the pool

@@ -185,7 +185,7 @@ def calibrate(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Calibra
     with the share of requests over the TPOT objective, the steps and the stalls apart; and the TTFT of its busy TTFT
     minute over the model's at that minute's own load."""
     eng = engine(facts.role, facts.curves, s, step_cost(facts, obs, s))
-    at = predict(max(1, facts.replicas), peak_load(obs), eng)
+    at = predict(max(1, round(obs.engines_peak or facts.replicas)), peak_load(obs), eng)
     tq, ts = _factors(obs.ttft_p95_peak or obs.ttft_p95, at.ttft_floor, at.ttft_queue)
     # TPOT on its mean: its p95 read from vLLM's coarse buckets is an interpolation, high whenever the true p95
     # lies inside one; the sum over the count is exact.

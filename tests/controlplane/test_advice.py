@@ -55,7 +55,7 @@ def test_observed_load_from_pool_signals() -> None:
             w.add(ts, "pool/chat", name, value)
     o = observed(w, "chat", 0.0)
     assert o is not None
-    assert o.arrivals == pytest.approx(15.0) and o.arrivals_peak == pytest.approx(20.0)
+    assert o.arrivals == pytest.approx(15.0) and o.arrivals_peak == pytest.approx(20.0) and o.engines_peak == 4.0
     assert o.prompt_tokens == pytest.approx(1000) and o.output_tokens == pytest.approx(200)
     assert o.spec_positions == (0.7, 0.5) and o.minutes == pytest.approx(239 * 15 / 60)
     assert o.tpot_over_slo_peak == pytest.approx(0.04)  # the busy minutes' share over the objective
@@ -94,6 +94,7 @@ def test_the_busy_ttft_minute_is_one_that_happened_with_its_own_shape() -> None:
     m = o.ttft_minute
     assert (m.arrivals, m.prompt_tokens, m.hit_rate, m.ttft_p95, m.engines) == (20.0, 6000.0, 0.1, 3.0, 3.0)
     assert (m.prompt_p50, m.prompt_p95) == (3000.0, 18_000.0)
+    assert o.engines_peak == 4.0  # the busy minute by arrivals ran all four (the restart was in a quieter one)
     quiet = SignalWindows(600)
     quiet.add(15.0, "pool/chat", "request_rate", 0.0)
     quiet.add(15.0, "pool/chat", "ttft_p95", 1.0)

@@ -141,6 +141,17 @@ def test_the_tpot_calibration_reads_the_mean_not_the_bucketed_p95() -> None:
     assert fewer.tpot_stall == pytest.approx(1 / 3, rel=1e-6) and fewer.tpot_scale == pytest.approx(1.0)
 
 
+def test_an_autoscaled_pool_is_calibrated_at_the_engines_that_served_its_busy_minutes() -> None:
+    """2 engines at night and 8 by day, 4 on the mean: the day's load on 4 engines would read the model twice too slow
+    and the pool's measured TPOT as stalls a fraction of the model's, and every size after it would come out short."""
+    pool, load = facts(replicas=4), seen(arrivals=30.0, arrivals_peak=60.0, prompt_tokens=3000, output_tokens=300)
+    at = predict(8, peak_load(load), Engine("unified", CURVES))
+    measured = replace(load, engines_peak=8.0, tpot_mean_peak=at.tpot_base + at.tpot_stall)
+    agrees = calibrate(pool, measured, AdviceSettings())
+    assert agrees.tpot_stall == pytest.approx(1.0) and agrees.tpot_scale == pytest.approx(1.0)
+    assert calibrate(pool, replace(measured, engines_peak=None), AdviceSettings()) != agrees
+
+
 def test_the_share_over_the_objective_tells_the_steps_from_the_stalls() -> None:
     """The mean alone cannot say whether the model's steps or its stalls are off; the share of requests over the
     objective can, since stalls come in lumps: a pool measured with known factors gets those factors back."""
