@@ -57,6 +57,10 @@ def frozen_inputs(windows: SignalWindows, now: float, after: float) -> dict[str,
             # 0.8: the run's first and last scrapes fall inside the span, not on its edges.
             if run is None or run[0] == 0 or run[2] < 3 or run[1] < 0.8 * after:
                 continue
+            if name == "requests_running" and (windows.latest(subject, "requests_waiting") or 0.0) > 0:
+                # A full batch with a queue behind it: each request that finishes is replaced at once, and the count
+                # holds at max_num_seqs for as long as the engine is saturated, which is when capacity is needed.
+                continue
             newest = windows.latest_ts(subject, name)
             if newest is not None and newest >= now - after:
                 out.setdefault(pool, {})[name] = f"{name} of {subject} has been {run[0]:g} for {run[1] / 60:.0f} min"

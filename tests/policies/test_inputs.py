@@ -33,6 +33,17 @@ def test_a_moving_an_idle_a_short_or_an_old_series_is_not() -> None:
     assert frozen_inputs(windows([7.0] * 61), NOW, after=0) == {}, "switched off"
 
 
+def test_a_saturated_engines_full_batch_is_not_frozen() -> None:
+    # 256 running (max_num_seqs) at every scrape with requests waiting behind them: each one that finishes is replaced
+    # at once. Read as frozen, the pool's inputs would be stale, and its scale-ups held, exactly while it is saturated.
+    w = windows([256.0] * 61)
+    w.extend((NOW - 15 * i, "engine/decode/decode-0/0", "requests_waiting", 40.0 + i % 3) for i in reversed(range(61)))
+    assert frozen_inputs(w, NOW, after=900) == {}
+    w.add(NOW + 15, "engine/decode/decode-0/0", "requests_waiting", 0.0)
+    w.add(NOW + 15, "engine/decode/decode-0/0", "requests_running", 256.0)
+    assert "requests_running" in frozen_inputs(w, NOW + 15, after=900)["decode"], "no queue: held where it should move"
+
+
 def test_a_pool_signal_that_stopped_is_stale_one_late_scrape_is_not() -> None:
     w = SignalWindows(3600)
     for pool, last in (("decode", NOW - 60), ("prefill", NOW - 15)):
