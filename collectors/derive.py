@@ -9,6 +9,7 @@ because consecutive scrapes already bound the interval exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,11 @@ def histogram_increase(prev: Histogram | None, cur: Histogram) -> Histogram | No
             now - before.keys() and before.keys() - now):
         return cur
     deltas = tuple((le, c - before[le]) for le, c in cur.buckets if le in before)
+    # A restart that counted more observations than it lost shows no bucket falling, but its sum falls (every value
+    # observed here is non-negative) or its increases stop being cumulative: a lower bound gaining more than a higher.
+    ordered = sorted(deltas)
+    if cur.sum < prev.sum or any(lo > hi + 1e-9 for (_, lo), (_, hi) in itertools.pairwise(ordered)):
+        return cur
     return Histogram(deltas, cur.sum - prev.sum, cur.count - prev.count)
 
 

@@ -74,6 +74,9 @@ class Reading:
     # are than this reading, by (table, key, labels).
     carried: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
     not_numbers: set[str] = field(default_factory=set)  # families with a value that was NaN or infinite: no reading
+    # Counter and histogram keys this entity's earlier readings had (`advance` keeps it): a key outside it is new, its
+    # series created since (lazily, at their first event: a first XID, a first error code) and counted from zero.
+    known: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -265,7 +268,9 @@ def advance(prev: Reading, cur: Reading, seconds: float) -> Delta | None:
     """The change from `prev` to `cur`, read `seconds` apart; then `cur` keeps what `prev` had and it lacks, for its
     next diff (`_carry`). In that order: a value carried into `cur` first would read as no change."""
     d = delta(prev, cur, seconds)
-    _carry(prev, cur, seconds)
+    # A clock stepped back reads a negative interval: no delta, and what is carried does not grow younger.
+    _carry(prev, cur, max(seconds, 0.0))
+    cur.known |= prev.known | prev.counters.keys() | prev.histograms.keys()
     return d
 
 
@@ -300,8 +305,16 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
         # A series carried over a gap rose over the gap and this interval: this interval's part of it.
         return seconds / (seconds + prev.carried.get((table, key, labels), 0.0))
 
+    def new(key: str, table: Mapping[str, object]) -> bool:
+        # Neither in the last reading (carried series included) nor in any before it. One that was, and has been
+        # missing past the carry's horizon, is not new: counted from zero it would add its whole history at once.
+        return key not in table and key not in prev.known
+
     for key, value in cur.counters.items():
         before, now = prev.counter_series.get(key), cur.counter_series.get(key)
+        if before is None and new(key, prev.counters):
+            out.increases[key] = value
+            continue
         if before is not None and now is not None:
             # Series by series, as PromQL's sum(increase()): one that vanished (an agent instance reaped, a label
             # gone) adds nothing, one that appeared counts from zero, one that fell restarted.
@@ -313,6 +326,9 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
             out.increases[key] = inc
     for key, hist in cur.histograms.items():
         series_before, series_now = prev.histogram_series.get(key), cur.histogram_series.get(key)
+        if series_before is None and new(key, prev.histograms):
+            out.histograms[key] = hist
+            continue
         if series_before is not None and series_now is not None:
             # Series by series, as for counters: one engine's restart (or a rank reaped) is not the whole sum's.
             out.histograms[key] = sum((h if (was := series_before.get(s)) is None else

@@ -390,6 +390,33 @@ def test_xid_total_increase_is_summed_over_xid_labels() -> None:
     assert sig["gpu_xid_errors"] == 2.0
 
 
+def test_the_first_xid_on_a_gpu_counts_though_its_family_is_new() -> None:
+    # dcgm-exporter writes no XID series until the first error: the GPU's first XID is the one that matters most.
+    util = line("DCGM_FI_DEV_GPU_UTIL", 50)
+    assert signal_map(util, util + _xid_total({"79": 1}))["gpu_xid_errors"] == 1.0
+
+
+def test_a_family_missing_past_the_carry_is_not_counted_from_zero_when_it_is_back() -> None:
+    util = line("DCGM_FI_DEV_GPU_UTIL", 50)
+    first = read(util + _xid_total({"13": 40}))["node-a/0"]
+    gone = read(util)["node-a/0"]
+    assert families.advance(first, gone, families.STALE_S + 60) is not None
+    back = read(util + _xid_total({"13": 41}))["node-a/0"]
+    d = families.advance(gone, back, 15.0)
+    assert d is not None and "xid_total" not in d.increases, "its 40 earlier ones are no increase"
+
+
+def test_a_clock_stepped_back_reads_no_interval_and_carries_nothing_younger() -> None:
+    util = line("DCGM_FI_DEV_GPU_UTIL", 50)
+    first = read(util + _xid_total({"13": 2, "31": 1}))["node-a/0"]
+    stepped = read(util + _xid_total({"13": 2}))["node-a/0"]  # 31's line dropped, 10 s earlier by the clock
+    assert families.advance(first, stepped, -10.0) is None
+    assert all(age >= 0 for age in stepped.carried.values())
+    back = read(util + _xid_total({"13": 3, "31": 1}))["node-a/0"]
+    d = families.advance(stepped, back, 10.0)
+    assert d is not None and d.increases["xid_total"] == 1.0
+
+
 def test_xid_window_gauge_is_summed_not_differentiated() -> None:
     text = line("DCGM_EXP_XID_ERRORS_COUNT", 2, xid="13", window_size_in_ms="300000") + line(
         "DCGM_EXP_XID_ERRORS_COUNT", 1, xid="79", window_size_in_ms="300000")

@@ -47,6 +47,17 @@ def test_histogram_increase_and_reset() -> None:
     assert histogram_increase(before, relaid) == relaid
 
 
+def test_a_restart_that_counted_more_than_it_lost_is_a_reset() -> None:
+    # A quiet canary restarts between scrapes: two slow requests before, three fast ones after. No bucket and not the
+    # count fell; read as an increase, its mean would be -9.7 s and its quantiles drawn from 3 of 1 observation.
+    before = Histogram(((0.1, 0.0), (1.0, 0.0), (10.0, 2.0), (INF, 2.0)), 10.0, 2.0)
+    after = Histogram(((0.1, 3.0), (1.0, 3.0), (10.0, 3.0), (INF, 3.0)), 0.3, 3.0)
+    assert histogram_increase(before, after) == after
+    # Its sum alone may not tell (the new process's values larger): increases that are no longer cumulative do.
+    larger = Histogram(((0.1, 3.0), (1.0, 3.0), (10.0, 3.0), (INF, 3.0)), 10.2, 3.0)
+    assert histogram_increase(before, larger) == larger
+
+
 @pytest.mark.parametrize(
     ("q", "buckets", "expected"),
     [
