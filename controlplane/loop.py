@@ -660,8 +660,11 @@ class ControlLoop:
     ) -> None:
         """The single audited path from proposals (and approvals) to the actuator."""
         rails = self.config.rails
+        # Created ahead of the clock (it stepped back): a step of a few scrapes is a correction and loses nothing (a
+        # revert expired is never asked again); a longer one would keep the action for the step and its time to live.
+        ahead = 4 * self.config.scrape.interval
         await self._expire(now, "not decided and run within its time to live (rails.proposal_ttl, or revert_ttl for "
-                                "an approved revert)", lambda a: not 0 <= now - a.created_at < _ttl(rails, a))
+                                "an approved revert)", lambda a: not -ahead <= now - a.created_at < _ttl(rails, a))
         self._finished_now = []
         await self._approve_orphans(now)
         await self._supersede(now, report)
@@ -915,15 +918,36 @@ class ControlLoop:
 
     # verify -----------------------------------------------------------------------------------
 
-    def _recent_mean(self, pool: str, signal: str | None, points: int = 5, since: float | None = None) -> float | None:
-        """Mean of a pool signal over its last `points` intervals (taken at or after `since`): before an action, the
-        degraded state that prompted it; at verification, the settled state after it, never points from before."""
+    def _recent_mean(self, pool: str, signal: str | None, points: int = 5, since: float | None = None,
+                     until: float = math.inf) -> float | None:
+        """Mean of a pool signal over its last `points` intervals (taken at or after `since`, before `until`): before
+        an action, the degraded state that prompted it; at verification, the settled state after it, never points
+        from before it or from after the next change."""
         if signal is None:
             return None
         subject = f"pool/{pool}"
         window = (self.windows.last(subject, signal, points) if since is None else
-                  [v for _, v in self.windows.series(subject, signal, since=since)[-points:]])
+                  [v for ts, v in self.windows.series(subject, signal, since=since) if ts < until][-points:])
         return statistics.fmean(window) if window else None
+
+    def _changing_until(self, pool: str, since: float) -> float:
+        """The last scrape after `since` at which the pool was mid-change (rolling out a template, or its ready engines
+        not its desired ones), else `since`: a change that restarts or adds engines is judged once they all serve."""
+        subject = f"pool/{pool}"
+        ready = dict(self.windows.series(subject, READY, since=since))
+        changing = [ts for ts, v in self.windows.series(subject, ROLLING, since=since) if v] + [
+            ts for ts, v in self.windows.series(subject, DESIRED, since=since) if ts in ready and ready[ts] != v]
+        return max(changing, default=since)
+
+    async def _next_change(self, action: ActionRecord) -> ActionRecord | None:
+        """The first action that changed the action's pool after it finished (a cordon of any pool's moves its
+        engines too): points from then on are that change's as much as this one's."""
+        assert action.finished_at is not None
+        later = [a for a in await self.store.actions(since=action.created_at)
+                 if a.id != action.id and not a.dry_run and a.started_at is not None
+                 and a.started_at > action.finished_at
+                 and (a.pool == action.pool or a.kind == ActionKind.CORDON_NODE)]
+        return min(later, key=lambda a: (a.started_at or 0.0, a.id), default=None)
 
     async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:
         """Did the signal recover after the action? Recorded once, never retried blindly; a change that
@@ -932,23 +956,35 @@ class ControlLoop:
         for action in await self.store.awaiting_outcome(finished_before=now - verify_after):
             p = action.params
             unfit = _unfit_to_judge(action, pools.get(action.pool))
-            if unfit is None and action.finished_at is not None and p.get("verify_signal"):
-                # A clock stepped forward makes an action due with a point or two after it: not a settled state.
-                seen = self.windows.series(f"pool/{action.pool}", p["verify_signal"],
-                                           since=math.nextafter(action.finished_at, math.inf))
-                if 0 < len(seen) < VERIFY_POINTS:
+            # Judged on the points after the pool settled (its engines restarted or started, all serving) and before
+            # the next change to it, which would take credit or blame for it.
+            start, until, confounded = action.finished_at, math.inf, None
+            if action.finished_at is not None and p.get("verify_signal"):
+                settled = self._changing_until(action.pool, action.finished_at)
+                start = max(action.finished_at, settled)
+                if (nxt := await self._next_change(action)) is not None:
+                    until = nxt.started_at or math.inf
+                # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
+                seen = [ts for ts, _ in self.windows.series(f"pool/{action.pool}", p["verify_signal"],
+                                                            since=math.nextafter(start, math.inf)) if ts < until]
+                if len(seen) < VERIFY_POINTS and until < math.inf:
+                    confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} "  # type: ignore[union-attr]
+                                  f"{until - start:.0f}s after {action.pool} settled: {len(seen)} point(s) before it")
+                elif unfit is None and settled > action.finished_at and len(seen) < VERIFY_POINTS:
+                    unfit = f"{action.pool} was still changing {now - settled:.0f}s ago ({len(seen)} point(s) since)"
+                elif unfit is None and 0 < len(seen) < VERIFY_POINTS:
+                    # A clock stepped forward makes an action due with a point or two after it: not a settled state.
                     unfit = f"{len(seen)} point(s) of {p['verify_signal']} since it finished"
-            if unfit is not None and action.finished_at is not None and now - action.finished_at < 3 * verify_after:
+            if confounded is None and unfit is not None and action.finished_at is not None \
+                    and now - action.finished_at < 3 * verify_after:
                 continue  # judged once its numbers are fit again: a verdict from them would stand for good
             # The state it ran from (read when it started: an approval can come long after the proposal), and
             # the state after it, from points after it finished only: a signal that stopped is no recovery.
             log_ = await self.store.audit_log(action.id)
             started = next((e.detail for e in log_ if e.event == "started"), {})
             before = started.get("verify_before", p.get("verify_before"))
-            # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
             after = self._recent_mean(action.pool, p.get("verify_signal"),
-                                      since=None if action.finished_at is None else math.nextafter(action.finished_at,
-                                                                                                   math.inf))
+                                      since=None if start is None else math.nextafter(start, math.inf), until=until)
             finding = await self.store.finding(action.finding_id) if action.finding_id else None
             resolved = finding is not None and finding.state == "resolved"
             if before is None or after is None:
@@ -961,7 +997,9 @@ class ControlLoop:
                 outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change >= -IMPROVEMENT)
                            else "not_recovered")
             detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
-            if unfit is not None:  # unfit for three verify windows: not judged from them
+            if confounded is not None:  # another change came too soon after it: no verdict is this one's alone
+                outcome, detail = "unmeasured", {**detail, "confounded": confounded}
+            elif unfit is not None:  # unfit for three verify windows: not judged from them
                 outcome, detail = "unmeasured", {**detail, "unfit": unfit}
             if outcome == "not_recovered" and action.state is ActionState.SUCCEEDED:
                 # Before the outcome, which ends the judging: a revert or finding the store refused is written again

@@ -335,6 +335,17 @@ async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualCloc
     assert (await store.actions())[0].state is S.EXPIRED and pools.calls == []
 
 
+async def test_an_action_created_a_little_ahead_of_the_clock_is_kept(clock: VirtualClock) -> None:
+    """A clock corrected back by a few seconds is no reason to drop what was asked: a revert expired is asked no more."""
+    store, pools = MemoryStore(), Pools()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, Asks())
+    action = await store.create_action(NewAction(None, "scale_pool", "prefill", {"change": change_as_dict(ScaleTo(4)),
+                                                                                 "from_replicas": 3},
+                                                 "propose", "more prefill"), clock.now() + 20)
+    await tick(loop, clock)
+    assert (await store.actions())[0].state is S.PROPOSED, action
+
+
 class RefusesAnExpiry(MemoryStore):
     """Fails the first expiry it is asked to write (an outage at that moment)."""
 

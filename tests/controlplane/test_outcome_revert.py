@@ -411,3 +411,65 @@ async def test_a_take_over_drops_points_stamped_ahead_of_its_clock() -> None:
     await loop.start()
     await ticks(loop, clock, 1)
     assert loop.windows.latest("pool/chat", "tpot_p95") == 0.1 and loop.windows.latest_ts("pool/chat", "tpot_p95") == clock.now()
+
+
+class RollsOut(Engines):
+    """The change restarts the pool's engines one by one: for eight minutes after it the pool is rolling out."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__()
+        self.clock, self.changed_at = clock, None
+
+    async def observe(self) -> FleetView:
+        rolling = self.changed_at is not None and self.clock.now() < self.changed_at + 480
+        return FleetView({"chat": PoolReplicas(3, 2 if rolling else 3, rolling=rolling)})
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        self.changed_at = self.clock.now()
+        return await super().carry_out(order)
+
+
+class FasterOnceRolledOut(SlowTpot):
+    """TPOT at 100 ms until the rollout ends, 50 ms after: the change helped, which shows once every engine runs it."""
+
+    def __init__(self, engines: RollsOut) -> None:
+        self.engines = engines
+
+    async def observe(self, now: float) -> Observation:
+        done = self.engines.changed_at is not None and now >= self.engines.changed_at + 480
+        return Observation(signals=[Signal(now, "pool/chat", "tpot_p95", 0.05 if done else 0.1)])
+
+
+async def test_a_change_is_judged_once_its_rollout_has_settled() -> None:
+    # Judged at verify_after (5 min) while two of three engines serve, some on the old arguments, the change reads as
+    # no help, is reverted, and restarts every engine again.
+    clock, store = VirtualClock(), MemoryStore()
+    engines = RollsOut(clock)
+    loop = make_loop(store, engines, clock, source=FasterOnceRolledOut(engines))
+    await ticks(loop, clock, 4 * 7)
+    [first] = await store.actions()
+    assert first.outcome is None, "not judged mid-rollout"
+    await ticks(loop, clock, 4 * 3)
+    first, *_ = await store.actions()
+    assert first.outcome == "recovered" and not any("reverts" in a.params for a in await store.actions())
+
+
+async def test_a_change_another_one_followed_too_soon_is_not_judged_on_both() -> None:
+    # A minute after the change finished, another action changed the pool (the autoscaler shed an engine, say): the
+    # points after it are both changes', and no verdict on them is this one's.
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = make_loop(store, engines, clock)
+    await ticks(loop, clock, 1)
+    [change] = await store.actions()
+    assert change.finished_at is not None
+    other = await store.create_action(NewAction(None, "scale_pool", "chat", {"change": {"type": "ScaleTo", "replicas": 2}},
+                                                "act", "fewer engines"), change.finished_at + 30)
+    await store.transition(other.id, S.PROPOSED, S.APPROVED, change.finished_at + 30, {"by": "rails"})
+    await store.transition(other.id, S.APPROVED, S.STARTED, change.finished_at + 45, {"actuator": "fake"})
+    await store.transition(other.id, S.STARTED, S.SUCCEEDED, change.finished_at + 50, {})
+    await ticks(loop, clock, 4 * 7)
+    judged = next(a for a in await store.actions() if a.id == change.id)
+    assert judged.outcome == "unmeasured", "never judged, nor reverted, on another change's numbers"
+    assert not any("reverts" in a.params for a in await store.actions())
+    [event] = [e for e in store.action_events(change.id) if e.event == "outcome:unmeasured"]
+    assert f"action {other.id} (scale_pool) changed chat" in event.detail["confounded"]
