@@ -1076,7 +1076,12 @@ class ControlLoop:
         if revert_id is not None:
             # A judging the store cut off before its finding recorded the revert ticks before the finding opened.
             since = f.opened_at - self.config.rails.history_s
-            revert = next((a for a in await self.store.actions(since=since) if a.id == revert_id), None)
+            # The newest revert of the action: a take-over that could not redo the one recorded cancelled it and
+            # recorded another (`reverting_as`), whose end is the finding's.
+            reverts = [a for a in await self.store.actions(since=since)
+                       if a.id == revert_id or a.params.get("reverts") == f.evidence.get("action_id")]
+            revert = max(reverts, key=lambda a: (a.created_at, a.id), default=None)
+            revert_id = revert.id if revert is not None else revert_id
             if revert is None or revert.state not in FINISHED_STATES:
                 return None
             if revert.state in (ActionState.SUCCEEDED, ActionState.DRY_RUN):

@@ -22,7 +22,7 @@ from controlplane.killswitch import StoreSwitch
 from controlplane.loop import INEFFECTIVE, ControlLoop
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
-from controlplane.store.records import NewAction
+from controlplane.store.records import NewAction, NewFinding
 from controlplane.telemetry import Telemetry
 from policies.types import (
     ActionKind,
@@ -473,3 +473,26 @@ async def test_a_change_another_one_followed_too_soon_is_not_judged_on_both() ->
     assert not any("reverts" in a.params for a in await store.actions())
     [event] = [e for e in store.action_events(change.id) if e.event == "outcome:unmeasured"]
     assert f"action {other.id} (scale_pool) changed chat" in event.detail["confounded"]
+
+
+async def test_an_ineffective_finding_follows_its_revert_recorded_again_at_a_take_over() -> None:
+    # The revert recorded with the finding was cancelled at a take-over that could not redo it, and another recorded
+    # in its place ran: the change is undone, and the finding says so rather than staying open on the cancelled one.
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    loop = make_loop(store, engines, clock)
+    now = clock.now()
+    reverts = []
+    for state in (S.CANCELLED, S.SUCCEEDED):
+        a = await store.create_action(NewAction(None, "tune_speculation", "chat", {
+            "change": {"type": "Speculation", "num_speculative_tokens": 3, "step": 0}, "reverts": 99}, "act",
+            "revert action 99"), now)
+        await store.transition(a.id, S.PROPOSED, S.APPROVED, now, {"by": "rails"})
+        if state is S.CANCELLED:
+            await store.transition(a.id, S.APPROVED, S.CANCELLED, now, {"reverting_as": a.id + 1})
+        else:
+            await store.transition(a.id, S.APPROVED, S.STARTED, now, {})
+            await store.transition(a.id, S.STARTED, S.SUCCEEDED, now, {})
+        reverts.append(a.id)
+    f = await store.open_finding(NewFinding(INEFFECTIVE, "action/99", "warning", "action 99 did not help", "", {
+        "action_id": 99, "revert_id": reverts[0], "finding_id": None}, "action_ineffective"), now)
+    assert await loop._ineffective_over(f) == f"its revert (action {reverts[1]}) ended succeeded"
