@@ -944,6 +944,10 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
         else:
             if cfg is None:
                 raise click.UsageError("--source targets needs --fleet with the targets (a static list or discovery)")
+            if start is not None and start < clock.now() - settings.step:
+                # Each step is the pods' counters now less a step ago: past steps would all read the last moments.
+                raise click.UsageError("--source targets reads the pods live and keeps no history: a past --start "
+                                       "needs --source store or prometheus")
             discovered = discovered_targets(cfg, stack)
             found = discovered if discovered is not None else StaticTargets(static_targets(cfg))
             client = scrape_client(cfg)

@@ -97,6 +97,8 @@ def test_a_defect_exits_70_not_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest
      "not a Prometheus label name: 'app.kubernetes.io/version'"),
     (["--source", "targets", "--fleet", "deploy/fleet.example.yaml", "--baseline", "pod=llama-decode-0",
       "--canary", "pod=~.*canary.*"], "no canary target matches its selector 'pool=decode,pod=~.*canary.*'"),
+    (["--source", "targets", "--fleet", "deploy/fleet.example.yaml", "--start", "1000"],
+     "--source targets reads the pods live and keeps no history"),
 ])
 def test_a_gate_asked_wrongly_exits_3_not_as_a_failed_canary(tmp_path: Path, args: list[str], says: str) -> None:
     arms = [] if "--baseline" in args else ["--baseline", "pod=a", "--canary", "pod=b"]
