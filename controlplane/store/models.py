@@ -157,6 +157,7 @@ class ActionRow(Base):
 
     __table_args__ = (
         Index(None, "pool", "created_at"),
+        Index(None, "created_at"),  # every tick's recent actions, of all pools
         Index(None, "state"),
         # At most one active action per pool and kind, enforced by the database.
         Index(
