@@ -318,6 +318,7 @@ class PromGateSource:
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
         self._tpot = _TpotReading(self._names)
         self._served: set[tuple[str, str]] = set()  # the canary's vLLM targets (pod, instance) that served in this gate
+        self._sampled = False  # whether a step was seen to hold two samples of a baseline series
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
         return self._prom.query(expr, ts)
@@ -383,6 +384,16 @@ class PromGateSource:
         both = sorted(p for p in pods[0] & pods[1] if p)
         if both:
             raise GateInputError(f"pod(s) {', '.join(both)} match both the baseline's and the canary's selector")
+        if pods[0] and not self._sampled:
+            # increase() needs two samples of a series within the step: with Prometheus scraping no more often than
+            # the step, every step would be empty and the gate wait out its window for nothing.
+            per_series = self._scalar(f"max(count_over_time(vllm:num_requests_running{self._arms['baseline']}"
+                                      f"[{window}]))", end)
+            if per_series is not None and per_series < 2:
+                raise GateInputError(f"Prometheus holds {per_series:g} sample of the baseline's series in a step of "
+                                     f"{end - start:g}s: it scrapes them no more often than that; make the step at "
+                                     "least twice its scrape interval")
+            self._sampled = True
         # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
         # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
         # scrape jobs of the same pods are not the engine); asked by its instance, since `up` carries the target's

@@ -238,9 +238,9 @@ class FakePrometheus:
     real Prometheus is exercised by the collectors' agreement tests)."""
 
     def __init__(self, baseline_pods: tuple[str, ...] = ("decode-0", "decode-1"), down: tuple[str, ...] = (),
-                 served: tuple[str, ...] = ("decode-canary-0",)) -> None:
+                 served: tuple[str, ...] = ("decode-canary-0",), samples: int = 2) -> None:
         self.queries: list[str] = []
-        self.baseline_pods, self.down, self.served = baseline_pods, down, served
+        self.baseline_pods, self.down, self.served, self.samples = baseline_pods, down, served, samples
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.queries.append(query)
@@ -252,6 +252,8 @@ class FakePrometheus:
         if query.startswith("group by (pod, instance) (last_over_time(vllm:num_requests_running{"):
             return [{"metric": {"pod": p, "instance": f"{p}:8000"}, "value": [0, "1"]}
                     for p in (self.served if canary else self.baseline_pods)]
+        if query.startswith("max(count_over_time(vllm:num_requests_running{"):
+            return [{"metric": {}, "value": [0, str(self.samples)]}]
         if query.startswith("count(last_over_time(vllm:request_time_per_output_token_seconds_count"):
             return [{"metric": {}, "value": [0, "3"]}]
         if query.startswith("count(last_over_time("):
@@ -296,6 +298,14 @@ async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_ar
     assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
     await src.interval(30.0, 60.0)
     assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
+
+
+async def test_a_step_no_longer_than_prometheus_scrape_interval_is_refused_at_once() -> None:
+    # One sample of each series a step: increase() has nothing to go on, and every step would read empty.
+    prom = PrometheusSource("http://prometheus.invalid", client=FakePrometheus(samples=1))
+    src = arms(prom, (MetricRule(name="tpot"),))
+    with pytest.raises(GateInputError, match="holds 1 sample of the baseline's series in a step of 30s"):
+        await src.interval(0.0, 30.0)
 
 
 async def test_arms_that_overlap_are_refused_at_once() -> None:
