@@ -962,14 +962,14 @@ class ControlLoop:
             if action.finished_at is not None and p.get("verify_signal"):
                 settled = self._changing_until(action.pool, action.finished_at)
                 start = max(action.finished_at, settled)
-                if (nxt := await self._next_change(action)) is not None:
-                    until = nxt.started_at or math.inf
+                nxt = await self._next_change(action)
+                until = nxt.started_at if nxt is not None and nxt.started_at is not None else math.inf
                 # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
                 seen = [ts for ts, _ in self.windows.series(f"pool/{action.pool}", p["verify_signal"],
                                                             since=math.nextafter(start, math.inf)) if ts < until]
-                if len(seen) < VERIFY_POINTS and until < math.inf:
-                    confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} "  # type: ignore[union-attr]
-                                  f"{until - start:.0f}s after {action.pool} settled: {len(seen)} point(s) before it")
+                if nxt is not None and len(seen) < VERIFY_POINTS:
+                    confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} {until - start:.0f}s after "
+                                  f"{action.pool} settled: {len(seen)} point(s) before it")
                 elif unfit is None and settled > action.finished_at and len(seen) < VERIFY_POINTS:
                     unfit = f"{action.pool} was still changing {now - settled:.0f}s ago ({len(seen)} point(s) since)"
                 elif unfit is None and 0 < len(seen) < VERIFY_POINTS:
