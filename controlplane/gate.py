@@ -540,7 +540,8 @@ class GateSession:
             self._t = end
             # A catch-up (a replica that did not start the gate, a past start) stops at the first step a gate asked
             # all along would have decided at: the answer depends on the data, not on when it was asked.
-            if self.intervals and (verdict := judge(self.intervals, self.settings, final=self._final)).decided:
+            if self.intervals and (judged := judge(self.intervals, self.settings, final=self._final)).decided:
+                verdict = judged
                 break
         if verdict is None:
             verdict = judge(self.intervals, self.settings, final=self._final) if self.intervals else Verdict(
