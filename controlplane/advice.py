@@ -82,13 +82,10 @@ def observed(w: SignalWindows, pool: str, since: float, quantile: float = 0.95) 
         return _mean(w, subject, name, since)
 
     def engines_at_peak() -> float | None:
-        """Engines reporting in the minute whose arrivals are the busy quantile (one that happened)."""
+        """Engines reporting in the minute whose arrivals are the busy quantile."""
         arrivals, engines = per_minute("request_rate"), per_minute("engines_reporting")
         minutes = [m for m in arrivals if m in engines]
-        if not minutes:
-            return None
-        target = float(np.quantile([arrivals[m] for m in minutes], quantile, method="higher"))
-        return engines[next(m for m in minutes if arrivals[m] == target)]
+        return engines[_minute_at(arrivals, minutes, quantile)] if minutes else None
 
     prompt, gen = mean("prompt_tokens_rate") or 0.0, mean("generation_tokens_rate") or 0.0
     ttft_minute = _busy_ttft_minute(per_minute, quantile)
@@ -124,6 +121,13 @@ _MINUTE_SHAPE = ("request_rate", "prompt_tokens_rate", "prefix_cache_hit_rate", 
 MIN_MINUTE_REQUESTS = 20  # a minute with fewer finished requests has no p95 worth sizing for
 
 
+def _minute_at(values: Mapping[float, float], minutes: Sequence[float], quantile: float) -> float:
+    """The one of `minutes` whose value is the `quantile` of theirs: one that happened, the next one up, not a value
+    between two."""
+    target = float(np.quantile([values[m] for m in minutes], quantile, method="higher"))
+    return next(m for m in minutes if values[m] == target)
+
+
 def _busy_ttft_minute(per_minute: Callable[[str], Mapping[float, float]], quantile: float) -> BusyTtftMinute | None:
     """The minute whose mean TTFT p95 is the `quantile` of the window's minutes (one that happened: the next one up,
     not a value between two), with its own arrivals, request shape and engines (`per_minute`: a pool series' means by
@@ -136,11 +140,10 @@ def _busy_ttft_minute(per_minute: Callable[[str], Mapping[float, float]], quanti
                and m in shape["prompt_tokens_rate"]]
     if not minutes:
         return None
-    target = float(np.quantile([ttft[m] for m in minutes], quantile, method="higher"))
-    m = next(m for m in minutes if ttft[m] == target)
+    m = _minute_at(ttft, minutes, quantile)
     rate = shape["request_rate"][m]
     return BusyTtftMinute(arrivals=rate, prompt_tokens=shape["prompt_tokens_rate"][m] / rate,
-                          hit_rate=min(1.0, max(0.0, shape["prefix_cache_hit_rate"].get(m, 0.0))), ttft_p95=target,
+                          hit_rate=min(1.0, max(0.0, shape["prefix_cache_hit_rate"].get(m, 0.0))), ttft_p95=ttft[m],
                           prompt_p50=shape["prompt_len_p50"].get(m), prompt_p95=shape["prompt_len_p95"].get(m),
                           engines=shape["engines_reporting"].get(m))
 
