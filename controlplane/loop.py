@@ -147,6 +147,9 @@ class ControlLoop:
         self._unfit: dict[str, dict[str, str]] = {}
         # When each pool signal last had a value: one stopped for longer than the history is still stopped, not unknown.
         self._last_seen: dict[tuple[str, str], float] = {}
+        # When each of a pool's inputs was last unfit to act on (its stale-input key; "" for the pool unreadable): an
+        # outcome is judged on points from after the inputs it rests on were whole again.
+        self._unfit_at: dict[tuple[str, str], float] = {}
         # Per pool, the engine pods whose /metrics answered this tick (down once is noise), when scraped here.
         self._answering: dict[str, set[str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
@@ -939,6 +942,15 @@ class ControlLoop:
             ts for ts, v in self.windows.series(subject, DESIRED, since=since) if ts in ready and ready[ts] != v]
         return max(changing, default=since)
 
+    def _whole_since(self, action: ActionRecord) -> float:
+        """When the inputs an action's outcome rests on were last unfit (its verify signal or inputs stale, or its pool
+        unreadable), as this replica saw; -inf if never."""
+        names = [n for n in (action.params.get("verify_signal"), *action.params.get("inputs", ())) if n]
+        keys = {key: "" for pool, key in self._unfit_at if pool == action.pool and key}
+        relevant = [*stale_among(names, keys), ""]
+        return max((t for key in relevant if (t := self._unfit_at.get((action.pool, key))) is not None),
+                   default=-math.inf)
+
     async def _next_change(self, action: ActionRecord) -> ActionRecord | None:
         """The first action that changed the action's pool after it finished (a cordon of any pool's moves its
         engines too): points from then on are that change's as much as this one's."""
@@ -953,14 +965,17 @@ class ControlLoop:
         """Did the signal recover after the action? Recorded once, never retried blindly; a change that
         did not help is reverted where it can be, and a finding says so."""
         verify_after = self.config.rails.verify_after
+        for name, pool in pools.items():
+            for key in [*pool.stale_inputs, *([""] if pool.unreadable is not None else [])]:
+                self._unfit_at[(name, key)] = now
         for action in await self.store.awaiting_outcome(finished_before=now - verify_after):
             p = action.params
             unfit = _unfit_to_judge(action, pools.get(action.pool))
-            # Judged on the points after the pool settled (its engines restarted or started, all serving) and before
-            # the next change to it, which would take credit or blame for it.
+            # Judged on the points after the pool settled (its engines restarted or started, all serving) and its
+            # inputs were whole again, and before the next change to it, which would take credit or blame for it.
             start, until, confounded = action.finished_at, math.inf, None
             if action.finished_at is not None and p.get("verify_signal"):
-                settled = self._changing_until(action.pool, action.finished_at)
+                settled = max(self._changing_until(action.pool, action.finished_at), self._whole_since(action))
                 start = max(action.finished_at, settled)
                 nxt = await self._next_change(action)
                 until = nxt.started_at if nxt is not None and nxt.started_at is not None else math.inf
@@ -971,7 +986,8 @@ class ControlLoop:
                     confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} {until - start:.0f}s after "
                                   f"{action.pool} settled: {len(seen)} point(s) before it")
                 elif unfit is None and settled > action.finished_at and len(seen) < VERIFY_POINTS:
-                    unfit = f"{action.pool} was still changing {now - settled:.0f}s ago ({len(seen)} point(s) since)"
+                    unfit = (f"{action.pool} was still changing, or its inputs unfit, {now - settled:.0f}s ago "
+                             f"({len(seen)} point(s) since)")
                 elif unfit is None and 0 < len(seen) < VERIFY_POINTS:
                     # A clock stepped forward makes an action due with a point or two after it: not a settled state.
                     unfit = f"{len(seen)} point(s) of {p['verify_signal']} since it finished"

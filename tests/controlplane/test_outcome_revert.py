@@ -496,3 +496,28 @@ async def test_an_ineffective_finding_follows_its_revert_recorded_again_at_a_tak
     f = await store.open_finding(NewFinding(INEFFECTIVE, "action/99", "warning", "action 99 did not help", "", {
         "action_id": 99, "revert_id": reverts[0], "finding_id": None}, "action_ineffective"), now)
     assert await loop._ineffective_over(f) == f"its revert (action {reverts[1]}) ended succeeded"
+
+
+class FastWhileStale(TpotGoesStale):
+    """TPOT at 100 ms, but 50 ms while the slow engine's target is down: the pool's sums lack its share then."""
+
+    async def observe(self, now: float) -> Observation:
+        seen = await super().observe(now)
+        if seen.unfit:
+            seen.signals = [Signal(now, "pool/chat", "tpot_p95", 0.05)]
+        return seen
+
+
+async def test_an_outcome_is_judged_on_points_from_after_its_inputs_were_whole_again() -> None:
+    # The change helps nothing; while the pool's slow engine was not scraped its TPOT read half. Judged on the last
+    # points at the first fit tick, four of five from the unfit stretch, it would read as recovered and stay.
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    start = clock.now()
+    loop = make_loop(store, engines, clock, source=FastWhileStale(start + 4 * 60, start + 9 * 60))
+    await ticks(loop, clock, 4 * 9)
+    assert (await store.actions())[0].outcome is None
+    await ticks(loop, clock, 4)
+    first = (await store.actions())[0]
+    assert first.outcome == "not_recovered"
+    [judged] = [e for e in store.action_events(first.id) if e.event == "outcome:not_recovered"]
+    assert judged.detail["after"] == pytest.approx(0.1)
