@@ -393,7 +393,7 @@ class PromGateSource:
                 raise GateInputError(f"Prometheus holds {per_series:g} sample of the baseline's series in a step of "
                                      f"{end - start:g}s: it scrapes them no more often than that; make the step at "
                                      "least twice its scrape interval")
-            self._sampled = True
+            self._sampled = per_series is not None
         # A canary pod Prometheus cannot scrape drops out of the arm's sums: the step would be judged on the others.
         # Only a vLLM target that served in this gate counts (one still loading its model is starting, and other
         # scrape jobs of the same pods are not the engine); asked by its instance, since `up` carries the target's
@@ -525,7 +525,7 @@ class GateSession:
         decided, the answer stays. GateError after more than `MAX_SOURCE_ERRORS` failed steps in a row."""
         if self.verdict is not None:
             return self.verdict
-        verdict: Verdict | None = None
+        verdict: Verdict | None = None  # the last judgement, where a step was read
         while self.next_step_at <= now + 1e-9 and not self._final:
             end = self._t + self.settings.step
             try:
@@ -540,8 +540,7 @@ class GateSession:
             self._t = end
             # A catch-up (a replica that did not start the gate, a past start) stops at the first step a gate asked
             # all along would have decided at: the answer depends on the data, not on when it was asked.
-            if self.intervals and (judged := judge(self.intervals, self.settings, final=self._final)).decided:
-                verdict = judged
+            if self.intervals and (verdict := judge(self.intervals, self.settings, final=self._final)).decided:
                 break
         if verdict is None:
             verdict = judge(self.intervals, self.settings, final=self._final) if self.intervals else Verdict(

@@ -147,9 +147,9 @@ class ControlLoop:
         self._unfit: dict[str, dict[str, str]] = {}
         # When each pool signal last had a value: one stopped for longer than the history is still stopped, not unknown.
         self._last_seen: dict[tuple[str, str], float] = {}
-        # When each of a pool's inputs was last unfit to act on (its stale-input key; "" for the pool unreadable): an
-        # outcome is judged on points from after the inputs it rests on were whole again.
-        self._unfit_at: dict[tuple[str, str], float] = {}
+        # The ticks at which each of a pool's inputs was unfit to act on (its stale-input key; "" for the pool
+        # unreadable), over the history: an outcome is judged on points from after the inputs it rests on were whole.
+        self._unfit_at: dict[tuple[str, str], list[float]] = {}
         # Per pool, the engine pods whose /metrics answered this tick (down once is noise), when scraped here.
         self._answering: dict[str, set[str]] = {}
         # Called with every finished tick's report (alert delivery); its failures never stop the loop.
@@ -320,7 +320,7 @@ class ControlLoop:
         creation, as an approval that was never run."""
         rails = self.config.rails
         setting, ttl = rails.ttl_for(action.params)
-        if not 0 <= now - action.created_at < ttl:  # a creation time ahead of now: a clock stepped back
+        if not -self._ahead <= now - action.created_at < ttl:  # far ahead of now: a clock stepped back
             return RailsDecision(RailsReason.STALE, None, f"created {now - action.created_at:.0f}s ago, past "
                                                           f"{setting} ({ttl:g}s)")
         history = await self.store.recent_actions(since=now - rails.history_s)
@@ -663,11 +663,8 @@ class ControlLoop:
     ) -> None:
         """The single audited path from proposals (and approvals) to the actuator."""
         rails = self.config.rails
-        # Created ahead of the clock (it stepped back): a step of a few scrapes is a correction and loses nothing (a
-        # revert expired is never asked again); a longer one would keep the action for the step and its time to live.
-        ahead = 4 * self.config.scrape.interval
         await self._expire(now, "not decided and run within its time to live (rails.proposal_ttl, or revert_ttl for "
-                                "an approved revert)", lambda a: not -ahead <= now - a.created_at < _ttl(rails, a))
+                                "an approved revert)", lambda a: not -self._ahead <= now - a.created_at < _ttl(rails, a))
         self._finished_now = []
         await self._approve_orphans(now)
         await self._supersede(now, report)
@@ -933,31 +930,52 @@ class ControlLoop:
                   [v for ts, v in self.windows.series(subject, signal, since=since) if ts < until][-points:])
         return statistics.fmean(window) if window else None
 
-    def _changing_until(self, pool: str, since: float) -> float:
-        """The last scrape after `since` at which the pool was mid-change (rolling out a template, or its ready engines
-        not its desired ones), else `since`: a change that restarts or adds engines is judged once they all serve."""
+    @property
+    def _ahead(self) -> float:
+        """How far ahead of the clock an action may have been created and still be taken as new: a clock corrected
+        back by a few scrapes loses nothing (a revert expired is never asked again); a longer step would keep an
+        action for the step and its time to live."""
+        return 4 * self.config.scrape.interval
+
+    def _changing_until(self, pool: str, since: float, until: float) -> float:
+        """The last scrape in (`since`, `until`) at which the pool was mid-change (rolling out a template, or its ready
+        engines not its desired ones), else `since`: a change that restarts or adds engines is judged once they all
+        serve."""
         subject = f"pool/{pool}"
         ready = dict(self.windows.series(subject, READY, since=since))
         changing = [ts for ts, v in self.windows.series(subject, ROLLING, since=since) if v] + [
             ts for ts, v in self.windows.series(subject, DESIRED, since=since) if ts in ready and ready[ts] != v]
-        return max(changing, default=since)
+        return max((ts for ts in changing if ts < until), default=since)
 
-    def _whole_since(self, action: ActionRecord) -> float:
-        """When the inputs an action's outcome rests on were last unfit (its verify signal or inputs stale, or its pool
-        unreadable), as this replica saw; -inf if never."""
+    def _note_unfit(self, pools: dict[str, PoolState], now: float) -> None:
+        """Remember which of each pool's inputs are unfit this tick, for the history's length (none from a clock
+        that since stepped back)."""
+        for pool_key, times in list(self._unfit_at.items()):
+            kept = [t for t in times if now - HISTORY_S <= t <= now]
+            if kept:
+                self._unfit_at[pool_key] = kept
+            else:
+                del self._unfit_at[pool_key]
+        for name, pool in pools.items():
+            for key in [*pool.stale_inputs, *([""] if pool.unreadable is not None else [])]:
+                self._unfit_at.setdefault((name, key), []).append(now)
+
+    def _whole_since(self, action: ActionRecord, until: float) -> float:
+        """The last tick before `until` at which an input the action's outcome rests on was unfit (its verify signal
+        or inputs stale, or its pool unreadable), as this replica saw; -inf if none."""
         names = [n for n in (action.params.get("verify_signal"), *action.params.get("inputs", ())) if n]
         keys = {key: "" for pool, key in self._unfit_at if pool == action.pool and key}
-        relevant = [*stale_among(names, keys), ""]
-        return max((t for key in relevant if (t := self._unfit_at.get((action.pool, key))) is not None),
-                   default=-math.inf)
+        return max((t for key in [*stale_among(names, keys), ""] for t in self._unfit_at.get((action.pool, key), ())
+                    if t < until), default=-math.inf)
 
     async def _next_change(self, action: ActionRecord) -> ActionRecord | None:
         """The first action that changed the action's pool after it finished (a cordon of any pool's moves its
-        engines too): points from then on are that change's as much as this one's."""
+        engines too), its own revert aside: points from then on are that change's as much as this one's. One
+        created before it and started after it counts too."""
         assert action.finished_at is not None
-        later = [a for a in await self.store.actions(since=action.created_at)
-                 if a.id != action.id and not a.dry_run and a.started_at is not None
-                 and a.started_at > action.finished_at
+        later = [a for a in await self.store.actions(since=action.finished_at - self.config.rails.history_s)
+                 if a.id != action.id and a.params.get("reverts") != action.id and not a.dry_run
+                 and a.started_at is not None and a.started_at > action.finished_at
                  and (a.pool == action.pool or a.kind == ActionKind.CORDON_NODE)]
         return min(later, key=lambda a: (a.started_at or 0.0, a.id), default=None)
 
@@ -965,9 +983,7 @@ class ControlLoop:
         """Did the signal recover after the action? Recorded once, never retried blindly; a change that
         did not help is reverted where it can be, and a finding says so."""
         verify_after = self.config.rails.verify_after
-        for name, pool in pools.items():
-            for key in [*pool.stale_inputs, *([""] if pool.unreadable is not None else [])]:
-                self._unfit_at[(name, key)] = now
+        self._note_unfit(pools, now)
         for action in await self.store.awaiting_outcome(finished_before=now - verify_after):
             p = action.params
             unfit = _unfit_to_judge(action, pools.get(action.pool))
@@ -975,18 +991,23 @@ class ControlLoop:
             # inputs were whole again, and before the next change to it, which would take credit or blame for it.
             start, until, confounded = action.finished_at, math.inf, None
             if action.finished_at is not None and p.get("verify_signal"):
-                settled = max(self._changing_until(action.pool, action.finished_at), self._whole_since(action))
-                start = max(action.finished_at, settled)
                 nxt = await self._next_change(action)
                 until = nxt.started_at if nxt is not None and nxt.started_at is not None else math.inf
+                whole = self._whole_since(action, until)
+                settled = self._changing_until(action.pool, action.finished_at, until)
+                if now - action.finished_at >= 3 * verify_after and settled > whole:
+                    # Still not settled three verify windows on (its engines crash-loop, its rollout stalled): the
+                    # change is judged on what it has done, as it is, rather than escape judging and its revert.
+                    settled = action.finished_at
+                start = max(action.finished_at, settled, whole)
                 # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
                 seen = [ts for ts, _ in self.windows.series(f"pool/{action.pool}", p["verify_signal"],
                                                             since=math.nextafter(start, math.inf)) if ts < until]
                 if nxt is not None and len(seen) < VERIFY_POINTS:
                     confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} {until - start:.0f}s after "
                                   f"{action.pool} settled: {len(seen)} point(s) before it")
-                elif unfit is None and settled > action.finished_at and len(seen) < VERIFY_POINTS:
-                    unfit = (f"{action.pool} was still changing, or its inputs unfit, {now - settled:.0f}s ago "
+                elif unfit is None and start > action.finished_at and len(seen) < VERIFY_POINTS:
+                    unfit = (f"{action.pool} was still changing, or its inputs unfit, {now - start:.0f}s ago "
                              f"({len(seen)} point(s) since)")
                 elif unfit is None and 0 < len(seen) < VERIFY_POINTS:
                     # A clock stepped forward makes an action due with a point or two after it: not a settled state.

@@ -1071,15 +1071,20 @@ class KubernetesActuator:
             return {"wait": wait}
         # Gone, or a new pod under its name; not one routed again (spared by a leader that stopped before recording it).
         removed = [p for p in wait["pods"] if dig(live.get(p), ("annotations", ACTION_ANNOTATION)) != order.stamp]
+        spared = list(wait.get("spared", []))  # routed again while the others were waited for
+        removed = [p for p in removed if p not in spared]
         if not left:
-            return {**wait["done"], "removed": removed}
+            return {**wait["done"], "removed": removed, **({"not_removed": spared} if spared else {})}
         # A StatefulSet or LeaderWorkerSet removes its highest ordinals one at a time, and (OrderedReady) only once the
         # lower pods are healthy: one still above its count is going, slowly, and routed again now it would be killed
-        # later while serving. It gets a few more graces; the count raised meanwhile, it is routed again at once.
-        if _due_to_go(w, obj, {p: live[p] for p in left}) and \
-                now < float(wait["deadline"]) + REMOVAL_GRACES * self.settings.drain_grace:
+        # later while serving. Those get a few more graces; one the count was raised over meanwhile serves at once.
+        going = _due_to_go(w, obj, {p: live[p] for p in left})
+        if going and now < float(wait["deadline"]) + REMOVAL_GRACES * self.settings.drain_grace:
+            if back := [p for p in left if p not in going]:
+                await self._back_in(order, w, obj, back)
+                wait = {**wait, "spared": [*spared, *(p for p in back if p not in spared)]}
             return {"wait": wait}
-        return {**wait["done"], "removed": removed, "not_removed": left,
+        return {**wait["done"], "removed": removed, "not_removed": [*spared, *left],
                 "routing": await self._back_in(order, w, obj, left)}
 
     async def _stamped_pods(self, order: Order, wait: Mapping[str, Any]) -> set[str] | None:

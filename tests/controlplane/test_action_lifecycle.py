@@ -429,6 +429,16 @@ async def test_a_started_action_nothing_carries_out_is_taken_over(clock: Virtual
     assert "taken_over" in [e.event for e in store.action_events(action_id)]
 
 
+async def test_a_take_over_redoes_an_action_created_a_little_ahead_of_its_clock(clock: VirtualClock) -> None:
+    """The last leader's clock ran a few seconds ahead: its started, never applied action is still new, not stale."""
+    store, pools = MemoryStore(), Pools(already=False)
+    action_id = await started_elsewhere(store, clock.now() + 20)
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    await loop.start()
+    [action] = await store.actions()
+    assert (action.id, action.state, pools.calls) == (action_id, S.SUCCEEDED, [4])
+
+
 async def test_a_take_over_redoes_nothing_on_numbers_it_cannot_trust_now(clock: VirtualClock) -> None:
     store, pools, source = MemoryStore(), Pools(already=False), NoMetrics()
     action = await store.create_action(NewAction(None, "scale_pool", "prefill",

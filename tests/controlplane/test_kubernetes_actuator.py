@@ -349,6 +349,26 @@ async def test_a_statefulsets_drained_ordinal_still_above_its_count_is_waited_fo
     assert done["not_removed"] == ["vllm-kv-2"] and routed(server, "vllm-kv-2")
 
 
+async def test_a_statefulsets_drained_ordinal_the_count_was_raised_over_serves_while_the_higher_one_goes(
+        server: ApiServer, api: client.ApiClient) -> None:
+    statefulset(server)
+    act = actuator(api)
+    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    o = order(ActionKind.SCALE_POOL, ScaleTo(1), pool="kv", busy={f"vllm-kv-{i}": 0.0 for i in range(3)})
+    first = await act.carry_out(o)
+    assert sorted(first["wait"]["pods"]) == ["vllm-kv-1", "vllm-kv-2"]
+    removing = await act.resume(o, first["wait"], Clock().t + 5)
+    sts = server.get(STATEFULSETS, NS, "vllm-kv")
+    assert sts is not None
+    sts["spec"]["replicas"] = 2  # raised by a person meanwhile: ordinal 1 stays, ordinal 2 still goes
+    server.put(STATEFULSETS, sts)
+    waiting = await act.resume(o, removing["wait"], Clock().t + 70)
+    assert waiting["wait"]["spared"] == ["vllm-kv-1"] and routed(server, "vllm-kv-1") and not routed(server, "vllm-kv-2")
+    remove(server, "vllm-kv-2")
+    done = await act.resume(o, waiting["wait"], Clock().t + 100)
+    assert done["removed"] == ["vllm-kv-2"] and done["not_removed"] == ["vllm-kv-1"]
+
+
 async def scaling_down(server: ApiServer, api: client.ApiClient) -> tuple[KubernetesActuator, Order, dict[str, Any]]:
     """Three decode engines scaled to two: the idle one, `vllm-decode-a`, drains; the actuator, order and wait."""
     server.put(DEPLOYMENTS, deployment(replicas=3))

@@ -8,6 +8,7 @@ the finding resolves with it, and the same change is not asked for again for tha
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -521,3 +522,56 @@ async def test_an_outcome_is_judged_on_points_from_after_its_inputs_were_whole_a
     assert first.outcome == "not_recovered"
     [judged] = [e for e in store.action_events(first.id) if e.event == "outcome:not_recovered"]
     assert judged.detail["after"] == pytest.approx(0.1)
+
+
+class Shifting(Engines):
+    """`ready` of 3 engines per the times given (relative to the first change): engines starting or crash-looping."""
+
+    def __init__(self, clock: VirtualClock, short: tuple[float, float]) -> None:
+        super().__init__()
+        self.clock, self.short, self.changed_at = clock, short, None
+
+    async def observe(self) -> FleetView:
+        t = None if self.changed_at is None else self.clock.now() - self.changed_at
+        return FleetView({"chat": PoolReplicas(3, 2 if t is not None and self.short[0] <= t < self.short[1] else 3)})
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        self.changed_at = self.changed_at or self.clock.now()
+        return await super().carry_out(order)
+
+
+async def started_later(store: MemoryStore, at: float) -> int:
+    """Another action on the pool (the autoscaler's, say), started at `at`."""
+    other = await store.create_action(NewAction(None, "scale_pool", "chat", {"change": {"type": "ScaleTo", "replicas": 4}},
+                                                "act", "more engines"), at - 15)
+    await store.transition(other.id, S.PROPOSED, S.APPROVED, at - 15, {"by": "rails"})
+    await store.transition(other.id, S.APPROVED, S.STARTED, at, {"actuator": "fake"})
+    await store.transition(other.id, S.STARTED, S.SUCCEEDED, at + 5, {})
+    return other.id
+
+
+async def test_what_came_after_the_next_change_does_not_hold_back_judging_on_the_points_before_it() -> None:
+    # Two steady minutes after the change, another scale started engines that took two minutes to come up: the
+    # points before it judge the change, unsettled as the pool was after it.
+    clock, store = VirtualClock(), MemoryStore()
+    engines = Shifting(clock, (135.0, 240.0))
+    loop = make_loop(store, engines, clock)
+    await ticks(loop, clock, 1)
+    [change] = await store.actions()
+    assert change.finished_at is not None
+    await started_later(store, change.finished_at + 120)
+    await ticks(loop, clock, 4 * 7)
+    judged = next(a for a in await store.actions() if a.id == change.id)
+    assert judged.outcome == "not_recovered"
+
+
+async def test_a_change_that_leaves_its_pool_unsettled_is_judged_and_reverted_all_the_same() -> None:
+    # Its new engines crash-loop: the pool never settles. Three verify windows on it is judged on what it did.
+    clock, store = VirtualClock(), MemoryStore()
+    engines = Shifting(clock, (0.0, math.inf))
+    loop = make_loop(store, engines, clock, rails=COOLS_2H)
+    await ticks(loop, clock, 4 * 14)
+    assert (await store.actions())[0].outcome is None
+    await ticks(loop, clock, 4 * 2)
+    first, revert, *_ = await store.actions()
+    assert first.outcome == "not_recovered" and revert.params["reverts"] == first.id
