@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.autoscale import (
+    _NO_PRIOR,
     DESIRED,
     READY,
     STARTUP,
@@ -20,6 +21,7 @@ from policies.autoscale import (
     EngineCurves,
     PoolPlan,
     Unplanned,
+    _fit,
     arrival_series,
     burst_factor,
     forecast,
@@ -314,6 +316,20 @@ def test_fitted_curves_never_claim_more_than_the_prior_or_what_was_seen() -> Non
     fitted = plan(w, pool(4))
     prior = plan(w, pool(4), settings=AutoscaleSettings(enabled=True, min_points=100_000))
     assert fitted.evidence["per_engine_rate"] <= prior.evidence["per_engine_rate"] * 1.01
+
+
+def test_a_steep_line_through_bunched_points_is_not_lifted_above_them() -> None:
+    # TTFT p95 climbing from 0.1 to 0.7 s across a narrow band of load: the least-squares line crosses zero before an
+    # idle engine (intercept -3.67). Lifted to a zero intercept it would read 4 s where 0.4 s was seen, and halve the
+    # utilisation planned for; through the origin it explains too little, and the prior stands.
+    x = np.linspace(0.62, 0.72, 30)
+    y = 6.09 * x - 3.67 + 0.01 * np.sin(np.arange(30))
+    fit = _fit([(v,) for v in x], list(y), _NO_PRIOR, 20)
+    assert fit.intercept >= 0 and fit.intercept + fit.coef[0] * 0.67 < 2 * float(y.max())
+    assert (fit.source, fit.points) == ("prior", 30)
+    # A line that does cross zero only below what was seen keeps its fit, through the origin.
+    through = _fit([(v,) for v in x], list(0.6 * x + 0.001 * np.sin(np.arange(30))), _NO_PRIOR, 20)
+    assert through.source == "fitted" and through.intercept >= 0
 
 
 def test_a_prefill_pool_is_sized_by_prompts_and_a_decode_pool_by_outputs() -> None:
