@@ -108,11 +108,10 @@ class Scraper:
             cut = budget < self._timeout - 1e-3  # the round's end comes first (a clock of epoch seconds rounds)
             if budget <= 0:
                 return self._late(health, target, now, f"its slot came free at the round's end ({self._round:g}s)")
-            shown = without_credentials(target.url)
             started = time.perf_counter()
             costly = False  # the failure held a slot for the whole timeout, or read a body too large
             try:
-                body, size = await asyncio.wait_for(self._fetch(target.url, shown), budget)
+                body, size = await asyncio.wait_for(self._fetch(target.url), budget)
                 error = _looks_wrong(body)
             except (TimeoutError, httpx.TimeoutException):
                 # Half its timeout is long enough to count, as a slow answer counts (below): a hung target that
@@ -124,9 +123,9 @@ class Scraper:
             except httpx.HTTPError as exc:
                 body, size, error = "", 0, f"{type(exc).__name__}: {without_credentials(str(exc))[:200] or 'connection failed'}"
             except httpx.InvalidURL as exc:  # not an HTTPError: one target's bad URL must not fail the round
-                body, size, error = "", 0, f"invalid URL {shown!r}: {without_credentials(str(exc))}"
-            except _ScrapeRefused as exc:
-                body, size, error, costly = "", 0, str(exc), exc.costly
+                body, size, error = "", 0, without_credentials(f"invalid URL {target.url!r}: {exc}")
+            except _ScrapeRefused as exc:  # names the URL: masked here, only when it fails
+                body, size, error, costly = "", 0, without_credentials(str(exc)), exc.costly
             duration = time.perf_counter() - started
         finally:
             self._slots.release()
@@ -163,20 +162,19 @@ class Scraper:
         health.late_rounds += 1
         return ScrapeResult(target, now, ok=False, error=f"not scraped this round: {why}", late=True)
 
-    async def _fetch(self, url: str, shown: str) -> tuple[str, int]:
-        """The body and its size; `shown`: the URL as messages name it."""
+    async def _fetch(self, url: str) -> tuple[str, int]:
         async with self._client.stream("GET", url, headers={"Accept": ACCEPT}) as resp:
             if resp.status_code != 200:
-                raise _ScrapeRefused(f"HTTP {resp.status_code} from {shown}")
+                raise _ScrapeRefused(f"HTTP {resp.status_code} from {url}")
             ctype = resp.headers.get("content-type", "")
             if "html" in ctype:
-                raise _ScrapeRefused(f"{shown} answered {ctype.split(';')[0]}, not a metrics exposition")
+                raise _ScrapeRefused(f"{url} answered {ctype.split(';')[0]}, not a metrics exposition")
             chunks: list[bytes] = []
             size = 0
             async for chunk in resp.aiter_bytes():
                 size += len(chunk)
                 if size > self._max_body:
-                    raise _ScrapeRefused(f"body from {shown} exceeds {self._max_body} bytes", costly=True)
+                    raise _ScrapeRefused(f"body from {url} exceeds {self._max_body} bytes", costly=True)
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace"), size
 

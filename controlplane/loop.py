@@ -968,12 +968,13 @@ class ControlLoop:
         return max((t for key in [*stale_among(names, keys), ""] for t in self._unfit_at.get((action.pool, key), ())
                     if t < until), default=-math.inf)
 
-    async def _next_change(self, action: ActionRecord) -> ActionRecord | None:
-        """The first action that changed the action's pool after it finished (a cordon of any pool's moves its
-        engines too), its own revert aside: points from then on are that change's as much as this one's. One
-        created before it and started after it counts too."""
+    @staticmethod
+    def _next_change(action: ActionRecord, others: Sequence[ActionRecord]) -> ActionRecord | None:
+        """Of `others` (the actions created since `rails.history_s` before it finished, so one created before it and
+        started after it counts too), the first that changed the action's pool after it finished (a cordon of any
+        pool's moves its engines too), its own revert aside: points from then on are that change's as much as its."""
         assert action.finished_at is not None
-        later = [a for a in await self.store.actions(since=action.finished_at - self.config.rails.history_s)
+        later = [a for a in others
                  if a.id != action.id and a.params.get("reverts") != action.id and not a.dry_run
                  and a.started_at is not None and a.started_at > action.finished_at
                  and (a.pool == action.pool or a.kind == ActionKind.CORDON_NODE)]
@@ -984,14 +985,18 @@ class ControlLoop:
         did not help is reverted where it can be, and a finding says so."""
         verify_after = self.config.rails.verify_after
         self._note_unfit(pools, now)
-        for action in await self.store.awaiting_outcome(finished_before=now - verify_after):
+        due = await self.store.awaiting_outcome(finished_before=now - verify_after)
+        # Read once for all of them: what changed their pools since.
+        finished = [a.finished_at for a in due if a.finished_at is not None and a.params.get("verify_signal")]
+        others = await self.store.actions(since=min(finished) - self.config.rails.history_s) if finished else []
+        for action in due:
             p = action.params
             unfit = _unfit_to_judge(action, pools.get(action.pool))
             # Judged on the points after the pool settled (its engines restarted or started, all serving) and its
             # inputs were whole again, and before the next change to it, which would take credit or blame for it.
             start, until, confounded = action.finished_at, math.inf, None
             if action.finished_at is not None and p.get("verify_signal"):
-                nxt = await self._next_change(action)
+                nxt = self._next_change(action, others)
                 until = nxt.started_at if nxt is not None and nxt.started_at is not None else math.inf
                 whole = self._whole_since(action, until)
                 settled = self._changing_until(action.pool, action.finished_at, until)

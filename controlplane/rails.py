@@ -152,11 +152,11 @@ def _held(reason: RailsReason, note: str) -> RailsDecision:
 def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None, supported: Collection[ActionKind],
            rails: Rails, history: Sequence[PastAction], now: float, unsettled: Collection[str],
            inputs: Collection[str] = (), undoing: bool = False, sheds: bool = False,
-           sheds_engines: bool = False) -> RailsDecision | None:
+           scales_down: bool = False) -> RailsDecision | None:
     """The rules every action passes, proposed or due: None when none holds it back. A revert (`undoing`) is not held
     by its own pool's settling or rollout: the change it undoes may be what keeps the pool from settling. Nor is a
     scale-down of a stalled pool that gives up only engines it waits for (`sheds`): they may never come. A scale-down
-    (`sheds_engines`) waits for a cordon of another pool's to end."""
+    (`scales_down`) waits for a cordon of another pool's to end."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     if paused is not None:
@@ -172,7 +172,7 @@ def _gates(kind: ActionKind, pool: PoolState, *, mode: Mode, paused: str | None,
     if any(a.state == ActionState.STARTED
            or (a.state in ACTIVE_STATES and (kind is not ActionKind.SCALE_POOL or a.kind == kind)) for a in mine):
         return _held(RailsReason.IN_FLIGHT, f"an action on {pool.name} is already in flight")
-    if sheds_engines and (cordons := sorted({a.pool for a in history if a.kind == ActionKind.CORDON_NODE
+    if scales_down and (cordons := sorted({a.pool for a in history if a.kind == ActionKind.CORDON_NODE
                                              and a.state == ActionState.STARTED and a.pool != pool.name})):
         # A cordon takes every pool's engines on its node out of routing until it evicts them: a scale-down meanwhile
         # would take those idle ones for its own, and route them again (on the faulty node) if it spared them.
@@ -312,7 +312,7 @@ def check(
         change = ScaleTo(max(pool.ready, pool.min_replicas))
     gate = _gates(proposal.kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=history,
                   now=now, unsettled=unsettled, inputs=proposal.inputs, undoing=_undoes_rollout(change, pool),
-                  sheds=_sheds(change, pool), sheds_engines=_scales_down(change, pool))
+                  sheds=_sheds(change, pool), scales_down=_scales_down(change, pool))
     if gate is not None:
         return gate
     recent = [a for a in history if now - a.created_at < 3600 and a.state not in _NEVER_RAN]
@@ -351,7 +351,7 @@ def recheck(
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
                   unsettled=unsettled, inputs=action.params.get("inputs", ()),
                   undoing="reverts" in action.params or _undoes_rollout(change, pool),
-                  sheds=_sheds(change, pool), sheds_engines=_scales_down(change, pool))
+                  sheds=_sheds(change, pool), scales_down=_scales_down(change, pool))
     if gate is not None:
         return gate
     now_running = rests_on(change, pool, router_template)

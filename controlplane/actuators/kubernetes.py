@@ -161,6 +161,10 @@ def _load(order: Order, pod: str) -> float:
     return -1.0 if order.idle(pod) else math.inf
 
 
+# The kinds that remove their highest ordinals (a LeaderWorkerSet its highest groups), not the pods a drain chose.
+_BY_ORDINAL = ("StatefulSet", "LeaderWorkerSet")
+
+
 def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order,
              first: int = 0, sizes: Mapping[str, int] | None = None) -> tuple[list[str], set[str]]:
     """The pods a scale-down to `keep` replicas (`leaving` engines fewer) removes that are to drain first, and the pods
@@ -170,9 +174,8 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
     busy of the ready ones. A Deployment or Argo Rollout in the middle of an update spreads the change over its
     ReplicaSets (`sizes`, the size after the scale of each it touches): each gives up its own share, and the pods of
     the others go with the update."""
-    if w.kind in ("StatefulSet", "LeaderWorkerSet"):
-        label, least = (POD_INDEX, first + keep) if w.kind == "StatefulSet" else (LWS_GROUP, keep)
-        going = sorted((p for p in pods if _ordinal(p, pods[p], label) >= least), reverse=True)
+    if w.kind in _BY_ORDINAL:
+        going = _above(w, pods, first, keep)[::-1]
         return going, set(pods) - set(going)
     groups = [(pods, leaving)] if sizes is None else [
         (own, len(own) - size) for rs, size in sorted(sizes.items())
@@ -190,14 +193,18 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
 REMOVAL_GRACES = 4
 
 
+def _above(w: Workload, pods: Mapping[str, Mapping[str, Any]], first: int, keep: int) -> list[str]:
+    """Those of `pods` a StatefulSet (ordinals from `first`) or LeaderWorkerSet of `keep` replicas does not keep: its
+    ordinals, or groups, from `first + keep` up."""
+    label, least = (POD_INDEX, first + keep) if w.kind == "StatefulSet" else (LWS_GROUP, keep)
+    return sorted(p for p in pods if _ordinal(p, pods[p], label) >= least)
+
+
 def _due_to_go(w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Those of `pods` that a StatefulSet or LeaderWorkerSet (as read) still has to remove: at or above its count."""
-    if w.kind not in ("StatefulSet", "LeaderWorkerSet"):
+    if w.kind not in _BY_ORDINAL:
         return []
-    count = int(dig(obj, ("spec", "replicas"), 1))
-    label, least = ((POD_INDEX, int(dig(obj, ("spec", "ordinals", "start"), 0) or 0) + count)
-                    if w.kind == "StatefulSet" else (LWS_GROUP, count))
-    return sorted(p for p in pods if _ordinal(p, pods[p], label) >= least)
+    return _above(w, pods, int(dig(obj, ("spec", "ordinals", "start"), 0) or 0), int(dig(obj, ("spec", "replicas"), 1)))
 
 
 _PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}

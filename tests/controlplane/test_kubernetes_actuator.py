@@ -315,54 +315,56 @@ async def test_a_statefulset_drains_its_highest_ordinals(server: ApiServer, api:
     assert first["wait"]["pods"] == ["vllm-kv-2"], "the ordinal the StatefulSet removes, not the idlest"
 
 
+async def kv_scaled_to(server: ApiServer, api: client.ApiClient, replicas: int, act: KubernetesActuator | None = None
+                       ) -> tuple[KubernetesActuator, Order, dict[str, Any]]:
+    """The StatefulSet `vllm-kv` (afresh) scaled from 3 to `replicas`, all idle: the actuator, the order and the wait
+    for its drained ordinals to go, the count written."""
+    statefulset(server)
+    if act is None:
+        act = actuator(api)
+        act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    o = order(ActionKind.SCALE_POOL, ScaleTo(replicas), pool="kv", busy={f"vllm-kv-{i}": 0.0 for i in range(3)})
+    first = await act.carry_out(o)
+    removing = await act.resume(o, first["wait"], Clock().t + 5)
+    assert server.get(STATEFULSETS, NS, "vllm-kv")["spec"]["replicas"] == replicas  # type: ignore[index]
+    return act, o, removing["wait"]
+
+
+def kv_raised_to(server: ApiServer, replicas: int) -> None:
+    """`vllm-kv`'s count raised by a person (or the next plan) while its drained ordinals wait to go."""
+    sts = server.get(STATEFULSETS, NS, "vllm-kv")
+    assert sts is not None
+    sts["spec"]["replicas"] = replicas
+    server.put(STATEFULSETS, sts)
+
+
 async def test_a_statefulsets_drained_ordinal_still_above_its_count_is_waited_for_longer(
         server: ApiServer, api: client.ApiClient) -> None:
     # The StatefulSet removes one pod at a time, and with OrderedReady not while a lower one is unhealthy: its top
     # ordinal may outlast the grace. It is going all the same; routed again, it would be killed later while serving.
-    statefulset(server)
-    act = actuator(api)
-    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
-    o = order(ActionKind.SCALE_POOL, ScaleTo(2), pool="kv", busy={f"vllm-kv-{i}": 0.0 for i in range(3)})
-    first = await act.carry_out(o)
-    removing = await act.resume(o, first["wait"], Clock().t + 5)
-    assert server.get(STATEFULSETS, NS, "vllm-kv")["spec"]["replicas"] == 2  # type: ignore[index]
-    assert "wait" in await act.resume(o, removing["wait"], Clock().t + 66) and not routed(server, "vllm-kv-2")
+    act, o, wait = await kv_scaled_to(server, api, 2)
+    assert "wait" in await act.resume(o, wait, Clock().t + 66) and not routed(server, "vllm-kv-2")
     remove(server, "vllm-kv-2")
-    done = await act.resume(o, removing["wait"], Clock().t + 120)
+    done = await act.resume(o, wait, Clock().t + 120)
     assert done["removed"] == ["vllm-kv-2"] and "not_removed" not in done
     # Never removed: routed again at the last grace's end, as a Deployment's spared pod is at the first.
-    statefulset(server)
-    first = await act.carry_out(o)
-    removing = await act.resume(o, first["wait"], Clock().t + 5)
-    assert "wait" in await act.resume(o, removing["wait"], Clock().t + 200)
-    done = await act.resume(o, removing["wait"], Clock().t + 5 + 60 * 5 + 1)
+    act, o, wait = await kv_scaled_to(server, api, 2, act)
+    assert "wait" in await act.resume(o, wait, Clock().t + 200)
+    done = await act.resume(o, wait, Clock().t + 5 + 60 * 5 + 1)
     assert done["not_removed"] == ["vllm-kv-2"] and routed(server, "vllm-kv-2")
     # The count raised again meanwhile (by a person, or the next plan): the ordinal stays, and serves again at once.
-    statefulset(server)
-    first = await act.carry_out(o)
-    removing = await act.resume(o, first["wait"], Clock().t + 5)
-    sts = server.get(STATEFULSETS, NS, "vllm-kv")
-    assert sts is not None
-    sts["spec"]["replicas"] = 3
-    server.put(STATEFULSETS, sts)
-    done = await act.resume(o, removing["wait"], Clock().t + 70)
+    act, o, wait = await kv_scaled_to(server, api, 2, act)
+    kv_raised_to(server, 3)
+    done = await act.resume(o, wait, Clock().t + 70)
     assert done["not_removed"] == ["vllm-kv-2"] and routed(server, "vllm-kv-2")
 
 
 async def test_a_statefulsets_drained_ordinal_the_count_was_raised_over_serves_while_the_higher_one_goes(
         server: ApiServer, api: client.ApiClient) -> None:
-    statefulset(server)
-    act = actuator(api)
-    act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
-    o = order(ActionKind.SCALE_POOL, ScaleTo(1), pool="kv", busy={f"vllm-kv-{i}": 0.0 for i in range(3)})
-    first = await act.carry_out(o)
-    assert sorted(first["wait"]["pods"]) == ["vllm-kv-1", "vllm-kv-2"]
-    removing = await act.resume(o, first["wait"], Clock().t + 5)
-    sts = server.get(STATEFULSETS, NS, "vllm-kv")
-    assert sts is not None
-    sts["spec"]["replicas"] = 2  # raised by a person meanwhile: ordinal 1 stays, ordinal 2 still goes
-    server.put(STATEFULSETS, sts)
-    waiting = await act.resume(o, removing["wait"], Clock().t + 70)
+    act, o, wait = await kv_scaled_to(server, api, 1)
+    assert sorted(wait["pods"]) == ["vllm-kv-1", "vllm-kv-2"]
+    kv_raised_to(server, 2)  # ordinal 1 stays, ordinal 2 still goes
+    waiting = await act.resume(o, wait, Clock().t + 70)
     assert waiting["wait"]["spared"] == ["vllm-kv-1"] and routed(server, "vllm-kv-1") and not routed(server, "vllm-kv-2")
     remove(server, "vllm-kv-2")
     done = await act.resume(o, waiting["wait"], Clock().t + 100)
