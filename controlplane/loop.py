@@ -237,8 +237,7 @@ class ControlLoop:
         except (KeyError, TypeError, ValueError):  # a row from before changes were typed
             await self._unknown(action, now, "its change is not recorded in a form that can be checked")
             return
-        order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, change, action.reason,
-                                         created_at=action.created_at))
+        order = self._with_engines(_order(action, change))
         waits = [e.detail["wait"] for e in await self.store.audit_log(action.id) if e.event == "waiting"]
         if waits:  # it was waiting (an engine draining): wait on, from where the audit log says it was
             self._waiting[action.id] = (order, waits[-1])
@@ -831,8 +830,7 @@ class ControlLoop:
             log.info("action %d was not started here: %s", action.id, exc)
             return
         history.append(action)
-        order = self._with_engines(Order(action.id, ActionKind(action.kind), action.pool, decision.change,
-                                         action.reason, created_at=action.created_at))
+        order = self._with_engines(_order(action, decision.change))
         await self._run(order, self.actuator.carry_out(order), now, report)
 
     async def _advance_waiting(self, now: float, report: TickReport) -> None:
@@ -1142,6 +1140,14 @@ class ControlLoop:
         s = self.config.store
         with self.telemetry.span("store.compact"):
             await self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
+
+
+def _order(action: ActionRecord, change: Change) -> Order:
+    """The order an action is carried out by, with what it was approved against for the actuator to check again."""
+    start, template = action.params.get("from_replicas"), action.params.get("from_template")
+    return Order(action.id, ActionKind(action.kind), action.pool, change, action.reason, created_at=action.created_at,
+                 from_replicas=int(start) if start is not None else None,
+                 from_template=str(template) if template is not None else None)
 
 
 def _unsettled(pools: dict[str, PoolState], history: Sequence[ActionRecord], now: float, within: float) -> list[str]:

@@ -62,6 +62,11 @@ class Order:
     # The pods that report requests at all (fresh or not): one missing from `busy` is late, one not here reports none
     # (a Ray worker of a gang runs no vLLM server).
     counted: frozenset[str] = frozenset()
+    # What the change was approved against, as the rails checked it: the pool's engines before a scale, and the digest
+    # of the pod template a rollback or an engine-flag change rests on. An actuator that reads the workload changed
+    # since (someone scaled or rolled back by hand, a write of theirs won a conflict) does not make it. None: unknown.
+    from_replicas: int | None = None
+    from_template: str | None = None
 
     @property
     def stamp(self) -> str:

@@ -47,7 +47,11 @@ Every write carries the action's id in an annotation of the object it changes, s
 leader sees a change it already made (`applied`) and never makes it twice, and is followed by an
 Event on that object. With `dry_run` every write is sent as a server-side dry run. Blocking calls
 run in worker threads. A 409 conflict is retried on a fresh read (three times); 403, 404 and 422
-end the action with the API's message; timeouts and other errors are retried once.
+end the action with the API's message; timeouts and server errors are retried once, and a write
+still unanswered then is looked for on the object (its stamp, its count) before the action fails.
+Every read a write is computed from is checked against what the action was approved from (the
+pool's count, the pod template's digest): a workload someone else scaled or rolled since, a fresh
+read after a conflict included, is not changed.
 """
 
 from __future__ import annotations
@@ -307,6 +311,23 @@ def _applied(obj: Mapping[str, Any], order: Order, where: str) -> dict[str, Any]
     return {**(result if isinstance(result, dict) else {}), "already_applied": where}
 
 
+def _count_as_approved(order: Order, w: Workload, desired: int, change: ScaleTo) -> None:
+    """Refuse a scale whose workload someone else scaled since it was approved (a count already at the one asked for
+    is this scale's own write, its answer lost, or the same wish)."""
+    if order.from_replicas is not None and desired not in (order.from_replicas, change.replicas):
+        raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went from {order.from_replicas} to {desired} engines "
+                             f"since the scale to {change.replicas} was approved: not scaled")
+
+
+def _template_as_approved(order: Order, holder: Workload, held: Mapping[str, Any]) -> None:
+    """Refuse a change to a pod template other than the one it was approved against (`Order.from_template`)."""
+    now_running = _digest(dig(held, KINDS[holder.kind].revision))
+    if order.from_template is not None and now_running != order.from_template:
+        raise ActuationError(f"the pod template of {holder.kind} {holder.namespace}/{holder.name} changed since "
+                             f"{describe(order.change)} was approved: not made (what it was computed from is not what "
+                             "runs now)")
+
+
 def _drained(meta: Mapping[str, Any] | None, order: Order) -> bool:
     """Whether a pod (its metadata) is out of routing by this action's drain: its stamp and the drain's deletion cost (a
     pod routed again loses the cost)."""
@@ -352,6 +373,10 @@ class _Refused(ActuationError):
     """Refused for now (429): an eviction a PodDisruptionBudget does not allow yet."""
 
 
+class _Unanswered(ActuationError):
+    """No answer twice (a timeout, a server error): a write may have been made all the same, and is looked for."""
+
+
 class KubernetesActuator:
     """Carries out actions on the pools' workloads, pods and nodes."""
 
@@ -388,11 +413,13 @@ class KubernetesActuator:
                     raise _Missing(f"{what}: {api_message(exc)}") from None
                 if exc.status == 429:
                     raise _Refused(f"{what}: {api_message(exc)}") from None
-                if exc.status in (403, 422) or attempt == 2 or (exc.status or 0) < 500:
+                if exc.status in (403, 422) or (exc.status or 0) < 500:
                     raise ActuationError(f"{what}: {api_message(exc)}") from None
+                if attempt == 2:  # a server error can come after the write was stored (etcd slow to confirm it)
+                    raise _Unanswered(f"{what}: {api_message(exc)}") from None
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 if attempt == 2:
-                    raise ActuationError(f"{what}: {type(exc).__name__}: {exc}") from None
+                    raise _Unanswered(f"{what}: {type(exc).__name__}: {exc}") from None
             log.warning("%s failed; retrying once", what)
         raise AssertionError("unreachable")
 
@@ -631,17 +658,34 @@ class KubernetesActuator:
         if isinstance(change, ScaleTo):
             return await self._scale(order, w, obj, change)
         what = f"{describe(change)} on {w.kind} {w.namespace}/{w.name}"
-        if isinstance(change, Speculation | Eplb):
-            return await self._retrying(what, order, w, obj, lambda current: self._set_args(order, w, change, current))
-        if isinstance(change, RollBack):
-            return await self._retrying(what, order, w, obj, lambda current: self._rollback(order, w, current))
+        try:
+            if isinstance(change, Speculation | Eplb):
+                return await self._retrying(what, order, w, obj,
+                                            lambda current: self._set_args(order, w, change, current))
+            if isinstance(change, RollBack):
+                return await self._retrying(what, order, w, obj, lambda current: self._rollback(order, w, current))
+        except _Unanswered as exc:
+            return await self._landed(order, exc)
         raise ActuationError(f"the Kubernetes actuator cannot carry out {type(change).__name__}")
+
+    async def _landed(self, order: Order, unanswered: _Unanswered) -> dict[str, Any]:
+        """A change whose write went unanswered, found made after all (the workload carries its stamp); the error
+        otherwise: an action is failed only once the fleet shows it was not made."""
+        try:
+            found = await self.applied(order)
+        except ActuationError as exc:
+            raise ActuationError(f"{unanswered}; whether it was made cannot be read ({exc})") from None
+        if not found:
+            raise unanswered
+        log.warning("action %d: %s, but the change is made", order.action_id, unanswered)
+        return {**(found if isinstance(found, Mapping) else {}), "unanswered": str(unanswered)}
 
     def _stamp(self, order: Order) -> dict[str, Any]:
         return {"metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
         _, desired = _engines(w, obj)
+        _count_as_approved(order, w, desired, change)
         if change.replicas >= desired:
             return await self._retrying(f"scaling {w.kind} {w.namespace}/{w.name}", order, w, dict(obj),
                                         lambda current: self._scale_up(order, w, current, change))
@@ -654,6 +698,7 @@ class KubernetesActuator:
     async def _scale_up(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
         """Write a count no lower than the workload's, as read, onto the version read."""
         size, desired = _engines(w, obj)
+        _count_as_approved(order, w, desired, change)
         if change.replicas < desired:  # raised by someone else since: a lower count now needs a drain
             raise ActuationError(f"{w.kind} {w.namespace}/{w.name} went to {desired} engines, more than the "
                                  f"{change.replicas} asked for: not scaled")
@@ -695,15 +740,19 @@ class KubernetesActuator:
         body: dict[str, Any] = {"spec": {"replicas": replicas}}
         if version is not None:
             body["metadata"] = {"resourceVersion": version}
+        done: dict[str, Any] = {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
         try:
             await self._call(f"scaling {w.kind} {w.namespace}/{w.name}",
                              self._custom.patch_namespaced_custom_object_scale, kind.group, kind.version, w.namespace,
                              kind.plural, w.name, body, **self._writes())
         except ActuationError as exc:
-            if drained is None:
+            if isinstance(exc, _Unanswered) and await self._counts(w, replicas):
+                log.warning("action %d: %s, but the count reads as written", order.action_id, exc)
+                done["unanswered"] = str(exc)
+            elif drained is None:
                 raise
-            raise ActuationError(f"{exc}; {await self._back_in(order, w, drained, pods)}") from None
-        done: dict[str, Any] = {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": replicas}
+            else:
+                raise ActuationError(f"{exc}; {await self._back_in(order, w, drained, pods)}") from None
         try:
             await self._patch(w, self._stamp(order), f"annotating {w.kind} {w.namespace}/{w.name}")
         except (ActuationError, _Conflict) as exc:
@@ -715,6 +764,15 @@ class KubernetesActuator:
         await self._event(order, w, f"scaled to {replicas}")
         return done
 
+    async def _counts(self, w: Workload, replicas: int) -> bool:
+        """Whether `w` asks for `replicas` now (False where it cannot be read): an unanswered scale made after all."""
+        if self.dry_run:
+            return False  # a dry run's write changes nothing to read back
+        try:
+            return int(dig(await self._read(w), ("spec", "replicas"), 1)) == replicas
+        except ActuationError:
+            return False
+
     async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
                         obj: Mapping[str, Any]) -> dict[str, Any]:
         holder, held = await self._template_holder(w, obj)
@@ -723,6 +781,7 @@ class KubernetesActuator:
             done = _applied(held, order, f"{holder.kind} {holder.namespace}/{holder.name}")
             await self._stamp_follower(order, w, dig(held, ("metadata", "annotations", RESULT_ANNOTATION)))
             return done
+        _template_as_approved(order, holder, held)
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
         annotations = dict(dig(held, ("metadata", "annotations"), {}) or {})
         body: dict[str, Any] = {}
@@ -752,6 +811,9 @@ class KubernetesActuator:
             log.warning("action %d: %s", order.action_id, exc)
 
     async def _rollback(self, order: Order, w: Workload, obj: Mapping[str, Any]) -> dict[str, Any]:
+        # Rolled back (or forward) by someone else since it was approved: undoing once more would bring back the
+        # revision that was rolled away from, or abort a new rollout.
+        _template_as_approved(order, *await self._template_holder(w, obj))
         if w.kind == "Rollout":
             kind = KINDS[w.kind]
             await self._call(f"aborting Rollout {w.namespace}/{w.name}", self._custom.patch_namespaced_custom_object_status,

@@ -58,6 +58,7 @@ class _Fault:
     message: str
     times: int
     delay: float = 0.0
+    stored: bool = False  # the request is carried out before the delay (a write made whose answer is lost)
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -125,9 +126,10 @@ class ApiServer(kmock.KubernetesEmulator):
         """The next `times` requests with this method and a path containing `path` get `status`."""
         self._faults.append(_Fault(method.upper(), path, status, message, times))
 
-    def slow(self, method: str, path: str, seconds: float, times: int = 1) -> None:
-        """The next `times` matching requests answer only after `seconds`."""
-        self._faults.append(_Fault(method.upper(), path, 0, "", times, seconds))
+    def slow(self, method: str, path: str, seconds: float, times: int = 1, *, stored: bool = False) -> None:
+        """The next `times` matching requests answer only after `seconds` (a client that gives up first cancels
+        them), or with `stored`, are carried out at once and answered after `seconds`."""
+        self._faults.append(_Fault(method.upper(), path, 0, "", times, seconds, stored))
 
     def put(self, resource: Any, obj: dict[str, Any]) -> dict[str, Any]:
         """Store an object as if created through the API (validated, versioned)."""
@@ -174,10 +176,17 @@ class ApiServer(kmock.KubernetesEmulator):
         for fault in self._faults:
             if fault.times > 0 and fault.method == str(request.method.value) and fault.path in request.url.path:
                 fault.times -= 1
+                if fault.delay and fault.stored:
+                    answer = await self._serve(request)
+                    await asyncio.sleep(fault.delay)
+                    return answer
                 if fault.delay:
                     await asyncio.sleep(fault.delay)
                     break
                 return _status(fault.status, fault.message)
+        return await self._serve(request)
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
         action = request.action

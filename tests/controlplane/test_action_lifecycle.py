@@ -100,6 +100,7 @@ class Pools:
     desired: int = 3
     ready: int = 3
     calls: list[int] = field(default_factory=list)
+    carried: list[Order] = field(default_factory=list)  # the orders `carry_out` got
     name: str = "fake"
     dry_run: bool = False
     error: Exception | None = None
@@ -119,6 +120,7 @@ class Pools:
     async def carry_out(self, order: Order) -> dict[str, Any]:
         assert isinstance(order.change, ScaleTo)
         self.calls.append(order.change.replicas)
+        self.carried.append(order)
         if self.error is not None:
             raise self.error
         if not self.dry_run:
@@ -165,6 +167,19 @@ async def test_a_stale_approval_is_cancelled_not_applied(clock: VirtualClock) ->
     assert pools.calls == [] and pools.desired == 4, "a 3 -> 4 approval never becomes 4 -> 5"
     [event] = [e for e in store.action_events(action.id) if e.event == "cancelled"]
     assert event.detail["rails"] == "stale" and "at 4 now" in event.detail["why"]
+
+
+async def test_an_order_carries_what_its_action_was_approved_from(clock: VirtualClock) -> None:
+    # The actuator checks it again on the object it writes: a change made by hand within the tick is not undone.
+    store, pools, policy = MemoryStore(), Pools(template="t1"), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
+    await tick(loop, clock)
+    [order] = pools.carried
+    assert (order.change, order.from_replicas, order.from_template) == (ScaleTo(4), 3, "t1")
 
 
 class AsksFewerDrafts(Asks):

@@ -675,9 +675,98 @@ async def test_server_errors_and_timeouts_are_retried_once(server: ApiServer, ap
     act = actuator(api)
     server.fail("PATCH", "/deployments/vllm-decode/scale", 500, "etcdserver: request timed out")
     assert (await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=1)))["replicas"] == 4
-    server.slow("PATCH", "/deployments/vllm-decode/scale", 3.0, times=2)  # beyond the 2 s timeout, twice
-    with pytest.raises(ActuationError, match="Timeout"):
-        await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(5), action_id=2))
+    # Beyond the 2 s timeout, twice: the writes are stored all the same, and the count read back says so.
+    server.slow("PATCH", "/deployments/vllm-decode/scale", 2.5, times=2, stored=True)
+    done = await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(5), action_id=2))
+    assert done["replicas"] == 5 and "Timeout" in done["unanswered"]
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert dep is not None and dep["metadata"]["annotations"][ACTION_ANNOTATION] == "2@0"
+    # Two server errors that stored nothing: the action fails, and says why.
+    server.fail("PATCH", "/deployments/vllm-decode/scale", 504, "Timeout: request did not complete", times=2)
+    with pytest.raises(ActuationError, match="HTTP 504"):
+        await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(6), action_id=3))
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 5  # type: ignore[index]
+
+
+async def test_an_unanswered_template_change_is_found_made_or_failed(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    act = actuator(api)
+    patch = act._patch
+
+    async def stored_unanswered(w: Workload, body: dict[str, Any], what: str) -> dict[str, Any]:
+        await patch(w, body, what)
+        raise kubernetes_actuator._Unanswered(f"{what}: ReadTimeoutError")
+
+    act._patch = stored_unanswered  # type: ignore[method-assign]
+    before = tokens(server)
+    done = await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=1))
+    assert "ReadTimeoutError" in done["unanswered"] and "already_applied" in done
+    assert (done["from"], done["num_speculative_tokens"], tokens(server)) == (before, before - 1, before - 1)
+    act._patch = patch  # type: ignore[method-assign]
+    server.fail("PATCH", "/deployments/vllm-decode", 503, "etcd leader changed", times=2)
+    with pytest.raises(ActuationError, match="HTTP 503"):
+        await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
+    assert tokens(server) == before - 1
+
+
+async def test_a_scale_is_not_made_on_a_count_someone_changed_since_its_approval(server: ApiServer,
+                                                                                 api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    act = actuator(api)
+    write = act._set_replicas
+
+    async def operator_scales_first(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        server.put(DEPLOYMENTS, deployment(replicas=2))  # their write wins: ours gets a 409
+        raise kubernetes_actuator._Conflict("the object has been modified")
+
+    act._set_replicas = operator_scales_first  # type: ignore[method-assign]
+    approved = replace(order(ActionKind.SCALE_POOL, ScaleTo(5), action_id=1), from_replicas=3)
+    with pytest.raises(ActuationError, match="went from 3 to 2 engines since the scale to 5 was approved"):
+        await act.carry_out(approved)
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+    act._set_replicas = write  # type: ignore[method-assign]
+    # Read already moved: a scale-down takes no engine out of routing.
+    server.put(PODS, pod("vllm-decode-a"))
+    with pytest.raises(ActuationError, match="went from 3 to 2 engines"):
+        await act.carry_out(replace(approved, change=ScaleTo(1), action_id=2))
+    assert routed(server, "vllm-decode-a")
+    # At the count asked for already (a write of its own whose answer was lost): made, and stamped.
+    server.put(DEPLOYMENTS, deployment(replicas=5))
+    assert (await act.carry_out(replace(approved, action_id=3)))["replicas"] == 5
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["metadata"]["annotations"][ACTION_ANNOTATION] == "3@0"  # type: ignore[index]
+
+
+async def test_a_rollback_is_not_made_after_someone_rolled_back_by_hand(server: ApiServer,
+                                                                        api: client.ApiClient) -> None:
+    # `kubectl rollout undo` wins the race: the bad revision's ReplicaSet is now the previous one, and undoing once
+    # more from the fresh read would bring it back.
+    epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    good = replica_set(epp, 4, "epp:v1-cache-aware", "2026-11-20T10:00:00Z")
+    server.put(REPLICASETS, good)
+    server.put(REPLICASETS, replica_set(epp, 5, "epp:v2-round-robin", "2026-12-01T09:55:00Z"))
+    bad = server.get(DEPLOYMENTS, NS, "epp")
+    assert bad is not None
+    bad["spec"]["template"]["spec"]["containers"][0]["image"] = "epp:v2-round-robin"
+    server.put(DEPLOYMENTS, bad)
+    act = actuator(api)
+    approved = replace(order(ActionKind.ROLLBACK, RollBack("router")),
+                       from_template=(await act.observe()).router_template)
+    patch = act._patch
+
+    async def undone_by_hand_first(w: Workload, body: dict[str, Any], what: str) -> dict[str, Any]:
+        undone = json.loads(json.dumps(bad))
+        undone["spec"]["template"]["spec"]["containers"][0]["image"] = "epp:v1-cache-aware"
+        server.put(DEPLOYMENTS, undone)
+        good["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "6"
+        server.put(REPLICASETS, good)
+        act._patch = patch  # type: ignore[method-assign]
+        raise kubernetes_actuator._Conflict("the object has been modified")
+
+    act._patch = undone_by_hand_first  # type: ignore[method-assign]
+    with pytest.raises(ActuationError, match="pod template of Deployment llm/epp changed since roll the router back"):
+        await act.carry_out(approved)
+    image = server.get(DEPLOYMENTS, NS, "epp")["spec"]["template"]["spec"]["containers"][0]["image"]  # type: ignore[index]
+    assert image == "epp:v1-cache-aware"
 
 
 async def test_rollback_of_a_deployment_restores_its_previous_template(server: ApiServer,
@@ -692,7 +781,10 @@ async def test_rollback_of_a_deployment_restores_its_previous_template(server: A
     bad["spec"]["template"]["metadata"]["annotations"] = {"bad": "yes"}
     server.put(DEPLOYMENTS, bad)
     server.fail("PATCH", "/deployments/epp", 409, "the object has been modified")  # retried on a fresh read
-    done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("router"), pool="decode"))
+    act = actuator(api)
+    approved = (await act.observe()).router_template  # the template is as approved on both reads
+    done = await act.carry_out(replace(order(ActionKind.ROLLBACK, RollBack("router"), pool="decode"),
+                                       from_template=approved))
     assert done == {"rolled_back": "Deployment llm/epp", "to_revision": "4"}
     template = server.get(DEPLOYMENTS, NS, "epp")["spec"]["template"]  # type: ignore[index]
     assert template["spec"]["containers"][0]["image"] == "epp:v1-cache-aware"
