@@ -75,6 +75,9 @@ EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INC
 HISTOGRAMS: Mapping[str, tuple[str, ...]] = {k: FAMILIES.histograms[k] for k in ("ttft", "tpot", "itl", "e2e", "queue_time")}
 _UNREAD = ""  # a metric not read this step (see `_TpotReading`)
 MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as Argo's consecutiveErrorLimit
+# A decided gate asked again after this many steps without a question is a new run (a retry): an analysis asks every
+# step, and a lost answer is asked for again at the next.
+RERUN_STEPS = 3
 _REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
 
 # Selector regexes come over the HTTP API from whoever asks: RE2 matches in linear time (a backtracking `(a|aa)*`
@@ -514,6 +517,8 @@ class GateSession:
         self._t = start
         self._failures = 0
         self.verdict: Verdict | None = None  # the first decided verdict: the gate's answer from then on
+        self.answered_at: float | None = None  # when the decided verdict was last answered
+        self.elected: bool | None = None  # whether this replica records it; None until the store has said
 
     @property
     def next_step_at(self) -> float:
@@ -602,6 +607,10 @@ class GateBook:
     With `claim` (the store's), every replica behind the API's Service judges a rollout from the same start
     and one of them records its verdict: a replica without the session (another one started it, or it
     restarted) catches up on the steps since from the store. Without it, each process starts its own.
+    A decided gate asked again after more than `RERUN_STEPS` steps of silence is a new run of the same
+    revision (`kubectl argo rollouts retry` after an abort keeps the pod-template hash; Argo's analysis
+    stops asking at a decision, Flagger's hooks ask every step until they act): it is judged afresh from
+    then, not answered the old verdict.
     Sessions idle for twice the window are forgotten.
     """
 
@@ -618,44 +627,86 @@ class GateBook:
         self._owed: dict[GateKey, NewVerdict] = {}
         self._recording = asyncio.Lock()
 
-    async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None) -> Verdict:
-        """The verdict of this rollout's gate now; `settings` for a gate not yet started. GateInputError for a bad
-        selector or a step shorter than the scrape interval, GateError for a failing source."""
+    async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None, *,
+                      reruns: bool = True) -> Verdict:
+        """The verdict of this rollout's gate now; `settings` for a gate not yet started; without `reruns` a decided
+        verdict stays the answer however long the silence. GateInputError for a bad selector or a step shorter than
+        the scrape interval, GateError for a failing source."""
         self._forget(now)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:
-            return await self._consult(key, lock, now, settings)
+            return await self._consult(key, lock, now, settings, reruns)
         finally:
             if key not in self._sessions:  # a bad selector or a full book: nothing to keep a lock for
                 self._locks.pop(key, None)
 
-    async def _consult(self, key: GateKey, lock: asyncio.Lock, now: float, settings: GateSettings | None) -> Verdict:
+    async def _consult(self, key: GateKey, lock: asyncio.Lock, now: float, settings: GateSettings | None,
+                       reruns: bool) -> Verdict:
         async with lock:  # Argo and a person may ask at once: one read of each step
             entry = self._sessions.get(key)
-            if entry is None:
+            start = await self._start(key, entry[0] if entry is not None else None,
+                                      entry[0].settings if entry is not None else settings or self.settings, now,
+                                      reruns)
+            if entry is None or entry[0].start != start:  # a new gate, or a new run of it
                 s = settings or self.settings
                 if why := step_problem(s.step, self._interval):  # asked wrongly (400) before a full book (503)
                     raise GateInputError(f"step {why}")
-                if len(self._sessions) >= self._max and not self._make_room(now):
+                if entry is None and len(self._sessions) >= self._max and not self._make_room(now):
                     raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
                 base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
-                source = self._make(key.pool, base, can, s.metrics)
-                # A start older than two windows is an earlier rollout's under the same key.
-                start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window))[0] \
-                    if self._claim is not None else now
-                entry = (GateSession(source, s, start), now)
+                entry = (GateSession(self._make(key.pool, base, can, s.metrics), s, start), now)
             session = entry[0]
             self._sessions[key] = (session, now)
-            decided_before = session.verdict is not None
             verdict = await session.consult(now)
-            if verdict.decided and not decided_before and self._record is not None and (
-                    self._claim is None
-                    or (await self._claim(f"gate-verdict:{key.id}", session.start, session.start))[1]):
-                self._owed[key] = NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
-                                             verdict.ended_at, verdict.outcome.value, verdict.score,
-                                             {**verdict.as_dict(), "revision": key.revision})
+            if verdict.decided:
+                session.answered_at = now
+                await self._answered(key, session, verdict, now)
         await self._record_owed()
         return verdict
+
+    async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> None:
+        """After a decided answer: its run's first elects the replica that records the verdict (asked again while the
+        store refuses), and every later one marks the run as still asked (a retry comes after a silence)."""
+        elected = session.elected
+        try:
+            if self._claim is None:
+                elected = True
+            elif elected is None:
+                elected = (await self._claim(f"gate-verdict:{key.id}", now, session.start))[1]
+            else:  # at most one write a step
+                await self._claim(f"gate-verdict:{key.id}", now, now - session.settings.step)
+        except FleetError as exc:
+            log.warning("%s's gate: its %s verdict cannot be marked with the other replicas yet (%s)", key.pool,
+                        verdict.outcome.value, exc)
+        if elected and session.elected is None and self._record is not None:
+            self._owed[key] = NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
+                                         verdict.ended_at, verdict.outcome.value, verdict.score,
+                                         {**verdict.as_dict(), "revision": key.revision})
+        session.elected = elected
+
+    async def _start(self, key: GateKey, session: GateSession | None, s: GateSettings, now: float,
+                     reruns: bool) -> float:
+        """Where this consultation's run of the gate starts: the session's, or the one every replica claimed; now for
+        a new run (none yet, an earlier rollout's under the same key, a retry: asked after a silence once decided)."""
+        rerun = RERUN_STEPS * s.step if reruns else math.inf
+        if self._claim is None:
+            if session is None or (session.answered_at is not None and now - session.answered_at > rerun):
+                return now
+            return session.start
+        try:
+            # A start older than two windows is an earlier rollout's under the same key.
+            start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window))[0]
+            # When a decided verdict of this key was last answered (0 if never, or one of an earlier run).
+            answered = (await self._claim(f"gate-verdict:{key.id}", 0.0, -1.0))[0]
+            if answered >= start and now - answered > rerun:
+                start = (await self._claim(f"gate-start:{key.id}", now, answered + 1e-3))[0]
+        except FleetError as exc:
+            if session is None:
+                raise
+            # The run this replica holds goes on without the store (a Prometheus or targets source needs none).
+            log.warning("%s's gate: its start cannot be checked with the other replicas (%s); going on", key.pool, exc)
+            return session.start
+        return start
 
     async def _record_owed(self) -> None:
         """Record every decided verdict still owed, whichever gate is consulted now: a rollout that aborted on its

@@ -6,7 +6,8 @@ Writes need the bearer token from FLEETCTL_API_TOKEN and are refused while it is
 control plane started without one exposes nothing that changes the fleet.
 
 The canary gate: `GET|POST /api/v1/gate?pool=&baseline=&canary=[&revision=]` answers the verdict now
-as JSON (Argo Rollouts' web metric provider reads `$.result`); `POST /api/v1/gate/flagger/rollback`
+as JSON (Argo Rollouts' web metric provider reads `$.result`; asked again after a silence once decided,
+as a retried rollout of the same revision asks, it judges a new run); `POST /api/v1/gate/flagger/rollback`
 and `.../promotion` take Flagger's webhook payload (selectors in its `metadata`) and answer 200 when
 Flagger should roll back (the gate failed) or promote (it passed), 403 otherwise. They change
 nothing in the fleet, so by default they need no token (Flagger's webhooks cannot send one) and the
@@ -209,7 +210,7 @@ class _Gate(_Json):
             params.update({k: str(v) for k, v in body.items() if k in params and v is not None})
         return params
 
-    async def answer(self, params: dict[str, str]) -> tuple[GateKey, Verdict] | None:
+    async def answer(self, params: dict[str, str], *, reruns: bool = True) -> tuple[GateKey, Verdict] | None:
         missing = [k for k in ("pool", "baseline", "canary") if not params.get(k)]
         if missing:
             self.fail(400, f"missing {', '.join(missing)}: give pool, baseline and canary (selectors of pods)")
@@ -229,7 +230,7 @@ class _Gate(_Json):
             return None
         key = GateKey(params["pool"], params["baseline"], params["canary"], params.get("revision", ""))
         try:
-            verdict = await self.gates.consult(key, self.loop.clock.now(), settings)
+            verdict = await self.gates.consult(key, self.loop.clock.now(), settings, reruns=reruns)
         except GateInputError as exc:
             self.fail(400, str(exc))
             return None
@@ -266,8 +267,10 @@ class _FlaggerGate(_Gate):
             self.fail(400, "Flagger's payload must carry metadata with pool, baseline and canary")
             return
         revision = f"{body.get('namespace', '')}/{body.get('name', '')}@{body.get('checksum', '')}"
+        # No rerun of a decided gate: Flagger analyses a spec it has not judged (a new checksum, so a new gate), and its
+        # hooks ask at its own interval, which may be many of the gate's steps.
         got = await self.answer({**{k: str(meta.get(k, "")) for k in ("pool", "baseline", "canary", "max_window",
-                                                                        "step")}, "revision": revision})
+                                                                        "step")}, "revision": revision}, reruns=False)
         if got is None:
             return
         key, verdict = got

@@ -41,7 +41,7 @@ from controlplane.sim.fleet import SimFleet
 from controlplane.sim.server import SimServer, SimTargets
 from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewVerdict
-from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome
+from policies.canary import Dist, GateSettings, Interval, MetricRule, Outcome, Verdict
 
 TPOT_ONLY = GateSettings(metrics=(MetricRule(name="tpot", critical=True),), max_window=1200)
 
@@ -548,7 +548,8 @@ async def test_the_gate_book_keeps_one_session_per_rollout_and_records_the_decis
     while not (v := await book.consult(key, t)).decided:
         t += 30
     assert v.outcome is Outcome.FAIL and len(sources) == 1
-    assert (await book.consult(key, t + 600)).outcome is Outcome.FAIL
+    assert (await book.consult(key, t + 30)).outcome is Outcome.FAIL  # an answer lost, asked again
+    assert (await book.consult(key, t + 600, reruns=False)).outcome is Outcome.FAIL  # Flagger's hooks, late
     assert len(recorded) == 1 and recorded[0].result == "fail" and recorded[0].details["revision"] == "rev-2"
     await book.consult(GateKey("decode", "pod=a", "pod=b", "rev-3"), t)  # a new revision: a new gate
     assert len(sources) == 2
@@ -558,6 +559,57 @@ async def test_the_gate_book_keeps_one_session_per_rollout_and_records_the_decis
         with pytest.raises(GateError):
             await book.consult(GateKey("decode", "", f"pod=b{i}"), t)
     assert len(book._locks) == len(book._sessions) == 2
+
+
+class Fixed:
+    """A gate source whose canary is 20 % slower until `fixed_at`, then as fast as the baseline: time-driven, as two
+    replicas reading one store see it."""
+
+    settle = 0.0
+
+    def __init__(self, fixed_at: float) -> None:
+        self.fixed_at = fixed_at
+
+    async def interval(self, start: float, end: float) -> Interval:
+        ratio = 1.2 if start < self.fixed_at else 1.0
+        step = Scripted.make(ratio * (1 + 0.01 * ((round(start / 30) * 7) % 5 - 2)))
+        return Interval(start, end, step.baseline, step.canary)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_a_retried_rollout_of_the_same_revision_is_judged_afresh(replicas: int) -> None:
+    # Aborted on a fail, then `kubectl argo rollouts retry` ten minutes later, the node's noisy neighbour gone: the same
+    # pod-template hash, so the same gate key. Answering the old fail would abort the retry at once.
+    store = MemoryStore()
+    recorded: list[NewVerdict] = []
+
+    async def record(v: NewVerdict) -> int:
+        recorded.append(v)
+        return len(recorded)
+
+    source = Fixed(fixed_at=1600.0)
+    books = [GateBook(lambda *_: source, TPOT_ONLY, record, claim=store.claim if replicas > 1 else None)
+             for _ in range(replicas)]
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    t, asked = 1000.0, 0
+
+    async def ask() -> Verdict:
+        nonlocal asked
+        asked += 1
+        return await books[asked % replicas].consult(key, t)  # the Service alternates between replicas
+
+    while not (v := await ask()).decided:
+        t += 30
+    assert v.outcome is Outcome.FAIL and t < 1600.0
+    t += 30
+    assert (await ask()).outcome is Outcome.FAIL, "an answer lost and asked again at the next step: the same run"
+    t = 1800.0
+    retried = await ask()
+    assert not retried.decided and retried.started_at == 1800.0
+    while not (v := await ask()).decided:
+        t += 30
+    assert v.outcome is Outcome.PASS and v.started_at == 1800.0
+    assert [r.result for r in recorded] == ["fail", "pass"], "each run recorded once"
 
 
 async def test_a_verdict_the_store_refused_is_still_the_answer_and_is_recorded_at_a_later_consultation() -> None:
