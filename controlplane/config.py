@@ -250,12 +250,18 @@ class Store(Settings):
     raw_retention: Seconds = 48 * 3600.0  # raw signals: two days answer "what changed since yesterday"
     minute_retention: Seconds = 14 * 86400.0  # 1-minute rollups: two weeks of incident review
     hour_retention: Seconds = 400 * 86400.0  # 1-hour rollups: a year of capacity planning
+    # Findings, finished actions and their audit log, verdicts, advice: a year of incident and change review.
+    record_retention: Seconds = 400 * 86400.0
     compact_every: Seconds = 300.0  # how often rollups and retention run
 
     @model_validator(mode="after")
     def _retention_grows(self) -> Store:
         if not self.raw_retention <= self.minute_retention <= self.hour_retention:
             raise ValueError("retention must grow with coarseness: raw <= minute <= hour")
+        if self.record_retention < self.raw_retention:
+            # The loop judges and reverts actions, and reads their history, from what the raw signals still hold.
+            raise ValueError("record_retention must be at least raw_retention: an action would go before the "
+                             "signals it was decided and judged on")
         return self
 
 

@@ -1138,8 +1138,9 @@ class ControlLoop:
             return
         self._last_compaction = now
         s = self.config.store
+        retention = Retention(s.raw_retention, s.minute_retention, s.hour_retention, s.record_retention)
         with self.telemetry.span("store.compact"):
-            await self.store.compact(now, Retention(s.raw_retention, s.minute_retention, s.hour_retention))
+            await self.store.compact(now, retention)
 
 
 def _order(action: ActionRecord, change: Change) -> Order:

@@ -1,11 +1,14 @@
 """Rollups and retention: raw signals become 1-minute and 1-hour aggregates, old rows go.
 
 Watermarks in `store_meta` make each rollup run idempotent: a bucket is aggregated once, when
-it is complete, and the watermark moves in the same transaction as the rows it covers.
+it is complete, and the watermark moves in the same transaction as the rows it covers. The records
+(finished actions with their audit log, resolved findings no kept action points at, verdicts, advice
+no longer open or followed) go once past their own retention, in a transaction of their own.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +16,17 @@ from sqlalchemy import Engine, Float, delete, func, insert, literal, select, upd
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
-from controlplane.store.models import MetaRow, SignalRollupRow, SignalRow
+from controlplane.actions import FINISHED_STATES
+from controlplane.store.models import (
+    ActionEventRow,
+    ActionRow,
+    AdviceRow,
+    FindingRow,
+    MetaRow,
+    SignalRollupRow,
+    SignalRow,
+    VerdictRow,
+)
 
 __all__ = ["CompactionReport", "Retention", "compact"]
 
@@ -43,11 +56,12 @@ def _bucket_sqlite(element: Any, compiler: Any, **kw: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Retention:
-    """How long each resolution is kept, in seconds."""
+    """How long each resolution is kept, in seconds, and the records (findings, actions, verdicts, advice)."""
 
     raw_s: float
     minute_s: float
     hour_s: float
+    records_s: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +72,7 @@ class CompactionReport:
     hour_rows: int
     raw_deleted: int
     rollups_deleted: int
+    records_deleted: int = 0
 
 
 def _watermark(conn: Any, key: str) -> float:
@@ -114,7 +129,29 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
             rollups_deleted += conn.execute(
                 delete(SignalRollupRow).where(SignalRollupRow.resolution == resolution, SignalRollupRow.bucket < until)
             ).rowcount or 0
-    return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted)
+    records_deleted = _expire_records(engine, now - retention.records_s) if math.isfinite(retention.records_s) else 0
+    return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted, records_deleted)
+
+
+# Advice still open, or followed and waiting for its effect to be measured, is kept whatever its age.
+KEPT_ADVICE = ("open", "followed")
+
+
+def _expire_records(engine: Engine, until: float) -> int:
+    """Delete the records that ended before `until`; the number of rows deleted."""
+    finished = [str(s) for s in FINISHED_STATES]
+    with engine.begin() as conn:
+        old = select(ActionRow.id).where(ActionRow.state.in_(finished),
+                                         func.coalesce(ActionRow.finished_at, ActionRow.created_at) < until)
+        deleted = conn.execute(delete(ActionEventRow).where(ActionEventRow.action_id.in_(old))).rowcount or 0
+        deleted += conn.execute(delete(ActionRow).where(ActionRow.id.in_(old))).rowcount or 0
+        pointed_at = select(ActionRow.finding_id).where(ActionRow.finding_id.is_not(None))
+        deleted += conn.execute(delete(FindingRow).where(FindingRow.state == "resolved", FindingRow.resolved_at < until,
+                                                         FindingRow.id.not_in(pointed_at))).rowcount or 0
+        deleted += conn.execute(delete(VerdictRow).where(VerdictRow.finished_at < until)).rowcount or 0
+        deleted += conn.execute(delete(AdviceRow).where(AdviceRow.state.not_in(KEPT_ADVICE),
+                                                        AdviceRow.updated_at < until)).rowcount or 0
+    return deleted
 
 
 _ROLLUP_COLS = ["resolution", "name", "subject", "bucket", "count", "sum", "min", "max"]

@@ -13,9 +13,9 @@ from dataclasses import replace
 from typing import Any
 
 from collectors.types import Signal, Target, TargetHealth
-from controlplane.actions import ACTIVE_STATES, SCORED_STATES, ActionState, check_transition
+from controlplane.actions import ACTIVE_STATES, FINISHED_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
-from controlplane.store.compaction import CompactionReport, Retention
+from controlplane.store.compaction import KEPT_ADVICE, CompactionReport, Retention
 from controlplane.store.records import (
     ActionEvent,
     ActionRecord,
@@ -74,7 +74,29 @@ class MemoryStore:
         old = [k for k, s in self.signals.items() if s.ts < now - retention.raw_s]
         for k in old:
             del self.signals[k]
-        return CompactionReport(0, 0, len(old), 0)
+        return CompactionReport(0, 0, len(old), 0, self._expire_records(now - retention.records_s))
+
+    def _expire_records(self, until: float) -> int:
+        """`compaction._expire_records` on the dictionaries."""
+        finished = {str(s) for s in FINISHED_STATES}
+        gone = {a.id for a in self.action_rows.values()
+                if a.state in finished and (a.finished_at if a.finished_at is not None else a.created_at) < until}
+        events = len(self.events)
+        self.events = [e for e in self.events if e.action_id not in gone]
+        for action_id in gone:
+            del self.action_rows[action_id]
+        pointed_at = {a.finding_id for a in self.action_rows.values()}
+        findings = [f.id for f in self.findings.values() if f.state == "resolved" and f.resolved_at is not None
+                    and f.resolved_at < until and f.id not in pointed_at]
+        for finding_id in findings:
+            del self.findings[finding_id]
+        verdicts = len(self.verdicts)
+        self.verdicts = [v for v in self.verdicts if v.finished_at >= until]
+        advice = [r.id for r in self.advice_rows.values() if r.state not in KEPT_ADVICE and r.updated_at < until]
+        for advice_id in advice:
+            del self.advice_rows[advice_id]
+        return (events - len(self.events) + len(gone) + len(findings) + verdicts - len(self.verdicts)
+                + len(advice))
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
         self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))

@@ -68,6 +68,8 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
         pytest.param(("pool: prefill, pod", "pool: decode, pod"), "targets[0].pool 'decode' names no pool",
                      id="unknown-pool"),
         pytest.param(("raw_retention: 48h", "raw_retention: soon"), "expected a duration", id="bad-duration"),
+        pytest.param(("raw_retention: 48h", "raw_retention: 48h, record_retention: 1d"),
+                     "record_retention must be at least raw_retention", id="records-before-their-signals"),
         pytest.param(("mode: propose", "mode: yolo"), "mode (line 2): Input should be 'observe', 'propose' or 'act'",
                      id="bad-mode"),
         pytest.param(("mode: propose", "mode: propose\nextra_key: 1"), "extra_key", id="unknown-key"),

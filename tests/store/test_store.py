@@ -7,12 +7,14 @@ log; rollups and retention; an unreachable or unmigrated store; and durability a
 
 from __future__ import annotations
 
+import inspect as inspect_module
 import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -26,9 +28,17 @@ from controlplane.store import migrate
 from controlplane.store.compaction import Retention
 from controlplane.store.db import make_engine
 from controlplane.store.memory import MemoryStore
-from controlplane.store.models import Base, FindingRow, SignalRollupRow
+from controlplane.store.models import (
+    ActionEventRow,
+    ActionRow,
+    AdviceRow,
+    Base,
+    FindingRow,
+    SignalRollupRow,
+    VerdictRow,
+)
 from controlplane.store.queries import ReadStore
-from controlplane.store.records import NewAction, NewAdvice, NewFinding
+from controlplane.store.records import NewAction, NewAdvice, NewFinding, NewVerdict
 from controlplane.store.writer import SqlStore
 
 TABLES = {"targets", "signals", "signal_rollups", "findings", "actions", "action_events", "verdicts", "store_meta"}
@@ -184,6 +194,65 @@ def test_rollups_and_retention(store: SqlStore) -> None:
     assert (again.minute_rows, again.hour_rows) == (0, 0)  # watermarks make reruns idempotent
     series = ReadStore(store.engine).series("ttft_p95", "pool/", now - 8 * 3600, now)  # long range: rollups
     assert series and all(p.value == pytest.approx(1.5) for p in series)
+
+
+async def _records_of_a_year(store: SqlStore | MemoryStore) -> dict[str, int]:
+    """Findings, actions, verdicts and advice, some past a retention that ends at 6,000 and some not; their ids."""
+
+    async def call(name: str, *args: Any, **kwargs: Any) -> Any:
+        got = getattr(store, name)(*args, **kwargs)
+        return await got if inspect_module.isawaitable(got) else got
+
+    ids: dict[str, int] = {}
+    for name, resolved, finished in (("alone", 100.0, None), ("acted", 100.0, 110.0), ("judged_late", 100.0, 7000.0)):
+        f = await call("open_finding", report(subject=f"pool/{name}"), now=50.0)
+        await call("resolve_finding", f.id, "recovered", resolved)
+        ids[name] = f.id
+        if finished is not None:
+            a = await call("create_action", NewAction(f.id, "scale_pool", name, {"replicas": 4}, "act", "t"), now=60.0)
+            await call("decide", a.id, approve=False, by="alice", now=finished, via="test")
+            ids[f"{name}_action"] = a.id
+    waiting = await call("create_action", NewAction(None, "scale_pool", "waiting", {}, "propose", "t"), now=60.0)
+    ids["waiting_action"] = waiting.id
+    for finished in (100.0, 7000.0):
+        await call("record_verdict", NewVerdict("api", "decode", "a", "b", finished - 60.0, finished, "pass", 1.0, {}))
+    [superseded] = await call("record_advice", [_advice(2)], 10.0)
+    [followed] = await call("record_advice", [_advice(3)], 20.0)  # supersedes the first
+    await call("follow_advice", followed.id, 30.0)
+    ids |= {"superseded_advice": superseded.id, "followed_advice": followed.id}
+    return ids
+
+
+@pytest.mark.parametrize("kind", ["sql", "memory"])
+async def test_records_past_their_retention_go_and_what_is_still_referred_to_stays(store: SqlStore,
+                                                                                   kind: str) -> None:
+    backend: SqlStore | MemoryStore = store if kind == "sql" else MemoryStore()
+    ids = await _records_of_a_year(backend)
+    retention = Retention(raw_s=3600, minute_s=3600, hour_s=3600, records_s=4000)
+    compacted = backend.compact(10_000.0, retention)
+    report_ = await compacted if inspect_module.isawaitable(compacted) else compacted
+    if kind == "sql":
+        assert isinstance(backend, SqlStore)
+        with backend.engine.connect() as conn:
+            findings = set(conn.execute(select(FindingRow.id)).scalars())
+            actions = set(conn.execute(select(ActionRow.id)).scalars())
+            events = set(conn.execute(select(ActionEventRow.action_id)).scalars())
+            verdicts = list(conn.execute(select(VerdictRow.finished_at)).scalars())
+            advice = set(conn.execute(select(AdviceRow.id)).scalars())
+    else:
+        assert isinstance(backend, MemoryStore)
+        findings, actions = set(backend.findings), set(backend.action_rows)
+        events = {e.action_id for e in backend.events}
+        verdicts = [v.finished_at for v in backend.verdicts]
+        advice = set(backend.advice_rows)
+    # The action rejected at 110 goes with its audit log, and then its finding; the one rejected at 7,000 keeps its
+    # finding, and one still waiting for a decision stays however old.
+    assert findings == {ids["judged_late"]}
+    assert actions == {ids["judged_late_action"], ids["waiting_action"]} and ids["judged_late_action"] in events
+    assert events <= actions
+    assert verdicts == [7000.0]
+    assert advice == {ids["followed_advice"]}, "followed advice waits for its measurement however old"
+    assert report_.records_deleted >= 5
 
 
 def test_retention_never_drops_what_the_next_rollup_has_not_taken(store: SqlStore) -> None:
