@@ -648,11 +648,15 @@ class ControlLoop:
     # act --------------------------------------------------------------------------------------
 
     async def _expire(self, now: float, why: str, which: Callable[[ActionRecord], bool]) -> None:
-        """Expire the undecided or not yet run actions `which` selects; one that moved meanwhile is left alone."""
+        """Expire the undecided or not yet run actions `which` selects; one that moved meanwhile is left alone, unless
+        only approved (a person deciding as this runs) where `which` selects it approved too: the approval must not
+        make it run for a problem that is gone."""
         for action in await self.store.actions(states=[ActionState.PROPOSED, ActionState.APPROVED]):
             if which(action):
+                states = [action.state] + ([ActionState.APPROVED] if action.state is ActionState.PROPOSED
+                                           and which(replace(action, state=ActionState.APPROVED)) else [])
                 try:
-                    await self.store.transition(action.id, action.state, ActionState.EXPIRED, now, {"why": why})
+                    await self.store.transition(action.id, states, ActionState.EXPIRED, now, {"why": why})
                 except ActionConflict:
                     continue
                 self.telemetry.actions.labels(action.kind, "expired").inc()
@@ -1096,15 +1100,17 @@ class ControlLoop:
                     why = f"revert held: a {proposal.kind} on {action.pool} is active already; undo it by hand"
                 else:
                     revert_id, why = revert.id, f"reverting as action {revert.id} ({revert.state})"
-        if any(f.kind == INEFFECTIVE and f.subject == f"action/{action.id}" for f in await self.store.open_findings()):
-            return  # opened by a judging the store cut off before its outcome
-        finding = await self.store.open_finding(NewFinding(
-            INEFFECTIVE, f"action/{action.id}", "warning",
-            f"action {action.id} ({action.kind} on {action.pool}) did not improve {p.get('verify_signal')}",
-            f"{measured['signal']} went {moved} after the change; {why}.",
-            {**measured, "action_id": action.id, "revert_id": revert_id, "finding_id": action.finding_id},
-            INEFFECTIVE), now)
-        report.opened.append(finding)
+        # Opened already by a judging the store cut off before its outcome (or before this note): its note is written.
+        finding = next((f for f in await self.store.open_findings()
+                        if f.kind == INEFFECTIVE and f.subject == f"action/{action.id}"), None)
+        if finding is None:
+            finding = await self.store.open_finding(NewFinding(
+                INEFFECTIVE, f"action/{action.id}", "warning",
+                f"action {action.id} ({action.kind} on {action.pool}) did not improve {p.get('verify_signal')}",
+                f"{measured['signal']} went {moved} after the change; {why}.",
+                {**measured, "action_id": action.id, "revert_id": revert_id, "finding_id": action.finding_id},
+                INEFFECTIVE), now)
+            report.opened.append(finding)
         await self.store.note(action.id, "ineffective", now, {"finding": finding.id, "revert": revert_id, "why": why})
 
     async def _ineffective_over(self, f: FindingRecord) -> str | None:

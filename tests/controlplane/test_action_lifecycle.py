@@ -343,6 +343,27 @@ async def approved_then_gone(store: MemoryStore, clock: VirtualClock) -> tuple[C
     return loop, pools
 
 
+async def test_a_proposal_approved_while_its_finding_resolves_expires_and_does_not_run(clock: VirtualClock) -> None:
+    store, pools, policy = MemoryStore(), Pools(), Asks()
+    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
+    policy.on = True
+    await tick(loop, clock)
+    [proposal] = await store.actions()
+    policy.on = False  # the problem is gone: this tick resolves the finding and expires its proposal
+    expire = store.transition
+
+    async def approved_meanwhile(action_id: int, expected: Any, to: S, now: float, *args: Any, **kwargs: Any) -> Any:
+        if to is S.EXPIRED and (await store.actions())[0].state is S.PROPOSED:
+            await store.decide(action_id, approve=True, by="alice", now=now, via="api")
+        return await expire(action_id, expected, to, now, *args, **kwargs)
+
+    store.transition = approved_meanwhile  # type: ignore[method-assign]
+    await tick(loop, clock)
+    await tick(loop, clock)
+    [action] = await store.actions()
+    assert action.id == proposal.id and action.state is S.EXPIRED and pools.calls == []
+
+
 async def test_a_resolved_finding_expires_its_waiting_actions(clock: VirtualClock) -> None:
     store = MemoryStore()
     loop, pools = await approved_then_gone(store, clock)

@@ -320,6 +320,30 @@ async def test_a_judging_the_store_cut_off_is_finished_next_tick_once() -> None:
     assert ineffective_of(store, first.id).state == "resolved"
 
 
+class NoteFailsOnce(MemoryStore):
+    """The in-memory store, except that the first "ineffective" note fails: the finding is open, the note not written."""
+
+    failed = False
+
+    async def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:
+        if event == "ineffective" and not self.failed:
+            self.failed = True
+            raise StoreUnavailable("note: connection reset")
+        await super().note(action_id, event, now, detail)
+
+
+async def test_an_ineffective_note_the_store_refused_is_written_at_the_judging_after() -> None:
+    clock, store, engines = VirtualClock(), NoteFailsOnce(), Engines()
+    loop = make_loop(store, engines, clock)
+    with pytest.raises(StoreUnavailable):
+        await ticks(loop, clock, 4 * 12)
+    await ticks(loop, clock, 8)
+    first, revert = await store.actions()
+    assert (first.outcome, revert.params["reverts"], engines.history) == ("not_recovered", first.id, [1, 3])
+    [note] = [e for e in store.action_events(first.id) if e.event == "ineffective"]
+    assert note.detail["finding"] == ineffective_of(store, first.id).id and note.detail["revert"] == revert.id
+
+
 async def test_a_revert_another_active_action_of_its_kind_blocks_is_left_to_a_person() -> None:
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
     loop = make_loop(store, engines, clock)
