@@ -582,17 +582,21 @@ SourceFactory = Callable[[str, ArmSelector, ArmSelector, Sequence[MetricRule]], 
 
 @dataclass(frozen=True, slots=True)
 class GateKey:
-    """One rollout's gate: the pool, both selectors, and the revision (a new one starts a new gate)."""
+    """One rollout's gate: the pool, both selectors, the revision (a new one starts a new gate) and the settings the
+    caller asked for, if any (a caller asking for another window or step gets a gate of its own, never the one a
+    rollout controller consults)."""
 
     pool: str
     baseline: str
     canary: str
     revision: str = ""
+    settings: str = ""
 
     @property
     def id(self) -> str:
         """A short stable name of this gate (the store's claims are keyed by it)."""
-        text = "\0".join((self.pool, self.baseline, self.canary, self.revision))
+        text = "\0".join((self.pool, self.baseline, self.canary, self.revision)) + (
+            f"\0{self.settings}" if self.settings else "")
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 

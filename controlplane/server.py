@@ -228,7 +228,8 @@ class _Gate(_Json):
         except ValueError as exc:
             self.fail(400, f"bad gate settings: {exc}")
             return None
-        key = GateKey(params["pool"], params["baseline"], params["canary"], params.get("revision", ""))
+        asked = "" if settings is None else f"step={settings.step:g};max_window={settings.max_window:g}"
+        key = GateKey(params["pool"], params["baseline"], params["canary"], params.get("revision", ""), asked)
         try:
             verdict = await self.gates.consult(key, self.loop.clock.now(), settings, reruns=reruns)
         except GateInputError as exc:

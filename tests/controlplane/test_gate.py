@@ -766,9 +766,13 @@ async def test_argo_and_flagger_endpoints() -> None:
             short = await c.get("/api/v1/gate", params={**params, "revision": "new", "step": "10s"})
             assert short.status_code == 400 and short.json()["error"] == (
                 "step 10s is shorter than the scrape interval (15s): steps without a scrape hold no data")
+            # Another window for the same rollout is a gate of its own: no caller fixes the rollout's gate for Argo.
+            other = await c.get("/api/v1/gate", params={**params, "max_window": "5m"})
+            assert other.status_code == 200 and other.json()["decided"] is False
+            assert (await c.post("/api/v1/gate", json=params)).json()["result"] == "fail"
     finally:
         http.stop()
-    assert made.count("pod=slow") == 1  # one session for the Argo rollout, however often it asked
+    assert made.count("pod=slow") == 2  # one session for the Argo rollout however often it asked, one for the other
 
 
 async def test_gate_endpoints_refuse_what_would_hold_memory_or_never_be_recorded_and_may_need_a_token() -> None:
