@@ -75,6 +75,7 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$")
 _STATUS = re.compile(r"HTTP Status Code (\d{3})")
 _BODY = re.compile(r"\((b'.*'|b\".*\")\)\Z", re.DOTALL)
 QUERY_SHOWN = 200
+FAIL_FAST = 3  # queries failed in a row, none answered: Prometheus is down, and the evaluation stops
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -334,6 +335,7 @@ class ApiOutput:
     missing: list[Missing] = field(default_factory=list)
     malformed: list[Malformed] = field(default_factory=list)
     down: list[Down] = field(default_factory=list)
+    failed: list[Malformed] = field(default_factory=list)  # signals whose query Prometheus did not answer
     unattributed: list[str] = field(default_factory=list)
     # Per pool, why its sums cannot be trusted: an engine counted twice, or pods left out of the labelled aggregate.
     doubtful: dict[str, str] = field(default_factory=dict)
@@ -492,8 +494,9 @@ class PrometheusSource:
                 if spec.pools_only and scope == "engine":
                     continue
                 expr = build_query(spec, sel, by, window, (lb.pod, lb.instance))
-                rows = self.query(expr, ts)
-                out.queries += 1
+                rows = self._answer(spec.name, scope, expr, ts, out)
+                if rows is None:
+                    continue
                 if not rows:
                     # The label-based pool scope is empty whenever the engine scope is, or no series has the label.
                     if scope != "pool" and not self._families_exist(spec, sel, ts, present, out):
@@ -559,6 +562,19 @@ class PrometheusSource:
                 down.add(Down(pool, instance))
         return sorted(down, key=lambda d: (d.pool, d.instance))
 
+    def _answer(self, signal: str, scope: str, expr: str, ts: float, out: ApiOutput) -> list[Row] | None:
+        """One query of an evaluation; None where Prometheus did not answer it (kept in `out.failed`): one query it
+        refuses (too many samples, a timeout under load) leaves the others' signals. Prometheus itself unreachable or
+        refusing everything ends the evaluation: `FAIL_FAST` queries failed with none answered."""
+        out.queries += 1
+        try:
+            return self.query(expr, ts)
+        except PrometheusError as exc:
+            if len(out.failed) + 1 >= FAIL_FAST and len(out.failed) + 1 == out.queries:
+                raise
+            out.failed.append(Malformed(signal, scope, f"its query failed: {exc}", shorten(expr)))
+            return None
+
     def _pool_buckets(self, signal: str, groups: tuple[tuple[tuple[str, ...], ...], ...], sel: str,
                       by: tuple[str, ...], fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
                       out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
@@ -573,8 +589,9 @@ class PrometheusSource:
             families = spellings[0]
             inner = " or ".join(f"({window.increase(f'{fams[0]}_bucket{sel}')})" for fams in spellings)
             query = f"sum by ({grouping}) ({inner})"
-            rows = self.query(query, ts)
-            out.queries += 1
+            rows = self._answer(signal, pool_subject(fixed_pool) if fixed_pool is not None else "pool", query, ts, out)
+            if rows is None:
+                break
             found: dict[str, list[tuple[float, float]]] = {}
             for labels, value in rows:
                 pool = fixed_pool if fixed_pool is not None else labels.get(self.labels.pool, "")

@@ -45,6 +45,7 @@ class Observation:
     parse_errors: dict[str, list[str]] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
     unfit: dict[str, dict[str, str]] = field(default_factory=dict)  # per pool, inputs the source says are unfit
+    unfit_everywhere: dict[str, str] = field(default_factory=dict)  # inputs unfit in every pool (a fleet-wide query)
 
     def answering_engines(self) -> dict[str, set[str]]:
         """Per pool scraped here, the engine pods whose vLLM target answers (down twice in a row is down,
@@ -66,6 +67,8 @@ class Observation:
         when its Prometheus query matches nothing (`pools` for the fleet-wide ones), and what the source
         itself says (`unfit`)."""
         out: dict[str, dict[str, str]] = {pool: dict(inputs) for pool, inputs in self.unfit.items()}
+        for pool in pools if self.unfit_everywhere else ():
+            out.setdefault(pool, {}).update(self.unfit_everywhere)
         for r in self.results:
             health = self.health.get(r.target.key)
             if r.late:  # up, as far as anyone knows, but its pool's sums lack it this tick
@@ -139,6 +142,14 @@ class PrometheusApiSource:
             malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
             if bad.scope.startswith("pool/"):  # absent this tick, the signal's last value would be read as now's
                 unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = f"Prometheus' series: {bad.problem}"
+        everywhere: dict[str, str] = {}
+        for bad in out.failed:
+            # Absent this tick, the signal's last value would be read as now's.
+            malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
+            if bad.scope.startswith("pool/"):
+                unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = f"Prometheus: {bad.problem}"
+            else:  # a query over every pool's (or engine's) series
+                everywhere.setdefault(bad.signal, f"Prometheus: {bad.problem}")
         for d in out.down:
             # The selector picks the engines' jobs (as target discovery assumes): a down target is an engine.
             unfit.setdefault(d.pool, {})[Source.VLLM] = f"target {d.instance} is down in Prometheus (its latest scrape failed)"
@@ -148,7 +159,8 @@ class PrometheusApiSource:
         if out.unattributed:
             errors["prometheus/unattributed"] = (f"series of {len(out.unattributed)} engine(s) or pool(s) left out of "
                                                  f"the signals, first: {out.unattributed[0]}")
-        return Observation(out.signals, errors=errors, parse_errors=malformed, missing=missing, unfit=unfit)
+        return Observation(out.signals, errors=errors, parse_errors=malformed, missing=missing, unfit=unfit,
+                           unfit_everywhere=everywhere)
 
 
 def _counted(problems: Mapping[str, list[str]], what: str) -> dict[str, str]:

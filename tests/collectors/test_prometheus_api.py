@@ -26,6 +26,7 @@ from requests.adapters import BaseAdapter
 
 from catalog.fleet import Role
 from collectors.prometheus_api import (
+    FAIL_FAST,
     SIGNALS,
     CounterMode,
     Labels,
@@ -438,10 +439,32 @@ def test_api_failures_become_our_errors(answer: Any, error: type[Exception], sta
     assert len(getattr(exc, "query", "")) < 230
 
 
-def test_signals_raise_on_the_first_failing_query() -> None:
-    source = canned(lambda q: (503, "down"))
+def test_signals_raise_once_prometheus_answers_no_query() -> None:
+    asked: list[str] = []
+
+    def down(query: str) -> tuple[int, str]:
+        asked.append(query)
+        return 503, "down"
+
     with pytest.raises(PrometheusUnavailable):
-        source.signals(1.0, 15.0)
+        canned(down).signals(1.0, 15.0)
+    assert len(asked) == FAIL_FAST, "a Prometheus that is down is not asked every query of the tick"
+
+
+def test_a_query_prometheus_refuses_loses_only_its_own_signal() -> None:
+    # A query over too many samples is refused (422) while the others answer: the tick keeps their signals.
+    def answer(query: str) -> tuple[int, str]:
+        if query.startswith("histogram_quantile(0.95, sum by (pool, le)") and "time_to_first_token" in query:
+            return 422, json.dumps({"status": "error", "errorType": "execution",
+                                    "error": "query processing would load too many samples into memory"})
+        return _ok(_answer(query))
+
+    out = canned(answer).signals(1.0, 15.0)
+    assert [(f.signal, f.scope) for f in out.failed] == [("ttft_p95", "pool")]
+    assert "too many samples" in out.failed[0].problem
+    names = {(s.subject, s.name) for s in out.signals}
+    assert ("pool/prefill", "request_rate") in names and ("pool/prefill", "ttft_p95") not in names
+    assert ("engine/prefill/p-0/0", "ttft_p95") in names
 
 
 def test_connection_refused_is_unavailable() -> None:

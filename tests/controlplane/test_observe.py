@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collectors.types import ScrapeResult, Target, TargetHealth
-from controlplane.observe import DOWN_AFTER, Observation
+from typing import cast
+
+from collectors.prometheus_api import ApiOutput, Malformed, PrometheusSource
+from collectors.types import ScrapeResult, Signal, Target, TargetHealth
+from controlplane.observe import DOWN_AFTER, Observation, PrometheusApiSource
 
 
 def _target(pod: str) -> Target:
@@ -39,3 +42,19 @@ def test_a_target_with_malformed_lines_leaves_its_pool_unfit() -> None:
         health={a.key: TargetHealth(), b.key: TargetHealth()},
         parse_errors={a.key: ["line 7: value '7x' is not a number: 'vllm:num_requests_waiting{engine=\"1\"} 7x'"]})
     assert obs.unfit_inputs(["decode"])["decode"]["vllm"].startswith("decode-0: 1 malformed line(s)")
+
+
+async def test_a_query_prometheus_did_not_answer_leaves_its_signal_unfit_in_the_pools_it_covers() -> None:
+    class OneRefused:
+        url = "http://prometheus:9090"
+
+        def signals(self, *args: object) -> ApiOutput:
+            return ApiOutput(signals=[Signal(1.0, "pool/decode", "request_rate", 3.0)], queries=40, failed=[
+                Malformed("ttft_p95", "pool", "its query failed: HTTP 422: too many samples", "histogram_quantile(...)"),
+                Malformed("kv_cache_usage", "pool/prefill", "its query failed: timed out", "avg(...)")])
+
+    obs = await PrometheusApiSource(cast(PrometheusSource, OneRefused()), 15.0).observe(1.0)
+    unfit = obs.unfit_inputs(["prefill", "decode"])
+    assert set(unfit["decode"]) == {"ttft_p95"} and set(unfit["prefill"]) == {"ttft_p95", "kv_cache_usage"}
+    assert "too many samples" in unfit["decode"]["ttft_p95"]
+    assert [s.name for s in obs.signals] == ["request_rate"] and "prometheus/pool" in obs.errors
