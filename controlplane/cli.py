@@ -384,6 +384,48 @@ def rules_export(out: Path | None, namespace: str | None, runbook_base_url: str 
     err.print(f"{out}: PrometheusRule with {text.count('- alert: ')} rules")
 
 
+# rbac ---------------------------------------------------------------------------------------
+
+@cli.group()
+def rbac() -> None:
+    """The Kubernetes RBAC the control plane needs."""
+
+
+@rbac.command("export")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="The fleet file whose workloads, router, Lease and kill switch are named.")
+@click.option("--namespace", default="fleet-system", show_default=True,
+              help="The control plane's own namespace (its service account's).")
+@click.option("--service-account", default="fleet-controlplane", show_default=True)
+@click.option("--follows", multiple=True, metavar="NAMESPACE/NAME",
+              help="A Deployment a pool's Argo Rollout follows (spec.workloadRef); repeatable.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the manifests to FILE instead of standard output.")
+def rbac_export(config_file: Path, namespace: str, service_account: str, follows: tuple[str, ...],
+                out: Path | None) -> None:
+    """Write Roles and bindings that name every object the fleet file lets the control plane change (a tighter
+    replacement for the deploy base's per-resource rbac.yaml)."""
+    import yaml
+
+    from controlplane.config import load_config
+    from controlplane.rbac import rbac_manifests
+
+    try:
+        docs = rbac_manifests(load_config(config_file), namespace=namespace, service_account=service_account,
+                              follows=follows)
+    except ValueError as exc:
+        raise click.ClickException(f"{config_file}: {exc}") from None
+    text = yaml.safe_dump_all(docs, sort_keys=False)
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"{out}: cannot write the manifests: {exc.strerror or exc}") from None
+    err.print(f"{out}: {sum(d['kind'].endswith('Role') for d in docs)} roles and their bindings")
+
+
 # simulator ----------------------------------------------------------------------------------
 
 @cli.group()
