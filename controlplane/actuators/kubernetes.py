@@ -530,10 +530,13 @@ class KubernetesActuator:
         desired = int(dig(obj, ("spec", "replicas"), 1))
         size = _gang(w, obj)
         template = await self._template_digest(w, obj)
+        # The budget counts replicas, a LeaderWorkerSet's whole groups: the engines a rollout restarts at once are as
+        # many groups' engines.
+        budget = _budget(dig(obj, kind.max_unavailable, "25%" if w.kind in _QUARTER else 1), desired) \
+            if kind.max_unavailable else None
         replicas = PoolReplicas(
             desired * size, int(dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
-            max_unavailable=_budget(dig(obj, kind.max_unavailable, "25%" if w.kind in _QUARTER else 1),
-                                    desired) if kind.max_unavailable else None,
+            max_unavailable=budget * size if budget is not None else None,
             gang=size, rolling=_rolling(obj), template=template)
         return replicas, await self._revision_time(w, obj)
 

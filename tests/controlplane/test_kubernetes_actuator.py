@@ -147,6 +147,8 @@ async def test_observe_reads_replicas_budgets_gangs_and_revisions(server: ApiSer
     assert view.pools["decode"].desired == view.pools["decode"].ready == 3
     assert view.pools["decode"].max_unavailable == 1 and view.pools["decode"].gang == 1
     assert (view.pools["prefill"].desired, view.pools["prefill"].ready, view.pools["prefill"].gang) == (8, 4, 4)
+    # One group at a time: its four engines restart together, as the LeaderWorkerSet's budget allows.
+    assert view.pools["prefill"].max_unavailable == 4
     assert view.changed_at["decode"] == 1_796_117_400.0  # 2026-12-01T09:30:00Z, the newest ReplicaSet
     assert view.changed_at["router"] == 1_796_118_900.0
 
