@@ -36,7 +36,7 @@ the rails have checked that the rollout restarts no more engines at
 once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
 previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is evicted once idle
 and its workload replaces it; a cordon marks the node unschedulable and evicts the engines of every
-configured pool in the namespace on it (a gang's whole group). Both go through the Eviction API,
+configured pool on it, in any namespace (a gang's whole group). Both go through the Eviction API,
 which honours PodDisruptionBudgets: a refusal (or a conflict with the pod changing under it) is
 retried until one more grace after the engines were due (idle, or the drain's or cordon's grace
 ended), and the engines still there then are routed again. A workload's pods are those its selector matches
@@ -309,6 +309,12 @@ def _applied(obj: Mapping[str, Any], order: Order, where: str) -> dict[str, Any]
         kept = {}
     result = kept.get("result") if isinstance(kept, dict) and kept.get("stamp") == order.stamp else None
     return {**(result if isinstance(result, dict) else {}), "already_applied": where}
+
+
+def _namespace_of(workloads: Mapping[str, Workload], order: Order, wait: Mapping[str, Any], pod: str) -> str:
+    """The namespace of an engine a wait names: its pool's (a cordon's wait names each pod's pool), else the wait's."""
+    pool = (wait.get("pools") or {}).get(pod, order.pool)
+    return workloads[pool].namespace if pool in workloads else str(wait["namespace"])
 
 
 def _count_as_approved(order: Order, w: Workload, desired: int, change: ScaleTo) -> None:
@@ -615,13 +621,12 @@ class KubernetesActuator:
 
     async def release(self, order: Order) -> str:
         """Route again the engines `order` took out of routing (they carry its stamp and no routing label): a stopped
-        leader began its drain, and it will not be carried out. For a cordon, every configured pool's in its
-        namespace (the node stays cordoned: that much is its point)."""
+        leader began its drain, and it will not be carried out. For a cordon, every configured pool's (the node stays
+        cordoned: that much is its point)."""
         w = self.workloads.get(order.pool)
         if w is None:
             return "nothing to release: no workload is configured for the pool"
-        pools = ([name for name, other in self.workloads.items() if other.namespace == w.namespace]
-                 if isinstance(order.change, Cordon) else [order.pool])
+        pools = sorted(self.workloads) if isinstance(order.change, Cordon) else [order.pool]
         said = []
         for name in pools:  # each pool on its own: one that cannot be read leaves the others' engines to route
             other = self.workloads[name]
@@ -915,25 +920,23 @@ class KubernetesActuator:
         done: list[str] = []
         try:
             for pod in wait["pods"]:
-                await self._unroute(order, w.namespace, pod)
+                await self._unroute(order, _namespace_of(self.workloads, order, wait, pod), pod)
                 done.append(pod)
         except ActuationError as exc:
             raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, done)}") from None
         return {"wait": wait}
 
     async def _engines_on(self, node: str, pool: str) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
-        """The engines a cordon of `node` asked for by `pool` moves, each with its pool: every configured pool's in
-        `pool`'s namespace (the faulty GPU may serve any of them; the loop's view of their load comes with the order),
-        and a gang's whole group where one of its engines is there (its workload recreates the group). Also the pools
-        whose workload cannot be read, with why: their engines stay there (`pool`'s own must be read); and each gang
-        engine's group leader, the one pod evicted for the group."""
-        namespace = self.workloads[pool].namespace
+        """The engines a cordon of `node` asked for by `pool` moves, each with its pool: every configured pool's, in any
+        namespace (the faulty GPU may serve any of them; the loop's view of their load comes with the order), and a
+        gang's whole group where one of its engines is there (its workload recreates the group). Also the pools whose
+        engines stay there, with why: their workload cannot be read (`pool`'s own must be), or an engine of theirs
+        shares a name with another pool's in another namespace (a wait names engines as the loop's numbers do); and
+        each gang engine's group leader, the one pod evicted for the group."""
         owners: dict[str, str] = {}
         unmoved: dict[str, str] = {}
         leaders: dict[str, str] = {}
-        for name, other in self.workloads.items():
-            if other.namespace != namespace:
-                continue
+        for name, other in sorted(self.workloads.items(), key=lambda item: item[0] != pool):  # the asking pool first
             try:
                 pods = await self._pods_of(other, await self._read(other))
             except ActuationError as exc:
@@ -955,6 +958,11 @@ class KubernetesActuator:
                     head = next((p for p in group_pods if dig(pods[p], ("labels", LWS_WORKER)) == "0"), group_pods[0])
                     leaders.update(dict.fromkeys(group_pods, head))
                     there |= set(group_pods)
+            if clash := sorted(p for p in there if p in owners):
+                log.warning("cordoning %s: pool %s's %s share a name with pool %s's engines: left there", node, name,
+                            ", ".join(clash), owners[clash[0]])
+                unmoved[name] = f"{', '.join(clash)} share a name with pool {owners[clash[0]]}'s engines"
+                continue
             owners.update(dict.fromkeys(there, name))
         return owners, unmoved, leaders
 
@@ -1032,7 +1040,7 @@ class KubernetesActuator:
         left: list[str] = []
         for i, pod in enumerate(pods):
             try:
-                if not await self._evict(wait["namespace"], pod):
+                if not await self._evict(_namespace_of(self.workloads, order, wait, pod), pod):
                     left.append(pod)
             except ActuationError as exc:
                 rest = left + list(pods[i:]) + list(waiting)

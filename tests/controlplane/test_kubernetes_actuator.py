@@ -1052,8 +1052,8 @@ def owned_pod(server: ApiServer, name: str, replica_set: str) -> dict[str, Any]:
     return p
 
 
-def routed(server: ApiServer, name: str) -> bool:
-    return "llm-d.ai/routed" in server.get(PODS, NS, name)["metadata"]["labels"]  # type: ignore[index]
+def routed(server: ApiServer, name: str, namespace: str = NS) -> bool:
+    return "llm-d.ai/routed" in server.get(PODS, namespace, name)["metadata"]["labels"]  # type: ignore[index]
 
 
 async def test_a_scale_down_mid_rollout_drains_each_replicasets_share(server: ApiServer,
@@ -1572,3 +1572,39 @@ async def test_a_failed_cordon_routes_each_pools_engines_back_as_that_pool_route
     labels = {p: server.get(PODS, NS, p)["metadata"]["labels"]["llm-d.ai/routed"]  # type: ignore[index]
               for p in ("vllm-decode-a", "vllm-prefill-0")}
     assert labels == {"vllm-decode-a": "decode", "vllm-prefill-0": "true"}
+
+
+async def test_a_cordon_moves_the_engines_of_pools_in_other_namespaces_and_routes_them_back_there(
+        server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    batch = deployment("vllm-batch")
+    batch["metadata"]["namespace"] = "batch"
+    server.put(DEPLOYMENTS, batch)
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    server.put(PODS, pod("vllm-decode-a"))
+    other = pod("vllm-batch-a", app="vllm-batch")
+    other["metadata"]["namespace"] = "batch"
+    server.put(PODS, other)
+    twin = pod("vllm-decode-a", app="vllm-batch")  # the same name in the other namespace: left there, and said
+    twin["metadata"]["namespace"] = "batch"
+    workloads = {"decode": Workload(kind="Deployment", namespace=NS, name="vllm-decode"),
+                 "batch": Workload(kind="Deployment", namespace="batch", name="vllm-batch")}
+    act = KubernetesActuator(api, Kubernetes(drain_grace=60.0, timeout=2.0), workloads, clock=Clock(),
+                             instance="fleet-controlplane-0")
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-batch-a": 0.0},
+              answering={"vllm-decode-a", "vllm-batch-a"})
+    first = await act.carry_out(o)
+    assert first["wait"]["pools"] == {"vllm-decode-a": "decode", "vllm-batch-a": "batch"}
+    assert not routed(server, "vllm-batch-a", "batch")
+    server.fail("POST", "/eviction", 500, "etcdserver: leader changed", times=2)
+    with pytest.raises(ActuationError, match="routed again"):
+        await act.resume(o, first["wait"], Clock().t + 1)
+    assert routed(server, "vllm-batch-a", "batch") and routed(server, "vllm-decode-a")
+    again = await act.carry_out(replace(o, action_id=8))
+    done = await act.resume(replace(o, action_id=8), again["wait"], Clock().t + 1)
+    assert done["evicted"] == ["vllm-batch-a", "vllm-decode-a"]
+    assert server.get(PODS, "batch", "vllm-batch-a") is None and server.get(PODS, NS, "vllm-decode-a") is None
+    server.put(PODS, pod("vllm-decode-a"))
+    server.put(PODS, twin)
+    clash = await act.carry_out(replace(o, action_id=9))
+    assert clash["wait"]["pools"] == {"vllm-decode-a": "decode"} and "share a name" in clash["wait"]["unmoved"]["batch"]
