@@ -75,7 +75,8 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$")
 _STATUS = re.compile(r"HTTP Status Code (\d{3})")
 _BODY = re.compile(r"\((b'.*'|b\".*\")\)\Z", re.DOTALL)
 QUERY_SHOWN = 200
-FAIL_FAST = 3  # queries failed in a row, none answered: Prometheus is down, and the evaluation stops
+FAIL_FAST = 3  # queries failed in a row: Prometheus is down or hanging, and the evaluation stops
+MAX_FAILED = 8  # queries failed in one evaluation past which what is left is not the fleet's picture
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -336,6 +337,7 @@ class ApiOutput:
     malformed: list[Malformed] = field(default_factory=list)
     down: list[Down] = field(default_factory=list)
     failed: list[Malformed] = field(default_factory=list)  # signals whose query Prometheus did not answer
+    failing: int = 0  # queries failed in a row, now
     unattributed: list[str] = field(default_factory=list)
     # Per pool, why its sums cannot be trusted: an engine counted twice, or pods left out of the labelled aggregate.
     doubtful: dict[str, str] = field(default_factory=dict)
@@ -499,7 +501,7 @@ class PrometheusSource:
                     continue
                 if not rows:
                     # The label-based pool scope is empty whenever the engine scope is, or no series has the label.
-                    if scope != "pool" and not self._families_exist(spec, sel, ts, present, out):
+                    if scope != "pool" and not self._families_exist(spec, scope, sel, ts, present, out):
                         out.missing.append(Missing(spec.name, scope, shorten(expr)))
                     continue
                 for labels, value in rows:
@@ -564,16 +566,19 @@ class PrometheusSource:
 
     def _answer(self, signal: str, scope: str, expr: str, ts: float, out: ApiOutput) -> list[Row] | None:
         """One query of an evaluation; None where Prometheus did not answer it (kept in `out.failed`): one query it
-        refuses (too many samples, a timeout under load) leaves the others' signals. Prometheus itself unreachable or
-        refusing everything ends the evaluation: `FAIL_FAST` queries failed with none answered."""
+        refuses (too many samples, a timeout under load) leaves the others' signals. `FAIL_FAST` failures in a row
+        (Prometheus unreachable, or hanging: each costs a timeout), or more than `MAX_FAILED` in all, end it."""
         out.queries += 1
         try:
-            return self.query(expr, ts)
+            rows = self.query(expr, ts)
         except PrometheusError as exc:
-            if len(out.failed) + 1 >= FAIL_FAST and len(out.failed) + 1 == out.queries:
+            out.failing += 1
+            if out.failing >= FAIL_FAST or len(out.failed) >= MAX_FAILED:
                 raise
             out.failed.append(Malformed(signal, scope, f"its query failed: {exc}", shorten(expr)))
             return None
+        out.failing = 0
+        return rows
 
     def _pool_buckets(self, signal: str, groups: tuple[tuple[tuple[str, ...], ...], ...], sel: str,
                       by: tuple[str, ...], fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
@@ -633,14 +638,18 @@ class PrometheusSource:
             return None
         return subject
 
-    def _families_exist(self, spec: SignalSpec, sel: str, ts: float, present: dict[str, bool], out: ApiOutput) -> bool:
-        """Whether any spelling of the signal's families has series under the selector (cached per call)."""
+    def _families_exist(self, spec: SignalSpec, scope: str, sel: str, ts: float, present: dict[str, bool],
+                        out: ApiOutput) -> bool:
+        """Whether any spelling of the signal's families has series under the selector (cached per call); a query
+        not answered counts as yes: the signal is unfit then (`out.failed`), not missing."""
         for fams in (*spec.families, *spec.fallback):
             names = [f"{fam}_count{sel}" if spec.kind == "quantile" else f"{fam}{sel}" for fam in fams]
             for name in names:
                 if name not in present:
-                    present[name] = bool(self.query(f"count({name})", ts))
-                    out.queries += 1
+                    rows = self._answer(spec.name, scope, f"count({name})", ts, out)
+                    if rows is None:
+                        return True
+                    present[name] = bool(rows)
             if all(present[name] for name in names):
                 return True
         return False

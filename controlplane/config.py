@@ -502,6 +502,11 @@ class FleetConfig(Settings):
         problems += [f"advisor.{name} {value!r} has no price in advisor.gpu_types ({', '.join(sorted(priced))})"
                      for name, value in (("prefill_gpu", self.advisor.prefill_gpu), ("decode_gpu", self.advisor.decode_gpu))
                      if value is not None and value not in priced]
+        if self.store.record_retention < self.rails.history_s:
+            # The rails (cooldowns, rate limit, reverts) read the actions of that long: gone early, they would allow
+            # what those actions hold back.
+            problems.append(f"store.record_retention ({self.store.record_retention:g}s) must be at least the "
+                            f"{self.rails.history_s:g}s of actions the rails read (cooldowns, waits and verify_after)")
         if self.telemetry.tracing is Tracing.OTLP and not self.telemetry.otlp_endpoint:
             problems.append("telemetry.otlp_endpoint is required when telemetry.tracing is 'otlp'")
         if problems:

@@ -63,6 +63,7 @@ __all__ = [
     "TargetsGateSource",
     "dists_of",
     "report",
+    "rerun_after",
     "run_gate",
     "tpot_spelling",
 ]
@@ -75,9 +76,15 @@ EXIT_CODES = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.MARGINAL: 2, Outcome.INC
 HISTOGRAMS: Mapping[str, tuple[str, ...]] = {k: FAMILIES.histograms[k] for k in ("ttft", "tpot", "itl", "e2e", "queue_time")}
 _UNREAD = ""  # a metric not read this step (see `_TpotReading`)
 MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as Argo's consecutiveErrorLimit
-# A decided gate asked again after this many steps without a question is a new run (a retry): an analysis asks every
-# step, and a lost answer is asked for again at the next.
+# A failed gate asked again after this many of its steps, and at least RERUN_MIN_S, without a question is a new run
+# (a retry): an analysis asks every interval until a fail, and a lost answer is asked for again at the next.
 RERUN_STEPS = 3
+RERUN_MIN_S = 300.0
+
+
+def rerun_after(settings: GateSettings) -> float:
+    """The silence after a fail past which the gate asked again is a new run of it."""
+    return max(RERUN_STEPS * settings.step, RERUN_MIN_S)
 _REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
 
 # Selector regexes come over the HTTP API from whoever asks: RE2 matches in linear time (a backtracking `(a|aa)*`
@@ -611,10 +618,10 @@ class GateBook:
     With `claim` (the store's), every replica behind the API's Service judges a rollout from the same start
     and one of them records its verdict: a replica without the session (another one started it, or it
     restarted) catches up on the steps since from the store. Without it, each process starts its own.
-    A decided gate asked again after more than `RERUN_STEPS` steps of silence is a new run of the same
-    revision (`kubectl argo rollouts retry` after an abort keeps the pod-template hash; Argo's analysis
-    stops asking at a decision, Flagger's hooks ask every step until they act): it is judged afresh from
-    then, not answered the old verdict.
+    A failed gate asked again after a silence (`rerun_after`) is a new run of the same revision: `kubectl
+    argo rollouts retry` after the abort keeps the pod-template hash, so the same gate, and Argo's
+    analysis stops asking at a fail. Any other verdict stays the answer (a marginal one is asked on
+    until the analysis' count, a pass promotes), as it does for Flagger's hooks (`reruns`).
     Sessions idle for twice the window are forgotten.
     """
 
@@ -626,14 +633,14 @@ class GateBook:
         self._max = max_sessions
         self._sessions: dict[GateKey, tuple[GateSession, float]] = {}
         self._locks: dict[GateKey, asyncio.Lock] = {}
-        # Decided verdicts this process is to record and has not yet (the store refused): asked again at every
-        # consultation, since the claim that made this process the recorder keeps every other from doing it.
-        self._owed: dict[GateKey, NewVerdict] = {}
+        # Decided verdicts this process is to record and has not yet (the store refused), per gate and run: asked
+        # again at every consultation, since the claim that made this process the recorder keeps every other from it.
+        self._owed: dict[tuple[GateKey, float], NewVerdict] = {}
         self._recording = asyncio.Lock()
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None, *,
                       reruns: bool = True) -> Verdict:
-        """The verdict of this rollout's gate now; `settings` for a gate not yet started; without `reruns` a decided
+        """The verdict of this rollout's gate now; `settings` for a gate not yet started; without `reruns` a failed
         verdict stays the answer however long the silence. GateInputError for a bad selector or a step shorter than
         the scrape interval, GateError for a failing source."""
         self._forget(now)
@@ -648,84 +655,106 @@ class GateBook:
                        reruns: bool) -> Verdict:
         async with lock:  # Argo and a person may ask at once: one read of each step
             entry = self._sessions.get(key)
-            start = await self._start(key, entry[0] if entry is not None else None,
-                                      entry[0].settings if entry is not None else settings or self.settings, now,
-                                      reruns)
-            if entry is None or entry[0].start != start:  # a new gate, or a new run of it
-                s = settings or self.settings
-                if why := step_problem(s.step, self._interval):  # asked wrongly (400) before a full book (503)
+            s = entry[0].settings if entry is not None else settings or self.settings
+            arms = None
+            if entry is None:  # asked wrongly (400) before a full book (503), and both before the store is written
+                if why := step_problem(s.step, self._interval):
                     raise GateInputError(f"step {why}")
-                if entry is None and len(self._sessions) >= self._max and not self._make_room(now):
+                if len(self._sessions) >= self._max and not self._make_room(now):
                     raise GateError(f"{self._max} gates are running: finish some before starting {key.pool}'s")
-                base, can = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
+                arms = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
+            start = await self._start(key, entry, s, now, reruns)
+            if entry is None or entry[0].start != start:  # a new gate, or a new run of it
+                base, can = arms or (ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary))
                 entry = (GateSession(self._make(key.pool, base, can, s.metrics), s, start), now)
             session = entry[0]
             self._sessions[key] = (session, now)
             verdict = await session.consult(now)
             if verdict.decided:
-                session.answered_at = now
                 await self._answered(key, session, verdict, now)
         await self._record_owed()
         return verdict
 
     async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> None:
         """After a decided answer: its run's first elects the replica that records the verdict (asked again while the
-        store refuses), and every later one marks the run as still asked (a retry comes after a silence)."""
-        elected = session.elected
-        try:
-            if self._claim is None:
-                elected = True
-            elif elected is None:
-                elected = (await self._claim(f"gate-verdict:{key.id}", now, session.start))[1]
-            else:  # at most one write a step
-                await self._claim(f"gate-verdict:{key.id}", now, now - session.settings.step)
-        except FleetError as exc:
-            log.warning("%s's gate: its %s verdict cannot be marked with the other replicas yet (%s)", key.pool,
-                        verdict.outcome.value, exc)
-        if elected and session.elected is None and self._record is not None:
-            self._owed[key] = NewVerdict("api", key.pool, key.baseline, key.canary, verdict.started_at,
-                                         verdict.ended_at, verdict.outcome.value, verdict.score,
-                                         {**verdict.as_dict(), "revision": key.revision})
-        session.elected = elected
+        store refuses: `_record_owed`); a failed one is marked as answered now, for every replica to tell a retry
+        (asked after a silence) from the same run asked again (at most one write a step)."""
+        session.answered_at = now
+        if self._claim is not None and verdict.outcome is Outcome.FAIL:
+            try:
+                await self._claim(f"gate-failed:{key.id}", now, max(session.start, now - session.settings.step))
+            except FleetError as exc:
+                log.warning("%s's gate: its fail cannot be marked with the other replicas now: %s", key.pool, exc)
+        await self._elect(key, session)
 
-    async def _start(self, key: GateKey, session: GateSession | None, s: GateSettings, now: float,
-                     reruns: bool) -> float:
-        """Where this consultation's run of the gate starts: the session's, or the one every replica claimed; now for
-        a new run (none yet, an earlier rollout's under the same key, a retry: asked after a silence once decided)."""
-        rerun = RERUN_STEPS * s.step if reruns else math.inf
-        if self._claim is None:
-            if session is None or (session.answered_at is not None and now - session.answered_at > rerun):
-                return now
-            return session.start
+    async def _elect(self, key: GateKey, session: GateSession) -> None:
+        """Whether this replica records the session's decided verdict, once per run; undecided while the store fails."""
+        verdict = session.verdict
+        if verdict is None or session.elected is not None:
+            return
         try:
-            # A start older than two windows is an earlier rollout's under the same key.
-            start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window))[0]
-            # When a decided verdict of this key was last answered (0 if never, or one of an earlier run).
-            answered = (await self._claim(f"gate-verdict:{key.id}", 0.0, -1.0))[0]
-            if answered >= start and now - answered > rerun:
-                start = (await self._claim(f"gate-start:{key.id}", now, answered + 1e-3))[0]
+            elected = self._claim is None or (await self._claim(f"gate-verdict:{key.id}", session.start,
+                                                                session.start))[1]
         except FleetError as exc:
-            if session is None:
+            log.warning("%s's gate: who records its %s verdict cannot be settled now: %s", key.pool,
+                        verdict.outcome.value, exc)
+            return
+        session.elected = elected
+        if elected and self._record is not None:
+            self._owed[key, session.start] = NewVerdict(
+                "api", key.pool, key.baseline, key.canary, verdict.started_at, verdict.ended_at, verdict.outcome.value,
+                verdict.score, {**verdict.as_dict(), "revision": key.revision})
+
+    async def _start(self, key: GateKey, entry: tuple[GateSession, float] | None, s: GateSettings, now: float,
+                     reruns: bool) -> float:
+        """Where this consultation's run of the gate starts: the held session's while it is asked and not failed, else
+        the one every replica claimed; now for a new run (none yet, an earlier rollout's under the same key, a retry:
+        a failed gate asked after a silence)."""
+        rerun = rerun_after(s) if reruns else math.inf
+        if entry is not None:
+            session, seen = entry
+            failed = session.verdict is not None and session.verdict.outcome is Outcome.FAIL
+            if not (failed or now - seen > rerun):  # asked all along, and not failed: the run goes on
+                return session.start
+            if self._claim is None:
+                quiet = session.answered_at is not None and now - session.answered_at > rerun
+                return now if failed and quiet else session.start
+        elif self._claim is None:
+            return now
+        try:
+            # A start older than two windows is an earlier rollout's under the same key (a held session is younger).
+            start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window if entry is None else -1.0))[0]
+            # When a fail of this key was last answered: 0 if never (or long ago: a row expired), before `start` if
+            # in an earlier run.
+            failed_at = (await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0]
+            if failed_at >= start and now - failed_at > rerun:
+                start = (await self._claim(f"gate-start:{key.id}", now, failed_at + 1e-3))[0]
+        except FleetError as exc:
+            if entry is None:
                 raise
             # The run this replica holds goes on without the store (a Prometheus or targets source needs none).
             log.warning("%s's gate: its start cannot be checked with the other replicas (%s); going on", key.pool, exc)
-            return session.start
+            return entry[0].start
         return start
 
     async def _record_owed(self) -> None:
-        """Record every decided verdict still owed, whichever gate is consulted now: a rollout that aborted on its
-        verdict asks no more. The verdict is the rollout's answer whether or not it is on record yet."""
+        """Record every decided verdict still owed, whichever gate is consulted now (a rollout that aborted on its
+        verdict asks no more), after settling the elections the store refused. The verdict is the rollout's answer
+        whether or not it is on record yet."""
+        for key, (session, _) in list(self._sessions.items()):
+            if session.verdict is not None and session.elected is None:
+                await self._elect(key, session)
         if not self._owed or self._record is None:
             return
         async with self._recording:  # two consultations at once must not record one verdict twice
-            for key, owed in list(self._owed.items()):
+            for (key, start), owed in list(self._owed.items()):
                 try:
                     await self._record(owed)
                 except FleetError as exc:
                     log.warning("%s's gate verdict (%s) not recorded yet, asked again at the next consultation: %s",
                                 key.pool, owed.result, exc)
                     return
-                self._owed.pop(key, None)
+                self._owed.pop((key, start), None)
 
     def _make_room(self, now: float) -> bool:
         """Forget the session consulted longest ago, if no one has asked it for two of its steps (a rollout asks every
@@ -745,7 +774,8 @@ class GateBook:
     def _drop(self, key: GateKey) -> None:
         del self._sessions[key]
         self._locks.pop(key, None)
-        if (lost := self._owed.pop(key, None)) is not None:
+        for owed_key in [k for k in self._owed if k[0] == key]:
+            lost = self._owed.pop(owed_key)
             log.error("%s's gate verdict (%s) was never recorded: the store refused it until its gate was forgotten",
                       key.pool, lost.result)
 

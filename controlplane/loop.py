@@ -1127,8 +1127,10 @@ class ControlLoop:
             reverts = [a for a in await self.store.actions(since=since)
                        if a.id == revert_id or a.params.get("reverts") == f.evidence.get("action_id")]
             revert = max(reverts, key=lambda a: (a.created_at, a.id), default=None)
-            revert_id = revert.id if revert is not None else revert_id
-            if revert is None or revert.state not in FINISHED_STATES:
+            if revert is None:  # recorded with the finding, so gone since: past store.record_retention
+                return f"its revert (action {revert_id}) is no longer on record"
+            revert_id = revert.id
+            if revert.state not in FINISHED_STATES:
                 return None
             if revert.state in (ActionState.SUCCEEDED, ActionState.DRY_RUN):
                 return f"its revert (action {revert_id}) ended {revert.state}"

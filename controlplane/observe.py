@@ -138,18 +138,15 @@ class PrometheusApiSource:
             missing.setdefault(f"prometheus/{m.scope}", []).append(m.signal)
         malformed: dict[str, list[str]] = {}
         unfit: dict[str, dict[str, str]] = {}
-        for bad in out.malformed:
-            malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
-            if bad.scope.startswith("pool/"):  # absent this tick, the signal's last value would be read as now's
-                unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = f"Prometheus' series: {bad.problem}"
         everywhere: dict[str, str] = {}
-        for bad in out.failed:
-            # Absent this tick, the signal's last value would be read as now's.
+        for bad, unanswered in [(m, False) for m in out.malformed] + [(f, True) for f in out.failed]:
             malformed.setdefault(f"prometheus/{bad.scope}", []).append(f"{bad.signal}: {bad.problem} ({bad.query})")
+            # Absent this tick, the signal's last value would be read as now's.
+            why = f"Prometheus: {bad.problem}" if unanswered else f"Prometheus' series: {bad.problem}"
             if bad.scope.startswith("pool/"):
-                unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = f"Prometheus: {bad.problem}"
-            else:  # a query over every pool's (or engine's) series
-                everywhere.setdefault(bad.signal, f"Prometheus: {bad.problem}")
+                unfit.setdefault(bad.scope.removeprefix("pool/"), {})[bad.signal] = why
+            elif unanswered:  # a query over every pool's (or engine's) series
+                everywhere.setdefault(bad.signal, why)
         for d in out.down:
             # The selector picks the engines' jobs (as target discovery assumes): a down target is an engine.
             unfit.setdefault(d.pool, {})[Source.VLLM] = f"target {d.instance} is down in Prometheus (its latest scrape failed)"

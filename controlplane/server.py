@@ -6,8 +6,8 @@ Writes need the bearer token from FLEETCTL_API_TOKEN and are refused while it is
 control plane started without one exposes nothing that changes the fleet.
 
 The canary gate: `GET|POST /api/v1/gate?pool=&baseline=&canary=[&revision=]` answers the verdict now
-as JSON (Argo Rollouts' web metric provider reads `$.result`; asked again after a silence once decided,
-as a retried rollout of the same revision asks, it judges a new run); `POST /api/v1/gate/flagger/rollback`
+as JSON (Argo Rollouts' web metric provider reads `$.result`; asked again after a silence once failed, as
+a retried rollout of the same revision asks, it judges a new run); `POST /api/v1/gate/flagger/rollback`
 and `.../promotion` take Flagger's webhook payload (selectors in its `metadata`) and answer 200 when
 Flagger should roll back (the gate failed) or promote (it passed), 403 otherwise. They change
 nothing in the fleet, so by default they need no token (Flagger's webhooks cannot send one) and the

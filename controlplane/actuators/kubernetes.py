@@ -312,7 +312,9 @@ def _applied(obj: Mapping[str, Any], order: Order, where: str) -> dict[str, Any]
 
 
 def _namespace_of(workloads: Mapping[str, Workload], order: Order, wait: Mapping[str, Any], pod: str) -> str:
-    """The namespace of an engine a wait names: its pool's (a cordon's wait names each pod's pool), else the wait's."""
+    """The namespace of an engine a wait names: as a cordon's wait recorded it, else its pool's, else the wait's."""
+    if (recorded := (wait.get("namespaces") or {}).get(pod)) is not None:
+        return str(recorded)
     pool = (wait.get("pools") or {}).get(pod, order.pool)
     return workloads[pool].namespace if pool in workloads else str(wait["namespace"])
 
@@ -754,11 +756,16 @@ class KubernetesActuator:
                              self._custom.patch_namespaced_custom_object_scale, kind.group, kind.version, w.namespace,
                              kind.plural, w.name, body, **self._writes())
         except ActuationError as exc:
-            if isinstance(exc, _Unanswered) and await self._counts(w, replicas):
+            written = await self._counts(w, replicas) if isinstance(exc, _Unanswered) else False
+            if written:
                 log.warning("action %d: %s, but the count reads as written", order.action_id, exc)
                 done["unanswered"] = str(exc)
             elif drained is None:
                 raise
+            elif written is None:
+                # Routed again, they might be the engines the controller then removes while they serve.
+                raise ActuationError(f"{exc}; whether the count was written cannot be read: {', '.join(pods)} stay out "
+                                     "of routing (route them again by hand if the count is unchanged)") from None
             else:
                 raise ActuationError(f"{exc}; {await self._back_in(order, w, drained, pods)}") from None
         try:
@@ -772,14 +779,15 @@ class KubernetesActuator:
         await self._event(order, w, f"scaled to {replicas}")
         return done
 
-    async def _counts(self, w: Workload, replicas: int) -> bool:
-        """Whether `w` asks for `replicas` now (False where it cannot be read): an unanswered scale made after all."""
+    async def _counts(self, w: Workload, replicas: int) -> bool | None:
+        """Whether `w` asks for `replicas` now (None where it cannot be read): an unanswered scale made after all."""
         if self.dry_run:
             return False  # a dry run's write changes nothing to read back
         try:
             return int(dig(await self._read(w), ("spec", "replicas"), 1)) == replicas
-        except ActuationError:
-            return False
+        except ActuationError as exc:
+            log.warning("%s %s/%s: its count cannot be read back: %s", w.kind, w.namespace, w.name, exc)
+            return None
 
     async def _set_args(self, order: Order, w: Workload, change: Speculation | Eplb,
                         obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -821,12 +829,18 @@ class KubernetesActuator:
     async def _rollback(self, order: Order, w: Workload, obj: Mapping[str, Any]) -> dict[str, Any]:
         # Rolled back (or forward) by someone else since it was approved: undoing once more would bring back the
         # revision that was rolled away from, or abort a new rollout.
-        _template_as_approved(order, *await self._template_holder(w, obj))
+        if order.from_template is not None:
+            _template_as_approved(order, *await self._template_holder(w, obj))
         if w.kind == "Rollout":
             kind = KINDS[w.kind]
-            await self._call(f"aborting Rollout {w.namespace}/{w.name}", self._custom.patch_namespaced_custom_object_status,
-                             kind.group, kind.version, w.namespace, kind.plural, w.name, {"status": {"abort": True}},
-                             **self._writes())
+            try:
+                await self._call(f"aborting Rollout {w.namespace}/{w.name}",
+                                 self._custom.patch_namespaced_custom_object_status, kind.group, kind.version,
+                                 w.namespace, kind.plural, w.name, {"status": {"abort": True}}, **self._writes())
+            except _Unanswered:
+                # The abort may have been stored all the same (its stamp follows it, in a write of its own).
+                if self.dry_run or dig(await self._read(w), ("status", "abort")) is not True:
+                    raise
             await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
             await self._event(order, w, "aborted the rollout: back to the stable revision")
             return {"aborted": f"Rollout {w.namespace}/{w.name}"}
@@ -912,7 +926,10 @@ class KubernetesActuator:
         await self._node_event(order, node)
         owners, unmoved, leaders = await self._engines_on(node, order.pool)
         wait: dict[str, Any] = {"phase": "evicting", "pods": sorted(owners), "namespace": w.namespace, "then": "evict",
-                                "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace}
+                                "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace,
+                                # Each engine's namespace as it is now: a fleet file changed before a take-over
+                                # resumes the wait must not move an engine to another namespace's pod of its name.
+                                "namespaces": {p: self.workloads[owner].namespace for p, owner in owners.items()}}
         if unmoved:
             wait["unmoved"] = unmoved
         if leaders:

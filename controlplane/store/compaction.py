@@ -3,7 +3,8 @@
 Watermarks in `store_meta` make each rollup run idempotent: a bucket is aggregated once, when
 it is complete, and the watermark moves in the same transaction as the rows it covers. The records
 (finished actions with their audit log, resolved findings no kept action points at, verdicts, advice
-no longer open or followed) go once past their own retention, in a transaction of their own.
+no longer open or followed, the gates' claims) go once past their own retention, in a transaction of
+their own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, Float, delete, func, insert, literal, select, update
+from sqlalchemy import Engine, Float, cast, delete, func, insert, literal, select, update
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
 
@@ -135,6 +136,8 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
 
 # Advice still open, or followed and waiting for its effect to be measured, is kept whatever its age.
 KEPT_ADVICE = ("open", "followed")
+# Claims whose value is a time (the gates' starts and answers: one set per rollout, and per caller's settings).
+EXPIRING_CLAIMS = "gate-"
 
 
 def _expire_records(engine: Engine, until: float) -> int:
@@ -151,6 +154,8 @@ def _expire_records(engine: Engine, until: float) -> int:
         deleted += conn.execute(delete(VerdictRow).where(VerdictRow.finished_at < until)).rowcount or 0
         deleted += conn.execute(delete(AdviceRow).where(AdviceRow.state.not_in(KEPT_ADVICE),
                                                         AdviceRow.updated_at < until)).rowcount or 0
+        deleted += conn.execute(delete(MetaRow).where(MetaRow.key.startswith(f"claim:{EXPIRING_CLAIMS}"),
+                                                      cast(MetaRow.value, Float) < until)).rowcount or 0
     return deleted
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, FINISHED_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
-from controlplane.store.compaction import KEPT_ADVICE, CompactionReport, Retention
+from controlplane.store.compaction import EXPIRING_CLAIMS, KEPT_ADVICE, CompactionReport, Retention
 from controlplane.store.records import (
     ActionEvent,
     ActionRecord,
@@ -95,8 +95,11 @@ class MemoryStore:
         advice = [r.id for r in self.advice_rows.values() if r.state not in KEPT_ADVICE and r.updated_at < until]
         for advice_id in advice:
             del self.advice_rows[advice_id]
+        claims = [k for k, v in self.claims.items() if k.startswith(EXPIRING_CLAIMS) and v < until]
+        for key in claims:
+            del self.claims[key]
         return (events - len(self.events) + len(gone) + len(findings) + verdicts - len(self.verdicts)
-                + len(advice))
+                + len(advice) + len(claims))
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
         self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))
@@ -111,7 +114,7 @@ class MemoryStore:
             if row is not None and row.change != change:
                 self.advice_rows[row.id] = replace(row, state="superseded", updated_at=now)
                 row = None
-            rid = row.id if row is not None else len(self.advice_rows) + 1
+            rid = row.id if row is not None else max(self.advice_rows, default=0) + 1
             created = row.created_at if row is not None else now
             fresh = AdviceRecord(rid, item.kind, item.pool, item.act, item.advice, change, item.metric, item.before,
                                  item.predicted, item.saving_per_day, item.confidence, jsonable(item.evidence), "open",
@@ -162,7 +165,7 @@ class MemoryStore:
     async def open_finding(self, finding: NewFinding, now: float) -> FindingRecord:
         if any(f.kind == finding.kind and f.subject == finding.subject for f in await self.open_findings()):
             raise StoreConflict(f"open_finding: a {finding.kind} finding on {finding.subject} is open already")
-        row = FindingRecord(len(self.findings) + 1, finding.kind, finding.subject, "open", finding.severity,
+        row = FindingRecord(max(self.findings, default=0) + 1, finding.kind, finding.subject, "open", finding.severity,
                             finding.summary, finding.cause, jsonable(finding.evidence), finding.runbook, now, now, None)
         self.findings[row.id] = row
         return row
@@ -189,7 +192,7 @@ class MemoryStore:
         if any(a.pool == action.pool and a.kind == action.kind and a.state in ACTIVE_STATES
                for a in self.action_rows.values()):
             raise StoreConflict(f"create_action: an active {action.kind} action on {action.pool} exists already")
-        row = ActionRecord(len(self.action_rows) + 1, action.finding_id, action.kind, action.pool,
+        row = ActionRecord(max(self.action_rows, default=0) + 1, action.finding_id, action.kind, action.pool,
                            jsonable(action.params), action.mode, ActionState.PROPOSED, action.reason, now, None, None,
                            None)
         self.action_rows[row.id] = row

@@ -439,16 +439,17 @@ def test_api_failures_become_our_errors(answer: Any, error: type[Exception], sta
     assert len(getattr(exc, "query", "")) < 230
 
 
-def test_signals_raise_once_prometheus_answers_no_query() -> None:
+@pytest.mark.parametrize("answered", [0, 1])
+def test_signals_raise_once_prometheus_stops_answering(answered: int) -> None:
     asked: list[str] = []
 
     def down(query: str) -> tuple[int, str]:
         asked.append(query)
-        return 503, "down"
+        return _ok(_answer(query)) if len(asked) <= answered else (503, "down")
 
     with pytest.raises(PrometheusUnavailable):
         canned(down).signals(1.0, 15.0)
-    assert len(asked) == FAIL_FAST, "a Prometheus that is down is not asked every query of the tick"
+    assert len(asked) == answered + FAIL_FAST, "a Prometheus that is down or hangs is not asked every query"
 
 
 def test_a_query_prometheus_refuses_loses_only_its_own_signal() -> None:

@@ -70,6 +70,9 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
         pytest.param(("raw_retention: 48h", "raw_retention: soon"), "expected a duration", id="bad-duration"),
         pytest.param(("raw_retention: 48h", "raw_retention: 48h, record_retention: 1d"),
                      "record_retention must be at least raw_retention", id="records-before-their-signals"),
+        pytest.param(("raw_retention: 48h", "raw_retention: 1h, minute_retention: 1h, hour_retention: 1h, "
+                                            "record_retention: 1h"),
+                     "record_retention (3600s) must be at least the", id="records-before-the-rails-read-them"),
         pytest.param(("mode: propose", "mode: yolo"), "mode (line 2): Input should be 'observe', 'propose' or 'act'",
                      id="bad-mode"),
         pytest.param(("mode: propose", "mode: propose\nextra_key: 1"), "extra_key", id="unknown-key"),

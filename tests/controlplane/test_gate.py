@@ -31,6 +31,7 @@ from controlplane.gate import (
     TargetsGateSource,
     dists_of,
     report,
+    rerun_after,
     run_gate,
     tpot_spelling,
 )
@@ -578,7 +579,7 @@ class Fixed:
 
 @pytest.mark.parametrize("replicas", [1, 2])
 async def test_a_retried_rollout_of_the_same_revision_is_judged_afresh(replicas: int) -> None:
-    # Aborted on a fail, then `kubectl argo rollouts retry` ten minutes later, the node's noisy neighbour gone: the same
+    # Aborted on a fail, then `kubectl argo rollouts retry` minutes later, the node's noisy neighbour gone: the same
     # pod-template hash, so the same gate key. Answering the old fail would abort the retry at once.
     store = MemoryStore()
     recorded: list[NewVerdict] = []
@@ -603,13 +604,28 @@ async def test_a_retried_rollout_of_the_same_revision_is_judged_afresh(replicas:
     assert v.outcome is Outcome.FAIL and t < 1600.0
     t += 30
     assert (await ask()).outcome is Outcome.FAIL, "an answer lost and asked again at the next step: the same run"
-    t = 1800.0
+    t = max(t + rerun_after(TPOT_ONLY) + 30, 1600.0)
     retried = await ask()
-    assert not retried.decided and retried.started_at == 1800.0
+    assert not retried.decided and retried.started_at == t
     while not (v := await ask()).decided:
         t += 30
-    assert v.outcome is Outcome.PASS and v.started_at == 1800.0
+    assert v.outcome is Outcome.PASS and v.started_at == retried.started_at >= 1600.0
     assert [r.result for r in recorded] == ["fail", "pass"], "each run recorded once"
+    # A pass stays the answer however late it is asked: it promoted, and a person reading it starts nothing.
+    t += 1200.0
+    assert (await ask()).outcome is Outcome.PASS and len(recorded) == 2
+
+
+async def test_a_gate_that_fails_while_its_analysis_asks_less_often_than_its_step_is_not_rerun_within_it() -> None:
+    # Argo asking every 2 minutes, the gate's step 30 s: a fail asked again a minute later is the same run.
+    store = MemoryStore()
+    book = GateBook(lambda *_: Fixed(fixed_at=10_000.0), TPOT_ONLY, claim=store.claim)
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    t = 1000.0
+    while not (v := await book.consult(key, t)).decided:
+        t += 120
+    again = await book.consult(key, t + 120)
+    assert v.outcome is again.outcome is Outcome.FAIL and again.started_at == v.started_at
 
 
 async def test_a_verdict_the_store_refused_is_still_the_answer_and_is_recorded_at_a_later_consultation() -> None:

@@ -1608,3 +1608,40 @@ async def test_a_cordon_moves_the_engines_of_pools_in_other_namespaces_and_route
     server.put(PODS, twin)
     clash = await act.carry_out(replace(o, action_id=9))
     assert clash["wait"]["pools"] == {"vllm-decode-a": "decode"} and "share a name" in clash["wait"]["unmoved"]["batch"]
+
+
+async def test_an_engine_flag_change_is_not_made_on_a_template_changed_since_its_approval(
+        server: ApiServer, api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    act = actuator(api)
+    approved = (await act.observe()).pools["decode"].template
+    before = tokens(server)
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert dep is not None
+    dep["spec"]["template"]["spec"]["containers"][0]["image"] = "vllm/vllm-openai:v0.12.0"  # a rollout by hand
+    server.put(DEPLOYMENTS, dep)
+    o = replace(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1)), from_template=approved)
+    with pytest.raises(ActuationError, match="pod template of Deployment llm/vllm-decode changed since"):
+        await act.carry_out(o)
+    assert tokens(server) == before
+    now_running = (await act.observe()).pools["decode"].template
+    assert (await act.carry_out(replace(o, action_id=8, from_template=now_running)))["num_speculative_tokens"] == before - 1
+
+
+async def test_an_abort_whose_answer_was_lost_is_found_made(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS}, "spec": {"replicas": 2}})
+    server.slow("PATCH", "/rollouts/vllm-canary/status", 2.5, times=2, stored=True)
+    done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("canary"), pool="canary"))
+    assert done == {"aborted": "Rollout llm/vllm-canary"}
+    rollout = server.get(ROLLOUTS, NS, "vllm-canary")
+    assert rollout is not None and rollout["status"]["abort"] is True
+    assert rollout["metadata"]["annotations"][ACTION_ANNOTATION] == "7@0"
+
+
+async def test_a_leaderworkersets_budget_in_percent_counts_whole_groups(server: ApiServer,
+                                                                        api: client.ApiClient) -> None:
+    group = lws(replicas=4, size=2)
+    group["spec"]["rolloutStrategy"] = {"rollingUpdateConfiguration": {"maxUnavailable": "50%"}}
+    server.put(LWS, group)
+    assert (await actuator(api).observe()).pools["prefill"].max_unavailable == 4  # two groups of two

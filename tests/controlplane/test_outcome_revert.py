@@ -22,6 +22,7 @@ from controlplane.errors import ActuationError, StoreUnavailable
 from controlplane.killswitch import StoreSwitch
 from controlplane.loop import INEFFECTIVE, ControlLoop
 from controlplane.observe import Observation
+from controlplane.store.compaction import Retention
 from controlplane.store.memory import MemoryStore
 from controlplane.store.records import NewAction, NewFinding
 from controlplane.telemetry import Telemetry
@@ -233,6 +234,13 @@ async def test_a_revert_that_did_not_run_leaves_its_finding_open() -> None:
     first, revert = await store.actions()
     assert revert.state is S.FAILED and engines.history == [1]
     assert ineffective_of(store, first.id).state == "open", "the change it could not undo is still in place"
+    # A year on, the failed revert is past the record retention: the finding that waited on it resolves, saying so.
+    loop = make_loop(store, engines, clock)
+    await store.compact(clock.now() + 1.0, Retention(raw_s=3600, minute_s=3600, hour_s=3600, records_s=1.0))
+    assert revert.id not in store.action_rows
+    await ticks(loop, clock, 1)
+    gone = ineffective_of(store, first.id)
+    assert gone.state == "resolved" and "no longer on record" in store.resolve_reasons[gone.id]
 
 
 async def test_a_revert_is_not_held_by_the_cooldown_of_the_change_it_undoes() -> None:

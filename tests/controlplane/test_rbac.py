@@ -11,7 +11,7 @@ from kubernetes import client
 
 from controlplane.actuators.kubernetes import VERBS
 from controlplane.cli import cli
-from controlplane.config import parse_config
+from controlplane.config import Workload, parse_config
 from controlplane.lease import LEASE_VERBS
 from controlplane.rbac import rbac_manifests
 from policies.types import ActionKind, Cordon, RollBack, ScaleTo, Speculation
@@ -32,7 +32,7 @@ from tests.controlplane.test_kubernetes_actuator import (
 FLEET = """
 mode: act
 kubernetes:
-  router: {kind: Deployment, namespace: llm, name: epp, container: epp}
+  router: {kind: Deployment, namespace: gateway, name: epp, container: epp}
   switch: {namespace: fleet-system, name: fleet-controlplane, key: paused}
   leader_election: {namespace: fleet-system}
 pools:
@@ -75,8 +75,8 @@ def test_every_manifest_is_valid_and_bound_to_the_control_planes_service_account
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     roles = {(d["kind"], d["metadata"].get("namespace")) for d in docs if d["kind"].endswith("Role")}
-    assert roles == {("Role", "llm"), ("Role", "batch"), ("Role", "fleet-system"), ("Role", "default"),
-                     ("ClusterRole", None)}
+    assert roles == {("Role", "llm"), ("Role", "batch"), ("Role", "gateway"), ("Role", "fleet-system"),
+                     ("Role", "default"), ("ClusterRole", None)}
     for binding in (d for d in docs if d["kind"].endswith("Binding")):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleet-controlplane",
                                         "namespace": "fleet-system"}]
@@ -101,12 +101,18 @@ def test_it_grants_the_calls_the_control_plane_makes_and_names_every_object_it_c
     assert not allows(docs, "apps", "deployments/scale", "patch", "llm", "epp"), "the router is never scaled"
     assert not allows(docs, "", "pods", "patch", "fleet-system", "x"), "no pods outside the engines' namespaces"
     assert not allows(docs, "apps", "statefulsets/scale", "patch", "llm", "vllm-batch"), "names are per namespace"
+    assert not allows(docs, "apps", "replicasets", "list", "batch", None), "a StatefulSet has no ReplicaSets"
+    assert not allows(docs, "", "pods", "list", "gateway", None), "the router's pods are not the control plane's"
 
 
 async def test_every_call_of_the_actuators_work_is_allowed(server: ApiServer, api: client.ApiClient) -> None:
-    epp = server.put(DEPLOYMENTS, deployment("epp", replicas=1))
-    server.put(REPLICASETS, replica_set(epp, 4, "epp:v1", "2026-11-20T10:00:00Z"))
-    server.put(REPLICASETS, replica_set(epp, 5, "epp:v2", "2026-12-01T09:55:00Z"))
+    router = deployment("epp", replicas=1)
+    router["metadata"]["namespace"] = "gateway"  # the router in a namespace of its own
+    epp = server.put(DEPLOYMENTS, router)
+    for revision, image, created in ((4, "epp:v1", "2026-11-20T10:00:00Z"), (5, "epp:v2", "2026-12-01T09:55:00Z")):
+        rs = replica_set(epp, revision, image, created)
+        rs["metadata"]["namespace"] = "gateway"
+        server.put(REPLICASETS, rs)
     server.put(DEPLOYMENTS, deployment(replicas=3))
     server.put(LWS, lws(replicas=2))
     server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
@@ -116,7 +122,9 @@ async def test_every_call_of_the_actuators_work_is_allowed(server: ApiServer, ap
         server.put(PODS, pod(name))
     clock = Clock()
     act = actuator(api, clock)
-    await act.observe()
+    act.settings = act.settings.model_copy(update={"router": Workload(kind="Deployment", namespace="gateway",
+                                                                      name="epp", container="epp")})
+    assert (await act.observe()).changed_at["router"] > 0
     await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), pool="prefill", action_id=1))
     await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
     await act.carry_out(order(ActionKind.ROLLBACK, RollBack("router"), action_id=3))
@@ -142,7 +150,7 @@ def test_the_command_writes_the_manifests_and_names_a_fleet_file_without_workloa
     fleet.write_text(FLEET)
     out = CliRunner().invoke(cli, ["rbac", "export", "--config", str(fleet), "--follows", "llm/vllm-canary-template"])
     assert out.exit_code == 0, out.output
-    assert out.output.count("\nkind: Role\n") == 4 and "vllm-canary-template" in out.output
+    assert out.output.count("\nkind: Role\n") == 5 and "vllm-canary-template" in out.output
     bare = tmp_path / "bare.yaml"
     bare.write_text("mode: observe\npools:\n  - {name: decode, role: decode, model: m, replicas: {min: 1, max: 8}}\n"
                     "targets:\n  - {url: 'http://10.0.0.1:8000/metrics', pool: decode, pod: a}\n")

@@ -220,6 +220,8 @@ async def _records_of_a_year(store: SqlStore | MemoryStore) -> dict[str, int]:
     [followed] = await call("record_advice", [_advice(3)], 20.0)  # supersedes the first
     await call("follow_advice", followed.id, 30.0)
     ids |= {"superseded_advice": superseded.id, "followed_advice": followed.id}
+    for gate, at in (("old", 100.0), ("live", 7000.0)):  # a gate's claims: a time each
+        await call("claim", f"gate-start:{gate}", at, 0.0)
     return ids
 
 
@@ -252,7 +254,15 @@ async def test_records_past_their_retention_go_and_what_is_still_referred_to_sta
     assert events <= actions
     assert verdicts == [7000.0]
     assert advice == {ids["followed_advice"]}, "followed advice waits for its measurement however old"
-    assert report_.records_deleted >= 5
+    # The rejected action and its two events, the two findings, a verdict, the superseded advice, the old claim.
+    assert report_.records_deleted == 8
+    for gate, kept in (("old", 1.0), ("live", 7000.0)):
+        claimed = backend.claim(f"gate-start:{gate}", 1.0, -1.0)
+        assert (await claimed if inspect_module.isawaitable(claimed) else claimed)[0] == kept
+    # Records made after the expiry take ids of their own, never a kept row's.
+    fresh = backend.create_action(NewAction(None, "scale_pool", "new", {}, "propose", "t"), now=10_001.0)
+    made = await fresh if inspect_module.isawaitable(fresh) else fresh
+    assert made.id not in actions
 
 
 def test_retention_never_drops_what_the_next_rollup_has_not_taken(store: SqlStore) -> None:
