@@ -374,14 +374,19 @@ def rules_export(out: Path | None, namespace: str | None, runbook_base_url: str 
     if runbook_base_url is None and cfg is not None and cfg.alerting is not None:
         runbook_base_url = cfg.alerting.runbook_base_url  # the links the control plane's own alerts carry
     text = dump_manifest(build_manifest(namespace=namespace, runbook_base_url=runbook_base_url, config=cfg))
+    _manifests_to(out, text, f"PrometheusRule with {text.count('- alert: ')} rules")
+
+
+def _manifests_to(out: Path | None, text: str, what: str) -> None:
+    """Manifests to standard output, or to `out` with a line saying `what` was written."""
     if out is None:
         click.echo(text, nl=False)
         return
     try:
         out.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise click.ClickException(f"{out}: cannot write the manifest: {exc.strerror or exc}") from None
-    err.print(f"{out}: PrometheusRule with {text.count('- alert: ')} rules")
+        raise click.ClickException(f"{out}: cannot write the manifests: {exc.strerror or exc}") from None
+    err.print(f"{out}: {what}")
 
 
 # rbac ---------------------------------------------------------------------------------------
@@ -415,15 +420,8 @@ def rbac_export(config_file: Path, namespace: str, service_account: str, follows
                               follows=follows)
     except ValueError as exc:
         raise click.ClickException(f"{config_file}: {exc}") from None
-    text = yaml.safe_dump_all(docs, sort_keys=False)
-    if out is None:
-        click.echo(text, nl=False)
-        return
-    try:
-        out.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise click.ClickException(f"{out}: cannot write the manifests: {exc.strerror or exc}") from None
-    err.print(f"{out}: {sum(d['kind'].endswith('Role') for d in docs)} roles and their bindings")
+    _manifests_to(out, yaml.safe_dump_all(docs, sort_keys=False),
+                  f"{sum(d['kind'].endswith('Role') for d in docs)} roles and their bindings")
 
 
 # simulator ----------------------------------------------------------------------------------

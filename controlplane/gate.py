@@ -648,7 +648,8 @@ class GateBook:
         try:
             return await self._consult(key, lock, now, settings, reruns)
         finally:
-            if key not in self._sessions:  # a bad selector or a full book: nothing to keep a lock for
+            # A bad selector or a full book: nothing to keep a lock for (unless another consultation waits on it).
+            if key not in self._sessions and not lock.locked():
                 self._locks.pop(key, None)
 
     async def _consult(self, key: GateKey, lock: asyncio.Lock, now: float, settings: GateSettings | None,
@@ -665,6 +666,8 @@ class GateBook:
                 arms = ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary)
             start = await self._start(key, entry, s, now, reruns)
             if entry is None or entry[0].start != start:  # a new gate, or a new run of it
+                if entry is not None:  # the run it replaces is recorded by someone, if the store lets it be settled
+                    await self._elect(key, entry[0])
                 base, can = arms or (ArmSelector.parse(key.baseline), ArmSelector.parse(key.canary))
                 entry = (GateSession(self._make(key.pool, base, can, s.metrics), s, start), now)
             session = entry[0]
@@ -710,24 +713,25 @@ class GateBook:
         """Where this consultation's run of the gate starts: the held session's while it is asked and not failed, else
         the one every replica claimed; now for a new run (none yet, an earlier rollout's under the same key, a retry:
         a failed gate asked after a silence)."""
-        rerun = rerun_after(s) if reruns else math.inf
+        rerun = rerun_after(s)
+        answered = 0.0  # when this replica last answered the held run's fail
         if entry is not None:
             session, seen = entry
             failed = session.verdict is not None and session.verdict.outcome is Outcome.FAIL
-            if not (failed or now - seen > rerun):  # asked all along, and not failed: the run goes on
+            if not reruns or not (failed or now - seen > rerun):  # asked all along, and not failed: the run goes on
                 return session.start
+            answered = session.answered_at if failed and session.answered_at is not None else 0.0
             if self._claim is None:
-                quiet = session.answered_at is not None and now - session.answered_at > rerun
-                return now if failed and quiet else session.start
+                return now if failed and now - answered > rerun else session.start
         elif self._claim is None:
             return now
         try:
             # A start older than two windows is an earlier rollout's under the same key (a held session is younger).
             start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window if entry is None else -1.0))[0]
             # When a fail of this key was last answered: 0 if never (or long ago: a row expired), before `start` if
-            # in an earlier run.
-            failed_at = (await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0]
-            if failed_at >= start and now - failed_at > rerun:
+            # in an earlier run; this replica's own answer counts where the store refused its mark.
+            failed_at = max((await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0], answered)
+            if failed_at > start and now - failed_at > rerun and reruns:
                 start = (await self._claim(f"gate-start:{key.id}", now, failed_at + 1e-3))[0]
         except FleetError as exc:
             if entry is None:
@@ -772,7 +776,10 @@ class GateBook:
                 self._drop(key)
 
     def _drop(self, key: GateKey) -> None:
-        del self._sessions[key]
+        session, _ = self._sessions.pop(key)
+        if session.verdict is not None and session.elected is None:
+            log.error("%s's gate verdict (%s) may never be recorded: the store refused to settle who records it until "
+                      "its gate was forgotten", key.pool, session.verdict.outcome.value)
         self._locks.pop(key, None)
         for owed_key in [k for k in self._owed if k[0] == key]:
             lost = self._owed.pop(owed_key)

@@ -616,6 +616,34 @@ async def test_a_retried_rollout_of_the_same_revision_is_judged_afresh(replicas:
     assert (await ask()).outcome is Outcome.PASS and len(recorded) == 2
 
 
+async def test_a_retry_is_told_from_the_same_run_though_the_store_refused_to_mark_the_fail() -> None:
+    store = MemoryStore()
+    refused: list[str] = []
+
+    async def claim(key: str, value: float, stale_before: float) -> tuple[float, bool]:
+        if key.startswith("gate-failed:") and value > 0 and not refused:
+            refused.append(key)
+            raise StoreUnavailable("the store is down")
+        return await store.claim(key, value, stale_before)
+
+    book = GateBook(lambda *_: Fixed(fixed_at=1600.0), TPOT_ONLY, claim=claim)
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    t = 1000.0
+    while not (v := await book.consult(key, t)).decided:
+        t += 30
+    assert v.outcome is Outcome.FAIL and refused
+    retried = await book.consult(key, t + rerun_after(TPOT_ONLY) + 30)
+    assert not retried.decided and retried.started_at == t + rerun_after(TPOT_ONLY) + 30
+
+
+async def test_a_replica_first_asked_late_joins_the_run_that_began_at_time_zero() -> None:
+    store = MemoryStore()
+    books = [GateBook(lambda *_: Scripted(jittered(1.0, 200)), TPOT_ONLY, claim=store.claim) for _ in range(2)]
+    key = GateKey("decode", "pod=a", "pod=b", "rev-2")
+    await books[0].consult(key, 0.0)
+    assert (await books[1].consult(key, 400.0)).started_at == 0.0
+
+
 async def test_a_gate_that_fails_while_its_analysis_asks_less_often_than_its_step_is_not_rerun_within_it() -> None:
     # Argo asking every 2 minutes, the gate's step 30 s: a fail asked again a minute later is the same run.
     store = MemoryStore()
