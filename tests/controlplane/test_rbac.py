@@ -3,6 +3,7 @@ the actuator makes granted, object by object, and nothing the fleet file does no
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import kubernetes_validate
@@ -115,8 +116,12 @@ async def test_every_call_of_the_actuators_work_is_allowed(server: ApiServer, ap
         server.put(REPLICASETS, rs)
     server.put(DEPLOYMENTS, deployment(replicas=3))
     server.put(LWS, lws(replicas=2))
+    server.put(DEPLOYMENTS, deployment("vllm-canary-template", replicas=0))  # the template the Rollout follows
     server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
-                          "metadata": {"name": "vllm-canary", "namespace": NS}, "spec": {"replicas": 2}})
+                          "metadata": {"name": "vllm-canary", "namespace": NS},
+                          "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "vllm-canary-template"}},
+                                   "workloadRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                   "name": "vllm-canary-template"}}})
     server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
     for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
         server.put(PODS, pod(name))
@@ -124,11 +129,19 @@ async def test_every_call_of_the_actuators_work_is_allowed(server: ApiServer, ap
     act = actuator(api, clock)
     act.settings = act.settings.model_copy(update={"router": Workload(kind="Deployment", namespace="gateway",
                                                                       name="epp", container="epp")})
-    assert (await act.observe()).changed_at["router"] > 0
+    view = await act.observe()
+    assert view.changed_at["router"] > 0
     await act.carry_out(order(ActionKind.SCALE_POOL, ScaleTo(4), pool="prefill", action_id=1))
     await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), action_id=2))
     await act.carry_out(order(ActionKind.ROLLBACK, RollBack("router"), action_id=3))
-    await act.carry_out(order(ActionKind.ROLLBACK, RollBack("canary"), pool="canary", action_id=4))
+    # Approved against the template observe digested (the followed Deployment's): the same one the change checks.
+    canary = view.pools["canary"].template
+    flags = replace(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), pool="canary", action_id=7),
+                    from_template=canary)
+    assert (await act.carry_out(flags))["patched"] == "Deployment llm/vllm-canary-template"
+    abort = replace(order(ActionKind.ROLLBACK, RollBack("canary"), pool="canary", action_id=4),
+                    from_template=(await act.observe()).pools["canary"].template)
+    assert (await act.carry_out(abort)) == {"aborted": "Rollout llm/vllm-canary"}
     down = order(ActionKind.SCALE_POOL, ScaleTo(2), action_id=5, busy={"vllm-decode-a": 0.0, "vllm-decode-b": 1.0,
                                                                        "vllm-decode-c": 1.0})
     wait = (await act.carry_out(down))["wait"]
