@@ -80,11 +80,6 @@ MAX_SOURCE_ERRORS = 4  # consecutive failed steps before the gate gives up, as A
 # (a retry): an analysis asks every interval until a fail, and a lost answer is asked for again at the next.
 RERUN_STEPS = 3
 RERUN_MIN_S = 300.0
-
-
-def rerun_after(settings: GateSettings) -> float:
-    """The silence after a fail past which the gate asked again is a new run of it."""
-    return max(RERUN_STEPS * settings.step, RERUN_MIN_S)
 _REGEX_CLAUSE = re.compile(r"^\s*(?P<key>[A-Za-z0-9_./-]+)\s*(?P<op>=~|!~)\s*(?P<value>.*?)\s*$")
 
 # Selector regexes come over the HTTP API from whoever asks: RE2 matches in linear time (a backtracking `(a|aa)*`
@@ -605,6 +600,11 @@ class GateKey:
         text = "\0".join((self.pool, self.baseline, self.canary, self.revision)) + (
             f"\0{self.settings}" if self.settings else "")
         return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def rerun_after(settings: GateSettings) -> float:
+    """The silence after a fail past which the gate asked again is a new run of it."""
+    return max(RERUN_STEPS * settings.step, RERUN_MIN_S)
 
 
 # (key, value, stale_before) -> (the value claimed, whether this call claimed it): `Store.claim`.
