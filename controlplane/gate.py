@@ -637,6 +637,7 @@ class GateBook:
         # again at every consultation, since the claim that made this process the recorder keeps every other from it.
         self._owed: dict[tuple[GateKey, float], NewVerdict] = {}
         self._recording = asyncio.Lock()
+        self._settling: asyncio.Task[None] | None = None  # retries of what the store refused, beside the answers
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None, *,
                       reruns: bool = True) -> Verdict:
@@ -673,40 +674,57 @@ class GateBook:
             session = entry[0]
             self._sessions[key] = (session, now)
             verdict = await session.consult(now)
-            if verdict.decided:
-                await self._answered(key, session, verdict, now)
-        await self._record_owed()
+            fresh = verdict.decided and await self._answered(key, session, verdict, now)
+        if fresh:  # recorded as it is answered, while the store takes it
+            await self._record_owed()
+        else:  # what the store refused before is retried beside the answer, which a store down must not delay
+            self._settle_later()
         return verdict
 
-    async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> None:
+    def _settle_later(self) -> None:
+        """Retry the elections and records the store refused, in the background (one retry at a time)."""
+        pending = bool(self._owed) or any(s.verdict is not None and s.elected is None for s, _ in self._sessions.values())
+        if pending and (self._settling is None or self._settling.done()):
+            self._settling = asyncio.get_running_loop().create_task(self._record_owed())
+
+    async def settled(self) -> None:
+        """Wait for the retry running in the background, if any (at shutdown, and in tests)."""
+        if self._settling is not None:
+            await self._settling
+
+    async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> bool:
         """After a decided answer: its run's first elects the replica that records the verdict (asked again while the
         store refuses: `_record_owed`); a failed one is marked as answered now, for every replica to tell a retry
-        (asked after a silence) from the same run asked again (at most one write a step)."""
+        (asked after a silence) from the same run asked again (at most one write a step). Whether this answer made
+        the verdict this replica's to record."""
         session.answered_at = now
         if self._claim is not None and verdict.outcome is Outcome.FAIL:
             try:
                 await self._claim(f"gate-failed:{key.id}", now, max(session.start, now - session.settings.step))
             except FleetError as exc:
                 log.warning("%s's gate: its fail cannot be marked with the other replicas now: %s", key.pool, exc)
-        await self._elect(key, session)
+        return await self._elect(key, session)
 
-    async def _elect(self, key: GateKey, session: GateSession) -> None:
-        """Whether this replica records the session's decided verdict, once per run; undecided while the store fails."""
+    async def _elect(self, key: GateKey, session: GateSession) -> bool:
+        """Settle whether this replica records the session's decided verdict, once per run (not while the store fails);
+        whether this call made it owed here."""
         verdict = session.verdict
         if verdict is None or session.elected is not None:
-            return
+            return False
         try:
             elected = self._claim is None or (await self._claim(f"gate-verdict:{key.id}", session.start,
                                                                 session.start))[1]
         except FleetError as exc:
             log.warning("%s's gate: who records its %s verdict cannot be settled now: %s", key.pool,
                         verdict.outcome.value, exc)
-            return
+            return False
         session.elected = elected
-        if elected and self._record is not None:
-            self._owed[key, session.start] = NewVerdict(
-                "api", key.pool, key.baseline, key.canary, verdict.started_at, verdict.ended_at, verdict.outcome.value,
-                verdict.score, {**verdict.as_dict(), "revision": key.revision})
+        if not elected or self._record is None:
+            return False
+        self._owed[key, session.start] = NewVerdict(
+            "api", key.pool, key.baseline, key.canary, verdict.started_at, verdict.ended_at, verdict.outcome.value,
+            verdict.score, {**verdict.as_dict(), "revision": key.revision})
+        return True
 
     async def _start(self, key: GateKey, entry: tuple[GateSession, float] | None, s: GateSettings, now: float,
                      reruns: bool) -> float:

@@ -3,6 +3,7 @@ registry the HTTP API runs, the reports CI reads, and the endpoints Argo Rollout
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -659,10 +660,12 @@ async def test_a_gate_that_fails_while_its_analysis_asks_less_often_than_its_ste
 async def test_a_verdict_the_store_refused_is_still_the_answer_and_is_recorded_at_a_later_consultation() -> None:
     recorded: list[NewVerdict] = []
     refusals = [StoreUnavailable("the store is down")]
+    store_back = asyncio.Event()
 
     async def record(v: NewVerdict) -> int:
         if refusals:
             raise refusals.pop()
+        await store_back.wait()  # the store hangs until it is back
         recorded.append(v)
         return len(recorded)
 
@@ -673,10 +676,15 @@ async def test_a_verdict_the_store_refused_is_still_the_answer_and_is_recorded_a
     while not (v := await book.consult(key, t)).decided:
         t += 30
     assert v.outcome is Outcome.FAIL and recorded == [] and not refusals
-    # The rollout aborted on its fail and asks no more: another rollout's consultation records it.
-    await book.consult(GateKey("prefill", "pod=a", "pod=b", "rev-9"), t + 30)
+    # The rollout aborted on its fail and asks no more: another rollout's consultation has it recorded, beside its
+    # own answer, which a hanging store does not hold up.
+    other = await book.consult(GateKey("prefill", "pod=a", "pod=b", "rev-9"), t + 30)
+    assert not other.decided and recorded == []
+    store_back.set()
+    await book.settled()
     assert len(recorded) == 1 and recorded[0].result == "fail" and recorded[0].pool == "decode"
     await book.consult(key, t + 60)
+    await book.settled()
     assert len(recorded) == 1
 
 
