@@ -520,6 +520,7 @@ class GateSession:
         self._failures = 0
         self.verdict: Verdict | None = None  # the first decided verdict: the gate's answer from then on
         self.answered_at: float | None = None  # when the decided verdict was last answered
+        self.marked_at = -math.inf  # when this replica last told the others the gate is asked (`GateBook._mark`)
         self.elected: bool | None = None  # whether this replica records it; None until the store has said
 
     @property
@@ -674,6 +675,7 @@ class GateBook:
             session = entry[0]
             self._sessions[key] = (session, now)
             verdict = await session.consult(now)
+            await self._mark(key, session, now)
             fresh = verdict.decided and await self._answered(key, session, verdict, now)
         if fresh:  # recorded as it is answered, while the store takes it
             await self._record_owed()
@@ -691,6 +693,19 @@ class GateBook:
         """Wait for the retry running in the background, if any (at shutdown, and in tests)."""
         if self._settling is not None:
             await self._settling
+
+    async def _mark(self, key: GateKey, session: GateSession, now: float) -> None:
+        """Tell the other replicas the gate is still asked, at most twice a window: a replica that never held it (a new
+        one, one restarted) joins this run, however old its start, instead of taking it for an earlier rollout's."""
+        every = session.settings.max_window / 2
+        if self._claim is None or now - session.marked_at < every:
+            return
+        try:
+            await self._claim(f"gate-asked:{key.id}", now, now - every)
+        except FleetError as exc:
+            log.warning("%s's gate: that it is still asked cannot be told to the other replicas now: %s", key.pool, exc)
+            return
+        session.marked_at = now
 
     async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> bool:
         """After a decided answer: its run's first elects the replica that records the verdict (asked again while the
@@ -744,8 +759,13 @@ class GateBook:
         elif self._claim is None:
             return now
         try:
-            # A start older than two windows is an earlier rollout's under the same key (a held session is younger).
-            start = (await self._claim(f"gate-start:{key.id}", now, now - 2 * s.max_window if entry is None else -1.0))[0]
+            start = (await self._claim(f"gate-start:{key.id}", now, -1.0))[0]
+            if entry is None and start < now - 2 * s.max_window:
+                # An earlier rollout's under the same key, unless a replica was asked about it within two windows (a
+                # long analysis; a held session is younger than that in any case).
+                asked = (await self._claim(f"gate-asked:{key.id}", 0.0, -1.0))[0]
+                if asked < now - 2 * s.max_window:
+                    start = (await self._claim(f"gate-start:{key.id}", now, start + 1e-3))[0]
             # When a fail of this key was last answered: 0 if never (or long ago: a row expired), before `start` if
             # in an earlier run; this replica's own answer counts where the store refused its mark.
             failed_at = max((await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0], answered)

@@ -637,6 +637,24 @@ async def test_a_retry_is_told_from_the_same_run_though_the_store_refused_to_mar
     assert not retried.decided and retried.started_at == t + rerun_after(TPOT_ONLY) + 30
 
 
+async def test_a_replica_that_never_held_a_long_analysis_joins_it_and_a_later_rollout_starts_afresh() -> None:
+    # Flagger's hooks ask past two windows (its own analysis is longer); a replica restarted meanwhile gets the next
+    # question. It is the same run, not an earlier rollout's under the same key.
+    store = MemoryStore()
+    books = [GateBook(lambda *_: Scripted(jittered(1.0, 400)), TPOT_ONLY, claim=store.claim) for _ in range(2)]
+    key = GateKey("decode", "pod=a", "pod=b", "ns/decode@7f")
+    t = 1000.0
+    while t < 1000.0 + 2 * TPOT_ONLY.max_window + 300:
+        first = await books[0].consult(key, t, reruns=False)
+        t += 60
+    joined = await books[1].consult(key, t, reruns=False)
+    assert joined.started_at == first.started_at == 1000.0 and joined.outcome is first.outcome
+    # Nobody asked for two windows: the same key again is a later rollout's, judged from then.
+    later = t + 2 * TPOT_ONLY.max_window + 60
+    assert (await GateBook(lambda *_: Scripted(jittered(1.0, 400)), TPOT_ONLY, claim=store.claim).consult(
+        key, later, reruns=False)).started_at == later
+
+
 async def test_a_replica_first_asked_late_joins_the_run_that_began_at_time_zero() -> None:
     store = MemoryStore()
     books = [GateBook(lambda *_: Scripted(jittered(1.0, 200)), TPOT_ONLY, claim=store.claim) for _ in range(2)]
