@@ -89,49 +89,67 @@ def _set_watermark(conn: Any, key: str, value: float) -> None:
 
 
 def compact(engine: Engine, now: float, retention: Retention) -> CompactionReport:
-    """Roll up complete minutes and hours, then drop what is past its retention."""
+    """Roll up complete minutes and hours, then drop what is past its retention; each in steps of at most `STEP_S`
+    of data, a transaction each, so that catching up after a long gap (compaction failing for a day, a history
+    loaded) never holds the store's writers off for the whole gap."""
     minute_end = (now // MINUTE) * MINUTE - MINUTE  # one minute of grace for late points
+    r = SignalRollupRow
+    # One expression in the select and the grouping: PostgreSQL matches them by their text, parameters included.
+    b, hb = bucket_start(SignalRow.ts, literal(MINUTE)), bucket_start(r.bucket, literal(HOUR))
+    minute_rows = _roll_up(engine, "rollup_60", minute_end, MINUTE, select(func.min(SignalRow.ts)),
+                           lambda lo, hi: select(literal(MINUTE), SignalRow.name, SignalRow.subject, b, func.count(),
+                                                 func.sum(SignalRow.value), func.min(SignalRow.value),
+                                                 func.max(SignalRow.value))
+                           .where(SignalRow.ts >= lo, SignalRow.ts < hi).group_by(SignalRow.name, SignalRow.subject, b))
+    hour_rows = _roll_up(engine, "rollup_3600", (minute_end // HOUR) * HOUR, HOUR,
+                         select(func.min(r.bucket)).where(r.resolution == MINUTE),
+                         lambda lo, hi: select(literal(HOUR), r.name, r.subject, hb, func.sum(r.count), func.sum(r.sum),
+                                               func.min(r.min), func.max(r.max))
+                         .where(r.resolution == MINUTE, r.bucket >= lo, r.bucket < hi).group_by(r.name, r.subject, hb))
     with engine.begin() as conn:
-        start = _watermark(conn, "rollup_60")
-        minute_rows = 0
-        if minute_end > start:
-            b = bucket_start(SignalRow.ts, literal(MINUTE))
-            src = (
-                select(literal(MINUTE), SignalRow.name, SignalRow.subject, b, func.count(), func.sum(SignalRow.value),
-                       func.min(SignalRow.value), func.max(SignalRow.value))
-                .where(SignalRow.ts >= start, SignalRow.ts < minute_end)
-                .group_by(SignalRow.name, SignalRow.subject, b)
-            )
-            minute_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src), execution_options=_COUNT).rowcount
-            _set_watermark(conn, "rollup_60", minute_end)
-
-        hour_end = (minute_end // HOUR) * HOUR
-        hstart = _watermark(conn, "rollup_3600")
-        hour_rows = 0
-        if hour_end > hstart:
-            r = SignalRollupRow
-            hb = bucket_start(r.bucket, literal(HOUR))
-            src = (
-                select(literal(HOUR), r.name, r.subject, hb, func.sum(r.count), func.sum(r.sum), func.min(r.min),
-                       func.max(r.max))
-                .where(r.resolution == MINUTE, r.bucket >= hstart, r.bucket < hour_end)
-                .group_by(r.name, r.subject, hb)
-            )
-            hour_rows = conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, src), execution_options=_COUNT).rowcount
-            _set_watermark(conn, "rollup_3600", hour_end)
-
         # Nothing goes before the next coarser rollup holds it: a retention shorter than the rollup's grace (a
         # minute's, or an hour's minutes) would otherwise lose what the hour was to be made of.
         raw_until = min(now - retention.raw_s, _watermark(conn, "rollup_60"))
-        raw_deleted = conn.execute(delete(SignalRow).where(SignalRow.ts < raw_until)).rowcount or 0
-        rollups_deleted = 0
-        for resolution, until in ((MINUTE, min(now - retention.minute_s, _watermark(conn, "rollup_3600"))),
-                                  (HOUR, now - retention.hour_s)):
-            rollups_deleted += conn.execute(
-                delete(SignalRollupRow).where(SignalRollupRow.resolution == resolution, SignalRollupRow.bucket < until)
-            ).rowcount or 0
+        minute_until = min(now - retention.minute_s, _watermark(conn, "rollup_3600"))
+    raw_deleted = _delete_before(engine, SignalRow.ts, raw_until)
+    rollups_deleted = (_delete_before(engine, r.bucket, minute_until, r.resolution == MINUTE)
+                       + _delete_before(engine, r.bucket, now - retention.hour_s, r.resolution == HOUR))
     records_deleted = _expire_records(engine, now - retention.records_s) if math.isfinite(retention.records_s) else 0
     return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted, records_deleted)
+
+
+STEP_S = 6 * HOUR  # of data rolled up, or deleted, per transaction
+
+
+def _roll_up(engine: Engine, key: str, end: float, width: int, oldest: Any, rows: Any) -> int:
+    """Aggregate [watermark, `end`) into `width` buckets, `STEP_S` at a time, the watermark moving in each step's
+    transaction; a watermark never set starts at the `oldest` row's bucket. `rows(lo, hi)` selects a step's rollups."""
+    written = 0
+    while True:
+        with engine.begin() as conn:
+            lo = _watermark(conn, key)
+            if lo <= 0.0:
+                first = conn.execute(oldest).scalar_one_or_none()
+                lo = end if first is None else float(first) // width * width
+            if lo >= end:
+                return written
+            hi = min(end, lo + STEP_S)
+            written += conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, rows(lo, hi)),
+                                    execution_options=_COUNT).rowcount
+            _set_watermark(conn, key, hi)
+
+
+def _delete_before(engine: Engine, column: Any, until: float, *where: Any) -> int:
+    """Delete the rows whose `column` is under `until`, `STEP_S` of them at a time, a transaction each."""
+    deleted = 0
+    table = column.class_
+    while True:
+        with engine.begin() as conn:
+            first = conn.execute(select(func.min(column)).where(*where)).scalar_one_or_none()
+            if first is None or float(first) >= until:
+                return deleted
+            hi = min(until, float(first) + STEP_S)
+            deleted += conn.execute(delete(table).where(*where, column < hi)).rowcount or 0
 
 
 # Advice still open, or followed and waiting for its effect to be measured, is kept whatever its age.

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, select
+from sqlalchemy import event, inspect, select
 
 from collectors.types import Signal
 from controlplane.actions import ActionState as S
@@ -263,6 +263,30 @@ async def test_records_past_their_retention_go_and_what_is_still_referred_to_sta
     fresh = backend.create_action(NewAction(None, "scale_pool", "new", {}, "propose", "t"), now=10_001.0)
     made = await fresh if inspect_module.isawaitable(fresh) else fresh
     assert made.id not in actions
+
+
+def test_a_long_gap_is_caught_up_in_steps_of_bounded_transactions(store: SqlStore) -> None:
+    # Thirty hours of raw points never compacted (compaction failing for a day, a history loaded): rolled up and
+    # deleted six hours of data at a time, each step its own transaction, with the same rollups as in one.
+    t0 = 1_767_225_600.0
+    store.write_signals([Signal(t0 + 60 * i, "pool/p", "x", float(i % 3)) for i in range(30 * 60)])
+    steps: list[object] = []
+
+    def began(conn: object) -> None:
+        steps.append(conn)
+
+    event.listen(store.engine, "begin", began)
+    try:
+        done = store.compact(t0 + 30 * 3600 + 120, Retention(raw_s=3600, minute_s=7200, hour_s=30 * 86400))
+    finally:
+        event.remove(store.engine, "begin", began)
+    assert (done.minute_rows, done.hour_rows) == (30 * 60, 30)
+    assert done.raw_deleted == 29 * 60 + 2 and store.count_signals() == 58  # the last hour before now kept
+    assert len(steps) >= 5 + 5 + 5, "rollups and deletions of 30 hours in steps of at most six"
+    with store.engine.connect() as conn:
+        hours = conn.execute(select(SignalRollupRow.count, SignalRollupRow.sum)
+                             .where(SignalRollupRow.resolution == 3600)).all()
+    assert sorted(set(hours)) == [(60, 60.0)]
 
 
 def test_retention_never_drops_what_the_next_rollup_has_not_taken(store: SqlStore) -> None:
