@@ -639,6 +639,7 @@ class GateBook:
         self._owed: dict[tuple[GateKey, float], NewVerdict] = {}
         self._recording = asyncio.Lock()
         self._settling: asyncio.Task[None] | None = None  # retries of what the store refused, beside the answers
+        self._tasks: set[asyncio.Task[None]] = set()  # store writes made beside the answers (kept from collection)
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None, *,
                       reruns: bool = True) -> Verdict:
@@ -675,37 +676,55 @@ class GateBook:
             session = entry[0]
             self._sessions[key] = (session, now)
             verdict = await session.consult(now)
-            await self._mark(key, session, now)
+            self._mark(key, session, now)
             fresh = verdict.decided and await self._answered(key, session, verdict, now)
-        if fresh:  # recorded as it is answered, while the store takes it
-            await self._record_owed()
-        else:  # what the store refused before is retried beside the answer, which a store down must not delay
-            self._settle_later()
+        if fresh and not self._recording.locked():  # recorded as it is answered, while the store takes it
+            await self._record_owed(only=(key, session.start))
+        # What the store refused before is retried beside the answer, which a store down must not delay.
+        self._settle_later()
         return verdict
 
     def _settle_later(self) -> None:
         """Retry the elections and records the store refused, in the background (one retry at a time)."""
         pending = bool(self._owed) or any(s.verdict is not None and s.elected is None for s, _ in self._sessions.values())
         if pending and (self._settling is None or self._settling.done()):
-            self._settling = asyncio.get_running_loop().create_task(self._record_owed())
+            self._settling = self._beside(self._record_owed(), "recording the gates' verdicts")
+
+    def _beside(self, work: Awaitable[None], what: str) -> asyncio.Task[None]:
+        """Run `work` beside the answers, its failure logged."""
+        async def quietly() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("%s failed", what)
+
+        task = asyncio.get_running_loop().create_task(quietly())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def settled(self) -> None:
-        """Wait for the retry running in the background, if any (at shutdown, and in tests)."""
-        if self._settling is not None:
-            await self._settling
+        """Wait for the store writes running beside the answers (at shutdown, and in tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks)
 
-    async def _mark(self, key: GateKey, session: GateSession, now: float) -> None:
-        """Tell the other replicas the gate is still asked, at most twice a window: a replica that never held it (a new
-        one, one restarted) joins this run, however old its start, instead of taking it for an earlier rollout's."""
-        every = session.settings.max_window / 2
-        if self._claim is None or now - session.marked_at < every:
-            return
-        try:
-            await self._claim(f"gate-asked:{key.id}", now, now - every)
-        except FleetError as exc:
-            log.warning("%s's gate: that it is still asked cannot be told to the other replicas now: %s", key.pool, exc)
+    def _mark(self, key: GateKey, session: GateSession, now: float) -> None:
+        """Tell the other replicas the gate is still asked, at most twice a window and beside the answer: a replica
+        that never held it (a new one, one restarted) joins this run, however old its start, instead of taking it
+        for an earlier rollout's."""
+        claim = self._claim
+        if claim is None or now - session.marked_at < session.settings.max_window / 2:
             return
         session.marked_at = now
+
+        async def mark() -> None:
+            try:
+                await claim(f"gate-asked:{key.id}", now, now)
+            except FleetError as exc:
+                log.warning("%s's gate: that it is still asked cannot be told to the other replicas now: %s",
+                            key.pool, exc)
+
+        self._beside(mark(), f"marking {key.pool}'s gate as asked")
 
     async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> bool:
         """After a decided answer: its run's first elects the replica that records the verdict (asked again while the
@@ -779,17 +798,17 @@ class GateBook:
             return entry[0].start
         return start
 
-    async def _record_owed(self) -> None:
-        """Record every decided verdict still owed, whichever gate is consulted now (a rollout that aborted on its
-        verdict asks no more), after settling the elections the store refused. The verdict is the rollout's answer
-        whether or not it is on record yet."""
-        for key, (session, _) in list(self._sessions.items()):
+    async def _record_owed(self, only: tuple[GateKey, float] | None = None) -> None:
+        """Record every decided verdict still owed (or `only` one gate's run's), whichever gate is consulted now (a
+        rollout that aborted on its verdict asks no more), after settling the elections the store refused. The
+        verdict is the rollout's answer whether or not it is on record yet."""
+        for key, (session, _) in list(self._sessions.items()) if only is None else ():
             if session.verdict is not None and session.elected is None:
                 await self._elect(key, session)
         if not self._owed or self._record is None:
             return
         async with self._recording:  # two consultations at once must not record one verdict twice
-            for (key, start), owed in list(self._owed.items()):
+            for (key, start), owed in [(k, v) for k, v in self._owed.items() if only is None or k == only]:
                 try:
                     await self._record(owed)
                 except FleetError as exc:

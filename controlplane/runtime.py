@@ -22,7 +22,7 @@ from controlplane.killswitch import AnySwitch, KillSwitch, StoreSwitch
 from controlplane.leadership import AlwaysLeader, Leadership
 from controlplane.loop import ControlLoop
 from controlplane.observe import MetricSource, PrometheusApiSource, PrometheusTargets, ScrapeSource
-from controlplane.server import start_server
+from controlplane.server import start_server, store_gates
 from controlplane.store.base import Store
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["POLICIES", "build_loop", "build_policies", "objectives", "run_forever", "scrape_client", "static_targets"]
 
 log = logging.getLogger(__name__)
+
+GATE_WRITES_GRACE_S = 5.0  # how long a stop waits for the gates' verdicts still being written
 
 
 def scrape_client(config: FleetConfig) -> httpx.AsyncClient:
@@ -215,7 +217,8 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
         notifier = AlertNotifier(config.alerting, registry=loop.telemetry.registry)
         loop.on_report = notifier.on_report
         loop.on_take_over = notifier.restore
-    server = start_server(loop, config.server.host, config.server.port)
+    gates = store_gates(loop)
+    server = start_server(loop, config.server.host, config.server.port, gates=gates)
     log.info("serving /metrics, /healthz, /readyz on %s:%d", config.server.host, config.server.port)
     contending = asyncio.create_task(_contend(leader, stop))
     try:
@@ -238,6 +241,8 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
         await asyncio.gather(contending, return_exceptions=True)
         await leader.release()
         server.stop()
+        with contextlib.suppress(TimeoutError):  # the gates' last writes, before the store closes
+            await asyncio.wait_for(gates.settled(), GATE_WRITES_GRACE_S)
         if notifier is not None:
             await notifier.aclose()
         loop.telemetry.shutdown()

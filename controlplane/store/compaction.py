@@ -74,6 +74,12 @@ class CompactionReport:
     raw_deleted: int
     rollups_deleted: int
     records_deleted: int = 0
+    done: bool = True  # False: stopped at its step budget, with more to do (`compact`'s `steps`)
+
+    def __add__(self, other: CompactionReport) -> CompactionReport:
+        return CompactionReport(self.minute_rows + other.minute_rows, self.hour_rows + other.hour_rows,
+                                self.raw_deleted + other.raw_deleted, self.rollups_deleted + other.rollups_deleted,
+                                self.records_deleted + other.records_deleted, other.done)
 
 
 def _watermark(conn: Any, key: str) -> float:
@@ -88,20 +94,22 @@ def _set_watermark(conn: Any, key: str, value: float) -> None:
         conn.execute(update(MetaRow).where(MetaRow.key == key).values(value=repr(value)))
 
 
-def compact(engine: Engine, now: float, retention: Retention) -> CompactionReport:
+def compact(engine: Engine, now: float, retention: Retention, steps: int | None = None) -> CompactionReport:
     """Roll up complete minutes and hours, then drop what is past its retention; each in steps of at most `STEP_S`
     of data, a transaction each, so that catching up after a long gap (compaction failing for a day, a history
-    loaded) never holds the store's writers off for the whole gap."""
+    loaded) never holds the store's writers off for the whole gap. With `steps`, at most that many transactions:
+    the report says whether it is `done` (a caller on the store's one thread lets other calls in between)."""
+    budget = _Budget(steps)
     minute_end = (now // MINUTE) * MINUTE - MINUTE  # one minute of grace for late points
     r = SignalRollupRow
     # One expression in the select and the grouping: PostgreSQL matches them by their text, parameters included.
     b, hb = bucket_start(SignalRow.ts, literal(MINUTE)), bucket_start(r.bucket, literal(HOUR))
-    minute_rows = _roll_up(engine, "rollup_60", minute_end, MINUTE, select(func.min(SignalRow.ts)),
+    minute_rows = _roll_up(engine, budget, "rollup_60", minute_end, MINUTE, select(func.min(SignalRow.ts)),
                            lambda lo, hi: select(literal(MINUTE), SignalRow.name, SignalRow.subject, b, func.count(),
                                                  func.sum(SignalRow.value), func.min(SignalRow.value),
                                                  func.max(SignalRow.value))
                            .where(SignalRow.ts >= lo, SignalRow.ts < hi).group_by(SignalRow.name, SignalRow.subject, b))
-    hour_rows = _roll_up(engine, "rollup_3600", (minute_end // HOUR) * HOUR, HOUR,
+    hour_rows = _roll_up(engine, budget, "rollup_3600", (minute_end // HOUR) * HOUR, HOUR,
                          select(func.min(r.bucket)).where(r.resolution == MINUTE),
                          lambda lo, hi: select(literal(HOUR), r.name, r.subject, hb, func.sum(r.count), func.sum(r.sum),
                                                func.min(r.min), func.max(r.max))
@@ -111,17 +119,35 @@ def compact(engine: Engine, now: float, retention: Retention) -> CompactionRepor
         # minute's, or an hour's minutes) would otherwise lose what the hour was to be made of.
         raw_until = min(now - retention.raw_s, _watermark(conn, "rollup_60"))
         minute_until = min(now - retention.minute_s, _watermark(conn, "rollup_3600"))
-    raw_deleted = _delete_before(engine, SignalRow.ts, raw_until)
-    rollups_deleted = (_delete_before(engine, r.bucket, minute_until, r.resolution == MINUTE)
-                       + _delete_before(engine, r.bucket, now - retention.hour_s, r.resolution == HOUR))
-    records_deleted = _expire_records(engine, now - retention.records_s) if math.isfinite(retention.records_s) else 0
-    return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted, records_deleted)
+    raw_deleted = _delete_before(engine, budget, SignalRow.ts, raw_until)
+    rollups_deleted = (_delete_before(engine, budget, r.bucket, minute_until, r.resolution == MINUTE)
+                       + _delete_before(engine, budget, r.bucket, now - retention.hour_s, r.resolution == HOUR))
+    records_deleted = 0
+    if math.isfinite(retention.records_s) and budget.take():
+        records_deleted = _expire_records(engine, now - retention.records_s)
+    return CompactionReport(minute_rows, hour_rows, raw_deleted, rollups_deleted, records_deleted, not budget.spent)
+
+
+class _Budget:
+    """Steps of work a compaction may still take (None: any number; looking for work is none); `spent` once one was
+    refused."""
+
+    def __init__(self, steps: int | None) -> None:
+        self.left, self.spent = steps, False
+
+    def take(self) -> bool:
+        if self.left is not None and self.left <= 0:
+            self.spent = True
+            return False
+        if self.left is not None:
+            self.left -= 1
+        return True
 
 
 STEP_S = 6 * HOUR  # of data rolled up, or deleted, per transaction
 
 
-def _roll_up(engine: Engine, key: str, end: float, width: int, oldest: Any, rows: Any) -> int:
+def _roll_up(engine: Engine, budget: _Budget, key: str, end: float, width: int, oldest: Any, rows: Any) -> int:
     """Aggregate [watermark, `end`) into `width` buckets, `STEP_S` at a time, the watermark moving in each step's
     transaction; a watermark never set starts at the `oldest` row's bucket. `rows(lo, hi)` selects a step's rollups."""
     written = 0
@@ -131,7 +157,7 @@ def _roll_up(engine: Engine, key: str, end: float, width: int, oldest: Any, rows
             if lo <= 0.0:
                 first = conn.execute(oldest).scalar_one_or_none()
                 lo = end if first is None else float(first) // width * width
-            if lo >= end:
+            if lo >= end or not budget.take():
                 return written
             hi = min(end, lo + STEP_S)
             written += conn.execute(insert(SignalRollupRow).from_select(_ROLLUP_COLS, rows(lo, hi)),
@@ -139,14 +165,14 @@ def _roll_up(engine: Engine, key: str, end: float, width: int, oldest: Any, rows
             _set_watermark(conn, key, hi)
 
 
-def _delete_before(engine: Engine, column: Any, until: float, *where: Any) -> int:
+def _delete_before(engine: Engine, budget: _Budget, column: Any, until: float, *where: Any) -> int:
     """Delete the rows whose `column` is under `until`, `STEP_S` of them at a time, a transaction each."""
     deleted = 0
     table = column.class_
     while True:
         with engine.begin() as conn:
             first = conn.execute(select(func.min(column)).where(*where)).scalar_one_or_none()
-            if first is None or float(first) >= until:
+            if first is None or float(first) >= until or not budget.take():
                 return deleted
             hi = min(until, float(first) + STEP_S)
             deleted += conn.execute(delete(table).where(*where, column < hi)).rowcount or 0

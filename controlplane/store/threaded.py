@@ -108,7 +108,11 @@ class ThreadedStore:
         await self._run(self.sql.record_outcome, action_id, outcome, now, detail)
 
     async def compact(self, now: float, retention: Retention) -> CompactionReport:
-        return await self._run(self.sql.compact, now, retention)
+        # A step a call: the loop's writes, queued on the same thread, go in between the steps of a long catch-up.
+        report = await self._run(self.sql.compact, now, retention, 1)
+        while not report.done:
+            report = report + await self._run(self.sql.compact, now, retention, 1)
+        return report
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
         return await self._run(self.sql.record_verdict, verdict)

@@ -338,9 +338,9 @@ class SqlStore(metaclass=_Translating):
         with self._session() as s:
             return [_action(r) for r in s.scalars(q.order_by(ActionRow.id))]
 
-    def compact(self, now: float, retention: Retention) -> CompactionReport:
-        """Roll up and expire signals (see `compaction`)."""
-        return compact(self.engine, now, retention)
+    def compact(self, now: float, retention: Retention, steps: int | None = None) -> CompactionReport:
+        """Roll up and expire signals and records (see `compaction`): all of it, or `steps` steps of it."""
+        return compact(self.engine, now, retention, steps)
 
     def action_events(self, action_id: int) -> list[ActionEvent]:
         """An action's audit log, oldest first."""

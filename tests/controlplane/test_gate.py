@@ -646,6 +646,7 @@ async def test_a_replica_that_never_held_a_long_analysis_joins_it_and_a_later_ro
     t = 1000.0
     while t < 1000.0 + 2 * TPOT_ONLY.max_window + 300:
         first = await books[0].consult(key, t, reruns=False)
+        await books[0].settled()  # its mark, written beside the answer
         t += 60
     joined = await books[1].consult(key, t, reruns=False)
     assert joined.started_at == first.started_at == 1000.0 and joined.outcome is first.outcome

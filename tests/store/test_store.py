@@ -39,6 +39,7 @@ from controlplane.store.models import (
 )
 from controlplane.store.queries import ReadStore
 from controlplane.store.records import NewAction, NewAdvice, NewFinding, NewVerdict
+from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 
 TABLES = {"targets", "signals", "signal_rollups", "findings", "actions", "action_events", "verdicts", "store_meta"}
@@ -287,6 +288,26 @@ def test_a_long_gap_is_caught_up_in_steps_of_bounded_transactions(store: SqlStor
         hours = conn.execute(select(SignalRollupRow.count, SignalRollupRow.sum)
                              .where(SignalRollupRow.resolution == 3600)).all()
     assert sorted(set(hours)) == [(60, 60.0)]
+
+
+async def test_the_loops_store_compacts_a_step_a_call_so_its_writes_go_in_between(store: SqlStore) -> None:
+    t0 = 1_767_225_600.0
+    store.write_signals([Signal(t0 + 60 * i, "pool/p", "x", float(i % 3)) for i in range(30 * 60)])
+    calls: list[int | None] = []
+    compact = store.compact
+
+    def one_step(now: float, retention: Retention, steps: int | None = None) -> Any:
+        calls.append(steps)
+        return compact(now, retention, steps)
+
+    store.compact = one_step  # type: ignore[method-assign]
+    threaded = ThreadedStore(store)
+    try:
+        done = await threaded.compact(t0 + 30 * 3600 + 120, Retention(raw_s=3600, minute_s=7200, hour_s=30 * 86400))
+    finally:
+        threaded.close()
+    assert (done.minute_rows, done.hour_rows, done.raw_deleted, done.done) == (30 * 60, 30, 29 * 60 + 2, True)
+    assert len(calls) >= 15 and set(calls) == {1}, "one step of six hours' data a call on the store's thread"
 
 
 def test_retention_never_drops_what_the_next_rollup_has_not_taken(store: SqlStore) -> None:
