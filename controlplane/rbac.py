@@ -17,20 +17,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from controlplane.actuators.kubernetes import KINDS
-from controlplane.config import FleetConfig
+from controlplane.actuators.kubernetes import KINDS, VERBS
+from controlplane.config import FleetConfig, Workload
+from controlplane.lease import LEASE_VERBS
 
 __all__ = ["rbac_manifests"]
 
-# Per resource, in every namespace an engine pool lives in (`VERBS` less what is named).
-_UNNAMED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("", "pods", ("list", "patch")),  # discovery and drains; out of routing before a drain
-    ("", "pods/eviction", ("create",)),  # evictions honour PodDisruptionBudgets
-    ("autoscaling", "horizontalpodautoscalers", ("list",)),  # a pool an HPA scales is not scaled here too
-)
-REPLICA_SETS = {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]}  # a Deployment's revisions
-EVENTS = {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]}
+# Per resource, in every namespace an engine pool lives in: pods (discovery; out of routing before a drain), their
+# evictions, and the HorizontalPodAutoscalers (a pool one scales is not scaled here too).
+_UNNAMED = (("", "pods"), ("", "pods/eviction"), ("autoscaling", "horizontalpodautoscalers"))
 _REVISIONED = ("Deployment", "Rollout")  # the kinds whose revisions are ReplicaSets
+
+
+def _verbs(group: str, resource: str, *, named: bool) -> list[str]:
+    """The control plane's calls on a resource (`VERBS`, the Lease's); create cannot be limited by name."""
+    return sorted(v for g, r, v in VERBS | LEASE_VERBS if (g, r) == (group, resource) and not (named and v == "create"))
+
+
+def _rule(group: str, resource: str, names: Sequence[str] = ()) -> dict[str, Any]:
+    named = {"resourceNames": sorted(names)} if names else {}
+    return {"apiGroups": [group], "resources": [resource], **named, "verbs": _verbs(group, resource, named=bool(names))}
 
 
 def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", service_account: str = "fleet-controlplane",
@@ -38,64 +44,58 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
     """Roles, a ClusterRole and their bindings for the service account `namespace/service_account`; `follows` are
     the Deployments (`namespace/name`) the pools' Rollouts follow. ValueError for a fleet file with nothing to act on."""
     k = config.kubernetes
-    scaled = [(p.workload.kind, p.workload.namespace, p.workload.name) for p in config.pools if p.workload is not None]
-    if k is None or not scaled:
+    pools = [p.workload for p in config.pools if p.workload is not None]
+    if k is None or not pools:
         raise ValueError("the fleet file names no pool workload (pools[].workload with kubernetes set): the control "
                          "plane changes nothing, and needs no RBAC")
     named: dict[str, dict[tuple[str, str], set[str]]] = {}  # namespace -> (group, resource) -> names
-    verbs: dict[tuple[str, str], tuple[str, ...]] = {}
-
-    def grant(ns: str, group: str, resource: str, name: str, how: tuple[str, ...]) -> None:
-        named.setdefault(ns, {}).setdefault((group, resource), set()).add(name)
-        verbs[group, resource] = how
-
     events: set[str] = {"default"}  # a cordoned node's Events go to `default`
     revisions: set[str] = set()
-    for kind_name, ns, name in scaled:
-        kind = KINDS[kind_name]
-        grant(ns, kind.group, kind.plural, name, ("get", "patch"))  # replicas, revisions; engine flags, rollbacks
-        grant(ns, kind.group, f"{kind.plural}/scale", name, ("patch",))
-        if kind_name == "Rollout":
-            grant(ns, kind.group, "rollouts/status", name, ("patch",))  # abort
-        events.add(ns)
-        if kind_name in _REVISIONED:
-            revisions.add(ns)
-    if (router := k.router) is not None:  # read and rolled back, never scaled; its Events beside it
-        kind = KINDS[router.kind]
-        grant(router.namespace, kind.group, kind.plural, router.name, ("get", "patch"))
-        if router.kind == "Rollout":
-            grant(router.namespace, kind.group, "rollouts/status", router.name, ("patch",))
-        events.add(router.namespace)
-        if router.kind in _REVISIONED:
-            revisions.add(router.namespace)
+
+    def grant(ns: str, group: str, resource: str, name: str) -> None:
+        named.setdefault(ns, {}).setdefault((group, resource), set()).add(name)
+
+    def workload(w: Workload, *, scaled: bool) -> None:
+        """Read (replicas, revisions) and patched (engine flags, rollbacks, a Rollout's abort), scaled if a pool's;
+        its Events beside it."""
+        kind = KINDS[w.kind]
+        grant(w.namespace, kind.group, kind.plural, w.name)
+        if scaled:
+            grant(w.namespace, kind.group, f"{kind.plural}/scale", w.name)
+        if w.kind == "Rollout":
+            grant(w.namespace, kind.group, "rollouts/status", w.name)
+        events.add(w.namespace)
+        if w.kind in _REVISIONED:
+            revisions.add(w.namespace)
+
+    for w in pools:
+        workload(w, scaled=True)
+    if k.router is not None:
+        workload(k.router, scaled=False)
     for ref in follows:
         ns, _, name = ref.partition("/")
         if not ns or not name:
             raise ValueError(f"follows {ref!r}: give the Deployment a Rollout follows as NAMESPACE/NAME")
-        grant(ns, "apps", "deployments", name, ("get", "patch"))
+        grant(ns, "apps", "deployments", name)
         revisions.add(ns)
     if k.switch is not None:
-        grant(k.switch.namespace, "", "configmaps", k.switch.name, ("get",))
+        grant(k.switch.namespace, "", "configmaps", k.switch.name)
     if (lease := k.leader_election) is not None:
-        grant(lease.namespace, "coordination.k8s.io", "leases", lease.name, ("get", "patch"))
+        grant(lease.namespace, "coordination.k8s.io", "leases", lease.name)
 
     subject = {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
-    engines = {ns for _, ns, _ in scaled}
+    engines = {w.namespace for w in pools}
     docs: list[dict[str, Any]] = []
     for ns in sorted(named.keys() | engines | events):
-        rules = [{"apiGroups": [group], "resources": [resource], "resourceNames": sorted(names),
-                  "verbs": list(verbs[group, resource])}
-                 for (group, resource), names in sorted(named.get(ns, {}).items())]
-        if ns in engines:
-            rules += [{"apiGroups": [group], "resources": [resource], "verbs": list(how)}
-                      for group, resource, how in _UNNAMED]
-        rules += [rule for rule, wanted in ((REPLICA_SETS, ns in revisions), (EVENTS, ns in events)) if wanted]
+        rules = [_rule(group, resource, sorted(names)) for (group, resource), names in sorted(named.get(ns, {}).items())]
+        rules += [_rule(group, resource) for group, resource in _UNNAMED if ns in engines]
+        rules += [_rule(group, resource) for (group, resource), wanted in (
+            (("apps", "replicasets"), ns in revisions), (("events.k8s.io", "events"), ns in events)) if wanted]
         if lease is not None and ns == lease.namespace:
             rules.append({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]})
         docs += _bound("Role", service_account, rules, subject, ns)
     # Cluster-scoped: named for the namespace too, so two control planes' bindings do not replace each other.
-    docs += _bound("ClusterRole", f"{namespace}-{service_account}",
-                   [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]}], subject, None)
+    docs += _bound("ClusterRole", f"{namespace}-{service_account}", [_rule("", "nodes")], subject, None)
     return docs
 
 

@@ -695,10 +695,10 @@ class KubernetesActuator:
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
         _, desired = _engines(w, obj)
-        _count_as_approved(order, w, desired, change)
-        if change.replicas >= desired:
+        if change.replicas >= desired:  # every read it writes from is checked against the approval there
             return await self._retrying(f"scaling {w.kind} {w.namespace}/{w.name}", order, w, dict(obj),
                                         lambda current: self._scale_up(order, w, current, change))
+        _count_as_approved(order, w, desired, change)
         # Scale down by draining: the engines that will go leave routing first.
         victims, _ = await self._victims(order, w, obj, change.replicas)
         await self._take_out(order, w, obj, victims, change.replicas)

@@ -31,7 +31,7 @@ from controlplane.killswitch import StoreSwitch
 from controlplane.loop import ControlLoop, _touched
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
-from controlplane.store.records import NewAction, Pause
+from controlplane.store.records import ActionRecord, NewAction, Pause
 from controlplane.telemetry import Telemetry
 from policies.autoscale import PoolPlan
 from policies.inputs import StaleInputs
@@ -153,12 +153,19 @@ async def tick(loop: ControlLoop, clock: VirtualClock, seconds: float = 15.0) ->
     await loop.tick()
 
 
-async def test_a_stale_approval_is_cancelled_not_applied(clock: VirtualClock) -> None:
-    store, pools, policy = MemoryStore(), Pools(), Asks()
+async def proposed(clock: VirtualClock, pools: Pools) -> tuple[MemoryStore, Pools, Asks, ControlLoop, ActionRecord]:
+    """A propose-mode loop over `pools` whose policy asked for more replicas once: its store, pools, policy, loop and
+    the proposal."""
+    store, policy = MemoryStore(), Asks()
     loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
     policy.on = True
     await tick(loop, clock)
     [proposal] = await store.actions()
+    return store, pools, policy, loop, proposal
+
+
+async def test_a_stale_approval_is_cancelled_not_applied(clock: VirtualClock) -> None:
+    store, pools, _, loop, proposal = await proposed(clock, Pools())
     assert (proposal.state, proposal.params["from_replicas"], proposal.params["replicas"]) == (S.PROPOSED, 3, 4)
     pools.desired = pools.ready = 4  # someone scaled by hand meanwhile
     await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
@@ -171,11 +178,7 @@ async def test_a_stale_approval_is_cancelled_not_applied(clock: VirtualClock) ->
 
 async def test_an_order_carries_what_its_action_was_approved_from(clock: VirtualClock) -> None:
     # The actuator checks it again on the object it writes: a change made by hand within the tick is not undone.
-    store, pools, policy = MemoryStore(), Pools(template="t1"), Asks()
-    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
-    policy.on = True
-    await tick(loop, clock)
-    [proposal] = await store.actions()
+    store, pools, _, loop, proposal = await proposed(clock, Pools(template="t1"))
     await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
     await tick(loop, clock)
     [order] = pools.carried
@@ -230,11 +233,7 @@ async def test_a_router_rollback_approved_after_a_hand_rollback_is_cancelled(clo
 
 
 async def test_an_approved_action_waits_while_the_pool_settles(clock: VirtualClock) -> None:
-    store, pools, policy = MemoryStore(), Pools(), Asks()
-    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
-    policy.on = True
-    await tick(loop, clock)
-    [proposal] = await store.actions()
+    store, pools, _, loop, proposal = await proposed(clock, Pools())
     pools.ready = 2  # an engine restarts
     await store.decide(proposal.id, approve=True, by="alice", now=clock.now(), via="api")
     await tick(loop, clock)
@@ -344,11 +343,7 @@ async def approved_then_gone(store: MemoryStore, clock: VirtualClock) -> tuple[C
 
 
 async def test_a_proposal_approved_while_its_finding_resolves_expires_and_does_not_run(clock: VirtualClock) -> None:
-    store, pools, policy = MemoryStore(), Pools(), Asks()
-    loop = make_loop(Mode.PROPOSE, store, pools, clock, policy)
-    policy.on = True
-    await tick(loop, clock)
-    [proposal] = await store.actions()
+    store, pools, policy, loop, proposal = await proposed(clock, Pools())
     policy.on = False  # the problem is gone: this tick resolves the finding and expires its proposal
     expire = store.transition
 
