@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,15 @@ from controlplane.store.writer import SqlStore
 from policies.canary import Dist, GateSettings, Interval, Verdict, judge
 
 DEMO_MINUTES = 0.4
+
+
+@pytest.fixture(autouse=True)
+def main_module_kept() -> Iterator[None]:
+    """Put back the `__main__` module a Streamlit app test replaces with the page it ran: a process spawned later in
+    the same worker (an evaluation's runs) would run that page again as its main module, and die."""
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
 
 
 def copy_store(src: Path, dst: Path) -> None:
