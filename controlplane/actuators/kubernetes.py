@@ -694,10 +694,19 @@ class KubernetesActuator:
         return {"metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}
 
     async def _scale(self, order: Order, w: Workload, obj: Mapping[str, Any], change: ScaleTo) -> dict[str, Any]:
-        _, desired = _engines(w, obj)
+        size, desired = _engines(w, obj)
         if change.replicas >= desired:  # every read it writes from is checked against the approval there
-            return await self._retrying(f"scaling {w.kind} {w.namespace}/{w.name}", order, w, dict(obj),
-                                        lambda current: self._scale_up(order, w, current, change))
+            try:
+                return await self._retrying(f"scaling {w.kind} {w.namespace}/{w.name}", order, w, dict(obj),
+                                            lambda current: self._scale_up(order, w, current, change))
+            except _Unanswered as exc:
+                # The fresh read after a conflict went unanswered, and the conflict may be with its own first write
+                # (stored, its answer lost): the count read back tells.
+                if not await self._counts(w, change.replicas // size):
+                    raise
+                log.warning("action %d: %s, but the count reads as written", order.action_id, exc)
+                return await self._scaled(order, w, {"scaled": f"{w.kind} {w.namespace}/{w.name}",
+                                                     "replicas": change.replicas // size, "unanswered": str(exc)})
         _count_as_approved(order, w, desired, change)
         # Scale down by draining: the engines that will go leave routing first.
         victims, _ = await self._victims(order, w, obj, change.replicas)
@@ -768,15 +777,19 @@ class KubernetesActuator:
                                      "of routing (route them again by hand if the count is unchanged)") from None
             else:
                 raise ActuationError(f"{exc}; {await self._back_in(order, w, drained, pods)}") from None
+        return await self._scaled(order, w, done)
+
+    async def _scaled(self, order: Order, w: Workload, done: dict[str, Any]) -> dict[str, Any]:
+        """Stamp a workload whose count is written, and say so in an Event."""
         try:
             await self._patch(w, self._stamp(order), f"annotating {w.kind} {w.namespace}/{w.name}")
         except (ActuationError, _Conflict) as exc:
             # The count is written: the change is made, and what follows it (the check that drained engines went)
             # must run. Unstamped, a new leader reads the pool's count instead, which a redo's rails compare.
             log.warning("%s %s/%s is scaled to %d, but not stamped with action %d: %s", w.kind, w.namespace, w.name,
-                        replicas, order.action_id, exc)
+                        done["replicas"], order.action_id, exc)
             done["unstamped"] = str(exc)
-        await self._event(order, w, f"scaled to {replicas}")
+        await self._event(order, w, f"scaled to {done['replicas']}")
         return done
 
     async def _counts(self, w: Workload, replicas: int) -> bool | None:

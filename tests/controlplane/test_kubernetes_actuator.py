@@ -1645,3 +1645,31 @@ async def test_a_leaderworkersets_budget_in_percent_counts_whole_groups(server: 
     group["spec"]["rolloutStrategy"] = {"rollingUpdateConfiguration": {"maxUnavailable": "50%"}}
     server.put(LWS, group)
     assert (await actuator(api).observe()).pools["prefill"].max_unavailable == 4  # two groups of two
+
+
+async def test_a_scale_up_whose_reread_after_a_conflict_goes_unanswered_is_found_made(server: ApiServer,
+                                                                                       api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    act = actuator(api)
+    read, reads = act._read, []
+
+    async def reread_unanswered(w: Workload) -> dict[str, Any]:
+        reads.append(w.name)
+        if len(reads) == 2:  # the fresh read after the conflict
+            raise kubernetes_actuator._Unanswered(f"reading {w.name}: ReadTimeoutError")
+        return await read(w)
+
+    act._read = reread_unanswered  # type: ignore[method-assign]
+    # The write is stored and its answer lost, its resend loses to it (409), and the fresh read after the conflict
+    # goes unanswered: the count read back then says the scale is made.
+    server.slow("PATCH", "/deployments/vllm-decode/scale", 2.5, times=1, stored=True)
+    done = await act.carry_out(replace(order(ActionKind.SCALE_POOL, ScaleTo(4), action_id=1), from_replicas=3))
+    assert done["replicas"] == 4 and "ReadTimeoutError" in done["unanswered"] and len(reads) == 3
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert dep is not None and dep["spec"]["replicas"] == 4 and dep["metadata"]["annotations"][ACTION_ANNOTATION] == "1@0"
+    # The same with nothing stored: the action fails, and says why.
+    reads.clear()
+    server.fail("PATCH", "/deployments/vllm-decode/scale", 409, "the object has been modified")
+    with pytest.raises(ActuationError, match="ReadTimeoutError"):
+        await act.carry_out(replace(order(ActionKind.SCALE_POOL, ScaleTo(5), action_id=2), from_replicas=4))
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
