@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,9 +37,21 @@ from controlplane.rails import (
 )
 from controlplane.store.base import Store
 from controlplane.store.compaction import Retention
-from controlplane.store.records import ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
+from controlplane.store.records import ActionEvent, ActionRecord, FindingRecord, NewAction, NewFinding, NewVerdict
 from controlplane.telemetry import Telemetry
-from policies.autoscale import DESIRED, FORECAST, GANG, READY, ROLLING, STARTUP, TARGET, PoolPlan, Sizer, plan_each
+from policies.autoscale import (
+    DESIRED,
+    FORECAST,
+    GANG,
+    READY,
+    ROLLING,
+    STARTUP,
+    TARGET,
+    PoolPlan,
+    Sizer,
+    plan_each,
+    slo_broken_minutes,
+)
 from policies.inputs import KIND as STALE_KIND
 from policies.inputs import VANISH_WATCH, frozen_inputs, stale_among, vanished_inputs
 from policies.settling import stalled_since
@@ -56,7 +68,7 @@ from policies.types import (
     change_as_dict,
     change_from_dict,
 )
-from policies.windows import HISTORY_S, SignalWindows
+from policies.windows import HISTORY_S, SignalWindows, by_minute
 
 __all__ = ["INEFFECTIVE", "ControlLoop", "TickReport"]
 
@@ -784,6 +796,7 @@ class ControlLoop:
             "verify_signal": proposal.verify_signal,
             "verify_lower_is_better": proposal.verify_lower_is_better,
             "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
+            **({"verify_slo": True} if proposal.verify_slo else {}),
             "inputs": list(proposal.inputs),
             **(extra or {}),
         }
@@ -962,10 +975,10 @@ class ControlLoop:
             for key in [*pool.stale_inputs, *([""] if pool.unreadable is not None else [])]:
                 self._unfit_at.setdefault((name, key), []).append(now)
 
-    def _whole_since(self, action: ActionRecord, until: float) -> float:
-        """The last tick before `until` at which an input the action's outcome rests on was unfit (its verify signal
-        or inputs stale, or its pool unreadable), as this replica saw; -inf if none."""
-        names = [n for n in (action.params.get("verify_signal"), *action.params.get("inputs", ())) if n]
+    def _whole_since(self, action: ActionRecord, judged: Iterable[str], until: float) -> float:
+        """The last tick before `until` at which an input the action's outcome rests on was unfit (a signal it is
+        `judged` by or one of its inputs stale, or its pool unreadable), as this replica saw; -inf if none."""
+        names = [*judged, *action.params.get("inputs", ())]
         keys = {key: "" for pool, key in self._unfit_at if pool == action.pool and key}
         return max((t for key in [*stale_among(names, keys), ""] for t in self._unfit_at.get((action.pool, key), ())
                     if t < until), default=-math.inf)
@@ -989,18 +1002,20 @@ class ControlLoop:
         self._note_unfit(pools, now)
         due = await self.store.awaiting_outcome(finished_before=now - verify_after)
         # Read once for all of them: what changed their pools since.
-        finished = [a.finished_at for a in due if a.finished_at is not None and a.params.get("verify_signal")]
+        finished = [a.finished_at for a in due if a.finished_at is not None
+                    and (a.params.get("verify_signal") or a.params.get("verify_slo"))]
         others = await self.store.actions(since=min(finished) - self.config.rails.history_s) if finished else []
         for action in due:
             p = action.params
-            unfit = _unfit_to_judge(action, pools.get(action.pool))
+            judged = _judged_by(p, pools.get(action.pool))
+            unfit = _unfit_to_judge(action, pools.get(action.pool), judged)
             # Judged on the points after the pool settled (its engines restarted or started, all serving) and its
             # inputs were whole again, and before the next change to it, which would take credit or blame for it.
             start, until, confounded = action.finished_at, math.inf, None
-            if action.finished_at is not None and p.get("verify_signal"):
+            if action.finished_at is not None and judged:
                 nxt = self._next_change(action, others)
                 until = nxt.started_at if nxt is not None and nxt.started_at is not None else math.inf
-                whole = self._whole_since(action, until)
+                whole = self._whole_since(action, judged, until)
                 settled = self._changing_until(action.pool, action.finished_at, until)
                 if now - action.finished_at >= 3 * verify_after and settled > whole:
                     # Still not settled three verify windows on (its engines crash-loop, its rollout stalled): the
@@ -1008,8 +1023,8 @@ class ControlLoop:
                     settled = action.finished_at
                 start = max(action.finished_at, settled, whole)
                 # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
-                seen = [ts for ts, _ in self.windows.series(f"pool/{action.pool}", p["verify_signal"],
-                                                            since=math.nextafter(start, math.inf)) if ts < until]
+                seen = sorted({ts for name in judged for ts, _ in self.windows.series(
+                    f"pool/{action.pool}", name, since=math.nextafter(start, math.inf)) if ts < until})
                 if nxt is not None and len(seen) < VERIFY_POINTS:
                     confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} {until - start:.0f}s after "
                                   f"{action.pool} settled: {len(seen)} point(s) before it")
@@ -1018,29 +1033,18 @@ class ControlLoop:
                              f"({len(seen)} point(s) since)")
                 elif unfit is None and 0 < len(seen) < VERIFY_POINTS:
                     # A clock stepped forward makes an action due with a point or two after it: not a settled state.
-                    unfit = f"{len(seen)} point(s) of {p['verify_signal']} since it finished"
+                    unfit = f"{len(seen)} point(s) of {' or '.join(judged)} since it finished"
             if confounded is None and unfit is not None and action.finished_at is not None \
                     and now - action.finished_at < 3 * verify_after:
                 continue  # judged once its numbers are fit again: a verdict from them would stand for good
-            # The state it ran from (read when it started: an approval can come long after the proposal), and
-            # the state after it, from points after it finished only: a signal that stopped is no recovery.
             log_ = await self.store.audit_log(action.id)
-            started = next((e.detail for e in log_ if e.event == "started"), {})
-            before = started.get("verify_before", p.get("verify_before"))
-            after = self._recent_mean(action.pool, p.get("verify_signal"),
-                                      since=None if start is None else math.nextafter(start, math.inf), until=until)
-            finding = await self.store.finding(action.finding_id) if action.finding_id else None
-            resolved = finding is not None and finding.state == "resolved"
-            if before is None or after is None:
-                outcome = "recovered" if resolved else "unmeasured"
+            if p.get("verify_slo"):
+                outcome, detail = self._slo_outcome(action.pool, {n: v for n, v in judged.items() if v is not None},
+                                                    start, until)
+                if (pool := pools.get(action.pool)) is not None:  # a breach at the pool's most engines is the bound's
+                    detail.update(engines=pool.desired, max_engines=pool.max_replicas)
             else:
-                gain = before - after if p.get("verify_lower_is_better", True) else after - before
-                change = gain / max(abs(before), 1e-9)
-                # A finding can resolve because the action removed the series it watched (speculation switched off
-                # ends its acceptance rate): that is no recovery where the signal the action was to improve got worse.
-                outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change >= -IMPROVEMENT)
-                           else "not_recovered")
-            detail = {"signal": p.get("verify_signal"), "before": before, "after": after, "finding_resolved": resolved}
+                outcome, detail = await self._signal_outcome(action, log_, start, until)
             if confounded is not None:  # another change came too soon after it: no verdict is this one's alone
                 outcome, detail = "unmeasured", {**detail, "confounded": confounded}
             elif unfit is not None:  # unfit for three verify windows: not judged from them
@@ -1061,6 +1065,51 @@ class ControlLoop:
             except ActionConflict:  # judged by the last leader's tick meanwhile: its verdict stands
                 continue
             report.outcomes.append((action.id, outcome))
+
+    async def _signal_outcome(self, action: ActionRecord, log_: Sequence[ActionEvent], start: float | None,
+                              until: float) -> tuple[str, dict[str, Any]]:
+        """Whether the action's verify signal improved: the state it ran from (read when it started, as an approval
+        can come long after the proposal) against the state after it, from points after `start` only (a signal that
+        stopped is no recovery)."""
+        p = action.params
+        started = next((e.detail for e in log_ if e.event == "started"), {})
+        before = started.get("verify_before", p.get("verify_before"))
+        after = self._recent_mean(action.pool, p.get("verify_signal"),
+                                  since=None if start is None else math.nextafter(start, math.inf), until=until)
+        finding = await self.store.finding(action.finding_id) if action.finding_id else None
+        resolved = finding is not None and finding.state == "resolved"
+        if before is None or after is None:
+            outcome = "recovered" if resolved else "unmeasured"
+        else:
+            gain = before - after if p.get("verify_lower_is_better", True) else after - before
+            change = gain / max(abs(before), 1e-9)
+            # A finding can resolve because the action removed the series it watched (speculation switched off
+            # ends its acceptance rate): that is no recovery where the signal the action was to improve got worse.
+            outcome = ("recovered" if change >= IMPROVEMENT or (resolved and change >= -IMPROVEMENT)
+                       else "not_recovered")
+        return outcome, {"signal": p.get("verify_signal"), "before": before, "after": after,
+                         "finding_resolved": resolved}
+
+    def _slo_outcome(self, pool: str, slos: Mapping[str, float], start: float | None,
+                     until: float) -> tuple[str, dict[str, Any]]:
+        """Whether the pool kept its SLOs from `start` to `until` (a scale for the load): `held`, or `breached` where
+        most of a whole minute's points broke one; no revert either way, the sizer plans again every tick."""
+        if not slos:
+            return "unmeasured", {"slos": {}, "why": f"{pool} has no SLO set"}
+        series = {name: [] if start is None else
+                  [(ts, v) for ts, v in self.windows.series(f"pool/{pool}", name, since=math.nextafter(start, math.inf))
+                   if ts < until] for name in slos}
+        # Whole minutes only: the minute the window starts or ends in may hold a single point, one slow scrape.
+        whole = min(4, max(1, round(60.0 / self.config.scrape.interval)))
+        scraped = by_minute((ts, ts) for ts in {ts for points in series.values() for ts, _ in points})
+        minutes = {m for m, stamps in scraped.items() if len(stamps) >= whole}
+        series = {name: [(ts, v) for ts, v in points if math.ceil(ts / 60.0) in minutes] for name, points in series.items()}
+        broken = {name: [m * 60.0 for m in slo_broken_minutes(points, slos[name])] for name, points in series.items()}
+        detail = {"slos": dict(slos), "minutes": len(minutes), "broken": {n: b for n, b in broken.items() if b},
+                  "worst": {n: max(v for _, v in points) for n, points in series.items() if points}}
+        if not minutes:
+            return "unmeasured", {**detail, "why": "not a whole minute of points before the next change"}
+        return ("breached" if detail["broken"] else "held"), detail
 
     async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], done: Mapping[str, Any], now: float,
                            pools: dict[str, PoolState], report: TickReport) -> None:
@@ -1173,14 +1222,22 @@ def _unsettled(pools: dict[str, PoolState], history: Sequence[ActionRecord], now
 _RAN = frozenset({ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN})
 
 
-def _unfit_to_judge(action: ActionRecord, pool: PoolState | None) -> str | None:
-    """Why the numbers an action's outcome is judged by cannot be trusted now (its pool unreadable, the signal it
-    verifies by or one it rests on stale), or None."""
+def _judged_by(params: Mapping[str, Any], pool: PoolState | None) -> dict[str, float | None]:
+    """The signals an action's outcome is judged by, each with the objective it must keep (a scale for the load), or
+    None where it must improve (a remedy)."""
+    if params.get("verify_slo"):
+        return dict(pool.slos) if pool is not None else {}
+    return {params["verify_signal"]: None} if params.get("verify_signal") else {}
+
+
+def _unfit_to_judge(action: ActionRecord, pool: PoolState | None, judged: Iterable[str]) -> str | None:
+    """Why the numbers an action's outcome is judged by cannot be trusted now (its pool unreadable, a signal it is
+    `judged` by or one it rests on stale), or None."""
     if pool is None:
         return None
     if pool.unreadable is not None:
         return f"{pool.name} cannot be read: {pool.unreadable}"
-    names = [n for n in (action.params.get("verify_signal"), *action.params.get("inputs", ())) if n]
+    names = [*judged, *action.params.get("inputs", ())]
     stale = stale_among(names, pool.stale_inputs)
     return "; ".join(f"{k}: {v}" for k, v in sorted(stale.items())) or None
 

@@ -62,6 +62,7 @@ __all__ = [
     "learned_startup",
     "plan_each",
     "pool_load",
+    "slo_broken_minutes",
 ]
 
 # What the loop records each tick for every pool (from the actuator's view and from the sizer), so
@@ -226,7 +227,8 @@ class PoolPlan:
         """The scale this plan asks of the rails, if any."""
         if self.target == self.desired:
             return None
-        return Proposal(ActionKind.SCALE_POOL, self.pool, ScaleTo(self.target), self.reason, inputs=READS)
+        return Proposal(ActionKind.SCALE_POOL, self.pool, ScaleTo(self.target), self.reason, verify_slo=True,
+                        inputs=READS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,9 +402,9 @@ def _most(flags: Sequence[bool]) -> bool:
     return 2 * sum(flags) > len(flags)
 
 
-def _breached_minute(series: Sequence[tuple[float, float]], slo: float) -> bool:
-    """Whether in some minute most scrapes' p95 broke the SLO."""
-    return any(_most([v > slo for v in values]) for values in by_minute(series).values())
+def slo_broken_minutes(series: Sequence[tuple[float, float]], slo: float) -> list[int]:
+    """The minutes (numbered by their end, as `by_minute`) in which most scrapes' p95 broke the SLO."""
+    return sorted(m for m, values in by_minute(series).items() if _most([v > slo for v in values]))
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
@@ -462,9 +464,8 @@ def _findings_floor(inp: PolicyInput, pool: PoolState, short: Sequence[str], rec
     # Fresh points only: a latency quantile has none while nothing finishes, and the last ones of a burst that
     # stopped would read as a breach now.
     fresh = inp.now - 2 * _interval(w, subject)
-    breaching = any(slo is not None and (points := w.series(subject, name, since=fresh)[-2:])
-                    and statistics.fmean(v for _, v in points) > slo
-                    for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
+    breaching = any((points := w.series(subject, name, since=fresh)[-2:]) and statistics.fmean(v for _, v in points) > slo
+                    for name, slo in pool.slos.items())
     if short and breaching and recommended <= pool.desired and pool.ready == pool.desired:
         return pool.desired + 1, f"{pool.name}: {', '.join(short)} open although the curves call {pool.desired} enough: add one"
     return recommended, reason
@@ -724,8 +725,8 @@ class Autoscaler:
         # said enough then too. Otherwise a lower target must last the hold window, and a pool sheds at
         # most a quarter of its engines at once, so the next breach finds it one step lower, not at the floor.
         recently = inp.now - s.scale_down_after
-        breached_since = any(slo is not None and _breached_minute(w.series(subject, name, since=recently), slo)
-                             for name, slo in (("ttft_p95", pool.ttft_p95_slo), ("tpot_p95", pool.tpot_p95_slo)))
+        breached_since = any(slo_broken_minutes(w.series(subject, name, since=recently), slo)
+                             for name, slo in pool.slos.items())
         if short or breached_since:
             target = max(recommended, pool.desired)
         else:

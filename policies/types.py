@@ -204,6 +204,9 @@ class Proposal:
     reason: str
     verify_signal: str | None = None  # pool signal expected to improve once the action took effect
     verify_lower_is_better: bool = True
+    # Judged instead by whether its pool kept its SLOs while it stood: a scale made for the load improves no signal
+    # that was within its objective, and judged as a remedy it would be reverted.
+    verify_slo: bool = False
     inputs: tuple[str, ...] = ()  # the signals it rests on (the loop fills in the policy's `reads` when empty)
 
     def __post_init__(self) -> None:
@@ -268,6 +271,12 @@ class PoolState:
     # Seconds it has been short of ready engines, once that is `rails.settle_timeout` or more (None: not stalled).
     stalled_for: float | None = None
     scaled_by: str | None = None  # another controller that sets its replica count (an HPA), where there is one
+
+    @property
+    def slos(self) -> dict[str, float]:
+        """The p95 objectives set on the pool, by the signal that measures each."""
+        return {name: slo for name, slo in (("ttft_p95", self.ttft_p95_slo), ("tpot_p95", self.tpot_p95_slo))
+                if slo is not None}
 
 
 @dataclass(frozen=True, slots=True)

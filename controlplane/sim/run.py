@@ -85,7 +85,7 @@ class Timeline:
             # A scale's step is not in its reason; every other change's reason says what it does.
             step = f" {action_change(a.params)}" if "replicas" in a.params else ""
             out.append(f"[cyan]{now} action[/] #{a.id} {a.kind} {a.pool}{step}: {a.reason}")
-        # A scale for load has no signal to judge ("unmeasured"): the autoscaler re-plans every tick instead.
+        # One left unjudged (another change came too soon, its numbers unfit) says nothing worth a line.
         out += [f"[cyan]{now} outcome[/] of action #{action_id}: {outcome}" for action_id, outcome in report.outcomes
                 if outcome != "unmeasured"]
         out += [f"[green]{now} finding resolved[/] #{f.id} {f.kind} {f.subject}" for f in report.resolved]

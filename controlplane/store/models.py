@@ -150,7 +150,8 @@ class ActionRow(Base):
     started_at: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
-    outcome: Mapped[str | None] = mapped_column(String(32))  # recovered | not_recovered | unmeasured
+    # recovered | not_recovered (a remedy); held | breached (a scale for the load); unmeasured
+    outcome: Mapped[str | None] = mapped_column(String(32))
     outcome_at: Mapped[float | None] = mapped_column(Float)
     actuator: Mapped[str | None] = mapped_column(String(32))  # which actuator carried it out
     dry_run: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

@@ -63,11 +63,13 @@ log = pd.DataFrame([{
     "finding": a["finding_id"], "error": a["error"] or "",
 } for a in actions])
 outcomes = log["outcome"].value_counts()
-m = st.columns(4)
+m = st.columns(5)
 m[0].metric("Actions (newest 200)", len(log))
 m[1].metric("Recovered", int(outcomes.get("recovered", 0)))
 m[2].metric("Not recovered", int(outcomes.get("not_recovered", 0)))
-m[3].metric("Failed or unknown", int(log["state"].isin(["failed", "unknown"]).sum()))
+held, breached = int(outcomes.get("held", 0)), int(outcomes.get("breached", 0))
+m[3].metric("Scales within SLO", f"{held} of {held + breached}", help="scales after which the pool kept its SLOs")
+m[4].metric("Failed or unknown", int(log["state"].isin(["failed", "unknown"]).sum()))
 timeline = pd.DataFrame([{
     "created": pd.Timestamp(a["created_at"], unit="s", tz="UTC"), "pool": a["pool"], "kind": a["kind"], "id": a["id"],
     "result": a["outcome"] or a["state"],

@@ -1,0 +1,137 @@
+"""A scale made for the load is judged by whether its pool kept its SLOs afterwards.
+
+In-memory store, virtual time. The pool's TPOT p95 depends on how many engines serve it: within its
+50 ms objective at three or more, over it below. A scale to three is judged `held`, one to two
+`breached`, naming the minutes; neither is reverted nor opens a finding, and a breached scale does not
+hold back the next one (the sizer plans again every tick, and the rails refuse only a remedy that did not
+help).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectors.types import Signal
+from controlplane.actions import ActionState as S
+from controlplane.actuators.base import FleetView, Order, PoolReplicas
+from controlplane.clock import VirtualClock
+from controlplane.config import parse_config
+from controlplane.killswitch import StoreSwitch
+from controlplane.loop import INEFFECTIVE, ControlLoop
+from controlplane.observe import Observation
+from controlplane.store.memory import MemoryStore
+from controlplane.telemetry import Telemetry
+from policies.autoscale import PoolPlan, Unplanned
+from policies.types import ActionKind, PolicyInput, PoolState, ScaleTo
+
+FLEET = """
+mode: act
+pools: [{{name: chat, role: unified, model: m, replicas: {{min: 1, max: 8}}{slo}}}]
+rails: {{cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20}}
+"""
+SLO = ", slo: {ttft_p95: 2s, tpot_p95: 50ms}"
+
+
+class Engines:
+    """A pool that takes the count it is given at once."""
+
+    name = "fake"
+    dry_run = False
+    kinds = frozenset({ActionKind.SCALE_POOL})
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.history: list[int] = []
+
+    async def observe(self) -> FleetView:
+        return FleetView({"chat": PoolReplicas(self.replicas, self.replicas)})
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        assert isinstance(order.change, ScaleTo)
+        before, self.replicas = self.replicas, order.change.replicas
+        self.history.append(self.replicas)
+        return {"replicas": self.replicas, "from": before}
+
+    async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        return {}
+
+    async def applied(self, order: Order) -> bool | None:
+        return None
+
+
+class Load:
+    """TPOT within 50 ms at three engines or more, 80 ms below; TTFT always within 2 s. One scrape at `spike` reads
+    a TPOT of 200 ms whatever the engines."""
+
+    def __init__(self, engines: Engines, spike: float | None = None) -> None:
+        self.engines, self.spike = engines, spike
+
+    async def observe(self, now: float) -> Observation:
+        tpot = 0.2 if now == self.spike else 0.03 if self.engines.replicas >= 3 else 0.08
+        return Observation(signals=[Signal(now, "pool/chat", "tpot_p95", tpot),
+                                    Signal(now, "pool/chat", "ttft_p95", 0.5)])
+
+
+class AskFor:
+    """A sizer that wants the pool at `sizes[0]` until `after` seconds of virtual time, then at `sizes[1]`."""
+
+    name = "ask"
+
+    def __init__(self, clock: VirtualClock, *sizes: int, after: float = 1e9) -> None:
+        self.clock, self.sizes, self.switch_at = clock, sizes, clock.now() + after
+
+    def plan_pool(self, inp: PolicyInput, pool: PoolState) -> PoolPlan | Unplanned:
+        want = self.sizes[0] if inp.now < self.switch_at or len(self.sizes) == 1 else self.sizes[1]
+        return PoolPlan(pool.name, pool.desired, pool.ready, want, want, f"{pool.name} wants {want}")
+
+
+def make_loop(store: MemoryStore, engines: Engines, clock: VirtualClock, sizer: AskFor, slo: str = SLO,
+              spike: float | None = None) -> ControlLoop:
+    return ControlLoop(config=parse_config(FLEET.format(slo=slo)), source=Load(engines, spike), store=store, policies=[],
+                       actuator=engines, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store), sizer=sizer)
+
+
+async def ticks(loop: ControlLoop, clock: VirtualClock, n: int) -> None:
+    """`n` scrape intervals of 15 s."""
+    for _ in range(n):
+        clock.advance(15)
+        await loop.tick()
+
+
+async def test_a_scale_that_kept_the_slos_is_judged_held() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines(2)
+    # One slow scrape three minutes after the scale: one of its minute's four, no breach.
+    loop = make_loop(store, engines, clock, AskFor(clock, 3), spike=clock.now() + 15 * 13)
+    await ticks(loop, clock, 4 * 8)
+    [scale] = await store.actions()
+    assert (scale.state, scale.outcome, scale.params["verify_slo"]) == (S.SUCCEEDED, "held", True)
+    [judged] = [e for e in store.action_events(scale.id) if e.event == "outcome:held"]
+    assert judged.detail["slos"] == {"ttft_p95": 2.0, "tpot_p95": 0.05}
+    assert judged.detail["minutes"] == 4 and judged.detail["broken"] == {}, "the whole minutes of its five"
+    assert judged.detail["worst"]["tpot_p95"] == 0.2, "the slow scrape is among its points"
+
+
+async def test_a_scale_after_which_the_pool_broke_its_slo_is_judged_breached_and_left_to_the_sizer() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines(3)
+    # Down to two, then back up once the sizer sees the breach (after the first scale was judged).
+    loop = make_loop(store, engines, clock, AskFor(clock, 2, 3, after=8 * 60))
+    await ticks(loop, clock, 4 * 7)
+    [down] = await store.actions()
+    assert (down.state, down.outcome) == (S.SUCCEEDED, "breached")
+    [judged] = [e for e in store.action_events(down.id) if e.event == "outcome:breached"]
+    assert list(judged.detail["broken"]) == ["tpot_p95"] and len(judged.detail["broken"]["tpot_p95"]) >= 4
+    assert judged.detail["worst"]["tpot_p95"] == 0.08 and (judged.detail["engines"], judged.detail["max_engines"]) == (2, 8)
+    assert not [f for f in store.findings.values() if f.kind == INEFFECTIVE], "no finding: the sizer owns the count"
+    await ticks(loop, clock, 4 * 3)
+    down, up = await store.actions()
+    assert "reverts" not in up.params and up.state is S.SUCCEEDED, "not a revert, and not held by the breach"
+    assert engines.history == [2, 3]
+
+
+async def test_a_scale_on_a_pool_with_no_slo_is_not_judged() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines(3)
+    await ticks(make_loop(store, engines, clock, AskFor(clock, 4), slo=""), clock, 4 * 8)
+    [scale] = await store.actions()
+    assert scale.outcome == "unmeasured"
+    [judged] = [e for e in store.action_events(scale.id) if e.event == "outcome:unmeasured"]
+    assert judged.detail["why"] == "chat has no SLO set"
