@@ -65,6 +65,7 @@ class RailsReason(StrEnum):
     VERIFYING = "verifying"  # the same kind of change for the same finding is still being judged
     POOL_UNREADABLE = "pool_unreadable"  # the pool's workload could not be read now: its replicas are not known
     SCALED_ELSEWHERE = "scaled_elsewhere"  # another controller (an HPA, KEDA's) sets the pool's replica count
+    MADE = "made"  # the change stands already for this finding (its node is cordoned)
 
 
 # An approved action held back for one of these waits for a later tick; any other reason cancels it.
@@ -298,6 +299,9 @@ def check(
         # After a change that did not help (and was undone where it could be), asking again would
         # flap between the change and its revert.
         return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")
+    if proposal.kind == ActionKind.CORDON_NODE and any(a.state == ActionState.SUCCEEDED for a in same):
+        # A fault holds its finding open for an hour whatever the cordon did; the node stays cordoned meanwhile.
+        return _held(RailsReason.MADE, "the node is cordoned for this finding already")
     if any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
         # Another change before the last one is judged would stack changes nobody can tell apart.
         return _held(RailsReason.VERIFYING, f"a {proposal.kind} for this finding is still being judged")

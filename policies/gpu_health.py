@@ -246,6 +246,9 @@ class GpuHealth:
                                   f"cordon node {host} and drain its engines ({main.value} on GPU {gpu}): "
                                   f"kubectl cordon {host}; kubectl drain {host} --ignore-daemonsets "
                                   "--delete-emptydir-data",
+                                  # Judged by the pool serving within its SLOs once its engines moved: the fault
+                                  # holds the finding open for an hour, so its resolving says nothing of the cordon.
+                                  verify_slo=True,
                                   # It rests on the GPU's own signals: the engine's /metrics may be down with it.
                                   inputs=(*WATCHED, *ALIVE)),)
         evidence["suggested_actions"] = [p.reason for p in proposals]

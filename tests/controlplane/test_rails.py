@@ -235,7 +235,7 @@ def test_reason_spellings_are_stable() -> None:
     assert [r.value for r in RailsReason] == [
         "allowed", "needs_approval", "observe_mode", "unknown_pool", "at_limit", "in_flight", "cooldown",
         "rate_limited", "pool_not_settled", "not_supported", "stale", "paused", "rollout_in_flight", "blast_radius",
-        "stale_inputs", "tried", "verifying", "pool_unreadable", "scaled_elsewhere",
+        "stale_inputs", "tried", "verifying", "pool_unreadable", "scaled_elsewhere", "made",
     ]
 
 
@@ -480,6 +480,18 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
 def test_one_change_per_finding_until_it_is_judged(earlier: Past, reason: RailsReason) -> None:
     d = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier], now=NOW, supported=ALL_KINDS, finding_id=5)
     assert d.reason is reason
+
+
+@pytest.mark.parametrize(("state", "finding_id", "reason"), [
+    ("succeeded", 5, RailsReason.MADE),  # judged held, and the fault's finding still open
+    ("failed", 5, RailsReason.ALLOWED),  # not made: asked again
+    ("succeeded", 6, RailsReason.ALLOWED),  # an earlier fault, resolved (the card replaced, the node uncordoned)
+])
+def test_a_cordon_made_for_a_finding_is_not_made_again(state: str, finding_id: int, reason: RailsReason) -> None:
+    earlier = Past("prefill", state, NOW - 9000, NOW - 8900, kind="cordon_node", finding_id=finding_id, outcome="held")
+    d = check(ask(ActionKind.CORDON_NODE, Cordon("node-a")), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier],
+              now=NOW, supported=ALL_KINDS, finding_id=5)
+    assert d.reason is reason, d.note
 
 
 @pytest.mark.parametrize(("kind", "change", "reason"), [

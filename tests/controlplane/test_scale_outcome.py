@@ -22,7 +22,18 @@ from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
 from controlplane.telemetry import Telemetry
 from policies.autoscale import PoolPlan, Unplanned
-from policies.types import ActionKind, PolicyInput, PoolState, ScaleTo
+from policies.types import (
+    ActionKind,
+    Cordon,
+    FindingKey,
+    FindingReport,
+    PolicyInput,
+    PolicyResult,
+    PoolState,
+    Proposal,
+    ScaleTo,
+    Severity,
+)
 
 FLEET = """
 mode: act
@@ -37,7 +48,7 @@ class Engines:
 
     name = "fake"
     dry_run = False
-    kinds = frozenset({ActionKind.SCALE_POOL})
+    kinds = frozenset({ActionKind.SCALE_POOL, ActionKind.CORDON_NODE})
 
     def __init__(self, replicas: int) -> None:
         self.replicas = replicas
@@ -47,6 +58,8 @@ class Engines:
         return FleetView({"chat": PoolReplicas(self.replicas, self.replicas)})
 
     async def carry_out(self, order: Order) -> dict[str, Any]:
+        if isinstance(order.change, Cordon):
+            return {"cordoned": order.change.node}
         assert isinstance(order.change, ScaleTo)
         before, self.replicas = self.replicas, order.change.replicas
         self.history.append(self.replicas)
@@ -85,10 +98,23 @@ class AskFor:
         return PoolPlan(pool.name, pool.desired, pool.ready, want, want, f"{pool.name} wants {want}")
 
 
-def make_loop(store: MemoryStore, engines: Engines, clock: VirtualClock, sizer: AskFor, slo: str = SLO,
-              spike: float | None = None) -> ControlLoop:
-    return ControlLoop(config=parse_config(FLEET.format(slo=slo)), source=Load(engines, spike), store=store, policies=[],
-                       actuator=engines, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store), sizer=sizer)
+class FaultyGpu:
+    """A GPU fault on the pool's node, open all along (its hold outlasts the test), asking for a cordon."""
+
+    kind = "test_gpu"
+    reads = ("tpot_p95",)
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        cordon = Proposal(ActionKind.CORDON_NODE, "chat", Cordon("node-a"), "cordon node-a", verify_slo=True)
+        return PolicyResult([FindingReport(FindingKey("test_gpu", "gpu/node-a/3"), Severity.CRITICAL, "xid 79", "", {},
+                                           "gpu_health", (cordon,))])
+
+
+def make_loop(store: MemoryStore, engines: Engines, clock: VirtualClock, sizer: AskFor | None, slo: str = SLO,
+              spike: float | None = None, policies: tuple[FaultyGpu, ...] = ()) -> ControlLoop:
+    return ControlLoop(config=parse_config(FLEET.format(slo=slo)), source=Load(engines, spike), store=store,
+                       policies=list(policies), actuator=engines, clock=clock, telemetry=Telemetry(),
+                       switch=StoreSwitch(store), sizer=sizer)
 
 
 async def ticks(loop: ControlLoop, clock: VirtualClock, n: int) -> None:
@@ -135,3 +161,11 @@ async def test_a_scale_on_a_pool_with_no_slo_is_not_judged() -> None:
     assert scale.outcome == "unmeasured"
     [judged] = [e for e in store.action_events(scale.id) if e.event == "outcome:unmeasured"]
     assert judged.detail["why"] == "chat has no SLO set"
+
+
+async def test_a_cordon_is_judged_by_its_pools_slos_while_the_fault_keeps_its_finding_open() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines(3)
+    await ticks(make_loop(store, engines, clock, None, policies=(FaultyGpu(),)), clock, 4 * 8)
+    [cordon] = await store.actions()
+    assert (cordon.kind, cordon.state, cordon.outcome) == ("cordon_node", S.SUCCEEDED, "held")
+    assert [f.state for f in store.findings.values()] == ["open"], "not unmeasured for a finding that stays open"

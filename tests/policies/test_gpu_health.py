@@ -63,7 +63,7 @@ def test_hardware_xid_is_critical_and_proposes_a_cordon() -> None:
     ev = f.evidence
     assert (ev["node"], ev["gpu"], ev["cause"], ev["xid_codes"], ev["xid_events"]) == ("node-a", "3", "xid", [79], 1)
     [p] = f.proposals
-    assert (p.kind, p.pool) == (ActionKind.CORDON_NODE, "decode")
+    assert (p.kind, p.pool, p.verify_slo) == (ActionKind.CORDON_NODE, "decode", True), "judged by the pool's SLOs"
     assert "kubectl cordon node-a" in p.reason
     assert GpuHealth().evaluate(PolicyInput(0.0, SignalWindows(1.0), {}, {})).findings == []
 
