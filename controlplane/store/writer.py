@@ -374,6 +374,14 @@ class SqlStore(metaclass=_Translating):
     def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
         """Keep recommendations: one open per kind and pool, refreshed while the advice stays the same, superseded
         by a new row when it changes."""
+        try:
+            return self._record_advice(items, now)
+        except IntegrityError:
+            # Another run reopened a followed row of a kind and pool meanwhile (under read committed, after this
+            # one looked): looked at again, it is the open row to refresh or supersede.
+            return self._record_advice(items, now)
+
+    def _record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
         out = []
         with self._write() as s:
             for item in items:
@@ -412,12 +420,19 @@ class SqlStore(metaclass=_Translating):
     def unfollow_advice(self, advice_id: int, now: float) -> None:
         """A followed recommendation the fleet no longer runs: open again, to be followed (and timed) afresh, or
         superseded where newer advice of its kind for its pool is open meanwhile."""
-        with self._write() as s:
-            row = s.get(AdviceRow, advice_id)
-            newer = row is not None and s.scalars(select(AdviceRow.id).where(
-                AdviceRow.kind == row.kind, AdviceRow.pool == row.pool, AdviceRow.state == "open")).first() is not None
-            _advance(s, advice_id, "followed", {"state": "superseded", "updated_at": now} if newer
-                     else {"state": "open", "applied_at": None, "updated_at": now})
+        superseded = {"state": "superseded", "updated_at": now}
+        try:
+            with self._write() as s:
+                row = s.get(AdviceRow, advice_id)
+                newer = row is not None and s.scalars(select(AdviceRow.id).where(
+                    AdviceRow.kind == row.kind, AdviceRow.pool == row.pool, AdviceRow.state == "open")).first()
+                _advance(s, advice_id, "followed", superseded if newer is not None
+                         else {"state": "open", "applied_at": None, "updated_at": now})
+        except IntegrityError:
+            # Newer advice of its kind for its pool was inserted by another run meanwhile (under read committed,
+            # after this one looked): it is superseded by it.
+            with self._write() as s:
+                _advance(s, advice_id, "followed", superseded)
 
     def score_advice(self, advice_id: int, measured: float, error: float | None, now: float) -> None:
         """A followed recommendation: the metric measured since it was followed, and the error."""

@@ -14,12 +14,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import event, inspect, select
+from sqlalchemy import event, insert, inspect, select, update
 
 from collectors.types import Signal
 from controlplane.actions import ActionState as S
@@ -383,3 +384,54 @@ async def test_the_memory_store_supersedes_such_advice_as_the_database_does() ->
     [newer] = await memory.record_advice([_advice(3)], 30.0)
     await memory.unfollow_advice(first.id, 40.0)
     assert {r.id: r.state for r in await memory.advice()} == {first.id: "superseded", newer.id: "open"}
+
+
+@pytest.mark.postgres
+def test_unfollowing_advice_beside_a_concurrent_insert_of_newer_advice_supersedes_it(pg_url: str) -> None:
+    """Under read committed, the unfollow's look for newer advice misses a row another run has inserted and not yet
+    committed; its reopening then waits on that row's unique index and loses once it commits."""
+    migrate.upgrade(pg_url)
+    store = SqlStore.open(pg_url)
+    try:
+        [first] = store.record_advice([_advice(2)], 10.0)
+        store.follow_advice(first.id, 20.0)
+        other = store.engine.connect()
+        tx = other.begin()
+        other.execute(insert(AdviceRow).values(kind="spec_tuning", pool="decode", act=True, advice="k=3",
+                                               change={"k": 3}, metric="tpot", before=0.05, predicted=0.04,
+                                               confidence=0.8, evidence={}, state="open", created_at=30.0,
+                                               updated_at=30.0))
+        done = threading.Thread(target=store.unfollow_advice, args=(first.id, 40.0))
+        done.start()
+        done.join(1.0)
+        assert done.is_alive(), "the reopening waits on the uncommitted row"
+        tx.commit()
+        other.close()
+        done.join(10.0)
+        states = sorted(r.state for r in store.advice())
+        assert states == ["open", "superseded"], states
+    finally:
+        store.close()
+
+
+@pytest.mark.postgres
+def test_newer_advice_beside_a_concurrent_reopening_supersedes_the_reopened_row(pg_url: str) -> None:
+    migrate.upgrade(pg_url)
+    store = SqlStore.open(pg_url)
+    try:
+        [first] = store.record_advice([_advice(2)], 10.0)
+        store.follow_advice(first.id, 20.0)
+        other = store.engine.connect()
+        tx = other.begin()  # another run's unfollow, reopening the followed row
+        other.execute(update(AdviceRow).where(AdviceRow.id == first.id).values(state="open", applied_at=None))
+        newer: list[Any] = []
+        done = threading.Thread(target=lambda: newer.extend(store.record_advice([_advice(3)], 30.0)))
+        done.start()
+        done.join(1.0)
+        assert done.is_alive(), "the insert waits on the uncommitted reopening"
+        tx.commit()
+        other.close()
+        done.join(10.0)
+        assert {r.id: r.state for r in store.advice()} == {first.id: "superseded", newer[0].id: "open"}
+    finally:
+        store.close()
