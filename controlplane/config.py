@@ -35,6 +35,7 @@ from policies.ep_imbalance import EpImbalanceSettings
 from policies.gpu_health import GpuHealthSettings
 from policies.inputs import StaleInputsSettings
 from policies.kv_transfer import KvTransferSettings
+from policies.pool_at_max import PoolAtMaxSettings
 from policies.prefix_cache import PrefixCacheSettings
 from policies.saturation import SaturationSettings
 from policies.settling import PoolStalledSettings
@@ -44,7 +45,7 @@ from policies.types import ActionKind
 from policies.windows import HISTORY_S
 
 PolicySettings = (PrefixCacheSettings | KvTransferSettings | SpecDecodeSettings | SloBurnSettings | SaturationSettings
-                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | PoolStalledSettings
+                  | GpuHealthSettings | EpImbalanceSettings | StaleInputsSettings | PoolStalledSettings | PoolAtMaxSettings
                   | CanaryRolloutSettings)
 
 __all__ = ["FleetConfig", "Mode", "Seconds", "Speculative", "load_config", "parse_config", "parse_yaml"]
@@ -312,6 +313,7 @@ class Policies(Settings):
     ep_imbalance: EpImbalanceSettings = EpImbalanceSettings()
     stale_inputs: StaleInputsSettings = StaleInputsSettings()
     pool_stalled: PoolStalledSettings = PoolStalledSettings()
+    pool_at_max: PoolAtMaxSettings = PoolAtMaxSettings()
     canary_regression: CanaryRolloutSettings = CanaryRolloutSettings()
 
     def enabled(self) -> dict[str, PolicySettings]:

@@ -51,6 +51,7 @@ from policies.autoscale import (
     Sizer,
     plan_each,
     slo_broken_minutes,
+    whole_minute,
 )
 from policies.inputs import KIND as STALE_KIND
 from policies.inputs import VANISH_WATCH, frozen_inputs, stale_among, vanished_inputs
@@ -1099,12 +1100,10 @@ class ControlLoop:
         series = {name: [] if start is None else
                   [(ts, v) for ts, v in self.windows.series(f"pool/{pool}", name, since=math.nextafter(start, math.inf))
                    if ts < until] for name in slos}
-        # Whole minutes only: the minute the window starts or ends in may hold a single point, one slow scrape.
-        whole = min(4, max(1, round(60.0 / self.config.scrape.interval)))
-        scraped = by_minute((ts, ts) for ts in {ts for points in series.values() for ts, _ in points})
-        minutes = {m for m, stamps in scraped.items() if len(stamps) >= whole}
-        series = {name: [(ts, v) for ts, v in points if math.ceil(ts / 60.0) in minutes] for name, points in series.items()}
-        broken = {name: [m * 60.0 for m in slo_broken_minutes(points, slos[name])] for name, points in series.items()}
+        whole = whole_minute(self.windows, f"pool/{pool}")
+        minutes = {m for points in series.values() for m, values in by_minute(points).items() if len(values) >= whole}
+        broken = {name: [m * 60.0 for m in slo_broken_minutes(points, slos[name], whole)]
+                  for name, points in series.items()}
         detail = {"slos": dict(slos), "minutes": len(minutes), "broken": {n: b for n, b in broken.items() if b},
                   "worst": {n: max(v for _, v in points) for n, points in series.items() if points}}
         if not minutes:

@@ -33,6 +33,7 @@ from policies.ep_imbalance import EpImbalance
 from policies.gpu_health import GpuHealth
 from policies.inputs import StaleInputs
 from policies.kv_transfer import KvTransferLag
+from policies.pool_at_max import PoolAtMax
 from policies.prefix_cache import PrefixCacheHitDrop
 from policies.saturation import Saturation
 from policies.settling import PoolStalled
@@ -74,6 +75,7 @@ POLICIES: dict[str, Callable[[Any], Policy]] = {
     "ep_imbalance": EpImbalance,
     "stale_inputs": StaleInputs,
     "pool_stalled": PoolStalled,
+    "pool_at_max": PoolAtMax,
     "canary_regression": CanaryRegression,
 }
 

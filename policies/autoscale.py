@@ -62,7 +62,9 @@ __all__ = [
     "learned_startup",
     "plan_each",
     "pool_load",
+    "scrape_interval",
     "slo_broken_minutes",
+    "whole_minute",
 ]
 
 # What the loop records each tick for every pool (from the actuator's view and from the sizer), so
@@ -402,9 +404,17 @@ def _most(flags: Sequence[bool]) -> bool:
     return 2 * sum(flags) > len(flags)
 
 
-def slo_broken_minutes(series: Sequence[tuple[float, float]], slo: float) -> list[int]:
-    """The minutes (numbered by their end, as `by_minute`) in which most scrapes' p95 broke the SLO."""
-    return sorted(m for m, values in by_minute(series).items() if _most([v > slo for v in values]))
+def slo_broken_minutes(series: Sequence[tuple[float, float]], slo: float, whole: int = 1) -> list[int]:
+    """The minutes (numbered by their end, as `by_minute`) of at least `whole` scrapes in which most scrapes' p95 broke
+    the SLO."""
+    return sorted(m for m, values in by_minute(series).items()
+                  if len(values) >= whole and _most([v > slo for v in values]))
+
+
+def whole_minute(w: SignalWindows, subject: str) -> int:
+    """The scrapes that make a whole minute of a pool's points: four at 15 s, two at 30 s, the one at a minute (whose
+    p95 is the minute's own). A minute that a window starts or ends in may hold one slow scrape."""
+    return min(4, max(1, round(60.0 / scrape_interval(w, subject))))
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
@@ -419,8 +429,7 @@ def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
     broken = by_minute((ts, ttft > slo and waiting.get(ts, 0.0) > 0)
                        for ts, ttft in w.series(subject, "ttft_p95", since=since))
     sizes, rates = by_minute(engines), by_minute(arrivals)
-    # A whole minute's scrapes: four at 15 s, two at 30 s, the one at a minute (whose p95 is the minute's own).
-    whole = min(4, max(1, round(60.0 / _interval(w, subject))))
+    whole = whole_minute(w, subject)
     out = []
     for m, broke in sorted(broken.items()):
         start, end = (m - 1) * 60.0, m * 60.0
@@ -463,7 +472,7 @@ def _findings_floor(inp: PolicyInput, pool: PoolState, short: Sequence[str], rec
     w, subject = inp.windows, f"pool/{pool.name}"
     # Fresh points only: a latency quantile has none while nothing finishes, and the last ones of a burst that
     # stopped would read as a breach now.
-    fresh = inp.now - 2 * _interval(w, subject)
+    fresh = inp.now - 2 * scrape_interval(w, subject)
     breaching = any((points := w.series(subject, name, since=fresh)[-2:]) and statistics.fmean(v for _, v in points) > slo
                     for name, slo in pool.slos.items())
     if short and breaching and recommended <= pool.desired and pool.ready == pool.desired:
@@ -556,7 +565,7 @@ def _fit(rows: Sequence[tuple[float, ...]], y: Sequence[float], prior: _Fit, min
 def _lengths(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float, float]]:
     """(time, prompt tokens, output tokens) per finished request, per scrape that finished at least
     `MIN_BURST_COUNT` requests (a few long or short ones would read as a new shape)."""
-    interval = _interval(w, subject)
+    interval = scrape_interval(w, subject)
     return [(ts, p / r, o / r) for ts, r, p, o in _length_points(w, subject, since) if r * interval >= MIN_BURST_COUNT]
 
 
@@ -649,7 +658,7 @@ class Autoscaler:
         startup, scale_ups = learned_startup(w, pool.name, since)
         if startup is None:
             startup = w.latest(subject, STARTUP)
-        interval = _interval(w, subject)
+        interval = scrape_interval(w, subject)
         horizon = (startup if startup is not None else s.startup) + interval
         # Per minute: the forecast's errors measure how the minutes differ; a burst inside one is the TTFT
         # curve's to plan for (`burst_factor`).
@@ -997,7 +1006,7 @@ def stabilised(w: SignalWindows, subject: str, now: float, window_s: float, targ
     then, and the hold starts again."""
     if target >= desired:
         return target
-    step = _interval(w, subject)
+    step = scrape_interval(w, subject)
     recorded = w.series(subject, TARGET, since=now - window_s - step)
     times = [t for t, _ in recorded] + [now]
     if not recorded or times[0] > now - window_s + step or max(b - a for a, b in itertools.pairwise(times)) > 4 * step:
@@ -1006,7 +1015,8 @@ def stabilised(w: SignalWindows, subject: str, now: float, window_s: float, targ
     return min(desired, max(target, math.ceil(max(past, default=target))))
 
 
-def _interval(w: SignalWindows, subject: str) -> float:
+def scrape_interval(w: SignalWindows, subject: str) -> float:
+    """Seconds between a pool's scrapes, from its last ones (15 s before it has any)."""
     ts = [t for t, _ in w.series(subject, "request_rate")][-10:]
     return statistics.median(b - a for a, b in itertools.pairwise(ts)) if len(ts) > 1 else 15.0
 

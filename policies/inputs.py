@@ -103,7 +103,7 @@ class StaleInputs:
                 reasons = "; ".join(f"{k}: {v}" for k, v in sorted(pool.stale_inputs.items()))
                 result.findings.append(FindingReport(
                     key, Severity.WARNING, f"{name}: inputs stale, actions resting on them are held",
-                    reasons, {"inputs": dict(pool.stale_inputs)}, "stale-inputs"))
+                    reasons, {"inputs": dict(pool.stale_inputs)}, KIND))
             elif key in inp.open_findings:
                 result.resolved.append((key, "its inputs are fresh again"))
         result.resolved += removed_pools(inp, KIND)

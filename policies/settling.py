@@ -76,7 +76,7 @@ class PoolStalled:
                     f"the missing engines have not come up in {minutes:.0f} min (no free GPU to schedule them, an image "
                     "that does not pull, a crash loop): only a scale-down acts on the pool meanwhile",
                     {"desired": pool.desired, "ready": pool.ready, "stalled_for_s": round(pool.stalled_for)},
-                    "pool-stalled"))
+                    KIND))
             elif key in inp.open_findings and pool.ready >= pool.desired:
                 # Short but not judged stalled this tick (unreadable, rolling out, a gap): it stays open, not flapping.
                 result.resolved.append((key, "every engine it asks for is ready"))

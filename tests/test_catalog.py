@@ -19,6 +19,7 @@ from catalog.signals import SIGNALS, Producer, lookup, subject_kind
 from collectors import dcgm, families, nixl, vllm
 from collectors.derive import Histogram
 from collectors.exposition import parse
+from controlplane.autoscaling import build_sizer
 from controlplane.config import parse_config
 from controlplane.runtime import build_policies
 from controlplane.sim.run import run_scenario
@@ -73,7 +74,11 @@ def _from_the_simulator(tmp_path: Path) -> Produced:
         faults = [f.model_copy(update={"at": scenario.scrape_interval, "end": None}) for f in scenario.faults]
         short = scenario.model_copy(update={"duration": 6 * scenario.scrape_interval, "faults": faults})
         url = f"sqlite:///{tmp_path / f'{name}.db'}"
-        asyncio.run(run_scenario(short, url))
+        # One of them sized by the autoscaler, whose plans the loop records as signals too.
+        config = short.controlplane_config(url, "observe")
+        sizing = config.model_copy(update={"autoscaling": config.autoscaling.model_copy(update={"enabled": True})})
+        sizer = build_sizer(sizing) if name == "load-burst" else None
+        asyncio.run(run_scenario(short, url, sizer=sizer))
         store = SqlStore.open(url)
         try:
             out |= {(s.name, s.subject) for s in store.load_signals(0.0)}

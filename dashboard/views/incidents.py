@@ -35,6 +35,8 @@ def evidence_lines(kind: str, evidence: dict[str, Any]) -> list[tuple[float, str
         lines.append((num("threshold"), "threshold"))  # type: ignore[arg-type]
     if num("peers_median_p99") is not None:
         lines.append((num("peers_median_p99"), "peers' median"))  # type: ignore[arg-type]
+    if kind == "pool_at_max" and num("max") is not None:
+        lines.append((num("max"), "replicas.max"))  # type: ignore[arg-type]
     return lines
 
 

@@ -7,6 +7,9 @@ import pytest
 from controlplane.config import parse_config
 from controlplane.errors import ConfigError
 from controlplane.runtime import build_policies
+from policies.autoscale import TARGET
+from policies.types import PolicyInput, PoolState
+from policies.windows import SignalWindows
 
 FLEET = """
 pools:
@@ -20,8 +23,24 @@ def test_every_policy_is_on_by_default_with_a_runbook() -> None:
 
     kinds = [p.kind for p in build_policies(parse_config(FLEET))]
     assert kinds == ["prefix_cache_hit_drop", "kv_transfer_lag", "spec_decode_collapse", "slo_burn", "saturation",
-                     "gpu_health", "ep_imbalance", "stale_inputs", "pool_stalled", "canary_regression"]
+                     "gpu_health", "ep_imbalance", "stale_inputs", "pool_stalled", "pool_at_max", "canary_regression"]
     assert set(kinds) <= set(runbooks.available())
+
+
+def test_every_finding_names_a_runbook_that_ships() -> None:
+    """The pool-level findings, raised together on one input, each name a runbook the dashboard and alerts can load."""
+    from controlplane import runbooks
+
+    cfg = parse_config(FLEET)
+    windows = SignalWindows(3600.0)
+    windows.extend((t, "pool/decode", TARGET, 6.0) for t in range(0, 901, 15))
+    pools = {"decode": PoolState("decode", "decode", 4, 3, 1, 4, tpot_p95_slo=0.05, stalled_for=1200.0,
+                                 stale_inputs={"vllm": "target decode/d-1/vllm is down"})}
+    inp = PolicyInput(900.0, windows, pools, {})
+    findings = [f for p in build_policies(cfg) for f in p.evaluate(inp).findings]
+    assert sorted(f.key.kind for f in findings) == ["pool_at_max", "pool_stalled", "stale_inputs"]
+    for f in findings:
+        assert runbooks.load(f.runbook), f.key.kind
 
 
 def test_settings_reach_the_policies_and_policies_can_be_disabled() -> None:

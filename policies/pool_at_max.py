@@ -1,0 +1,91 @@
+"""Pools the load has outgrown: the sizer asks for more engines than the pool's `replicas.max`.
+
+The autoscaler never sizes a pool past its maximum, so a load that needs more is served short, and
+nothing else says why: the SLO burn names the symptom, the plan's target reads as met. A Kubernetes
+HorizontalPodAutoscaler says the same in its `ScalingLimited` condition (`TooManyReplicas`). The
+finding opens once the pool has held its maximum while every plan for `hold` asked for more (a
+burst the forecast's headroom rides out is not the ceiling); it is critical where a whole minute
+broke a p95 objective meanwhile. It resolves once `resolve_points` plans in a row fit under the
+maximum (the load fell, or the fleet file raised it). No action: more engines than the maximum are
+a person's decision (GPUs the cluster may not have, a budget).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from catalog.settings import Problem, Seconds, Settings, least_window
+from policies.autoscale import DESIRED, TARGET, scrape_interval, slo_broken_minutes, whole_minute
+from policies.common import removed_pools
+from policies.types import FindingKey, FindingReport, PolicyInput, PolicyResult, PoolState, Severity
+
+__all__ = ["KIND", "PoolAtMax", "PoolAtMaxSettings"]
+
+KIND = "pool_at_max"
+
+
+class PoolAtMaxSettings(Settings):
+    """`policies.pool_at_max` in the fleet file."""
+
+    enabled: bool = True
+    hold: Seconds = 600.0  # how long every plan must have asked for more than the maximum
+    resolve_points: int = Field(4, ge=1)  # plans in a row within the maximum to resolve
+
+    def problems(self, interval: float) -> list[Problem]:
+        return least_window("hold", self.hold, 3, interval, "three plans over the maximum")
+
+
+class PoolAtMax:
+    """A finding per pool held at its maximum while the sizer asks for more, open while it does."""
+
+    kind = KIND
+    reads: tuple[str, ...] = (TARGET, DESIRED, "ttft_p95", "tpot_p95")
+
+    def __init__(self, settings: PoolAtMaxSettings | None = None) -> None:
+        self.settings = settings or PoolAtMaxSettings()
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        s, result = self.settings, PolicyResult()
+        for name, pool in sorted(inp.pools.items()):
+            subject = f"pool/{name}"
+            key = FindingKey(KIND, subject)
+            asked = inp.windows.series(subject, TARGET, since=inp.now - s.hold)
+            if self._capped(inp, pool, asked):
+                result.findings.append(self._report(inp, pool, asked))
+            elif key in inp.open_findings:
+                last = inp.windows.last(subject, TARGET, s.resolve_points)
+                if len(last) == s.resolve_points and all(v <= pool.max_replicas for v in last):
+                    result.resolved.append((key, f"the last {s.resolve_points} plans fit within its maximum of "
+                                                 f"{pool.max_replicas}"))
+        result.resolved += removed_pools(inp, KIND)
+        return result
+
+    def _capped(self, inp: PolicyInput, pool: PoolState, asked: list[tuple[float, float]]) -> bool:
+        """At its maximum, with every plan for `hold` asking for more: planned for most of it (a pool whose inputs
+        went stale is not planned, and a gap is no evidence), and lately (the policies run before this tick's plan)."""
+        lately = inp.now - 2 * scrape_interval(inp.windows, f"pool/{pool.name}")
+        if pool.desired < pool.max_replicas or len(asked) < 3 or asked[-1][0] < lately:
+            return False
+        return asked[-1][0] - asked[0][0] >= 0.75 * self.settings.hold and all(
+            v > pool.max_replicas for _, v in asked)
+
+    def _report(self, inp: PolicyInput, pool: PoolState, asked: list[tuple[float, float]]) -> FindingReport:
+        s, subject = self.settings, f"pool/{pool.name}"
+        whole = whole_minute(inp.windows, subject)
+        broken = {name: [m * 60.0 for m in minutes] for name, slo in pool.slos.items()
+                  if (minutes := slo_broken_minutes(inp.windows.series(subject, name, since=inp.now - s.hold), slo,
+                                                    whole))}
+        now_asked, most = round(asked[-1][1]), round(max(v for _, v in asked))
+        summary = (f"{pool.name} is held at its maximum of {pool.max_replicas} engines; the load asks for {now_asked}"
+                   f" (up to {most} over {s.hold / 60:.0f} min)")
+        if broken:
+            cause = ("it broke " + " and ".join(f"{n.split('_')[0].upper()} p95 in {len(b)} minute(s)"
+                                                for n, b in broken.items()) + " meanwhile: ")
+        else:
+            cause = "its objectives held so far, on the headroom the sizer plans with: "
+        cause += ("raise `replicas.max` in the fleet file if the cluster has the GPUs, or shed load; the sizer sizes "
+                  "no pool past its maximum")
+        evidence = {"signal": TARGET, "max": pool.max_replicas, "desired": pool.desired, "asked": now_asked,
+                    "asked_most": most, "hold_s": s.hold, "broken": broken}
+        return FindingReport(FindingKey(KIND, subject), Severity.CRITICAL if broken else Severity.WARNING, summary,
+                             cause, evidence, KIND)
