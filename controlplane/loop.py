@@ -997,8 +997,9 @@ class ControlLoop:
         return min(later, key=lambda a: (a.started_at or 0.0, a.id), default=None)
 
     async def _judge_outcomes(self, now: float, pools: dict[str, PoolState], report: TickReport) -> None:
-        """Did the signal recover after the action? Recorded once, never retried blindly; a change that
-        did not help is reverted where it can be, and a finding says so."""
+        """Did the signal recover after the action (a remedy), or did its pool keep its SLOs (a scale for the load, a
+        cordon)? Recorded once, never retried blindly; a remedy that did not help is reverted where it can be, and a
+        finding says so."""
         verify_after = self.config.rails.verify_after
         self._note_unfit(pools, now)
         due = await self.store.awaiting_outcome(finished_before=now - verify_after)
@@ -1010,6 +1011,9 @@ class ControlLoop:
             p = action.params
             judged = _judged_by(p, pools.get(action.pool))
             unfit = _unfit_to_judge(action, pools.get(action.pool), judged)
+            # Objectives are judged per whole minute: enough points to hold one wherever the minutes fall.
+            need = max(VERIFY_POINTS, 2 * whole_minute(self.windows, f"pool/{action.pool}") + 1) \
+                if p.get("verify_slo") else VERIFY_POINTS
             # Judged on the points after the pool settled (its engines restarted or started, all serving) and its
             # inputs were whole again, and before the next change to it, which would take credit or blame for it.
             start, until, confounded = action.finished_at, math.inf, None
@@ -1026,13 +1030,13 @@ class ControlLoop:
                 # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
                 seen = sorted({ts for name in judged for ts, _ in self.windows.series(
                     f"pool/{action.pool}", name, since=math.nextafter(start, math.inf)) if ts < until})
-                if nxt is not None and len(seen) < VERIFY_POINTS:
+                if nxt is not None and len(seen) < need:
                     confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} {until - start:.0f}s after "
                                   f"{action.pool} settled: {len(seen)} point(s) before it")
-                elif unfit is None and start > action.finished_at and len(seen) < VERIFY_POINTS:
+                elif unfit is None and start > action.finished_at and len(seen) < need:
                     unfit = (f"{action.pool} was still changing, or its inputs unfit, {now - start:.0f}s ago "
                              f"({len(seen)} point(s) since)")
-                elif unfit is None and 0 < len(seen) < VERIFY_POINTS:
+                elif unfit is None and 0 < len(seen) < need:
                     # A clock stepped forward makes an action due with a point or two after it: not a settled state.
                     unfit = f"{len(seen)} point(s) of {' or '.join(judged)} since it finished"
             if confounded is None and unfit is not None and action.finished_at is not None \
@@ -1040,10 +1044,10 @@ class ControlLoop:
                 continue  # judged once its numbers are fit again: a verdict from them would stand for good
             log_ = await self.store.audit_log(action.id)
             if p.get("verify_slo"):
-                outcome, detail = self._slo_outcome(action.pool, {n: v for n, v in judged.items() if v is not None},
-                                                    start, until)
-                if (pool := pools.get(action.pool)) is not None:  # a breach at the pool's most engines is the bound's
-                    detail.update(engines=pool.desired, max_engines=pool.max_replicas)
+                outcome, detail = self._slo_outcome(action.pool, pools.get(action.pool), start, until)
+                if "replicas" in p and (pool := pools.get(action.pool)) is not None:
+                    # A breach at the pool's most engines is the bound's to answer (`pool_at_max`), not the sizer's.
+                    detail.update(engines=p["replicas"], max_engines=pool.max_replicas)
             else:
                 outcome, detail = await self._signal_outcome(action, log_, start, until)
             if confounded is not None:  # another change came too soon after it: no verdict is this one's alone
@@ -1091,12 +1095,15 @@ class ControlLoop:
         return outcome, {"signal": p.get("verify_signal"), "before": before, "after": after,
                          "finding_resolved": resolved}
 
-    def _slo_outcome(self, pool: str, slos: Mapping[str, float], start: float | None,
+    def _slo_outcome(self, pool: str, state: PoolState | None, start: float | None,
                      until: float) -> tuple[str, dict[str, Any]]:
-        """Whether the pool kept its SLOs from `start` to `until` (a scale for the load): `held`, or `breached` where
-        most of a whole minute's points broke one; no revert either way, the sizer plans again every tick."""
+        """Whether the pool kept its SLOs from `start` to `until` or now (a scale for the load, a cordon): `held`, or
+        `breached` where most of a whole minute's points broke one; no revert either way, the sizer plans again
+        every tick."""
+        slos = state.slos if state is not None else {}
         if not slos:
-            return "unmeasured", {"slos": {}, "why": f"{pool} has no SLO set"}
+            why = f"{pool} has no SLO set" if state is not None else f"{pool} is not in the fleet file"
+            return "unmeasured", {"slos": {}, "why": why}
         series = {name: [] if start is None else
                   [(ts, v) for ts, v in self.windows.series(f"pool/{pool}", name, since=math.nextafter(start, math.inf))
                    if ts < until] for name in slos}
@@ -1106,8 +1113,9 @@ class ControlLoop:
                   for name, points in series.items()}
         detail = {"slos": dict(slos), "minutes": len(minutes), "broken": {n: b for n, b in broken.items() if b},
                   "worst": {n: max(v for _, v in points) for n, points in series.items() if points}}
-        if not minutes:
-            return "unmeasured", {**detail, "why": "not a whole minute of points before the next change"}
+        if not minutes:  # judged only once `need` points came, so there is one unless the scrapes were patchy
+            return "unmeasured", {**detail, "why": "not a whole minute of points" + (
+                " before the next change" if until < math.inf else "")}
         return ("breached" if detail["broken"] else "held"), detail
 
     async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], done: Mapping[str, Any], now: float,
@@ -1221,12 +1229,12 @@ def _unsettled(pools: dict[str, PoolState], history: Sequence[ActionRecord], now
 _RAN = frozenset({ActionState.SUCCEEDED, ActionState.FAILED, ActionState.UNKNOWN})
 
 
-def _judged_by(params: Mapping[str, Any], pool: PoolState | None) -> dict[str, float | None]:
-    """The signals an action's outcome is judged by, each with the objective it must keep (a scale for the load), or
-    None where it must improve (a remedy)."""
+def _judged_by(params: Mapping[str, Any], pool: PoolState | None) -> list[str]:
+    """The signals an action's outcome is judged by: those of its pool's objectives (a scale for the load, a cordon),
+    or the one it was to improve (a remedy)."""
     if params.get("verify_slo"):
-        return dict(pool.slos) if pool is not None else {}
-    return {params["verify_signal"]: None} if params.get("verify_signal") else {}
+        return list(pool.slos) if pool is not None else []
+    return [params["verify_signal"]] if params.get("verify_signal") else []
 
 
 def _unfit_to_judge(action: ActionRecord, pool: PoolState | None, judged: Iterable[str]) -> str | None:

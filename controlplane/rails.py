@@ -299,9 +299,11 @@ def check(
         # After a change that did not help (and was undone where it could be), asking again would
         # flap between the change and its revert.
         return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")
-    if proposal.kind == ActionKind.CORDON_NODE and any(a.state == ActionState.SUCCEEDED for a in same):
-        # A fault holds its finding open for an hour whatever the cordon did; the node stays cordoned meanwhile.
-        return _held(RailsReason.MADE, "the node is cordoned for this finding already")
+    if proposal.kind == ActionKind.CORDON_NODE and any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY)
+                                                       for a in same):
+        # A fault holds its finding open for an hour whatever the cordon did; the node stays cordoned meanwhile (and
+        # advice given once is not given again every verify window).
+        return _held(RailsReason.MADE, "the node is cordoned, or advised to be, for this finding already")
     if any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
         # Another change before the last one is judged would stack changes nobody can tell apart.
         return _held(RailsReason.VERIFYING, f"a {proposal.kind} for this finding is still being judged")

@@ -6,7 +6,8 @@ HorizontalPodAutoscaler says the same in its `ScalingLimited` condition (`TooMan
 finding opens once the pool has held its maximum while every plan for `hold` asked for more (a
 burst the forecast's headroom rides out is not the ceiling); it is critical where a whole minute
 broke a p95 objective meanwhile. It resolves once `resolve_points` plans in a row fit under the
-maximum (the load fell, or the fleet file raised it). No action: more engines than the maximum are
+maximum (the load fell, or the fleet file raised it), or once the pool has not been planned for `hold`
+(its inputs stale, scaled to zero, the sizer off). No action: more engines than the maximum are
 a person's decision (GPUs the cluster may not have, a budget).
 """
 
@@ -57,6 +58,8 @@ class PoolAtMax:
                 if len(last) == s.resolve_points and all(v <= pool.max_replicas for v in last):
                     result.resolved.append((key, f"the last {s.resolve_points} plans fit within its maximum of "
                                                  f"{pool.max_replicas}"))
+                elif not asked:  # nothing will say it fits again: the sizer is off, or the pool scaled to zero
+                    result.resolved.append((key, f"not planned for {s.hold / 60:.0f} min"))
         result.resolved += removed_pools(inp, KIND)
         return result
 

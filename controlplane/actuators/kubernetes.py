@@ -701,7 +701,8 @@ class KubernetesActuator:
                                             lambda current: self._scale_up(order, w, current, change))
             except _Unanswered as exc:
                 # The fresh read after a conflict went unanswered, and the conflict may be with its own first write
-                # (stored, its answer lost): the count read back tells.
+                # (stored, its answer lost): the count read back tells. (A write left unanswered raises here too,
+                # once its own read-back found the count unwritten or unreadable: read once more.)
                 if not await self._counts(w, change.replicas // size):
                     raise
                 log.warning("action %d: %s, but the count reads as written", order.action_id, exc)

@@ -67,8 +67,11 @@ m = st.columns(5)
 m[0].metric("Actions (newest 200)", len(log))
 m[1].metric("Recovered", int(outcomes.get("recovered", 0)))
 m[2].metric("Not recovered", int(outcomes.get("not_recovered", 0)))
-held, breached = int(outcomes.get("held", 0)), int(outcomes.get("breached", 0))
-m[3].metric("Scales within SLO", f"{held} of {held + breached}", help="scales after which the pool kept its SLOs")
+# Scales that ran, judged: advisories and rejected proposals are judged too (would the pool have kept them?).
+scaled = log[(log["kind"] == "scale_pool") & (log["state"] == "succeeded")]["outcome"].value_counts()
+held, breached = int(scaled.get("held", 0)), int(scaled.get("breached", 0))
+m[3].metric("Scales within SLO", f"{held} of {held + breached}",
+            help="scales made whose pool kept its SLOs until they were judged")
 m[4].metric("Failed or unknown", int(log["state"].isin(["failed", "unknown"]).sum()))
 timeline = pd.DataFrame([{
     "created": pd.Timestamp(a["created_at"], unit="s", tz="UTC"), "pool": a["pool"], "kind": a["kind"], "id": a["id"],

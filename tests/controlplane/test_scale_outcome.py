@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from collectors.types import Signal
 from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
@@ -152,6 +154,45 @@ async def test_a_scale_after_which_the_pool_broke_its_slo_is_judged_breached_and
     down, up = await store.actions()
     assert "reverts" not in up.params and up.state is S.SUCCEEDED, "not a revert, and not held by the breach"
     assert engines.history == [2, 3]
+
+
+async def test_a_scale_is_judged_on_its_own_size_before_the_next_one() -> None:
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines(3)
+    # Down to two, and back to three four minutes later, before the first is due to be judged.
+    loop = make_loop(store, engines, clock, AskFor(clock, 2, 3, after=4 * 60))
+    await ticks(loop, clock, 4 * 7)
+    down, _ = await store.actions()
+    assert down.outcome == "breached" and engines.replicas == 3
+    [judged] = [e for e in store.action_events(down.id) if e.event == "outcome:breached"]
+    assert judged.detail["engines"] == 2, "the size it set, not the pool's when judged"
+
+
+class SlowStart(Engines):
+    """Engines added start `lag` seconds after the scale."""
+
+    def __init__(self, replicas: int, clock: VirtualClock, lag: float) -> None:
+        super().__init__(replicas)
+        self.clock, self.lag, self.ready, self.scaled_at = clock, lag, replicas, -1e9
+
+    async def observe(self) -> FleetView:
+        if self.clock.now() - self.scaled_at >= self.lag:
+            self.ready = self.replicas
+        return FleetView({"chat": PoolReplicas(self.replicas, self.ready)})
+
+    async def carry_out(self, order: Order) -> dict[str, Any]:
+        self.scaled_at = self.clock.now()
+        return await super().carry_out(order)
+
+
+@pytest.mark.parametrize("lag", [60, 270, 500])
+async def test_a_scale_whose_engines_start_late_is_judged_once_whole_minutes_follow_their_start(lag: int) -> None:
+    clock, store = VirtualClock(), MemoryStore()
+    engines = SlowStart(2, clock, lag)
+    await ticks(make_loop(store, engines, clock, AskFor(clock, 3)), clock, 4 * 16)
+    [scale] = await store.actions()
+    assert scale.outcome == "held", "not unmeasured for settling close to its verify time"
+    [judged] = [e for e in store.action_events(scale.id) if e.event == "outcome:held"]
+    assert judged.detail["minutes"] >= 1
 
 
 async def test_a_scale_on_a_pool_with_no_slo_is_not_judged() -> None:

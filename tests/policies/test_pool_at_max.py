@@ -72,8 +72,10 @@ def test_it_resolves_once_the_plans_fit_for_resolve_points_in_a_row() -> None:
     assert key == KEY and "the last 4 plans fit within its maximum of 6" in why
     raised = run(plans([(0.0, 9.0)]), prefill(max_replicas=10), open_=True)
     assert raised[1] and raised[0] == [], "a raised maximum resolves it too"
-    gap = plans([(0.0, 9.0)], until=NOW - 600)
+    gap = plans([(0.0, 9.0)], until=NOW - 300)
     assert run(gap, open_=True) == ([], []), "not planned lately: neither re-opened nor resolved"
+    [(_, why)] = run(plans([(0.0, 9.0)], until=NOW - 700), open_=True)[1]
+    assert why == "not planned for 10 min", "the sizer off, the pool scaled to zero: nothing would resolve it"
 
 
 def test_a_pool_gone_from_the_fleet_file_resolves_it() -> None:
