@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -386,52 +387,47 @@ async def test_the_memory_store_supersedes_such_advice_as_the_database_does() ->
     assert {r.id: r.state for r in await memory.advice()} == {first.id: "superseded", newer.id: "open"}
 
 
-@pytest.mark.postgres
-def test_unfollowing_advice_beside_a_concurrent_insert_of_newer_advice_supersedes_it(pg_url: str) -> None:
-    """Under read committed, the unfollow's look for newer advice misses a row another run has inserted and not yet
-    committed; its reopening then waits on that row's unique index and loses once it commits."""
+def _beside_uncommitted(store: SqlStore, write: Any, call: Callable[[], object]) -> None:
+    """Run `call` while another connection holds `write` uncommitted (read committed: `call` does not see it), then
+    commit it, which `call` waits on."""
+    other = store.engine.connect()
+    tx = other.begin()
+    other.execute(write)
+    done = threading.Thread(target=call)
+    done.start()
+    done.join(1.0)
+    assert done.is_alive(), "it waits on the other's uncommitted row"
+    tx.commit()
+    other.close()
+    done.join(10.0)
+
+
+@pytest.fixture
+def pg_store(pg_url: str) -> Iterator[SqlStore]:
     migrate.upgrade(pg_url)
     store = SqlStore.open(pg_url)
-    try:
-        [first] = store.record_advice([_advice(2)], 10.0)
-        store.follow_advice(first.id, 20.0)
-        other = store.engine.connect()
-        tx = other.begin()
-        other.execute(insert(AdviceRow).values(kind="spec_tuning", pool="decode", act=True, advice="k=3",
-                                               change={"k": 3}, metric="tpot", before=0.05, predicted=0.04,
-                                               confidence=0.8, evidence={}, state="open", created_at=30.0,
-                                               updated_at=30.0))
-        done = threading.Thread(target=store.unfollow_advice, args=(first.id, 40.0))
-        done.start()
-        done.join(1.0)
-        assert done.is_alive(), "the reopening waits on the uncommitted row"
-        tx.commit()
-        other.close()
-        done.join(10.0)
-        states = sorted(r.state for r in store.advice())
-        assert states == ["open", "superseded"], states
-    finally:
-        store.close()
+    yield store
+    store.close()
 
 
 @pytest.mark.postgres
-def test_newer_advice_beside_a_concurrent_reopening_supersedes_the_reopened_row(pg_url: str) -> None:
-    migrate.upgrade(pg_url)
-    store = SqlStore.open(pg_url)
-    try:
-        [first] = store.record_advice([_advice(2)], 10.0)
-        store.follow_advice(first.id, 20.0)
-        other = store.engine.connect()
-        tx = other.begin()  # another run's unfollow, reopening the followed row
-        other.execute(update(AdviceRow).where(AdviceRow.id == first.id).values(state="open", applied_at=None))
-        newer: list[Any] = []
-        done = threading.Thread(target=lambda: newer.extend(store.record_advice([_advice(3)], 30.0)))
-        done.start()
-        done.join(1.0)
-        assert done.is_alive(), "the insert waits on the uncommitted reopening"
-        tx.commit()
-        other.close()
-        done.join(10.0)
-        assert {r.id: r.state for r in store.advice()} == {first.id: "superseded", newer[0].id: "open"}
-    finally:
-        store.close()
+def test_unfollowing_advice_beside_a_concurrent_insert_of_newer_advice_supersedes_it(pg_store: SqlStore) -> None:
+    """The unfollow's look for newer advice misses a row another run has inserted and not yet committed; its reopening
+    then waits on that row's unique index, and loses once it commits."""
+    [first] = pg_store.record_advice([_advice(2)], 10.0)
+    pg_store.follow_advice(first.id, 20.0)
+    newer = insert(AdviceRow).values(kind="spec_tuning", pool="decode", act=True, advice="k=3", change={"k": 3},
+                                     metric="tpot", before=0.05, predicted=0.04, confidence=0.8, evidence={},
+                                     state="open", created_at=30.0, updated_at=30.0)
+    _beside_uncommitted(pg_store, newer, lambda: pg_store.unfollow_advice(first.id, 40.0))
+    assert sorted(r.state for r in pg_store.advice()) == ["open", "superseded"]
+
+
+@pytest.mark.postgres
+def test_newer_advice_beside_a_concurrent_reopening_supersedes_the_reopened_row(pg_store: SqlStore) -> None:
+    [first] = pg_store.record_advice([_advice(2)], 10.0)
+    pg_store.follow_advice(first.id, 20.0)
+    reopening = update(AdviceRow).where(AdviceRow.id == first.id).values(state="open", applied_at=None)  # an unfollow
+    newer: list[Any] = []
+    _beside_uncommitted(pg_store, reopening, lambda: newer.extend(pg_store.record_advice([_advice(3)], 30.0)))
+    assert {r.id: r.state for r in pg_store.advice()} == {first.id: "superseded", newer[0].id: "open"}
