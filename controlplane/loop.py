@@ -1070,6 +1070,8 @@ class ControlLoop:
             except ActionConflict:  # judged by the last leader's tick meanwhile: its verdict stands
                 continue
             report.outcomes.append((action.id, outcome))
+            if action.state is ActionState.SUCCEEDED:  # advisories and proposals left undecided are judged too
+                self.telemetry.outcomes.labels(action.kind, outcome).inc()
 
     async def _signal_outcome(self, action: ActionRecord, log_: Sequence[ActionEvent], start: float | None,
                               until: float) -> tuple[str, dict[str, Any]]:

@@ -66,6 +66,10 @@ class Telemetry:
             f"{ns}_actions", "Actions and held-back proposals by kind and result.", ["kind", "result"],
             registry=self.registry,
         )
+        self.outcomes = Counter(
+            f"{ns}_action_outcomes", "Actions carried out, by kind and judged outcome (recovered, not_recovered, "
+            "held, breached, unmeasured).", ["kind", "outcome"], registry=self.registry,
+        )
         self.last_tick = Gauge(
             f"{ns}_last_tick_timestamp_seconds", "Loop time of the last completed tick.", registry=self.registry
         )

@@ -150,6 +150,9 @@ async def test_a_scale_after_which_the_pool_broke_its_slo_is_judged_breached_and
     assert list(judged.detail["broken"]) == ["tpot_p95"] and len(judged.detail["broken"]["tpot_p95"]) >= 4
     assert judged.detail["worst"]["tpot_p95"] == 0.08 and (judged.detail["engines"], judged.detail["max_engines"]) == (2, 8)
     assert not [f for f in store.findings.values() if f.kind == INEFFECTIVE], "no finding: the sizer owns the count"
+    counted = loop.telemetry.registry.get_sample_value("fleet_controlplane_action_outcomes_total",
+                                                       {"kind": "scale_pool", "outcome": "breached"})
+    assert counted == 1, "a metric to alert on (FleetControlPlaneScalesBreaching)"
     await ticks(loop, clock, 4 * 3)
     down, up = await store.actions()
     assert "reverts" not in up.params and up.state is S.SUCCEEDED, "not a revert, and not held by the breach"
