@@ -751,6 +751,8 @@ class Autoscaler:
         if held and target == pool.desired:
             why = "the SLO broke within" if breached_since or short else "lower targets last"
             reason += f"; held at {pool.desired} until {why} {s.scale_down_after:.0f}s"
+        elif recommended > target == pool.max_replicas:  # said where the plan is read, not only in `pool_at_max`
+            reason += f"; capped at its maximum of {pool.max_replicas}"
         return target, reason
 
     def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,

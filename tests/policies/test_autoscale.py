@@ -344,8 +344,11 @@ def test_a_prefill_pool_is_sized_by_prompts_and_a_decode_pool_by_outputs() -> No
 
 
 def test_bounds_clamp_the_target() -> None:
-    assert plan(windows(30, 500.0), pool(4, hi=10)).target == 10
+    capped = plan(windows(30, 500.0), pool(4, hi=10))
+    assert capped.target == 10 and capped.recommended > 10
+    assert capped.reason.endswith("; capped at its maximum of 10"), "the plan says why it asks for less than it needs"
     assert plan(windows(30, 0.1, engines=3), pool(3, lo=3)).target == 3
+    assert "capped" not in plan(windows(30, 50.0), pool(4)).reason
 
 
 def hpa(now: float, w: SignalWindows, state: PoolState) -> PoolPlan:
