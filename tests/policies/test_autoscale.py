@@ -28,6 +28,7 @@ from policies.autoscale import (
     learned_startup,
     plan_each,
     pool_load,
+    slo_broken_minutes,
     stabilised,
 )
 from policies.hpa import HpaRule
@@ -341,6 +342,20 @@ def test_a_prefill_pool_is_sized_by_prompts_and_a_decode_pool_by_outputs() -> No
     assert "ttft_curve" in p.evidence and "tpot_curve" not in p.evidence
     assert "tpot_curve" in d.evidence and "ttft_curve" not in d.evidence
     assert p.recommended > d.recommended, "8k-token prompts and 50-token outputs: prefill is the bottleneck"
+
+
+@given(st.lists(st.tuples(st.integers(0, 1199), st.floats(0.0, 3.0)), max_size=80, unique_by=lambda p: p[0]),
+       st.floats(0.1, 2.0), st.floats(0.0, 1.0), st.integers(1, 4))
+def test_a_broken_minute_is_a_whole_one_most_of_whose_points_broke_the_objective(
+        points: list[tuple[int, float]], slo: float, more: float, whole: int) -> None:
+    series = sorted((float(t), v) for t, v in points)
+    broken = slo_broken_minutes(series, slo, whole)
+    for m in broken:
+        values = [v for t, v in series if (m - 1) * 60 < t <= m * 60]
+        assert len(values) >= whole and 2 * sum(v > slo for v in values) > len(values)
+    # A looser objective, or a stricter idea of a whole minute, never finds more.
+    assert set(slo_broken_minutes(series, slo + more, whole)) <= set(broken)
+    assert set(slo_broken_minutes(series, slo, whole + 1)) <= set(broken)
 
 
 def test_bounds_clamp_the_target() -> None:
