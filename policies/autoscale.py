@@ -287,21 +287,34 @@ def plan_each(sizer: Sizer, inp: PolicyInput) -> SizerRun:
 # load -------------------------------------------------------------------------------------------
 
 
+_OWED_SCRAPES = 4
+
+
 def arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float]]:
-    """Arrivals per second at each scrape: finished requests plus the growth of those in the pool."""
+    """Arrivals per second at each scrape: finished requests plus the growth of those in the pool. A scrape in which
+    more left the pool than finished (a pod that missed it took its queue out of the sum) reads zero, and as much
+    growth over the next `_OWED_SCRAPES` scrapes is that queue back, not arrivals: clamped alone, a deep queue would
+    come back as a burst that never was. A pod gone for good takes its queue with it, and nothing comes back."""
     done = w.series(subject, "request_rate", since=since)
     inside = {ts: v for ts, v in w.series(subject, "requests_running", since=since)}
     for ts, v in w.series(subject, "requests_waiting", since=since):
         inside[ts] = inside.get(ts, 0.0) + v
-    out, prev = [], None
+    out: list[tuple[float, float]] = []
+    prev: tuple[float, float] | None = None
+    gone, gone_for = 0.0, 0  # requests that left the sum unfinished; for how many scrapes more they may come back
     for ts, rate in done:
         here = inside.get(ts)
-        growth = 0.0
-        if here is not None and prev is not None and ts > prev[0]:
-            growth = (here - prev[1]) / (ts - prev[0])
+        if here is None or prev is None or ts <= prev[0]:
+            out.append((ts, rate))
+        else:
+            span, growth = ts - prev[0], here - prev[1]
+            back = min(gone, max(0.0, growth))
+            arrived = rate * span + growth - back
+            gone_for = _OWED_SCRAPES if arrived < 0 else max(0, gone_for - 1)
+            gone = gone - back - min(0.0, arrived) if gone_for else 0.0
+            out.append((ts, max(0.0, arrived) / span))
         if here is not None:
             prev = (ts, here)
-        out.append((ts, max(0.0, rate + growth)))
     return out
 
 
@@ -412,9 +425,11 @@ def slo_broken_minutes(series: Sequence[tuple[float, float]], slo: float, whole:
 
 
 def whole_minute(w: SignalWindows, subject: str) -> int:
-    """The scrapes that make a whole minute of a pool's points: four at 15 s, two at 30 s, the one at a minute (whose
-    p95 is the minute's own). A minute that a window starts or ends in may hold one slow scrape."""
-    return min(4, max(1, round(60.0 / scrape_interval(w, subject))))
+    """The scrapes that make a whole minute of a pool's points: four at 15 s, two at 30 s, the one at 40 s or a minute
+    (whose p95 is the minute's own); at 10 s or faster, all but one (a scrape lost is no partial minute). A minute
+    that a window starts or ends in may hold a few slow scrapes, which are no broken minute."""
+    n = max(1, math.floor(60.0 / scrape_interval(w, subject) + 1e-6))
+    return n - 1 if n > 4 else n
 
 
 def _broken_minutes(w: SignalWindows, subject: str, slo: float, since: float,
@@ -744,15 +759,17 @@ class Autoscaler:
                                                 unit.pods_for(pool.desired)))
             # A gang pool (a LeaderWorkerSet) sheds a whole group at least, or it could never shed one.
             target = max(target, pool.desired - max(1, pool.gang, pool.desired // 4))
-        held = target > recommended
+        g = max(1, pool.gang)
+        held = target > -(-recommended // g) * g  # rounded up to a whole group or pod, the recommendation is no hold
         target = max(pool.min_replicas, min(pool.max_replicas, target))
-        if (g := pool.gang) > 1:  # the engines a gang pool can run: whole groups, within its maximum
+        if g > 1:  # the engines a gang pool can run: whole groups, within its maximum
             target = max(g, min(-(-target // g) * g, pool.max_replicas // g * g))
-        if held and target == pool.desired:
+        # Said in the fleet file's replicas (pods), where the plan is read.
+        if recommended > target and target >= pool.max_replicas // g * g:  # not only in `pool_at_max`
+            reason += f"; capped at its maximum of {unit.pods_for(target)}"
+        elif held and target == pool.desired:
             why = "the SLO broke within" if breached_since or short else "lower targets last"
-            reason += f"; held at {pool.desired} until {why} {s.scale_down_after:.0f}s"
-        elif recommended > target == pool.max_replicas:  # said where the plan is read, not only in `pool_at_max`
-            reason += f"; capped at its maximum of {pool.max_replicas}"
+            reason += f"; held at {unit.pods_for(pool.desired)} until {why} {s.scale_down_after:.0f}s"
         return target, reason
 
     def _capacity(self, w: SignalWindows, subject: str, pool: PoolState, prior: EngineCurves, load: PoolLoad,
@@ -959,10 +976,13 @@ def _largest(fit: _Fit, prior: _Fit, budget: float, context: float, seen: list[f
     return min(limit(fit), max(limit(prior), max(seen, default=0.0)))
 
 
-def engines_per_pod(w: SignalWindows, subject: str) -> int:
-    """vLLM engines a pod of the pool serves (its data-parallel ranks), as the last scrape saw them; 1 unknown."""
-    engines, pods = w.latest(subject, "engines_reporting"), w.latest(subject, "pods_reporting")
-    return max(1, round(engines / pods)) if engines and pods else 1
+def engines_per_pod(w: SignalWindows, subject: str, scrapes: int = 4) -> int:
+    """vLLM engines a pod of the pool serves (its data-parallel ranks): the most the last `scrapes` scrapes saw (ranks
+    that missed a scrape would read as a pod of fewer, and plan more pods); 1 unknown."""
+    pods = dict(w.series(subject, "pods_reporting")[-scrapes:])
+    ratios = [engines / pods[ts] for ts, engines in w.series(subject, "engines_reporting")[-scrapes:]
+              if engines and pods.get(ts)]
+    return max(1, round(max(ratios))) if ratios else 1
 
 
 @dataclass(frozen=True, slots=True)
