@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 IMPROVEMENT = 0.10
 # Points of its verify signal after an action that its outcome is judged on, at least.
 VERIFY_POINTS = 3
+# Proposals a person turned down or let lapse: scored all the same, on how the fleet fared without them.
+_DECLINED = frozenset({ActionState.REJECTED, ActionState.EXPIRED})
 
 
 @dataclass(slots=True)
@@ -782,7 +784,8 @@ class ControlLoop:
         mode = self.config.mode
         return check(proposal, pools.get(proposal.pool), mode=Mode.ACT if mode is Mode.OBSERVE else mode,
                      rails=self.config.rails, history=history, now=now, supported=self.actuator.kinds, paused=paused,
-                     unsettled=self._changing(pools, history, now), finding_id=finding_id)
+                     unsettled=self._changing(pools, history, now), finding_id=finding_id,
+                     observing=mode is Mode.OBSERVE)
 
     async def _record(self, proposal: Proposal, decision: RailsDecision, finding_id: int | None, now: float,
                       pools: dict[str, PoolState], report: TickReport, extra: dict[str, Any] | None = None
@@ -797,7 +800,8 @@ class ControlLoop:
             "verify_signal": proposal.verify_signal,
             "verify_lower_is_better": proposal.verify_lower_is_better,
             "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
-            **({"verify_slo": True} if proposal.verify_slo else {}),
+            # The objectives it is judged by are those it was made for: a fleet file changed meanwhile judges nothing.
+            **({"verify_slo": True, "slos": pools[proposal.pool].slos} if proposal.verify_slo else {}),
             "inputs": list(proposal.inputs),
             **(extra or {}),
         }
@@ -953,14 +957,18 @@ class ControlLoop:
         action for the step and its time to live."""
         return 4 * self.config.scrape.interval
 
-    def _changing_until(self, pool: str, since: float, until: float) -> float:
+    def _changing_until(self, pool: str, since: float, until: float, first: bool = False) -> float:
         """The last scrape in (`since`, `until`) at which the pool was mid-change (rolling out a template, or its ready
         engines not its desired ones), else `since`: a change that restarts or adds engines is judged once they all
-        serve."""
+        serve. With `first`, the last before it first settled: a pool judged on its SLOs keeps, in its points, an
+        engine's restart later on, which must not take the minutes before it out."""
         subject = f"pool/{pool}"
         ready = dict(self.windows.series(subject, READY, since=since))
-        changing = [ts for ts, v in self.windows.series(subject, ROLLING, since=since) if v] + [
-            ts for ts, v in self.windows.series(subject, DESIRED, since=since) if ts in ready and ready[ts] != v]
+        desired = self.windows.series(subject, DESIRED, since=since)
+        changing = {ts for ts, v in self.windows.series(subject, ROLLING, since=since) if v} | {
+            ts for ts, v in desired if ts in ready and ready[ts] != v}
+        if first:
+            until = min((ts for ts, _ in desired if since < ts < until and ts not in changing), default=until)
         return max((ts for ts in changing if ts < until), default=since)
 
     def _note_unfit(self, pools: dict[str, PoolState], now: float) -> None:
@@ -985,14 +993,14 @@ class ControlLoop:
                     if t < until), default=-math.inf)
 
     @staticmethod
-    def _next_change(action: ActionRecord, others: Sequence[ActionRecord]) -> ActionRecord | None:
+    def _next_change(action: ActionRecord, others: Sequence[ActionRecord], after: float) -> ActionRecord | None:
         """Of `others` (the actions created since `rails.history_s` before it finished, so one created before it and
-        started after it counts too), the first that changed the action's pool after it finished (a cordon of any
-        pool's moves its engines too), its own revert aside: points from then on are that change's as much as its."""
-        assert action.finished_at is not None
+        started after it counts too), the first that changed the action's pool after `after` (when it finished, or
+        was asked for) (a cordon of any pool's moves its engines too), its own revert aside: points from then on are
+        that change's as much as its."""
         later = [a for a in others
                  if a.id != action.id and a.params.get("reverts") != action.id and not a.dry_run
-                 and a.started_at is not None and a.started_at > action.finished_at
+                 and a.started_at is not None and a.started_at > after
                  and (a.pool == action.pool or a.kind == ActionKind.CORDON_NODE)]
         return min(later, key=lambda a: (a.started_at or 0.0, a.id), default=None)
 
@@ -1018,22 +1026,25 @@ class ControlLoop:
             # inputs were whole again, and before the next change to it, which would take credit or blame for it.
             start, until, confounded = action.finished_at, math.inf, None
             if action.finished_at is not None and judged:
-                nxt = self._next_change(action, others)
+                # A scale or cordon a person rejected or left to expire is scored on how the pool fared without it
+                # from when it was asked for, not from when it lapsed.
+                base = action.created_at if p.get("verify_slo") and action.state in _DECLINED else action.finished_at
+                nxt = self._next_change(action, others, base)
                 until = nxt.started_at if nxt is not None and nxt.started_at is not None else math.inf
                 whole = self._whole_since(action, judged, until)
-                settled = self._changing_until(action.pool, action.finished_at, until)
+                settled = self._changing_until(action.pool, base, until, first=bool(p.get("verify_slo")))
                 if now - action.finished_at >= 3 * verify_after and settled > whole:
                     # Still not settled three verify windows on (its engines crash-loop, its rollout stalled): the
                     # change is judged on what it has done, as it is, rather than escape judging and its revert.
-                    settled = action.finished_at
-                start = max(action.finished_at, settled, whole)
+                    settled = base
+                start = max(base, settled, whole)
                 # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
                 seen = sorted({ts for name in judged for ts, _ in self.windows.series(
                     f"pool/{action.pool}", name, since=math.nextafter(start, math.inf)) if ts < until})
                 if nxt is not None and len(seen) < need:
                     confounded = (f"action {nxt.id} ({nxt.kind}) changed {nxt.pool} {until - start:.0f}s after "
                                   f"{action.pool} settled: {len(seen)} point(s) before it")
-                elif unfit is None and start > action.finished_at and len(seen) < need:
+                elif unfit is None and start > base and len(seen) < need:
                     unfit = (f"{action.pool} was still changing, or its inputs unfit, {now - start:.0f}s ago "
                              f"({len(seen)} point(s) since)")
                 elif unfit is None and 0 < len(seen) < need:
@@ -1044,7 +1055,8 @@ class ControlLoop:
                 continue  # judged once its numbers are fit again: a verdict from them would stand for good
             log_ = await self.store.audit_log(action.id)
             if p.get("verify_slo"):
-                outcome, detail = self._slo_outcome(action.pool, pools.get(action.pool), start, until)
+                outcome, detail = self._slo_outcome(action.pool, pools.get(action.pool), _slos_of(p, pools.get(
+                    action.pool)), start, until)
                 if "replicas" in p and (pool := pools.get(action.pool)) is not None:
                     # A breach at the pool's most engines is the bound's to answer (`pool_at_max`), not the sizer's.
                     detail.update(engines=p["replicas"], max_engines=pool.max_replicas)
@@ -1097,12 +1109,11 @@ class ControlLoop:
         return outcome, {"signal": p.get("verify_signal"), "before": before, "after": after,
                          "finding_resolved": resolved}
 
-    def _slo_outcome(self, pool: str, state: PoolState | None, start: float | None,
+    def _slo_outcome(self, pool: str, state: PoolState | None, slos: Mapping[str, float], start: float | None,
                      until: float) -> tuple[str, dict[str, Any]]:
-        """Whether the pool kept its SLOs from `start` to `until` or now (a scale for the load, a cordon): `held`, or
+        """Whether the pool kept `slos` from `start` to `until` or now (a scale for the load, a cordon): `held`, or
         `breached` where most of a whole minute's points broke one; no revert either way, the sizer plans again
         every tick."""
-        slos = state.slos if state is not None else {}
         if not slos:
             why = f"{pool} has no SLO set" if state is not None else f"{pool} is not in the fleet file"
             return "unmeasured", {"slos": {}, "why": why}
@@ -1235,8 +1246,15 @@ def _judged_by(params: Mapping[str, Any], pool: PoolState | None) -> list[str]:
     """The signals an action's outcome is judged by: those of its pool's objectives (a scale for the load, a cordon),
     or the one it was to improve (a remedy)."""
     if params.get("verify_slo"):
-        return list(pool.slos) if pool is not None else []
+        return list(_slos_of(params, pool))
     return [params["verify_signal"]] if params.get("verify_signal") else []
+
+
+def _slos_of(params: Mapping[str, Any], pool: PoolState | None) -> dict[str, float]:
+    """The objectives an action judged by its pool's SLOs was made for (its pool's now, for one recorded without)."""
+    if (slos := params.get("slos")) is not None:
+        return dict(slos)
+    return pool.slos if pool is not None else {}
 
 
 def _unfit_to_judge(action: ActionRecord, pool: PoolState | None, judged: Iterable[str]) -> str | None:

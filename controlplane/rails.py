@@ -282,9 +282,11 @@ def check(
     paused: str | None = None,
     unsettled: Collection[str] = (),
     finding_id: int | None = None,
+    observing: bool = False,
 ) -> RailsDecision:
     """Decide what may happen to `proposal` (asked for by finding `finding_id`); `history` holds recent
-    actions, any pool, `unsettled` the pools whose engines are not all ready."""
+    actions, any pool, `unsettled` the pools whose engines are not all ready; `observing`: asked for an
+    advisory, as observe mode asks what `act` would allow."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
     same = [a for a in history if finding_id is not None and a.finding_id == finding_id and a.kind == proposal.kind]
@@ -299,10 +301,10 @@ def check(
         # After a change that did not help (and was undone where it could be), asking again would
         # flap between the change and its revert.
         return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")
-    if proposal.kind == ActionKind.CORDON_NODE and any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY)
-                                                       for a in same):
+    made = (ActionState.SUCCEEDED, ActionState.ADVISORY) if observing else (ActionState.SUCCEEDED,)
+    if proposal.kind == ActionKind.CORDON_NODE and any(a.state in made for a in same):
         # A fault holds its finding open for an hour whatever the cordon did; the node stays cordoned meanwhile (and
-        # advice given once is not given again every verify window).
+        # advice given once is not given again every verify window; once acting, advice is no cordon).
         return _held(RailsReason.MADE, "the node is cordoned, or advised to be, for this finding already")
     if any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
         # Another change before the last one is judged would stack changes nobody can tell apart.

@@ -22,8 +22,10 @@ from opentelemetry.sdk.trace.export import (
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from controlplane.actions import OUTCOMES
 from controlplane.config import Telemetry as TelemetryConfig
 from controlplane.config import Tracing
+from policies.types import ActionKind
 
 __all__ = ["Telemetry"]
 
@@ -70,6 +72,9 @@ class Telemetry:
             f"{ns}_action_outcomes", "Actions carried out, by kind and judged outcome (recovered, not_recovered, "
             "held, breached, unmeasured).", ["kind", "outcome"], registry=self.registry,
         )
+        for kind in ActionKind:  # from zero: increase() misses the first count of a series born at one
+            for outcome in OUTCOMES:
+                self.outcomes.labels(kind, outcome)
         self.last_tick = Gauge(
             f"{ns}_last_tick_timestamp_seconds", "Loop time of the last completed tick.", registry=self.registry
         )

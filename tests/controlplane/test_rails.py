@@ -482,17 +482,19 @@ def test_one_change_per_finding_until_it_is_judged(earlier: Past, reason: RailsR
     assert d.reason is reason
 
 
-@pytest.mark.parametrize(("state", "finding_id", "reason"), [
-    ("succeeded", 5, RailsReason.MADE),  # judged held, and the fault's finding still open
-    ("advisory", 5, RailsReason.MADE),  # observing: advised once, not every verify window
-    ("failed", 5, RailsReason.ALLOWED),  # not made: asked again
-    ("succeeded", 6, RailsReason.ALLOWED),  # an earlier fault, resolved (the card replaced, the node uncordoned)
+@pytest.mark.parametrize(("state", "finding_id", "observing", "reason"), [
+    ("succeeded", 5, False, RailsReason.MADE),  # judged held, and the fault's finding still open
+    ("advisory", 5, True, RailsReason.MADE),  # observing: advised once, not every verify window
+    ("advisory", 5, False, RailsReason.ALLOWED),  # acting now: advice given while observing cordoned nothing
+    ("failed", 5, False, RailsReason.ALLOWED),  # not made: asked again
+    ("succeeded", 6, False, RailsReason.ALLOWED),  # an earlier fault, resolved (the card replaced, the node uncordoned)
 ])
-def test_a_cordon_made_for_a_finding_is_not_made_again(state: str, finding_id: int, reason: RailsReason) -> None:
+def test_a_cordon_made_for_a_finding_is_not_made_again(state: str, finding_id: int, observing: bool,
+                                                       reason: RailsReason) -> None:
     outcome = "held" if state in ("succeeded", "advisory") else None
     earlier = Past("prefill", state, NOW - 9000, NOW - 8900, kind="cordon_node", finding_id=finding_id, outcome=outcome)
     d = check(ask(ActionKind.CORDON_NODE, Cordon("node-a")), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier],
-              now=NOW, supported=ALL_KINDS, finding_id=5)
+              now=NOW, supported=ALL_KINDS, finding_id=5, observing=observing)
     assert d.reason is reason, d.note
 
 

@@ -30,6 +30,7 @@ from collectors.pipeline import SignalDeriver
 from collectors.types import ScrapeResult, Target
 from controlplane.config import parse_config
 from controlplane.rules_export import build_manifest, rule_groups
+from controlplane.telemetry import Telemetry
 from policies.static_rules import STATIC_RULES, StaticRule, rule_states
 from policies.types import PolicyInput, PoolState
 from policies.windows import SignalWindows
@@ -103,6 +104,35 @@ def test_the_control_planes_own_alerts_pass_promtool_check_rules(promtool: str, 
     assert done.returncode == 0, done.stdout + done.stderr
     rules = sum(len(g["rules"]) for g in manifest["spec"]["groups"])
     assert f"SUCCESS: {rules} rules found" in done.stdout + done.stderr
+
+
+def test_three_breached_scales_after_a_restart_fire_the_alert_on_the_control_planes_own_series(
+        promtool: str, tmp_path: Path) -> None:
+    """The outcome counter as a fresh process exposes it, three scales breaching in its first hour: the alert fires.
+    A series born at its first count would read two to `increase()`, and need a fourth."""
+    telemetry, values = Telemetry(), []
+    breached = {"kind": "scale_pool", "outcome": "breached"}
+    for minute in range(41):
+        if minute in (10, 20, 30):
+            telemetry.outcomes.labels(**breached).inc()
+        value = telemetry.registry.get_sample_value("fleet_controlplane_action_outcomes_total", breached)
+        values.append("_" if value is None else f"{value:g}")
+    manifest = yaml.safe_load(SELF_ALERTS.read_text())
+    (tmp_path / "self.yaml").write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}, sort_keys=False))
+    [rule] = [r for g in manifest["spec"]["groups"] for r in g["rules"] if r.get("alert") == "FleetControlPlaneScalesBreaching"]
+    expected = {"exp_labels": {"severity": "warning", "kind": "scale_pool"},
+                "exp_annotations": {"summary": rule["annotations"]["summary"].replace('{{ $value | printf "%.0f" }}', "3"),
+                                    "description": rule["annotations"]["description"]}}
+    tests = {"rule_files": ["self.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": 'fleet_controlplane_action_outcomes_total{kind="scale_pool",outcome="breached"}',
+                          "values": " ".join(values)}],
+        "alert_rule_test": [{"eval_time": "29m", "alertname": "FleetControlPlaneScalesBreaching", "exp_alerts": []},
+                            {"eval_time": "40m", "alertname": "FleetControlPlaneScalesBreaching",
+                             "exp_alerts": [expected]}]}]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = _run(promtool, "test", "rules", "tests.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # the scenario ---------------------------------------------------------------------------------
