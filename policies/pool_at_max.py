@@ -48,39 +48,41 @@ class PoolAtMax:
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         s, result = self.settings, PolicyResult()
         for name, pool in sorted(inp.pools.items()):
-            subject = f"pool/{name}"
+            subject, top = f"pool/{name}", _top(pool)
             key = FindingKey(KIND, subject)
             asked = inp.windows.series(subject, TARGET, since=inp.now - s.hold)
-            if self._capped(inp, pool, asked):
-                result.findings.append(self._report(inp, pool, asked))
+            lately = inp.now - 2 * scrape_interval(inp.windows, subject)  # the policies run before this tick's plan
+            at_top_now = pool.desired >= top and bool(asked) and asked[-1][0] >= lately and asked[-1][1] > top
+            if at_top_now and (key in inp.open_findings or self._capped(asked, top)):
+                # Open, it is told again while the pool is at its maximum and asked past it, so its severity and
+                # numbers follow the load; plans that dip under the maximum between do not resolve it.
+                result.findings.append(self._report(inp, pool, asked, top))
             elif key in inp.open_findings:
                 last = inp.windows.last(subject, TARGET, s.resolve_points)
-                if len(last) == s.resolve_points and all(v <= pool.max_replicas for v in last):
-                    result.resolved.append((key, f"the last {s.resolve_points} plans fit within its maximum of "
-                                                 f"{pool.max_replicas}"))
+                if len(last) == s.resolve_points and all(v <= top for v in last):
+                    result.resolved.append((key, f"the last {s.resolve_points} plans fit within its maximum of {top}"))
                 elif not asked:  # nothing will say it fits again: the sizer is off, or the pool scaled to zero
                     result.resolved.append((key, f"not planned for {s.hold / 60:.0f} min"))
         result.resolved += removed_pools(inp, KIND)
         return result
 
-    def _capped(self, inp: PolicyInput, pool: PoolState, asked: list[tuple[float, float]]) -> bool:
-        """At its maximum, with every plan for `hold` asking for more: planned for most of it (a pool whose inputs
-        went stale is not planned, and a gap is no evidence), and lately (the policies run before this tick's plan)."""
-        lately = inp.now - 2 * scrape_interval(inp.windows, f"pool/{pool.name}")
-        if pool.desired < pool.max_replicas or len(asked) < 3 or asked[-1][0] < lately:
-            return False
-        return asked[-1][0] - asked[0][0] >= 0.75 * self.settings.hold and all(
-            v > pool.max_replicas for _, v in asked)
+    def _capped(self, asked: list[tuple[float, float]], top: int) -> bool:
+        """Every plan for `hold` asked for more than `top`: planned for most of it (a pool whose inputs went stale
+        is not planned, and a gap is no evidence)."""
+        return len(asked) >= 3 and asked[-1][0] - asked[0][0] >= 0.75 * self.settings.hold and all(
+            v > top for _, v in asked)
 
-    def _report(self, inp: PolicyInput, pool: PoolState, asked: list[tuple[float, float]]) -> FindingReport:
+    def _report(self, inp: PolicyInput, pool: PoolState, asked: list[tuple[float, float]], top: int) -> FindingReport:
         s, subject = self.settings, f"pool/{pool.name}"
         whole = whole_minute(inp.windows, subject)
         broken = {name: [m * 60.0 for m in minutes] for name, slo in pool.slos.items()
                   if (minutes := slo_broken_minutes(inp.windows.series(subject, name, since=inp.now - s.hold), slo,
                                                     whole))}
         now_asked, most = round(asked[-1][1]), round(max(v for _, v in asked))
-        summary = (f"{pool.name} is held at its maximum of {pool.max_replicas} engines; the load asks for {now_asked}"
-                   f" (up to {most} over {s.hold / 60:.0f} min)")
+        whole_groups = f" (whole groups of {pool.gang} within replicas.max {pool.max_replicas})" \
+            if top != pool.max_replicas else ""
+        summary = (f"{pool.name} is held at its maximum of {top} replicas{whole_groups}; the load asks for "
+                   f"{now_asked} (up to {most} over {s.hold / 60:.0f} min)")
         if broken:
             cause = ("it broke " + " and ".join(f"{n.split('_')[0].upper()} p95 in {len(b)} minute(s)"
                                                 for n, b in broken.items()) + " meanwhile: ")
@@ -88,7 +90,13 @@ class PoolAtMax:
             cause = "its objectives held so far, on the headroom the sizer plans with: "
         cause += ("raise `replicas.max` in the fleet file if the cluster has the GPUs, or shed load; the sizer sizes "
                   "no pool past its maximum")
-        evidence = {"signal": TARGET, "max": pool.max_replicas, "desired": pool.desired, "asked": now_asked,
+        evidence = {"signal": TARGET, "max": top, "desired": pool.desired, "asked": now_asked,
                     "asked_most": most, "hold_s": s.hold, "broken": broken}
         return FindingReport(FindingKey(KIND, subject), Severity.CRITICAL if broken else Severity.WARNING, summary,
                              cause, evidence, KIND)
+
+
+def _top(pool: PoolState) -> int:
+    """The most replicas the pool can have: its maximum, in whole groups for a gang pool (as the rails cap it)."""
+    g = max(1, pool.gang)
+    return max(g, pool.max_replicas // g * g)

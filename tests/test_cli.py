@@ -272,3 +272,31 @@ def test_sim_validate_and_bench_sim() -> None:
     bench = fleetctl("bench", "sim", "--json", timeout=300)
     assert goals_of(bench, 2)["every request of the trace finished"]["holds"]
     assert json.loads(bench.stdout)["replay_requests_per_s"] > 0
+
+
+def _commands_in(text: str) -> list[str]:
+    """The `fleetctl ...` commands a document asks a person to run, up to the end of the line or its backquote."""
+    return [m.group(0) for m in re.finditer(r"fleetctl [^`\n\"]+", text)]
+
+
+def test_every_command_a_runbook_or_alert_gives_names_a_command_with_its_required_options() -> None:
+    """Copied from a runbook or an alert in the middle of an incident, a command must not stop at a missing option."""
+    import click
+
+    from controlplane.cli import cli
+
+    docs = [*sorted((ROOT / "controlplane" / "runbooks").glob("*.md")), ROOT / "deploy" / "base" / "controlplane-alerts.yaml"]
+    checked = 0
+    for doc in docs:
+        for command in _commands_in(doc.read_text()):
+            words = command.split()[1:]
+            leaf: click.Command = cli
+            while isinstance(leaf, click.Group) and words and words[0] in leaf.commands:
+                leaf = leaf.commands[words.pop(0)]
+            assert leaf is not cli, f"{doc.name}: {command!r} names no fleetctl command"
+            given = set(words)
+            missing = [p.opts[0] for p in leaf.params if isinstance(p, click.Option) and p.required
+                       and not given & set(p.opts)]
+            assert not missing, f"{doc.name}: {command!r} lacks {missing}"
+            checked += 1
+    assert checked >= 10

@@ -43,7 +43,7 @@ def test_a_pool_held_at_its_maximum_while_every_plan_asks_for_more_opens_a_warni
     assert (f.key, f.severity, f.runbook) == (KEY, Severity.WARNING, KIND)
     assert f.evidence | {"broken": None} == {"signal": TARGET, "max": 6, "desired": 6, "asked": 11, "asked_most": 11,
                                                "hold_s": 600.0, "broken": None}
-    assert "maximum of 6 engines; the load asks for 11 (up to 11 over 10 min)" in f.summary
+    assert "maximum of 6 replicas; the load asks for 11 (up to 11 over 10 min)" in f.summary
     assert "objectives held so far" in f.cause and "raise `replicas.max`" in f.cause
 
 
@@ -87,3 +87,18 @@ def test_a_pool_gone_from_the_fleet_file_resolves_it() -> None:
 def test_a_hold_too_short_for_three_plans_is_refused() -> None:
     assert PoolAtMaxSettings(hold=30.0).problems(15.0)[0][0] == "hold"
     assert PoolAtMaxSettings().problems(15.0) == []
+
+
+def test_a_gang_pool_whose_maximum_is_no_whole_number_of_groups_is_held_at_the_groups_it_can_have() -> None:
+    # Groups of two pods, replicas.max 5: the rails and the sizer stop it at 4.
+    gang = PoolState("prefill", "prefill", 4, 4, 2, 5, ttft_p95_slo=0.5, gang=2)
+    [f], _ = run(plans([(0.0, 8.0)]), gang)
+    assert f.evidence["max"] == 4 and "maximum of 4 replicas (whole groups of 2 within replicas.max 5)" in f.summary
+
+
+def test_an_open_finding_follows_the_load_while_the_pool_stays_at_its_maximum() -> None:
+    # Opened an hour ago; the plans went between 9 and 5 since, and now the objective breaks at 9: told again, critical,
+    # though the plans were not all over the maximum for the hold.
+    [f], resolved = run(plans([(0.0, 9.0), (NOW - 400, 5.0), (NOW - 380, 9.0)], ttft=0.8), open_=True)
+    assert resolved == [] and f.severity is Severity.CRITICAL and f.evidence["asked"] == 9
+    assert run(plans([(0.0, 9.0), (NOW - 10, 5.0)]), open_=True) == ([], []), "a plan within it: neither told nor resolved"
