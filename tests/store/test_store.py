@@ -390,16 +390,26 @@ async def test_the_memory_store_supersedes_such_advice_as_the_database_does() ->
 def _beside_uncommitted(store: SqlStore, write: Any, call: Callable[[], object]) -> None:
     """Run `call` while another connection holds `write` uncommitted (read committed: `call` does not see it), then
     commit it, which `call` waits on."""
-    other = store.engine.connect()
-    tx = other.begin()
-    other.execute(write)
-    done = threading.Thread(target=call)
-    done.start()
-    done.join(1.0)
-    assert done.is_alive(), "it waits on the other's uncommitted row"
-    tx.commit()
-    other.close()
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # handed to the test's thread below
+            raised.append(e)
+
+    done = threading.Thread(target=run)
+    with store.engine.connect() as other:
+        tx = other.begin()
+        other.execute(write)
+        done.start()
+        try:
+            done.join(1.0)
+            assert done.is_alive(), "it waits on the other's uncommitted row"
+        finally:
+            tx.commit()
     done.join(10.0)
+    assert not done.is_alive() and not raised, raised
 
 
 @pytest.fixture
