@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import StrEnum
 
-__all__ = ["ACTIVE_STATES", "FINISHED_STATES", "OUTCOMES", "SCORED_STATES", "TRANSITIONS", "ActionState",
-           "IllegalTransition", "check_transition"]
+__all__ = ["ACTIVE_STATES", "FINISHED_STATES", "SCORED_STATES", "SIGNAL_OUTCOMES", "SLO_OUTCOMES", "TRANSITIONS",
+           "ActionState", "IllegalTransition", "check_transition"]
 
 
 class ActionState(StrEnum):
@@ -38,9 +38,10 @@ FINISHED_STATES = frozenset(ActionState) - ACTIVE_STATES
 # have been (advisories, rejected and expired proposals: did the signal recover without it?), so a
 # team sees how good the decisions are before it lets the control plane act.
 SCORED_STATES = frozenset({ActionState.SUCCEEDED, ActionState.ADVISORY, ActionState.REJECTED, ActionState.EXPIRED})
-# What a judging says: a remedy by its signal (recovered, not_recovered), a scale or cordon by its pool's SLOs
-# (held, breached); unmeasured where the numbers could not say.
-OUTCOMES = ("recovered", "not_recovered", "held", "breached", "unmeasured")
+# What a judging says: a remedy by its signal, a scale or cordon by its pool's SLOs; unmeasured where the numbers
+# could not say.
+SIGNAL_OUTCOMES = ("recovered", "not_recovered", "unmeasured")
+SLO_OUTCOMES = ("held", "breached", "unmeasured")
 
 TRANSITIONS: dict[ActionState, frozenset[ActionState]] = {
     ActionState.PROPOSED: frozenset({ActionState.APPROVED, ActionState.REJECTED, ActionState.EXPIRED,

@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -800,8 +800,8 @@ class ControlLoop:
             "verify_signal": proposal.verify_signal,
             "verify_lower_is_better": proposal.verify_lower_is_better,
             "verify_before": self._recent_mean(proposal.pool, proposal.verify_signal, points=2),
-            # The objectives it is judged by are those it was made for: a fleet file changed meanwhile judges nothing.
-            **({"verify_slo": True, "slos": pools[proposal.pool].slos} if proposal.verify_slo else {}),
+            # Judged by the objectives it was made for: a fleet file changed later does not move them.
+            **({"verify_slo": True, "verify_slos": pools[proposal.pool].slos} if proposal.verify_slo else {}),
             "inputs": list(proposal.inputs),
             **(extra or {}),
         }
@@ -957,18 +957,22 @@ class ControlLoop:
         action for the step and its time to live."""
         return 4 * self.config.scrape.interval
 
-    def _changing_until(self, pool: str, since: float, until: float, first: bool = False) -> float:
-        """The last scrape in (`since`, `until`) at which the pool was mid-change (rolling out a template, or its ready
-        engines not its desired ones), else `since`: a change that restarts or adds engines is judged once they all
-        serve. With `first`, the last before it first settled: a pool judged on its SLOs keeps, in its points, an
-        engine's restart later on, which must not take the minutes before it out."""
+    def _changing_at(self, pool: str, since: float) -> set[float]:
+        """The scrapes after `since` at which the pool was mid-change: rolling out a template, or its ready engines
+        not its desired ones."""
         subject = f"pool/{pool}"
         ready = dict(self.windows.series(subject, READY, since=since))
-        desired = self.windows.series(subject, DESIRED, since=since)
-        changing = {ts for ts, v in self.windows.series(subject, ROLLING, since=since) if v} | {
-            ts for ts, v in desired if ts in ready and ready[ts] != v}
+        return {ts for ts, v in self.windows.series(subject, ROLLING, since=since) if v} | {
+            ts for ts, v in self.windows.series(subject, DESIRED, since=since) if ts in ready and ready[ts] != v}
+
+    def _changing_until(self, pool: str, since: float, until: float, first: bool = False) -> float:
+        """The last scrape in (`since`, `until`) at which the pool was mid-change, else `since`: a change that
+        restarts or adds engines is judged once they all serve. With `first`, the last before it first settled: a
+        pool judged on its SLOs keeps the minutes before a later restart (`_slo_outcome` leaves out the restart's)."""
+        changing = self._changing_at(pool, since)
         if first:
-            until = min((ts for ts, _ in desired if since < ts < until and ts not in changing), default=until)
+            until = min((ts for ts, _ in self.windows.series(f"pool/{pool}", DESIRED, since=since)
+                         if since < ts < until and ts not in changing), default=until)
         return max((ts for ts in changing if ts < until), default=since)
 
     def _note_unfit(self, pools: dict[str, PoolState], now: float) -> None:
@@ -1055,8 +1059,12 @@ class ControlLoop:
                 continue  # judged once its numbers are fit again: a verdict from them would stand for good
             log_ = await self.store.audit_log(action.id)
             if p.get("verify_slo"):
+                # Minutes in which the pool changed again after it first settled (an engine restarting, a rollout
+                # nobody here made) measure the change, not the size this action set.
+                changing = set() if start is None else {
+                    math.ceil(ts / 60.0) for ts in self._changing_at(action.pool, start) if start < ts < until}
                 outcome, detail = self._slo_outcome(action.pool, pools.get(action.pool), _slos_of(p, pools.get(
-                    action.pool)), start, until)
+                    action.pool)), start, until, changing)
                 if "replicas" in p and (pool := pools.get(action.pool)) is not None:
                     # A breach at the pool's most engines is the bound's to answer (`pool_at_max`), not the sizer's.
                     detail.update(engines=p["replicas"], max_engines=pool.max_replicas)
@@ -1110,21 +1118,22 @@ class ControlLoop:
                          "finding_resolved": resolved}
 
     def _slo_outcome(self, pool: str, state: PoolState | None, slos: Mapping[str, float], start: float | None,
-                     until: float) -> tuple[str, dict[str, Any]]:
-        """Whether the pool kept `slos` from `start` to `until` or now (a scale for the load, a cordon): `held`, or
-        `breached` where most of a whole minute's points broke one; no revert either way, the sizer plans again
-        every tick."""
+                     until: float, changing: Collection[int] = ()) -> tuple[str, dict[str, Any]]:
+        """Whether the pool kept `slos` from `start` to `until` or now (a scale for the load, a cordon), leaving out
+        the `changing` minutes: `held`, or `breached` where most of a whole minute's points broke one; no revert
+        either way, the sizer plans again every tick."""
         if not slos:
             why = f"{pool} has no SLO set" if state is not None else f"{pool} is not in the fleet file"
             return "unmeasured", {"slos": {}, "why": why}
         series = {name: [] if start is None else
                   [(ts, v) for ts, v in self.windows.series(f"pool/{pool}", name, since=math.nextafter(start, math.inf))
-                   if ts < until] for name in slos}
+                   if ts < until and math.ceil(ts / 60.0) not in changing] for name in slos}
         whole = whole_minute(self.windows, f"pool/{pool}")
         minutes = {m for points in series.values() for m, values in by_minute(points).items() if len(values) >= whole}
         broken = {name: [m * 60.0 for m in slo_broken_minutes(points, slos[name], whole)]
                   for name, points in series.items()}
-        detail = {"slos": dict(slos), "minutes": len(minutes), "broken": {n: b for n, b in broken.items() if b},
+        detail = {"slos": dict(slos), "minutes": len(minutes), "changing_minutes": len(changing),
+                  "broken": {n: b for n, b in broken.items() if b},
                   "worst": {n: max(v for _, v in points) for n, points in series.items() if points}}
         if not minutes:  # judged only once `need` points came, so there is one unless the scrapes were patchy
             return "unmeasured", {**detail, "why": "not a whole minute of points" + (
@@ -1252,7 +1261,7 @@ def _judged_by(params: Mapping[str, Any], pool: PoolState | None) -> list[str]:
 
 def _slos_of(params: Mapping[str, Any], pool: PoolState | None) -> dict[str, float]:
     """The objectives an action judged by its pool's SLOs was made for (its pool's now, for one recorded without)."""
-    if (slos := params.get("slos")) is not None:
+    if (slos := params.get("verify_slos")) is not None:
         return dict(slos)
     return pool.slos if pool is not None else {}
 

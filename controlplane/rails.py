@@ -301,12 +301,13 @@ def check(
         # After a change that did not help (and was undone where it could be), asking again would
         # flap between the change and its revert.
         return _held(RailsReason.TRIED, f"a {proposal.kind} for this finding did not help")
+    # Advice is what observe mode did; once acting, advice changed nothing on the fleet.
     made = (ActionState.SUCCEEDED, ActionState.ADVISORY) if observing else (ActionState.SUCCEEDED,)
     if proposal.kind == ActionKind.CORDON_NODE and any(a.state in made for a in same):
         # A fault holds its finding open for an hour whatever the cordon did; the node stays cordoned meanwhile (and
         # advice given once is not given again every verify window; once acting, advice is no cordon).
         return _held(RailsReason.MADE, "the node is cordoned, or advised to be, for this finding already")
-    if any(a.state in (ActionState.SUCCEEDED, ActionState.ADVISORY) and a.outcome is None for a in same):
+    if any(a.state in made and a.outcome is None for a in same):
         # Another change before the last one is judged would stack changes nobody can tell apart.
         return _held(RailsReason.VERIFYING, f"a {proposal.kind} for this finding is still being judged")
     if proposal.kind not in supported:

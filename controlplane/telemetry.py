@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from controlplane.actions import OUTCOMES
+from controlplane.actions import SIGNAL_OUTCOMES, SLO_OUTCOMES
 from controlplane.config import Telemetry as TelemetryConfig
 from controlplane.config import Tracing
 from policies.types import ActionKind
@@ -72,8 +72,11 @@ class Telemetry:
             f"{ns}_action_outcomes", "Actions carried out, by kind and judged outcome (recovered, not_recovered, "
             "held, breached, unmeasured).", ["kind", "outcome"], registry=self.registry,
         )
-        for kind in ActionKind:  # from zero: increase() misses the first count of a series born at one
-            for outcome in OUTCOMES:
+        # Every series an action can count starts at zero: increase() misses the first count of one born at one. The
+        # sizer's scales and cordons are judged by their pools' SLOs, and any kind a policy asks for by its signal.
+        for kind in ActionKind:
+            slo_judged = SLO_OUTCOMES if kind in (ActionKind.SCALE_POOL, ActionKind.CORDON_NODE) else ()
+            for outcome in dict.fromkeys((*SIGNAL_OUTCOMES, *slo_judged)):
                 self.outcomes.labels(kind, outcome)
         self.last_tick = Gauge(
             f"{ns}_last_tick_timestamp_seconds", "Loop time of the last completed tick.", registry=self.registry

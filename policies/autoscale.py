@@ -291,27 +291,32 @@ _OWED_SCRAPES = 4
 
 
 def arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float]]:
-    """Arrivals per second at each scrape: finished requests plus the growth of those in the pool. A scrape in which
-    more left the pool than finished (a pod that missed it took its queue out of the sum) reads zero, and as much
-    growth over the next `_OWED_SCRAPES` scrapes is that queue back, not arrivals: clamped alone, a deep queue would
-    come back as a burst that never was. A pod gone for good takes its queue with it, and nothing comes back."""
+    """Arrivals per second at each scrape: finished requests plus the growth of those in the pool. A scrape at which
+    fewer pods answered and more left the pool than finished (a pod that missed it took its queue out of the sums)
+    reads zero, and growth as pods answer again over the next `_OWED_SCRAPES` scrapes is that queue back, up to what
+    left: clamped alone, a deep queue would come back as a burst that never was. Growth while no pod comes back
+    (a pod gone with its queue, a surge after it) is arrivals."""
     done = w.series(subject, "request_rate", since=since)
     inside = {ts: v for ts, v in w.series(subject, "requests_running", since=since)}
     for ts, v in w.series(subject, "requests_waiting", since=since):
         inside[ts] = inside.get(ts, 0.0) + v
+    pods = dict(w.series(subject, "pods_reporting", since=since))
     out: list[tuple[float, float]] = []
     prev: tuple[float, float] | None = None
-    gone, gone_for = 0.0, 0  # requests that left the sum unfinished; for how many scrapes more they may come back
+    gone, gone_for = 0.0, 0  # requests that left the sums with pods that missed a scrape; scrapes left to come back
     for ts, rate in done:
         here = inside.get(ts)
         if here is None or prev is None or ts <= prev[0]:
             out.append((ts, rate))
         else:
             span, growth = ts - prev[0], here - prev[1]
-            back = min(gone, max(0.0, growth))
+            answered = pods.get(ts, 0.0) - pods.get(prev[0], pods.get(ts, 0.0))  # pods more or fewer than before
+            back = min(gone, max(0.0, growth)) if answered > 0 else 0.0
             arrived = rate * span + growth - back
-            gone_for = _OWED_SCRAPES if arrived < 0 else max(0, gone_for - 1)
-            gone = gone - back - min(0.0, arrived) if gone_for else 0.0
+            gone, gone_for = gone - back, max(0, gone_for - 1)
+            if arrived < 0 and answered < 0:
+                gone, gone_for = gone - arrived, _OWED_SCRAPES
+            gone = gone if gone_for else 0.0
             out.append((ts, max(0.0, arrived) / span))
         if here is not None:
             prev = (ts, here)
@@ -428,7 +433,7 @@ def whole_minute(w: SignalWindows, subject: str) -> int:
     """The scrapes that make a whole minute of a pool's points: four at 15 s, two at 30 s, the one at 40 s or a minute
     (whose p95 is the minute's own); at 10 s or faster, all but one (a scrape lost is no partial minute). A minute
     that a window starts or ends in may hold a few slow scrapes, which are no broken minute."""
-    n = max(1, math.floor(60.0 / scrape_interval(w, subject) + 1e-6))
+    n = max(1, math.floor(60.0 / scrape_interval(w, subject) + 0.05))  # 15.003 s apart (ticks run late) is 15 s
     return n - 1 if n > 4 else n
 
 
@@ -977,11 +982,14 @@ def _largest(fit: _Fit, prior: _Fit, budget: float, context: float, seen: list[f
 
 
 def engines_per_pod(w: SignalWindows, subject: str, scrapes: int = 4) -> int:
-    """vLLM engines a pod of the pool serves (its data-parallel ranks): the most the last `scrapes` scrapes saw (ranks
-    that missed a scrape would read as a pod of fewer, and plan more pods); 1 unknown."""
+    """vLLM engines a pod of the pool serves (its data-parallel ranks): the most the last `scrapes` scrapes saw since
+    the pool last rolled out (ranks that missed a scrape would read as a pod of fewer, and plan more pods; a rollout
+    may change the ranks); 1 unknown."""
+    rolled = max((ts for ts, v in w.series(subject, ROLLING) if v), default=-math.inf)
     pods = dict(w.series(subject, "pods_reporting")[-scrapes:])
-    ratios = [engines / pods[ts] for ts, engines in w.series(subject, "engines_reporting")[-scrapes:]
-              if engines and pods.get(ts)]
+    seen = [(ts, engines / pods[ts]) for ts, engines in w.series(subject, "engines_reporting")[-scrapes:]
+            if engines and pods.get(ts)]
+    ratios = [r for ts, r in seen if ts > rolled] or [r for _, r in seen[-1:]]
     return max(1, round(max(ratios))) if ratios else 1
 
 
@@ -1009,7 +1017,7 @@ class ScalingUnit:
 
 
 def scaling_unit(w: SignalWindows, subject: str, pool: PoolState) -> ScalingUnit:
-    """How the pool's pods serve engines, as the last scrape saw them: a pod's data-parallel ranks (`engines_per_pod`,
+    """How the pool's pods serve engines, as the last scrapes saw them: a pod's data-parallel ranks (`engines_per_pod`,
     over the pods that report) and, in a gang pool, whether every pod of a group serves (data parallel across it) or
     only its leader does (one engine across the group's nodes, whose other pods run no vLLM server and report none),
     told apart by how many of the ready groups' pods report."""

@@ -464,8 +464,6 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
     [
         pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5), RailsReason.VERIFYING,
                      id="still-being-judged"),
-        pytest.param(Past("prefill", "advisory", NOW - 900, NOW - 800, finding_id=5), RailsReason.VERIFYING,
-                     id="an-advisory-too"),
         pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5, outcome="not_recovered"),
                      RailsReason.TRIED, id="did-not-help"),
         pytest.param(Past("prefill", "succeeded", NOW - 900, NOW - 800, finding_id=5, outcome="recovered"),
@@ -479,6 +477,15 @@ def test_stale_inputs_hold_what_rests_on_them(stale: dict[str, str], inputs: tup
 )
 def test_one_change_per_finding_until_it_is_judged(earlier: Past, reason: RailsReason) -> None:
     d = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=[earlier], now=NOW, supported=ALL_KINDS, finding_id=5)
+    assert d.reason is reason
+
+
+@pytest.mark.parametrize(("observing", "reason"), [(True, RailsReason.VERIFYING), (False, RailsReason.ALLOWED)])
+def test_an_advisory_holds_the_next_one_only_while_observing(observing: bool, reason: RailsReason) -> None:
+    # Observing, the next advice waits for this one's judging as a change would; acting, advice changed nothing.
+    advised = Past("prefill", "advisory", NOW - 900, NOW - 800, finding_id=5)
+    d = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=[advised], now=NOW, supported=ALL_KINDS, finding_id=5,
+              observing=observing)
     assert d.reason is reason
 
 

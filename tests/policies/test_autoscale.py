@@ -14,6 +14,7 @@ from policies.autoscale import (
     _NO_PRIOR,
     DESIRED,
     READY,
+    ROLLING,
     STARTUP,
     TARGET,
     Autoscaler,
@@ -30,6 +31,7 @@ from policies.autoscale import (
     pool_load,
     slo_broken_minutes,
     stabilised,
+    whole_minute,
 )
 from policies.hpa import HpaRule
 from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState, ScaleTo
@@ -96,11 +98,12 @@ def test_load_counts_queue_growth_as_arrivals_and_nets_out_cache_hits() -> None:
     assert pool_load(SignalWindows(3600), "chat", []) is None
 
 
-def _pool_scrapes(rows: list[tuple[float, float]]) -> SignalWindows:
-    """A pool's finished requests a second and requests inside it (running), one (rate, inside) a scrape."""
+def _pool_scrapes(rows: list[tuple[float, float, int]]) -> SignalWindows:
+    """A pool's finished requests a second, requests inside it (running) and pods that answered, one row a scrape."""
     w = SignalWindows(3600)
-    for i, (rate, inside) in enumerate(rows):
-        for name, value in (("request_rate", rate), ("requests_running", inside), ("requests_waiting", 0.0)):
+    for i, (rate, inside, pods) in enumerate(rows):
+        for name, value in (("request_rate", rate), ("requests_running", inside), ("requests_waiting", 0.0),
+                            ("pods_reporting", float(pods))):
             w.add((i + 1) * STEP, "pool/chat", name, value)
     return w
 
@@ -108,20 +111,26 @@ def _pool_scrapes(rows: list[tuple[float, float]]) -> SignalWindows:
 def test_a_pod_that_misses_a_scrape_under_a_deep_queue_adds_no_burst_when_it_comes_back() -> None:
     # Ten requests a second, 3,000 inside; one pod of three misses scrape 4, taking its 1,000 requests and its
     # finished rate out of the pool's sums, and is back at scrape 5. Clamped alone, scrape 5 read 77 arrivals a second.
-    rows = [(10.0, 3000.0)] * 3 + [(6.7, 2000.0)] + [(10.0, 3000.0)] * 4
+    rows = [(10.0, 3000.0, 3)] * 3 + [(6.7, 2000.0, 2)] + [(10.0, 3000.0, 3)] * 4
     arrivals = [v for _, v in arrival_series(_pool_scrapes(rows), "pool/chat", 0.0)]
     assert arrivals[3] == 0.0 and min(arrivals) >= 0.0
     assert max(arrivals) < 20.0, "its queue back is no burst of arrivals (at most the scrape it missed, made up)"
     assert arrivals[5:] == [pytest.approx(10.0)] * 3
 
 
-def test_a_pod_gone_for_good_with_its_queue_leaves_the_pools_own_rate() -> None:
-    # The pod does not come back: its requests went with it, and the scrapes after read the pool's own rate; a queue
-    # that grows a minute later is arrivals again.
-    rows = [(10.0, 3000.0)] * 3 + [(6.7, 2000.0)] * 7 + [(6.7, 2150.0)]
+def test_a_pod_gone_with_its_queue_hides_no_surge_after_it() -> None:
+    # The pod is killed with its 1,000 requests and does not come back; then 40 requests a second arrive, and the
+    # queue grows by 450 a scrape. That growth is arrivals, not the lost queue coming back.
+    rows = [(10.0, 3000.0, 3)] * 3 + [(6.7, 2000.0, 2)] + [(6.7, 2000.0 + 450.0 * k, 2) for k in range(1, 4)]
     arrivals = [v for _, v in arrival_series(_pool_scrapes(rows), "pool/chat", 0.0)]
-    assert arrivals[4:10] == [pytest.approx(6.7)] * 6
-    assert arrivals[10] == pytest.approx(16.7)
+    assert arrivals[4:] == [pytest.approx(36.7)] * 3
+
+
+def test_without_pods_answering_fewer_a_negative_scrape_is_only_clamped() -> None:
+    # The queue drained faster than the finished rate says (the two read a moment apart): nothing is owed.
+    rows = [(10.0, 3000.0, 3)] * 2 + [(10.0, 2700.0, 3), (10.0, 3000.0, 3)]
+    arrivals = [v for _, v in arrival_series(_pool_scrapes(rows), "pool/chat", 0.0)]
+    assert arrivals[2:] == [0.0, pytest.approx(30.0)]
 
 
 def test_lengths_come_from_the_requests_that_finished_not_the_tokens_begun_while_the_load_steps_up() -> None:
@@ -691,6 +700,12 @@ def test_pods_of_several_data_parallel_engines_are_planned_in_pods() -> None:
     for ts, _ in missed.series("pool/chat", "request_rate"):
         missed.add(ts, "pool/chat", "pods_reporting", 2.0)
     assert plan(missed, pool(2, hi=8)).evidence["engines_per_pod"] == 8
+    # A rollout to pods of four ranks ends at the last scrape: four, not the eight of the scrapes before it.
+    halved = windows(30, 400.0, engines=[16] * 117 + [8] * 3)
+    for k, (ts, _) in enumerate(halved.series("pool/chat", "request_rate")):
+        halved.add(ts, "pool/chat", "pods_reporting", 2.0)
+        halved.add(ts, "pool/chat", ROLLING, float(k == 118))
+    assert plan(halved, pool(2, hi=8)).evidence["engines_per_pod"] == 4
     assert (single.recommended, single.target) == (16, 16)
     assert (dp.recommended, dp.target) == (2, 2), "16 engines are two pods of eight"
     # Five times the load on a pool of at most two such pods: capped at 2, in the fleet file's replicas.
@@ -725,3 +740,13 @@ def test_a_start_up_time_measured_before_the_history_still_sets_the_horizon() ->
         w.add(ts, "pool/chat", STARTUP, 615.0)
     remembered = plan(w, pool(6))
     assert remembered.evidence["startup_s"] == 615 and remembered.evidence["horizon_s"] >= 615 + STEP
+
+
+@pytest.mark.parametrize(("interval", "whole"), [(15.0, 4), (15.003, 4), (14.99, 4), (30.004, 2), (40.0, 1), (60.01, 1),
+                                                 (10.002, 5), (5.001, 11), (20.0, 3)])
+def test_a_whole_minute_is_the_scrapes_a_minute_holds_at_the_interval_the_ticks_keep(interval: float, whole: int) -> None:
+    # Ticks run a little late, so scrapes are a few milliseconds more than the interval apart.
+    w = SignalWindows(3600)
+    for k in range(12):
+        w.add(k * interval, "pool/chat", "request_rate", 1.0)
+    assert whole_minute(w, "pool/chat") == whole
