@@ -1028,7 +1028,7 @@ class ControlLoop:
                 if p.get("verify_slo") else VERIFY_POINTS
             # Judged on the points after the pool settled (its engines restarted or started, all serving) and its
             # inputs were whole again, and before the next change to it, which would take credit or blame for it.
-            start, until, confounded = action.finished_at, math.inf, None
+            start, until, confounded, as_it_is = action.finished_at, math.inf, None, False
             if action.finished_at is not None and judged:
                 # A scale or cordon a person rejected or left to expire is scored on how the pool fared without it
                 # from when it was asked for, not from when it lapsed.
@@ -1040,7 +1040,7 @@ class ControlLoop:
                 if now - action.finished_at >= 3 * verify_after and settled > whole:
                     # Still not settled three verify windows on (its engines crash-loop, its rollout stalled): the
                     # change is judged on what it has done, as it is, rather than escape judging and its revert.
-                    settled = base
+                    settled, as_it_is = base, True
                 start = max(base, settled, whole)
                 # Strictly after: a tick scrapes before it acts, so a point stamped when it finished predates it.
                 seen = sorted({ts for name in judged for ts, _ in self.windows.series(
@@ -1060,8 +1060,9 @@ class ControlLoop:
             log_ = await self.store.audit_log(action.id)
             if p.get("verify_slo"):
                 # Minutes in which the pool changed again after it first settled (an engine restarting, a rollout
-                # nobody here made) measure the change, not the size this action set.
-                changing = set() if start is None else {
+                # nobody here made) measure the change, not the size this action set; one judged as it is, never
+                # settled, has no others.
+                changing = set() if start is None or as_it_is else {
                     math.ceil(ts / 60.0) for ts in self._changing_at(action.pool, start) if start < ts < until}
                 outcome, detail = self._slo_outcome(action.pool, pools.get(action.pool), _slos_of(p, pools.get(
                     action.pool)), start, until, changing)
@@ -1125,9 +1126,11 @@ class ControlLoop:
         if not slos:
             why = f"{pool} has no SLO set" if state is not None else f"{pool} is not in the fleet file"
             return "unmeasured", {"slos": {}, "why": why}
-        series = {name: [] if start is None else
-                  [(ts, v) for ts, v in self.windows.series(f"pool/{pool}", name, since=math.nextafter(start, math.inf))
-                   if ts < until and math.ceil(ts / 60.0) not in changing] for name in slos}
+        every = {name: [] if start is None else
+                 [(ts, v) for ts, v in self.windows.series(f"pool/{pool}", name, since=math.nextafter(start, math.inf))
+                  if ts < until] for name in slos}
+        series = {name: [(ts, v) for ts, v in points if math.ceil(ts / 60.0) not in changing]
+                  for name, points in every.items()}
         whole = whole_minute(self.windows, f"pool/{pool}")
         minutes = {m for points in series.values() for m, values in by_minute(points).items() if len(values) >= whole}
         broken = {name: [m * 60.0 for m in slo_broken_minutes(points, slos[name], whole)]
@@ -1135,10 +1138,19 @@ class ControlLoop:
         detail = {"slos": dict(slos), "minutes": len(minutes), "changing_minutes": len(changing),
                   "broken": {n: b for n, b in broken.items() if b},
                   "worst": {n: max(v for _, v in points) for n, points in series.items() if points}}
+        if detail["broken"]:
+            return "breached", detail
+        # Broken only while the pool changed: its engines crash-looping under the load, or a rollout made elsewhere;
+        # which of them the numbers cannot say, so neither verdict.
+        while_changing = sorted({m for name, points in every.items()
+                                 for m in slo_broken_minutes(points, slos[name], whole) if m in changing})
+        if while_changing:
+            return "unmeasured", {**detail, "why": f"it broke an objective only in minutes its pool was changing "
+                                                   f"again (engines restarting, or a rollout): {len(while_changing)}"}
         if not minutes:  # judged only once `need` points came, so there is one unless the scrapes were patchy
             return "unmeasured", {**detail, "why": "not a whole minute of points" + (
                 " before the next change" if until < math.inf else "")}
-        return ("breached" if detail["broken"] else "held"), detail
+        return "held", detail
 
     async def _ineffective(self, action: ActionRecord, measured: dict[str, Any], done: Mapping[str, Any], now: float,
                            pools: dict[str, PoolState], report: TickReport) -> None:

@@ -292,10 +292,10 @@ _OWED_SCRAPES = 4
 
 def arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[float, float]]:
     """Arrivals per second at each scrape: finished requests plus the growth of those in the pool. A scrape at which
-    fewer pods answered and more left the pool than finished (a pod that missed it took its queue out of the sums)
-    reads zero, and growth as pods answer again over the next `_OWED_SCRAPES` scrapes is that queue back, up to what
-    left: clamped alone, a deep queue would come back as a burst that never was. Growth while no pod comes back
-    (a pod gone with its queue, a surge after it) is arrivals."""
+    more left the pool than finished (a pod that missed it took its queue out of the sums) reads zero, and growth
+    at scrapes where more pods answer again, over the next `_OWED_SCRAPES`, is that queue back, up to what left:
+    clamped alone, a deep queue would come back as a burst that never was. Growth while no pod comes back (a pod
+    gone with its queue, a surge after it) is arrivals; without pod counts, any growth may be the queue back."""
     done = w.series(subject, "request_rate", since=since)
     inside = {ts: v for ts, v in w.series(subject, "requests_running", since=since)}
     for ts, v in w.series(subject, "requests_waiting", since=since):
@@ -310,11 +310,13 @@ def arrival_series(w: SignalWindows, subject: str, since: float) -> list[tuple[f
             out.append((ts, rate))
         else:
             span, growth = ts - prev[0], here - prev[1]
-            answered = pods.get(ts, 0.0) - pods.get(prev[0], pods.get(ts, 0.0))  # pods more or fewer than before
-            back = min(gone, max(0.0, growth)) if answered > 0 else 0.0
+            # Pods that answered, more or fewer than the scrape before; unknown where either count was not read.
+            more = pods[ts] - pods[prev[0]] if ts in pods and prev[0] in pods else None
+            back = min(gone, max(0.0, growth)) if more is None or more > 0 else 0.0
             arrived = rate * span + growth - back
             gone, gone_for = gone - back, max(0, gone_for - 1)
-            if arrived < 0 and answered < 0:
+            # Not only where fewer answered: a new pod may answer as another misses the scrape.
+            if arrived < 0 and (more is None or more <= 0):
                 gone, gone_for = gone - arrived, _OWED_SCRAPES
             gone = gone if gone_for else 0.0
             out.append((ts, max(0.0, arrived) / span))
@@ -985,12 +987,13 @@ def engines_per_pod(w: SignalWindows, subject: str, scrapes: int = 4) -> int:
     """vLLM engines a pod of the pool serves (its data-parallel ranks): the most the last `scrapes` scrapes saw since
     the pool last rolled out (ranks that missed a scrape would read as a pod of fewer, and plan more pods; a rollout
     may change the ranks); 1 unknown."""
-    rolled = max((ts for ts, v in w.series(subject, ROLLING) if v), default=-math.inf)
     pods = dict(w.series(subject, "pods_reporting")[-scrapes:])
     seen = [(ts, engines / pods[ts]) for ts, engines in w.series(subject, "engines_reporting")[-scrapes:]
             if engines and pods.get(ts)]
-    ratios = [r for ts, r in seen if ts > rolled] or [r for _, r in seen[-1:]]
-    return max(1, round(max(ratios))) if ratios else 1
+    rolled = max((ts for ts, v in w.series(subject, ROLLING) if v), default=-math.inf)
+    if seen and rolled < seen[-1][0]:  # a rollout over: its ranks from the scrapes since (mid-rollout, all of them)
+        seen = [(ts, r) for ts, r in seen if ts > rolled]
+    return max(1, round(max(r for _, r in seen))) if seen else 1
 
 
 @dataclass(frozen=True, slots=True)

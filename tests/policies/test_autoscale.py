@@ -98,13 +98,15 @@ def test_load_counts_queue_growth_as_arrivals_and_nets_out_cache_hits() -> None:
     assert pool_load(SignalWindows(3600), "chat", []) is None
 
 
-def _pool_scrapes(rows: list[tuple[float, float, int]]) -> SignalWindows:
-    """A pool's finished requests a second, requests inside it (running) and pods that answered, one row a scrape."""
+def _pool_scrapes(rows: list[tuple[float, float, int | None]]) -> SignalWindows:
+    """A pool's finished requests a second, requests inside it (running) and pods that answered (None: not read), one
+    row a scrape."""
     w = SignalWindows(3600)
     for i, (rate, inside, pods) in enumerate(rows):
-        for name, value in (("request_rate", rate), ("requests_running", inside), ("requests_waiting", 0.0),
-                            ("pods_reporting", float(pods))):
+        for name, value in (("request_rate", rate), ("requests_running", inside), ("requests_waiting", 0.0)):
             w.add((i + 1) * STEP, "pool/chat", name, value)
+        if pods is not None:
+            w.add((i + 1) * STEP, "pool/chat", "pods_reporting", float(pods))
     return w
 
 
@@ -116,6 +118,19 @@ def test_a_pod_that_misses_a_scrape_under_a_deep_queue_adds_no_burst_when_it_com
     assert arrivals[3] == 0.0 and min(arrivals) >= 0.0
     assert max(arrivals) < 20.0, "its queue back is no burst of arrivals (at most the scrape it missed, made up)"
     assert arrivals[5:] == [pytest.approx(10.0)] * 3
+
+
+@pytest.mark.parametrize("pods", [
+    pytest.param([3, 3, 3, 3, 4, 4, 4], id="a-new-pod-answers-as-it-misses"),
+    pytest.param([3, 3, 3, 2, None, 3, 3], id="pods-not-read-as-it-comes-back"),
+    pytest.param([None] * 7, id="no-pod-counts"),
+])
+def test_a_missed_scrape_owes_its_queue_however_the_pods_read(pods: list[int | None]) -> None:
+    inside = [3000.0] * 3 + [2000.0] + [3000.0] * 3
+    rates = [10.0] * 3 + [6.7] + [10.0] * 3
+    arrivals = [v for _, v in arrival_series(_pool_scrapes(list(zip(rates, inside, pods, strict=True))), "pool/chat",
+                                             0.0)]
+    assert max(arrivals) < 20.0, arrivals
 
 
 def test_a_pod_gone_with_its_queue_hides_no_surge_after_it() -> None:
@@ -706,6 +721,12 @@ def test_pods_of_several_data_parallel_engines_are_planned_in_pods() -> None:
         halved.add(ts, "pool/chat", "pods_reporting", 2.0)
         halved.add(ts, "pool/chat", ROLLING, float(k == 118))
     assert plan(halved, pool(2, hi=8)).evidence["engines_per_pod"] == 4
+    # Mid-rollout to the same ranks, a restarted pod has four of its eight up at the last scrape: still eight.
+    rolling = windows(30, 400.0, engines=[16] * 119 + [12])
+    for ts, _ in rolling.series("pool/chat", "request_rate"):
+        rolling.add(ts, "pool/chat", "pods_reporting", 2.0)
+        rolling.add(ts, "pool/chat", ROLLING, 1.0)
+    assert plan(rolling, pool(2, hi=8)).evidence["engines_per_pod"] == 8
     assert (single.recommended, single.target) == (16, 16)
     assert (dp.recommended, dp.target) == (2, 2), "16 engines are two pods of eight"
     # Five times the load on a pool of at most two such pods: capped at 2, in the fleet file's replicas.
