@@ -248,7 +248,7 @@ def _shape(change: Change, kind: ActionKind, pool: PoolState, rails: Rails) -> R
             if asked == pool.desired:
                 return _held(RailsReason.AT_LIMIT, f"{pool.name} already has {pool.desired} engines: "
                                                    f"{change.replicas} in whole groups of {g}")
-        lo, hi = -(-pool.min_replicas // g) * g, pool.max_replicas // g * g
+        lo, hi = -(-pool.min_replicas // g) * g, pool.most_replicas
         # The bounds first, then the step: a pool above a lowered maximum that is asked for one more engine must
         # not lose two, and one below its minimum steps up, not past what was asked.
         bounded = max(lo, min(hi, asked))

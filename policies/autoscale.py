@@ -770,9 +770,9 @@ class Autoscaler:
         held = target > -(-recommended // g) * g  # rounded up to a whole group or pod, the recommendation is no hold
         target = max(pool.min_replicas, min(pool.max_replicas, target))
         if g > 1:  # the engines a gang pool can run: whole groups, within its maximum
-            target = max(g, min(-(-target // g) * g, pool.max_replicas // g * g))
+            target = max(g, min(-(-target // g) * g, pool.most_replicas))
         # Said in the fleet file's replicas (pods), where the plan is read.
-        if recommended > target and target >= pool.max_replicas // g * g:  # not only in `pool_at_max`
+        if recommended > target and target >= pool.most_replicas:  # not only in `pool_at_max`
             reason += f"; capped at its maximum of {unit.pods_for(target)}"
         elif held and target == pool.desired:
             why = "the SLO broke within" if breached_since or short else "lower targets last"

@@ -48,7 +48,7 @@ class PoolAtMax:
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         s, result = self.settings, PolicyResult()
         for name, pool in sorted(inp.pools.items()):
-            subject, top = f"pool/{name}", _top(pool)
+            subject, top = f"pool/{name}", pool.most_replicas
             key = FindingKey(KIND, subject)
             asked = inp.windows.series(subject, TARGET, since=inp.now - s.hold)
             lately = inp.now - 2 * scrape_interval(inp.windows, subject)  # the policies run before this tick's plan
@@ -95,8 +95,3 @@ class PoolAtMax:
         return FindingReport(FindingKey(KIND, subject), Severity.CRITICAL if broken else Severity.WARNING, summary,
                              cause, evidence, KIND)
 
-
-def _top(pool: PoolState) -> int:
-    """The most replicas the pool can have: its maximum, in whole groups for a gang pool (as the rails cap it)."""
-    g = max(1, pool.gang)
-    return max(g, pool.max_replicas // g * g)

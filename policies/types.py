@@ -273,6 +273,13 @@ class PoolState:
     scaled_by: str | None = None  # another controller that sets its replica count (an HPA), where there is one
 
     @property
+    def most_replicas(self) -> int:
+        """The most replicas the pool can run: its maximum, in whole groups of a gang pool (a partial one serves
+        none)."""
+        g = max(1, self.gang)
+        return self.max_replicas // g * g
+
+    @property
     def slos(self) -> dict[str, float]:
         """The p95 objectives set on the pool, by the signal that measures each."""
         return {name: slo for name, slo in (("ttft_p95", self.ttft_p95_slo), ("tpot_p95", self.tpot_p95_slo))

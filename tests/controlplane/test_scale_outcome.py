@@ -53,8 +53,8 @@ class Engines:
     dry_run = False
     kinds = frozenset({ActionKind.SCALE_POOL, ActionKind.CORDON_NODE})
 
-    def __init__(self, replicas: int) -> None:
-        self.replicas = replicas
+    def __init__(self, replicas: int, clock: VirtualClock | None = None) -> None:
+        self.replicas, self.clock = replicas, clock or VirtualClock()
         self.history: list[int] = []
 
     @property
@@ -188,8 +188,8 @@ class SlowStart(Engines):
     """Engines added start `lag` seconds after the scale; until then the pool is served by those it had."""
 
     def __init__(self, replicas: int, clock: VirtualClock, lag: float) -> None:
-        super().__init__(replicas)
-        self.clock, self.lag, self.ready, self.scaled_at = clock, lag, replicas, -1e9
+        super().__init__(replicas, clock)
+        self.lag, self.ready, self.scaled_at = lag, replicas, -1e9
 
     @property
     def serving(self) -> int:
@@ -237,23 +237,32 @@ async def test_a_held_scale_is_not_blamed_for_the_next_scales_breach() -> None:
     assert (up.outcome, down.outcome) == ("held", "breached"), "each judged on its own points"
 
 
-class Restarts(Engines):
-    """One engine is not ready for the single scrape at `at`."""
+class Restarting(Engines):
+    """One engine is not ready from `at` for `for_s` seconds (the one scrape at `at` by default): restarting, or in a
+    rollout nobody here made (`rolling`, a CI deploy restarting one engine at a time)."""
 
-    def __init__(self, replicas: int, clock: VirtualClock, at: float) -> None:
-        super().__init__(replicas)
-        self.clock, self.at = clock, at
+    def __init__(self, replicas: int, clock: VirtualClock, at: float, for_s: float = 1.0,
+                 rolling: bool = False) -> None:
+        super().__init__(replicas, clock)
+        self.at, self.for_s, self.rolling = at, for_s, rolling
+
+    def _restarting(self) -> bool:
+        return self.at <= self.clock.now() < self.at + self.for_s
 
     @property
     def serving(self) -> int:
-        return self.replicas - (self.clock.now() == self.at)
+        return self.replicas - self._restarting()
+
+    async def observe(self) -> FleetView:
+        return FleetView({"chat": PoolReplicas(self.replicas, self.serving,
+                                               rolling=self.rolling and self._restarting())})
 
 
 async def test_an_engine_restarting_after_a_breach_does_not_take_the_breach_out() -> None:
     clock, store = VirtualClock(), MemoryStore()
     # Down to two, which breaks the objective; four minutes on one engine restarts for a scrape, and the sizer has
     # the pool back at three. The minutes at two are the scale's, whatever came after its pool first settled.
-    engines = Restarts(3, clock, clock.now() + 255)
+    engines = Restarting(3, clock, clock.now() + 255)
     await ticks(make_loop(store, engines, clock, AskFor(clock, 2, 3, after=5 * 60)), clock, 4 * 12)
     down, _ = await store.actions()
     assert down.outcome == "breached", outcome_of(store, down.id)
@@ -339,29 +348,11 @@ async def test_a_scale_left_undecided_is_scored_on_how_the_pool_fared_from_when_
     assert min(outcome_of(store, up.id)["broken"]["tpot_p95"]) < eases
 
 
-class RolledOutAfter(Engines):
-    """A rollout nobody here made (a CI deploy) restarts one engine at a time from `at` for `for_s` seconds."""
-
-    def __init__(self, replicas: int, clock: VirtualClock, at: float, for_s: float) -> None:
-        super().__init__(replicas)
-        self.clock, self.at, self.for_s = clock, at, for_s
-
-    def _rolling(self) -> bool:
-        return self.at <= self.clock.now() < self.at + self.for_s
-
-    @property
-    def serving(self) -> int:
-        return self.replicas - self._rolling()
-
-    async def observe(self) -> FleetView:
-        return FleetView({"chat": PoolReplicas(self.replicas, self.serving, rolling=self._rolling())})
-
-
 async def test_a_rollout_after_the_pool_settled_is_not_blamed_on_the_scale() -> None:
     clock, store = VirtualClock(), MemoryStore()
     # Up to three, which holds; 90 s on a rollout restarts an engine at a time for two minutes, two serving meanwhile,
     # which breaks the objective. Whether three were too few to roll out under the load the numbers cannot say.
-    engines = RolledOutAfter(2, clock, clock.now() + 105, 120)
+    engines = Restarting(2, clock, clock.now() + 105, 120, rolling=True)
     await ticks(make_loop(store, engines, clock, AskFor(clock, 3)), clock, 4 * 9)
     [up] = await store.actions()
     judged = outcome_of(store, up.id)
@@ -372,7 +363,7 @@ async def test_a_rollout_after_the_pool_settled_is_not_blamed_on_the_scale() -> 
 async def test_a_rollout_within_the_objectives_leaves_a_scale_held() -> None:
     clock, store = VirtualClock(), MemoryStore()
     # Up to four; the rollout leaves three serving, within the objective.
-    engines = RolledOutAfter(3, clock, clock.now() + 105, 120)
+    engines = Restarting(3, clock, clock.now() + 105, 120, rolling=True)
     await ticks(make_loop(store, engines, clock, AskFor(clock, 4)), clock, 4 * 9)
     [up] = await store.actions()
     assert up.outcome == "held", outcome_of(store, up.id)
@@ -380,10 +371,6 @@ async def test_a_rollout_within_the_objectives_leaves_a_scale_held() -> None:
 
 class CrashLoops(Engines):
     """Past two engines, one crash-loops under the load: ready one minute in three."""
-
-    def __init__(self, replicas: int, clock: VirtualClock) -> None:
-        super().__init__(replicas)
-        self.clock = clock
 
     @property
     def serving(self) -> int:
