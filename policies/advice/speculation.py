@@ -2,18 +2,20 @@
 
 From what the pool measures: the acceptance of each draft position (so the tokens a step would yield
 with fewer positions), and the step's cost (k draft tokens cost about 1 + k·(draft + verify) plain
-steps; the ngram drafter drafts for free). The speed-up of k positions is (1 + Σ accepted) / cost;
-the pool is then sized at its SLOs with the best choice against today's, and the engines saved are
-the effect. Constrained traffic (JSON, tool calls) shows as acceptance that no number of positions
-makes pay: disable. A KV-bound pool on a draft model is pointed at ngram (no draft weights or draft
-KV); a model that ships MTP heads at MTP.
+steps; the ngram drafter drafts for free). The speed-up of k positions is (1 + d·Σ accepted) /
+(1 + d·k·(draft + verify)), d the share of steps that carry a draft (every step for a draft model;
+for ngram, the steps whose context repeats: its acceptance is counted per draft); the pool is then
+sized at its SLOs with the best choice against today's, and the engines saved are the effect.
+Constrained traffic (JSON, tool calls) shows as acceptance that no number of positions makes pay:
+disable. A KV-bound pool on a draft model is pointed at ngram (no draft weights or draft KV); a
+model that ships MTP heads at MTP.
 """
 
 from __future__ import annotations
 
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
-from policies.advice.whatif import calibrate, engines_change, engines_effect, peak_load, sized
+from policies.advice.whatif import calibrate, draft_share, engines_change, engines_effect, peak_load, sized, step_cost
 
 __all__ = ["best_positions", "speculation"]
 
@@ -22,12 +24,13 @@ def _per_token_cost(facts: PoolFacts, s: AdviceSettings) -> float:
     return (0.0 if facts.spec.method == "ngram" else s.draft_cost) + s.verify_cost
 
 
-def best_positions(positions: tuple[float, ...], per_token_cost: float) -> tuple[int, float]:
-    """(positions, speed-up) that speculate best given each position's acceptance; (0, 1.0) when none pays."""
+def best_positions(positions: tuple[float, ...], per_token_cost: float, share: float = 1.0) -> tuple[int, float]:
+    """(positions, speed-up) that speculate best given each position's acceptance per draft and the share of steps
+    that draft; (0, 1.0) when none pays."""
     best, best_k, accepted = 1.0, 0, 0.0
     for k, p in enumerate(positions, start=1):
         accepted += p
-        speedup = (1.0 + accepted) / (1.0 + k * per_token_cost)
+        speedup = (1.0 + share * accepted) / (1.0 + share * k * per_token_cost)
         if speedup > best:
             best, best_k = speedup, k
     return best_k, best
@@ -55,21 +58,24 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
     k = facts.spec.num_speculative_tokens
     unit = _per_token_cost(facts, s)
     length = max(1.0, obs.spec_length or 1.0)
-    now_speedup = length / (1.0 + k * unit)
+    share = draft_share(obs)
+    cost, tokens = step_cost(facts, obs, s)
+    now_speedup = tokens / cost
     positions = obs.spec_positions[:k]
-    best_k, best_speedup = best_positions(positions, unit) if positions else (k, now_speedup)
+    best_k, best_speedup = best_positions(positions, unit, share) if positions else (k, now_speedup)
     load = peak_load(obs)
     cal = calibrate(facts, obs, s)
-    now = sized(facts.role, facts, load, s, cost=(1.0 + k * unit, length), calibration=cal)
+    now = sized(facts.role, facts, load, s, cost=(cost, tokens), calibration=cal)
     if best_speedup < s.spec_pays:
         choice, then = 0, sized(facts.role, facts, load, s, calibration=cal)
     else:
         choice = best_k
-        tokens = 1.0 + sum(positions[:best_k]) if positions else length
-        then = sized(facts.role, facts, load, s, cost=(1.0 + best_k * unit, tokens), calibration=cal)
+        then_tokens = 1.0 + share * sum(positions[:best_k]) if positions else tokens
+        then = sized(facts.role, facts, load, s, cost=(1.0 + share * best_k * unit, then_tokens), calibration=cal)
     evidence = {"method": facts.spec.method, "num_speculative_tokens": k, "mean_acceptance_length": round(length, 3),
                 "acceptance_rate": None if obs.spec_acceptance is None else round(obs.spec_acceptance, 3),
-                "per_position": [round(p, 3) for p in positions], "step_cost": round(1.0 + k * unit, 3),
+                "draft_share": round(share, 3), "tokens_per_step": round(tokens, 3),
+                "per_position": [round(p, 3) for p in positions], "step_cost": round(cost, 3),
                 "speedup_now": round(now_speedup, 3), "best_positions": best_k, "best_speedup": round(best_speedup, 3),
                 "engines_now": now.as_dict(), "engines_then": then.as_dict(), "model_check": cal.as_dict()}
     effect = engines_effect(facts, now, then, s)
@@ -78,8 +84,8 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
     if choice == 0:
         return Recommendation(
             AdviceKind.SPECULATION, facts.name,
-            f"disable speculative decoding on {facts.name}: {facts.spec.method} with {k} tokens yields {length:.2f} "
-            f"tokens a step for {1 + k * unit:.2f} steps' cost (x{now_speedup:.2f}), no shorter draft pays "
+            f"disable speculative decoding on {facts.name}: {facts.spec.method} with {k} tokens yields {tokens:.2f} "
+            f"tokens a step for {cost:.2f} steps' cost (x{now_speedup:.2f}), no shorter draft pays "
             f"(constrained traffic rejects drafts); {engines_change(now, then)}",
             {"speculative": {"method": "none"}}, effect, conf, evidence)
     if choice < k and best_speedup > now_speedup * 1.02:

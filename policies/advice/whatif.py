@@ -33,7 +33,7 @@ from policies.advice.types import AdviceSettings, Effect, PoolFacts, PoolObserve
 from policies.autoscale import EngineCurves
 from policies.stats import lognormal_sigma
 
-__all__ = ["calibrate", "engine", "fit_tail", "on_gpu", "peak_load", "sized", "step_cost"]
+__all__ = ["calibrate", "draft_share", "engine", "fit_tail", "on_gpu", "peak_load", "sized", "step_cost"]
 
 # How far the pool's own numbers may move the model, either way: a queueing part measured at a quarter of the model's
 # (a router that spares decodes better than the model counts on) is as plausible as one at four times.
@@ -59,13 +59,26 @@ def peak_load(obs: PoolObserved) -> Load:
                 output_sigma=lognormal_sigma(obs.output_p50, obs.output_p95))
 
 
+def draft_share(obs: PoolObserved) -> float:
+    """The share of decode steps that carry a draft. vLLM counts a draft only where one is proposed (the ngram
+    drafter proposes only where the context repeats itself), so the tokens a draft yields overstate what a step
+    yields. From the yield (accepted tokens per generated token: a step makes one token plus those accepted) and
+    the tokens per draft; 1, every step drafting, where either is unknown."""
+    y, length = obs.spec_yield, obs.spec_length
+    if y is None or length is None or length <= 1.0 or not 0.0 <= y < 1.0:
+        return 1.0
+    return min(1.0, y / ((1.0 - y) * (length - 1.0)))
+
+
 def step_cost(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> tuple[float, float]:
-    """(cost of a decode step in plain steps, tokens it yields) under the pool's speculation now."""
+    """(cost of a decode step in plain steps, tokens it yields) under the pool's speculation now, over every step:
+    those without a draft cost and yield one."""
     if not facts.spec.enabled or obs.spec_length is None:
         return 1.0, 1.0
     k = facts.spec.num_speculative_tokens
     drafter = 0.0 if facts.spec.method == "ngram" else s.draft_cost
-    return 1.0 + k * (drafter + s.verify_cost), max(1.0, obs.spec_length)
+    share = draft_share(obs)
+    return 1.0 + share * k * (drafter + s.verify_cost), 1.0 + share * (max(1.0, obs.spec_length) - 1.0)
 
 
 def engine(role: str, curves: EngineCurves, s: AdviceSettings, cost: tuple[float, float] = (1.0, 1.0)) -> Engine:

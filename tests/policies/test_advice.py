@@ -18,6 +18,7 @@ from policies.advice import (
     GpuType,
     PoolFacts,
     PoolObserved,
+    Recommendation,
     SpecFacts,
     advise,
     lru_hit_rates,
@@ -353,6 +354,30 @@ def test_speculation_that_pays_is_kept_or_shortened() -> None:
     [rec] = [r for r in advise(inp([facts(spec=SpecFacts("eagle", 3))], {"chat": good}), AdviceSettings())
              if r.kind is AdviceKind.SPECULATION]
     assert not rec.act and rec.advice.startswith("keep")
+
+
+def test_ngram_speculation_is_judged_per_step_not_per_draft() -> None:
+    """vLLM counts an ngram draft only where the context repeats: three tokens a draft, on one step in ten, is 1.2
+    tokens a step, not 3, and the pool is sized at that."""
+    per_draft = (0.9, 0.7, 0.4)  # 3.0 tokens a draft
+    rare = seen(arrivals=30.0, arrivals_peak=30.0, spec_length=3.0, spec_positions=per_draft,
+                spec_yield=0.2 / 1.2)  # a draft on 10 % of steps: 0.2 accepted per step, 1.2 tokens
+    every = replace(rare, spec_yield=2.0 / 3.0)  # a draft on every step: 2 accepted per step, 3 tokens
+    pool = facts(spec=SpecFacts("ngram", 3))
+
+    def judged(obs: PoolObserved) -> Recommendation:
+        [rec] = [r for r in advise(inp([pool], {"chat": obs}), AdviceSettings()) if r.kind is AdviceKind.SPECULATION]
+        return rec
+
+    rare_rec, every_rec = judged(rare), judged(every)
+    assert rare_rec.evidence["draft_share"] == pytest.approx(0.1)
+    assert rare_rec.evidence["tokens_per_step"] == pytest.approx(1.2)
+    assert rare_rec.evidence["speedup_now"] == pytest.approx(1.2 / (1 + 0.1 * 3 * 0.03), abs=1e-3)
+    assert every_rec.evidence["draft_share"] == pytest.approx(1.0)
+    assert every_rec.evidence["speedup_now"] == pytest.approx(3.0 / (1 + 3 * 0.03), abs=1e-3)
+    # Fewer tokens a step: more engines at the same SLOs.
+    assert rare_rec.evidence["engines_now"]["engines"] > every_rec.evidence["engines_now"]["engines"]
+    assert best_positions(per_draft, 0.03, share=0.1)[1] == pytest.approx(1.2 / 1.009, abs=1e-3)
 
 
 def test_fp8_kv_for_a_kv_bound_pool_only() -> None:
