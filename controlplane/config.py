@@ -162,6 +162,18 @@ class Engine(Settings):
     eplb: bool = False  # --enable-eplb
     native_mtp: bool = False  # the model ships multi-token-prediction heads
 
+    @model_validator(mode="after")
+    def _layout(self) -> Engine:
+        # What vLLM itself refuses to start with, and what every cost the advisor states is priced by.
+        tp, heads = self.tensor_parallel, self.kv_heads
+        if self.gpus % tp:
+            raise ValueError(f"tensor_parallel {tp} does not divide gpus {self.gpus}: an engine holds whole "
+                             "tensor-parallel groups (gpus is what a replica costs)")
+        if (tp % heads) if tp >= heads else (heads % tp):
+            raise ValueError(f"kv_heads {heads} and tensor_parallel {tp}: one must divide the other "
+                             "(vLLM splits or replicates the KV heads over the ranks)")
+        return self
+
 
 class Pool(Settings):
     """A set of identical engines with one role."""

@@ -70,7 +70,7 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
     cal = calibrate(facts, obs, s)
     one = sized("unified", facts, load, s, cost=cost, calibration=cal)
     p_gpu, d_gpu = s.prefill_gpu or facts.gpu_type, s.decode_gpu or facts.gpu_type
-    xfer = transfer_seconds(load.prompt_tokens, facts.kv_bytes_per_token, s.link_gbps)
+    xfer = transfer_seconds(load.prompt_tokens, facts.cache_bytes_per_token, s.link_gbps)
     pre = sized("prefill", facts, load, s, on_gpu(facts, p_gpu, s), transfer_s=xfer, calibration=cal)
     # What a unified pool's TPOT shows beyond the model's steps is its prefill's (a chunk in a step slows every decode
     # in it); a decode pool runs none, so its steps are the profile's.
@@ -95,7 +95,7 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
         "decode_pool": {**dec.as_dict(), "gpu": d_gpu},
         "two_pools_dollars_per_hour": round(two_cost, 2),
         "kv_transfer_s_per_request": round(xfer, 4),
-        "kv_transfer_gbps": round(load.arrivals * load.prompt_tokens * facts.kv_bytes_per_token * 8 / 1e9, 2),
+        "kv_transfer_gbps": round(load.arrivals * load.prompt_tokens * facts.cache_bytes_per_token * 8 / 1e9, 2),
         "current_engines": facts.replicas,
         "model_check": cal.as_dict(),
     }
@@ -129,7 +129,7 @@ def _pair(inp: AdvisorInput, p: PoolFacts, d: PoolFacts, po: PoolObserved, do: P
           s: AdviceSettings) -> list[Recommendation]:
     load = replace(peak_load(po), output_tokens=do.output_tokens or po.output_tokens)
     cost = step_cost(d, do, s)
-    xfer = transfer_seconds(load.prompt_tokens, p.kv_bytes_per_token, s.link_gbps)
+    xfer = transfer_seconds(load.prompt_tokens, p.cache_bytes_per_token, s.link_gbps)
     p_cal, d_cal = calibrate(p, po, s), calibrate(d, do, s)
     pre = sized("prefill", p, load, s, transfer_s=xfer, calibration=p_cal)
     dec = sized("decode", d, load, s, cost=cost, calibration=d_cal)

@@ -123,6 +123,11 @@ class PoolFacts:
     def gpus(self) -> int:
         return self.curves.gpus
 
+    @property
+    def cache_bytes_per_token(self) -> float:
+        """Bytes a token's KV takes in the cache, and over the link: FP8 halves the model's dtype."""
+        return self.kv_bytes_per_token / (2.0 if self.kv_cache_dtype == "fp8" else 1.0)
+
 
 @dataclass(frozen=True, slots=True)
 class BusyTtftMinute:

@@ -90,6 +90,10 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
         pytest.param(("targets:\n  - {url: \"http://10.0.0.1:8000/metrics\", pool: prefill, pod: prefill-0}",
                       "discovery: {namespace: llm, selector: app=vllm, port: Metrics_Port}"),
                      "'Metrics_Port' is no container port name", id="discovery-port-name"),
+        pytest.param(("model: m", "model: m\n    engine: {tensor_parallel: 8}"),
+                     "tensor_parallel 8 does not divide gpus 1", id="tp-beyond-the-engines-gpus"),
+        pytest.param(("model: m", "model: m\n    engine: {gpus: 4, tensor_parallel: 4, kv_heads: 6}"),
+                     "kv_heads 6 and tensor_parallel 4: one must divide the other", id="kv-heads-over-tp"),
         pytest.param(("model: m", "model: m\n    role: decode"), "not valid YAML", id="yaml-duplicate-key-ok"),
     ],
 )

@@ -322,6 +322,21 @@ def test_cheap_decode_gpus_make_a_decode_heavy_split_pay() -> None:
     assert curves.prefill[1] == pytest.approx(CURVES.prefill[1] / 0.3)
 
 
+def test_an_fp8_cache_moves_half_the_bytes_a_split_would_send() -> None:
+    obs = {"chat": seen(arrivals=20.0, arrivals_peak=22.0, prompt_tokens=16_000)}
+
+    def split(dtype: str) -> Recommendation:
+        [rec] = [r for r in advise(inp([facts(kv_cache_dtype=dtype)], obs), AdviceSettings(link_gbps=100.0))
+                 if r.kind is AdviceKind.DISAGGREGATION]
+        return rec
+
+    bf16, fp8 = split("auto"), split("fp8")
+    # 16,000 tokens x 131,072 B x 8 bits over 100 Gb/s, and half that in FP8.
+    assert bf16.evidence["kv_transfer_s_per_request"] == pytest.approx(0.1678, abs=1e-4)
+    assert fp8.evidence["kv_transfer_s_per_request"] == pytest.approx(0.0839, abs=1e-4)
+    assert fp8.evidence["kv_transfer_gbps"] == pytest.approx(bf16.evidence["kv_transfer_gbps"] / 2, rel=0.01)
+
+
 def test_a_split_fleet_gets_its_ratio_against_the_chat_first_cut() -> None:
     pools = [facts(name="pre", role="prefill", replicas=1, tpot_p95_slo=None),
              facts(name="dec", role="decode", replicas=8, ttft_p95_slo=None)]
