@@ -740,12 +740,12 @@ class KubernetesActuator:
     async def _take_out(self, order: Order, w: Workload, obj: Mapping[str, Any], pods: Sequence[str],
                         replicas: int) -> None:
         """Take the engines a scale-down removes out of routing, at the lowest deletion cost; all back in if one
-        fails."""
+        fails (the one that failed too: a write left unanswered may be stored all the same)."""
         done: list[str] = []
         try:
             for pod in pods:
-                await self._unroute(order, w.namespace, pod, cost=DRAINED_COST)
                 done.append(pod)
+                await self._unroute(order, w.namespace, pod, cost=DRAINED_COST)
                 await self._pod_event(order, w.namespace, pod, f"taken out of routing to scale to {replicas}")
         except ActuationError as exc:
             raise ActuationError(f"{exc}; {await self._back_in(order, w, obj, done)}") from None
@@ -855,7 +855,12 @@ class KubernetesActuator:
                 # The abort may have been stored all the same (its stamp follows it, in a write of its own).
                 if self.dry_run or dig(await self._read(w), ("status", "abort")) is not True:
                     raise
-            await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            try:
+                await self._patch(w, self._stamp(order), f"annotating Rollout {w.namespace}/{w.name}")
+            except ActuationError as exc:
+                # The abort is made: failing the action would say the rollout runs on. Unstamped, a take-over aborts
+                # once more, which is the same abort.
+                log.warning("action %d: aborted, but %s", order.action_id, exc)
             await self._event(order, w, "aborted the rollout: back to the stable revision")
             return {"aborted": f"Rollout {w.namespace}/{w.name}"}
         if w.kind != "Deployment":
@@ -929,6 +934,9 @@ class KubernetesActuator:
                 await self._unroute(order, w.namespace, change.pod)
             except _Missing:  # gone already (a drain taken over after its eviction): what it was for
                 return {"drained": [change.pod], "already_gone": True}
+            except _Unanswered as exc:
+                # Stored, perhaps, with its answer lost: routed again, or it would run on and serve nothing.
+                raise ActuationError(f"{exc}; {await self._back_in(order, w, {}, [change.pod])}") from None
             await self._pod_event(order, w.namespace, change.pod, "taken out of routing to drain")
             return {"wait": {"phase": "draining", "pods": [change.pod], "namespace": w.namespace, "then": "delete",
                              "deadline": self.clock() + self.settings.drain_grace}}
@@ -951,8 +959,8 @@ class KubernetesActuator:
         done: list[str] = []
         try:
             for pod in wait["pods"]:
+                done.append(pod)  # before the write, as a scale-down's: one left unanswered may be stored
                 await self._unroute(order, _namespace_of(self.workloads, order, wait, pod), pod)
-                done.append(pod)
         except ActuationError as exc:
             raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, done)}") from None
         return {"wait": wait}

@@ -1639,6 +1639,36 @@ async def test_an_abort_whose_answer_was_lost_is_found_made(server: ApiServer, a
     assert rollout["metadata"]["annotations"][ACTION_ANNOTATION] == "7@0"
 
 
+async def test_an_abort_made_is_not_failed_for_its_stamp(server: ApiServer, api: client.ApiClient) -> None:
+    server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                          "metadata": {"name": "vllm-canary", "namespace": NS}, "spec": {"replicas": 2}})
+    server.slow("PATCH", "/rollouts/vllm-canary/status", 0.01, stored=True)  # the abort goes through ...
+    server.fail("PATCH", "/rollouts/vllm-canary", 503, times=2)  # ... and its stamp gets no answer
+    done = await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("canary"), pool="canary"))
+    assert done == {"aborted": "Rollout llm/vllm-canary"}
+    rollout = server.get(ROLLOUTS, NS, "vllm-canary")
+    assert rollout is not None and rollout["status"]["abort"] is True
+
+
+@pytest.mark.parametrize("how", ["scale-down", "drain", "cordon"])
+async def test_an_engine_whose_unroute_went_unanswered_is_routed_again(server: ApiServer, api: client.ApiClient,
+                                                                       how: str) -> None:
+    """The PATCH is stored and its answer lost twice: the action fails, and the engine is put back in routing, or it
+    would run on, counted as capacity, and serve nothing."""
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    busy = {"vllm-decode-a": 5.0, "vllm-decode-b": 1.0, "vllm-decode-c": 9.0}
+    o = {"scale-down": order(ActionKind.SCALE_POOL, ScaleTo(2), busy=busy),
+         "drain": order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-b"), busy=busy),
+         "cordon": order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy=busy)}[how]
+    server.slow("PATCH", "/pods/vllm-decode-b", 2.5, times=2, stored=True)
+    with pytest.raises(ActuationError, match="routed again"):
+        await actuator(api).carry_out(o)
+    assert routed(server, "vllm-decode-b")
+
+
 async def test_a_leaderworkersets_budget_in_percent_counts_whole_groups(server: ApiServer,
                                                                         api: client.ApiClient) -> None:
     group = lws(replicas=4, size=2)
