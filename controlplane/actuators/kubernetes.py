@@ -350,16 +350,26 @@ def _digest(template: Any) -> str | None:
     return hashlib.sha256(json.dumps(template, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _rolling(obj: Mapping[str, Any]) -> bool:
+def _rolling(kind: str, obj: Mapping[str, Any]) -> bool:
     """Whether a new pod template is still rolling out: fewer pods on it than exist (a maxSurge rollout keeps the old
     pods ready meanwhile, so the ready count does not show it), or a spec its controller has not caught up with yet.
-    Pods that were never created (a quota, an admission webhook) are no rollout: the pool is short, not rolling."""
+    Pods that were never created (a quota, an admission webhook) are no rollout: the pool is short, not rolling. Nor
+    is what a controller leaves on the old template on purpose, which would otherwise hold every pool's disruptive
+    changes until a person steps in: an aborted Argo Rollout (its stable pods serve, the new ones are gone), a
+    StatefulSet's ordinals below its partition, or a StatefulSet that updates a pod only when it is deleted."""
+    if kind == "Rollout" and dig(obj, ("status", "abort")) is True:
+        return False
+    if kind == "StatefulSet" and dig(obj, ("spec", "updateStrategy", "type")) == "OnDelete":
+        return False
     generation, observed = dig(obj, ("metadata", "generation")), dig(obj, ("status", "observedGeneration"))
     if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
         return True
     updated = dig(obj, ("status", "updatedReplicas"))
-    existing = dig(obj, ("status", "replicas"))
-    return updated is not None and int(updated) < int(existing if existing is not None else dig(obj, ("spec", "replicas"), 1))
+    existing = int(dig(obj, ("status", "replicas")) if dig(obj, ("status", "replicas")) is not None
+                   else dig(obj, ("spec", "replicas"), 1))
+    if kind == "StatefulSet":
+        existing -= int(dig(obj, ("spec", "updateStrategy", "rollingUpdate", "partition"), 0) or 0)
+    return updated is not None and int(updated) < existing
 
 
 def _budget(value: Any, replicas: int) -> int | None:
@@ -545,7 +555,7 @@ class KubernetesActuator:
         replicas = PoolReplicas(
             desired * size, int(dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=budget * size if budget is not None else None,
-            gang=size, rolling=_rolling(obj), template=template)
+            gang=size, rolling=_rolling(w.kind, obj), template=template)
         return replicas, await self._revision_time(w, obj)
 
     async def _template_digest(self, w: Workload, obj: Mapping[str, Any]) -> str | None:

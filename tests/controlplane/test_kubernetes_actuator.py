@@ -175,6 +175,42 @@ async def test_a_rollout_in_progress_reads_as_rolling(server: ApiServer, api: cl
         "ready counts every ready pod"
 
 
+@pytest.mark.parametrize(("kind", "spec", "status", "rolling"), [
+    # Aborted (by the control plane's own rollback, say): Argo scales the new pods away and serves the stable ones.
+    ("Rollout", {}, {"abort": True, "phase": "Degraded", "replicas": 4, "readyReplicas": 4, "updatedReplicas": 0}, False),
+    ("Rollout", {}, {"replicas": 4, "readyReplicas": 4, "updatedReplicas": 1}, True),  # a canary step
+    # A partition keeps the ordinals below it on the old template: only those from it up roll.
+    ("StatefulSet", {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 2}}},
+     {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 1}, False),
+    ("StatefulSet", {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}},
+     {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 1}, True),
+    # OnDelete: a pod takes the new template when someone deletes it; nothing rolls meanwhile.
+    ("StatefulSet", {"updateStrategy": {"type": "OnDelete"}}, {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 0},
+     False),
+])
+async def test_what_a_controller_leaves_on_the_old_template_on_purpose_is_no_rollout(
+        server: ApiServer, api: client.ApiClient, kind: str, spec: dict[str, Any], status: dict[str, Any],
+        rolling: bool) -> None:
+    """A pool read as rolling holds every pool's disruptive changes (`rollout_in_flight`) until it is not."""
+    server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    act = actuator(api)
+    if kind == "Rollout":
+        server.put(ROLLOUTS, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+                              "metadata": {"name": "vllm-canary", "namespace": NS},
+                              "spec": {"replicas": 4, **spec}, "status": status})
+        pool = "canary"
+    else:
+        statefulset(server)
+        sts = server.get(STATEFULSETS, NS, "vllm-kv")
+        assert sts is not None
+        sts["spec"].update(spec)
+        sts["status"] = status
+        server.put(STATEFULSETS, sts)
+        act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+        pool = "kv"
+    assert (await act.observe()).pools[pool].rolling is rolling
+
+
 @pytest.mark.parametrize(("strategy", "budget"), [
     ({}, 2),  # Argo Rollouts' default, 25 % of 8
     ({"canary": {"maxUnavailable": "50%"}}, 4),
