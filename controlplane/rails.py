@@ -367,10 +367,13 @@ def recheck(
     was = action.params.get("from_template")
     if _on_router(change) and was is not None and now_running is None:
         return _held(RailsReason.POOL_UNREADABLE, "the router's pod template cannot be read now: the rollback waits")
-    if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and was is not None and now_running is not None \
-            and was != now_running:
-        # A rollback approved after someone rolled back (or forward) by hand would go back one revision more.
+    if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and now_running is not None and was != now_running:
+        # A rollback approved after someone rolled back (or forward) by hand would go back one revision more. One
+        # proposed while the template could not be read cannot tell: proposed afresh, it rests on what runs now.
         workload = "the router" if _on_router(change) else pool.name
+        if was is None:
+            return _held(RailsReason.STALE, f"{workload}'s pod template could not be read when {kind} was proposed: "
+                                            "whether it changed since cannot be told")
         return _held(RailsReason.STALE, f"{workload}'s pod template changed since {kind} was proposed: what it was "
                                         "computed from is not what runs now")
     if isinstance(change, ScaleTo):

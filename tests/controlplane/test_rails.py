@@ -300,7 +300,11 @@ def test_recheck_when_an_approved_action_is_due(mode: Mode, state: PoolState | N
         pytest.param("tune_speculation", Speculation(step=-1), "t1", "t1", RailsReason.ALLOWED, id="same-template"),
         pytest.param("enable_eplb", Eplb(True), "t1", "t2", RailsReason.STALE, id="eplb-on-new-template"),
         pytest.param("rollback", RollBack("prefill"), "t1", "t2", RailsReason.STALE, id="rolled-by-hand"),
-        pytest.param("tune_speculation", Speculation(step=-1), None, "t2", RailsReason.ALLOWED, id="not-known-then"),
+        # Unread when proposed (a timeout, a Rollout's Deployment unreadable): whether a person rolled it since
+        # cannot be told, so it is proposed afresh on what runs now.
+        pytest.param("tune_speculation", Speculation(step=-1), None, "t2", RailsReason.STALE, id="not-known-then"),
+        pytest.param("rollback", RollBack("prefill"), None, "t2", RailsReason.STALE, id="rollback-not-known-then"),
+        pytest.param("rollback", RollBack("prefill"), None, None, RailsReason.ALLOWED, id="never-known"),
         pytest.param("tune_speculation", Speculation(step=-1), "t1", None, RailsReason.ALLOWED, id="not-known-now"),
         pytest.param("drain_engine", Drain("prefill-0"), "t1", "t2", RailsReason.ALLOWED, id="a-drain-restarts-one"),
     ],
@@ -331,6 +335,9 @@ def test_a_router_rollback_is_judged_on_the_routers_template_not_the_pools() -> 
     assert judge("r2") is RailsReason.STALE
     assert judge("r1") is RailsReason.ALLOWED
     assert judge(None) is RailsReason.POOL_UNREADABLE in WAIT_REASONS, "unread now: it waits, it is not run blind"
+    # Unread when it was proposed, readable now: a hand rollback meanwhile cannot be ruled out.
+    del action.params["from_template"]
+    assert judge("r2") is RailsReason.STALE
 
 
 def test_approved_actions_of_one_pool_run_in_the_order_they_were_created() -> None:
