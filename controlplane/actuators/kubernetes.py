@@ -94,6 +94,7 @@ RESULT_ANNOTATION = "fleet-controlplane.io/action-result"
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_COST = -1000  # a drained engine's deletion cost: its ReplicaSet removes it before any ready one
 REVISION = rollout_split.REVISION
+ARGO_REVISION = "rollout.argoproj.io/revision"  # what Argo Rollouts numbers its ReplicaSets by
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_WORKER = "leaderworkerset.sigs.k8s.io/worker-index"  # 0: the group's leader
@@ -341,6 +342,15 @@ def _drained(meta: Mapping[str, Any] | None, order: Order) -> bool:
     pod routed again loses the cost)."""
     return bool(dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
                 and dig(meta, ("annotations", DELETION_COST)) == str(DRAINED_COST))
+
+
+def _revision_number(rs: Mapping[str, Any]) -> int:
+    """A ReplicaSet's revision, as its Deployment or Argo Rollout numbers it (0 where it says none)."""
+    annotations = dig(rs, ("metadata", "annotations"), {}) or {}
+    try:
+        return int(annotations.get(REVISION) or annotations.get(ARGO_REVISION) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _digest(template: Any) -> str | None:
@@ -599,14 +609,18 @@ class KubernetesActuator:
         uid = dig(obj, ("metadata", "uid"))
         mine = [rs for rs in items
                 if uid is None or any(o.get("uid") == uid for o in dig(rs, ("metadata", "ownerReferences"), []) or [])]
-        return sorted(mine, key=lambda rs: int(dig(rs, ("metadata", "annotations", REVISION), 0) or 0), reverse=True)
+        return sorted(mine, key=_revision_number, reverse=True)
 
     async def _revision_time(self, w: Workload, obj: Mapping[str, Any]) -> float | None:
-        """When the workload's current revision replaced another (Deployments: its newest ReplicaSet, when
-        there is an older one; a first revision is no change)."""
-        if w.kind != "Deployment":
+        """When the workload's current revision replaced another (a Deployment's or an Argo Rollout's newest
+        ReplicaSet, when there is an older one; a first revision is no change)."""
+        if w.kind not in _SPLITS:
             return None
-        sets = await self._replica_sets(w, obj)
+        try:
+            sets = await self._replica_sets(w, obj)
+        except ActuationError as exc:  # its count stays known; only when it changed is not
+            log.warning("when %s %s/%s last changed cannot be read: %s", w.kind, w.namespace, w.name, exc)
+            return None
         stamp = dig(sets[0], ("metadata", "creationTimestamp")) if len(sets) >= 2 else None
         if not stamp:
             return None

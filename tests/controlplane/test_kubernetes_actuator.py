@@ -1340,6 +1340,23 @@ def mid_canary(server: ApiServer) -> None:
             server.put(PODS, p)
 
 
+async def test_an_argo_rollouts_revision_is_dated_by_its_newest_replicaset(server: ApiServer,
+                                                                           api: client.ApiClient) -> None:
+    """What the canary policy judges a rollout from: without it an Argo Rollout's canary was never judged."""
+    mid_canary(server)
+    server.put(DEPLOYMENTS, deployment("epp", replicas=1))
+    # Listed oldest first, and numbered by Argo's own annotation (no Deployment's).
+    for name, revision, created in (("vllm-canary-5b8f", "1", "2026-12-01T09:00:00Z"),
+                                    ("vllm-canary-c7d9", "2", "2026-12-01T09:30:00Z")):
+        rs = server.get(REPLICASETS, NS, name)
+        assert rs is not None
+        rs["metadata"]["annotations"] = {"rollout.argoproj.io/revision": revision}
+        rs["metadata"]["creationTimestamp"] = created
+        server.put(REPLICASETS, rs)
+    view = await actuator(api).observe()
+    assert view.changed_at["canary"] == 1_796_117_400.0  # 09:30, the canary's ReplicaSet
+
+
 @pytest.mark.parametrize(("replicas", "stable", "drained"), [
     # At 5, Argo keeps 20 %: 1 canary and 4 stable engines. The two idlest are both canaries, but only one goes.
     (5, "5b8f", ["vllm-canary-c1", "vllm-canary-s1", "vllm-canary-s2", "vllm-canary-s3", "vllm-canary-s4"]),
