@@ -52,7 +52,7 @@ def pool_facts(pool: Pool) -> PoolFacts:
         ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
         spec=SpecFacts(e.speculative.method, e.speculative.num_speculative_tokens, e.native_mtp),
         kv_cache_dtype=e.kv_cache_dtype, kv_bytes_per_token=e.kv_bytes_per_token, tensor_parallel=e.tensor_parallel,
-        kv_heads=e.kv_heads, expert_parallel=e.gpus if e.gpus > 1 else 1, eplb=e.eplb)
+        kv_heads=e.kv_heads, expert_parallel=e.gpus if e.expert_parallel else 1, eplb=e.eplb)
 
 
 def _mean(w: SignalWindows, subject: str, name: str, since: float) -> float | None:

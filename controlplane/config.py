@@ -159,6 +159,9 @@ class Engine(Settings):
     tensor_parallel: int = Field(1, ge=1)
     kv_heads: int = Field(8, ge=1)
     speculative: Speculative = Speculative()
+    # --enable-expert-parallel: a MoE model's experts spread over the engine's ranks. Only such a pool has experts
+    # for EPLB to balance; vLLM refuses EPLB without it.
+    expert_parallel: bool = False
     eplb: bool = False  # --enable-eplb
     native_mtp: bool = False  # the model ships multi-token-prediction heads
 
@@ -172,6 +175,9 @@ class Engine(Settings):
         if (tp % heads) if tp >= heads else (heads % tp):
             raise ValueError(f"kv_heads {heads} and tensor_parallel {tp}: one must divide the other "
                              "(vLLM splits or replicates the KV heads over the ranks)")
+        if self.eplb and not self.expert_parallel:
+            raise ValueError("eplb needs expert_parallel: EPLB balances a MoE model's experts over expert-parallel "
+                             "ranks, and vLLM refuses --enable-eplb without --enable-expert-parallel")
         return self
 
 

@@ -255,7 +255,8 @@ class _StaticBook:
         now = run.fleet.now
         pools = {
             p.name: PoolState(p.name, str(p.role), run.fleet.desired[p.name], len(run.fleet.ready(p.name)), 1,
-                              p.max_replicas or p.replicas * 2, p.slo.ttft_p95, p.slo.tpot_p95)
+                              p.max_replicas or p.replicas * 2, p.slo.ttft_p95, p.slo.tpot_p95,
+                              expert_parallel=p.moe is not None)
             for p in self.scenario.fleet.pools
         }
         for policy in self.policies:

@@ -523,6 +523,7 @@ class ControlLoop:
                 stale_inputs={**self._unfit.get(pool.name, {}), **vanished.get(pool.name, {}), **frozen.get(pool.name, {})},
                 unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
                 stalled_for=stalled, scaled_by=rep.scaled_by if rep else None,
+                expert_parallel=pool.engine.expert_parallel,
             )
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),

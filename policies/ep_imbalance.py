@@ -68,6 +68,7 @@ class Cause(StrEnum):
     UNEVEN_REQUEST_LOAD = "uneven_request_load"
     HOT_EXPERTS_DESPITE_EPLB = "hot_experts_despite_eplb"
     EPLB_OVERHEAD = "eplb_overhead"
+    SLOW_RANK = "slow_rank"  # a pool without expert parallelism: no experts, so the rank's GPU or node
 
 
 class EpImbalanceSettings(Settings):
@@ -353,8 +354,11 @@ class EpImbalance:
         itl, gpu = self._stat(group)
         load, busiest = group.load if group.load is not None else (None, None)
         eplb = group.pool in s.eplb_enabled
+        state = inp.pools.get(group.pool)
         if load is not None and load >= s.load_skew_ratio:
             cause = Cause.UNEVEN_REQUEST_LOAD
+        elif state is not None and not state.expert_parallel:
+            cause = Cause.SLOW_RANK
         else:
             cause = Cause.HOT_EXPERTS_DESPITE_EPLB if eplb else Cause.HOT_EXPERTS
         lasted = 0.0 if opened_at is None else inp.now - opened_at
@@ -394,6 +398,12 @@ class EpImbalance:
             text = (f"Requests are spread unevenly over the ranks of {where} (running-request skew {load:.2f}): the "
                     f"router or the data-parallel load balancer, not the experts, makes rank {busiest} the slow one. "
                     "EPLB would not help.")
+        elif cause is Cause.SLOW_RANK:
+            text = (f"{outlier.capitalize()} of {where} stands out: step-time skew {itl or 0:.2f}x"
+                    + (f", GPU activity skew {gpu:.2f}x" if gpu is not None else "")
+                    + f", while requests are spread evenly. {group.pool} runs no expert parallelism "
+                    "(engine.expert_parallel is off in the fleet file), so no experts are hot: look at that rank's "
+                    "GPU and node (clocks, thermals, a degraded link). EPLB does not apply.")
         else:
             text = (f"{outlier.capitalize()} of {where} stands out: step-time skew {itl or 0:.2f}x"
                     + (f", GPU activity skew {gpu:.2f}x" if gpu is not None else "")

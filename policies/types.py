@@ -271,6 +271,9 @@ class PoolState:
     # Seconds it has been short of ready engines, once that is `rails.settle_timeout` or more (None: not stalled).
     stalled_for: float | None = None
     scaled_by: str | None = None  # another controller that sets its replica count (an HPA), where there is one
+    # Its engines spread a MoE model's experts over their ranks (--enable-expert-parallel): the only pools with experts
+    # for EPLB to balance.
+    expert_parallel: bool = False
 
     @property
     def most_replicas(self) -> int:

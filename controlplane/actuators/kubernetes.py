@@ -1455,6 +1455,10 @@ def _changed_flags(engine: dict[str, Any], change: Speculation | Eplb, annotatio
             raise ActuationError(f"{where}: {' or '.join(names)} is set inside {word[:80]!r}, where an edit of the "
                                  "engine's flags cannot reach it")
     added: list[str] = []
+    if isinstance(change, Eplb) and change.enabled and not any(
+            "enable-expert-parallel" in w.replace("_", "-") or w == "-ep" for w in command + args):
+        raise ActuationError(f"{where} runs without --enable-expert-parallel: vLLM refuses --enable-eplb without it (a "
+                             "dense model has no experts to balance); not made")
     if isinstance(change, Eplb):
         command, args = (_without(_without(a, "--enable-eplb", bare=True), "--eplb-config") for a in (command, args))
         if change.enabled:

@@ -291,7 +291,8 @@ class Scenario(Settings):
                       engine=Engine(profile=p.profile, speed=p.speed, decode_speed=p.decode_speed,
                                     gpu_type=p.gpu_type, kv_blocks=p.engine_kv_blocks,
                                     max_num_seqs=p.max_num_seqs, max_batched_tokens=p.max_batched_tokens, gpus=p.gpus,
-                                    kv_cache_dtype=p.kv_cache_dtype, eplb=p.eplb is not None,
+                                    kv_cache_dtype=p.kv_cache_dtype, expert_parallel=p.moe is not None,
+                                    eplb=p.eplb is not None,
                                     speculative=Speculative(method=p.spec.method,
                                                             num_speculative_tokens=p.spec.num_speculative_tokens)))
                  for p in self.fleet.pools]

@@ -12,7 +12,7 @@ import pytest
 
 from collectors.types import Signal
 from controlplane import evaluation_advise
-from controlplane.advice import accuracy, advise_and_score, advisor_input, followed, observed
+from controlplane.advice import accuracy, advise_and_score, advisor_input, followed, observed, pool_facts
 from controlplane.config import parse_config
 from controlplane.errors import ConfigError
 from controlplane.evaluation_advise import CASES, SEEDS, apply, needed, run_case, savings_by_seed, split
@@ -216,7 +216,7 @@ async def test_a_split_pairs_requests_are_counted_once_and_a_zero_prediction_has
 MOE = """
 pools:
   - {name: moe, role: decode, model: m, replicas: {min: 1, max: 8}, slo: {ttft_p95: 2s, tpot_p95: 50ms},
-     engine: {gpus: 4, eplb: %s}}
+     engine: {gpus: 4, expert_parallel: true, eplb: %s}}
 """
 
 
@@ -353,3 +353,16 @@ def test_small_fleet_case_end_to_end() -> None:
     assert r.engines_after == {"chat-prefill": 1, "chat-decode": 1}
     assert r.seeds == 2 and r.after_by_seed == {"chat-prefill": [1, 1], "chat-decode": [1, 1]}
     assert r.measured_by_seed == [r.measured_saving_per_day] * 2  # every seed needs the same engines here
+
+
+def test_only_an_expert_parallel_pool_has_experts_for_eplb() -> None:
+    """A dense model on four GPUs (tensor parallel) has no experts: its ranks' skew must not read as hot ones."""
+    config = parse_config("""
+mode: observe
+store: {url: "sqlite:///x.db"}
+pools:
+  - {name: dense, role: unified, model: llama-70b, replicas: {max: 4}, engine: {gpus: 4, tensor_parallel: 4}}
+  - {name: moe, role: unified, model: deepseek, replicas: {max: 4}, engine: {gpus: 8, expert_parallel: true}}
+""")
+    assert pool_facts(config.pool("dense")).expert_parallel == 1
+    assert pool_facts(config.pool("moe")).expert_parallel == 8

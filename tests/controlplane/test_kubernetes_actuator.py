@@ -44,7 +44,7 @@ NS = "llm"
 LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 ROLLOUTS = kmock.resource("argoproj.io", "v1alpha1", "rollouts")
 STATEFULSETS = kmock.resource("apps", "v1", "statefulsets")
-ARGS = ["--model", "/models/llama", "--port", "8000",
+ARGS = ["--model", "/models/llama", "--port", "8000", "--enable-expert-parallel",
         "--speculative-config", '{"method":"eagle","model":"/models/eagle","num_speculative_tokens":3}']
 
 
@@ -556,6 +556,18 @@ def containers_of(server: ApiServer) -> tuple[dict[str, Any] | None, dict[str, A
     return (leader["spec"]["containers"][0] if leader else None), spec["workerTemplate"]["spec"]["containers"][0]
 
 
+async def test_eplb_is_not_enabled_on_an_engine_without_expert_parallelism(server: ApiServer,
+                                                                           api: client.ApiClient) -> None:
+    dense = deployment()
+    args = dense["spec"]["template"]["spec"]["containers"][0]["args"]
+    args.remove("--enable-expert-parallel")
+    server.put(DEPLOYMENTS, dense)
+    before = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    with pytest.raises(ActuationError, match="runs without --enable-expert-parallel"):
+        await actuator(api).carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), action_id=1))
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode") == before, "vLLM would refuse to start: nothing is rolled out"
+
+
 async def test_a_gangs_engine_arguments_change_where_vllm_serves(server: ApiServer, api: client.ApiClient) -> None:
     act = actuator(api)
     # A Ray group: the leader serves, the workers join its cluster. Only the leader's flags change; a flag given to
@@ -574,7 +586,7 @@ async def test_a_gangs_engine_arguments_change_where_vllm_serves(server: ApiServ
     await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=3))
     leader, worker = containers_of(server)
     assert leader is not None and "--enable-eplb" in leader["args"] and "--enable-eplb" in worker["args"]
-    assert leader["args"][:7] == [*ARGS, "--data-parallel-rank"] and "--headless" in worker["args"]
+    assert leader["args"][:len(ARGS) + 1] == [*ARGS, "--data-parallel-rank"] and "--headless" in worker["args"]
     # No leader template: every pod runs the workers' one.
     server.put(LWS, lws_templates(None, {"command": ["/entry.sh"], "args": list(ARGS)}))
     await act.carry_out(order(ActionKind.ENABLE_EPLB, Eplb(True), pool="prefill", action_id=4))

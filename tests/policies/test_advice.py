@@ -443,6 +443,7 @@ def test_kv_tier_from_a_prefix_replay() -> None:
 def test_layout_eplb_and_dcp_from_their_evidence() -> None:
     moe = facts(expert_parallel=8)
     recs = advise(inp([moe], {"chat": seen(rank_imbalance=1.8)}), AdviceSettings())
+
     assert [r.change for r in recs if r.kind is AdviceKind.PARALLEL_LAYOUT] == [{"enable_eplb": True}]
     assert not [r for r in advise(inp([replace(moe, eplb=True)], {"chat": seen(rank_imbalance=1.8)}), AdviceSettings())
                 if r.kind is AdviceKind.PARALLEL_LAYOUT]

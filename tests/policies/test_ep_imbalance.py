@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from policies.ep_imbalance import EpImbalance, EpImbalanceSettings, eplb_flags, pool_rank_skew
-from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput
+from policies.types import ActionKind, FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import SignalWindows
 from tests.policies.ticking import Ticking
 
@@ -42,8 +43,9 @@ class Group:
             self.w.add(self.ts, "pool/decode", "requests_running", float(sum(running)))
         return self
 
-    def run(self, open_findings: dict | None = None, settings: EpImbalanceSettings | None = None):
-        return EpImbalance(settings).evaluate(PolicyInput(self.ts + 1.0, self.w, {}, open_findings or {}))
+    def run(self, open_findings: dict | None = None, settings: EpImbalanceSettings | None = None,
+            pools: dict | None = None):
+        return EpImbalance(settings).evaluate(PolicyInput(self.ts + 1.0, self.w, pools or {}, open_findings or {}))
 
 
 HOT = (0.03, 0.03, 0.06, 0.03)  # rank 2 hosts the hot experts: twice the step time
@@ -134,6 +136,18 @@ def test_eplb_is_proposed_once_the_imbalance_persisted() -> None:
         ActionKind.ENABLE_EPLB, "decode", "itl_p50", True)
     flags = '--enable-eplb --eplb-config \'{"window_size":1000,"step_interval":3000,"num_redundant_experts":4}\''
     assert flags in p.reason and flags == eplb_flags(1000, 3000, 4)
+
+
+def test_a_dense_models_slow_rank_gets_no_eplb() -> None:
+    """Data-parallel ranks of a dense model: no experts to balance. vLLM refuses --enable-eplb without expert
+    parallelism, so rolling it out would crash-loop the pool."""
+    g = Group().tick(20, itl=HOT)
+    dense = PoolState("decode", "decode", 1, 1, 1, 4)
+    [f] = g.run(opening(g, opened_ago=3600), pools={"decode": dense}).findings
+    assert f.evidence["cause"] == "slow_rank" and f.proposals == () and "no expert parallelism" in f.cause
+    moe = replace(dense, expert_parallel=True)
+    [f] = g.run(opening(g, opened_ago=3600), pools={"decode": moe}).findings
+    assert f.evidence["cause"] == "hot_experts" and [p.kind for p in f.proposals] == [ActionKind.ENABLE_EPLB]
 
 
 def test_a_pool_already_running_eplb_gets_no_second_proposal() -> None:
