@@ -52,7 +52,8 @@ def pool_facts(pool: Pool) -> PoolFacts:
         ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
         spec=SpecFacts(e.speculative.method, e.speculative.num_speculative_tokens, e.native_mtp),
         kv_cache_dtype=e.kv_cache_dtype, kv_bytes_per_token=e.kv_bytes_per_token, tensor_parallel=e.tensor_parallel,
-        kv_heads=e.kv_heads, expert_parallel=e.gpus if e.expert_parallel else 1, eplb=e.eplb)
+        kv_heads=e.kv_heads, expert_parallel=e.gpus if e.expert_parallel else 1, eplb=e.eplb,
+        model=pool.model)
 
 
 def _mean(w: SignalWindows, subject: str, name: str, since: float) -> float | None:
@@ -200,12 +201,15 @@ def followed(rec: AdviceRecord, config: FleetConfig) -> list[str] | None:
     if kind is AdviceKind.DISAGGREGATION and change.get("layout") == "unified":
         merged = [p.name for p in new if str(p.role) == "unified"]
         return merged if merged and not any(n in pools for n in names) else None
+    if kind is AdviceKind.KV_PRECISION:
+        # With the prefill pools a decode pool takes its KV from (one dtype at both ends of a transfer), all or none;
+        # judged on the pool it was advised for, named first.
+        dtype = change.get("kv_cache_dtype")
+        return names[:1] if all(n in pools and pools[n].engine.kv_cache_dtype == dtype for n in names) else None
     pool = pools.get(rec.pool)
     if pool is None:
         return None
     e = pool.engine
-    if kind is AdviceKind.KV_PRECISION and e.kv_cache_dtype == change.get("kv_cache_dtype"):
-        return [pool.name]
     if kind is AdviceKind.SPECULATION and "speculative" in change:
         want = change["speculative"]
         k = want.get("num_speculative_tokens", e.speculative.num_speculative_tokens)

@@ -157,7 +157,7 @@ def apply(scenario: Scenario, pool: str, kind: AdviceKind, change: Mapping[str, 
         return split(scenario, pool, gpus=gpus, settings=settings)
     pools = []
     for p in scenario.fleet.pools:
-        if p.name == pool and kind is AdviceKind.KV_PRECISION:
+        if p.name in pool.split("+") and kind is AdviceKind.KV_PRECISION:
             p = p.model_copy(update={"kv_cache_dtype": change.get("kv_cache_dtype", "fp8")})
         elif p.name == pool and kind is AdviceKind.SPECULATION:
             spec = change.get("speculative", {})

@@ -8,7 +8,9 @@ vLLM's prefix cache does). The replay at today's capacity is the baseline; the g
 Without hashes, only a KV-bound pool earns a note that a replay is needed.
 
 Precision: FP8 KV cache halves the bytes per token, so a KV-bound pool holds twice the batch; the
-engines it would need at its SLOs with twice the KV tokens, against today.
+engines it would need at its SLOs with twice the KV tokens, against today. A decode pool's prefill
+pools change with it: NIXL moves KV only between caches of one dtype (vLLM's handshake refuses
+others), so the advice names them all.
 """
 
 from __future__ import annotations
@@ -138,11 +140,14 @@ def kv_precision(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation]:
         if (obs is None or facts.kv_cache_dtype == "fp8" or facts.role == "prefill" or obs.arrivals <= 0
                 or not kv_bound(obs, s)):
             continue
-        out.append(_fp8(facts, obs, s))
+        feeders = [p.name for p in inp.pools.values() if facts.role == "decode" and p.role == "prefill"
+                   and p.model == facts.model]
+        out.append(_fp8(facts, obs, s, feeders))
     return out
 
 
-def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendation:
+def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings, feeders: Sequence[str]) -> Recommendation:
+    """FP8 for one pool and the prefill pools that send it their KV (`feeders`), sized on the pool's own engines."""
     load: Load = peak_load(obs)
     cost = step_cost(facts, obs, s)
     cal = calibrate(facts, obs, s)
@@ -158,13 +163,15 @@ def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendati
                 "bf16": now.as_dict(), "fp8": then.as_dict(), "kv_tokens_per_engine": facts.curves.kv_tokens,
                 "model_check": cal.as_dict(),
                 "caveat": FP8_CAVEAT}
-    advice = (f"serve {facts.name} with --kv-cache-dtype fp8: a batch of {then.batch:.0f} instead of "
+    both = f" and {', '.join(feeders)}, whose KV it takes (NIXL moves KV only between caches of one dtype)," \
+        if feeders else ""
+    advice = (f"serve {facts.name}{both} with --kv-cache-dtype fp8: a batch of {then.batch:.0f} instead of "
               f"{now.batch:.0f} per engine, {engines_change(now, then)} ({FP8_CAVEAT})"
               if act else
               f"FP8 KV cache would not shrink {facts.name} ({engines_change(now, then)}): "
               f"it is {now.limited_by}-bound")
     effect = engines_effect(facts, now, then, s)
-    return Recommendation(AdviceKind.KV_PRECISION, facts.name, advice,
+    return Recommendation(AdviceKind.KV_PRECISION, "+".join((facts.name, *feeders)), advice,
                           {"kv_cache_dtype": "fp8", "replicas": then.engines} if act else {},
                           effect if act else replace(effect, after=effect.before),
                           round(min(1.0, obs.minutes / 60.0) * 0.85, 2), evidence, act=act)

@@ -118,6 +118,7 @@ class PoolFacts:
     kv_heads: int = 8
     expert_parallel: int = 1
     eplb: bool = False
+    model: str = ""  # what it serves: a decode pool's prefill pools serve the same
 
     @property
     def gpus(self) -> int:

@@ -13,7 +13,7 @@ import pytest
 from collectors.types import Signal
 from controlplane import evaluation_advise
 from controlplane.advice import accuracy, advise_and_score, advisor_input, followed, observed, pool_facts
-from controlplane.config import parse_config
+from controlplane.config import FleetConfig, parse_config
 from controlplane.errors import ConfigError
 from controlplane.evaluation_advise import CASES, SEEDS, apply, needed, run_case, savings_by_seed, split
 from controlplane.sim.scenario import Scenario, load_scenario
@@ -193,6 +193,19 @@ def test_a_split_is_judged_on_the_pools_it_made_not_the_fleets_others() -> None:
     merge = _record("disaggregation", "chat-p+chat-d", {"layout": "unified"},
                     {"fleet_pools": ["chat-p", "chat-d", "rag"]})
     assert followed(merge, merged) == ["chat"]
+
+
+def test_fp8_for_a_decode_pool_is_followed_once_its_prefill_pool_runs_it_too() -> None:
+    """vLLM's NIXL handshake refuses a KV transfer between caches of different dtypes: an FP8 decode pool fed by a
+    16-bit prefill pool moves no KV at all."""
+    def fleet(pre: str, dec: str) -> FleetConfig:
+        pools = [_pool("chat-p", "prefill").replace("}}", f"}}, engine: {{kv_cache_dtype: {pre}}}}}"),
+                 _pool("chat-d", "decode").replace("}}", f"}}, engine: {{kv_cache_dtype: {dec}}}}}")]
+        return parse_config(PAIRS % "\n".join(pools), "f.yaml")
+
+    fp8 = _record("kv_precision", "chat-d+chat-p", {"kv_cache_dtype": "fp8", "replicas": 3}, {})
+    assert followed(fp8, fleet("auto", "fp8")) is None
+    assert followed(fp8, fleet("fp8", "fp8")) == ["chat-d"]
 
 
 async def test_a_split_pairs_requests_are_counted_once_and_a_zero_prediction_has_no_error() -> None:
