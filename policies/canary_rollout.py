@@ -6,11 +6,13 @@ each pool's workload last changed (`changed_at`, from the actuator). Per pool, e
 
 - arms: the engines that first reported after the pool's last change are the canary (or, where the
   canary is a Deployment of its own beside the stable one, those whose pod matches the pool's
-  `canary_pods` pattern); the others are the baseline. With no canary or no baseline left there is
+  `canary_pods` pattern, from the first report of the earliest one serving now: that Deployment's
+  pods of earlier revisions match too); the others are the baseline. With no canary or no baseline left there is
   no rollout, and an open finding resolves (the canary was rolled back, or promoted);
 - one pool at a time: only the pool whose rollout began first is judged; another pool rolling out
   meanwhile gets a warning, since a new prefill revision changes what every decode engine sees and
-  neither comparison would be clean;
+  neither comparison would be clean. A rollout past its `max_window` has had its final verdict and
+  holds none back;
 - the judge sees every step since the canary first reported and is consulted every tick; being
   anytime-valid, watching continuously costs nothing in false fails, so it keeps watching after a
   pass until the rollout ends;
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -140,6 +142,10 @@ class CanaryRegression:
                 result.resolved.append((key, "the rollout ended: no canary engines (rolled back or promoted), "
                                              "or no baseline left"))
         ordered = sorted(rollouts, key=lambda p: rollouts[p][2])
+        # One rollout at a time among those still within their window. One past it has had its final verdict: it is
+        # judged on, but holds no other pool back (a canary slot kept at the stable revision would be first for good).
+        ended = [p for p in ordered if inp.now - rollouts[p][2] >= self.settings.gate.max_window]
+        ordered = [p for p in ordered if p not in ended]
         for pool in ordered[1:]:
             first = ordered[0]
             result.findings.append(FindingReport(
@@ -149,7 +155,7 @@ class CanaryRegression:
                 f"pool changes what the other's engines see, so neither canary can be judged cleanly. {pool} is "
                 f"judged once {first}'s rollout ends.",
                 {"overlaps": first, "canary": _pods(rollouts[pool][1])}, KIND))
-        judged = {pool: self._judge(inp, pool, *rollouts[pool]) for pool in ordered[:1]}
+        judged = {pool: self._judge(inp, pool, *rollouts[pool]) for pool in [*ended, *ordered[:1]]}
         judged |= {pool: self._watch(inp, pool, *promoted[pool]) for pool in promoted}
         for pool, finding in judged.items():
             key = FindingKey(KIND, f"pool/{pool}")
@@ -174,7 +180,7 @@ class CanaryRegression:
             # Without a pattern the canary is judged from the change on, however early its engines started.
             first = points[0][0] if pattern is not None else max(points[0][0], changed or -math.inf)
             out.append(_Engine(subject, pod, new, first, points[-1][0], points[-1][0] >= live_since))
-        return out
+        return _this_canary(out) if pattern is not None else out
 
     def _promoted(self, inp: PolicyInput, engines: list[_Engine]) -> tuple[list[_Engine], list[_Engine], float] | None:
         """(old engines, new engines, when the last old one stopped) within the watch after a promotion."""
@@ -299,6 +305,20 @@ class _Engine:
     first: float  # when it counts from: its first report (or the change, if later)
     last: float  # its latest report
     live: bool  # reported within the last few steps
+
+
+def _this_canary(engines: list[_Engine]) -> list[_Engine]:
+    """The engines with the canary's pods of this rollout only. A canary Deployment beside the stable one keeps its pods'
+    pattern across revisions, so it also matches pods of its earlier revisions, gone or on their way out: counted from
+    their first reports, they would date the rollout hours back and judge the old revision's steps as the new one's.
+    This rollout's canary started with the first report of the earliest canary pod serving now (with none serving,
+    of the one that reported last); a canary pod counts only if it reported since, and from then on."""
+    canary = [e for e in engines if e.new]
+    if not canary:
+        return engines
+    anchors = [e for e in canary if e.live] or [max(canary, key=lambda e: e.last)]
+    start = min(e.first for e in anchors)
+    return [e if not e.new else replace(e, first=max(e.first, start)) for e in engines if not e.new or e.last >= start]
 
 
 def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list[_Engine], float] | None:

@@ -75,6 +75,43 @@ def test_a_canary_pattern_names_the_canary_of_a_deployment_beside_the_stable_one
         CanaryRolloutSettings(gate={"metrics": [{"name": "tpot", "statistic": "p95"}]})
 
 
+def engine(w: SignalWindows, pool: str, pod: str, first: float, last: float, slow: float = 1.0) -> None:
+    """One engine's reports from `first` to `last`, TPOT `slow` times the old engines'."""
+    t, i = first, 0
+    while t <= last:
+        wobble = 1 + 0.03 * ((i * 7 + len(pod)) % 5 - 2)
+        for name, value in (("request_rate", 4.0), ("tpot_mean", 0.02 * slow * wobble), ("ttft_mean", 0.3 * wobble),
+                            ("e2e_mean", 4.0 * slow * wobble), ("request_error_rate", 0.0)):
+            w.add(t, f"engine/{pool}/{pod}/0", name, value)
+        t, i = t + STEP, i + 1
+
+
+def test_a_canary_deployments_earlier_pods_are_no_part_of_its_new_rollout() -> None:
+    """The canary Deployment ran the stable revision for an hour, then got the new one: its old pod, gone a minute
+    after the new one came, matches the pattern too. Counted from its first report, the rollout dated an hour back,
+    its window was over at once, and the old pod's hour of good steps passed a canary 15 % slower."""
+    w, now = fleet(1.0, pools=("decode",))
+    engine(w, "decode", "decode-canary-5b8f-0", 0.0, CHANGE + 60)
+    engine(w, "decode", "decode-canary-c7d9-0", CHANGE + 20, now, slow=1.15)
+    s = CanaryRolloutSettings(canary_pods={"decode": r"decode-(canary|7f9c)-.*"})
+    [f] = run(w, now, {}, settings=s).findings
+    assert f.severity is Severity.CRITICAL and [p.kind for p in f.proposals] == [ActionKind.ROLLBACK]
+    assert f.evidence["canary"] == ["decode-7f9c-0", "decode-canary-5b8f-0", "decode-canary-c7d9-0"]
+
+
+def test_a_rollout_past_its_window_holds_no_other_pool_back() -> None:
+    """A canary slot kept at the stable revision all along is a rollout that never ends: it was always the first, and
+    a real rollout of another pool got only a warning, however bad."""
+    w, now = fleet(1.3, pools=("prefill",))
+    for pod in ("decode-0", "decode-1", "decode-2"):
+        engine(w, "decode", pod, 0.0, now)
+    engine(w, "decode", "decode-canary-0", 0.0, now)
+    s = CanaryRolloutSettings(canary_pods={"decode": r"decode-canary-.*"})
+    by = {f.key.subject: f for f in run(w, now, {"prefill": CHANGE}, settings=s).findings}
+    assert by["pool/prefill"].severity is Severity.CRITICAL and by["pool/prefill"].proposals
+    assert "pool/decode" not in by
+
+
 def test_one_pool_at_a_time_and_an_ended_rollout_resolves() -> None:
     w, now = fleet(1.3, pools=("decode", "prefill"), canary_from={"prefill": CHANGE + 300})
     res = run(w, now, {"decode": CHANGE, "prefill": CHANGE + 300})
