@@ -428,7 +428,8 @@ class PromGateSource:
 class SignalReader(Protocol):
     """What the store source needs of the store."""
 
-    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]: ...
+    async def load_signals(self, since: float, names: Iterable[str] | None = None,
+                           until: float | None = None) -> list[Signal]: ...
 
 
 class StoreGateSource:
@@ -465,9 +466,10 @@ class StoreGateSource:
         tpot = {"tpot_per_request", *ENGINE_MEANS["itl"]} if "tpot" in self._names else set()
         wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate", *tpot,
                   *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
-        # Two steps back, so the first point in the window knows how long its interval was.
+        # Two steps back, so the first point in the window knows how long its interval was; nothing after the step,
+        # so a replica catching up on a long gate reads each step's rows, not every row since, once per step.
         try:
-            signals = await self._store.load_signals(start - 2 * (end - start), names=wanted)
+            signals = await self._store.load_signals(start - 2 * (end - start), names=wanted, until=end)
         except StoreUnavailable as exc:  # a database blip is a failed step, which the gate's patience covers
             raise GateError(str(exc)) from None
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))

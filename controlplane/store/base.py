@@ -42,8 +42,9 @@ class Store(Protocol):
         """Insert signals; a repeat of an existing point is ignored. Returns how many were given."""
         ...
 
-    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
-        """Raw signals at or after `since`, oldest first."""
+    async def load_signals(self, since: float, names: Iterable[str] | None = None,
+                           until: float | None = None) -> list[Signal]:
+        """Raw signals at or after `since` (and at or before `until`), oldest first."""
         ...
 
     async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],

@@ -57,10 +57,11 @@ class MemoryStore:
             self.signals.setdefault(key, s)
         return len(fresh)
 
-    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
+    async def load_signals(self, since: float, names: Iterable[str] | None = None,
+                           until: float | None = None) -> list[Signal]:
         wanted = None if names is None else set(names)
-        return sorted((s for s in self.signals.values() if s.ts >= since and (wanted is None or s.name in wanted)),
-                      key=lambda s: s.ts)
+        return sorted((s for s in self.signals.values() if s.ts >= since and (until is None or s.ts <= until)
+                       and (wanted is None or s.name in wanted)), key=lambda s: s.ts)
 
     async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],
                              live: Collection[str] | None = None) -> None:

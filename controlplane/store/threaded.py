@@ -56,8 +56,9 @@ class ThreadedStore:
     async def write_signals(self, signals: Sequence[Signal]) -> int:
         return await self._run(self.sql.write_signals, signals)
 
-    async def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
-        return await self._run(self.sql.load_signals, since, names)
+    async def load_signals(self, since: float, names: Iterable[str] | None = None,
+                           until: float | None = None) -> list[Signal]:
+        return await self._run(self.sql.load_signals, since, names, until)
 
     async def record_targets(self, results: Iterable[tuple[Target, TargetHealth, bool, float]],
                              live: Collection[str] | None = None) -> None:

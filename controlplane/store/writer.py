@@ -162,9 +162,13 @@ class SqlStore(metaclass=_Translating):
             conn.execute(stmt, payload)
         return len(payload)
 
-    def load_signals(self, since: float, names: Iterable[str] | None = None) -> list[Signal]:
-        """Raw signals at or after `since` (to prime the policies' windows after a restart)."""
+    def load_signals(self, since: float, names: Iterable[str] | None = None,
+                     until: float | None = None) -> list[Signal]:
+        """Raw signals at or after `since`, and at or before `until` (to prime the policies' windows after a restart,
+        and a gate's steps)."""
         q = select(SignalRow.ts, SignalRow.subject, SignalRow.name, SignalRow.value).where(SignalRow.ts >= since)
+        if until is not None:
+            q = q.where(SignalRow.ts <= until)
         if names is not None:
             q = q.where(SignalRow.name.in_(list(names)))
         with self.engine.connect() as conn:

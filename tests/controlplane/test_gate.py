@@ -185,7 +185,7 @@ async def test_the_store_source_weights_each_engines_mean_by_its_requests() -> N
         StoreGateSource(store, "decode", ArmSelector.parse("app=vllm"), ArmSelector.parse("pod=b"), rules)
 
     class Down:
-        async def load_signals(self, since: float, names: object = None) -> list[Signal]:
+        async def load_signals(self, since: float, names: object = None, until: object = None) -> list[Signal]:
             raise StoreUnavailable("store postgresql://fleet@db/fleet: connection refused")
 
     with pytest.raises(GateError, match="connection refused") as failed:  # a failed step, which the gate's patience covers

@@ -121,6 +121,10 @@ def test_signals_write_and_ignore_repeats(store: SqlStore) -> None:
     store.write_signals(batch)  # a replay of stored points is ignored, not an error
     assert store.count_signals() == 10
     assert [s.value for s in store.load_signals(0.0)] == [s.value for s in batch]
+    store.write_signals(_signals(115.0) + _signals(130.0))
+    # A window with both ends (a gate's step): nothing after it, however much came since.
+    assert {s.ts for s in store.load_signals(100.0, until=115.0)} == {100.0, 115.0}
+    assert {s.ts for s in store.load_signals(101.0, names=["prefix_cache_hit_rate"], until=200.0)} == {115.0, 130.0}
     odd = [Signal(200.0, "pool/p", "x", math.nan), Signal(200.0, "pool/p", "y", math.inf), Signal(200.0, "pool/p", "z", 1.0)]
     assert store.write_signals(odd) == 1, "a value that is no number is left out, not the batch"
 
