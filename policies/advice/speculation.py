@@ -62,11 +62,16 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
     cost, tokens = step_cost(facts, obs, s)
     now_speedup = tokens / cost
     positions = obs.spec_positions[:k]
-    best_k, best_speedup = best_positions(positions, unit, share) if positions else (k, now_speedup)
+    # Whether drafting pays, and with how many positions, is judged where it drafts; how much it speeds the pool up, and
+    # so its size, over every step (a drafter that rarely finds a draft still pays where it does).
+    per_draft = length / (1.0 + k * unit)
+    best_k, pays = best_positions(positions, unit) if positions else (k, per_draft)
+    best_speedup = ((1.0 + share * sum(positions[:best_k])) / (1.0 + share * best_k * unit)) if positions \
+        else now_speedup
     load = peak_load(obs)
     cal = calibrate(facts, obs, s)
     now = sized(facts.role, facts, load, s, cost=(cost, tokens), calibration=cal)
-    if best_speedup < s.spec_pays:
+    if pays < s.spec_pays:
         choice, then = 0, sized(facts.role, facts, load, s, calibration=cal)
     else:
         choice = best_k
@@ -76,7 +81,8 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
                 "acceptance_rate": None if obs.spec_acceptance is None else round(obs.spec_acceptance, 3),
                 "draft_share": round(share, 3), "tokens_per_step": round(tokens, 3),
                 "per_position": [round(p, 3) for p in positions], "step_cost": round(cost, 3),
-                "speedup_now": round(now_speedup, 3), "best_positions": best_k, "best_speedup": round(best_speedup, 3),
+                "speedup_now": round(now_speedup, 3), "speedup_per_draft": round(per_draft, 3),
+                "best_positions": best_k, "best_speedup": round(best_speedup, 3),
                 "engines_now": now.as_dict(), "engines_then": then.as_dict(), "model_check": cal.as_dict()}
     effect = engines_effect(facts, now, then, s)
     stay = Effect("engines_needed", effect.before, effect.before)
@@ -84,8 +90,8 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
     if choice == 0:
         return Recommendation(
             AdviceKind.SPECULATION, facts.name,
-            f"disable speculative decoding on {facts.name}: {facts.spec.method} with {k} tokens yields {tokens:.2f} "
-            f"tokens a step for {cost:.2f} steps' cost (x{now_speedup:.2f}), no shorter draft pays "
+            f"disable speculative decoding on {facts.name}: {facts.spec.method} with {k} tokens yields {length:.2f} "
+            f"tokens a draft for {1 + k * unit:.2f} steps' cost (x{per_draft:.2f}), no shorter draft pays "
             f"(constrained traffic rejects drafts); {engines_change(now, then)}",
             {"speculative": {"method": "none"}}, effect, conf, evidence)
     if choice < k and best_speedup > now_speedup * 1.02:

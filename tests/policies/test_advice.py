@@ -393,6 +393,11 @@ def test_ngram_speculation_is_judged_per_step_not_per_draft() -> None:
     # Fewer tokens a step: more engines at the same SLOs.
     assert rare_rec.evidence["engines_now"]["engines"] > every_rec.evidence["engines_now"]["engines"]
     assert best_positions(per_draft, 0.03, share=0.1)[1] == pytest.approx(1.2 / 1.009, abs=1e-3)
+    # A free drafter that finds a draft on 2 % of steps still pays where it does: kept, not disabled as if the traffic
+    # rejected its drafts.
+    seldom = judged(replace(rare, spec_positions=(0.67, 0.67, 0.67), spec_yield=0.02 * 2.01 / (1 + 0.02 * 2.01)))
+    assert not seldom.act and seldom.advice.startswith("keep ngram")
+    assert seldom.evidence["draft_share"] == pytest.approx(0.02, abs=1e-3)
 
 
 def test_fp8_kv_for_a_kv_bound_pool_only() -> None:
