@@ -201,6 +201,9 @@ SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec("prefix_cache_hit_rate", "ratio", _PREFIX),
     SignalSpec("spec_acceptance_rate", "ratio", ((_SPEC_ACCEPTED, "vllm:spec_decode_num_draft_tokens_total"),)),
     SignalSpec("spec_mean_acceptance_length", "one_plus_ratio", ((_SPEC_ACCEPTED, "vllm:spec_decode_num_drafts_total"),)),
+    # Accepted per generated token: with the tokens per draft, how many steps draft at all (ngram drafts only where the
+    # context repeats), which the advisor's speed-up turns on.
+    SignalSpec("spec_yield", "ratio", ((_SPEC_ACCEPTED, "vllm:generation_tokens_total"),)),
     SignalSpec("ttft_p50", "quantile", (("vllm:time_to_first_token_seconds",),), 0.5),
     SignalSpec("ttft_p95", "quantile", (("vllm:time_to_first_token_seconds",),), 0.95),
     SignalSpec("ttft_p99", "quantile", (("vllm:time_to_first_token_seconds",),), 0.99),

@@ -291,10 +291,11 @@ def test_signals_from_canned_results() -> None:
     assert by_key[("engine/prefill/p-0/1", "request_rate")].value == 3.0
     assert ("engine/prefill/p-0/1", "ttft_p95") not in by_key  # NaN: no observations in the window
     assert by_key[("pool/prefill", "ttft_p95")].value == 5.0
-    spec_decode = {"spec_acceptance_rate", "spec_mean_acceptance_length"}
+    spec_decode = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_yield"}
     assert {name for _, name in by_key} == {spec.name for spec in SIGNALS} - spec_decode
     assert [(m.signal, m.scope) for m in out.missing] == [("spec_acceptance_rate", "engine"),
-                                                          ("spec_mean_acceptance_length", "engine")]
+                                                          ("spec_mean_acceptance_length", "engine"),
+                                                          ("spec_yield", "engine")]
     assert "spec_decode_num_accepted_tokens_total" in out.missing[0].query
     assert out.unattributed == ["orphan: no pool label and not in the pool mapping"] and out.doubtful == {}
     assert not any(s.subject.startswith("engine/") and "orphan" in s.subject for s in out.signals)

@@ -31,7 +31,7 @@ from tests.real.scenario import OBJECTIVES, TOLERANCE, Run, rel_diff
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 NAMES = {spec.name for spec in SIGNALS} | {name for name, _, _ in OBJECTIVE_SIGNALS}
-NOT_IN_SIM = {"spec_acceptance_rate", "spec_mean_acceptance_length"}  # the simulator has no speculative decoding
+NOT_IN_SIM = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_yield"}  # the simulator has no speculative decoding
 
 
 def _ours(run: Run, k: int) -> dict[tuple[str, str], float]:
