@@ -367,9 +367,11 @@ def recheck(
     was = action.params.get("from_template")
     if _on_router(change) and was is not None and now_running is None:
         return _held(RailsReason.POOL_UNREADABLE, "the router's pod template cannot be read now: the rollback waits")
-    if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and now_running is not None and was != now_running:
+    if (kind in _RESTARTS_POOL or isinstance(change, RollBack)) and now_running is not None and was != now_running \
+            and not (was is None and "reverts" in action.params):
         # A rollback approved after someone rolled back (or forward) by hand would go back one revision more. One
-        # proposed while the template could not be read cannot tell: proposed afresh, it rests on what runs now.
+        # proposed while the template could not be read cannot tell: proposed afresh, it rests on what runs now. Not a
+        # revert of the control plane's own change, which nothing would propose again.
         workload = "the router" if _on_router(change) else pool.name
         if was is None:
             return _held(RailsReason.STALE, f"{workload}'s pod template could not be read when {kind} was proposed: "

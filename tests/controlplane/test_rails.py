@@ -316,10 +316,20 @@ def test_an_approved_restart_on_a_template_changed_since_is_stale(kind: str, cha
     action = due(kind=kind, change=change)
     if was is not None:
         action.params["from_template"] = was
+
     decision = recheck(action, replace(pool(), template=now), mode=Mode.PROPOSE, rails=RAILS, history=[action],
                        now=NOW, supported=ALL_KINDS)
     assert decision.reason is reason, decision.note
     assert reason not in WAIT_REASONS
+
+
+def test_a_revert_proposed_while_the_template_was_unread_still_runs() -> None:
+    """Cancelled, nothing would propose it again, and the control plane's own change it undoes would stay."""
+    action = due(kind="tune_speculation", change=Speculation(step=1))
+    action.params["reverts"] = 3
+    decision = recheck(action, replace(pool(), template="t2"), mode=Mode.ACT, rails=RAILS, history=[action], now=NOW,
+                       supported=ALL_KINDS)
+    assert decision.reason is RailsReason.ALLOWED, decision.note
 
 
 def test_a_router_rollback_is_judged_on_the_routers_template_not_the_pools() -> None:
