@@ -176,9 +176,18 @@ class Engine(Settings):
             raise ValueError(f"kv_heads {heads} and tensor_parallel {tp}: one must divide the other "
                              "(vLLM splits or replicates the KV heads over the ranks)")
         if self.eplb and not self.expert_parallel:
-            raise ValueError("eplb needs expert_parallel: EPLB balances a MoE model's experts over expert-parallel "
-                             "ranks, and vLLM refuses --enable-eplb without --enable-expert-parallel")
+            raise ValueError("eplb with expert_parallel false: vLLM refuses --enable-eplb without "
+                             "--enable-expert-parallel")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eplb_runs_expert_parallel(cls, data: Any) -> Any:
+        # vLLM runs EPLB only with expert parallelism: an engine with it on has both (a fleet file written before
+        # expert_parallel existed keeps loading, and its EPLB is judged as before).
+        if isinstance(data, dict) and data.get("eplb") and "expert_parallel" not in data:
+            return {**data, "expert_parallel": True}
+        return data
 
 
 class Pool(Settings):

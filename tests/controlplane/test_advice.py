@@ -376,6 +376,9 @@ store: {url: "sqlite:///x.db"}
 pools:
   - {name: dense, role: unified, model: llama-70b, replicas: {max: 4}, engine: {gpus: 4, tensor_parallel: 4}}
   - {name: moe, role: unified, model: deepseek, replicas: {max: 4}, engine: {gpus: 8, expert_parallel: true}}
+  - {name: older, role: unified, model: deepseek, replicas: {max: 4}, engine: {gpus: 4, eplb: true}}
 """)
     assert pool_facts(config.pool("dense")).expert_parallel == 1
     assert pool_facts(config.pool("moe")).expert_parallel == 8
+    # A fleet file from before the flag: EPLB runs only with expert parallelism, so it has it.
+    assert pool_facts(config.pool("older")).expert_parallel == 4

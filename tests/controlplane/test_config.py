@@ -94,8 +94,8 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
                      "tensor_parallel 8 does not divide gpus 1", id="tp-beyond-the-engines-gpus"),
         pytest.param(("model: m", "model: m\n    engine: {gpus: 4, tensor_parallel: 4, kv_heads: 6}"),
                      "kv_heads 6 and tensor_parallel 4: one must divide the other", id="kv-heads-over-tp"),
-        pytest.param(("model: m", "model: m\n    engine: {eplb: true}"), "eplb needs expert_parallel",
-                     id="eplb-on-a-dense-model"),
+        pytest.param(("model: m", "model: m\n    engine: {eplb: true, expert_parallel: false}"),
+                     "eplb with expert_parallel false", id="eplb-without-expert-parallelism"),
         pytest.param(("model: m", "model: m\n    role: decode"), "not valid YAML", id="yaml-duplicate-key-ok"),
     ],
 )
