@@ -52,8 +52,7 @@ def pool_facts(pool: Pool) -> PoolFacts:
         ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
         spec=SpecFacts(e.speculative.method, e.speculative.num_speculative_tokens, e.native_mtp),
         kv_cache_dtype=e.kv_cache_dtype, kv_bytes_per_token=e.kv_bytes_per_token, tensor_parallel=e.tensor_parallel,
-        kv_heads=e.kv_heads, expert_parallel=e.gpus if e.expert_parallel else 1, eplb=e.eplb,
-        model=pool.model)
+        kv_heads=e.kv_heads, expert_parallel=e.gpus if e.expert_parallel else 1, eplb=e.eplb)
 
 
 def _mean(w: SignalWindows, subject: str, name: str, since: float) -> float | None:
@@ -159,7 +158,11 @@ def advisor_input(config: FleetConfig, windows: SignalWindows, now: float, since
     # The pool's size is what reported, not the fleet file's bounds.
     facts = {name: replace(f, replicas=max(1, round(seen[name].engines))) if name in seen else f
              for name, f in facts.items()}
-    return AdvisorInput(now=now, since=since, pools=facts, observed=seen, prefix_blocks=dict(prefix_blocks or {}))
+    split = [p for p in config.pools if str(p.role) in ("prefill", "decode")]
+    models = {p.model for p in split if str(p.role) == "prefill"} & {p.model for p in split if str(p.role) == "decode"}
+    peers = {p.name: tuple(q.name for q in split if q.model == p.model and q is not p) for p in split if p.model in models}
+    return AdvisorInput(now=now, since=since, pools=facts, observed=seen, prefix_blocks=dict(prefix_blocks or {}),
+                        kv_peers=peers)
 
 
 @dataclass(slots=True)

@@ -443,7 +443,9 @@ class ReadStore:
         q = (select(AdviceRow).where(AdviceRow.state.in_(("open", "followed", "applied")))
              .order_by(AdviceRow.state.desc(), AdviceRow.id.desc()).limit(limit))
         if pool is not None:
-            q = q.where(or_(AdviceRow.pool == pool, AdviceRow.pool.like(f"{pool}+%"), AdviceRow.pool.like(f"%+{pool}")))
+            # Pool names hold neither `%` nor `_` (the fleet file's pattern), so they match as written.
+            q = q.where(or_(AdviceRow.pool == pool, AdviceRow.pool.like(f"{pool}+%"), AdviceRow.pool.like(f"%+{pool}"),
+                            AdviceRow.pool.like(f"%+{pool}+%")))
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
 

@@ -8,9 +8,9 @@ vLLM's prefix cache does). The replay at today's capacity is the baseline; the g
 Without hashes, only a KV-bound pool earns a note that a replay is needed.
 
 Precision: FP8 KV cache halves the bytes per token, so a KV-bound pool holds twice the batch; the
-engines it would need at its SLOs with twice the KV tokens, against today. A decode pool's prefill
-pools change with it: NIXL moves KV only between caches of one dtype (vLLM's handshake refuses
-others), so the advice names them all.
+engines it would need at its SLOs with twice the KV tokens, against today. The pools it moves KV
+with change with it (a decode pool's prefill pools, and their other decode pools): NIXL moves KV
+only between caches of one dtype (vLLM's handshake refuses others), so the advice names them all.
 """
 
 from __future__ import annotations
@@ -140,14 +140,12 @@ def kv_precision(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation]:
         if (obs is None or facts.kv_cache_dtype == "fp8" or facts.role == "prefill" or obs.arrivals <= 0
                 or not kv_bound(obs, s)):
             continue
-        feeders = [p.name for p in inp.pools.values() if facts.role == "decode" and p.role == "prefill"
-                   and p.model == facts.model]
-        out.append(_fp8(facts, obs, s, feeders))
+        out.append(_fp8(facts, obs, s, inp.kv_peers.get(facts.name, ())))
     return out
 
 
-def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings, feeders: Sequence[str]) -> Recommendation:
-    """FP8 for one pool and the prefill pools that send it their KV (`feeders`), sized on the pool's own engines."""
+def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings, peers: Sequence[str]) -> Recommendation:
+    """FP8 for one pool and the pools it moves KV with (`peers`), sized on the pool's own engines."""
     load: Load = peak_load(obs)
     cost = step_cost(facts, obs, s)
     cal = calibrate(facts, obs, s)
@@ -163,15 +161,15 @@ def _fp8(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings, feeders: Sequen
                 "bf16": now.as_dict(), "fp8": then.as_dict(), "kv_tokens_per_engine": facts.curves.kv_tokens,
                 "model_check": cal.as_dict(),
                 "caveat": FP8_CAVEAT}
-    both = f" and {', '.join(feeders)}, whose KV it takes (NIXL moves KV only between caches of one dtype)," \
-        if feeders else ""
+    both = f" and {', '.join(peers)}, the pools it moves KV with (NIXL moves KV only between caches of one dtype)," \
+        if peers else ""
     advice = (f"serve {facts.name}{both} with --kv-cache-dtype fp8: a batch of {then.batch:.0f} instead of "
               f"{now.batch:.0f} per engine, {engines_change(now, then)} ({FP8_CAVEAT})"
               if act else
               f"FP8 KV cache would not shrink {facts.name} ({engines_change(now, then)}): "
               f"it is {now.limited_by}-bound")
     effect = engines_effect(facts, now, then, s)
-    return Recommendation(AdviceKind.KV_PRECISION, "+".join((facts.name, *feeders)), advice,
+    return Recommendation(AdviceKind.KV_PRECISION, "+".join((facts.name, *peers)), advice,
                           {"kv_cache_dtype": "fp8", "replicas": then.engines} if act else {},
                           effect if act else replace(effect, after=effect.before),
                           round(min(1.0, obs.minutes / 60.0) * 0.85, 2), evidence, act=act)

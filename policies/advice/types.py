@@ -118,7 +118,6 @@ class PoolFacts:
     kv_heads: int = 8
     expert_parallel: int = 1
     eplb: bool = False
-    model: str = ""  # what it serves: a decode pool's prefill pools serve the same
 
     @property
     def gpus(self) -> int:
@@ -197,6 +196,9 @@ class AdvisorInput:
     # Per pool, the prompts' prefix-block hashes in arrival order, where the fleet records them
     # (llm-d's KV events, LMCache, the simulator): an LRU replay then answers the tiering question exactly.
     prefix_blocks: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
+    # Per pool of a disaggregated model, the fleet's other prefill and decode pools serving it (asked of or not): its KV
+    # moves between them over NIXL, which takes caches of one dtype only.
+    kv_peers: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

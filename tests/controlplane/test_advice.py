@@ -368,6 +368,17 @@ def test_small_fleet_case_end_to_end() -> None:
     assert r.measured_by_seed == [r.measured_saving_per_day] * 2  # every seed needs the same engines here
 
 
+def test_a_pools_kv_peers_are_the_fleets_whoever_is_advised() -> None:
+    """`fleetctl advise --pool chat-d` must still name the pools chat-d moves KV with: FP8 on one end alone moves
+    none."""
+    config = parse_config(PAIRS % "\n".join([_pool("chat-p", "prefill"), _pool("chat-d", "decode"),
+                                             _pool("chat-d2", "decode"), _pool("solo", "unified")]), "f.yaml")
+    inp = advisor_input(config, SignalWindows(3600), 3600.0, 0.0, pools=["chat-d"])
+    assert list(inp.pools) == ["chat-d"]
+    assert inp.kv_peers == {"chat-p": ("chat-d", "chat-d2"), "chat-d": ("chat-p", "chat-d2"),
+                            "chat-d2": ("chat-p", "chat-d")}
+
+
 def test_only_an_expert_parallel_pool_has_experts_for_eplb() -> None:
     """A dense model on four GPUs (tensor parallel) has no experts: its ranks' skew must not read as hot ones."""
     config = parse_config("""

@@ -413,14 +413,14 @@ def test_fp8_kv_for_a_kv_bound_pool_only() -> None:
     assert not [r for r in on_fp8 if r.kind is AdviceKind.KV_PRECISION]
 
 
-def test_fp8_for_a_decode_pool_names_the_prefill_pools_that_send_it_kv() -> None:
+def test_fp8_for_a_decode_pool_names_the_pools_it_moves_kv_with() -> None:
     tight = replace(CURVES, kv_tokens=64_000)
     bound = seen(arrivals=100.0, arrivals_peak=100.0, kv_usage_max=0.97, preemptions=0.5)
-    pools = [facts(name="pre", role="prefill", model="m", tpot_p95_slo=None),
-             facts(name="other", role="prefill", model="n", tpot_p95_slo=None),
-             facts(name="dec", role="decode", model="m", curves=tight, ttft_p95_slo=None)]
-    [rec] = [r for r in advise(inp(pools, {"dec": bound}), AdviceSettings()) if r.kind is AdviceKind.KV_PRECISION]
-    assert rec.act and rec.pool == "dec+pre" and "dec and pre, whose KV it takes" in rec.advice
+    pools = [facts(name="pre", role="prefill", tpot_p95_slo=None),
+             facts(name="dec", role="decode", curves=tight, ttft_p95_slo=None)]
+    [rec] = [r for r in advise(inp(pools, {"dec": bound}, kv_peers={"dec": ("pre", "dec-b")}), AdviceSettings())
+             if r.kind is AdviceKind.KV_PRECISION]
+    assert rec.act and rec.pool == "dec+pre+dec-b" and "dec and pre, dec-b, the pools it moves KV with" in rec.advice
 
 
 def test_a_pool_no_size_of_which_meets_its_slos_is_never_a_saving() -> None:

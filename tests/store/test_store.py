@@ -445,3 +445,13 @@ def test_newer_advice_beside_a_concurrent_reopening_supersedes_the_reopened_row(
     newer: list[Any] = []
     _beside_uncommitted(pg_store, reopening, lambda: newer.extend(pg_store.record_advice([_advice(3)], 30.0)))
     assert {r.id: r.state for r in pg_store.advice()} == {first.id: "superseded", newer[0].id: "open"}
+
+
+def test_advice_naming_a_pool_among_several_is_found_by_it(store: SqlStore) -> None:
+    store.record_advice([NewAdvice("kv_precision", "dec+pre+dec-b", True, "fp8", {}, "engines_needed", 4.0, 3.0, None,
+                                   0.8, {}), NewAdvice("kv_precision", "prefill", True, "fp8", {}, "engines_needed", 4.0,
+                                                       3.0, None, 0.8, {})], 10.0)
+    reads = ReadStore(store.engine)
+    assert [r["pool"] for r in reads.advice("pre")] == ["dec+pre+dec-b"]
+    assert [r["pool"] for r in reads.advice("dec-b")] == ["dec+pre+dec-b"]
+    assert [r["pool"] for r in reads.advice("dec")] == ["dec+pre+dec-b"]
