@@ -97,6 +97,9 @@ class RankStats:
         self.counters[name] = self.counters.get(name, 0.0) + value
 
 
+KV_BYTES_PER_TOKEN = 131_072  # Llama-3.1-8B, bf16: 2 * 32 layers * 8 heads * 128 * 2 bytes
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What a vLLM deployment's flags and hardware fix for one engine."""
@@ -106,7 +109,7 @@ class EngineConfig:
     max_batched_tokens: int = 8192  # chunked prefill's token budget per iteration
     prefill_only: bool = False  # a prefill worker in a disaggregated pool: one token, then hand off
     ranks: int = 1
-    kv_bytes_per_token: int = 131_072  # Llama-3.1-8B, bf16: 2 * 32 layers * 8 heads * 128 * 2 bytes
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN  # what a prompt's KV takes over the link
 
 
 LATENCY_BOUNDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,

@@ -34,7 +34,7 @@ from controlplane.config import (
     parse_yaml,
 )
 from controlplane.errors import ConfigError
-from controlplane.sim.engine import EngineConfig
+from controlplane.sim.engine import KV_BYTES_PER_TOKEN, EngineConfig
 from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet, SystemPrompts
 from controlplane.sim.moe import EplbConfig, MoeSpec
 from controlplane.sim.perf import DYNAMO_PROFILE, load_model
@@ -271,7 +271,8 @@ class Scenario(Settings):
             PoolSpec(
                 p.name, p.role, p.replicas, speed=p.speed, decode_speed=p.decode_speed,
                 engine=EngineConfig(kv_blocks=p.engine_kv_blocks, max_num_seqs=p.max_num_seqs,
-                                    max_batched_tokens=p.max_batched_tokens),
+                                    max_batched_tokens=p.max_batched_tokens,
+                                    kv_bytes_per_token=KV_BYTES_PER_TOKEN // (2 if p.kv_cache_dtype == "fp8" else 1)),
                 spec=SpecConfig(p.spec.method, p.spec.num_speculative_tokens),
                 moe=MoeSpec(p.moe.experts, p.moe.ranks, p.moe.zipf_s, p.moe.moe_share, seed=self.seed) if p.moe else None,
                 eplb=EplbConfig(p.eplb.window_size, p.eplb.step_interval, p.eplb.num_redundant_experts) if p.eplb else None,

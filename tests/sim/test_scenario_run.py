@@ -45,3 +45,13 @@ def test_sim_run_cli_replays_a_scenario_and_reports_its_timeline(tmp_path: Path)
     assert out["ticks"] == 48 and out["engines"] == 6
     assert out["events"] == [[600.0, "fault router_flip starts"]]
     assert "fault router_flip starts" in res.stderr
+
+
+def test_an_fp8_cache_moves_half_the_bytes_over_the_link() -> None:
+    """What the advisor prices a split's transfers at: the simulator that scores its advice moves the same."""
+    scenario = load_scenario("kv-lagging-decode-worker")
+    fp8 = scenario.model_copy(update={"fleet": scenario.fleet.model_copy(update={"pools": [
+        p.model_copy(update={"kv_cache_dtype": "fp8"}) for p in scenario.fleet.pools]})})
+    before = {p.name: p.engine.kv_bytes_per_token for p in scenario.fleet_spec().pools}
+    after = {p.name: p.engine.kv_bytes_per_token for p in fp8.fleet_spec().pools}
+    assert before and all(after[name] * 2 == before[name] == 131_072 for name in before)
