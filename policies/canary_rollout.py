@@ -6,8 +6,8 @@ each pool's workload last changed (`changed_at`, from the actuator). Per pool, e
 
 - arms: the engines that first reported after the pool's last change are the canary (or, where the
   canary is a Deployment of its own beside the stable one, those whose pod matches the pool's
-  `canary_pods` pattern, from the first report of the earliest one serving now: that Deployment's
-  pods of earlier revisions match too); the others are the baseline. With no canary or no baseline left there is
+  `canary_pods` pattern, of its newest ReplicaSet: that Deployment's pods of earlier revisions match
+  too); the others are the baseline. With no canary or no baseline left there is
   no rollout, and an open finding resolves (the canary was rolled back, or promoted);
 - one pool at a time: only the pool whose rollout began first is judged; another pool rolling out
   meanwhile gets a warning, since a new prefill revision changes what every decode engine sees and
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -309,16 +309,19 @@ class _Engine:
 
 def _this_canary(engines: list[_Engine]) -> list[_Engine]:
     """The engines with the canary's pods of this rollout only. A canary Deployment beside the stable one keeps its pods'
-    pattern across revisions, so it also matches pods of its earlier revisions, gone or on their way out: counted from
-    their first reports, they would date the rollout hours back and judge the old revision's steps as the new one's.
-    This rollout's canary started with the first report of the earliest canary pod serving now (with none serving,
-    of the one that reported last); a canary pod counts only if it reported since, and from then on."""
-    canary = [e for e in engines if e.new]
-    if not canary:
+    pattern across revisions, so it also matches pods of its earlier revisions, gone, on their way out or serving
+    beside the new ones: counted, they would date the rollout hours back and judge the old revision's steps as the new
+    one's. A Deployment's (or Argo Rollout's) pod is named after its ReplicaSet, `<set>-<suffix>`: the canary is the
+    pods of the set that came last (its first report the latest), a pod of it that crashed and was replaced under
+    another name included. Pods named otherwise (a StatefulSet's ordinals) are one set, as before."""
+    sets: dict[str, list[_Engine]] = {}
+    for e in engines:
+        if e.new:
+            sets.setdefault(e.pod.rsplit("-", 1)[0], []).append(e)
+    if len(sets) < 2:
         return engines
-    anchors = [e for e in canary if e.live] or [max(canary, key=lambda e: e.last)]
-    start = min(e.first for e in anchors)
-    return [e if not e.new else replace(e, first=max(e.first, start)) for e in engines if not e.new or e.last >= start]
+    newest = max(sets.values(), key=lambda s: min(e.first for e in s))
+    return [e for e in engines if not e.new or e in newest]
 
 
 def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list[_Engine], float] | None:
