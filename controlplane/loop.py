@@ -496,7 +496,9 @@ class ControlLoop:
         for name, why in view.unreadable.items():
             report.errors[f"pool {name}"] = f"its workload cannot be read, nothing acts on it: {why}"
         self._last_replicas.update(view.pools)
-        self.changed_at = dict(view.changed_at)
+        # A revision not dated this time (its ReplicaSets could not be listed) keeps its last date: gone for a tick, a
+        # failing canary's finding would resolve as a rollout that ended, and its rollback expire.
+        self.changed_at = {**self.changed_at, **view.changed_at}
         self._router_template = view.router_template
         frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         # A pool that may scale to zero and is there has no series to stop; one that may not is down, not idle.

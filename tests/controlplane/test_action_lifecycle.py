@@ -112,10 +112,12 @@ class Pools:
     template: str | None = None  # the pod template's digest
     router_template: str | None = None
     rolling: bool = False  # a new pod template rolling out
+    changed_at: dict[str, float] = field(default_factory=dict)  # when each workload last changed revision, as read
 
     async def observe(self) -> FleetView:
         return FleetView({"prefill": PoolReplicas(self.desired, self.ready, template=self.template,
-                                                  rolling=self.rolling)}, router_template=self.router_template)
+                                                  rolling=self.rolling)}, dict(self.changed_at),
+                         router_template=self.router_template)
 
     async def carry_out(self, order: Order) -> dict[str, Any]:
         assert isinstance(order.change, ScaleTo)
@@ -948,3 +950,16 @@ async def test_a_verdict_the_store_refused_is_written_next_tick(clock: VirtualCl
     await tick(loop, clock)
     await tick(loop, clock)
     assert [(v.gate, v.result) for v in store.verdicts] == [("tpot", "fail")], "written once"
+
+
+async def test_a_revision_not_dated_for_a_tick_keeps_its_last_date(clock: VirtualClock) -> None:
+    """A ReplicaSet list that fails once must not end the rollout the canary policy judges."""
+    pools = Pools(changed_at={"prefill": 1_000.0})
+    loop = make_loop(Mode.ACT, MemoryStore(), pools, clock, Asks())
+    await tick(loop, clock)
+    pools.changed_at = {}
+    await tick(loop, clock)
+    assert loop.changed_at == {"prefill": 1_000.0}
+    pools.changed_at = {"prefill": 2_000.0}
+    await tick(loop, clock)
+    assert loop.changed_at == {"prefill": 2_000.0}
