@@ -4,7 +4,7 @@ From what the pool measures: the acceptance of each draft position (so the token
 with fewer positions), and the step's cost (k draft tokens cost about 1 + k·(draft + verify) plain
 steps; the ngram drafter drafts for free). The speed-up of k positions is (1 + d·Σ accepted) /
 (1 + d·k·(draft + verify)), d the share of steps that carry a draft (every step for a draft model;
-for ngram, the steps whose context repeats: its acceptance is counted per draft); the pool is then
+for ngram, the steps whose context repeats, from the yield: its acceptance is counted per draft); the pool is then
 sized at its SLOs with the best choice against today's, and the engines saved are the effect.
 Constrained traffic (JSON, tool calls) shows as acceptance that no number of positions makes pay:
 disable. A KV-bound pool on a draft model is pointed at ngram (no draft weights or draft KV); a
@@ -58,7 +58,7 @@ def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommenda
     k = facts.spec.num_speculative_tokens
     unit = _per_token_cost(facts, s)
     length = max(1.0, obs.spec_length or 1.0)
-    share = draft_share(obs)
+    share = draft_share(facts, obs)
     cost, tokens = step_cost(facts, obs, s)
     now_speedup = tokens / cost
     positions = obs.spec_positions[:k]

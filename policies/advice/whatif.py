@@ -59,13 +59,13 @@ def peak_load(obs: PoolObserved) -> Load:
                 output_sigma=lognormal_sigma(obs.output_p50, obs.output_p95))
 
 
-def draft_share(obs: PoolObserved) -> float:
-    """The share of decode steps that carry a draft. vLLM counts a draft only where one is proposed (the ngram
-    drafter proposes only where the context repeats itself), so the tokens a draft yields overstate what a step
-    yields. From the yield (accepted tokens per generated token: a step makes one token plus those accepted) and
-    the tokens per draft; 1, every step drafting, where either is unknown."""
+def draft_share(facts: PoolFacts, obs: PoolObserved) -> float:
+    """The share of decode steps that carry a draft. A draft model (EAGLE, MTP, Medusa) drafts on every step; the
+    ngram drafter only where the context repeats itself, and vLLM counts a draft only where one is proposed, so the
+    tokens a draft yields overstate what a step yields. For ngram, from the yield (accepted tokens per generated token:
+    a step makes one token plus those accepted) and the tokens per draft; 1 where either is unknown."""
     y, length = obs.spec_yield, obs.spec_length
-    if y is None or length is None or length <= 1.0 or not 0.0 <= y < 1.0:
+    if facts.spec.method != "ngram" or y is None or length is None or length <= 1.0 or not 0.0 <= y < 1.0:
         return 1.0
     return min(1.0, y / ((1.0 - y) * (length - 1.0)))
 
@@ -77,7 +77,9 @@ def step_cost(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> tuple[f
         return 1.0, 1.0
     k = facts.spec.num_speculative_tokens
     drafter = 0.0 if facts.spec.method == "ngram" else s.draft_cost
-    share = draft_share(obs)
+    share = draft_share(facts, obs)
+    if share >= 1.0:
+        return 1.0 + k * (drafter + s.verify_cost), max(1.0, obs.spec_length)
     return 1.0 + share * k * (drafter + s.verify_cost), 1.0 + share * (max(1.0, obs.spec_length) - 1.0)
 
 

@@ -398,6 +398,10 @@ def test_ngram_speculation_is_judged_per_step_not_per_draft() -> None:
     seldom = judged(replace(rare, spec_positions=(0.67, 0.67, 0.67), spec_yield=0.02 * 2.01 / (1 + 0.02 * 2.01)))
     assert not seldom.act and seldom.advice.startswith("keep ngram")
     assert seldom.evidence["draft_share"] == pytest.approx(0.02, abs=1e-3)
+    # A draft model drafts on every step: what a yield averaged over scrapes suggests otherwise is noise.
+    [eagle] = [r for r in advise(inp([facts(spec=SpecFacts("eagle", 3))], {"chat": rare}), AdviceSettings())
+               if r.kind is AdviceKind.SPECULATION]
+    assert eagle.evidence["draft_share"] == 1.0 and eagle.evidence["tokens_per_step"] == 3.0
 
 
 def test_fp8_kv_for_a_kv_bound_pool_only() -> None:
