@@ -375,8 +375,8 @@ def _rolling(kind: str, obj: Mapping[str, Any]) -> bool:
     if isinstance(generation, int) and isinstance(observed, int) and observed < generation:
         return True
     updated = dig(obj, ("status", "updatedReplicas"))
-    existing = int(dig(obj, ("status", "replicas")) if dig(obj, ("status", "replicas")) is not None
-                   else dig(obj, ("spec", "replicas"), 1))
+    reported = dig(obj, ("status", "replicas"))
+    existing = int(reported if reported is not None else dig(obj, ("spec", "replicas"), 1))
     if kind == "StatefulSet":
         existing -= int(dig(obj, ("spec", "updateStrategy", "rollingUpdate", "partition"), 0) or 0)
     return updated is not None and int(updated) < existing
@@ -1455,11 +1455,11 @@ def _changed_flags(engine: dict[str, Any], change: Speculation | Eplb, annotatio
             raise ActuationError(f"{where}: {' or '.join(names)} is set inside {word[:80]!r}, where an edit of the "
                                  "engine's flags cannot reach it")
     added: list[str] = []
-    if isinstance(change, Eplb) and change.enabled and not any(
-            "enable-expert-parallel" in w.replace("_", "-") or w == "-ep" for w in command + args):
-        raise ActuationError(f"{where} runs without --enable-expert-parallel: vLLM refuses --enable-eplb without it (a "
-                             "dense model has no experts to balance); not made")
     if isinstance(change, Eplb):
+        if change.enabled and not any("enable-expert-parallel" in w.replace("_", "-") or w == "-ep"
+                                      for w in command + args):
+            raise ActuationError(f"{where} runs without --enable-expert-parallel: vLLM refuses --enable-eplb without it "
+                                 "(a dense model has no experts to balance); not made")
         command, args = (_without(_without(a, "--enable-eplb", bare=True), "--eplb-config") for a in (command, args))
         if change.enabled:
             config = {"window_size": change.window_size, "step_interval": change.step_interval,

@@ -15,13 +15,18 @@ from __future__ import annotations
 
 from policies.advice.kv import kv_bound
 from policies.advice.types import AdviceKind, AdviceSettings, AdvisorInput, Effect, PoolFacts, PoolObserved, Recommendation
-from policies.advice.whatif import calibrate, draft_share, engines_change, engines_effect, peak_load, sized, step_cost
+from policies.advice.whatif import (
+    calibrate,
+    draft_share,
+    engines_change,
+    engines_effect,
+    peak_load,
+    per_token_cost,
+    sized,
+    step_cost,
+)
 
 __all__ = ["best_positions", "speculation"]
-
-
-def _per_token_cost(facts: PoolFacts, s: AdviceSettings) -> float:
-    return (0.0 if facts.spec.method == "ngram" else s.draft_cost) + s.verify_cost
 
 
 def best_positions(positions: tuple[float, ...], per_token_cost: float, share: float = 1.0) -> tuple[int, float]:
@@ -56,7 +61,7 @@ def speculation(inp: AdvisorInput, s: AdviceSettings) -> list[Recommendation]:
 
 def _judge(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> Recommendation:
     k = facts.spec.num_speculative_tokens
-    unit = _per_token_cost(facts, s)
+    unit = per_token_cost(facts, s)
     length = max(1.0, obs.spec_length or 1.0)
     share = draft_share(facts, obs)
     cost, tokens = step_cost(facts, obs, s)

@@ -33,7 +33,8 @@ from policies.advice.types import AdviceSettings, Effect, PoolFacts, PoolObserve
 from policies.autoscale import EngineCurves
 from policies.stats import lognormal_sigma
 
-__all__ = ["calibrate", "draft_share", "engine", "fit_tail", "on_gpu", "peak_load", "sized", "step_cost"]
+__all__ = ["calibrate", "draft_share", "engine", "fit_tail", "on_gpu", "peak_load", "per_token_cost", "sized",
+           "step_cost"]
 
 # How far the pool's own numbers may move the model, either way: a queueing part measured at a quarter of the model's
 # (a router that spares decodes better than the model counts on) is as plausible as one at four times.
@@ -70,17 +71,22 @@ def draft_share(facts: PoolFacts, obs: PoolObserved) -> float:
     return min(1.0, y / ((1.0 - y) * (length - 1.0)))
 
 
+def per_token_cost(facts: PoolFacts, s: AdviceSettings) -> float:
+    """What one draft position adds to a step, in plain steps: its verification, and a draft model's pass (the ngram
+    drafter's lookup is free)."""
+    return (0.0 if facts.spec.method == "ngram" else s.draft_cost) + s.verify_cost
+
+
 def step_cost(facts: PoolFacts, obs: PoolObserved, s: AdviceSettings) -> tuple[float, float]:
     """(cost of a decode step in plain steps, tokens it yields) under the pool's speculation now, over every step:
     those without a draft cost and yield one."""
     if not facts.spec.enabled or obs.spec_length is None:
         return 1.0, 1.0
     k = facts.spec.num_speculative_tokens
-    drafter = 0.0 if facts.spec.method == "ngram" else s.draft_cost
-    share = draft_share(facts, obs)
+    unit, share = per_token_cost(facts, s), draft_share(facts, obs)
     if share >= 1.0:
-        return 1.0 + k * (drafter + s.verify_cost), max(1.0, obs.spec_length)
-    return 1.0 + share * k * (drafter + s.verify_cost), 1.0 + share * (max(1.0, obs.spec_length) - 1.0)
+        return 1.0 + k * unit, max(1.0, obs.spec_length)
+    return 1.0 + share * k * unit, 1.0 + share * (max(1.0, obs.spec_length) - 1.0)
 
 
 def engine(role: str, curves: EngineCurves, s: AdviceSettings, cost: tuple[float, float] = (1.0, 1.0)) -> Engine:
