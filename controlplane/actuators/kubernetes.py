@@ -31,17 +31,20 @@ StatefulSet's or LeaderWorkerSet's pod still above the count is going, one at a 
 `REMOVAL_GRACES` more graces first.
 New engine arguments (EPLB, speculative decoding) patch the engine container of the pod template
 once, with the object's resourceVersion (for an Argo Rollout with a `workloadRef`, the template of
-the Deployment it names, which the Rollout follows; that template's digest is the one reported);
-the rails have checked that the rollout restarts no more engines at
-once than the workload allows. A Deployment rolls back as `kubectl rollout undo` does, to its
-previous ReplicaSet's template; an Argo Rollout is aborted. A drained engine is evicted once idle
-and its workload replaces it; a cordon marks the node unschedulable and evicts the engines of every
-configured pool on it, in any namespace (a gang's whole group). Both go through the Eviction API,
-which honours PodDisruptionBudgets: a refusal (or a conflict with the pod changing under it) is
-retried until one more grace after the engines were due (idle, or the drain's or cordon's grace
-ended), and the engines still there then are routed again. A workload's pods are those its selector matches
-(matchExpressions included; a Rollout without one has its Deployment's) that no other controller
-owns. A scale whose stamp fails after its count is written is made, and says so (`unstamped`).
+the Deployment it names, which the Rollout follows; that template's digest is the one reported); the
+rails have checked that the rollout restarts no more engines at once than the workload allows.
+Neither a new template nor a rollback is written where the controller would not roll it onto every
+pod (a paused Deployment or Rollout, an `OnDelete` or partitioned StatefulSet, a partitioned
+LeaderWorkerSet): it would read as made while engines run the old one. A Deployment rolls back as
+`kubectl rollout undo` does, to its previous ReplicaSet's template; an Argo Rollout is aborted. A
+drained engine is evicted once idle and its workload replaces it; a cordon marks the node
+unschedulable and evicts the engines of every configured pool on it, in any namespace (a gang's
+whole group). Both go through the Eviction API, which honours PodDisruptionBudgets: a refusal (or a
+conflict with the pod changing under it) is retried until one more grace after the engines were due
+(idle, or the drain's or cordon's grace ended), and the engines still there then are routed again. A
+workload's pods are those its selector matches (matchExpressions included; a Rollout without one has
+its Deployment's) that no other controller owns. A scale whose stamp fails after its count is
+written is made, and says so (`unstamped`).
 
 Every write carries the action's id in an annotation of the object it changes, so a restarted
 leader sees a change it already made (`applied`) and never makes it twice, and is followed by an
@@ -380,6 +383,25 @@ def _rolling(kind: str, obj: Mapping[str, Any]) -> bool:
     if kind == "StatefulSet":
         existing -= int(dig(obj, ("spec", "updateStrategy", "rollingUpdate", "partition"), 0) or 0)
     return updated is not None and int(updated) < existing
+
+
+def _held_back(kind: str, obj: Mapping[str, Any]) -> str | None:
+    """Why the workload's controller would put a new pod template on none or only some of its pods, or None. A
+    template written there reads as made and settled (`_rolling` counts such pods as left behind on purpose) while no
+    engine, or only some, runs it, so an engine-flag change or a rollback is refused there, as `kubectl rollout undo`
+    refuses a paused Deployment."""
+    if kind in ("Deployment", "Rollout") and dig(obj, ("spec", "paused")) is True:
+        return "it is paused: its controller rolls out no new template until someone resumes it"
+    partition: Any = 0
+    if kind == "StatefulSet":
+        if dig(obj, ("spec", "updateStrategy", "type")) == "OnDelete":
+            return "its update strategy is OnDelete: a pod takes a new template only when someone deletes it"
+        partition = dig(obj, ("spec", "updateStrategy", "rollingUpdate", "partition"), 0)
+    elif kind == "LeaderWorkerSet":
+        partition = dig(obj, ("spec", "rolloutStrategy", "rollingUpdateConfiguration", "partition"), 0)
+    if int(partition or 0) > 0:
+        return f"its partition {partition} keeps the ordinals below it on the template they run"
+    return None
 
 
 def _budget(value: Any, replicas: int) -> int | None:
@@ -835,6 +857,9 @@ class KubernetesActuator:
             done = _applied(held, order, f"{holder.kind} {holder.namespace}/{holder.name}")
             await self._stamp_follower(order, w, dig(held, ("metadata", "annotations", RESULT_ANNOTATION)))
             return done
+        reason = _held_back(w.kind, obj)
+        if reason is not None:
+            raise ActuationError(f"{describe(change)} on {w.kind} {w.namespace}/{w.name} not made: {reason}")
         _template_as_approved(order, holder, held)
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
         annotations = dict(dig(held, ("metadata", "annotations"), {}) or {})
@@ -889,6 +914,9 @@ class KubernetesActuator:
             return {"aborted": f"Rollout {w.namespace}/{w.name}"}
         if w.kind != "Deployment":
             raise ActuationError(f"rolling back a {w.kind} is not supported: only Deployments and Argo Rollouts")
+        reason = _held_back(w.kind, obj)
+        if reason is not None:
+            raise ActuationError(f"rolling back Deployment {w.namespace}/{w.name} not made: {reason}")
         sets = await self._replica_sets(w, obj)
         if len(sets) < 2:
             raise ActuationError(f"Deployment {w.namespace}/{w.name} has no previous revision to roll back to")

@@ -568,6 +568,56 @@ async def test_eplb_is_not_enabled_on_an_engine_without_expert_parallelism(serve
     assert server.get(DEPLOYMENTS, NS, "vllm-decode") == before, "vLLM would refuse to start: nothing is rolled out"
 
 
+@pytest.mark.parametrize(("kind", "spec", "why"), [
+    ("Deployment", {"paused": True}, "it is paused"),
+    ("Rollout", {"paused": True}, "it is paused"),
+    ("StatefulSet", {"updateStrategy": {"type": "OnDelete"}}, "OnDelete"),
+    ("StatefulSet", {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}}, "partition 1"),
+    ("LeaderWorkerSet", {"rolloutStrategy": {"rollingUpdateConfiguration": {"partition": 2}}}, "partition 2"),
+])
+async def test_no_engine_flags_are_written_where_the_controller_would_not_roll_them_out(
+        server: ApiServer, api: client.ApiClient, kind: str, spec: dict[str, Any], why: str) -> None:
+    """Written there, the change reads as made and settled (such pods are no rollout) while engines run without it."""
+    act = actuator(api)
+    if kind == "Deployment":
+        obj, resource, pool = deployment(), DEPLOYMENTS, "decode"
+    elif kind == "Rollout":
+        obj = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "metadata": {"name": "vllm-canary", "namespace": NS},
+               "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "vllm-canary"}},
+                        "template": deployment("vllm-canary")["spec"]["template"]}}
+        resource, pool = ROLLOUTS, "canary"
+    elif kind == "StatefulSet":
+        statefulset(server)
+        obj, resource, pool = server.get(STATEFULSETS, NS, "vllm-kv"), STATEFULSETS, "kv"
+        assert obj is not None
+        obj["spec"]["template"]["spec"]["containers"][0]["args"] = list(ARGS)
+        act.workloads["kv"] = Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")
+    else:
+        obj = lws_templates({"args": list(ARGS)}, {"args": ["--foo"]})
+        resource, pool = LWS, "prefill"
+    obj["spec"].update(spec)
+    server.put(resource, obj)
+    before = json.loads(json.dumps(server.get(resource, NS, obj["metadata"]["name"])))
+    with pytest.raises(ActuationError, match=f"not made: .*{why}"):
+        await act.carry_out(order(ActionKind.TUNE_SPECULATION, Speculation(step=-1), pool=pool, action_id=1))
+    assert server.get(resource, NS, obj["metadata"]["name"]) == before
+    assert not server.invalid
+
+
+async def test_a_paused_deployment_is_not_rolled_back(server: ApiServer, api: client.ApiClient) -> None:
+    """As `kubectl rollout undo` refuses it: the old template would wait unrolled while the bad one serves."""
+    dep = server.put(DEPLOYMENTS, deployment())
+    server.put(REPLICASETS, replica_set(dep, 1, "vllm/vllm-openai:v0.10.0", "2026-11-20T10:00:00Z"))
+    server.put(REPLICASETS, replica_set(dep, 2, "vllm/vllm-openai:v0.11.0", "2026-12-01T09:55:00Z"))
+    paused = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert paused is not None
+    paused["spec"]["paused"] = True
+    before = json.loads(json.dumps(server.put(DEPLOYMENTS, paused)))
+    with pytest.raises(ActuationError, match="not made: it is paused"):
+        await actuator(api).carry_out(order(ActionKind.ROLLBACK, RollBack("decode")))
+    assert server.get(DEPLOYMENTS, NS, "vllm-decode") == before
+
+
 async def test_a_gangs_engine_arguments_change_where_vllm_serves(server: ApiServer, api: client.ApiClient) -> None:
     act = actuator(api)
     # A Ray group: the leader serves, the workers join its cluster. Only the leader's flags change; a flag given to
