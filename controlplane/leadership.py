@@ -13,6 +13,7 @@ class Leadership(Protocol):
 
     identity: str
     retry_period: float
+    term: int  # how many times this replica has come to lead: one lost and won back may find others' work done
 
     def leading(self) -> bool:
         """True while this replica holds leadership; no API call."""
@@ -32,6 +33,7 @@ class AlwaysLeader:
 
     identity = "single"
     retry_period = 3600.0
+    term = 0
 
     def leading(self) -> bool:
         return True

@@ -10,8 +10,11 @@ record has not changed for `lease_duration` as this replica observed it (its own
 holder's timestamps are never compared with ours, so clock skew cannot hand the Lease over early).
 The leader renews every `retry_period` and counts itself leader only while its last renewal is
 younger than `renew_deadline` (shorter than the lease duration), so it stops acting before anyone
-else may start. Every write carries the resourceVersion it read: of two candidates one wins and
-the other gets a 409.
+else may start. Every write carries the resourceVersion it read (a release, the one its last
+renewal left): of two candidates one wins and the other gets a 409, and a release held up in flight
+cannot free the Lease of the replica that took it meanwhile. Each time this replica comes to lead
+is a new `term`; the loop takes over again in a new one, since another replica may have led and
+acted in between.
 
 Least privilege: `get`, `create` and `patch` on `leases` in its own namespace.
 """
@@ -73,6 +76,8 @@ class LeaseLeadership:
         self._observed: tuple[Any, ...] | None = None  # the holder's record as we last read it
         self._observed_at = 0.0  # when that record last changed, on our clock
         self._observed_for = settings.lease_duration  # the lease duration that record gave its holder
+        self._version: str | None = None  # the Lease's resourceVersion as our last write left it
+        self.term = 0  # raised each time this replica comes to lead (not leading the moment before)
 
     def leading(self) -> bool:
         return self._renewed is not None and self.clock() - self._renewed < self.settings.renew_deadline
@@ -80,12 +85,13 @@ class LeaseLeadership:
     async def contend(self) -> bool:
         s = self.settings
         now = self.clock()
+        was = self.leading()
         try:
             lease = await self._call(self._api.read_namespaced_lease, s.name, s.namespace)
         except ApiException as exc:
             if exc.status != 404:
                 return self._failed("reading", exc)
-            return await self._gone(now)
+            return await self._gone(now, was)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return self._failed("reading", exc)
         # A change is dated when its read returned, not when it was sent: a renewal that landed during a slow read
@@ -112,7 +118,7 @@ class LeaseLeadership:
             body["spec"] |= {"acquireTime": _micro_time(self.wall()),
                              "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (1 if holder else 0)}
         try:
-            await self._call(self._api.patch_namespaced_lease, s.name, s.namespace, body)
+            written = await self._call(self._api.patch_namespaced_lease, s.name, s.namespace, body)
         except ApiException as exc:
             if exc.status == 409:  # another candidate wrote first; it leads
                 self._renewed = None
@@ -122,10 +128,18 @@ class LeaseLeadership:
             return self._failed("renewing" if holder == self.identity else "taking", exc)
         if holder != self.identity:
             log.info("leading as %s (took the lease from %s)", self.identity, holder or "nobody")
+        return self._lead(now, written, was)
+
+    def _lead(self, now: float, written: dict[str, Any], was: bool) -> bool:
+        """Count a write of the Lease as ours: a new term unless this replica led the moment before it (a lapse in
+        between may have let another lead and act meanwhile, as a take-over from nobody may follow one)."""
+        self._version = (written.get("metadata") or {}).get("resourceVersion")
         self._renewed = now
+        if not was:
+            self.term += 1
         return True
 
-    async def _gone(self, now: float) -> bool:
+    async def _gone(self, now: float, was: bool) -> bool:
         """The Lease is not there (never created, or deleted: by hand, a prune). Its leader steps down before it
         creates one again, and a candidate that saw another holder waits out that holder's lease first: that one
         may still act until it reads the Lease gone, or its renew deadline passes."""
@@ -136,16 +150,16 @@ class LeaseLeadership:
         holder = self._observed[0] if self._observed is not None else ""
         if holder and holder != self.identity and self.clock() < self._observed_at + self._observed_for:
             return False
-        return await self._create(now)
+        return await self._create(now, was)
 
-    async def _create(self, now: float) -> bool:
+    async def _create(self, now: float, was: bool) -> bool:
         s = self.settings
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": s.name, "namespace": s.namespace},
                 "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": _whole(s.lease_duration),
                          "acquireTime": _micro_time(self.wall()), "renewTime": _micro_time(self.wall()), "leaseTransitions": 0}}
         try:
-            await self._call(self._api.create_namespaced_lease, s.namespace, body)
+            written = await self._call(self._api.create_namespaced_lease, s.namespace, body)
         except ApiException as exc:
             if exc.status == 409:  # created by another candidate just now: it leads
                 self._renewed = None
@@ -154,18 +168,25 @@ class LeaseLeadership:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return self._failed("creating", exc)
         log.info("leading as %s (created the lease)", self.identity)
-        self._renewed = now
-        return True
+        return self._lead(now, written, False)  # the Lease was gone: whoever led before may have acted since
 
     async def release(self) -> None:
         if not self.leading():
             return
         s = self.settings
-        body = {"spec": {"holderIdentity": None, "renewTime": _micro_time(self.wall())}}
+        # On the version our last write left: a release held up in flight past our lease must not clear the holder
+        # that took the Lease meanwhile.
+        body = {"metadata": {"resourceVersion": self._version},
+                "spec": {"holderIdentity": None, "renewTime": _micro_time(self.wall())}}
         self._renewed = None
         try:
             await self._call(self._api.patch_namespaced_lease, s.name, s.namespace, body)
-        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        except ApiException as exc:
+            if exc.status == 409:
+                log.info("the lease %s/%s changed since our last renewal: not released", s.namespace, s.name)
+            else:
+                log.warning("could not release the lease %s/%s: %s", s.namespace, s.name, api_message(exc))
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
             log.warning("could not release the lease %s/%s: %s", s.namespace, s.name, exc)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class ControlLoop:
         telemetry: Telemetry,
         switch: KillSwitch | None = None,
         leading: Callable[[], bool] | None = None,
+        term: Callable[[], int] | None = None,
         sizer: Sizer | None = None,
     ) -> None:
         self.config = config
@@ -130,8 +131,12 @@ class ControlLoop:
         self.clock = clock
         self.telemetry = telemetry
         self.switch: KillSwitch = switch or NeverPaused()
-        # Whether this replica leads (asked before every change); a lone control plane always does.
+        # Whether this replica leads (asked before every change); a lone control plane always does. And its term:
+        # leadership lost and won back is a new one, in which another leader may have taken over what this one
+        # started, so the loop acts only in the term it took over in (`start`).
         self.leading: Callable[[], bool] = leading or (lambda: True)
+        self.term: Callable[[], int] = term or (lambda: 0)
+        self._term = 0
         self.windows = SignalWindows(HISTORY_S)
         self.changed_at: dict[str, float] = {}
         self._router_template: str | None = None  # the router's pod template digest, as last read
@@ -183,6 +188,7 @@ class ControlLoop:
             self.busy = None
 
     async def _start(self) -> None:
+        self._term = self.term()
         now = self.clock.now()
         # Ends this replica knows but the store refused are written first (one another leader moved meanwhile is
         # skipped); whatever waited, or is still unrecorded, is then taken over from the audit log.
@@ -234,7 +240,7 @@ class ControlLoop:
             if unobserved is not None:
                 pools = {name: replace(p, unreadable=p.unreadable or unobserved) for name, p in pools.items()}
         for action in started:
-            if not self.leading():  # the Lease was lost during the slow reads above: the new leader takes over
+            if not self._leads():  # the Lease was lost during the slow reads above: the new leader takes over
                 return
             await self._take_over(action, now, pools)
 
@@ -292,9 +298,11 @@ class ControlLoop:
                 if "reverts" in action.params and decision.reason in WAIT_REASONS:
                     await self._revert_again(action, change, decision, now, pools)
                 return
-            if not self.leading():
+            if not self._leads():
                 return
             await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
+            if not self._leads():  # lost while the note was written: the next leader takes it over
+                return
             order = replace(order, change=decision.change)
             await self._run(order, self.actuator.carry_out(order), now, TickReport(ts=now))
             # Done or waiting, it changed the fleet this tick, which the pools read at its start do not show: no other
@@ -360,13 +368,18 @@ class ControlLoop:
                                     {"why": f"control plane stopped while it ran; {why}"})
         self.telemetry.actions.labels(action.kind, "unknown").inc()
 
+    def _leads(self) -> bool:
+        """Whether this replica leads in the term it took over in."""
+        return self.leading() and self.term() == self._term
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick every scrape interval until `stop` is set or leadership is lost; the current tick always finishes."""
+        """Tick every scrape interval until `stop` is set or leadership is lost (won back counts as lost: the caller
+        takes over again); the current tick always finishes."""
         interval = self.config.scrape.interval
-        if self._took_over_at is not None and self.leading():
+        if self._took_over_at is not None and self._leads():
             # A take-over scraped just now: a tick at once would derive rates over a second or so.
             await self._wait(stop, interval - (self.clock.now() - self._took_over_at))
-        while not stop.is_set() and self.leading():
+        while not stop.is_set() and self._leads():
             started = self.clock.now()
             try:
                 await self.tick()
@@ -474,7 +487,7 @@ class ControlLoop:
         # the store forgets the others, or the dashboard would count a pool's departed pods as up for good.
         live = {r.target.key for r in obs.results}
         # A leader that lost the Lease mid-tick (a store query hung) knows the targets of then: it forgets none.
-        forget = live if live != self._live_targets and self.leading() else None
+        forget = live if live != self._live_targets and self._leads() else None
         if changed or forget is not None:
             await self.store.record_targets([row for row, _ in changed], live=forget)
             # Remembered once written: a change the store refused is written again next tick.
@@ -713,7 +726,7 @@ class ControlLoop:
         for action in await self.store.actions(states=[ActionState.STARTED]):
             # At least a tick old: one this tick started is being carried out now (none is, when this runs).
             fresh = action.started_at is not None and 0 <= now - action.started_at < self.config.scrape.interval
-            if action.id not in self._waiting and action.id not in self._unrecorded and not fresh and self.leading():
+            if action.id not in self._waiting and action.id not in self._unrecorded and not fresh and self._leads():
                 log.warning("action %d is started with nothing carrying it out: taken over", action.id)
                 await self._take_over(action, now, pools)
 
@@ -834,7 +847,7 @@ class ControlLoop:
                            history=history, now=now, supported=self.actuator.kinds,
                            paused=await self.switch.paused(),
                            unsettled=self._changing(pools, history, now), router_template=self._router_template)
-        if decision.reason in WAIT_REASONS or not self.leading():
+        if decision.reason in WAIT_REASONS or not self._leads():
             return
         if decision.reason is not RailsReason.ALLOWED or decision.change is None:
             try:
@@ -854,6 +867,12 @@ class ControlLoop:
         except ActionConflict as exc:
             log.info("action %d was not started here: %s", action.id, exc)
             return
+        if not self._leads():
+            # Lost while the write was slow: another leader may be acting by now. Left started, the leader that takes
+            # it over finds whether it was made.
+            log.warning("action %d recorded started, but leadership was lost meanwhile: left to the next leader",
+                        action.id)
+            return
         history.append(action)
         order = self._with_engines(_order(action, decision.change))
         await self._run(order, self.actuator.carry_out(order), now, report)
@@ -862,7 +881,7 @@ class ControlLoop:
         """Take every change that waits (an engine draining) a tick further, with fresh numbers; the
         kill switch holds each step as it holds a new action (the engines stay out of routing meanwhile)."""
         for order, wait in list(self._waiting.values()):
-            if not self.leading() or await self.switch.paused() is not None:
+            if not self._leads() or await self.switch.paused() is not None:
                 return
             fresh = self._with_engines(order)
             await self._run(fresh, self.actuator.resume(fresh, wait, now), now, report)

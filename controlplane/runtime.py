@@ -18,6 +18,7 @@ from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.alerting import AlertNotifier
 from controlplane.clock import Clock, WallClock
 from controlplane.config import FleetConfig
+from controlplane.errors import FleetError
 from controlplane.killswitch import AnySwitch, KillSwitch, StoreSwitch
 from controlplane.leadership import AlwaysLeader, Leadership
 from controlplane.loop import ControlLoop
@@ -108,6 +109,7 @@ def build_loop(
     policies: Sequence[Policy] | None = None,
     switch: KillSwitch | None = None,
     leading: Callable[[], bool] | None = None,
+    term: Callable[[], int] | None = None,
     sizer: Sizer | None = None,
 ) -> ControlLoop:
     """Wire a loop; defaults are the live ones (static targets, dry-run actuator, wall clock).
@@ -139,6 +141,7 @@ def build_loop(
         telemetry=telemetry or Telemetry(config.telemetry),
         switch=switch or StoreSwitch(store),
         leading=leading,
+        term=term,
         sizer=sizer,
     )
 
@@ -213,7 +216,7 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
                  acting: Acting, stop: asyncio.Event, once: bool, sizer: Sizer | None) -> None:
     leader = acting.leadership
     loop = build_loop(config, store, client, targets=targets, actuator=acting.actuator, switch=acting.switch,
-                      leading=leader.leading, sizer=sizer)
+                      leading=leader.leading, term=lambda: leader.term, sizer=sizer)
     notifier = None
     if config.alerting is not None:
         notifier = AlertNotifier(config.alerting, registry=loop.telemetry.registry)
@@ -230,7 +233,14 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
                 await _sleep_or_stop(stop, leader.retry_period)
                 continue
             loop.telemetry.leader.set(1)
-            await loop.start()
+            try:
+                await loop.start()
+            except FleetError as exc:
+                # A store outage at the take-over: taken over again once the store answers, as a tick is tried again.
+                loop.telemetry.tick_failures.inc()
+                log.error("taking over failed: %s; trying again in %gs", exc, config.scrape.interval)
+                await _sleep_or_stop(stop, config.scrape.interval)
+                continue
             if once:
                 await loop.tick()
                 break

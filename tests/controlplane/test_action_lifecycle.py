@@ -728,6 +728,60 @@ async def test_a_follower_acts_on_nothing(clock: VirtualClock) -> None:
     assert pools.calls == [4]
 
 
+async def test_leadership_lost_and_won_back_is_taken_over_again_not_carried_on(clock: VirtualClock) -> None:
+    """While this replica was cut off, another took the Lease, finished its drain and stepped down: the loop of the
+    earlier term must not resume the drain it remembers."""
+    store, pools = MemoryStore(), Pools(hold=True)
+    action_id = await started_elsewhere(store, clock.now())
+    wait = {"phase": "draining", "pods": ["prefill-2"], "then": "scale", "deadline": clock.now() + 120}
+    await store.note(action_id, "waiting", clock.now(), {"wait": wait})
+    term = [1]
+    loop = make_loop(Mode.ACT, store, pools, clock, Asks())
+    loop.term = lambda: term[0]
+    await loop.start()
+    other = make_loop(Mode.ACT, store, Pools(), clock, Asks())
+    await other.start()
+    await tick(other, clock)
+    assert (await store.actions())[0].state is S.SUCCEEDED, "the other leader finished it"
+    term[0] = 2  # the Lease is ours again, in a new term
+    stop = asyncio.Event()
+    await asyncio.wait_for(loop.run(stop), 5)  # returns at once: its caller takes over again
+    await tick(loop, clock)
+    assert pools.waits == [], "nothing of the earlier term is acted on before a take-over"
+    await loop.start()
+    await tick(loop, clock)
+    assert pools.waits == [] and pools.calls == [], "the take-over finds the drain ended"
+
+
+class SlowStart(MemoryStore):
+    """A store whose write that starts an action outlasts the leader's lease."""
+
+    def __init__(self, lead: list[bool]) -> None:
+        super().__init__()
+        self.lead = lead
+
+    async def transition(self, action_id: int, expected: S, to: S, now: float, detail: Mapping[str, Any],
+                         **kw: Any) -> ActionRecord:
+        if to is S.STARTED:
+            self.lead[0] = False
+        return await super().transition(action_id, expected, to, now, detail, **kw)
+
+
+async def test_an_action_started_while_the_lease_lapsed_is_left_to_the_next_leader(clock: VirtualClock) -> None:
+    lead = [True]
+    store, pools, policy = SlowStart(lead), Pools(already=False), Asks()
+    loop = make_loop(Mode.ACT, store, pools, clock, policy)
+    loop.leading = lambda: lead[0]
+    policy.on = True
+    await tick(loop, clock)
+    assert pools.calls == [], "another leader may be acting by now"
+    [action] = await store.actions()
+    assert action.state is S.STARTED
+    lead[0] = True
+    await loop.start()  # this replica leads again: its take-over finds it not made and makes it
+    assert pools.calls == [4]
+
+
 async def test_nothing_acts_on_a_pool_whose_target_is_down(clock: VirtualClock) -> None:
     store, pools, policy, source = MemoryStore(), Pools(), Asks(), NoMetrics()
     loop = make_loop(Mode.ACT, store, pools, clock, policy, source)

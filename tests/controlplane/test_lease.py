@@ -6,6 +6,7 @@ Two candidates share one Lease; each has its own clock, as two pods would.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -179,3 +180,45 @@ async def test_a_leader_that_finds_its_lease_gone_steps_down_before_it_takes_it_
     ca.t += 2
     server.fail("POST", "/leases", 409, "already exists")  # another candidate created it first
     assert await a.contend() is False and a.leading() is False
+
+
+async def test_each_time_a_replica_comes_to_lead_is_a_new_term(server: ApiServer, api: client.ApiClient) -> None:
+    """The loop takes over again in a new term: another replica may have led and acted in between."""
+    ca, cb = Clock(), Clock()
+    a, b = candidate(api, "a", ca), candidate(api, "b", cb)
+    assert await a.contend() is True and a.term == 1
+    ca.t += 2
+    assert await a.contend() is True and a.term == 1, "a renewal is the same term"
+    ca.t += 11  # its renewals failed past the renew deadline: it stopped leading, though nobody took the Lease
+    assert not a.leading()
+    assert await a.contend() is True and a.term == 2
+    await a.release()
+    assert await b.contend() is True and b.term == 1
+    await b.release()
+    assert await a.contend() is True and a.term == 3
+
+
+async def test_a_release_held_up_in_flight_does_not_free_the_lease_of_the_next_holder(
+        server: ApiServer, api: client.ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca, cb, cc = Clock(), Clock(), Clock()
+    a, b, c = candidate(api, "a", ca), candidate(api, "b", cb), candidate(api, "c", cc)
+    assert await a.contend() is True
+    assert await b.contend() is False and await c.contend() is False
+    sent, deliver = threading.Event(), threading.Event()
+    patch = a._api.patch_namespaced_lease
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        if args[2]["spec"].get("holderIdentity", "") is None:  # the release
+            sent.set()
+            deliver.wait(10)
+        return patch(*args, **kwargs)
+
+    monkeypatch.setattr(a._api, "patch_namespaced_lease", held_up)
+    releasing = asyncio.create_task(a.release())  # sent while a leads
+    await asyncio.to_thread(sent.wait, 10)
+    cb.t += 16  # b waits the lease out and takes it meanwhile
+    assert await b.contend() is True
+    deliver.set()
+    await releasing
+    assert lease(server)["spec"]["holderIdentity"] == "b"
+    assert await c.contend() is False, "one leader at a time"

@@ -322,6 +322,44 @@ async def test_run_survives_a_failing_tick_and_stops_on_request(sim: tuple, sqli
     store.close()
 
 
+class TakeOverBlip(MemoryStore):
+    """A store that drops its connection once, at the first read of a take-over (a database failover)."""
+
+    failures = 1
+    reads = 0
+
+    async def load_signals(self, *args: Any, **kwargs: Any) -> Any:
+        self.reads += 1
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("connection reset (database failover)")
+        return await super().load_signals(*args, **kwargs)
+
+
+async def test_a_store_outage_at_the_take_over_is_tried_again_not_the_end_of_the_process() -> None:
+    from controlplane.config import parse_config
+    from controlplane.lab.engine import free_port
+    from controlplane.runtime import Acting, _serve
+
+    config = parse_config(f"""
+mode: act
+scrape: {{interval: 1s, timeout: 500ms, spread: 100ms}}
+server: {{port: {free_port()}}}
+pools: [{{name: prefill, role: prefill, model: m, replicas: {{min: 1, max: 8}}}}]
+""")
+    stop, store = asyncio.Event(), TakeOverBlip()
+    async with httpx.AsyncClient() as client:
+        serving = asyncio.create_task(_serve(config, store, client, None, Acting(), stop, False, None))
+        for _ in range(100):
+            if store.reads >= 2 or serving.done():
+                break
+            await asyncio.sleep(0.1)
+        assert not serving.done(), "one failed read at the take-over ended the control plane"
+        assert store.reads >= 2, "taken over again once the store answered"
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+
+
 async def test_prometheus_api_mode_feeds_the_same_loop(sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
     """With `prometheus` in the fleet file the loop reads the API; its failures are failed ticks."""
     from collectors.prometheus_api import PrometheusSource, PrometheusUnavailable
