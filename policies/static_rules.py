@@ -152,8 +152,10 @@ class StaticRule:
 
 
 def promql_number(value: float) -> str:
-    """A threshold as a PromQL literal."""
-    return f"{value:g}"
+    """A threshold as a PromQL literal that reads back as the same float, so Prometheus compares with what the
+    in-process rule compares with (`:g` alone rounds to six digits)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 STATIC_RULES: tuple[StaticRule, ...] = (

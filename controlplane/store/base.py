@@ -27,7 +27,16 @@ from controlplane.store.records import (
     Pause,
 )
 
-__all__ = ["Store"]
+__all__ = ["MAX_CLAIM_KEY", "Store", "claim_key"]
+
+MAX_CLAIM_KEY = 58  # `store_meta` keys are 64 characters, of which `claim:` takes 6
+
+
+def claim_key(key: str) -> str:
+    """A claim's `store_meta` key; ValueError for one longer than the column holds."""
+    if len(key) > MAX_CLAIM_KEY:
+        raise ValueError(f"claim key {key[:20]!r}... is {len(key)} characters; at most {MAX_CLAIM_KEY} are kept")
+    return f"claim:{key}"
 
 
 class Store(Protocol):
@@ -145,7 +154,7 @@ class Store(Protocol):
         ...
 
     async def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
-        """The value claimed under `key` (at most 59 characters), the same for every replica: the one recorded unless
+        """The value claimed under `key` (at most `MAX_CLAIM_KEY` characters), the same for every replica: the one recorded unless
         it is under `stale_before`, else `value`, recorded; and whether this call recorded it (of racing replicas,
         exactly one does)."""
         ...

@@ -1,7 +1,9 @@
 """Rollups and retention: raw signals become 1-minute and 1-hour aggregates, old rows go.
 
 Watermarks in `store_meta` make each rollup run idempotent: a bucket is aggregated once, when
-it is complete, and the watermark moves in the same transaction as the rows it covers. The records
+it is complete, and the watermark moves in the same transaction as the rows it covers. Two more say
+from when raw signals and minute rollups are kept, so a read of an older range takes the next
+coarser level. The records
 (finished actions with their audit log, resolved findings no kept action points at, verdicts, advice
 no longer open or followed, the gates' claims) go once past their own retention, in a transaction of
 their own.
@@ -33,6 +35,8 @@ __all__ = ["CompactionReport", "Retention", "compact"]
 
 MINUTE = 60
 HOUR = 3600
+# In `store_meta`: raw signals, and minute rollups, are kept from these times on (older ones may be gone).
+KEPT_RAW, KEPT_MINUTES = "kept_raw", "kept_60"
 
 
 class bucket_start(FunctionElement[float]):  # noqa: N801 (SQL functions are lower case)
@@ -119,6 +123,11 @@ def compact(engine: Engine, now: float, retention: Retention, steps: int | None 
         # minute's, or an hour's minutes) would otherwise lose what the hour was to be made of.
         raw_until = min(now - retention.raw_s, _watermark(conn, "rollup_60"))
         minute_until = min(now - retention.minute_s, _watermark(conn, "rollup_3600"))
+        # Readers take what is older than these from the next coarser level (`queries._levels`): moved before the
+        # rows go, so no read finds a range in neither.
+        for key, until in ((KEPT_RAW, raw_until), (KEPT_MINUTES, minute_until)):
+            if until > _watermark(conn, key):
+                _set_watermark(conn, key, until)
     raw_deleted = _delete_before(engine, budget, SignalRow.ts, raw_until)
     rollups_deleted = (_delete_before(engine, budget, r.bucket, minute_until, r.resolution == MINUTE)
                        + _delete_before(engine, budget, r.bucket, now - retention.hour_s, r.resolution == HOUR))

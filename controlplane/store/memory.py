@@ -15,6 +15,7 @@ from typing import Any
 from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, FINISHED_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict
+from controlplane.store.base import claim_key
 from controlplane.store.compaction import EXPIRING_CLAIMS, KEPT_ADVICE, CompactionReport, Retention
 from controlplane.store.records import (
     ActionEvent,
@@ -44,6 +45,7 @@ class MemoryStore:
         self.action_rows: dict[int, ActionRecord] = {}
         self.events: list[ActionEvent] = []
         self.verdicts: list[NewVerdict] = []
+        self._verdicts_recorded = 0  # ids are never given twice, as the database's are not, whatever expired
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
         self.claims: dict[str, float] = {}
@@ -104,7 +106,8 @@ class MemoryStore:
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
         self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))
-        return len(self.verdicts)
+        self._verdicts_recorded += 1
+        return self._verdicts_recorded
 
     async def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
         out = []
@@ -152,6 +155,7 @@ class MemoryStore:
         return self.pause
 
     async def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
+        claim_key(key)  # as long as the database's column holds
         held = self.claims.get(key)
         if held is not None and held >= stale_before:
             return held, False

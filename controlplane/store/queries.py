@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from controlplane.errors import StoreUnavailable
 from controlplane.store import migrate
-from controlplane.store.compaction import bucket_start
+from controlplane.store.compaction import KEPT_MINUTES, KEPT_RAW, bucket_start
 from controlplane.store.db import make_engine, redact
 from controlplane.store.models import (
     ActionEventRow,
@@ -114,15 +114,27 @@ def plan(start: float, end: float, series: int = 1, budget: int = SCAN_BUDGET) -
     return Plan(resolution, float(step))
 
 
-def _levels(p: Plan, start: float, end: float, wm60: float, wm3600: float) -> list[tuple[int, float, float]]:
-    """[lo, hi) time ranges per stored level: the planned level up to its watermark, finer ones after."""
+@dataclass(frozen=True, slots=True)
+class Marks:
+    """What each stored level holds: rollups up to their watermarks, raw signals and minute rollups from when
+    retention kept them (0: from the start)."""
+
+    wm60: float = 0.0
+    wm3600: float = 0.0
+    kept_raw: float = 0.0
+    kept_60: float = 0.0
+
+
+def _levels(p: Plan, start: float, end: float, m: Marks) -> list[tuple[int, float, float]]:
+    """[lo, hi) time ranges per stored level: the planned level up to its watermark, finer ones after, and coarser
+    ones before, where retention has dropped the planned level's rows (a short range days ago)."""
     stop = math.nextafter(end, math.inf)
     if p.resolution == 0:
-        cuts = [(0, start, stop)]
+        cuts = [(3600, start, m.kept_60), (60, max(start, m.kept_60), m.kept_raw), (0, max(start, m.kept_raw), stop)]
     elif p.resolution == 60:
-        cuts = [(60, start, wm60), (0, max(start, wm60), stop)]
+        cuts = [(3600, start, m.kept_60), (60, max(start, m.kept_60), m.wm60), (0, max(start, m.wm60), stop)]
     else:
-        cuts = [(3600, start, wm3600), (60, max(start, wm3600), wm60), (0, max(start, wm60, wm3600), stop)]
+        cuts = [(3600, start, m.wm3600), (60, max(start, m.wm3600), m.wm60), (0, max(start, m.wm60, m.wm3600), stop)]
     return [(level, lo, min(hi, stop)) for level, lo, hi in cuts if min(hi, stop) > lo]
 
 
@@ -163,7 +175,7 @@ WITH RECURSIVE walk(item, n) AS (
   SELECT (SELECT min({col}) FROM {table} WHERE {cond} {col} > walk.item), walk.n + 1
   FROM walk WHERE walk.item IS NOT NULL AND walk.n < :limit AND substr(walk.item, 1, :plen) = :lo
 )
-SELECT item FROM walk WHERE item IS NOT NULL AND substr(item, 1, :plen) = :lo
+SELECT item FROM walk WHERE item IS NOT NULL AND walk.n < :limit AND substr(item, 1, :plen) = :lo
 """
 
 
@@ -231,16 +243,15 @@ class ReadStore:
 
     # bucketed signal reads ---------------------------------------------------------------------
 
-    def _watermarks(self, conn: Connection) -> tuple[float, float]:
-        rows = dict(conn.execute(select(MetaRow.key, MetaRow.value)
-                                 .where(MetaRow.key.in_(["rollup_60", "rollup_3600"]))).tuples().all())
-        return float(rows.get("rollup_60", 0.0)), float(rows.get("rollup_3600", 0.0))
+    def _marks(self, conn: Connection) -> Marks:
+        keys = {"rollup_60": "wm60", "rollup_3600": "wm3600", KEPT_RAW: "kept_raw", KEPT_MINUTES: "kept_60"}
+        rows = conn.execute(select(MetaRow.key, MetaRow.value).where(MetaRow.key.in_(list(keys)))).tuples().all()
+        return Marks(**{keys[k]: float(v) for k, v in rows})
 
     def _grouped(self, conn: Connection, names: list[str], subjects: list[str], start: float, end: float,
                  p: Plan, step: float | None, positive: bool = False) -> Select[Any] | None:
-        wm60, wm3600 = self._watermarks(conn)
         parts = [_part(level, names, subjects, lo, hi, step, positive)
-                 for level, lo, hi in _levels(p, start, end, wm60, wm3600)]
+                 for level, lo, hi in _levels(p, start, end, self._marks(conn))]
         if not parts:
             return None
         if len(parts) == 1:

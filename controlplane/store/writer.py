@@ -24,6 +24,7 @@ from collectors.types import Signal, Target, TargetHealth
 from controlplane.actions import ACTIVE_STATES, SCORED_STATES, ActionState, check_transition
 from controlplane.errors import ActionConflict, ActionNotFound, StoreConflict, StoreUnavailable
 from controlplane.store import migrate
+from controlplane.store.base import claim_key
 from controlplane.store.compaction import CompactionReport, Retention, compact
 from controlplane.store.db import make_engine, redact
 from controlplane.store.models import (
@@ -460,7 +461,7 @@ class SqlStore(metaclass=_Translating):
     def claim(self, key: str, value: float, stale_before: float) -> tuple[float, bool]:
         """The value claimed under `key`, one answer for every replica: the recorded one unless under `stale_before`,
         else `value`, recorded; of racing replicas the first write wins and the others read it."""
-        name = f"claim:{key}"
+        name = claim_key(key)
         for _ in range(3):
             with self.engine.begin() as conn:
                 raw = conn.execute(select(MetaRow.value).where(MetaRow.key == name)).scalar_one_or_none()

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from controlplane.cli import cli
 from controlplane.rules_export import DEFAULT_RUNBOOK_BASE_URL, build_manifest, format_duration, runbook_url
-from policies.static_rules import KINDS, STATIC_RULES
+from policies.static_rules import KINDS, STATIC_RULES, promql_number
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,6 +84,12 @@ def test_an_unwritable_out_file_is_an_input_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("seconds", "text"), [(300, "5m"), (0, "0s"), (90, "1m30s"), (5400, "1h30m"), (86400, "1d")])
 def test_durations_are_written_as_prometheus_writes_them(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize(("value", "text"), [(1.0, "1"), (0.06, "0.06"), (1.2345678, "1.2345678"), (1e-7, "1e-07")])
+def test_thresholds_are_written_as_the_in_process_rule_compares_them(value: float, text: str) -> None:
+    """An SLO of more than six digits, rounded, would fire in one place and not in the other."""
+    assert promql_number(value) == text and float(text) == value
 
 
 def test_runbook_links_accept_a_kind_placeholder() -> None:

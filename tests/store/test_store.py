@@ -203,6 +203,53 @@ def test_rollups_and_retention(store: SqlStore) -> None:
     assert series and all(p.value == pytest.approx(1.5) for p in series)
 
 
+def test_a_short_range_past_a_levels_retention_is_read_from_the_next_coarser_level(store: SqlStore) -> None:
+    """The incidents page's evidence for an incident of three days ago: an hour, read raw by its span, whose raw
+    points are gone while minute rollups hold it; and an hour of three weeks ago, held in hourly rollups alone."""
+    t0 = 1_767_225_600.0
+    store.write_signals([Signal(t0 + 60 * i, "pool/p", "ttft_p95", float(i % 2)) for i in range(22 * 24 * 60)])
+    now = t0 + 22 * 86400
+    store.compact(now, Retention(raw_s=48 * 3600, minute_s=14 * 86400, hour_s=400 * 86400))
+    reads = ReadStore(store.engine)
+    three_days_ago = now - 3 * 86400
+    points = reads.buckets(["ttft_p95"], ["pool/p"], three_days_ago, three_days_ago + 3600)
+    assert sum(p.count for p in points) == 61 and all(p.mean in (0.0, 1.0) for p in points), "its 61 minutes"
+    three_weeks_ago = now - 21 * 86400
+    points = reads.buckets(["ttft_p95"], ["pool/p"], three_weeks_ago, three_weeks_ago + 3600)
+    assert sum(p.count for p in points) == 120 and {p.mean for p in points} == {0.5}, "its two hours' rollups"
+    recent = reads.buckets(["ttft_p95"], ["pool/p"], now - 3600, now)
+    assert sum(p.count for p in recent) == 60, "the last hour is still raw"
+
+
+def test_a_walk_of_subjects_or_names_returns_at_most_its_limit(store: SqlStore) -> None:
+    store.write_signals([Signal(1000.0, f"pool/p{i:02d}", "targets", 1.0) for i in range(10)])
+    reads = ReadStore(store.engine)
+    assert reads.subjects("targets", "pool/", limit=3) == ["pool/p00", "pool/p01", "pool/p02"]
+    assert reads.names("", limit=1) == ["targets"] and reads.names("", limit=0) == []
+
+
+@pytest.mark.parametrize("kind", ["sql", "memory"])
+async def test_a_claim_key_longer_than_the_database_keeps_is_refused_by_either_store(store: SqlStore,
+                                                                                     kind: str) -> None:
+    backend = store if kind == "sql" else MemoryStore()
+    fits, too_long = "gate-start:" + "x" * 47, "gate-start:" + "x" * 48
+    got = backend.claim(fits, 1.0, 0.0)
+    assert (await got if inspect_module.isawaitable(got) else got) == (1.0, True)
+    with pytest.raises(ValueError, match="59 characters; at most 58"):
+        got = backend.claim(too_long, 1.0, 0.0)
+        await got if inspect_module.isawaitable(got) else got
+
+
+async def test_the_memory_store_gives_no_verdict_id_twice() -> None:
+    store = MemoryStore()
+    ids = [await store.record_verdict(NewVerdict("api", "decode", "a", "b", at - 60.0, at, "pass", 1.0, {}))
+           for at in (100.0, 200.0, 7000.0)]
+    await store.compact(7000.0, Retention(raw_s=3600, minute_s=7200, hour_s=86400, records_s=6000.0))
+    assert len(store.verdicts) == 1
+    assert await store.record_verdict(NewVerdict("api", "decode", "a", "b", 7000.0, 7100.0, "pass", 1.0, {})) == 4
+    assert ids == [1, 2, 3]
+
+
 async def _records_of_a_year(store: SqlStore | MemoryStore) -> dict[str, int]:
     """Findings, actions, verdicts and advice, some past a retention that ends at 6,000 and some not; their ids."""
 
