@@ -109,6 +109,9 @@ class Kubernetes(Settings):
     switch: ConfigMapFlag | None = None  # a kill switch operators can flip with kubectl
     dry_run: bool = False  # send every write as a server-side dry run: validated and admitted, never stored
     drain_grace: Seconds = 120.0  # how long a drained engine may take to finish its requests
+    # How long a cordon keeps one engine of a pool that serves nowhere else routed on the node, waiting for its other
+    # engines' replacements to serve elsewhere (start-up included) before that one goes too.
+    cordon_hold: Seconds = 900.0
     routing_label: str = "llm-d.ai/routed"  # removed from a pod to take it out of the router's pool
     timeout: Seconds = 10.0
     leader_election: LeaderElection | None = None  # None: this replica always leads (run only one)

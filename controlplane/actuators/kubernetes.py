@@ -39,7 +39,8 @@ LeaderWorkerSet): it would read as made while engines run the old one. A Deploym
 `kubectl rollout undo` does, to its previous ReplicaSet's template; an Argo Rollout is aborted. A
 drained engine is evicted once idle and its workload replaces it; a cordon marks the node
 unschedulable and evicts the engines of every configured pool on it, in any namespace (a gang's
-whole group). Both go through the Eviction API, which honours PodDisruptionBudgets: a refusal (or a
+whole group), keeping one of a pool that serves nowhere else routed until another serves elsewhere
+(or `cordon_hold` ends). Both go through the Eviction API, which honours PodDisruptionBudgets: a refusal (or a
 conflict with the pod changing under it) is retried until one more grace after the engines were due
 (idle, or the drain's or cordon's grace ended), and the engines still there then are routed again. A
 workload's pods are those its selector matches (matchExpressions included; a Rollout without one has
@@ -69,7 +70,7 @@ import logging
 import math
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -216,6 +217,26 @@ def _due_to_go(w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[s
 
 
 _PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
+
+
+def _kept(owners: Mapping[str, str], leaders: Mapping[str, str], serving: Collection[str],
+          order: Order) -> dict[str, list[str]]:
+    """Per pool with no engine serving off a cordoned node, one of its engines there (a gang: one group) left routed
+    until the others' replacements serve elsewhere: out all at once, the pool would serve nothing meanwhile, for what
+    may be one faulty GPU among eight. One whose engines all answer their scrapes (the faulty GPU's may not), else
+    none; and none where the pool has a single engine or group there, whose replacement comes only once it goes."""
+    units: dict[str, dict[str, list[str]]] = {}
+    for pod, pool in sorted(owners.items()):
+        units.setdefault(pool, {}).setdefault(leaders.get(pod, pod), []).append(pod)
+    kept: dict[str, list[str]] = {}
+    for pool, groups in sorted(units.items()):
+        if pool in serving or len(groups) < 2:
+            continue
+        answering = [members for members in groups.values()
+                     if order.answering is None or all(m in order.answering for m in members)]
+        if answering:
+            kept[pool] = min(answering, key=lambda members: (sum(order.busy.get(m, 0.0) for m in members), members))
+    return kept
 
 
 def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) -> list[str]:
@@ -998,8 +1019,10 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        owners, unmoved, leaders = await self._engines_on(node, order.pool)
-        wait: dict[str, Any] = {"phase": "evicting", "pods": sorted(owners), "namespace": w.namespace, "then": "evict",
+        owners, unmoved, leaders, serving = await self._engines_on(node, order.pool)
+        kept = {} if self.dry_run else _kept(owners, leaders, serving, order)
+        moving = sorted(p for p in owners if not any(p in members for members in kept.values()))
+        wait: dict[str, Any] = {"phase": "evicting", "pods": moving, "namespace": w.namespace, "then": "evict",
                                 "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace,
                                 # Each engine's namespace as it is now: a fleet file changed before a take-over
                                 # resumes the wait must not move an engine to another namespace's pod of its name.
@@ -1008,6 +1031,8 @@ class KubernetesActuator:
             wait["unmoved"] = unmoved
         if leaders:
             wait["groups"] = leaders
+        if kept:
+            wait |= {"kept": kept, "kept_until": self.clock() + self.settings.cordon_hold}
         done: list[str] = []
         try:
             for pod in wait["pods"]:
@@ -1017,16 +1042,19 @@ class KubernetesActuator:
             raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, done)}") from None
         return {"wait": wait}
 
-    async def _engines_on(self, node: str, pool: str) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    async def _engines_on(self, node: str, pool: str
+                          ) -> tuple[dict[str, str], dict[str, str], dict[str, str], set[str]]:
         """The engines a cordon of `node` asked for by `pool` moves, each with its pool: every configured pool's, in any
         namespace (the faulty GPU may serve any of them; the loop's view of their load comes with the order), and a
         gang's whole group where one of its engines is there (its workload recreates the group). Also the pools whose
         engines stay there, with why: their workload cannot be read (`pool`'s own must be), or an engine of theirs
-        shares a name with another pool's in another namespace (a wait names engines as the loop's numbers do); and
-        each gang engine's group leader, the one pod evicted for the group."""
+        shares a name with another pool's in another namespace (a wait names engines as the loop's numbers do);
+        each gang engine's group leader, the one pod evicted for the group; and the pools with an engine elsewhere
+        that is ready and routed."""
         owners: dict[str, str] = {}
         unmoved: dict[str, str] = {}
         leaders: dict[str, str] = {}
+        serving: set[str] = set()
         for name, other in sorted(self.workloads.items(), key=lambda item: item[0] != pool):  # the asking pool first
             try:
                 pods = await self._pods_of(other, await self._read(other))
@@ -1055,7 +1083,10 @@ class KubernetesActuator:
                 unmoved[name] = f"{', '.join(clash)} share a name with pool {owners[clash[0]]}'s engines"
                 continue
             owners.update(dict.fromkeys(there, name))
-        return owners, unmoved, leaders
+            if any(meta["ready"] and self.settings.routing_label in (meta.get("labels") or {})
+                   for p, meta in pods.items() if p not in there):
+                serving.add(name)
+        return owners, unmoved, leaders, serving
 
     async def _back_in_each(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> str:
         """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool), and
@@ -1074,6 +1105,8 @@ class KubernetesActuator:
     async def resume(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
         if wait["then"] == "verify":
             return await self._verify_removed(order, wait, now)
+        if wait.get("kept"):
+            wait = await self._release_kept(order, wait, now)
         pods: list[str] = list(wait["pods"])
         idle = [p for p in pods if order.idle(p)]
         late = now >= float(wait["deadline"])
@@ -1098,13 +1131,17 @@ class KubernetesActuator:
             left = [p for key, head in zip(due, heads, strict=True) if head in refused for p in groups[key]] + busy
             # As for a drain, one more grace for the budget: engines busy until the grace's end are all evicted at
             # once, and a budget of one lets the first go and refuses the next until its replacement is ready.
-            if left and now < float(wait["deadline"]) + (self.settings.drain_grace if late else 0.0):
-                return {"wait": {**wait, "pods": left}}
+            gone = [*wait.get("evicted", []), *(p for p in pods if p not in left)]
+            if (left and now < float(wait["deadline"]) + (self.settings.drain_grace if late else 0.0)) or (
+                    wait.get("kept") and not left):
+                return {"wait": {**wait, "pods": left, **({"evicted": gone} if gone else {})}}
             if left:
                 raise ActuationError(f"node {wait['node']}: {', '.join(left)} could not be evicted within "
                                      f"{self.settings.drain_grace:g}s of the grace's end (a PodDisruptionBudget "
                                      f"refused); {await self._back_in_each(order, wait, left)}")
-            done = {"cordoned": wait["node"], "evicted": pods, "waited_for_idle": not late}
+            done = {"cordoned": wait["node"], "evicted": gone, "waited_for_idle": not late}
+            if wait.get("kept_back"):
+                done["kept_back"] = wait["kept_back"]
             return {**done, "unmoved": wait["unmoved"]} if wait.get("unmoved") else done
         if len(idle) < len(pods) and not late:
             return {"wait": wait}
@@ -1123,6 +1160,39 @@ class KubernetesActuator:
                                  "PodDisruptionBudget refused); "
                                  f"{await self._back_in(order, self.workloads[order.pool], {}, left)}")
         return detail
+
+    async def _release_kept(self, order: Order, wait: dict[str, Any], now: float) -> dict[str, Any]:
+        """Take out of routing, to be evicted, the engines a cordon kept serving for a pool, once another engine of
+        the pool is ready and routed off the node (or `cordon_hold` has passed: the node is faulty, and its
+        replacements may never come); those it evicted already are remembered, as the wait names only what is left."""
+        kept: dict[str, list[str]] = dict(wait["kept"])
+        due = now >= float(wait["kept_until"])
+        released: dict[str, str] = {}
+        for pool, members in sorted(kept.items()):
+            pods = None if due else await self._pods_now(order, pool)
+            if not due and (pods is None or not any(
+                    meta["ready"] and self.settings.routing_label in (meta.get("labels") or {})
+                    for p, meta in pods.items() if meta["node"] != wait["node"])):
+                continue
+            moved: list[str] = []
+            try:
+                for pod in members:
+                    moved.append(pod)  # before the write, as the cordon's first: one left unanswered may be stored
+                    await self._unroute(order, _namespace_of(self.workloads, order, wait, pod), pod)
+            except ActuationError as exc:
+                raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, [*wait['pods'], *moved])}"
+                                     ) from None
+            del kept[pool]
+            released |= dict.fromkeys(members, "replaced" if not due else "hold ended")
+        if not released:
+            return wait
+        out = {**wait, "pods": sorted({*wait["pods"], *released}), "kept": kept,
+               "kept_back": {**wait.get("kept_back", {}), **released},
+               # Their own grace to finish what they serve, from now.
+               "deadline": max(float(wait["deadline"]), now + self.settings.drain_grace)}
+        if not kept:
+            del out["kept"], out["kept_until"]
+        return out
 
     async def _evict_all(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str],
                          waiting: Sequence[str] = ()) -> list[str]:

@@ -1565,12 +1565,62 @@ async def test_a_cordon_evicts_no_new_pod_under_a_cordoned_ones_name(server: Api
     assert server.get(PODS, NS, "vllm-kv-1") is None and server.get(PODS, NS, "vllm-kv-2") is None
 
 
+async def test_a_pool_that_serves_only_from_the_cordoned_node_keeps_one_engine_routed_until_another_serves(
+        server: ApiServer, api: client.ApiClient) -> None:
+    """Eight engines on one node, one GPU faulty: taken out all at once, the pool would serve nothing until their
+    replacements had started elsewhere."""
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    clock = Clock()
+    act = actuator(api, clock)
+    # The faulty GPU's engine answers no scrape: it is not the one kept.
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-b": 2.0, "vllm-decode-c": 4.0},
+              answering={"vllm-decode-b", "vllm-decode-c"})
+    first = await act.carry_out(o)
+    assert first["wait"]["pods"] == ["vllm-decode-a", "vllm-decode-c"] and first["wait"]["kept"] == {
+        "decode": ["vllm-decode-b"]}
+    assert routed(server, "vllm-decode-b") and not routed(server, "vllm-decode-c")
+    held = await act.resume(o, first["wait"], clock.t + 61)  # the grace ended: the two go; b serves on
+    assert server.get(PODS, NS, "vllm-decode-a") is None and server.get(PODS, NS, "vllm-decode-c") is None
+    assert held["wait"]["pods"] == [] and routed(server, "vllm-decode-b")
+    replacement = pod("vllm-decode-d", node="gpu-node-2")
+    replacement["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    server.put(PODS, replacement)
+    held = await act.resume(o, held["wait"], clock.t + 90)
+    assert routed(server, "vllm-decode-b"), "a replacement starting serves nothing yet"
+    replacement["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    server.put(PODS, replacement)
+    draining = await act.resume(o, held["wait"], clock.t + 120)  # one serves elsewhere: b goes, with a grace
+    assert draining["wait"]["pods"] == ["vllm-decode-b"] and "kept" not in draining["wait"]
+    assert not routed(server, "vllm-decode-b") and server.get(PODS, NS, "vllm-decode-b") is not None
+    done = await act.resume(replace(o, busy={"vllm-decode-b": 0.0}), draining["wait"], clock.t + 125)
+    assert done["evicted"] == ["vllm-decode-a", "vllm-decode-c", "vllm-decode-b"]
+    assert done["kept_back"] == {"vllm-decode-b": "replaced"} and server.get(PODS, NS, "vllm-decode-b") is None
+    # Where no replacement serves within the hold (the cluster has no room), the kept one goes all the same.
+    for name in ("vllm-decode-x", "vllm-decode-y"):
+        server.put(PODS, pod(name, node="gpu-node-3"))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-3"}})
+    server.get(PODS, NS, "vllm-decode-d")["metadata"]["labels"].pop("llm-d.ai/routed")  # type: ignore[index]
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-3"), action_id=9)
+    first = await act.carry_out(o)
+    assert first["wait"]["kept"] == {"decode": ["vllm-decode-x"]}
+    still = await act.resume(o, first["wait"], clock.t + 899)
+    assert still["wait"]["kept"] and routed(server, "vllm-decode-x")
+    late = await act.resume(o, still["wait"], clock.t + 900)
+    assert "kept" not in late["wait"] and not routed(server, "vllm-decode-x")
+    assert late["wait"]["kept_back"] == {"vllm-decode-x": "hold ended"}
+    assert not server.invalid
+
+
 async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: ApiServer,
                                                                      api: client.ApiClient) -> None:
     server.put(DEPLOYMENTS, deployment())
     server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
     for name in ("vllm-decode-a", "vllm-decode-b"):
         server.put(PODS, pod(name, node="gpu-node-1"))
+    server.put(PODS, pod("vllm-decode-c", node="gpu-node-2"))  # the pool serves elsewhere too: both move at once
     clock = Clock()
     act = actuator(api, clock)
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0},
@@ -1774,6 +1824,8 @@ async def test_an_engine_whose_unroute_went_unanswered_is_routed_again(server: A
     server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
     for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
         server.put(PODS, pod(name))
+    if how == "cordon":  # the pool serves off the node too, so none of it stays routed there
+        server.put(PODS, pod("vllm-decode-d", node="gpu-node-2"))
     busy = {"vllm-decode-a": 5.0, "vllm-decode-b": 1.0, "vllm-decode-c": 9.0}
     o = {"scale-down": order(ActionKind.SCALE_POOL, ScaleTo(2), busy=busy),
          "drain": order(ActionKind.DRAIN_ENGINE, Drain("vllm-decode-b"), busy=busy),
