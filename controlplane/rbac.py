@@ -9,7 +9,8 @@ controllers'), their evictions and the HorizontalPodAutoscalers in the engines' 
 ReplicaSets listed where a Deployment or Rollout lives, the Events recorded beside what they are
 about, and creating the Lease (create cannot be limited by name). Cordoning patches nodes, which
 are cluster-scoped. A Rollout that follows a Deployment (`spec.workloadRef`) has that Deployment's
-template read and patched: name it in `follows`, since the fleet file does not.
+template read and patched: name it in `follows`, since the fleet file does not. Pod discovery
+lists pods in its own namespace, acting or not.
 """
 
 from __future__ import annotations
@@ -42,12 +43,19 @@ def _rule(group: str, resource: str, names: Sequence[str] = ()) -> dict[str, Any
 def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", service_account: str = "fleet-controlplane",
                    follows: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Roles, a ClusterRole and their bindings for the service account `namespace/service_account`; `follows` are
-    the Deployments (`namespace/name`) the pools' Rollouts follow. ValueError for a fleet file with nothing to act on."""
+    the Deployments (`namespace/name`) the pools' Rollouts follow. ValueError for a fleet file that calls no
+    Kubernetes API (no pool workload with `kubernetes` set, no `discovery`)."""
     k = config.kubernetes
-    pools = [p.workload for p in config.pools if p.workload is not None]
+    pools = [p.workload for p in config.pools if p.workload is not None] if k is not None else []
+    if not pools and config.discovery is None:
+        raise ValueError("the fleet file names no pool workload (pools[].workload with kubernetes set) and no "
+                         "discovery: the control plane calls no Kubernetes API, and needs no RBAC")
+    subject = {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
+    # Discovery only lists pods, in its namespace (an engine namespace's pod rule covers it there).
+    listing = {config.discovery.namespace} if config.discovery is not None else set()
     if k is None or not pools:
-        raise ValueError("the fleet file names no pool workload (pools[].workload with kubernetes set): the control "
-                         "plane changes nothing, and needs no RBAC")
+        return [doc for ns in sorted(listing) for doc in _bound(
+            "Role", service_account, [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}], subject, ns)]
     named: dict[str, dict[tuple[str, str], set[str]]] = {}  # namespace -> (group, resource) -> names
     events: set[str] = {"default"}  # a cordoned node's Events go to `default`
     revisions: set[str] = set()
@@ -83,12 +91,13 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
     if (lease := k.leader_election) is not None:
         grant(lease.namespace, "coordination.k8s.io", "leases", lease.name)
 
-    subject = {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
     engines = {w.namespace for w in pools}
     docs: list[dict[str, Any]] = []
-    for ns in sorted(named.keys() | engines | events):
+    for ns in sorted(named.keys() | engines | events | listing):
         rules = [_rule(group, resource, sorted(names)) for (group, resource), names in sorted(named.get(ns, {}).items())]
         rules += [_rule(group, resource) for group, resource in _UNNAMED if ns in engines]
+        if ns in listing - engines:
+            rules.append({"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]})
         rules += [_rule(group, resource) for (group, resource), wanted in (
             (("apps", "replicasets"), ns in revisions), (("events.k8s.io", "events"), ns in events)) if wanted]
         if lease is not None and ns == lease.namespace:

@@ -171,3 +171,19 @@ def test_the_command_writes_the_manifests_and_names_a_fleet_file_without_workloa
     assert out.exit_code != 0 and "names no pool workload" in out.output
     out = CliRunner().invoke(cli, ["rbac", "export", "--config", str(fleet), "--follows", "vllm-canary-template"])
     assert out.exit_code != 0 and "NAMESPACE/NAME" in out.output
+
+
+def test_pod_discovery_may_list_pods_in_its_namespace_acting_or_not() -> None:
+    """It lists pods every tick; a 403 there fails every tick."""
+    acting = parse_config(FLEET.replace("targets:\n  - {url: \"http://10.0.0.1:8000/metrics\", pool: decode, pod: "
+                                        "vllm-decode-a}\n", "discovery: {namespace: engines, selector: app=vllm}\n"))
+    docs = rbac_manifests(acting, follows=["llm/vllm-canary-template"])
+    assert allows(docs, "", "pods", "list", "engines", None)
+    assert not allows(docs, "", "pods", "patch", "engines", None), "only listed there: no engine of a pool lives there"
+    observing = parse_config("mode: observe\ndiscovery: {namespace: engines, selector: app=vllm}\n"
+                             "pools:\n  - {name: decode, role: decode, model: m, replicas: {min: 1, max: 8}}\n")
+    docs = rbac_manifests(observing)
+    assert [d["kind"] for d in docs] == ["Role", "RoleBinding"] and docs[0]["metadata"]["namespace"] == "engines"
+    assert allows(docs, "", "pods", "list", "engines", None) and not allows(docs, "", "pods", "list", "llm", None)
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
