@@ -230,6 +230,7 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
         await leader.contend()
         while not stop.is_set():
             if not leader.leading():
+                loop.telemetry.leader.set(0)  # however it stopped leading (a failed take-over included)
                 await _sleep_or_stop(stop, leader.retry_period)
                 continue
             loop.telemetry.leader.set(1)

@@ -46,9 +46,11 @@ MAX_POOL, MAX_SELECTOR = 128, MAX_NAME
 
 
 def _health(loop: ControlLoop) -> tuple[bool, dict[str, Any]]:
-    """(ready, report): ready once a tick completed within three scrape intervals; a follower is ready on standby."""
+    """(ready, report): ready once a tick completed within three scrape intervals; a follower is ready on standby (it
+    serves the API), which says nothing of whether any replica leads."""
     if not loop.leading():
-        return True, {"status": "standby", "reason": "another replica leads"}
+        return True, {"status": "standby", "reason": "this replica does not lead: whether another does and ticks, "
+                                                     "its /readyz or the store's newest signals tell"}
     last = loop.last_tick_at
     interval = loop.config.scrape.interval
     if last is None:

@@ -33,9 +33,12 @@ cols[0].metric("Open incidents", sum(counts.values()),
                help=", ".join(f"{counts.get(s, 0)} {s}" for s in SEVERITIES))
 if status.get("ok"):
     cols[1].metric("Mode", status["mode"], help=f"Reported by the control plane at {c.api_url()}")
-    ready = status.get("ready")
-    cols[2].metric("Control plane", "ready" if ready else status.get("status", "?"),
-                   help=status.get("reason") or f"last tick {status.get('last_tick_age_s', '-')} s ago")
+    # A follower is ready on standby; the Service may lead here to one exactly when the leader stalls, so its word
+    # is shown, with the newest signal the leader stored, not "ready".
+    newest = "none" if w.latest is None else f"{c.ago(max(0.0, time.time() - w.latest))} ago"
+    cols[2].metric("Control plane", str(status.get("status", "?")),
+                   help=(f"{status.get('reason')}; newest signal in the store: {newest}" if status.get("reason")
+                         else f"last tick {status.get('last_tick_age_s', '-')} s ago"))
 else:
     mode = str(cfg.mode) if cfg else next((a["mode"] for a in data["actions"]), "unknown")
     cols[1].metric("Mode", mode, help="From the fleet file (FLEETCTL_CONFIG)" if cfg else

@@ -360,6 +360,49 @@ pools: [{{name: prefill, role: prefill, model: m, replicas: {{min: 1, max: 8}}}}
         await asyncio.wait_for(serving, 10)
 
 
+async def test_a_replica_whose_take_over_failed_and_that_lost_the_lease_reports_it_does_not_lead() -> None:
+    """Else two replicas report 1 (the split-brain alert fires) and, the real leader gone, none reports 0."""
+    from controlplane.config import parse_config
+    from controlplane.lab.engine import free_port
+    from controlplane.runtime import Acting, _serve
+
+    class Lapsing:
+        identity, retry_period, term = "a", 0.1, 1
+        lead = True
+
+        def leading(self) -> bool:
+            return self.lead
+
+        async def contend(self) -> bool:
+            return self.lead
+
+        async def release(self) -> None:
+            return None
+
+    lease = Lapsing()
+
+    class Hangs(MemoryStore):
+        async def load_signals(self, *args: Any, **kwargs: Any) -> Any:
+            lease.lead = False  # lost while the take-over's read hung, which then failed
+            raise StoreUnavailable("connection reset")
+
+    port = free_port()
+    config = parse_config(f"""
+mode: act
+scrape: {{interval: 1s, timeout: 500ms, spread: 100ms}}
+server: {{port: {port}}}
+pools: [{{name: prefill, role: prefill, model: m, replicas: {{min: 1, max: 8}}}}]
+""")
+    stop = asyncio.Event()
+    async with httpx.AsyncClient() as client:
+        serving = asyncio.create_task(_serve(config, Hangs(), client, None, Acting(leadership=lease), stop, False, None))
+        await asyncio.sleep(1.5)
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+    assert "fleet_controlplane_leader 0.0" in text
+
+
 async def test_prometheus_api_mode_feeds_the_same_loop(sqlite_store: SqlStore, client: httpx.AsyncClient) -> None:
     """With `prometheus` in the fleet file the loop reads the API; its failures are failed ticks."""
     from collectors.prometheus_api import PrometheusSource, PrometheusUnavailable

@@ -213,6 +213,7 @@ class FakeApi:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.answer: tuple[int, dict[str, Any]] = (200, {})
+        self.status: dict[str, Any] = {"mode": "propose", "ready": True, "status": "ready", "last_tick_age_s": 3.0}
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -225,7 +226,7 @@ class FakeApi:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self._reply(200, {"mode": "propose", "ready": True, "status": "ready", "last_tick_age_s": 3.0})
+                self._reply(200, api.status)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -271,6 +272,16 @@ def test_mode_and_health_come_from_the_api(monkeypatch: pytest.MonkeyPatch, demo
     at = render(monkeypatch, f"sqlite:///{demo_db}", env={"FLEETCTL_API_URL": fake_api.url})
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Mode"] == "propose" and metrics["Control plane"] == "ready"
+
+
+def test_a_replica_on_standby_is_not_shown_as_a_ready_control_plane(monkeypatch: pytest.MonkeyPatch, demo_db: Path,
+                                                                    fake_api: FakeApi) -> None:
+    """A follower is ready on standby, and a Service reaches one exactly when the leader stalls."""
+    fake_api.status = {"mode": "propose", "ready": True, "leading": False, "status": "standby",
+                       "reason": "this replica does not lead"}
+    at = render(monkeypatch, f"sqlite:///{demo_db}", env={"FLEETCTL_API_URL": fake_api.url})
+    [shown] = [m for m in at.metric if m.label == "Control plane"]
+    assert shown.value == "standby" and "newest signal in the store" in shown.help
 
 
 def test_without_a_token_the_actions_page_shows_the_command(monkeypatch: pytest.MonkeyPatch,
