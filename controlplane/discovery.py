@@ -7,7 +7,8 @@ Least privilege: it only needs `list` on `pods` in the one namespace it is given
 and RoleBinding, not a ClusterRole); no `get`, `watch` or write verbs.
 
 On API failure the last good target list is served, stale and with a warning, for up to
-`max_stale_failures` consecutive failures, so one API hiccup does not drop every target; after that,
+`max_stale_failures` consecutive failures, so one API hiccup does not drop every target (and `stale`
+says so: the scrape source marks every pool's inputs unfit to act on meanwhile); after that,
 and when no list ever succeeded, `targets()` raises DiscoveryError: the loop's tick fails (logged
 and counted in `tick_failures`) until the API answers again.
 """

@@ -110,12 +110,18 @@ class ScrapeSource:
         self.deriver = SignalDeriver(objectives)
 
     async def observe(self, now: float) -> Observation:
-        results = await self.scraper.scrape(list(await self.targets.targets()), now)
+        listed = list(await self.targets.targets())
+        results = await self.scraper.scrape(listed, now)
         out = self.deriver.derive(results, now)
         errors = {r.target.key: r.error or "scrape failed" for r in results if not r.ok and not r.skipped}
         errors.update(_counted(out.parse_errors, "malformed line(s)"))
+        # Pod discovery serves its last good list while the API fails (`KubernetesPodTargets.stale`): an engine that
+        # came or went since is not in the pools' sums, so nothing is acted on from them until the list is fresh.
+        stale = "the pod list is the last one read: the Kubernetes API fails" if getattr(
+            self.targets, "stale", False) else None
         return Observation(out.signals, results, dict(self.scraper.health), errors, out.parse_errors,
-                           out.missing_families)
+                           out.missing_families,
+                           unfit_everywhere=dict.fromkeys({t.source for t in listed}, stale) if stale else {})
 
 
 class PrometheusApiSource:

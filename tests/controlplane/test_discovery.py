@@ -21,9 +21,10 @@ import pytest
 from kubernetes import client
 
 from catalog.fleet import Role
-from collectors.types import Target
+from collectors.types import ScrapeResult, Target
 from controlplane.discovery import DiscoveryError, KubernetesPodTargets, SkippedPod, targets_from_pods
 from controlplane.errors import FleetError
+from controlplane.observe import ScrapeSource
 from controlplane.selectors import LabelSelector, Requirement
 
 NS = "llm"
@@ -392,6 +393,42 @@ async def test_failures_serve_the_last_list_then_raise(api: client.CoreV1Api, cl
     await cluster.run("prefill-1", "10.1.0.2", labels={POOL: "prefill"})
     assert [t.pod for t in await discovery.targets()] == ["prefill-0", "prefill-1"]
     assert not discovery.stale and discovery.consecutive_failures == 0
+
+
+# An engine's exposition with every family the pools' sums need.
+ENGINE = "".join(
+    [f"# TYPE vllm:{name} {kind}\nvllm:{name}{{engine=\"0\"}} {value}\n" for name, kind, value in (
+        ("request_success_total", "counter", 10), ("prefix_cache_queries_total", "counter", 100),
+        ("prefix_cache_hits_total", "counter", 50), ("kv_cache_usage_perc", "gauge", 0.5),
+        ("num_requests_running", "gauge", 3), ("num_requests_waiting", "gauge", 0))]
+    + [f"# TYPE vllm:{name} histogram\nvllm:{name}_bucket{{engine=\"0\",le=\"0.1\"}} 5\n"
+       f"vllm:{name}_bucket{{engine=\"0\",le=\"+Inf\"}} 10\nvllm:{name}_sum{{engine=\"0\"}} 1.0\n"
+       f"vllm:{name}_count{{engine=\"0\"}} 10\n" for name in ("time_to_first_token_seconds", "inter_token_latency_seconds")])
+
+
+class AllAnswer:
+    """Every target answers its scrape: what is judged is the list, not the engines."""
+
+    def __init__(self) -> None:
+        self.health: dict[str, Any] = {}
+
+    async def scrape(self, targets: list[Target], now: float) -> list[ScrapeResult]:
+        return [ScrapeResult(t, now, ok=True, body=ENGINE) for t in targets]
+
+
+async def test_a_stale_pod_list_leaves_no_pool_fit_to_act_on(api: client.CoreV1Api, cluster: Cluster) -> None:
+    """An engine that became ready while the API failed is in no pool's sums: nothing acts on them meanwhile."""
+    discovery = source(api)
+    observe = ScrapeSource(discovery, AllAnswer())  # type: ignore[arg-type]
+    await cluster.run("prefill-0", "10.1.0.1", labels={POOL: "prefill"})
+    fresh = await observe.observe(0.0)
+    assert "vllm" not in fresh.unfit_inputs(["prefill", "decode"]).get("prefill", {})
+    cluster.fail_next(1, 503, status_body(503, "the server is currently unable to handle the request"))
+    stale = (await observe.observe(15.0)).unfit_inputs(["prefill", "decode"])
+    assert discovery.stale and "the pod list is the last one read" in stale["prefill"]["vllm"]
+    assert "vllm" in stale["decode"], "a pool whose every engine came since is no fitter"
+    again = await observe.observe(30.0)
+    assert not discovery.stale and "vllm" not in again.unfit_inputs(["prefill"]).get("prefill", {})
 
 
 async def test_forbidden_without_a_previous_list_raises_at_once(api: client.CoreV1Api, cluster: Cluster) -> None:
