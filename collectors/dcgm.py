@@ -183,6 +183,7 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
         if reading is None:
             reading = readings[entity] = Reading(attrs=attrs.get(entity, {}))
         reading.families.add(s.name)
+        reading.partial = True  # its value is not known, so its key is not known to be new when it comes
     return readings
 
 

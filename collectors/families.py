@@ -77,6 +77,9 @@ class Reading:
     # Counter and histogram keys this entity's earlier readings had (`advance` keeps it): a key outside it is new, its
     # series created since (lazily, at their first event: a first XID, a first error code) and counted from zero.
     known: set[str] = field(default_factory=set)
+    # Whether this reading may lack series its entity has (a line of its scrape dropped as malformed, a value that is
+    # no number): a key missing from it is not known to be new, so the next reading does not count it from zero.
+    partial: bool = False
 
 
 @dataclass(slots=True)
@@ -307,8 +310,9 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
 
     def new(key: str, table: Mapping[str, object]) -> bool:
         # Neither in the last reading (carried series included) nor in any before it. One that was, and has been
-        # missing past the carry's horizon, is not new: counted from zero it would add its whole history at once.
-        return key not in table and key not in prev.known
+        # missing past the carry's horizon, is not new: counted from zero it would add its whole history at once. Nor
+        # is one the last reading may have lacked only for being unreadable: its first diff is the next one.
+        return key not in table and key not in prev.known and not prev.partial
 
     for key, value in cur.counters.items():
         before, now = prev.counter_series.get(key), cur.counter_series.get(key)

@@ -69,6 +69,8 @@ class SignalDeriver:
                 out.missing_families[t.key] = missing
             pod_deltas: list[families.Delta] = []
             for entity, reading in readings.items():
+                if errors or reading.not_numbers:
+                    reading.partial = True
                 slot = (t.key, entity)
                 seen.add(slot)
                 prev = self._prev.get(slot)

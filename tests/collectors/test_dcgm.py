@@ -396,6 +396,19 @@ def test_the_first_xid_on_a_gpu_counts_though_its_family_is_new() -> None:
     assert signal_map(util, util + _xid_total({"79": 1}))["gpu_xid_errors"] == 1.0
 
 
+def test_a_counter_blank_in_a_gpus_first_scrape_is_not_counted_from_zero_when_it_reads() -> None:
+    """dcgm-exporter prints a sentinel before a field is first sampled: the energy since the driver loaded (ten days
+    at a kilowatt) is not one interval's."""
+    util = line("DCGM_FI_DEV_GPU_UTIL", 50)
+    blank = read(util + line("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 9223372036854775792))["node-a/0"]
+    first = read(util + line("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 864_000_000_000))["node-a/0"]
+    d = families.advance(blank, first, 15.0)
+    assert d is not None and not d.increases
+    later = read(util + line("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 864_000_015_000))["node-a/0"]
+    d = families.advance(first, later, 15.0)
+    assert d is not None and list(d.increases.values()) == [15_000]
+
+
 def test_a_family_missing_past_the_carry_is_not_counted_from_zero_when_it_is_back() -> None:
     util = line("DCGM_FI_DEV_GPU_UTIL", 50)
     first = read(util + _xid_total({"13": 40}))["node-a/0"]

@@ -122,6 +122,19 @@ def test_deriver_records_malformed_lines_and_keeps_the_rest() -> None:
     assert any(s.name == "prefix_cache_hit_rate" for s in out.signals)
 
 
+@pytest.mark.parametrize("unreadable", ["1.0e9x", "NaN"])
+def test_a_counter_unreadable_in_an_engines_first_scrape_is_not_counted_from_zero_in_its_next(unreadable: str) -> None:
+    """It was there with its whole history, not created since: 1,000,015,000 prompt tokens are not one interval's."""
+    d = SignalDeriver()
+    d.derive([_result(finished(100) + f'vllm:prompt_tokens_total{{engine="0",{MODEL}}} {unreadable}\n', 0.0)], 0.0)
+    out = d.derive([_result(finished(100) + f'vllm:prompt_tokens_total{{engine="0",{MODEL}}} 1000015000\n', 15.0)],
+                   15.0)
+    assert not any(s.name == "prompt_tokens_rate" for s in out.signals)
+    out = d.derive([_result(finished(100) + f'vllm:prompt_tokens_total{{engine="0",{MODEL}}} 1000030000\n', 30.0)],
+                   30.0)
+    assert {(s.subject, s.name): s.value for s in out.signals}[("pool/prefill", "prompt_tokens_rate")] == 1000.0
+
+
 def finished(n: float) -> str:
     """An engine's exposition of `n` requests finished, and nothing else."""
     return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
