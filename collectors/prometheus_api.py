@@ -257,7 +257,10 @@ class _Window:
         """Per-series per-second rate of a counter selector over the window."""
         if self.mode is CounterMode.RATE:
             return f"rate({series}[{self.duration}])"
-        return f"({self.increase(series)} / {self.seconds!r})"
+        # Over the time between the two samples read, as the scraper divides: after a gap in Prometheus' samples
+        # (its own restart), the one `offset` finds is older than the window, and the increase spans the gap.
+        elapsed = f"(timestamp({series}) - timestamp({series} offset {self.duration}))"
+        return f"({self.increase(series)} / ({elapsed} > 0))"
 
 
 def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window,

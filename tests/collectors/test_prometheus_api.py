@@ -221,8 +221,10 @@ def test_delta_mode_is_a_two_point_difference_with_resets() -> None:
     w = Window(CounterMode.DELTA, 2.5)
     x = 'vllm:prompt_tokens_total{job="vllm"}'
     d = f"({x} - {x} offset 2500ms)"
+    # Divided by the time between the two samples read, which after a gap in Prometheus' samples is not the window.
+    elapsed = f"(timestamp({x}) - timestamp({x} offset 2500ms))"
     assert build_query(SPECS["prompt_tokens_rate"], SEL, ("pool",), w) == (
-        f"sum by (pool) (((({d} >= 0) or ({x} and ({d} < 0))) / 2.5))"
+        f"sum by (pool) (((({d} >= 0) or ({x} and ({d} < 0))) / ({elapsed} > 0)))"
     )
     quantile = build_query(SPECS["ttft_p50"], SEL, (), w)
     assert quantile.startswith("histogram_quantile(0.5, sum by (le) ((((vllm:time_to_first_token_seconds_bucket{")

@@ -10,8 +10,12 @@ extrapolating `rate` mode is reported, not asserted (on a 2-second staircase it 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import time
 from collections import defaultdict
+from pathlib import Path
 
+import httpx
 import pytest
 
 from catalog.fleet import Role
@@ -26,6 +30,8 @@ from collectors.prometheus_api import (
     selector,
 )
 from collectors.types import Signal
+from controlplane.lab.engine import free_port
+from tests.real.prometheus import prometheus_binary
 from tests.real.scenario import OBJECTIVES, TOLERANCE, Run, rel_diff
 
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
@@ -154,3 +160,37 @@ def test_escaped_values_parse_in_real_promql_and_errors_translate(prometheus_run
         assert caught.value.status == 400 and "parse error" in str(caught.value)
     finally:
         source.close()
+
+
+def test_delta_mode_divides_by_the_time_between_the_samples_it_read(tmp_path: Path) -> None:
+    """Prometheus down for two minutes (its own restart writes no staleness markers): a minute after, `x offset 60s`
+    falls back to the sample before the gap, and the increase since spans the gap, not the window."""
+    base = (int(time.time()) // 7200 - 2) * 7200  # two hours back, on a block boundary
+    labels = 'engine="0",instance="10.0.0.1:8000",job="vllm",model_name="m",pod="pod-a",pool="p"'
+    times = [base + 15 * i for i in range(41) if not 300 < 15 * i < 420]
+    lines = [f'vllm:request_success_total{{{labels},finished_reason="stop"}} {10.0 * (t - base)} {t}' for t in times]
+    lines += [f"vllm:num_requests_running{{{labels}}} 5 {t}" for t in times]
+    (tmp_path / "data.om").write_text("\n".join(lines) + "\n# EOF\n")
+    subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(tmp_path / "data.om"),
+                    str(tmp_path / "tsdb")], check=True, capture_output=True, timeout=60)
+    (tmp_path / "prometheus.yml").write_text("global: {}\n")
+    port = free_port()
+    proc = subprocess.Popen([prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+                             "--log.level=error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    source = PrometheusSource(f"http://127.0.0.1:{port}", mode=CounterMode.DELTA, selector={"job": "vllm"}, timeout=5.0)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/-/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        out = source.signals(base + 435.0, 60.0)  # two scrapes after the gap
+        rates = {(s.subject, s.name): s.value for s in out.signals}
+        assert rates[("pool/p", "request_rate")] == pytest.approx(10.0), "a steady 10 requests a second"
+    finally:
+        source.close()
+        proc.terminate()
+        proc.wait(10)
