@@ -74,6 +74,9 @@ class Reading:
     # are than this reading, by (table, key, labels).
     carried: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
     not_numbers: set[str] = field(default_factory=set)  # families with a value that was NaN or infinite: no reading
+    # Histogram families whose buckets lack `+Inf` (its line dropped, or never written): no reading, since what fell
+    # above the highest bound would vanish from a merge and every quantile read low.
+    unbounded: set[str] = field(default_factory=set)
     # Counter and histogram keys this entity's earlier readings had (`advance` keeps it): a key outside it is new, its
     # series created since (lazily, at their first event: a first XID, a first error code) and counted from zero.
     known: set[str] = field(default_factory=set)
@@ -129,9 +132,10 @@ def merge_rates(deltas: list[Delta]) -> Delta:
 
 
 class _HistogramBuilder:
-    __slots__ = ("buckets", "count", "sum")
+    __slots__ = ("buckets", "count", "family", "sum")
 
-    def __init__(self) -> None:
+    def __init__(self, family: str) -> None:
+        self.family = family
         self.buckets: dict[float, float] = {}
         self.sum: float | None = None
         self.count: float | None = None
@@ -142,7 +146,7 @@ class _HistogramBuilder:
         # its `_sum` it is no reading either: read as 0, the sum's increase would be minus its whole history, then
         # all of it at once (a mean of -50 s, then of 51 s).
         count = self.count if self.count is not None else self.buckets.get(math.inf)
-        if count is None or self.sum is None:
+        if count is None or self.sum is None or math.inf not in self.buckets:
             return None
         return Histogram(tuple(sorted(self.buckets.items())), self.sum, count)
 
@@ -201,7 +205,7 @@ def read(
             one = frozenset((k, v) for k, v in s.labels.items() if k != "le")
             b = hists[(entity, key, rank)].get(one)
             if b is None:
-                b = hists[(entity, key, rank)][one] = _HistogramBuilder()
+                b = hists[(entity, key, rank)][one] = _HistogramBuilder(family)
             if suffix == "_bucket":
                 le = s.labels.get("le")
                 if le is None:
@@ -225,6 +229,7 @@ def read(
         if best[(entity, key)] != rank:
             continue
         built = {labels: h for labels, b in builders.items() if b.buckets and (h := b.build()) is not None}
+        entities[entity].unbounded |= {b.family for b in builders.values() if b.buckets and math.inf not in b.buckets}
         if built:
             whole = next(iter(built.values())) if len(built) == 1 else sum(built.values(), EMPTY_HISTOGRAM)
             entities[entity].histograms[key] = whole
@@ -255,16 +260,18 @@ def _spellings(fmap: FamilyMap, fam: str) -> tuple[str, ...]:
 
 
 def unnumbered_families(readings: Mapping[str, Reading], fmap: FamilyMap) -> list[str]:
-    """Expected families (any spelling) of which some entity of a target exposed a value that is no number, each with
-    the entities: that value is missing from the sums as much as an absent family's."""
-    if not any(r.not_numbers for r in readings.values()):
+    """Expected families (any spelling) of which some entity of a target exposed a value that is no number, or a
+    histogram without its `+Inf` bucket, each with why and the entities: that reading is missing from the sums as much
+    as an absent family's."""
+    if not any(r.not_numbers or r.unbounded for r in readings.values()):
         return []  # every scrape of every target comes here: nothing to look up where all values are numbers
     expected = {name for fam in fmap.expected for name in _spellings(fmap, fam)}
-    bad: dict[str, list[str]] = {}
+    bad: dict[tuple[str, str], list[str]] = {}
     for entity, r in sorted(readings.items()):
-        for fam in sorted(r.not_numbers & expected):
-            bad.setdefault(fam, []).append(entity)
-    return [f"{fam} (a value that is no number: {', '.join(entities)})" for fam, entities in bad.items()]
+        for why, families in (("a value that is no number", r.not_numbers), ("no +Inf bucket", r.unbounded)):
+            for fam in sorted(families & expected):
+                bad.setdefault((fam, why), []).append(entity)
+    return [f"{fam} ({why}: {', '.join(entities)})" for (fam, why), entities in bad.items()]
 
 
 def advance(prev: Reading, cur: Reading, seconds: float) -> Delta | None:

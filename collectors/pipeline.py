@@ -69,7 +69,7 @@ class SignalDeriver:
                 out.missing_families[t.key] = missing
             pod_deltas: list[families.Delta] = []
             for entity, reading in readings.items():
-                if errors or reading.not_numbers:
+                if errors or reading.not_numbers or reading.unbounded:
                     reading.partial = True
                 slot = (t.key, entity)
                 seen.add(slot)

@@ -135,6 +135,19 @@ def test_a_counter_unreadable_in_an_engines_first_scrape_is_not_counted_from_zer
     assert {(s.subject, s.name): s.value for s in out.signals}[("pool/prefill", "prompt_tokens_rate")] == 1000.0
 
 
+def test_a_histogram_without_its_inf_bucket_is_no_reading_and_is_reported() -> None:
+    """Its requests above the highest bound would vanish from the pool's merge, and every quantile read low."""
+    def ttft(slow: int) -> str:
+        series = f'vllm:time_to_first_token_seconds_bucket{{engine="0",{MODEL},le="0.1"}} 50\n'
+        return finished(100) + series + (f'vllm:time_to_first_token_seconds_sum{{engine="0",{MODEL}}} {50 + slow}\n'
+                                          f'vllm:time_to_first_token_seconds_count{{engine="0",{MODEL}}} {50 + slow}\n')
+    d = SignalDeriver()
+    d.derive([_result(ttft(0), 0.0)], 0.0)
+    out = d.derive([_result(ttft(50), 15.0)], 15.0)
+    assert "vllm:time_to_first_token_seconds (no +Inf bucket: 0)" in out.missing_families["prefill/p0/vllm"]
+    assert not any(s.name.startswith("ttft") for s in out.signals)
+
+
 def finished(n: float) -> str:
     """An engine's exposition of `n` requests finished, and nothing else."""
     return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'
