@@ -14,7 +14,9 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["SIGNALS", "Producer", "SignalSpec", "Subject", "lookup", "subject_kind"]
+__all__ = ["SIGNALS", "STALE_S", "Producer", "SignalSpec", "Subject", "lookup", "subject_kind"]
+
+STALE_S = 300.0  # a series not read for longer is gone, and one that comes back is new (Prometheus' lookback)
 
 
 class Subject(StrEnum):

@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from catalog.signals import STALE_S
 from collectors.derive import EMPTY_HISTOGRAM, Histogram, counter_increase, histogram_increase
 from collectors.types import Objectives, Sample, Signal
 
 __all__ = ["STALE_S", "Delta", "FamilyMap", "FamilySource", "Reading", "SignalList", "advance", "delta", "merge_all",
            "merge_rates", "missing_families", "read", "unnumbered_families"]
 
-STALE_S = 300.0  # a series not read for longer is gone, and one that comes back is new (Prometheus' lookback)
 
 EntityOf = Callable[[Mapping[str, str]], str | None]
 

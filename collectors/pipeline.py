@@ -75,7 +75,9 @@ class SignalDeriver:
                 seen.add(slot)
                 prev = self._prev.get(slot)
                 self._prev[slot] = (res.ts, reading)
-                if prev is None:
+                # A reading older than a series lives (a target down that long) is a baseline no more: an engine that
+                # restarted meanwhile would have its counts since spread over the whole outage.
+                if prev is None or res.ts - prev[0] > families.STALE_S:
                     continue
                 d = families.advance(prev[1], reading, res.ts - prev[0])
                 if d is None:

@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from catalog.fleet import Role, Source
 from catalog.redaction import without_credentials
 from catalog.settings import NonNegativeSeconds, Seconds, Settings
+from catalog.signals import STALE_S
 from controlplane.errors import ConfigError
 from controlplane.selectors import LabelSelector
 from policies.advice import AdviceSettings
@@ -321,6 +322,9 @@ class Scrape(Settings):
 
     @model_validator(mode="after")
     def _timeout_fits(self) -> Scrape:
+        if self.interval >= STALE_S:
+            raise ValueError(f"interval ({self.interval:g}s) must be shorter than {STALE_S:g}s: a series not read "
+                             "for that long is gone (Prometheus' lookback), so no rate could be read")
         if self.timeout >= self.interval:
             raise ValueError(f"timeout ({self.timeout:g}s) must be shorter than interval ({self.interval:g}s)")
         if self.spread + self.timeout >= self.interval:

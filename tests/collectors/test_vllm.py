@@ -148,6 +148,19 @@ def test_a_histogram_without_its_inf_bucket_is_no_reading_and_is_reported() -> N
     assert not any(s.name.startswith("ttft") for s in out.signals)
 
 
+def test_after_an_outage_longer_than_a_series_lives_the_first_good_scrape_is_a_new_baseline() -> None:
+    """The engine crash-looped for an hour and came back serving: its counts since the restart are not the hour's."""
+    target = Target("http://a", "p", "a")
+    d = SignalDeriver()
+    d.derive([ScrapeResult(target, 0.0, ok=True, body=finished(50_000))], 0.0)
+    for i in range(1, 240):
+        d.derive([ScrapeResult(target, 15.0 * i, ok=False, error="connection refused")], 15.0 * i)
+    back = d.derive([ScrapeResult(target, 3600.0, ok=True, body=finished(1500))], 3600.0)
+    assert not any(s.name == "request_rate" for s in back.signals)
+    later = d.derive([ScrapeResult(target, 3615.0, ok=True, body=finished(3000))], 3615.0)
+    assert {(s.subject, s.name): s.value for s in later.signals}[("pool/p", "request_rate")] == 100.0
+
+
 def finished(n: float) -> str:
     """An engine's exposition of `n` requests finished, and nothing else."""
     return f'vllm:request_success_total{{engine="0",finished_reason="stop",{MODEL}}} {n}\n'

@@ -78,6 +78,8 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
         pytest.param(("mode: propose", "mode: propose\nextra_key: 1"), "extra_key", id="unknown-key"),
         pytest.param(("mode: propose", "mode: propose\nrails: {settle_timeout: 4h}"),
                      "settle_timeout (14400s) must be shorter than the history the loop keeps", id="stall-beyond-history"),
+        pytest.param(("mode: propose", "mode: propose\nscrape: {interval: 5m}"),
+                     "interval (300s) must be shorter than 300s: a series not read", id="scrape-past-a-series-life"),
         pytest.param(("mode: propose", "mode: propose\npolicies: {canary_regression: {gate: {max_window: 4h}}}"),
                      "gate.max_window", id="canary-window-beyond-history"),
         pytest.param(("mode: propose", "mode: propose\nautoscaling: {scale_down_after: 4h}"),
