@@ -152,14 +152,16 @@ class Labels:
     pod: str = "pod"
     engine: str = "engine"
     instance: str = "instance"
+    job: str = "job"
 
     def __post_init__(self) -> None:
-        for name in (self.pool, self.pod, self.engine, self.instance):
+        for name in (self.pool, self.pod, self.engine, self.instance, self.job):
             _label_name(name)
 
     def engine_grouping(self) -> tuple[str, ...]:
-        """Labels that tell engines apart, without duplicates."""
-        return tuple(dict.fromkeys((self.pool, self.pod, self.instance, self.engine)))
+        """Labels that tell engines apart, without duplicates; and the job, so that an engine two jobs scrape (a
+        ServiceMonitor and a PodMonitor) reads as two series, not one at twice its rate."""
+        return tuple(dict.fromkeys((self.pool, self.pod, self.instance, self.engine, self.job)))
 
     def target_grouping(self) -> str:
         """The labels that name a scrape target and its pool, for a `group by`."""
@@ -634,9 +636,10 @@ class PrometheusSource:
                 out.unattributed.append(note)
             return None
         subject = engine_subject(pool, pod, engine)
-        owner = seen.setdefault(subject, instance)
-        if owner != instance:
-            note = f"{subject}: served by both {owner} and {instance}; kept {owner}"
+        where = "/".join(part for part in (instance, labels.get(lb.job)) if part)  # an instance, as a job scrapes it
+        owner = seen.setdefault(subject, where)
+        if owner != where:
+            note = f"{subject}: served by both {owner} and {where}; kept {owner}"
             if note not in out.unattributed:
                 out.unattributed.append(note)
                 # The pool's own aggregates sum every series under the selector: that engine's, twice.

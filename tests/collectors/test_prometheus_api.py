@@ -163,7 +163,7 @@ def test_configured_label_names_are_validated() -> None:
         selector([("job", "==", "x")])
     with pytest.raises(ValueError, match="label name"):
         PrometheusSource(URL, client=FakeClient(lambda q: []), selector={"bad label": "x"})
-    assert Labels(pod="instance").engine_grouping() == ("pool", "instance", "engine")
+    assert Labels(pod="instance").engine_grouping() == ("pool", "instance", "engine", "job")
 
 
 def test_shorten_keeps_short_queries_and_notes_the_length_of_long_ones() -> None:
@@ -328,6 +328,21 @@ def test_an_engine_seen_on_two_instances_is_kept_once() -> None:
     out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
     assert {s.value for s in out.signals if s.name == "request_rate"} == {1.0}
     assert out.unattributed == ["engine/a/p/0: served by both h1:1 and h2:1; kept h1:1"]
+    assert "the pool's sums count it twice" in out.doubtful["a"]
+
+
+def test_an_engine_two_jobs_scrape_is_kept_once_and_its_pools_sums_are_doubtful() -> None:
+    """A ServiceMonitor and a PodMonitor on the same engine: the pool's sums count its requests twice."""
+    def answer(q: str) -> list[dict[str, Any]]:
+        if "by (pool, pod, instance, engine, job" not in q:
+            return [_row(1)] if q.startswith("count(") else []
+        same = {"pool": "a", "pod": "p", "engine": "0", "instance": "10.0.0.1:8000"}
+        return [_row(10.0, job="vllm-service", **same), _row(10.0, job="vllm-pods", **same)]
+
+    out = PrometheusSource(URL, client=FakeClient(answer)).signals(1.0, 30.0)
+    assert [s.value for s in out.signals if s.name == "request_rate"] == [10.0]
+    assert out.unattributed == ["engine/a/p/0: served by both 10.0.0.1:8000/vllm-service and 10.0.0.1:8000/vllm-pods; "
+                                "kept 10.0.0.1:8000/vllm-service"]
     assert "the pool's sums count it twice" in out.doubtful["a"]
 
 
