@@ -205,10 +205,13 @@ class PrefixCacheHitDrop:
                 "stopped sending shared prefixes to the same engines, or the prompt population changed."
             )
             changed = inp.changed_at.get("router")
-            recent = changed is not None and 0 <= inp.now - changed <= s.router_change_window_s
             evidence["router_changed_s_ago"] = None if changed is None else round(inp.now - changed)
             # The drop began with the run of low points that opened the finding, whatever it did since.
             began = _low_since(inp, subject, baseline - threshold, opened_at)
+            # A revision can explain only a drop that came after it: one made since (the operator's fix, often) is
+            # no cause, and rolling it back would undo the fix.
+            recent = (changed is not None and 0 <= inp.now - changed <= s.router_change_window_s
+                      and (began is None or changed <= began))
             shed = _shed(inp, subject, changed, began) if recent and changed is not None and began is not None else None
             evidence["pool_shed_s_ago"] = None if shed is None else round(inp.now - shed)
             if shed is not None:
