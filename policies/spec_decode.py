@@ -225,8 +225,10 @@ class SpecDecodeCollapse:
         w = inp.windows
         if not reported_since(w, subject, (YIELD, GENERATION), inp.now - s.stale_s):
             return f"{subject} no longer reports"
-        if not w.series(subject, YIELD, since=inp.now - s.off_s) and w.series(subject, GENERATION,
-                                                                             since=inp.now - s.off_s):
+        # Tokens flow and no yield: switched off. An idle pool has no yield either (0 drafts over 0 steps), and a lull
+        # is no recovery: resolved then, the collapse would become its own baseline when the load came back.
+        flowing = any(v >= s.min_generation_rate for _, v in w.series(subject, GENERATION, since=inp.now - s.off_s))
+        if not w.series(subject, YIELD, since=inp.now - s.off_s) and flowing:
             return "speculation no longer reports: it was switched off"
         recent = w.last(subject, YIELD, s.resolve_points)
         bar = frozen.yield_.center - s.recover_fraction * frozen.min_drop

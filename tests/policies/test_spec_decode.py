@@ -199,6 +199,17 @@ def test_switching_speculation_off_resolves() -> None:
     assert not pool.run().findings, "old collapsed yields do not reopen it"
 
 
+def test_a_lull_is_neither_a_switch_off_nor_a_recovery() -> None:
+    """No tokens, so no yield (0 drafts over 0 steps): resolved then, the collapse would be its own baseline when the
+    load came back."""
+    pool = healthy().tick(JSON, tpot=0.045, n=2)
+    opening = opened(pool)
+    pool.tick(None, gen=0.0, n=12)  # three minutes idle
+    assert not pool.run(opening).resolved
+    pool.tick(JSON, tpot=0.045, n=2)
+    assert not pool.run(opening).resolved, "still collapsed under load"
+
+
 def test_retuning_resolves_once_tpot_is_back_and_rebaselines() -> None:
     pool = healthy().tick(JSON, tpot=0.045, n=2)
     opening = opened(pool)
