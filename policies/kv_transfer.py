@@ -70,7 +70,10 @@ class KvTransferSettings(Settings):
     peer_ratio: float = Field(3.0, gt=1)  # without history: 3x the median of its peers
     stand_out_ratio: float = Field(1.5, gt=1)  # with history and peers: the tail must also be 1.5x the peers' median
     min_peers: int = Field(2, ge=1)
-    failure_share_critical: float = Field(0.05, gt=0, le=1)  # failed share of transfers that makes it critical
+    # Failed share of transfers, at each of the recent points, that opens a finding (a busy worker's background of a
+    # failure or two a scrape is no fault), and that makes it critical.
+    failure_share: float = Field(0.005, gt=0, le=1)
+    failure_share_critical: float = Field(0.05, gt=0, le=1)
     bandwidth_drop: float = Field(0.5, gt=0, lt=1)  # with sizes that vary, a slow tail needs bandwidth at half its baseline
     stale_s: Seconds = 900.0  # an open finding whose path stopped reporting this long resolves
 
@@ -190,12 +193,12 @@ class KvTransferLag:
         peers = self._peer_median(inp, path, subject, subjects, path.p99)
         threshold = self._threshold(baseline, peers)
         recent, scrapes = _tail(inp.windows, path, subject, s.recent_points)
-        failures = inp.windows.last(subject, path.failures, s.recent_points)
+        shares = _failed_shares(inp.windows, path, subject, s.recent_points)
         slow = (threshold is not None and scrapes == len(recent) == s.recent_points
                 and all(v > threshold for v in recent))
         if slow and not is_open:
             slow = self._stands_out(recent, baseline, peers) and self._bandwidth_fell(inp, path, subject, subjects)
-        failing = len(failures) == s.recent_points and all(v > 0 for v in failures)
+        failing = len(shares) == s.recent_points and all(v >= s.failure_share for v in shares)
         if not (slow or failing) and not (is_open and not self._healthy(inp, path, subject, open_evidence or {})):
             return None
         p99 = inp.windows.latest(subject, path.p99)
@@ -240,15 +243,23 @@ class KvTransferLag:
     def _healthy(self, inp: PolicyInput, path: PathSignals, subject: str, evidence: Mapping[str, Any]) -> bool:
         s = self.settings
         recent, scrapes = _tail(inp.windows, path, subject, s.resolve_points)
-        failures = inp.windows.last(subject, path.failures, s.resolve_points)
+        shares = _failed_shares(inp.windows, path, subject, s.resolve_points)
         bar = evidence.get("threshold_s")
         # Recovered: resolve_points clean points in a row against two bad ones to open is the
         # hysteresis. A lower bar than the opening threshold would not be: a p99 read from a
         # histogram lands on bucket bounds, and one ordinary sample in the next bucket up would
         # hold a recovered path open for many intervals.
         tail_ok = bar is None or (scrapes == s.resolve_points and all(v <= bar for v in recent))
-        fail_ok = len(failures) == s.resolve_points and all(v == 0 for v in failures) if failures else True
+        fail_ok = len(shares) == s.resolve_points and all(v < s.failure_share for v in shares) if shares else True
         return tail_ok and fail_ok
+
+
+def _failed_shares(w: SignalWindows, path: PathSignals, subject: str, n: int) -> list[float]:
+    """The failed share of transfers at each of the subject's last `n` scrapes: failures over transfers, all of them
+    where failures came with no transfer rate to weigh them by."""
+    failures = w.series(subject, path.failures)[-n:]
+    rates = dict(w.series(subject, path.rate, since=failures[0][0])) if path.rate and failures else {}
+    return [0.0 if f <= 0 else min(1.0, f / r) if (r := rates.get(ts)) else 1.0 for ts, f in failures]
 
 
 def _tail(w: SignalWindows, path: PathSignals, subject: str, n: int) -> tuple[list[float], int]:

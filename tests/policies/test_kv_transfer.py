@@ -79,6 +79,27 @@ def test_failures_open_a_critical_finding_and_name_the_worker() -> None:
     assert [(p.kind, p.pool) for p in f.proposals] == [(ActionKind.DRAIN_ENGINE, "decode")]
 
 
+def test_a_busy_workers_background_of_failures_is_no_fault_and_does_not_hold_one_open() -> None:
+    """A failure or two a scrape out of 200 transfers a second (0.03 %): opened on any two such scrapes, the finding
+    flapped all hour with a drain proposed on most ticks."""
+    subject = "engine/decode/decode-2/0"
+
+    def worker(failures: list[float]) -> SignalWindows:
+        w = windows({subject: BASE + [0.004] * (len(failures) - len(BASE))}, {subject: failures},
+                    name="nixl_xfer_time_p99", fail_name="nixl_failed_transfer_rate")
+        for i in range(len(failures)):
+            w.add(i * STEP, subject, "nixl_transfer_rate", 200.0)
+        return w
+
+    background = [0.0] * 10 + [0.06, 0.07]  # about one failure a scrape
+    assert not KvTransferLag().evaluate(PolicyInput(11 * STEP, worker(background), {}, {})).findings
+    w = worker([0.0] * 10 + [4.0, 5.0])  # 2 % of transfers fail: a fault
+    [f] = KvTransferLag().evaluate(PolicyInput(11 * STEP, w, {}, {})).findings
+    opening = {f.key: OpenFinding(f.key, 11 * STEP, f.evidence)}
+    back = worker([0.0] * 10 + [4.0, 5.0, 0.06, 0.0, 0.07])  # the background again
+    assert KvTransferLag().evaluate(PolicyInput(14 * STEP, back, {}, opening)).resolved
+
+
 def test_resolves_only_after_three_good_points() -> None:
     [f] = run(windows({PATH: BASE + [0.02, 0.025]})).findings
     opened = {f.key: OpenFinding(f.key, 0.0, f.evidence)}
