@@ -25,6 +25,8 @@ cordon proposed from old points would chase a node that is gone.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -263,8 +265,10 @@ def _xid_events(w: SignalWindows, subject: str, since: float) -> tuple[list[floa
     """Times of new XIDs since `since`, and the XID codes seen with them."""
     events: set[float] = set()
     codes: set[int] = set()
-    for name in (XID_COUNT, XID_WINDOW):
-        events.update(ts for ts, v in w.series(subject, name, since=since) if v > 0)
+    events.update(ts for ts, v in w.series(subject, XID_COUNT, since=since) if v > 0)
+    # The exporter's count over its own window (five minutes) shows one XID for that long: an event is where it rose.
+    window = w.series(subject, XID_WINDOW)
+    events.update(ts for (_, a), (ts, b) in itertools.pairwise([(-math.inf, 0.0), *window]) if b > a and ts >= since)
     last = w.series(subject, XID_LAST)
     alive = [pts[0][0] for name in ALIVE if (pts := w.series(subject, name))]
     for i, (ts, code) in enumerate(last):

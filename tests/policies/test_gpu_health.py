@@ -73,6 +73,17 @@ def test_a_new_code_after_an_old_one_is_an_event() -> None:
     assert f.evidence["xid_codes"] == [48] and f.severity == "critical"
 
 
+def test_one_xid_the_exporters_window_holds_for_five_minutes_is_one_event() -> None:
+    w, subject = SignalWindows(3 * 3600), "gpu/node-1/0"
+    for i in range(40):
+        ts = (i + 1) * 15.0
+        w.add(ts, subject, "gpu_temperature_celsius", 60.0)
+        w.add(ts, subject, "gpu_xid_last", 79.0)
+        w.add(ts, subject, "gpu_xid_errors_window", 1.0 if 10 <= i < 30 else 0.0)
+    [f] = GpuHealth().evaluate(PolicyInput(600.0, w, {}, {})).findings
+    assert f.evidence["xid_events"] == 1 and f.evidence["last_fault_at"] == 165.0, "when it came, not when it left"
+
+
 def test_application_xid_warns_without_cordon() -> None:
     [f] = Gpu().tick(40).tick(xid=13).run().findings
     assert f.severity == "warning" and f.evidence["cause"] == "xid_application" and f.proposals == ()
