@@ -232,7 +232,7 @@ class SloBurn:
         subject = f"pool/{state.name}"
         if burn.signal == "tpot_p95":
             burn.cause = Cause.DECODE
-            burn.target = state.name if state.role != "prefill" else _busiest(inp, "decode", "tpot_p95", state.name)
+            burn.target = state.name if state.role != "prefill" else _busiest(inp, "decode", burn, state.name, s.stale_s)
             return
         ttft = recent_mean(inp.windows, subject, "ttft_p95", s.recent_points)
         queue = recent_mean(inp.windows, subject, "queue_time_p95", s.recent_points)
@@ -242,7 +242,7 @@ class SloBurn:
             burn.target = state.name
         else:
             burn.cause = Cause.PREFILL
-            burn.target = state.name if state.role != "decode" else _busiest(inp, "prefill", "ttft_p95", state.name)
+            burn.target = state.name if state.role != "decode" else _busiest(inp, "prefill", burn, state.name, s.stale_s)
 
     def _report(self, inp: PolicyInput, state: PoolState, objectives: list[_Burn]) -> FindingReport:
         s = self.settings
@@ -294,12 +294,16 @@ def _why(b: _Burn) -> str:
     return f"Token generation is slow: {b.target} is overloaded (batch too large or KV pressure)."
 
 
-def _busiest(inp: PolicyInput, role: str, signal: str, fallback: str) -> str:
-    """The pool of `role` with the highest recent `signal`; `fallback` when there is none."""
-    candidates = [p.name for p in inp.pools.values() if p.role == role]
-    if not candidates:
-        return fallback
-    return max(sorted(candidates), key=lambda n: inp.windows.latest(f"pool/{n}", signal) or 0.0)
+def _busiest(inp: PolicyInput, role: str, burn: _Burn, fallback: str, stale_s: float) -> str:
+    """The pool of `role` furthest over its own objective for the burning signal (the burning pool's where it has
+    none), by its latest point within `stale_s`; `fallback` when none has one. By the raw latency, a pool with a
+    looser objective, or one whose series stopped an hour ago, would be blamed for another's breach."""
+    over: list[tuple[float, str]] = []
+    for p in sorted(inp.pools.values(), key=lambda p: p.name):
+        points = inp.windows.series(f"pool/{p.name}", burn.signal, since=inp.now - stale_s) if p.role == role else []
+        if points:
+            over.append((points[-1][1] / (p.slos.get(burn.signal) or burn.slo), p.name))
+    return max(over, key=lambda o: o[0])[1] if over else fallback
 
 
 def _label(seconds: float) -> str:

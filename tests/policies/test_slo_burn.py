@@ -106,6 +106,26 @@ def test_ttft_breach_on_the_decode_pool_without_queueing_says_prefill_is_short()
     assert f.evidence["short_pools"] == ["prefill"]
 
 
+@pytest.mark.parametrize("other", ["within-its-looser-slo", "stopped-reporting"])
+def test_a_decode_pools_prefill_breach_names_the_prefill_pool_over_its_own_slo(other: str) -> None:
+    """Not the one with the highest raw TTFT: a pool within a looser objective, or one whose series stopped an hour
+    and a half ago, is not short of prefill compute."""
+    w, n = SignalWindows(3 * 3600), 2 * HOUR
+    for i in range(n):
+        ts = (i + 1) * STEP
+        w.add(ts, "pool/decode-a", "ttft_p95", 3.0 if i >= n - HOUR else 1.0)  # its SLO is 2 s
+        w.add(ts, "pool/decode-a", "queue_time_p95", 0.01)
+        w.add(ts, "pool/decode-a", "requests_waiting", 0.0)
+        w.add(ts, "pool/prefill-a", "ttft_p95", 0.9 if i >= n - HOUR else 0.3)  # its SLO is 0.5 s
+        if other == "within-its-looser-slo" or i < HOUR // 2:
+            w.add(ts, "pool/prefill-b", "ttft_p95", 2.5)  # its SLO is 3 s
+    pools = {"decode-a": PoolState("decode-a", "decode", 3, 3, 1, 6, ttft_p95_slo=2.0),
+             "prefill-a": PoolState("prefill-a", "prefill", 3, 3, 1, 6, ttft_p95_slo=0.5),
+             "prefill-b": PoolState("prefill-b", "prefill", 3, 3, 1, 6, ttft_p95_slo=3.0)}
+    f = finding(SloBurn().evaluate(PolicyInput(n * STEP, w, pools, {})), "pool/decode-a")
+    assert f.evidence["short_pools"] == ["prefill-a"] and "prefill-a lacks prefill compute" in f.cause
+
+
 def test_tpot_breach_is_attributed_to_decode() -> None:
     fleet = Fleet().tick(2 * HOUR).tick(40, tpot=0.08)
     f = finding(fleet.run(), "pool/decode")
