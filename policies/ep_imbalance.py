@@ -286,6 +286,11 @@ class EpImbalance:
                 gpus_of[host][gpu_id] = sub
         groups = []
         n = s.window_points
+        hosts = {key: s.pod_hosts.get(f"{key[0]}/{key[1]}") or s.pod_host.format(pool=key[0], pod=key[1])
+                 for key in members}
+        # The exporter's GPU series carry no pod: a node two groups share shows both groups' GPUs, and one group's busy
+        # GPUs beside the other's idle ones would read as a skew in each.
+        shared = {host for host, count in Counter(hosts.values()).items() if count > 1}
         for (pool, pod), ranks in sorted(members.items()):
             if len(ranks) < s.min_ranks:
                 continue
@@ -294,8 +299,8 @@ class EpImbalance:
             window = min((pts[0][0] for sub in ranks.values() if (pts := w.series(sub, RUNNING)[-n:])), default=None)
             itl = _skew(w, ranks, s.signal, n, s.min_ranks, since=window)
             load = _mean_skew(w, ranks, RUNNING, n, floor=0.5)
-            host = s.pod_hosts.get(f"{pool}/{pod}") or s.pod_host.format(pool=pool, pod=pod)
-            gpus = gpus_of.get(host, {})
+            host = hosts[(pool, pod)]
+            gpus = {} if host in shared else gpus_of.get(host, {})
             gpu_signal = next((name for name in s.gpu_signals
                                if any(w.latest(sub, name) is not None for sub in gpus.values())), None)
             gpu = _skew(w, gpus, gpu_signal, n, s.min_ranks) if gpu_signal and len(gpus) >= s.min_ranks else None

@@ -120,6 +120,24 @@ def test_gpus_are_found_through_the_host_pattern() -> None:
     assert f.evidence["gpu_hottest"] == "1"
 
 
+def test_a_node_two_groups_share_lends_neither_its_gpus() -> None:
+    """The exporter's GPU series name no pod: one group's busy GPUs beside the other's idle ones are no skew of
+    either, and balanced ranks get no EPLB."""
+    rng = random.Random(1)
+    w = SignalWindows(3 * 3600)
+    settings = EpImbalanceSettings(pod_hosts={"moe/dp0": "node-1", "moe/dp1": "node-1"})
+    t = Ticking(EpImbalance(settings), w, {"moe": PoolState("moe", "decode", 2, 2, 1, 4, expert_parallel=True)})
+    for i in range(80):
+        ts = (i + 1) * STEP
+        for pod, gpus, tensor, running in (("dp0", range(4), 0.60, 8.0), ("dp1", range(4, 8), 0.15, 2.0)):
+            for rank, gpu in enumerate(gpus):
+                w.add(ts, f"engine/moe/{pod}/{rank}", "itl_p50", 0.03 * (1 + rng.gauss(0, 0.03)))
+                w.add(ts, f"engine/moe/{pod}/{rank}", "requests_running", running)
+                w.add(ts + 1, f"gpu/node-1/{gpu}", "gpu_tensor_active", tensor * (1 + rng.gauss(0, 0.03)))
+        t.tick(ts + 1)
+    assert t.log == []
+
+
 def test_uneven_request_load_is_not_an_expert_problem() -> None:
     g = Group().tick(20, itl=HOT, running=(6, 6, 24, 6))
     [f] = g.run(opening(g, opened_ago=3600)).findings
