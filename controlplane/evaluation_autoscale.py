@@ -249,26 +249,49 @@ class CausalRule:
 
 
 def causal_rule(scenario: Scenario, needs: Mapping[str, list[int]]) -> CausalRule:
-    """The causal rule that keeps the attainment goal (else the most minutes) with the fewest engine-minutes, judged
-    by each minute's need against what the rule holds then: what it asked a start-up time before, from the minutes
-    finished by then."""
+    """The causal rule that keeps the attainment goal (else the most minutes) with the fewest GPU-seconds, judged by
+    each minute's need against the ready engines the rule holds through it (`_held`)."""
     start = start_sizes(scenario, needs)
     ceiling = {p.name: pool_ceiling(p) for p in scenario.fleet.pools}
-    lags = {p.name: math.ceil(p.startup / 60.0) for p in scenario.fleet.pools}  # minutes from asking to ready
     minutes = len(next(iter(needs.values()), []))
-    best: tuple[tuple[bool, int, int], CausalRule] | None = None
+    best: tuple[tuple[bool, int, float], CausalRule] | None = None
     for window in CAUSAL_WINDOWS:
         for extra in CAUSAL_EXTRA:
             rule = CausalRule(dict(needs), window, extra, start, ceiling)
-            held = {pool: [rule(60.0 * max(0, m - lags[pool]))[pool] for m in range(minutes)] for pool in needs}
+            held, cost = _held(scenario, rule, minutes)
             kept = sum(all(held[p][m] >= needs[p][m] for p in needs) for m in range(minutes))
             short = kept < ATTAINMENT_GOAL * minutes
             # Those that keep the goal by cost alone; short of it, the most minutes first.
-            key = (short, -kept if short else 0, sum(sum(h) for h in held.values()))
+            key = (short, -kept if short else 0, cost)
             if best is None or key < best[0]:
                 best = (key, rule)
     assert best is not None
     return best[1]
+
+
+def _held(scenario: Scenario, rule: Callable[[float], Mapping[str, int]], minutes: int
+          ) -> tuple[dict[str, list[int]], float]:
+    """Per pool and minute, the fewest ready engines `rule` holds through it when applied every scrape interval as
+    the replay applies it (an engine asked for is ready a start-up time later; a scale-down removes the newest at
+    once, starting ones first), and the GPU-seconds it holds meanwhile. What it asked a start-up time before is not
+    what it holds: a lower ask since has removed some."""
+    pools = {p.name: p for p in scenario.fleet.pools}
+    interval = scenario.scrape_interval
+    ready_at: dict[str, list[float]] = {pool: [0.0] * n for pool, n in rule(0.0).items()}
+    held = {pool: [math.inf] * minutes for pool in ready_at}
+    cost = 0.0
+    for i in range(int(scenario.duration // interval)):
+        t = i * interval
+        for pool, n in rule(t).items():
+            engines = ready_at[pool]
+            engines.sort()
+            if n > len(engines):
+                engines += [t + pools[pool].startup] * (n - len(engines))
+            del engines[n:]
+            m = min(minutes - 1, int(t // 60))
+            held[pool][m] = min(held[pool][m], sum(1 for r in engines if r <= t))
+            cost += len(engines) * pools[pool].gpus * interval
+    return {pool: [int(h) if math.isfinite(h) else 0 for h in hs] for pool, hs in held.items()}, cost
 
 
 def start_sizes(scenario: Scenario, needs: Mapping[str, list[int]]) -> dict[str, int]:

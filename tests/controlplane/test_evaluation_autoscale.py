@@ -20,6 +20,7 @@ from controlplane.evaluation_autoscale import (
     MinuteMeter,
     OracleSchedule,
     StrategyRun,
+    _held,
     best_configuration,
     causal_rule,
     peer_goal,
@@ -63,13 +64,27 @@ def test_the_causal_rule_holds_the_most_its_window_of_finished_minutes_needed() 
 
 
 def test_the_causal_rule_is_the_cheapest_in_hindsight_that_keeps_the_goal() -> None:
-    sc = load_scenario(TRACES["azure-conv"])  # one pool, 2 min start-up: minute m holds what minute m - 2 asked
+    sc = load_scenario(TRACES["azure-conv"])  # one pool, 2 min start-up, 15 s scrapes
     flat = causal_rule(sc, {"chat": [3] * 60})
     assert (flat.window, flat.extra) == (1, 0), "a load that never moves needs no headroom"
-    # Every fifth minute needs 6, the others 3: only a window that always reaches back to the last 6 keeps them
-    # all without holding 6 all along; the 6 is three minutes old when it must be there again.
+    # Every fifth minute needs 6, the others 3. The rule sees a minute's need only once it ends, and a window that
+    # lets the last 6 go removes those engines at once: only one that holds 6 all along keeps every minute. (Judged
+    # by what it asked two minutes before, a window of 3 looked enough, and kept 49 minutes replayed.)
     spiky = causal_rule(sc, {"chat": [6 if m % 5 == 0 else 3 for m in range(60)]})
-    assert (spiky.window, spiky.extra) == (3, 0)
+    assert (spiky.window, spiky.extra) == (5, 0)
+
+
+def test_what_a_rule_holds_through_a_minute_is_its_fewest_ready_engines() -> None:
+    """Asked for 4, down to 2 a minute later, up to 4 again: the two asked last are not ready for two minutes, and
+    the two removed were the ready ones' count, not the ask of two minutes before."""
+    sc = load_scenario(TRACES["azure-conv"]).model_copy(update={"duration": 360.0})  # 2 min start-up, 15 s scrapes
+
+    def rule(t: float) -> dict[str, int]:
+        return {"chat": 4 if t < 60 or t >= 90 else 2}
+
+    held, cost = _held(sc, rule, 6)
+    assert held == {"chat": [4, 2, 2, 2, 4, 4]}, "ready again at 210 s, within minute 3: whole from minute 4"
+    assert cost == pytest.approx(4 * 60 + 2 * 30 + 4 * 270), "engine-seconds at one GPU each"
 
 
 def test_every_dynamic_strategy_starts_where_the_oracle_does() -> None:
