@@ -121,10 +121,11 @@ def compact(engine: Engine, now: float, retention: Retention, steps: int | None 
     with engine.begin() as conn:
         # Nothing goes before the next coarser rollup holds it: a retention shorter than the rollup's grace (a
         # minute's, or an hour's minutes) would otherwise lose what the hour was to be made of.
-        raw_until = min(now - retention.raw_s, _watermark(conn, "rollup_60"))
-        minute_until = min(now - retention.minute_s, _watermark(conn, "rollup_3600"))
-        # Readers take what is older than these from the next coarser level (`queries._levels`): moved before the
-        # rows go, so no read finds a range in neither.
+        # On the next coarser level's bucket bounds: a reader takes what is older from that level (`queries._levels`),
+        # and a bucket cut in two would count the part the finer level still holds twice.
+        raw_until = min(now - retention.raw_s, _watermark(conn, "rollup_60")) // MINUTE * MINUTE
+        minute_until = min(now - retention.minute_s, _watermark(conn, "rollup_3600")) // HOUR * HOUR
+        # Moved before the rows go, so no read finds a range in neither.
         for key, until in ((KEPT_RAW, raw_until), (KEPT_MINUTES, minute_until)):
             if until > _watermark(conn, key):
                 _set_watermark(conn, key, until)

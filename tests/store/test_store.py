@@ -221,6 +221,23 @@ def test_a_short_range_past_a_levels_retention_is_read_from_the_next_coarser_lev
     assert sum(p.count for p in recent) == 60, "the last hour is still raw"
 
 
+@pytest.mark.parametrize(("every", "days", "now", "retention", "edge", "read", "points"), [
+    # Raw points kept a day, compacted at hh:30:30: the edge falls inside a minute; 22 points in 3.5 minutes.
+    (10, 3, 3 * 86400 + 1830.0, (86400, 2 * 86400), 86400, (-90, 120), 22),
+    # Minute rollups kept two days, compacted at hh:30: the edge falls inside an hour; 211 minutes in 3.5 hours.
+    (60, 4, 4 * 86400 + 1800.0, (3600, 2 * 86400), 2 * 86400, (-1800, 3 * 3600), 211),
+])
+def test_a_range_across_a_retention_edge_counts_each_point_once(store: SqlStore, every: int, days: int, now: float,
+                                                                retention: tuple[float, float], edge: float,
+                                                                read: tuple[float, float], points: int) -> None:
+    """The bucket that holds the edge, read from the coarser level, would also be read from the finer rows after it."""
+    t0 = 1_767_225_600.0
+    store.write_signals([Signal(t0 + every * i, "pool/p", "x", 1.0) for i in range(days * 86400 // every)])
+    store.compact(t0 + now, Retention(raw_s=retention[0], minute_s=retention[1], hour_s=400 * 86400))
+    at = t0 + now - edge
+    assert sum(p.count for p in ReadStore(store.engine).buckets(["x"], ["pool/p"], at + read[0], at + read[1])) == points
+
+
 def test_a_walk_of_subjects_or_names_returns_at_most_its_limit(store: SqlStore) -> None:
     store.write_signals([Signal(1000.0, f"pool/p{i:02d}", "targets", 1.0) for i in range(10)])
     reads = ReadStore(store.engine)
