@@ -183,7 +183,9 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
         if reading is None:
             reading = readings[entity] = Reading(attrs=attrs.get(entity, {}))
         reading.families.add(s.name)
-        reading.partial = True  # its value is not known, so its key is not known to be new when it comes
+        kind, key, _, _ = _INDEX[s.name]
+        if kind != "gauge":
+            reading.unread.add(key)
     return readings
 
 

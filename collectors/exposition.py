@@ -30,6 +30,9 @@ _LABEL_START = _NAME_START - {":"}
 _LABEL_CHARS = _LABEL_START | set("0123456789")
 
 
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
 class ExpositionError(ValueError):
     """A line of an exposition that is not valid text format."""
 
@@ -38,6 +41,8 @@ class ExpositionError(ValueError):
         super().__init__(f"line {line_no}: {problem}: {shown!r}")
         self.line_no = line_no
         self.problem = problem
+        # The sample name the line begins with ("" for none): what the dropped line would have been a value of.
+        self.metric = m.group(0) if (m := _NAME.match(line.lstrip())) else ""
 
 
 def _parse_float(token: str) -> float:

@@ -80,9 +80,10 @@ class Reading:
     # Counter and histogram keys this entity's earlier readings had (`advance` keeps it): a key outside it is new, its
     # series created since (lazily, at their first event: a first XID, a first error code) and counted from zero.
     known: set[str] = field(default_factory=set)
-    # Whether this reading may lack series its entity has (a line of its scrape dropped as malformed, a value that is
-    # no number): a key missing from it is not known to be new, so the next reading does not count it from zero.
-    partial: bool = False
+    # Counter and histogram keys this reading exposed but could not read (a value that is no number, a DCGM sentinel,
+    # a line dropped as malformed, buckets without +Inf): missing from it, such a key is not new next time, where its
+    # whole history would be counted at once. One never exposed (created since, at its first event) still is.
+    unread: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -193,6 +194,8 @@ def read(
         r.families.add(family)
         if not math.isfinite(s.value):
             r.not_numbers.add(family)
+            if kind != "gauge":
+                r.unread.add(key)
             continue
         if kind == "counter":
             counters[(entity, key, rank)] = counters.get((entity, key, rank), 0.0) + s.value
@@ -229,7 +232,9 @@ def read(
         if best[(entity, key)] != rank:
             continue
         built = {labels: h for labels, b in builders.items() if b.buckets and (h := b.build()) is not None}
-        entities[entity].unbounded |= {b.family for b in builders.values() if b.buckets and math.inf not in b.buckets}
+        if unbounded := {b.family for b in builders.values() if b.buckets and math.inf not in b.buckets}:
+            entities[entity].unbounded |= unbounded
+            entities[entity].unread.add(key)
         if built:
             whole = next(iter(built.values())) if len(built) == 1 else sum(built.values(), EMPTY_HISTOGRAM)
             entities[entity].histograms[key] = whole
@@ -319,7 +324,7 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
         # Neither in the last reading (carried series included) nor in any before it. One that was, and has been
         # missing past the carry's horizon, is not new: counted from zero it would add its whole history at once. Nor
         # is one the last reading may have lacked only for being unreadable: its first diff is the next one.
-        return key not in table and key not in prev.known and not prev.partial
+        return key not in table and key not in prev.known and key not in prev.unread
 
     for key, value in cur.counters.items():
         before, now = prev.counter_series.get(key), cur.counter_series.get(key)
@@ -328,8 +333,9 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
             continue
         if before is not None and now is not None:
             # Series by series, as PromQL's sum(increase()): one that vanished (an agent instance reaped, a label
-            # gone) adds nothing, one that appeared counts from zero, one that fell restarted.
-            out.increases[key] = sum(v if (b := before.get(s)) is None else
+            # gone) adds nothing, one that appeared counts from zero (unless a line of the key went unread: then it
+            # may have been there), one that fell restarted.
+            out.increases[key] = sum((0.0 if key in prev.unread else v) if (b := before.get(s)) is None else
                                      (v if v < b else v - b) * share("counter_series", key, s) for s, v in now.items())
             continue
         inc = counter_increase(prev.counters.get(key), value)
@@ -342,7 +348,8 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
             continue
         if series_before is not None and series_now is not None:
             # Series by series, as for counters: one engine's restart (or a rank reaped) is not the whole sum's.
-            out.histograms[key] = sum((h if (was := series_before.get(s)) is None else
+            out.histograms[key] = sum(((EMPTY_HISTOGRAM if key in prev.unread else h)
+                                       if (was := series_before.get(s)) is None else
                                        (histogram_increase(was, h) or h).scaled(share("histogram_series", key, s))
                                        for s, h in series_now.items()), EMPTY_HISTOGRAM)
             continue

@@ -36,6 +36,7 @@ class SignalDeriver:
         # One series cache for all targets: engines of a fleet expose the same series texts
         # (the pod is not a label of its own exposition), so the cache stays small and hot.
         self._parser = Parser(max_series=500_000)
+        self._indexes: dict[str, dict[str, tuple[str, str, int, str]]] = {}  # per source, sample name -> its key
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
@@ -63,14 +64,16 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_samples", float(len(samples))))
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
+            # The counters and histograms of lines dropped as malformed: exposed, but not read.
+            index = self._indexes.setdefault(source.name, source.families.index())
+            dropped = {hit[1] for e in errors if (hit := index.get(e.metric)) is not None and hit[0] != "gauge"}
             missing = families.missing_families(readings, source.families) + families.unnumbered_families(
                 readings, source.families)
             if missing:
                 out.missing_families[t.key] = missing
             pod_deltas: list[families.Delta] = []
             for entity, reading in readings.items():
-                if errors or reading.not_numbers or reading.unbounded:
-                    reading.partial = True
+                reading.unread |= dropped
                 slot = (t.key, entity)
                 seen.add(slot)
                 prev = self._prev.get(slot)

@@ -409,6 +409,12 @@ def test_a_counter_blank_in_a_gpus_first_scrape_is_not_counted_from_zero_when_it
     assert d is not None and list(d.increases.values()) == [15_000]
 
 
+def test_the_first_xid_counts_beside_a_field_the_exporter_never_reads() -> None:
+    """An L4's exporter prints a sentinel for memory temperature every scrape: that field is unread, not the XIDs."""
+    util = line("DCGM_FI_DEV_GPU_UTIL", 50) + line("DCGM_FI_DEV_MEMORY_TEMP", 9223372036854775794)
+    assert signal_map(util, util + _xid_total({"79": 1}))["gpu_xid_errors"] == 1.0
+
+
 def test_a_family_missing_past_the_carry_is_not_counted_from_zero_when_it_is_back() -> None:
     util = line("DCGM_FI_DEV_GPU_UTIL", 50)
     first = read(util + _xid_total({"13": 40}))["node-a/0"]

@@ -135,6 +135,27 @@ def test_a_counter_unreadable_in_an_engines_first_scrape_is_not_counted_from_zer
     assert {(s.subject, s.name): s.value for s in out.signals}[("pool/prefill", "prompt_tokens_rate")] == 1000.0
 
 
+@pytest.mark.parametrize("junk", ["", 'my_sidecar_info{version="1.2} 1\n'])
+def test_an_engines_first_errors_count_whatever_else_its_scrape_could_not_read(junk: str) -> None:
+    """A series created at its first event counts from zero, a malformed line of another family beside it or not;
+    one of the same key that could not be read, and reads now, had its history before."""
+    def body(errors: str | None) -> str:
+        out = finished(100) + junk
+        return out + (f'vllm:request_success_total{{engine="0",finished_reason="error",{MODEL}}} {errors}\n'
+                      if errors is not None else "")
+
+    def errors(first: str | None) -> float:
+        d = SignalDeriver()
+        rates = []
+        for i, value in enumerate([None, first, "3", "3"]):
+            out = d.derive([_result(body(value), 15.0 * i)], 15.0 * i)
+            rates += [s.value for s in out.signals if s.name == "request_error_rate" and s.subject == "pool/prefill"]
+        return sum(rates) * 15
+
+    assert errors(None) == pytest.approx(3.0), "the first three errored requests"
+    assert errors("NaN") == pytest.approx(0.0), "unread, then 3: not three new ones"
+
+
 def test_a_histogram_without_its_inf_bucket_is_no_reading_and_is_reported() -> None:
     """Its requests above the highest bound would vanish from the pool's merge, and every quantile read low."""
     def ttft(slow: int) -> str:
