@@ -322,9 +322,9 @@ class Scrape(Settings):
 
     @model_validator(mode="after")
     def _timeout_fits(self) -> Scrape:
-        if self.interval >= STALE_S:
-            raise ValueError(f"interval ({self.interval:g}s) must be shorter than {STALE_S:g}s: a series not read "
-                             "for that long is gone (Prometheus' lookback), so no rate could be read")
+        if 2 * self.interval > STALE_S:
+            raise ValueError(f"interval ({self.interval:g}s) must be at most {STALE_S / 2:g}s: a series not read for "
+                             f"{STALE_S:g}s is gone (Prometheus' lookback), and one missed scrape would make it so")
         if self.timeout >= self.interval:
             raise ValueError(f"timeout ({self.timeout:g}s) must be shorter than interval ({self.interval:g}s)")
         if self.spread + self.timeout >= self.interval:

@@ -267,8 +267,12 @@ def _xid_events(w: SignalWindows, subject: str, since: float) -> tuple[list[floa
     codes: set[int] = set()
     events.update(ts for ts, v in w.series(subject, XID_COUNT, since=since) if v > 0)
     # The exporter's count over its own window (five minutes) shows one XID for that long: an event is where it rose.
+    # A storm at a steady pace holds it level, never rising again: still above zero with no rise within the hold, its
+    # latest point is one.
     window = w.series(subject, XID_WINDOW)
     events.update(ts for (_, a), (ts, b) in itertools.pairwise([(-math.inf, 0.0), *window]) if b > a and ts >= since)
+    if window and window[-1][1] > 0 and window[-1][0] >= since and not events:
+        events.add(window[-1][0])  # a storm older than the hold, still going: counted once, as of now
     last = w.series(subject, XID_LAST)
     alive = [pts[0][0] for name in ALIVE if (pts := w.series(subject, name))]
     for i, (ts, code) in enumerate(last):

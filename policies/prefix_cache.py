@@ -210,8 +210,10 @@ class PrefixCacheHitDrop:
             began = _low_since(inp, subject, baseline - threshold, opened_at)
             # A revision can explain only a drop that came after it: one made since (the operator's fix, often) is
             # no cause, and rolling it back would undo the fix.
+            # Where the run of low points is older than the history, the finding's opening stands in for its start.
+            onset = began if began is not None else opened_at
             recent = (changed is not None and 0 <= inp.now - changed <= s.router_change_window_s
-                      and (began is None or changed <= began))
+                      and (onset is None or changed <= onset))
             shed = _shed(inp, subject, changed, began) if recent and changed is not None and began is not None else None
             evidence["pool_shed_s_ago"] = None if shed is None else round(inp.now - shed)
             if shed is not None:

@@ -84,6 +84,21 @@ def test_one_xid_the_exporters_window_holds_for_five_minutes_is_one_event() -> N
     assert f.evidence["xid_events"] == 1 and f.evidence["last_fault_at"] == 165.0, "when it came, not when it left"
 
 
+def test_an_xid_storm_at_a_steady_pace_stays_a_fault_while_the_window_counts_it() -> None:
+    """An XID every minute for two hours: the window reads 5 at every scrape from the fifth minute on and never rises
+    again, so an hour later no rise is within the hold."""
+    key = FindingKey("gpu_health", "gpu/node-1/0")
+    w = SignalWindows(3 * 3600)
+    for i in range(1, 481):
+        ts = 15.0 * i
+        w.add(ts, "gpu/node-1/0", "gpu_temperature_celsius", 60.0)
+        w.add(ts, "gpu/node-1/0", "gpu_xid_last", 79.0)
+        w.add(ts, "gpu/node-1/0", "gpu_xid_errors_window", float(min(5, max(0, int((ts - 600) // 60) + 1))))
+    result = GpuHealth().evaluate(PolicyInput(7200.0, w, {}, {key: OpenFinding(key, 615.0, {})}))
+    assert [f.key for f in result.findings] == [key] and not result.resolved
+    assert result.findings[0].evidence["last_fault_at"] == 7200.0
+
+
 def test_application_xid_warns_without_cordon() -> None:
     [f] = Gpu().tick(40).tick(xid=13).run().findings
     assert f.severity == "warning" and f.evidence["cause"] == "xid_application" and f.proposals == ()

@@ -102,6 +102,16 @@ def test_a_recent_router_change_is_rolled_back(ago: float | None, rolls_back: bo
     assert finding.evidence["router_changed_s_ago"] == (None if ago is None else round(ago))
 
 
+def test_a_router_fix_made_after_a_finding_older_than_the_history_opened_is_no_cause() -> None:
+    """The run of low points began before the three hours the loop keeps: the finding's opening stands for it."""
+    w = windows([0.4] * 20)  # the drop is all the history holds
+    now = 19 * STEP
+    opened = {KEY: OpenFinding(KEY, -4 * 3600.0, {"baseline": 0.8, "threshold": 0.16})}
+    pools = {"prefill": PoolState("prefill", "prefill", 3, 3, 2, 6, ttft_p95_slo=0.5)}
+    [finding] = PrefixCacheHitDrop().evaluate(PolicyInput(now, w, pools, opened, {"router": now - 600.0})).findings
+    assert finding.proposals == () and "routing runbook" in finding.cause
+
+
 @pytest.mark.parametrize(("sizes", "shed_ago"), [
     pytest.param([3, 3, 2, 2, 2], 30.0, id="shed-then-fell"),
     pytest.param([3, 3, 3, 2, 2], 15.0, id="shed-as-it-fell"),
