@@ -70,7 +70,7 @@ import logging
 import math
 import re
 import socket
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -219,21 +219,32 @@ def _due_to_go(w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[s
 _PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
 
 
-def _kept(owners: Mapping[str, str], leaders: Mapping[str, str], serving: Collection[str],
-          order: Order) -> dict[str, list[str]]:
+@dataclass(frozen=True, slots=True)
+class _OnNode:
+    """The engines on a cordoned node, as `KubernetesActuator._engines_on` found them."""
+
+    owners: dict[str, str]  # engine -> its pool
+    unmoved: dict[str, str]  # pool whose engines stay there -> why
+    leaders: dict[str, str]  # gang engine -> its group's leader
+    serving: set[str]  # pools with an engine ready and routed off the node
+    routed: set[str]  # engines on the node still routed
+
+
+def _kept(on: _OnNode, order: Order) -> dict[str, list[str]]:
     """Per pool with no engine serving off a cordoned node, one of its engines there (a gang: one group) left routed
     until the others' replacements serve elsewhere: out all at once, the pool would serve nothing meanwhile, for what
-    may be one faulty GPU among eight. One whose engines all answer their scrapes (the faulty GPU's may not), else
-    none; and none where the pool has a single engine or group there, whose replacement comes only once it goes."""
+    may be one faulty GPU among eight. One still routed (a cordon made again after a take-over finds the others out)
+    whose engines all answer their scrapes (the faulty GPU's may not), else none; and none where the pool has a
+    single engine or group there, whose replacement comes only once it goes."""
     units: dict[str, dict[str, list[str]]] = {}
-    for pod, pool in sorted(owners.items()):
-        units.setdefault(pool, {}).setdefault(leaders.get(pod, pod), []).append(pod)
+    for pod, pool in sorted(on.owners.items()):
+        units.setdefault(pool, {}).setdefault(on.leaders.get(pod, pod), []).append(pod)
     kept: dict[str, list[str]] = {}
     for pool, groups in sorted(units.items()):
-        if pool in serving or len(groups) < 2:
+        if pool in on.serving or len(groups) < 2:
             continue
-        answering = [members for members in groups.values()
-                     if order.answering is None or all(m in order.answering for m in members)]
+        answering = [members for members in groups.values() if all(m in on.routed for m in members)
+                     and (order.answering is None or all(m in order.answering for m in members))]
         if answering:
             kept[pool] = min(answering, key=lambda members: (sum(order.busy.get(m, 0.0) for m in members), members))
     return kept
@@ -1019,8 +1030,9 @@ class KubernetesActuator:
                          {"spec": {"unschedulable": True},
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
-        owners, unmoved, leaders, serving = await self._engines_on(node, order.pool)
-        kept = {} if self.dry_run else _kept(owners, leaders, serving, order)
+        on = await self._engines_on(node, order.pool)
+        owners, unmoved, leaders = on.owners, on.unmoved, on.leaders
+        kept = {} if self.dry_run else _kept(on, order)
         moving = sorted(p for p in owners if not any(p in members for members in kept.values()))
         wait: dict[str, Any] = {"phase": "evicting", "pods": moving, "namespace": w.namespace, "then": "evict",
                                 "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace,
@@ -1042,19 +1054,19 @@ class KubernetesActuator:
             raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, done)}") from None
         return {"wait": wait}
 
-    async def _engines_on(self, node: str, pool: str
-                          ) -> tuple[dict[str, str], dict[str, str], dict[str, str], set[str]]:
+    async def _engines_on(self, node: str, pool: str) -> _OnNode:
         """The engines a cordon of `node` asked for by `pool` moves, each with its pool: every configured pool's, in any
         namespace (the faulty GPU may serve any of them; the loop's view of their load comes with the order), and a
         gang's whole group where one of its engines is there (its workload recreates the group). Also the pools whose
         engines stay there, with why: their workload cannot be read (`pool`'s own must be), or an engine of theirs
         shares a name with another pool's in another namespace (a wait names engines as the loop's numbers do);
-        each gang engine's group leader, the one pod evicted for the group; and the pools with an engine elsewhere
-        that is ready and routed."""
+        each gang engine's group leader, the one pod evicted for the group; the pools with an engine elsewhere that
+        is ready and routed; and the engines there still routed."""
         owners: dict[str, str] = {}
         unmoved: dict[str, str] = {}
         leaders: dict[str, str] = {}
         serving: set[str] = set()
+        routed: set[str] = set()
         for name, other in sorted(self.workloads.items(), key=lambda item: item[0] != pool):  # the asking pool first
             try:
                 pods = await self._pods_of(other, await self._read(other))
@@ -1083,10 +1095,14 @@ class KubernetesActuator:
                 unmoved[name] = f"{', '.join(clash)} share a name with pool {owners[clash[0]]}'s engines"
                 continue
             owners.update(dict.fromkeys(there, name))
-            if any(meta["ready"] and self.settings.routing_label in (meta.get("labels") or {})
-                   for p, meta in pods.items() if p not in there):
+            if any(self._serves(meta) for p, meta in pods.items() if p not in there):
                 serving.add(name)
-        return owners, unmoved, leaders, serving
+            routed |= {p for p in there if self.settings.routing_label in (pods[p].get("labels") or {})}
+        return _OnNode(owners, unmoved, leaders, serving, routed)
+
+    def _serves(self, meta: Mapping[str, Any]) -> bool:
+        """Whether a pod (as `_pods_of` lists it) is ready and routed."""
+        return bool(meta["ready"]) and self.settings.routing_label in (meta.get("labels") or {})
 
     async def _back_in_each(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> str:
         """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool), and
@@ -1168,25 +1184,29 @@ class KubernetesActuator:
         kept: dict[str, list[str]] = dict(wait["kept"])
         due = now >= float(wait["kept_until"])
         released: dict[str, str] = {}
-        for pool, members in sorted(kept.items()):
-            pods = None if due else await self._pods_now(order, pool)
-            if not due and (pods is None or not any(
-                    meta["ready"] and self.settings.routing_label in (meta.get("labels") or {})
-                    for p, meta in pods.items() if meta["node"] != wait["node"])):
-                continue
-            moved: list[str] = []
-            try:
-                for pod in members:
-                    moved.append(pod)  # before the write, as the cordon's first: one left unanswered may be stored
-                    await self._unroute(order, _namespace_of(self.workloads, order, wait, pod), pod)
-            except ActuationError as exc:
-                raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, [*wait['pods'], *moved])}"
-                                     ) from None
-            del kept[pool]
-            released |= dict.fromkeys(members, "replaced" if not due else "hold ended")
+        moved: list[str] = []  # every pool's, before each write: one left unanswered may be stored
+        try:
+            for pool, members in sorted(kept.items()):
+                pods = await self._pods_now(order, pool)
+                if not due and (pods is None or not any(
+                        self._serves(meta) for meta in pods.values() if meta["node"] != wait["node"])):
+                    continue
+                # Only what is still there as kept: a pod gone, or made again elsewhere under its name (a StatefulSet's,
+                # a group recreated), is no longer the cordon's to move.
+                here = [p for p in members if pods is None or (p in pods and pods[p]["node"] == wait["node"])]
+                for pod in here:
+                    moved.append(pod)
+                    try:
+                        await self._unroute(order, _namespace_of(self.workloads, order, wait, pod), pod)
+                    except _Missing:
+                        moved.remove(pod)
+                del kept[pool]
+                released |= {p: ("gone" if p not in moved else "hold ended" if due else "replaced") for p in members}
+        except ActuationError as exc:
+            raise ActuationError(f"{exc}; {await self._back_in_each(order, wait, [*wait['pods'], *moved])}") from None
         if not released:
             return wait
-        out = {**wait, "pods": sorted({*wait["pods"], *released}), "kept": kept,
+        out = {**wait, "pods": sorted({*wait["pods"], *moved}), "kept": kept,
                "kept_back": {**wait.get("kept_back", {}), **released},
                # Their own grace to finish what they serve, from now.
                "deadline": max(float(wait["deadline"]), now + self.settings.drain_grace)}

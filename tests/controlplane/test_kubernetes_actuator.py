@@ -1614,6 +1614,99 @@ async def test_a_pool_that_serves_only_from_the_cordoned_node_keeps_one_engine_r
     assert not server.invalid
 
 
+async def test_kept_engine_that_vanished_does_not_fail_the_cordon(server: ApiServer, api: client.ApiClient) -> None:
+    """The node goes NotReady; the node controller evicts its pods after 5 min (< cordon_hold 15 min); the kept
+    Deployment pod is gone. At the hold's end the cordon should finish, not fail."""
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-b": 0.0, "vllm-decode-c": 4.0})
+    first = await act.carry_out(o)
+    assert first["wait"]["kept"] == {"decode": ["vllm-decode-a"]}
+    held = await act.resume(o, first["wait"], clock.t + 61)  # b and c evicted, a kept
+    assert held["wait"]["kept"]
+    server.objects[PODS, NS, "vllm-decode-a"].delete()  # the kept pod vanishes (the node lifecycle evicts it)
+    out = await act.resume(o, held["wait"], clock.t + 901)  # the hold ends: nothing left to move
+    assert out["cordoned"] == "gpu-node-1" and out["kept_back"] == {"vllm-decode-a": "gone"}
+
+
+async def test_kept_statefulset_pod_recreated_elsewhere_is_not_evicted(server: ApiServer,
+                                                                       api: client.ApiClient) -> None:
+    """A kept StatefulSet pod is deleted and recreated under its name on another node (the cordoned one is
+    unschedulable). The release takes the new, healthy engine out of routing and evicts it."""
+    statefulset(server)  # vllm-kv-0..2 on gpu-node-1
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    clock = Clock()
+    act = actuator(api, clock)
+    act.workloads = {"kv": Workload(kind="StatefulSet", namespace=NS, name="vllm-kv")}
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), pool="kv",
+              busy={"vllm-kv-0": 0.0, "vllm-kv-1": 3.0, "vllm-kv-2": 3.0})
+    first = await act.carry_out(o)
+    assert first["wait"]["kept"] == {"kv": ["vllm-kv-0"]}
+    held = await act.resume(o, first["wait"], clock.t + 61)  # kv-1 and kv-2 evicted; kv-0 kept
+    assert held["wait"]["kept"]
+    # kv-0 dies and its StatefulSet recreates it on gpu-node-2, where it serves (it is the only one serving).
+    server.objects[PODS, NS, "vllm-kv-0"].delete()
+    server.put(PODS, pod("vllm-kv-0", app="vllm-kv", node="gpu-node-2"))
+    out = await act.resume(o, held["wait"], clock.t + 120)
+    assert server.get(PODS, NS, "vllm-kv-0") is not None, f"the new vllm-kv-0 on gpu-node-2 was evicted: {out}"
+    assert routed(server, "vllm-kv-0"), "the new vllm-kv-0 on gpu-node-2 was taken out of routing by the cordon"
+
+
+async def test_a_failed_release_of_one_pool_does_not_strand_anothers_kept_engine(server: ApiServer,
+                                                                                 api: client.ApiClient) -> None:
+    """Two pools packed on the node, each keeps one engine. At the hold's end the first pool's kept engine is
+    taken out of routing, the second's unroute fails: the action fails and routes back the wait's pods and the
+    second pool's, but not the first pool's kept engine, which stays out of routing, not evicted, serving nothing."""
+    server.put(DEPLOYMENTS, deployment(replicas=2))
+    server.put(DEPLOYMENTS, deployment("vllm-other", replicas=2))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    for name in ("vllm-other-a", "vllm-other-b"):
+        server.put(PODS, pod(name, app="vllm-other", node="gpu-node-1"))
+    clock = Clock()
+    act = actuator(api, clock)
+    act.workloads = {"decode": Workload(kind="Deployment", namespace=NS, name="vllm-decode"),
+                     "other": Workload(kind="Deployment", namespace=NS, name="vllm-other")}
+    busy = {"vllm-decode-a": 0.0, "vllm-decode-b": 1.0, "vllm-other-a": 0.0, "vllm-other-b": 1.0}
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy=busy)
+    first = await act.carry_out(o)
+    assert first["wait"]["kept"] == {"decode": ["vllm-decode-a"], "other": ["vllm-other-a"]}
+    held = await act.resume(o, first["wait"], clock.t + 61)
+    assert held["wait"]["kept"] and held["wait"]["pods"] == []
+    server.fail("PATCH", "/pods/vllm-other-a", 403, "forbidden by a webhook")
+    with pytest.raises(ActuationError, match="forbidden"):  # the action fails: its wait is dropped, nothing releases
+        await act.resume(o, held["wait"], clock.t + 901)
+    assert server.get(PODS, NS, "vllm-decode-a") is not None
+    assert routed(server, "vllm-decode-a"), "decode's kept engine is left out of routing, never evicted"
+
+
+async def test_a_cordon_redone_after_a_take_over_keeps_a_routed_engine(server: ApiServer,
+                                                                         api: client.ApiClient) -> None:
+    """The leader took a and c out of routing (b kept) and stopped before its wait was noted; the new leader
+    redoes the cordon (`applied` is always False for one). a and c, drained, are now the idlest: one of them is
+    'kept' (it is out of routing already) and b, the one engine that served, is taken out: the pool serves nothing."""
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    clock = Clock()
+    act = actuator(api, clock)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"),
+              busy={"vllm-decode-a": 3.0, "vllm-decode-b": 1.0, "vllm-decode-c": 4.0})
+    first = await act.carry_out(o)
+    assert first["wait"]["kept"] == {"decode": ["vllm-decode-b"]}
+    # take-over: a fresh order, the drained engines idle now, b serving
+    again = await actuator(api, clock).carry_out(
+        order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"),
+              busy={"vllm-decode-a": 0.0, "vllm-decode-b": 2.0, "vllm-decode-c": 0.0}))
+    assert again["wait"]["kept"] == {"decode": ["vllm-decode-b"]} and routed(server, "vllm-decode-b")
+
+
 async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: ApiServer,
                                                                      api: client.ApiClient) -> None:
     server.put(DEPLOYMENTS, deployment())
