@@ -1565,16 +1565,21 @@ async def test_a_cordon_evicts_no_new_pod_under_a_cordoned_ones_name(server: Api
     assert server.get(PODS, NS, "vllm-kv-1") is None and server.get(PODS, NS, "vllm-kv-2") is None
 
 
-async def test_a_pool_that_serves_only_from_the_cordoned_node_keeps_one_engine_routed_until_another_serves(
-        server: ApiServer, api: client.ApiClient) -> None:
-    """Eight engines on one node, one GPU faulty: taken out all at once, the pool would serve nothing until their
-    replacements had started elsewhere."""
+def packed(server: ApiServer, api: client.ApiClient) -> tuple[KubernetesActuator, Clock]:
+    """The decode pool's three engines all on gpu-node-1, and an actuator on a clock of its own."""
     server.put(DEPLOYMENTS, deployment(replicas=3))
     server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
     for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
         server.put(PODS, pod(name, node="gpu-node-1"))
     clock = Clock()
-    act = actuator(api, clock)
+    return actuator(api, clock), clock
+
+
+async def test_a_pool_that_serves_only_from_the_cordoned_node_keeps_one_engine_routed_until_another_serves(
+        server: ApiServer, api: client.ApiClient) -> None:
+    """Eight engines on one node, one GPU faulty: taken out all at once, the pool would serve nothing until their
+    replacements had started elsewhere."""
+    act, clock = packed(server, api)
     # The faulty GPU's engine answers no scrape: it is not the one kept.
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-b": 2.0, "vllm-decode-c": 4.0},
               answering={"vllm-decode-b", "vllm-decode-c"})
@@ -1617,12 +1622,7 @@ async def test_a_pool_that_serves_only_from_the_cordoned_node_keeps_one_engine_r
 async def test_kept_engine_that_vanished_does_not_fail_the_cordon(server: ApiServer, api: client.ApiClient) -> None:
     """The node goes NotReady; the node controller evicts its pods after 5 min (< cordon_hold 15 min); the kept
     Deployment pod is gone. At the hold's end the cordon should finish, not fail."""
-    server.put(DEPLOYMENTS, deployment(replicas=3))
-    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
-    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
-        server.put(PODS, pod(name, node="gpu-node-1"))
-    clock = Clock()
-    act = actuator(api, clock)
+    act, clock = packed(server, api)
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-b": 0.0, "vllm-decode-c": 4.0})
     first = await act.carry_out(o)
     assert first["wait"]["kept"] == {"decode": ["vllm-decode-a"]}
@@ -1690,12 +1690,7 @@ async def test_a_cordon_redone_after_a_take_over_keeps_a_routed_engine(server: A
     """The leader took a and c out of routing (b kept) and stopped before its wait was noted; the new leader
     redoes the cordon (`applied` is always False for one). a and c, drained, are now the idlest: one of them is
     'kept' (it is out of routing already) and b, the one engine that served, is taken out: the pool serves nothing."""
-    server.put(DEPLOYMENTS, deployment(replicas=3))
-    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
-    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
-        server.put(PODS, pod(name, node="gpu-node-1"))
-    clock = Clock()
-    act = actuator(api, clock)
+    act, clock = packed(server, api)
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"),
               busy={"vllm-decode-a": 3.0, "vllm-decode-b": 1.0, "vllm-decode-c": 4.0})
     first = await act.carry_out(o)
