@@ -102,13 +102,12 @@ class KvTransferLag:
                               | set(inp.windows.subjects(path.failures, prefix=path.prefix)))
             names = (path.p99, path.failures)
             current = current_since(inp.windows, subjects, names, inp.now, self.settings.stale_s)
-            for subject in subjects:
+            # Not in the latest scrape (a drained worker, a missed scrape): its old points say nothing about now, as a
+            # path nor as a peer, and a drain proposed from them would chase a pod that is gone.
+            live = [subject for subject in subjects if reported_since(inp.windows, subject, names, current)]
+            for subject in live:
                 key = FindingKey(KIND, subject)
-                if not reported_since(inp.windows, subject, names, current):
-                    # Not in the latest scrape (a drained worker, a missed scrape): its old points say
-                    # nothing about now, and a drain proposed from them would chase a pod that is gone.
-                    continue
-                report = self._judge(inp, path, subject, subjects, key in inp.open_findings)
+                report = self._judge(inp, path, subject, live, key in inp.open_findings)
                 if report is not None:
                     result.findings.append(report)
                 elif key in inp.open_findings and self._healthy(inp, path, subject, inp.open_findings[key].evidence):

@@ -58,6 +58,18 @@ def test_one_lagging_path_among_peers_without_history() -> None:
     assert f.key.subject == "kvpath/prefill-0->decode-3" and f.evidence["peers_median_p99"] == pytest.approx(0.0039)
 
 
+def test_peers_that_stopped_reporting_are_no_peers() -> None:
+    """Two paths drained a while ago, their last p99s slow: read as peers, they would hide the one lagging now."""
+    series = {f"kvpath/prefill-0->decode-{i}": [0.004, 0.0041, 0.0039] for i in range(3)}
+    series["kvpath/prefill-0->decode-2"] = [0.004, 0.03, 0.035]
+    w = windows(series)
+    for gone in ("kvpath/prefill-0->decode-8", "kvpath/prefill-0->decode-9"):
+        w.add(0.0, gone, "kv_transfer_p99", 0.05)
+        w.add(0.0, gone, "kv_failure_rate", 0.0)
+    [f] = run(w).findings
+    assert f.key.subject == "kvpath/prefill-0->decode-2" and f.evidence["peers_median_p99"] == pytest.approx(0.0039)
+
+
 @pytest.mark.parametrize(("lagging", "opens"), [pytest.param(1, True, id="one-path"),
                                                    pytest.param(4, False, id="every-path")])
 def test_a_tail_its_peers_share_is_not_one_paths_lag(lagging: int, opens: bool) -> None:

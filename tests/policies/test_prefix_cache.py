@@ -102,6 +102,13 @@ def test_a_recent_router_change_is_rolled_back(ago: float | None, rolls_back: bo
     assert finding.evidence["router_changed_s_ago"] == (None if ago is None else round(ago))
 
 
+def test_an_engine_gone_since_is_no_part_of_the_spread() -> None:
+    w = windows(STABLE + [0.4, 0.4])
+    w.add(0.0, "engine/prefill/p9/0", "prefix_cache_hit_rate", 0.95)  # drained an hour's worth of scrapes ago
+    [finding] = run(w).findings
+    assert sorted(finding.evidence["engine_hit_rates"]) == ["p0/0", "p1/0"]
+
+
 def test_a_router_fix_made_after_a_finding_older_than_the_history_opened_is_no_cause() -> None:
     """The run of low points began before the three hours the loop keeps: the finding's opening stands for it."""
     w = windows([0.4] * 20)  # the drop is all the history holds
