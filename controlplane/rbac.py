@@ -28,6 +28,7 @@ __all__ = ["rbac_manifests"]
 # evictions, and the HorizontalPodAutoscalers (a pool one scales is not scaled here too).
 _UNNAMED = (("", "pods"), ("", "pods/eviction"), ("autoscaling", "horizontalpodautoscalers"))
 _REVISIONED = ("Deployment", "Rollout")  # the kinds whose revisions are ReplicaSets
+_LIST_PODS = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}  # what discovery alone needs
 
 
 def _verbs(group: str, resource: str, *, named: bool) -> list[str]:
@@ -54,8 +55,7 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
     # Discovery only lists pods, in its namespace (an engine namespace's pod rule covers it there).
     listing = {config.discovery.namespace} if config.discovery is not None else set()
     if k is None or not pools:
-        return [doc for ns in sorted(listing) for doc in _bound(
-            "Role", service_account, [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}], subject, ns)]
+        return [doc for ns in sorted(listing) for doc in _bound("Role", service_account, [dict(_LIST_PODS)], subject, ns)]
     named: dict[str, dict[tuple[str, str], set[str]]] = {}  # namespace -> (group, resource) -> names
     events: set[str] = {"default"}  # a cordoned node's Events go to `default`
     revisions: set[str] = set()
@@ -97,7 +97,7 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
         rules = [_rule(group, resource, sorted(names)) for (group, resource), names in sorted(named.get(ns, {}).items())]
         rules += [_rule(group, resource) for group, resource in _UNNAMED if ns in engines]
         if ns in listing - engines:
-            rules.append({"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]})
+            rules.append(dict(_LIST_PODS))
         rules += [_rule(group, resource) for (group, resource), wanted in (
             (("apps", "replicasets"), ns in revisions), (("events.k8s.io", "events"), ns in events)) if wanted]
         if lease is not None and ns == lease.namespace:

@@ -417,11 +417,17 @@ def _rolling(kind: str, obj: Mapping[str, Any]) -> bool:
     return updated is not None and int(updated) < existing
 
 
+def _rolled_out(what: str, kind: str, obj: Mapping[str, Any]) -> None:
+    """ActuationError naming `what` where the workload's controller would put a new pod template on none or only
+    some of its pods. A template written there reads as made and settled (`_rolling` counts such pods as left behind
+    on purpose) while no engine, or only some, runs it, so an engine-flag change or a rollback is refused there, as
+    `kubectl rollout undo` refuses a paused Deployment."""
+    if (reason := _held_back(kind, obj)) is not None:
+        raise ActuationError(f"{what} not made: {reason}")
+
+
 def _held_back(kind: str, obj: Mapping[str, Any]) -> str | None:
-    """Why the workload's controller would put a new pod template on none or only some of its pods, or None. A
-    template written there reads as made and settled (`_rolling` counts such pods as left behind on purpose) while no
-    engine, or only some, runs it, so an engine-flag change or a rollback is refused there, as `kubectl rollout undo`
-    refuses a paused Deployment."""
+    """Why the workload's controller would roll a new pod template onto none or only some of its pods, or None."""
     if kind in ("Deployment", "Rollout") and dig(obj, ("spec", "paused")) is True:
         return "it is paused: its controller rolls out no new template until someone resumes it"
     partition: Any = 0
@@ -714,7 +720,7 @@ class KubernetesActuator:
                 obj = await self._read(other)
                 out = [p for p, meta in (await self._pods_of(other, obj)).items()
                        if dig(meta, ("annotations", ACTION_ANNOTATION)) == order.stamp
-                       and self.settings.routing_label not in (meta.get("labels") or {})]
+                       and not self._routed(meta)]
             except _Missing:
                 continue  # no such workload: no engines of it anywhere
             except ActuationError as exc:
@@ -889,9 +895,7 @@ class KubernetesActuator:
             done = _applied(held, order, f"{holder.kind} {holder.namespace}/{holder.name}")
             await self._stamp_follower(order, w, dig(held, ("metadata", "annotations", RESULT_ANNOTATION)))
             return done
-        reason = _held_back(w.kind, obj)
-        if reason is not None:
-            raise ActuationError(f"{describe(change)} on {w.kind} {w.namespace}/{w.name} not made: {reason}")
+        _rolled_out(f"{describe(change)} on {w.kind} {w.namespace}/{w.name}", w.kind, obj)
         _template_as_approved(order, holder, held)
         where = f"{holder.kind} {holder.namespace}/{holder.name}"
         annotations = dict(dig(held, ("metadata", "annotations"), {}) or {})
@@ -946,9 +950,7 @@ class KubernetesActuator:
             return {"aborted": f"Rollout {w.namespace}/{w.name}"}
         if w.kind != "Deployment":
             raise ActuationError(f"rolling back a {w.kind} is not supported: only Deployments and Argo Rollouts")
-        reason = _held_back(w.kind, obj)
-        if reason is not None:
-            raise ActuationError(f"rolling back Deployment {w.namespace}/{w.name} not made: {reason}")
+        _rolled_out(f"rolling back Deployment {w.namespace}/{w.name}", w.kind, obj)
         sets = await self._replica_sets(w, obj)
         if len(sets) < 2:
             raise ActuationError(f"Deployment {w.namespace}/{w.name} has no previous revision to roll back to")
@@ -1097,12 +1099,16 @@ class KubernetesActuator:
             owners.update(dict.fromkeys(there, name))
             if any(self._serves(meta) for p, meta in pods.items() if p not in there):
                 serving.add(name)
-            routed |= {p for p in there if self.settings.routing_label in (pods[p].get("labels") or {})}
+            routed |= {p for p in there if self._routed(pods[p])}
         return _OnNode(owners, unmoved, leaders, serving, routed)
+
+    def _routed(self, meta: Mapping[str, Any]) -> bool:
+        """Whether a pod (as `_pods_of` lists it) carries the routing label."""
+        return self.settings.routing_label in (meta.get("labels") or {})
 
     def _serves(self, meta: Mapping[str, Any]) -> bool:
         """Whether a pod (as `_pods_of` lists it) is ready and routed."""
-        return bool(meta["ready"]) and self.settings.routing_label in (meta.get("labels") or {})
+        return bool(meta["ready"]) and self._routed(meta)
 
     async def _back_in_each(self, order: Order, wait: Mapping[str, Any], pods: Sequence[str]) -> str:
         """`_back_in` for each pool's pods, at that pool's routing value (a cordon's wait names each pod's pool), and
