@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.config import Alerting, AlertReceiver
+from controlplane.config import GROUP_BY_ALL, Alerting, AlertReceiver
 from controlplane.errors import ConfigError
 from controlplane.loop import TickReport
 from controlplane.rules_export import runbook_url
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # Alertmanager's webhook sends Go's zero time as the end of an alert that still fires.
 ZERO_TIME = "0001-01-01T00:00:00Z"
 USER_AGENT = "fleet-controlplane"
+CLOSE_GRACE_S = 15.0  # deliveries still retrying at shutdown: inside the pod's 60 s termination grace period
 
 
 class _Redact(logging.Filter):
@@ -195,9 +196,14 @@ def _route(index: int, receiver: AlertReceiver, env: Mapping[str, str]) -> _Rout
     headers = {"User-Agent": USER_AGENT}
     secrets: list[str] = [raw]
     if receiver.bearer_token_env is not None:
-        token = env.get(receiver.bearer_token_env)
+        # A Secret made from a file (`kubectl create secret --from-file`, `echo tok > f`) ends in a newline: sent as
+        # it is, every request fails on the header and the error quoting it escapes the newline past the scrub.
+        token = env.get(receiver.bearer_token_env, "").strip()
         if not token:
             raise ConfigError("alerting", [f"{where}: environment variable {receiver.bearer_token_env} is not set"])
+        if any(not c.isprintable() for c in token):
+            raise ConfigError("alerting", [f"{where}: {receiver.bearer_token_env} holds control characters no HTTP "
+                                           "header may carry"])
         headers["Authorization"] = f"Bearer {token}"
         secrets.append(token)
     parts = urlsplit(raw)
@@ -258,6 +264,7 @@ class AlertNotifier:
             ["receiver", "result"], registry=self.registry,
         )
         self._current: dict[int, Alert] = {}  # finding id -> its alert while it fires
+        self._seen: float | None = None  # the latest time flushed at
         self._tasks: set[asyncio.Task[None]] = set()
 
     # alerts -----------------------------------------------------------------------------------
@@ -297,7 +304,8 @@ class AlertNotifier:
         self._put(alert, now)
 
     def _put(self, alert: Alert, now: float) -> None:
-        labels = {k: alert.labels[k] for k in self.config.group_by if k in alert.labels}
+        by_all = self.config.group_by == [GROUP_BY_ALL]
+        labels = {k: v for k, v in alert.labels.items() if by_all or k in self.config.group_by}
         key = _group_key(labels)
         for route in self._routes:
             group = route.groups.get(key)
@@ -312,18 +320,34 @@ class AlertNotifier:
         self.observe(report)
         self.flush(report.ts)
 
-    def flush(self, now: float) -> list[Notification]:
-        """Start delivering every notification due at `now` (as tasks of the running event loop); returns them."""
+    def flush(self, now: float, *, pending: bool = False) -> list[Notification]:
+        """Start delivering every notification due at `now` (as tasks of the running event loop), or with `pending`
+        every one whose group changed since its last notice, due or not; returns them."""
+        self._follow_clock(now)
         started = []
         for route in self._routes:
             for group in list(route.groups.values()):
-                if group.in_flight or now < group.next_flush:
+                if group.in_flight or (now < group.next_flush and not pending):
                     continue
                 group.next_flush = now + self.config.group_interval
                 note = self._prepare(route, group, now)
                 if note is not None:
                     started.append(note)
         return started
+
+    def _follow_clock(self, now: float) -> None:
+        """Move the groups' timers back with a clock that stepped back (as the loop drops its later points): kept as
+        they were, every pending notice would wait out the step, a resolution for as long as the clock was ahead."""
+        back = (self._seen - now) if self._seen is not None else 0.0
+        self._seen = now
+        if back <= 0:
+            return
+        log.warning("alert timers moved back %.0fs with the clock", back)
+        for route in self._routes:
+            for group in route.groups.values():
+                group.next_flush -= back
+                if group.sent is not None:
+                    group.sent = replace(group.sent, at=group.sent.at - back)
 
     def _prepare(self, route: _Route, group: _Group, now: float) -> Notification | None:
         firing = frozenset(fp for fp, a in group.alerts.items() if a.ends_at is None)
@@ -437,8 +461,22 @@ class AlertNotifier:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def aclose(self) -> None:
-        """Finish the deliveries in flight and close the HTTP client if it is ours."""
-        await self.drain()
+    def hand_over(self) -> list[Notification]:
+        """Send every change not yet told, due or not: a replica that stops acting (shutdown, the Lease lost) holds
+        the only record of them, and its successor restores only the findings still open, so a resolution waiting
+        for its group's interval would never reach the receivers."""
+        return self.flush(self._seen, pending=True) if self._seen is not None else []
+
+    async def aclose(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Hand the pending changes over, give the deliveries in flight `grace_s` (a dead receiver's retries would
+        outlast the pod's termination grace period), and close the HTTP client if it is ours."""
+        self.hand_over()
+        if self._tasks:
+            _, late = await asyncio.wait(list(self._tasks), timeout=grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            if late:
+                log.warning("stopped with %d alert notification(s) undelivered after %gs", len(late), grace_s)
         if self._own_client:
             await self._client.aclose()

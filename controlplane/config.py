@@ -438,6 +438,7 @@ class Server(Settings):
 
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+GROUP_BY_ALL = "..."  # Alertmanager's group_by value for one group per distinct label set
 
 
 class AlertReceiver(Settings):
@@ -466,12 +467,23 @@ class Alerting(Settings):
     """Alert delivery to webhook receivers, grouped and timed as Alertmanager does."""
 
     receivers: list[AlertReceiver] = Field(min_length=1)
-    group_by: list[str] = Field(default_factory=lambda: ["alertname", "pool"])
+    group_by: list[str] = Field(default_factory=lambda: ["alertname", "pool"])  # label names, or `...` for all
     group_wait: NonNegativeSeconds = 30.0  # before a new group's first notice
     group_interval: Seconds = 300.0  # between notices about changes of one group
     repeat_interval: Seconds = 4 * 3600.0  # before an unchanged firing group is sent again
     runbook_base_url: str | None = Field(None, pattern=r"^https?://")  # runbook_url = <base>/<kind>
     external_url: str | None = Field(None, pattern=r"^https?://")  # the dashboard, for externalURL and generatorURL
+
+    @field_validator("group_by")
+    @classmethod
+    def _label_names(cls, v: list[str]) -> list[str]:
+        # Alertmanager's rules: label names, or its `...` (one group per label set) alone.
+        if GROUP_BY_ALL in v and len(v) > 1:
+            raise ValueError(f"{GROUP_BY_ALL!r} groups by every label: it cannot be given with other labels")
+        bad = [name for name in v if name != GROUP_BY_ALL and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)]
+        if bad:
+            raise ValueError(f"{', '.join(map(repr, bad))}: not a label name")
+        return v
 
     @model_validator(mode="after")
     def _unique_names(self) -> Alerting:

@@ -421,26 +421,33 @@ class ControlLoop:
             report.errors["clock"] = (f"the clock stepped back {self.last_tick_at - now:.0f}s behind the last tick: "
                                       f"{dropped} point(s) stamped after now dropped")
             log.warning("%s", report.errors["clock"])
-        with self.telemetry.span("tick", ts=now):
-            await self._observe(now, report)
-            pools = await self._pools(now, report)
-            inp, proposals = await self._detect(now, pools, report)
-            proposals += await self._size(inp, report)
-            await self._store_derived()
-            await self._act(now, pools, proposals, report)
-            await self._judge_outcomes(now, pools, report)
-            await self._compact(now)
+        try:
+            with self.telemetry.span("tick", ts=now):
+                await self._observe(now, report)
+                pools = await self._pools(now, report)
+                inp, proposals = await self._detect(now, pools, report)
+                proposals += await self._size(inp, report)
+                await self._store_derived()
+                await self._act(now, pools, proposals, report)
+                await self._judge_outcomes(now, pools, report)
+                await self._compact(now)
+        finally:
+            # A finding opened or resolved before a later step failed is in the store, and no later tick reports it
+            # again: the hook hears what the tick did either way.
+            await self._report(report)
         report.duration_s = time.perf_counter() - wall
         self.telemetry.tick_duration.observe(report.duration_s)
         self.telemetry.ticks.inc()
         self.telemetry.last_tick.set(now)
         self.last_tick_at = now
+        return report
+
+    async def _report(self, report: TickReport) -> None:
         if self.on_report is not None:
             try:
                 await self.on_report(report)
             except Exception:  # a broken hook must not take detection and actions down with it
                 log.exception("tick report hook failed")
-        return report
 
     # observe ----------------------------------------------------------------------------------
 

@@ -249,6 +249,8 @@ async def _serve(config: FleetConfig, store: Store, client: httpx.AsyncClient, t
             loop.telemetry.leader.set(0)
             if not stop.is_set():
                 log.warning("no longer leading: standing by")
+                if notifier is not None:
+                    notifier.hand_over()  # the next leader restores only what is still open
     finally:
         contending.cancel()
         await asyncio.gather(contending, return_exceptions=True)

@@ -10,11 +10,13 @@ break a tick of the real loop; no token, password or URL secret in any log line;
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +30,7 @@ from controlplane.actuators.dryrun import DryRunActuator
 from controlplane.alerting import ZERO_TIME, AlertNotifier, rfc3339
 from controlplane.clock import VirtualClock
 from controlplane.config import Alerting, parse_config
-from controlplane.errors import ConfigError
+from controlplane.errors import ConfigError, StoreUnavailable
 from controlplane.loop import ControlLoop, TickReport
 from controlplane.observe import Observation
 from controlplane.store.records import FindingRecord, NewFinding
@@ -305,6 +307,10 @@ def test_the_fleet_file_alerting_section() -> None:
     for receivers, problem in bad:
         with pytest.raises(ConfigError, match=problem):
             parse_config(base + f"alerting:\n  receivers: {receivers}\n")
+    for group_by, problem in (("['...', pool]", "cannot be given with other labels"),
+                              ("[pool, 'team-a']", "'team-a': not a label name")):
+        with pytest.raises(ConfigError, match=problem):
+            parse_config(base + f"alerting:\n  receivers: [{{name: a, url: 'https://a.test/'}}]\n  group_by: {group_by}\n")
 
 
 # through the real loop ----------------------------------------------------------------------
@@ -429,3 +435,103 @@ async def test_a_take_over_hands_the_open_findings_to_alert_delivery_inside_its_
     await loop.start()
     assert seen == [([left.id], ("taking over", T0), T0)]
     assert loop.busy is None
+
+
+async def test_group_by_dots_gives_every_label_set_its_own_group(receiver: Receiver) -> None:
+    # Alertmanager's `...`: read as a label name no alert carries, it once put the whole fleet in one group.
+    n = notifier(alerting(receiver.url, group_wait=0, group_by=["..."]))
+    await step(n, T0, opened=[finding(1, "kv_transfer_lag", "engine/decode/d0/0"),
+                              finding(2, "kv_transfer_lag", "engine/decode/d0/1")])
+    assert len(receiver.payloads) == 2
+    assert all(len(p["alerts"]) == 1 and p["groupLabels"] == p["alerts"][0]["labels"] for p in receiver.payloads)
+    await n.aclose()
+
+
+async def test_a_bearer_token_from_a_file_loses_its_newline_and_a_control_character_is_refused(
+    receiver: Receiver, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Sent with its newline, every request failed on the header, and the error quoting it escaped the newline past
+    # the scrub: the token reached the log at every retry.
+    caplog.set_level(logging.DEBUG)
+    config = alerting(receiver.url, group_wait=0, receiver={"bearer_token_env": "PAGER_TOKEN"})
+    n = notifier(config, env={"PAGER_TOKEN": TOKEN + "\n"})
+    await step(n, T0, opened=[finding(1, "saturation", "pool/decode")])
+    await n.aclose()
+    assert count(n, "sent") == 1 and receiver.requests[0]["headers"]["Authorization"] == f"Bearer {TOKEN}"
+    assert TOKEN not in caplog.text
+    with pytest.raises(ConfigError, match="PAGER_TOKEN holds control characters"):
+        notifier(config, env={"PAGER_TOKEN": "tok\x00en"})
+
+
+async def test_a_resolution_waiting_for_its_interval_is_sent_when_the_replica_stops_or_stands_by(
+    receiver: Receiver,
+) -> None:
+    # The successor restores only the findings still open: a resolution left waiting in memory would never be told.
+    f = finding(7, "saturation", "pool/decode")
+    for stop in ("aclose", "hand_over"):
+        receiver.requests.clear()
+        n = notifier(alerting(receiver.url, group_wait=0))  # group_interval 5m
+        await step(n, T0, opened=[f])
+        await step(n, T0 + 100, resolved=[f])  # due at T0 + 300
+        assert [p["status"] for p in receiver.payloads] == ["firing"]
+        if stop == "hand_over":
+            assert len(n.hand_over()) == 1
+            assert n.hand_over() == [], "a change is handed over once"
+        await n.aclose()
+        assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"], stop
+
+
+async def test_stopping_gives_a_dead_receivers_retries_a_bounded_grace() -> None:
+    hole = socket.socket()  # connections complete in the kernel; nothing ever answers
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    config = Alerting.model_validate({"receivers": [
+        {"name": "pager", "url": f"http://127.0.0.1:{hole.getsockname()[1]}/", "timeout": 0.2, "retries": 6}],
+        "group_wait": 0})
+    n = AlertNotifier(config, registry=CollectorRegistry(), backoff_s=0.5)  # all retries: about 33 s
+    try:
+        await n.on_report(TickReport(ts=T0, opened=[finding(1, "gpu_health", "gpu/node-a/0")]))
+        wall = time.monotonic()
+        await asyncio.wait_for(n.aclose(grace_s=0.5), 10)
+        assert time.monotonic() - wall < 3
+    finally:
+        hole.close()
+
+
+async def test_alert_timers_follow_a_clock_that_steps_back(receiver: Receiver) -> None:
+    # Kept as they were, a resolution after a one-hour step back waited out the hour.
+    n = notifier(alerting(receiver.url, group_wait=0))
+    f = finding(1, "saturation", "pool/decode")
+    await step(n, T0, opened=[f])
+    await step(n, T0 - 3600, resolved=[f])
+    for ts in range(60, 360, 60):
+        await step(n, T0 - 3600 + ts)
+    assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"]
+    await n.aclose()
+
+
+async def test_a_tick_that_fails_after_resolving_a_finding_still_tells_the_receivers(
+    receiver: Receiver, sqlite_store: SqlStore,
+) -> None:
+    # The finding is resolved in the store, so no later tick reports it again: the hook must hear it from this one.
+    policy = Scripted()
+    loop, clock = loop_with(sqlite_store, policy)
+    n = notifier(alerting(receiver.url, group_wait=0, group_interval="1m"))
+    loop.on_report = n.on_report
+    await loop.start()
+    policy.firing = {"pool/decode": Severity.WARNING}
+    await loop.tick()
+    await n.drain()
+    clock.advance(60)
+    policy.firing = {}
+
+    async def cut_off(*args: Any, **kw: Any) -> Any:
+        raise StoreUnavailable("connection reset by peer")
+
+    loop._compact = cut_off  # type: ignore[method-assign]  # the tick's last step
+    with pytest.raises(StoreUnavailable):
+        await loop.tick()
+    await n.drain()
+    assert await loop.store.open_findings() == []
+    assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"]
+    await n.aclose()
