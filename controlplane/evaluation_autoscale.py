@@ -99,31 +99,37 @@ class MinuteMeter:
         self.replicas: list[tuple[float, dict[str, int]]] = []
         self.arrivals: dict[int, int] = {}  # requests that arrived, per minute
         self._arrived = fleet.arrived
+        self._departed = len(fleet.departed)
 
     def sample(self, fleet: SimFleet) -> None:
-        """Count what finished since the last sample and the GPUs held meanwhile."""
+        """Count what finished since the last sample and the GPUs held meanwhile: each engine from when it was asked
+        for (or the last sample) until now, or until it left, with what it served before it left."""
         now = fleet.now
         minute = max(0, math.ceil((now - self.start) / 60.0) - 1)
         held = {pool: len(ms) for pool, ms in fleet.members.items()}
-        self.gpu_s += sum(n * self.gpus.get(pool, 1) for pool, n in held.items()) * (now - self._t)
+        gone = fleet.departed[self._departed:]
+        self._departed = len(fleet.departed)
+        counted = [(pool, m) for pool, ms in fleet.members.items() for m in ms] + gone
+        self.gpu_s += sum(self.gpus.get(pool, 1) * max(0.0, (m.gone_at if m.gone_at is not None else now)
+                                                         - max(self._t, m.asked_at)) for pool, m in counted)
         self._t = now
         self.replicas.append((now - self.start, held))
         self.arrivals[minute] = self.arrivals.get(minute, 0) + fleet.arrived - self._arrived
         self._arrived = fleet.arrived
-        for pool, members in fleet.members.items():
-            for m in members:
-                if m.ready_at > now:
-                    continue
-                for metric, hist in METRICS.items():
-                    counts = np.sum([r.hists[hist].counts for r in m.engine.ranks], axis=0)
-                    key = (m.pod, metric)
-                    last = self._last.get(key)
-                    # Not `histogram_increase`: these are the engine's own per-bucket counts, read every scrape for
-                    # every engine, and an engine's first reading is all it served since it became ready.
-                    delta = counts if last is None or (counts < last).any() else counts - last
+        for pool, m in counted:
+            if m.ready_at > now:
+                continue
+            for metric, hist in METRICS.items():
+                counts = np.sum([r.hists[hist].counts for r in m.engine.ranks], axis=0)
+                key = (m.pod, metric)
+                last = self._last.pop(key, None) if m.gone_at is not None else self._last.get(key)
+                # Not `histogram_increase`: these are the engine's own per-bucket counts, read every scrape for
+                # every engine, and an engine's first reading is all it served since it became ready.
+                delta = counts if last is None or (counts < last).any() else counts - last
+                if m.gone_at is None:
                     self._last[key] = counts
-                    slot = (pool, metric, minute)
-                    self.counts[slot] = self.counts.get(slot, 0) + delta
+                slot = (pool, metric, minute)
+                self.counts[slot] = self.counts.get(slot, 0) + delta
 
     def p95(self, pool: str, metric: str, minute: int) -> float | None:
         """The minute's p95 of one pool's metric; None when nothing finished."""

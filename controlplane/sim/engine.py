@@ -361,6 +361,9 @@ class SimEngine:
                 if victim in decoders:
                     decoders.remove(victim)
             need = self._growth(decoders, k, per_seq)
+        # A prompt whose blocks went to decode growth is back in the queue with nothing computed: it has no first
+        # token. (vLLM's scheduler admits nothing in a step that preempts; here the step keeps its time.)
+        done_prefill = [r for r in done_prefill if r in self.running]
         if not chunks and not decoders:
             if not self.running:  # everything waits for blocks nobody holds: a stall until `until`
                 self.t = until
@@ -402,9 +405,11 @@ class SimEngine:
         stats = self.ranks[r.rank]
         before = r.generated
         if r.first_token is None:  # remote KV: the first decode iteration is the first token
-            r.first_token = self.t
+            # The first of the `k` steps run at once, not the last: stamped at the end of a bulk run, a decode
+            # worker's TTFT read as up to the whole run (the simulator's refresh window), not one step.
+            r.first_token = self.t - (k - 1) * step
             # A decode worker counts from when the request reached it, after the KV handoff.
-            stats.hists["vllm:time_to_first_token_seconds"].observe(self.t - (r.handoff_at or r.arrival))
+            stats.hists["vllm:time_to_first_token_seconds"].observe(r.first_token - (r.handoff_at or r.arrival))
             stats.add("vllm:prompt_tokens", r.input_tokens)
         r.generated = min(float(r.output_tokens), r.generated + k * per_seq)
         tokens = r.generated - before

@@ -132,6 +132,8 @@ class Member:
     gpu: GpuState = field(default_factory=GpuState)
     urls: dict[str, str] = field(default_factory=dict)
     inflight: int = 0  # KV transfers on their way to this decode worker
+    asked_at: float = 0.0  # when the fleet asked for it: its GPU is held from then
+    gone_at: float | None = None  # when it left the fleet, drained
 
     @property
     def load(self) -> int:
@@ -175,6 +177,8 @@ class SimFleet:
         self._serial: dict[str, int] = {}
         self._models: dict[str, PerfModel] = {}
         self.members: dict[str, list[Member]] = {p.name: [] for p in spec.pools}
+        # Engines drained and gone, in order: what they served and held since a meter's last look is still counted.
+        self.departed: list[tuple[str, Member]] = []
         self.pool_specs = {p.name: p for p in spec.pools}
         self.desired = {p.name: p.replicas for p in spec.pools}
         self.routers: dict[str, Router] = {}
@@ -215,7 +219,7 @@ class SimFleet:
         engine = SimEngine(pool.name, pod, self._model(pool), config, now=self.now, spec=pool.spec, moe=moe,
                            on_prefilled=self._handoff)
         engine.slowdown = slowdown
-        member = Member(engine, pool.role, ready_at, version)
+        member = Member(engine, pool.role, ready_at, version, asked_at=self.now)
         member.transfer.link_free_at = self.now
         member.gpu.last_t = self.now
         self.members[pool.name].append(member)
@@ -394,14 +398,21 @@ class SimFleet:
                 if dt <= 0:
                     continue
                 g.utilization = min(1.0, (e.busy_s - g.last_busy_s) / dt)
-                g.last_busy_s, g.last_t = e.busy_s, self.now
+                # An iteration that ends past the window puts its excess in this window's busy time: carried to the
+                # next window, not clamped away (a saturated GPU read 0 % in the window after).
+                g.last_busy_s, g.last_t = g.last_busy_s + g.utilization * dt, self.now
                 g.energy_j += sum(g.power_w(a) for a in m.rank_activity()) * dt
                 if g.throttled:  # clocks held down for most of the window
                     g.thermal_violation_s += 0.6 * dt
 
     def _reap(self) -> None:
         for pool, ms in self.members.items():
-            self.members[pool] = [m for m in ms if not (m.draining and m.engine.idle() and m.transfer.link_free_at <= self.now)]
+            gone = [m for m in ms if m.draining and m.engine.idle() and m.transfer.link_free_at <= self.now]
+            if gone:
+                self.members[pool] = [m for m in ms if m not in gone]
+                for m in gone:
+                    m.gone_at = self.now
+                    self.departed.append((pool, m))
 
     def _arrivals_until(self, stop: float) -> None:
         while self._next is not None and self.t0 + self._next.arrival_s <= stop:
@@ -494,7 +505,7 @@ class SimFleet:
 
     def _deliver(self, req: SimRequest, member: Member, t: float) -> None:
         member.inflight -= 1
-        if member.draining and member.engine.idle():
-            return
+        # A draining worker serves the KV already sent to it (it is kept until it lands): dropped, the request
+        # vanished with no error counted anywhere.
         member.engine.run_until(t)
         member.engine.submit(req)

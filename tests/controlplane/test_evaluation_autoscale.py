@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from catalog.fleet import Role
 from collectors.types import Signal
 from controlplane.evaluation_autoscale import (
     METRICS,
@@ -30,7 +31,9 @@ from controlplane.evaluation_autoscale import (
 )
 from controlplane.evaluation_chart import autoscale_chart
 from controlplane.sim.engine import HISTOGRAMS
+from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet
 from controlplane.sim.scenario import builtin_scenarios, load_scenario
+from controlplane.sim.traces import Request
 from controlplane.store import migrate
 from controlplane.store.writer import SqlStore
 
@@ -257,3 +260,26 @@ pools:
     bad = subprocess.run([sys.executable, "-m", "controlplane.cli", "autoscale", "plan", "--config", str(config), "--db",
                           db, "--pool", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 3 and "nope is not a pool" in bad.stderr
+
+
+def test_the_meter_charges_an_engine_from_its_ask_and_counts_what_a_drained_engine_served() -> None:
+    # Asked for in a tick, an engine was charged from the sample before; reaped between two samples, an engine's
+    # last requests reached no minute's p95 and its last seconds no GPU-hour.
+    fleet = SimFleet(FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 2, startup_s=60.0),)),
+                     [Request(1.0 + 0.01 * i, 1000, 600) for i in range(40)])
+    meter = MinuteMeter(fleet, 0.0, {"u": 1})
+    engines = [m.engine for m in fleet.members["u"]]
+    fleet.advance_to(2.0)
+    meter.sample(fleet)
+    fleet.scale("u", 1)
+    for t in range(15, 121, 15):
+        fleet.advance_to(float(t))
+        if t == 30:
+            fleet.scale("u", 2)  # asked for at 30 s, sampled at once
+        meter.sample(fleet)
+    [gone] = fleet.departed
+    assert gone[1].gone_at is not None and gone[1].gone_at < 120
+    served = sum(int(np.sum(e.ranks[0].hists["vllm:request_time_per_output_token_seconds"].counts)) for e in engines)
+    assert served == 40
+    assert sum(int(np.sum(c)) for (_, metric, _), c in meter.counts.items() if metric == "tpot") == served
+    assert meter.gpu_s == pytest.approx(120.0 + gone[1].gone_at + 90.0)
