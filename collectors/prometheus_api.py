@@ -43,6 +43,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from urllib3.util.retry import Retry
 
 from catalog.fleet import Role
+from catalog.redaction import without_credentials
 from collectors.derive import share_above
 from collectors.types import Objectives, Signal, Target, engine_subject, pool_subject
 
@@ -428,6 +429,7 @@ class PrometheusSource:
         retries: int = 1,
     ) -> None:
         self.url = url
+        self.shown = without_credentials(url)  # basic auth rides in the URL: never in a message
         self.labels = labels or Labels()
         self.mode = CounterMode(mode)
         self._matchers = [(_label_name(k), "=", v) for k, v in sorted((selector or {}).items())]
@@ -452,18 +454,21 @@ class PrometheusSource:
         except PrometheusApiClientException as exc:
             status = _http_status(exc)
             kind = QueryFailed if status is not None and 400 <= status < 500 and status != 429 else PrometheusUnavailable
-            raise kind(f"Prometheus at {self.url} answered HTTP {status}: {_api_error(exc)}", query=expr,
+            raise kind(f"Prometheus at {self.shown} answered HTTP {status}: {_api_error(exc)}", query=expr,
                        status=status) from None
         except requests.exceptions.JSONDecodeError as exc:
-            raise QueryFailed(f"Prometheus at {self.url} answered a body that is not JSON: {exc}", query=expr) from None
+            why = without_credentials(str(exc))
+            raise QueryFailed(f"Prometheus at {self.shown} answered a body that is not JSON: {why}", query=expr) from None
         except (requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError) as exc:
-            raise PrometheusUnavailable(f"Prometheus at {self.url} unreachable: {type(exc).__name__}: {shorten(str(exc), 200)}",
+            why = shorten(without_credentials(str(exc)), 200)
+            raise PrometheusUnavailable(f"Prometheus at {self.shown} unreachable: {type(exc).__name__}: {why}",
                                         query=expr) from None
         except requests.RequestException as exc:
-            raise PrometheusUnavailable(f"request to Prometheus at {self.url} failed: {type(exc).__name__}: {exc}",
+            why = without_credentials(str(exc))
+            raise PrometheusUnavailable(f"request to Prometheus at {self.shown} failed: {type(exc).__name__}: {why}",
                                         query=expr) from None
         except (KeyError, TypeError) as exc:
-            raise QueryFailed(f"Prometheus at {self.url} answered without data.result ({exc!r})", query=expr) from None
+            raise QueryFailed(f"Prometheus at {self.shown} answered without data.result ({exc!r})", query=expr) from None
         return _parse_result(result, expr)
 
     # signals ----------------------------------------------------------------------------------

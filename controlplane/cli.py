@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -23,6 +25,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from catalog.redaction import without_credentials
 from controlplane.errors import FleetError
 from controlplane.store.records import MAX_ID
 
@@ -184,10 +187,11 @@ def run(config_file: Path, db: str | None, once: bool) -> None:
 def demo(minutes: float, db: str, no_pace: bool, as_json: bool) -> None:
     """Simulated fleet, injected prefix-cache fault, the loop finding it and acting."""
     from controlplane.demo import run_demo
+    from controlplane.store.db import redact
 
     summary = asyncio.run(run_demo(minutes, db, err, pace=not no_pace))
     if as_json:
-        _emit_json({"ok": summary.ok, "db": db, "ticks": summary.ticks, "sim_seconds": summary.sim_seconds,
+        _emit_json({"ok": summary.ok, "db": redact(db), "ticks": summary.ticks, "sim_seconds": summary.sim_seconds,
                     "wall_seconds": round(summary.wall_seconds, 1), "findings": summary.findings,
                     "actions": summary.actions})
     else:
@@ -208,7 +212,7 @@ def demo(minutes: float, db: str, no_pace: bool, as_json: bool) -> None:
         out.print(a)
         # As it was run: `make demo` runs .venv/bin/fleetctl, which is not on the PATH.
         exe = sys.argv[0] if Path(sys.argv[0]).name == "fleetctl" else "fleetctl"
-        out.print(f"Open the dashboard: [bold]{exe} dashboard --db {db}[/]")
+        out.print(f"Open the dashboard: [bold]{exe} dashboard --db {redact(db)}[/]")
     sys.exit(0 if summary.ok else 1)
 
 
@@ -315,22 +319,28 @@ def resume(db: str) -> None:
 ACTION_ID = click.IntRange(1, MAX_ID)  # as the store holds them
 
 
+# Also after the subcommand, as the dashboard and the runbooks write it (`fleetctl actions approve 7 --db URL`).
+_DECISION_DB = click.option("--db", "own_db", default=None, help="Store URL (default: the actions group's --db).")
+
+
 @actions.command("approve")
 @click.argument("action_id", type=ACTION_ID)
 @click.option("--by", default=lambda: os.environ.get("USER", "operator"), help="Who approves (audit log).")
+@_DECISION_DB
 @click.pass_obj
-def actions_approve(db: str, action_id: int, by: str) -> None:
+def actions_approve(db: str, action_id: int, by: str, own_db: str | None) -> None:
     """Approve a proposed action; the loop runs it on its next tick."""
-    _decide(db, action_id, True, by)
+    _decide(own_db or db, action_id, True, by)
 
 
 @actions.command("reject")
 @click.argument("action_id", type=ACTION_ID)
 @click.option("--by", default=lambda: os.environ.get("USER", "operator"))
+@_DECISION_DB
 @click.pass_obj
-def actions_reject(db: str, action_id: int, by: str) -> None:
+def actions_reject(db: str, action_id: int, by: str, own_db: str | None) -> None:
     """Reject a proposed action."""
-    _decide(db, action_id, False, by)
+    _decide(own_db or db, action_id, False, by)
 
 
 @cli.command()
@@ -473,6 +483,7 @@ def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: boo
     """Serve a scenario's simulated fleet over loopback and run the control loop against it."""
     from controlplane.sim.run import Timeline, run_scenario
     from controlplane.sim.scenario import load_scenario
+    from controlplane.store.db import redact
 
     sc = load_scenario(scenario)
     sc.check()
@@ -484,12 +495,12 @@ def sim_run(scenario: str, speed: float | None, db: str, mode: str, as_json: boo
 
     run = asyncio.run(run_scenario(sc, db, mode=mode, speed=speed, on_tick=show))
     summary = {"scenario": sc.name, "ticks": run.ticks, "simulated_s": run.elapsed, "wall_s": round(run.wall_s, 2),
-               "engines": len(run.fleet.serving()), "requests": run.fleet.arrived, "events": run.events, "db": db}
+               "engines": len(run.fleet.serving()), "requests": run.fleet.arrived, "events": run.events, "db": redact(db)}
     if as_json:
         _emit_json(summary)
     else:
         out.print(f"{sc.name}: {run.ticks} ticks, {run.elapsed / 60:.0f} fleet minutes in {run.wall_s:.1f} s; "
-                  f"findings in {db} (fleetctl findings --all --db {db})")
+                  f"findings in {redact(db)} (fleetctl findings --all --db {redact(db)})")
 
 
 @cli.command("eval")
@@ -888,6 +899,9 @@ def gate(ctx: click.Context, pool: str | None, baseline: str | None, canary: str
     if missing:
         raise click.UsageError(f"{', '.join(missing)} required (or a subcommand: eval)")
     assert pool is not None and baseline is not None and canary is not None
+    if start is not None and not (math.isfinite(start) and start <= time.time() + 60.0):
+        # A start ahead made the gate wait for it in silence (epoch milliseconds: for decades); NaN judged forever.
+        raise click.BadParameter(f"{start:g} is not a time up to now in epoch seconds", param_hint="--start")
     if out_file is not None and not os.access(out_file.parent, os.W_OK):
         # Checked before the gate runs (up to its window): a verdict whose report cannot be written loses its exit code.
         raise click.BadParameter(f"{out_file}: its folder does not exist or cannot be written", param_hint="--out")
@@ -917,6 +931,18 @@ def gate(ctx: click.Context, pool: str | None, baseline: str | None, canary: str
     sys.exit(EXIT_CODES[verdict.outcome])
 
 
+def _http_url(url: str) -> bool:
+    """Whether `url` is an http(s) URL with a host, and a port that is a number if it has one."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a port that is no number
+    except ValueError:  # an unclosed IPv6 bracket, too
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def _g(v: float | None) -> str:
     return "-" if v is None else f"{v:.4g}"
 
@@ -941,6 +967,13 @@ async def _gate(pool: str, baseline: str, canary: str, gate_file: Path | None, m
     from policies.canary import GateSettings, step_problem
 
     cfg = load_config(fleet_file) if fleet_file else None
+    if cfg is not None and pool not in {p.name for p in cfg.pools}:
+        # Read as no data, a mistyped pool held the gate its whole window and then said inconclusive.
+        raise click.BadParameter(f"{pool!r} is not a pool of {fleet_file} (its pools: "
+                                 f"{', '.join(p.name for p in cfg.pools)})", param_hint="--pool")
+    if prometheus_url is not None and not _http_url(prometheus_url):
+        raise click.BadParameter(f"{without_credentials(prometheus_url)!r} is not an http(s) URL with a host",
+                                 param_hint="--prometheus-url")
     text = gate_file.read_text() if gate_file else None  # noqa: ASYNC240 (read once, before the gate starts)
     if text is not None:
         settings = parse_yaml(text, GateSettings, str(gate_file))

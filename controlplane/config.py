@@ -630,6 +630,9 @@ def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
         raise ConfigError(source, [f"{where}not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
     if not isinstance(data, dict):
         raise ConfigError(source, [f"expected a mapping at the top level, got {type(data).__name__}"])
+    if twice := _repeated_keys(root):
+        # YAML keeps the last of two: a `rails:` block appended below a tightened one would undo it in silence.
+        raise ConfigError(source, twice)
     try:
         valid = model.model_validate(data)
     except ValidationError as exc:
@@ -647,6 +650,24 @@ def parse_yaml(text: str, model: type[_M], source: str = "<string>") -> _M:
     if together:
         raise ConfigError(source, [f"{_path(loc)}{_where(root, loc)}: {msg}" for loc, msg in together])
     return valid
+
+
+def _repeated_keys(node: yaml.Node | None, path: tuple[int | str, ...] = ()) -> list[str]:
+    """Every key given twice in one mapping, with both lines."""
+    out: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if key.value in first:
+                    out.append(f"{_path((*path, key.value))} (line {line}): given again, after line {first[key.value]}")
+                first.setdefault(key.value, line)
+                out += _repeated_keys(value, (*path, key.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += _repeated_keys(item, (*path, i))
+    return out
 
 
 def _masked(value: object) -> str:

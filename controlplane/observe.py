@@ -138,7 +138,7 @@ class PrometheusApiSource:
         try:
             out = await asyncio.to_thread(self.source.signals, now, self.window_s, self.pools, self.objectives)
         except PrometheusError as exc:
-            raise MetricSourceUnavailable(f"Prometheus at {self.source.url}: {exc}") from exc
+            raise MetricSourceUnavailable(f"Prometheus at {self.source.shown}: {exc}") from exc
         missing: dict[str, list[str]] = {}
         for m in out.missing:
             missing.setdefault(f"prometheus/{m.scope}", []).append(m.signal)
@@ -183,7 +183,7 @@ class PrometheusTargets:
         try:
             return await asyncio.to_thread(self.source.discover_targets, self.now(), roles=self.roles)
         except PrometheusError as exc:
-            raise MetricSourceUnavailable(f"Prometheus at {self.source.url}: {exc}") from exc
+            raise MetricSourceUnavailable(f"Prometheus at {self.source.shown}: {exc}") from exc
 
 
 class ClockNow(Protocol):

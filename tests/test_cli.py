@@ -99,11 +99,24 @@ def test_a_defect_exits_70_not_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest
       "--canary", "pod=~.*canary.*"], "no canary target matches its selector 'pool=decode,pod=~.*canary.*'"),
     (["--source", "targets", "--fleet", "deploy/fleet.example.yaml", "--start", "1000"],
      "--source targets reads the pods live and keeps no history"),
+    # A start ahead waited for it in silence (epoch milliseconds: decades); NaN judged forever.
+    (["--start", str(int(time.time() * 1000))], "Invalid value for --start"),
+    (["--start", "nan"], "nan is not a time up to now"),
+    # A mistyped pool read as no data for the whole window, then inconclusive.
+    (["--fleet", "deploy/fleet.example.yaml", "--pool", "decod"], "'decod' is not a pool of"),
+    (["--source", "prometheus", "--prometheus-url", "http://[::1"], "is not an http(s) URL with a host"),
 ])
 def test_a_gate_asked_wrongly_exits_3_not_as_a_failed_canary(tmp_path: Path, args: list[str], says: str) -> None:
     arms = [] if "--baseline" in args else ["--baseline", "pod=a", "--canary", "pod=b"]
     res = fleetctl("gate", "--pool", "decode", *arms, *args, "--db", f"sqlite:///{tmp_path / 'gate.db'}")
     assert res.returncode == 3 and says in res.stderr, res.stderr
+
+
+def test_credentials_in_a_prometheus_url_are_never_printed(tmp_path: Path) -> None:
+    # Basic auth rides in the URL (the fleet file's prometheus section has no other way): every error quoted it.
+    res = fleetctl("gate", "--pool", "decode", "--baseline", "pod=a", "--canary", "pod=b", "--source", "prometheus",
+                   "--prometheus-url", "http://gate:s3cret-pw@127.0.0.1:9", "--start", str(int(time.time()) - 3600))
+    assert res.returncode == 3 and "unreachable" in res.stderr and "s3cret-pw" not in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("kind", ["prefix_cache_hit_drop", "kv_transfer_lag"])
@@ -116,11 +129,15 @@ def test_runbook_lists_and_prints(kind: str) -> None:
 
 def test_db_commands(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'x.db'}"
-    assert fleetctl("db", "current", "--db", db).returncode == 1  # not migrated: a negative result
+    # A file that is not there is told, not made: a mistyped path left an empty database behind.
+    for read in (["db", "current"], ["findings"], ["actions"]):
+        res = fleetctl(*read, "--db", db)
+        assert res.returncode == 4 and "no such file" in res.stderr and not (tmp_path / "x.db").exists(), read
     assert fleetctl("db", "upgrade", "--db", db).returncode == 0
     cur = fleetctl("db", "current", "--db", db, "--json")
     assert cur.returncode == 0 and json.loads(cur.stdout)["up_to_date"] is True
     assert fleetctl("db", "downgrade", "--db", db, "--revision", "base").returncode == 0
+    assert fleetctl("db", "current", "--db", db).returncode == 1  # not migrated: a negative result
     res = fleetctl("findings", "--db", db)
     assert res.returncode == 4 and "fleetctl db upgrade" in res.stderr
 
@@ -157,8 +174,9 @@ def test_approve_and_reject(tmp_path: Path) -> None:
     store = SqlStore.open(db)
     ids = [store.create_action(NewAction(None, "scale_pool", pool, {}, "propose", "r"), 1.0).id for pool in "pq"]
     store.close()
+    # As the group's option, and after the id as the dashboard and the runbooks write it.
     assert fleetctl("actions", "--db", db, "approve", str(ids[0]), "--by", "alice").returncode == 0
-    assert fleetctl("actions", "--db", db, "reject", str(ids[1]), "--by", "bob").returncode == 0
+    assert fleetctl("actions", "reject", str(ids[1]), "--by", "bob", "--db", db).returncode == 0
     again = fleetctl("actions", "--db", db, "approve", str(ids[1]))
     assert again.returncode == 3 and "not awaiting approval (it is rejected)" in again.stderr
     missing = fleetctl("actions", "--db", db, "approve", "99")

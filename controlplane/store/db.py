@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
@@ -35,8 +36,9 @@ def redact(url: str) -> str:
     return parsed.update_query_dict(secret).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
-def make_engine(url: str, *, check: bool = True) -> Engine:
-    """An engine for `url`; with `check`, a connection is tried so failures surface early."""
+def make_engine(url: str, *, check: bool = True, existing: bool = False) -> Engine:
+    """An engine for `url`; with `check`, a connection is tried so failures surface early; with `existing`, a SQLite
+    file that is not there is refused, not made (a mistyped path would leave an empty database behind)."""
     url = normalize_url(url)
     try:
         parsed = make_url(url)
@@ -50,6 +52,8 @@ def make_engine(url: str, *, check: bool = True) -> Engine:
         kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
         if parsed.database in (None, "", ":memory:"):
             kwargs["poolclass"] = StaticPool  # one shared in-memory database
+        elif existing and not parsed.database.startswith("file:") and not Path(parsed.database).exists():
+            raise StoreUnavailable(f"store {redact(url)}: no such file; `fleetctl db upgrade --db URL` creates it")
     elif parsed.get_backend_name() == "postgresql":
         kwargs["pool_pre_ping"] = True
         kwargs["connect_args"] = {"connect_timeout": 10}

@@ -208,7 +208,7 @@ class ReadStore:
     @classmethod
     def open(cls, url: str) -> ReadStore:
         """Connect to the store at `url`; StoreUnavailable when unreachable or not migrated."""
-        engine = make_engine(url)
+        engine = make_engine(url, existing=True)
         at = migrate.current(engine)
         if at != migrate.head():
             engine.dispose()

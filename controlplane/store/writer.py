@@ -127,7 +127,7 @@ class SqlStore(metaclass=_Translating):
     @classmethod
     def open(cls, url: str, *, require_current: bool = True) -> SqlStore:
         """Connect to `url`; refuse a database that is not at the shipped schema revision."""
-        engine = make_engine(url)
+        engine = make_engine(url, existing=require_current)
         if require_current:
             at = migrate.current(engine)
             if at != migrate.head():

@@ -98,15 +98,11 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
                      "kv_heads 6 and tensor_parallel 4: one must divide the other", id="kv-heads-over-tp"),
         pytest.param(("model: m", "model: m\n    engine: {eplb: true, expert_parallel: false}"),
                      "eplb with expert_parallel false", id="eplb-without-expert-parallelism"),
-        pytest.param(("model: m", "model: m\n    role: decode"), "not valid YAML", id="yaml-duplicate-key-ok"),
+        pytest.param(("model: m", "model: m\n    role: decode"), "pools[0].role (line 8): given again, after line 6", id="yaml-duplicate-key"),
     ],
 )
 def test_each_problem_is_named(change: tuple[str, str], expected: str) -> None:
     text = VALID.replace(*change)
-    if expected == "not valid YAML":
-        # A repeated key is legal YAML (the last wins); pydantic still validates the result.
-        parse_config(text)
-        return
     assert any(expected in p for p in problems(text))
 
 
@@ -200,3 +196,13 @@ def test_a_lease_call_leaves_the_leader_time_to_retry_before_its_renew_deadline(
 
     election = LeaderElection(namespace="fleet-system")  # renew deadline 10 s, retry every 2 s
     assert election.call_timeout(10.0) == 4.0 and election.call_timeout(3.0) == 3.0
+
+
+def test_a_key_given_twice_is_refused_with_both_lines() -> None:
+    # YAML keeps the last of two: a `rails:` block appended below a tightened one undid it in silence.
+    text = ("mode: act\npools: [{name: p, role: prefill, model: m, replicas: {max: 2}}]\n"
+            "rails: {max_step: 3, max_actions_per_hour: 2}\nscrape: {interval: 15s, interval: 30s}\nrails: {}\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(text)
+    assert exc.value.problems == ["scrape.interval (line 4): given again, after line 4",
+                                  "rails (line 5): given again, after line 3"]
