@@ -98,7 +98,8 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
                      "kv_heads 6 and tensor_parallel 4: one must divide the other", id="kv-heads-over-tp"),
         pytest.param(("model: m", "model: m\n    engine: {eplb: true, expert_parallel: false}"),
                      "eplb with expert_parallel false", id="eplb-without-expert-parallelism"),
-        pytest.param(("model: m", "model: m\n    role: decode"), "pools[0].role (line 8): given again, after line 6", id="yaml-duplicate-key"),
+        pytest.param(("model: m", "model: m\n    role: decode"), "pools[0].role (line 8): given again, after line 6",
+                     id="yaml-duplicate-key"),
     ],
 )
 def test_each_problem_is_named(change: tuple[str, str], expected: str) -> None:
