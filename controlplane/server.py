@@ -130,9 +130,14 @@ class _Json(tornado.web.RequestHandler):
     def json_body(self) -> Any:
         """The request's body as JSON (an empty one is `{}`); 400 for anything else."""
         try:
-            return json.loads(self.request.body or b"{}")
+            body = json.loads(self.request.body or b"{}")
+            # A `\ud800` escape is valid JSON but no text: it would fail deep in whatever encodes it, as a 500.
+            json.dumps(body, ensure_ascii=False).encode()
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise tornado.web.HTTPError(400, reason="the body is not JSON") from None
+        except UnicodeEncodeError:
+            raise tornado.web.HTTPError(400, reason="the body holds an escape that is no character") from None
+        return body
 
     def authorized(self, token: str) -> bool:
         """Whether the request carries `token` as its bearer token; answers 401 where it does not."""
@@ -302,8 +307,9 @@ def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None =
     with neither every write is refused. `gates` runs the canary gates (by default `store_gates`); with
     `gate_token` (or FLEETCTL_GATE_TOKEN) they answer only requests that carry it.
     """
-    token = token or os.environ.get(TOKEN_ENV) or None
-    gate_token = gate_token or os.environ.get(GATE_TOKEN_ENV) or None
+    # A Secret made from a file ends in a newline no client can send: every request would get 401.
+    token = (token or os.environ.get(TOKEN_ENV, "")).strip() or None
+    gate_token = (gate_token or os.environ.get(GATE_TOKEN_ENV, "")).strip() or None
     gates = gates if gates is not None else store_gates(loop)
     api = {"loop": loop, "token": token}
     gate = {**api, "gates": gates, "gate_token": gate_token}

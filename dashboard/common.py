@@ -230,8 +230,9 @@ def api_url() -> str:
 
 
 def api_token() -> str | None:
-    """The bearer token for the API's write endpoints (FLEETCTL_API_TOKEN), if set."""
-    return os.environ.get(TOKEN_ENV) or None
+    """The bearer token for the API's write endpoints (FLEETCTL_API_TOKEN), if set; as the server reads it, without the
+    newline a Secret made from a file ends in."""
+    return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
 @st.cache_data(ttl=10, show_spinner=False)
@@ -271,10 +272,44 @@ def api_decide(action_id: int, approve: bool, by: str) -> tuple[bool, str]:
             message = exc.reason
         return False, f"the control plane refused (HTTP {exc.code}): {message}"
     except (OSError, ValueError) as exc:
-        return False, f"the control plane at {api_url()} did not answer: {getattr(exc, 'reason', exc)}"
+        # The reason may quote the request's headers, the token among them.
+        reason = str(getattr(exc, "reason", exc)).replace(token, "***")
+        return False, f"the control plane at {api_url()} did not answer: {reason}"
 
 
 # frames and charts ---------------------------------------------------------------------------
+
+def evidence_lines(kind: str, evidence: dict[str, Any]) -> list[tuple[float, str]]:
+    """The levels to draw over a finding's evidence signal, each in the signal's own unit.
+
+    Policies record `threshold` in the unit they decide in: the prefix-cache policy the allowed drop
+    below its baseline, the expert-parallel ones a ratio to it, the KV-transfer policy seconds
+    (`threshold_s`), SLO burn a burn rate and speculative decoding a CUSUM height in sigmas; drawn as
+    they are, a burn rate of 14.4 stood on a TTFT chart as 14.4 s.
+    """
+    def num(key: str) -> float | None:
+        v = evidence.get(key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    if kind == "slo_burn":  # its baseline and threshold are the error budget and the burn rate
+        return [] if num("slo") is None else [(num("slo"), "SLO")]  # type: ignore[list-item]
+    baseline = num("baseline") if num("baseline") is not None else num("baseline_p99")
+    threshold = num("threshold")
+    lines = [] if baseline is None else [(baseline, "baseline")]
+    if kind == "prefix_cache_hit_drop" and baseline is not None and threshold is not None:
+        lines.append((baseline - threshold, "threshold (baseline − allowed drop)"))
+    elif kind == "spec_decode_collapse" and baseline is not None and num("min_drop") is not None:
+        lines.append((baseline - num("min_drop"), "threshold (baseline − allowed drop)"))  # type: ignore[operator]
+    elif kind == "ep_imbalance" and baseline is not None and threshold is not None:
+        lines.append((baseline * threshold, "threshold (baseline × allowed ratio)"))
+    elif num("threshold_s") is not None:
+        lines.append((num("threshold_s"), "threshold"))  # type: ignore[arg-type]
+    if num("peers_median_p99") is not None:
+        lines.append((num("peers_median_p99"), "peers' median"))  # type: ignore[arg-type]
+    if kind == "pool_at_max" and num("max") is not None:
+        lines.append((num("max"), "replicas.max"))  # type: ignore[arg-type]
+    return lines
+
 
 def signal_title(name: str) -> str:
     """An axis title for a signal: its name and unit from the catalogue."""
@@ -306,10 +341,28 @@ def spread_frame(spreads: Iterable[Spread]) -> pd.DataFrame:
     return df
 
 
+def utc_x(field: str = "time", start: float | pd.Timestamp | None = None,
+          end: float | pd.Timestamp | None = None) -> alt.X:
+    """A time axis labelled in UTC, as every caption on the pages is (a plain temporal axis shows the browser's own
+    zone), spanning `start`..`end` when given (epoch seconds or timestamps)."""
+    def iso(t: float | pd.Timestamp) -> str:
+        return str((t if isinstance(t, pd.Timestamp) else pd.Timestamp(t, unit="s", tz="UTC")).isoformat())
+
+    domain = [iso(start), iso(end)] if start is not None and end is not None else alt.Undefined
+    return alt.X(f"{field}:T", title=None, scale=alt.Scale(type="utc", domain=domain))
+
+
+def utc_tooltip(field: str = "time", *, seconds: bool = True) -> alt.Tooltip:
+    """A time in a tooltip, in UTC."""
+    if seconds:
+        return alt.Tooltip(f"{field}:T", timeUnit="utcyearmonthdatehoursminutesseconds", format="%Y-%m-%d %H:%M:%S",
+                           title=f"{field} (UTC)")
+    return alt.Tooltip(f"{field}:T", timeUnit="utcyearmonthdatehoursminutes", format="%Y-%m-%d %H:%M",
+                       title=f"{field} (UTC)")
+
+
 def _time_axis(w: Window | None) -> alt.X:
-    scale = alt.Scale(domain=[pd.Timestamp(w.start, unit="s", tz="UTC").isoformat(),
-                              pd.Timestamp(w.end, unit="s", tz="UTC").isoformat()]) if w else alt.Undefined
-    return alt.X("time:T", title=None, scale=scale)
+    return utc_x("time", w.start, w.end) if w else utc_x("time")
 
 
 def band_chart(df: pd.DataFrame, *, y_title: str, color: str | None = None, band: bool = True, fmt: str = ".3~g",
@@ -319,7 +372,7 @@ def band_chart(df: pd.DataFrame, *, y_title: str, color: str | None = None, band
     # Both layers carry the same legend: one layer without it would hide the merged legend.
     colors = alt.Color(f"{color}:N", title=None, legend=_legend(df[color].astype(str))) if color else alt.Undefined
     base = alt.Chart(df).encode(x=_time_axis(w))
-    tooltip = [alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S")] + ([alt.Tooltip(f"{color}:N")] if color else [])
+    tooltip = [utc_tooltip()] + ([alt.Tooltip(f"{color}:N")] if color else [])
     line = base.mark_line(interpolate="monotone", strokeWidth=1.6).encode(
         y=alt.Y(f"{y}:Q", title=y_title, axis=alt.Axis(format=fmt)),
         color=colors,
@@ -339,7 +392,7 @@ def band_chart(df: pd.DataFrame, *, y_title: str, color: str | None = None, band
         layers += [rule, text]
     if marks is not None and not marks.empty:
         layers.append(alt.Chart(marks).mark_rule(color="#7f7f7f", strokeDash=[2, 2]).encode(
-            x="time:T", tooltip=[alt.Tooltip("time:T", format="%Y-%m-%d %H:%M:%S"), "label:N"]))
+            x=utc_x(), tooltip=[utc_tooltip(), "label:N"]))
     return alt.layer(*layers).properties(height=height)  # type: ignore[return-value]  # a LayerChart
 
 
@@ -355,10 +408,10 @@ def heatmap(df: pd.DataFrame, *, y: str, value: str, title: str, fmt: str = ".3~
     """Rows `y` over time, colored by `value`."""
     rows = max(1, df[y].nunique()) if not df.empty else 1
     chart: alt.Chart = alt.Chart(df).mark_rect().encode(
-        x=alt.X("time:T", title=None),
+        x=utc_x(),
         y=alt.Y(f"{y}:N", title=None, sort=None, axis=alt.Axis(labelLimit=220, labelOverlap=rows > 40)),
         color=alt.Color(f"{value}:Q", title=title, scale=alt.Scale(scheme=scheme), legend=alt.Legend(format=fmt)),
-        tooltip=[alt.Tooltip("time:T", format="%Y-%m-%d %H:%M"), f"{y}:N", alt.Tooltip(f"{value}:Q", format=fmt)],
+        tooltip=[utc_tooltip(seconds=False), f"{y}:N", alt.Tooltip(f"{value}:Q", format=fmt)],
     ).properties(height=height or min(720, max(160, 18 * rows)))
     return chart
 

@@ -32,6 +32,7 @@ __all__ = [
 FLEET_NOW = ("targets", "targets_up", "engines_reporting", "request_rate", "request_error_rate", "ttft_p95", "tpot_p95",
              "kv_cache_usage_max", "requests_waiting", "prefix_cache_hit_rate", "preemption_rate")
 FLEET_SERIES = ("request_rate", "ttft_p95", "tpot_p95")
+POOL_NOW = ("engines_reporting", "request_rate", "ttft_p95", "tpot_p95", "kv_cache_usage_max", "prefix_cache_hit_rate")
 POOL_SERIES = ("request_rate", "request_error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95", "tpot_p99",
                "ttft_over_slo", "tpot_over_slo",
                "queue_time_p95", "requests_running", "requests_waiting", "kv_cache_usage", "kv_cache_usage_max",
@@ -84,6 +85,9 @@ def pool_page(store: ReadStore, start: float, end: float, pool: str | None = Non
         "pools": pools,
         "pool": pool,
         "series": store.buckets(POOL_SERIES, [subject], start, end),
+        # The cards: the newest point, as the fleet page shows it, not the mean of the last chart bucket (an hour wide
+        # on a day's range).
+        "now": {name: value for (name, _s), (_t, value) in store.latest(POOL_NOW, [subject], at=end).items()},
         "positions": store.buckets(positions, [subject], start, end),
         "engine_spread": store.spread(["prefix_cache_hit_rate"], engines, start, end),
         "engine_now": {s: v for (_n, s), (_t, v) in store.latest(["prefix_cache_hit_rate"], engines, at=end).items()},

@@ -80,11 +80,10 @@ timeline = pd.DataFrame([{
 pad = max(pd.Timedelta(minutes=30), (timeline["created"].max() - timeline["created"].min()) * 0.05)
 st.markdown("**Actions over time** (color: outcome, or state while there is none)")
 c.show(alt.Chart(timeline).mark_point(filled=True, size=90).encode(
-    x=alt.X("created:T", title=None, scale=alt.Scale(domain=[(timeline["created"].min() - pad).isoformat(),
-                                                              (timeline["created"].max() + pad).isoformat()])),
+    x=c.utc_x("created", timeline["created"].min() - pad, timeline["created"].max() + pad),
     y=alt.Y("pool:N", title=None), color=alt.Color("result:N", title=None),
     shape=alt.Shape("kind:N", title=None),
-    tooltip=["id:Q", "kind:N", "pool:N", "result:N", alt.Tooltip("created:T", format="%Y-%m-%d %H:%M:%S")],
+    tooltip=["id:Q", "kind:N", "pool:N", "result:N", c.utc_tooltip("created")],
 ).properties(height=max(110, 36 * timeline["pool"].nunique())))
 st.dataframe(log, hide_index=True)
 

@@ -50,15 +50,15 @@ for col, result in zip(m[1:], ("pass", "marginal", "fail", "inconclusive"), stri
 df["lane"] = df["gate"] + " · " + df["pool"]
 st.markdown("**History**")
 c.show(alt.Chart(df).mark_point(filled=True, size=90).encode(
-    x=alt.X("finished:T", title=None), y=alt.Y("lane:N", title=None),
+    x=c.utc_x("finished"), y=alt.Y("lane:N", title=None),
     color=alt.Color("result:N", scale=RESULTS), shape="result:N",
     tooltip=["id:Q", "gate:N", "pool:N", "baseline:N", "canary:N", "result:N", "score:Q",
-             alt.Tooltip("finished:T", format="%Y-%m-%d %H:%M")],
+             c.utc_tooltip("finished", seconds=False)],
 ).properties(height=max(120, 40 * df["lane"].nunique())))
 if df["score"].notna().any():
     st.markdown("**Score**")
     c.show(alt.Chart(df.dropna(subset=["score"])).mark_line(point=True).encode(
-        x=alt.X("finished:T", title=None), y=alt.Y("score:Q", title="score"), color=alt.Color("lane:N", title=None),
+        x=c.utc_x("finished"), y=alt.Y("score:Q", title="score"), color=alt.Color("lane:N", title=None),
         tooltip=["id:Q", "result:N", "score:Q"]).properties(height=c.CHART_HEIGHT))
 
 st.dataframe(df.drop(columns=["lane"]).assign(finished=[c.when(v["finished_at"]) for v in verdicts]), hide_index=True)

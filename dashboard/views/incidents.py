@@ -3,8 +3,6 @@ plotted (signal, baseline, threshold), its runbook, and links to its pool and th
 
 from __future__ import annotations
 
-from typing import Any
-
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -13,31 +11,6 @@ from controlplane import runbooks
 from dashboard import common as c
 
 COLORS = alt.Scale(domain=["critical", "warning", "info"], range=["#d62728", "#ff7f0e", "#1f77b4"])
-
-
-def evidence_lines(kind: str, evidence: dict[str, Any]) -> list[tuple[float, str]]:
-    """Baseline and threshold levels to draw over the evidence signal.
-
-    Policies record them differently: the prefix-cache policy stores the allowed drop below its
-    baseline as `threshold`, the KV-transfer policy an absolute `threshold_s`.
-    """
-    def num(key: str) -> float | None:
-        v = evidence.get(key)
-        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-    baseline = num("baseline") if num("baseline") is not None else num("baseline_p99")
-    lines = [] if baseline is None else [(baseline, "baseline")]
-    if kind == "prefix_cache_hit_drop" and baseline is not None and num("threshold") is not None:
-        lines.append((baseline - num("threshold"), "threshold (baseline − allowed drop)"))  # type: ignore[operator]
-    elif num("threshold_s") is not None:
-        lines.append((num("threshold_s"), "threshold"))  # type: ignore[arg-type]
-    elif num("threshold") is not None:
-        lines.append((num("threshold"), "threshold"))  # type: ignore[arg-type]
-    if num("peers_median_p99") is not None:
-        lines.append((num("peers_median_p99"), "peers' median"))  # type: ignore[arg-type]
-    if kind == "pool_at_max" and num("max") is not None:
-        lines.append((num("max"), "replicas.max"))  # type: ignore[arg-type]
-    return lines
 
 
 def demote(markdown: str) -> str:
@@ -69,11 +42,10 @@ if findings:
     } for f in findings])
     st.markdown(f"**Timeline** ({len(findings)} incidents in range)")
     c.show(alt.Chart(tl).mark_bar(minBandSize=4).encode(
-        x=alt.X("opened:T", title=None, scale=alt.Scale(domain=[pd.Timestamp(w.start, unit="s", tz="UTC").isoformat(),
-                                                               pd.Timestamp(w.end, unit="s", tz="UTC").isoformat()])),
+        x=c.utc_x("opened", w.start, w.end),
         x2="until:T", y=alt.Y("incident:N", title=None, sort="-x", axis=alt.Axis(labelLimit=320)),
         color=alt.Color("severity:N", scale=COLORS), tooltip=["incident:N", "severity:N", "state:N", "summary:N",
-                                                              alt.Tooltip("opened:T", format="%Y-%m-%d %H:%M:%S")],
+                                                              c.utc_tooltip("opened")],
     ).properties(height=min(600, max(120, 22 * len(tl)))))
 else:
     st.caption("No incident was open in this range.")
@@ -122,7 +94,7 @@ else:
                           "label": ["opened"] + (["resolved"] if f["resolved_at"] else [])})
     series["signal"] = signal
     frame = c.Window(lo, hi, "", False, None)
-    c.show(c.band_chart(series, y_title=c.signal_title(str(signal)), color="signal", rules=evidence_lines(f["kind"], evidence),
+    c.show(c.band_chart(series, y_title=c.signal_title(str(signal)), color="signal", rules=c.evidence_lines(f["kind"], evidence),
                         marks=marks, w=frame, height=280))
 with st.expander("Evidence as recorded", expanded=False):
     st.json(evidence, expanded=True)

@@ -32,8 +32,8 @@ def pick(*names: str) -> pd.DataFrame:
 
 
 def latest(name: str) -> float | None:
-    df = s[s["name"] == name]
-    return None if df.empty else float(df.sort_values("ts")["mean"].iloc[-1])
+    value = data["now"].get(name)
+    return None if value is None else float(value)
 
 
 def chart(title: str, df: pd.DataFrame, y_title: str, *, color: str | None = "signal", empty: str = "no data in range",

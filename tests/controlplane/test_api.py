@@ -150,9 +150,13 @@ async def test_writes_need_the_right_token_and_a_name(api: Api) -> None:
         forged = await c.post(f"/api/actions/{aid}/approve", json={"by": "eve\nINFO action 1 approved by bob"},
                               headers=auth())
         deep = await c.post(f"/api/actions/{aid}/approve", content=b"[" * 20_000, headers=auth())
+        # Valid JSON, no text: once a 500 with a traceback wherever it was encoded (a gate's selector, its pool).
+        surrogate = await c.post(f"/api/actions/{aid}/approve", content=b'{"by": "\\ud800"}', headers=auth())
+        gate = await c.post("/api/v1/gate", content=b'{"pool": "\\ud800", "baseline": "pod=a", "canary": "pod=b"}')
     assert missing.status_code == wrong.status_code == basic.status_code == 401
     assert missing.headers["WWW-Authenticate"].startswith("Bearer")
     assert no_name.status_code == not_json.status_code == forged.status_code == deep.status_code == 400
+    assert surrogate.status_code == gate.status_code == 400
     assert unknown.status_code == 404
     assert bad_verb.status_code == 404
     assert TOKEN not in missing.text + wrong.text + no_name.text
@@ -173,7 +177,8 @@ async def test_without_a_configured_token_every_write_is_refused(readonly_api: A
 
 async def test_the_token_comes_from_the_environment(sim: tuple, sqlite_store: SqlStore,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEETCTL_API_TOKEN", TOKEN)
+    # As a Secret made from a file holds it: with its newline, which no client can send, every write got 401.
+    monkeypatch.setenv("FLEETCTL_API_TOKEN", TOKEN + "\n")
     async for a in _api(sim, sqlite_store, None):
         aid = await a.proposal()
         async with httpx.AsyncClient(base_url=a.base) as c:

@@ -360,3 +360,23 @@ def test_a_link_to_an_id_no_store_holds_shows_the_page(monkeypatch: pytest.Monke
     for wanted in ("\u00b2", "99999999999"):
         at = render(monkeypatch, pg_url, page, query={key: wanted})
         assert EMPTY[page] in texts(at) and not at.error
+
+
+def test_the_pool_pages_cards_show_the_newest_point_not_the_last_buckets_mean(monkeypatch: pytest.MonkeyPatch,
+                                                                             sqlite_url: str) -> None:
+    # A day's range is read in hour-wide buckets: the card once showed the hour's mean (589 ms) where the fleet page
+    # showed the TTFT of now (3.00 s).
+    from collectors.types import Signal
+
+    end = 1_700_000_000 // 3600 * 3600 + 3300.0
+    migrate.upgrade(sqlite_url)
+    store = SqlStore.open(sqlite_url)
+    ts, points = end - 86_400, []
+    while ts <= end:
+        points += [Signal(ts, "pool/chat", "ttft_p95", 3.0 if ts >= end - 300 else 0.3),
+                   Signal(ts, "pool/chat", "engines_reporting", 4.0)]
+        ts += 60.0
+    store.write_signals(points)
+    store.close()
+    at = render(monkeypatch, sqlite_url, "pool", query={"range": "24 h", "pool": "chat"})
+    assert {m.label: m.value for m in at.metric}["TTFT p95"] == "3.00 s"
