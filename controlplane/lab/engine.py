@@ -97,14 +97,17 @@ def ensure_model(venv: Path, model_dir: Path = DEFAULT_MODEL_DIR, *, timeout_s: 
     if _model_complete(model_dir):
         return model_dir
     python = venv / "bin" / "python"
-    proc = subprocess.run(
-        [str(python), str(TINY_MODEL_SCRIPT), str(model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**os.environ, **LAB_ENV},
-        check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [str(python), str(TINY_MODEL_SCRIPT), str(model_dir)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, **LAB_ENV},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"building the tiny model with {python} did not finish within {timeout_s:g}s") from None
     if proc.returncode != 0 or not _model_complete(model_dir):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise RuntimeError(f"building the tiny model with {python} failed (exit {proc.returncode}):\n{tail}")

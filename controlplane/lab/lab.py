@@ -259,7 +259,10 @@ class _PhaseProbe:
         while True:
             counted = 0.0
             for t in self.targets:
-                text = (await self.client.get(t.url)).text
+                try:
+                    text = (await self.client.get(t.url)).text
+                except httpx.HTTPError as exc:  # an engine that died during the phase: said, with its name
+                    raise LabError(f"engine {t.pod} ({t.url}) stopped answering: {type(exc).__name__}: {exc}") from None
                 counted += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                                if line.startswith("vllm:request_success_total{"))
             if counted >= answered:

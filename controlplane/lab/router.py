@@ -12,9 +12,12 @@ request, picked by the routing policy:
 - `round_robin`: every engine in turn, blind to prompts. Switching to it at runtime is the
   classic routing fault: shared prefixes get spread over every engine's cache.
 
-`GET /router` reports the policy and per-engine counts; `PUT /router/policy` with
-`{"policy": "round_robin"}` switches the policy, so the fault can be injected from outside too.
-Runs on the caller's asyncio loop (tornado on asyncio) and forwards with httpx.
+An engine that cannot be reached is passed over for `eject_s` (as a proxy's outlier detection
+does), unless every engine is; each engine has its own connection pool, so one slow engine's
+requests never queue those bound for another. `GET /router` reports the policy and per-engine
+counts; `PUT /router/policy` with `{"policy": "round_robin"}` switches the policy, so the fault can
+be injected from outside too. Runs on the caller's asyncio loop (tornado on asyncio) and forwards
+with httpx.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import itertools
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
 import httpx
+import tornado.iostream
 import tornado.netutil
 import tornado.web
 from tornado.httpserver import HTTPServer
@@ -64,8 +69,9 @@ class UpstreamStats:
 
     requests: int = 0  # forwarded
     ok: int = 0  # answered 200
-    errors: int = 0  # answered otherwise, or unreachable
+    errors: int = 0  # answered otherwise, unreachable, or the client gone before the whole answer
     in_flight: int = 0
+    ejected_until: float = 0.0  # monotonic time until which an unreachable engine is passed over
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,8 @@ class RouterSettings:
     block_tokens: int = 128  # token ids per block of a token prompt (the CPU build's KV block)
     load_factor: float = 1.5  # an engine may carry this multiple of the mean requests in flight
     timeout_s: float = 120.0  # per forwarded request
+    eject_s: float = 10.0  # an engine that could not be reached is passed over this long
+    connections: int = 16  # per engine
 
 
 def _text_of(content: Any) -> str:
@@ -127,7 +135,7 @@ class Router:
         self.policy_changes: list[tuple[RoutePolicy, RoutePolicy]] = []
         self._policy = RoutePolicy(policy)
         self._turn = itertools.count()
-        self._client: httpx.AsyncClient | None = None
+        self._clients: dict[str, httpx.AsyncClient] = {}
         self._server: HTTPServer | None = None
         self.port: int | None = None
 
@@ -148,13 +156,16 @@ class Router:
         return old
 
     def pick(self, body: Mapping[str, Any]) -> Upstream:
-        """The engine that should serve a request with this JSON body."""
+        """The engine that should serve a request with this JSON body, among those not passed over."""
+        now = time.monotonic()
+        # A dead engine answers at once: kept in the ranking, it won its keys (or every other turn) back as fast.
+        live = [u for u in self.upstreams if self.stats[u.name].ejected_until <= now] or self.upstreams
         key = prefix_key(body, self.settings) if self._policy is RoutePolicy.PREFIX else b""
         if not key:
-            return self.upstreams[next(self._turn) % len(self.upstreams)]
-        ranked = sorted(self.upstreams, key=lambda u: _rank(key, u.name), reverse=True)
-        total = sum(s.in_flight for s in self.stats.values())
-        cap = max(1, math.ceil(self.settings.load_factor * (total + 1) / len(self.upstreams)))
+            return live[next(self._turn) % len(live)]
+        ranked = sorted(live, key=lambda u: _rank(key, u.name), reverse=True)
+        total = sum(self.stats[u.name].in_flight for u in live)
+        cap = max(1, math.ceil(self.settings.load_factor * (total + 1) / len(live)))
         for upstream in ranked:
             if self.stats[upstream.name].in_flight < cap:
                 return upstream
@@ -165,6 +176,12 @@ class Router:
         return {"policy": str(self._policy), "upstreams": {n: asdict(s) for n, s in self.stats.items()}}
 
     # serving --------------------------------------------------------------------------------
+
+    def client(self, upstream: Upstream) -> httpx.AsyncClient:
+        """The connection pool of one engine; RuntimeError before `start()`."""
+        if upstream.name not in self._clients:
+            raise RuntimeError("the router is not started")
+        return self._clients[upstream.name]
 
     @property
     def url(self) -> str:
@@ -177,12 +194,14 @@ class Router:
         """Listen on `host:port` (0: a free port) on the running asyncio loop."""
         if self._server is not None:
             raise RuntimeError(f"the router already listens on port {self.port}")
-        n = max(8, 8 * len(self.upstreams))
-        self._client = httpx.AsyncClient(
+        n = self.settings.connections
+        # One pool per engine: in a shared one, a slow engine's requests held every connection and those for an idle
+        # engine queued behind them.
+        self._clients = {u.name: httpx.AsyncClient(
             timeout=httpx.Timeout(self.settings.timeout_s, connect=5.0),
             # Below vLLM's 5 s keep-alive timeout, so a reused connection is never closed under a request.
             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0),
-        )
+        ) for u in self.upstreams}
         app = tornado.web.Application(
             [
                 (r"/v1/(?:chat/)?completions", _ForwardHandler, {"router": self}),
@@ -204,14 +223,13 @@ class Router:
             self._server.stop()
             await self._server.close_all_connections()
             self._server = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients = {}
 
     async def forward(self, path: str, raw: bytes, headers: Mapping[str, str],
                       handler: tornado.web.RequestHandler) -> None:
         """Forward one request to the engine the policy picks and relay its answer into `handler`."""
-        assert self._client is not None, "the router is not started"
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
@@ -221,15 +239,16 @@ class Router:
             _error(handler, 400, "the request body must be a JSON object")
             return
         upstream = self.pick(body)
+        client = self.client(upstream)
         stats = self.stats[upstream.name]
         stats.requests += 1
         stats.in_flight += 1
         sent = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
-        request = self._client.build_request("POST", upstream.url + path, content=raw, headers=sent)
+        request = client.build_request("POST", upstream.url + path, content=raw, headers=sent)
         status = 502
         relayed = False
         try:
-            response = await self._client.send(request, stream=True)
+            response = await client.send(request, stream=True)
             try:
                 status = response.status_code
                 relayed = True
@@ -246,8 +265,14 @@ class Router:
                 await response.aclose()
         except httpx.HTTPError as exc:
             status = 502
+            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                stats.ejected_until = time.monotonic() + self.settings.eject_s
+                log.warning("engine %s (%s) unreachable: passed over for %gs", upstream.name, upstream.url,
+                            self.settings.eject_s)
             if not relayed:
                 _error(handler, 502, f"engine {upstream.name} ({upstream.url}) failed: {type(exc).__name__}: {exc}")
+        except tornado.iostream.StreamClosedError:
+            status = 499  # the client went away: its answer was not delivered, whatever the engine said
         finally:
             stats.in_flight -= 1
             if status == 200:
@@ -276,11 +301,10 @@ class _ModelsHandler(tornado.web.RequestHandler):
         self.router = router
 
     async def get(self) -> None:
-        # Every engine serves the same model: any one answers for all.
-        assert self.router._client is not None
-        upstream = self.router.upstreams[0]
+        # Every engine serves the same model: any one that is not passed over answers for all.
+        upstream = self.router.pick({})
         try:
-            resp = await self.router._client.get(upstream.url + "/v1/models")
+            resp = await self.router.client(upstream).get(upstream.url + "/v1/models")
         except httpx.HTTPError as exc:
             _error(self, 502, f"engine {upstream.name} ({upstream.url}) failed: {exc}")
             return
