@@ -529,15 +529,20 @@ def learned_startup(w: SignalWindows, pool: str, since: float) -> tuple[float | 
     subject = f"pool/{pool}"
     desired = w.series(subject, DESIRED, since=since)
     ready = w.series(subject, READY, since=since)
+    # The record has gaps (the control plane down or failing over, the workload unreadable): a raise, or its
+    # readiness, seen across one is timed by the outage, not by the engines.
+    gap = 4 * scrape_interval(w, subject)
     took = []
     for i, ((t0, before), (t1, after)) in enumerate(itertools.pairwise(desired)):
-        if after <= before:
+        if after <= before or t1 - t0 > gap:
             continue
         # Ready by the next change of the target, or never: a raise given up (its pods never scheduled, the target
         # lowered again) is no start-up, nor is a later scale-up's readiness its own.
         until = next((t for t, d in desired[i + 2:] if d != after), math.inf)
-        done = next((t for t, r in ready if t1 <= t <= until and r >= after), None)
-        if done is not None:
+        seen = [(t, r) for t, r in ready if t0 <= t <= until]
+        done = next((t for t, r in seen if t >= t1 and r >= after), None)
+        if done is not None and all(b - a <= gap for (a, _), (b, _) in itertools.pairwise(
+                [(t, r) for t, r in seen if t <= done])):
             took.append(done - t0)  # the raise happened between t0 and t1: count from the scrape before
     return (statistics.median(took) if took else None), len(took)
 
@@ -617,12 +622,21 @@ def _since_shape(w: SignalWindows, subject: str, since: float, shift: float) -> 
     tail = lengths[-n:]
     isl = statistics.median(x[1] for x in tail)
     osl = statistics.median(x[2] for x in tail)
+
+    def unlike(i: float, o: float) -> bool:
+        return abs(i - isl) > shift * max(isl, 1.0) or abs(o - osl) > shift * max(osl, 1.0)
+
     # Walk back in blocks until one block's lengths differ.
     for end in range(len(lengths) - n, n - 1, -n):
         block = lengths[end - n:end]
-        b_isl = statistics.median(x[1] for x in block)
-        b_osl = statistics.median(x[2] for x in block)
-        if abs(b_isl - isl) > shift * max(isl, 1.0) or abs(b_osl - osl) > shift * max(osl, 1.0):
+        if unlike(statistics.median(x[1] for x in block), statistics.median(x[2] for x in block)):
+            # The blocks slide a scrape every tick, so their edge is no change point (the fits' window would move
+            # every tick): the shape starts at the first run of scrapes like the newest, the same scrape each tick.
+            for i in range(end - n, min(len(lengths), end + n) - SHIFT_CONFIRM + 1):
+                run = lengths[i:i + SHIFT_CONFIRM]
+                if not (unlike(run[0][1], run[0][2]) or unlike(statistics.median(x[1] for x in run),
+                                                               statistics.median(x[2] for x in run))):
+                    return run[0][0]
             return block[-1][0]
     return since
 
@@ -1027,8 +1041,15 @@ def scaling_unit(w: SignalWindows, subject: str, pool: PoolState) -> ScalingUnit
     k, g = engines_per_pod(w, subject), max(1, pool.gang)
     if g == 1:
         return ScalingUnit(k, 1)
-    pods, groups = w.latest(subject, "pods_reporting"), pool.ready // g
-    leaders_only = bool(pods and groups and pods / groups < (1 + g) / 2)
+    # Pods reporting against the groups ready at the same scrape, the most of the last few: a group's pods first count
+    # a scrape after it turns ready (no delta before), so the newest alone read an all-serving gang as leaders only the
+    # tick a scale-up finished, and its engines as a quarter of them.
+    ready = dict(w.series(subject, READY)[-8:])
+    ratios = [pods / (ready[ts] // g) for ts, pods in w.series(subject, "pods_reporting")[-4:]
+              if pods and ready.get(ts, 0) >= g]
+    if not ratios and (pods := w.latest(subject, "pods_reporting")) and pool.ready >= g:
+        ratios = [pods / (pool.ready // g)]
+    leaders_only = bool(ratios) and max(ratios) < (1 + g) / 2
     return ScalingUnit(k * (1 if leaders_only else g), g)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import pytest
 
 from catalog.fleet import Role
 from collectors.types import Signal
+from controlplane.autoscaling import plan_from_store
+from controlplane.config import parse_config
 from controlplane.evaluation_autoscale import (
     METRICS,
     TRACES,
@@ -35,6 +38,7 @@ from controlplane.sim.fleet import FleetSpec, PoolSpec, SimFleet
 from controlplane.sim.scenario import builtin_scenarios, load_scenario
 from controlplane.sim.traces import Request
 from controlplane.store import migrate
+from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,3 +287,32 @@ def test_the_meter_charges_an_engine_from_its_ask_and_counts_what_a_drained_engi
     assert served == 40
     assert sum(int(np.sum(c)) for (_, metric, _), c in meter.counts.items() if metric == "tpot") == served
     assert meter.gpu_s == pytest.approx(120.0 + gone[1].gone_at + 90.0)
+
+
+def test_autoscale_plan_sizes_no_pool_from_series_that_stopped(tmp_path: Path) -> None:
+    # The loop leaves such a pool unplanned (its sums read as a lull); the command once sized it from scrapes 20 min old.
+    db = f"sqlite:///{tmp_path / 'plan.db'}"
+    migrate.upgrade(db)
+    store = SqlStore.open(db)
+    now = time.time()
+    try:
+        store.write_signals([Signal(now - 3000 + i * 15, "pool/chat", name, value) for i in range(120)
+                             for name, value in (("request_rate", 80.0), ("prompt_tokens_rate", 80_000.0),
+                                                 ("generation_tokens_rate", 16_000.0), ("requests_running", 200.0),
+                                                 ("requests_waiting", 0.0), ("ttft_p95", 0.3), ("tpot_p95", 0.03),
+                                                 ("engines_reporting", 2.0), ("replicas_desired", 2.0),
+                                                 ("replicas_ready", 2.0))])
+    finally:
+        store.close()
+    config = parse_config(f"""
+store: {{url: "{db}"}}
+pools:
+  - {{name: chat, role: unified, model: m, replicas: {{min: 1, max: 20}}, slo: {{ttft_p95: 2s, tpot_p95: 100ms}},
+     engine: {{profile: dynamo/h200/llama3.1-8b-fp8}}}}
+""")
+    threaded = ThreadedStore.open(db)
+    try:
+        run = asyncio.run(plan_from_store(config, threaded, now))
+    finally:
+        threaded.close()
+    assert run.plans == [] and "stale" in run.unplanned["chat"]

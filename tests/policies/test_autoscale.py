@@ -23,6 +23,7 @@ from policies.autoscale import (
     PoolPlan,
     Unplanned,
     _fit,
+    _since_shape,
     arrival_series,
     burst_factor,
     forecast,
@@ -750,6 +751,51 @@ def test_a_gang_pool_whose_groups_each_serve_one_engine_is_planned_in_groups(rat
     engines = plan(windows(30, rate, engines=2), pool(2, hi=8)).recommended  # the same load on plain engines
     assert (p.recommended, p.target) == (4 * engines, 4 * max(2, engines))
     assert "1 engine a group of 4 pods" in p.reason
+
+
+def test_an_all_serving_gang_is_not_read_as_leaders_only_the_tick_a_new_group_turns_ready() -> None:
+    # Groups of four pods, every pod an engine. A group's pods first count a scrape after it turns ready (no delta
+    # before): 4 pods over 2 ready groups read as one engine a group, and the 6 engines the load needs as 24 pods.
+    def gang_plan(newest_pods: int) -> PoolPlan:
+        w = windows(30, 150.0, engines=[4] * 119 + [newest_pods])
+        for i, (ts, _) in enumerate(w.series("pool/chat", "request_rate")):
+            w.add(ts, "pool/chat", "pods_reporting", 4.0 if i < 119 else float(newest_pods))
+            w.add(ts, "pool/chat", DESIRED, 4.0 if i < 100 else 8.0)
+            w.add(ts, "pool/chat", READY, 4.0 if i < 119 else 8.0)
+        return plan(w, replace(pool(8, hi=64), gang=4))
+
+    settled, first = gang_plan(8), gang_plan(4)
+    assert "4 engines a group of 4 pods" in settled.reason and "4 engines a group of 4 pods" in first.reason
+    assert first.target == settled.target == 8
+
+
+def test_a_raise_seen_across_a_gap_in_the_record_is_no_start_up() -> None:
+    # The control plane stopped right after raising 4 -> 6 and came back 15 min later to 6 of 6 ready: timed across
+    # the gap, the start-up read 900 s, and the plan looked 900 s ahead.
+    w = SignalWindows(3 * 3600)
+    for ts in [(k + 1) * STEP for k in range(80)] + [2100.0 + k * STEP for k in range(40)]:
+        size = 4.0 if ts <= 1200.0 else 6.0
+        for name, value in (("request_rate", 60.0), ("prompt_tokens_rate", 60_000.0), ("generation_tokens_rate", 12_000.0),
+                            ("requests_running", 40.0), ("requests_waiting", 0.0), ("ttft_p95", 0.3),
+                            ("tpot_p95", 0.03), ("engines_reporting", size), (DESIRED, size), (READY, size)):
+            w.add(ts, "pool/chat", name, value)
+    assert learned_startup(w, "chat", 0.0) == (None, 0)
+    assert plan(w, pool(6)).evidence["horizon_s"] <= 180  # the default 2 min and a scrape, in whole minutes
+
+
+def test_a_new_prompt_length_starts_at_the_same_scrape_at_every_tick() -> None:
+    # Past the four-scrape jump, the 20-scrape blocks slide a scrape a tick: their edge, taken as the start, moved
+    # through the twenty scrapes around the change, and the curves were refitted on another window every tick.
+    w, starts = SignalWindows(3 * 3600), set()
+    for i in range(400):
+        ts = (i + 1) * STEP
+        prompt = 1000.0 if i < 200 else 2000.0
+        for name, value in (("request_rate", 10.0), ("prompt_tokens_rate", 10.0 * prompt),
+                            ("generation_tokens_rate", 2000.0)):
+            w.add(ts, "pool/chat", name, value)
+        if i >= 204:
+            starts.add(_since_shape(w, "pool/chat", ts - 3600.0, 0.2))
+    assert starts == {201 * STEP}
 
 
 def test_a_start_up_time_measured_before_the_history_still_sets_the_horizon() -> None:
