@@ -169,6 +169,11 @@ class SimEngine:
         self.cache.clear()
         self.ranks = [self._fresh_stats() for _ in self.ranks]
 
+    def drop_cache(self) -> None:
+        """Forget the prefix cache: an engine gone from the fleet is kept for its counters only."""
+        self.cache.clear()
+        self.cached_blocks = 0
+
     def _fresh_stats(self) -> RankStats:
         stats = RankStats()
         stats.counters = dict.fromkeys(COUNTERS, 0.0)

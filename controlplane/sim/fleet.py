@@ -412,6 +412,7 @@ class SimFleet:
                 self.members[pool] = [m for m in ms if m not in gone]
                 for m in gone:
                     m.gone_at = self.now
+                    m.engine.drop_cache()  # a day's churn of engines, each with its prefix cache, is memory
                     self.departed.append((pool, m))
 
     def _arrivals_until(self, stop: float) -> None:
