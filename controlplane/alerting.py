@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -470,13 +471,16 @@ class AlertNotifier:
     async def aclose(self, grace_s: float = CLOSE_GRACE_S) -> None:
         """Hand the pending changes over, give the deliveries in flight `grace_s` (a dead receiver's retries would
         outlast the pod's termination grace period), and close the HTTP client if it is ours."""
-        self.hand_over()
-        if self._tasks:
-            _, late = await asyncio.wait(list(self._tasks), timeout=grace_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
-            if late:
-                log.warning("stopped with %d alert notification(s) undelivered after %gs", len(late), grace_s)
+        deadline = time.monotonic() + grace_s
+        for _ in range(2):  # again once those in flight end: a change behind one of them goes then
+            self.hand_over()
+            if self._tasks and (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait(list(self._tasks), timeout=left)
+        late = list(self._tasks)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        if late:
+            log.warning("stopped with %d alert notification(s) undelivered after %gs", len(late), grace_s)
         if self._own_client:
             await self._client.aclose()

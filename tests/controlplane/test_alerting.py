@@ -481,6 +481,17 @@ async def test_a_resolution_waiting_for_its_interval_is_sent_when_the_replica_st
         assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"], stop
 
 
+async def test_a_resolution_behind_a_notice_in_flight_at_shutdown_is_sent_when_that_one_ends(
+    receiver: Receiver,
+) -> None:
+    n = notifier(alerting(receiver.url, group_wait=0))
+    f = finding(7, "saturation", "pool/decode")
+    await n.on_report(TickReport(ts=T0, opened=[f]))  # its delivery not yet done
+    await n.on_report(TickReport(ts=T0 + 15, resolved=[f]))
+    await n.aclose()
+    assert [p["status"] for p in receiver.payloads] == ["firing", "resolved"]
+
+
 async def test_stopping_gives_a_dead_receivers_retries_a_bounded_grace() -> None:
     hole = socket.socket()  # connections complete in the kernel; nothing ever answers
     hole.bind(("127.0.0.1", 0))
