@@ -127,6 +127,8 @@ st.subheader("Replicas")
 left, right = st.columns(2)
 with left:
     actual = pick("replicas_desired", "replicas_ready", "autoscale_target_replicas", "engines_reporting")
+    # The signal is the sizer's recommendation, before its scale-down hold: `fleetctl autoscale plan`'s target is after.
+    actual.loc[actual["signal"] == "autoscale_target_replicas", "signal"] = "recommended (before the hold)"
     desired_rows: list[tuple[float, Any]] = []
     if not (actual["name"] == "replicas_desired").any():
         # Stores written before replica counts were signals: desired from the audit log's scale actions.
@@ -151,7 +153,7 @@ with left:
             rules = [(float(bounds.min), "min replicas"), (float(bounds.max), "max replicas")]
         except KeyError:
             pass
-    chart("Desired, ready and the autoscaler's target", actual, "replicas / engines", band=False, rules=rules,
+    chart("Desired, ready and the autoscaler's recommendation", actual, "replicas / engines", band=False, rules=rules,
           empty="no replica signals in range")
     last_scale = max(data["scale_actions"], key=lambda a: a["created_at"], default=None)
     if last_scale is not None:
