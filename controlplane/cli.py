@@ -147,8 +147,13 @@ def _revision_named(revision: str) -> Iterator[None]:
 def db_current(db: str, as_json: bool) -> None:
     """Print the store's revision; exit 1 when it is not the shipped head."""
     from controlplane.store import migrate
+    from controlplane.store.db import make_engine
 
-    rev, head = migrate.current(db), migrate.head()
+    engine = make_engine(db, existing=True)  # a mistyped SQLite path is said, not made
+    try:
+        rev, head = migrate.current(engine), migrate.head()
+    finally:
+        engine.dispose()
     if as_json:
         _emit_json({"current": rev, "head": head, "up_to_date": rev == head})
     else:

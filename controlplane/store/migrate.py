@@ -49,17 +49,17 @@ def downgrade(url_or_engine: str | Engine, revision: str) -> None:
 
 def current(url_or_engine: str | Engine) -> str | None:
     """The revision the database is at, or None when it was never migrated."""
-    with _engine(url_or_engine, existing=True) as engine, engine.connect() as conn:
+    with _engine(url_or_engine) as engine, engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
 
 @contextmanager
-def _engine(url_or_engine: str | Engine, existing: bool = False) -> Iterator[Engine]:
-    """The given engine, or one made from a URL and disposed afterwards (`make_engine`'s `existing`)."""
+def _engine(url_or_engine: str | Engine) -> Iterator[Engine]:
+    """The given engine, or one made from a URL and disposed afterwards."""
     if isinstance(url_or_engine, Engine):
         yield url_or_engine
         return
-    engine = make_engine(normalize_url(url_or_engine), existing=existing)
+    engine = make_engine(normalize_url(url_or_engine))
     try:
         yield engine
     finally:
