@@ -541,6 +541,10 @@ def _judge_metric(intervals: Sequence[Interval], rule: MetricRule, s: GateSettin
         arm = "baseline" if counts["baseline_count"] <= 0 else "canary"
         return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=f"{rule.label}: no data from the {arm}",
                              **common)  # type: ignore[arg-type]
+    if whole_b is not None and whole_c is not None and _layouts_differ(whole_b, whole_c, rule.statistic):
+        return MetricVerdict(outcome=Outcome.INCONCLUSIVE, decided=False, reason=(
+            f"{rule.label}: the arms' histograms have different bucket bounds, so their {rule.statistic} cannot be "
+            "compared (judge the mean, or export the same buckets)"), **common)  # type: ignore[arg-type]
     if len(shifts) < s.min_blocks:
         reason = (f"{rule.label}: {len(shifts)} of {s.min_blocks} blocks with {rule.min_count} observations per arm "
                   f"(canary has {counts['canary_count']:.0f}, baseline {counts['baseline_count']:.0f}): too little "
@@ -631,9 +635,19 @@ def _whole(intervals: Sequence[Interval], name: str, *, baseline: bool) -> Dist 
     return out
 
 
+def _layouts_differ(base: Dist, can: Dist, statistic: str) -> bool:
+    """Whether a quantile would be read from two bucket layouts: each arm's is interpolated inside its own buckets, so
+    an identical canary exported with coarser buckets (a vLLM upgrade that changed them) reads several times slower,
+    and a slower one with finer buckets faster."""
+    return (statistic != "mean" and not (base.samples and can.samples) and bool(base.buckets) and bool(can.buckets)
+            and [le for le, _ in base.buckets] != [le for le, _ in can.buckets])
+
+
 def _shift(base: Dist, can: Dist, rule: MetricRule) -> tuple[float, bool, bool] | None:
     """A block's shift, and whether the baseline's and the canary's statistic were only lower bounds of themselves
-    (None where both were, or either is missing)."""
+    (None where both were, or either is missing, or the arms' bucket layouts differ)."""
+    if _layouts_differ(base, can, rule.statistic):
+        return None
     got_b, got_c = base.bounded(rule.statistic), can.bounded(rule.statistic)
     if got_b is None or got_c is None or (got_b[1] and got_c[1]):
         return None

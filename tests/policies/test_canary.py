@@ -375,3 +375,24 @@ def test_a_tail_past_the_highest_bound_can_fail_and_never_pass() -> None:
     # A canary as slow past the bound as its baseline: nothing to compare, never a pass.
     both = [Interval(s.start, s.end, s.canary, s.canary) for s in steps]
     assert judge(both, settings, final=True).outcome is Outcome.INCONCLUSIVE
+
+
+@pytest.mark.parametrize(("base_bounds", "can_bounds", "base_s", "can_s"), [
+    # An identical canary exported with coarser buckets read 0.595 s against 4.775 s: failed at once.
+    ((0.1, 0.25, 0.5, 0.6, 0.75, 1.0, 2.5, 5.0, 10.0), (0.5, 5.0, 10.0), 0.55, 0.55),
+    # A canary 27 % slower with finer buckets read 84 % faster: passed.
+    ((0.5, 5.0, 10.0), (0.1, 0.25, 0.5, 0.6, 0.75, 1.0, 2.5, 5.0, 10.0), 0.55, 0.70),
+])
+def test_a_quantile_is_never_compared_across_two_bucket_layouts(base_bounds: tuple[float, ...],
+                                                               can_bounds: tuple[float, ...], base_s: float,
+                                                               can_s: float) -> None:
+    def hist(value: float, bounds: tuple[float, ...]) -> Dist:
+        return Dist(100.0, 100 * value, tuple((le, 100.0 * (value <= le)) for le in bounds) + ((math.inf, 100.0),))
+
+    rule = MetricRule(name="ttft", statistic="p95", critical=True)
+    intervals = [Interval(i * 30.0, (i + 1) * 30.0, {"ttft": hist(base_s, base_bounds)}, {"ttft": hist(can_s, can_bounds)})
+                 for i in range(12)]
+    verdict = judge(intervals, GateSettings(metrics=(rule,)))
+    [metric] = verdict.metrics
+    assert metric.outcome is Outcome.INCONCLUSIVE and "different bucket bounds" in metric.reason
+    assert verdict.outcome is Outcome.INCONCLUSIVE
