@@ -65,7 +65,8 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
             # The counters and histograms of lines dropped as malformed: exposed, but not read.
-            index = self._indexes.setdefault(source.name, source.families.index())
+            if (index := self._indexes.get(source.name)) is None:  # built once a source: setdefault built it every round
+                index = self._indexes[source.name] = source.families.index()
             dropped = {hit[1] for e in errors if (hit := index.get(e.metric)) is not None and hit[0] != "gauge"}
             missing = families.missing_families(readings, source.families) + families.unnumbered_families(
                 readings, source.families)

@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
+from catalog.redaction import env_secret
 from controlplane.config import GROUP_BY_ALL, Alerting, AlertReceiver
 from controlplane.errors import ConfigError
 from controlplane.loop import TickReport
@@ -197,10 +198,10 @@ def _route(index: int, receiver: AlertReceiver, env: Mapping[str, str]) -> _Rout
     headers = {"User-Agent": USER_AGENT}
     secrets: list[str] = [raw]
     if receiver.bearer_token_env is not None:
-        # A Secret made from a file (`kubectl create secret --from-file`, `echo tok > f`) ends in a newline: sent as
-        # it is, every request fails on the header and the error quoting it escapes the newline past the scrub.
-        token = env.get(receiver.bearer_token_env, "").strip()
-        if not token:
+        # Sent with a Secret file's newline, every request failed on the header, and the error quoting it escaped the
+        # newline past the scrub.
+        token = env_secret(env.get(receiver.bearer_token_env))
+        if token is None:
             raise ConfigError("alerting", [f"{where}: environment variable {receiver.bearer_token_env} is not set"])
         if any(not c.isprintable() for c in token):
             raise ConfigError("alerting", [f"{where}: {receiver.bearer_token_env} holds control characters no HTTP "

@@ -15,7 +15,7 @@ from controlplane.sim.perf import load_model
 from controlplane.store.base import Store
 from policies.autoscale import DESIRED, GANG, READY, Autoscaler, EngineCurves, SizerRun, plan_each
 from policies.inputs import KIND as STALE_INPUTS
-from policies.inputs import frozen_inputs, vanished_inputs
+from policies.inputs import stopped_or_frozen
 from policies.types import FindingKey, OpenFinding, PolicyInput, PoolState
 from policies.windows import HISTORY_S, SignalWindows
 
@@ -57,9 +57,8 @@ async def plan_from_store(config: FleetConfig, store: Store, now: float) -> Size
     open_findings = await store.open_findings()
     # What the loop would hold back as stale: series that stopped (the scrapes ended long ago, read as a lull), frozen
     # gauges, and what its last tick found unfit (`stale_inputs` findings).
-    interval = config.scrape.interval
-    vanished = vanished_inputs(windows, [p.name for p in config.pools], now, 2.5 * interval)
-    frozen = frozen_inputs(windows, now, config.rails.frozen_after)
+    stale = stopped_or_frozen(windows, [p.name for p in config.pools], now, config.scrape.interval,
+                              config.rails.frozen_after)
     unfit = {f.subject.removeprefix("pool/"): dict(f.evidence.get("inputs") or {})
              for f in open_findings if f.kind == STALE_INPUTS}
     pools = {}
@@ -70,8 +69,7 @@ async def plan_from_store(config: FleetConfig, store: Store, now: float) -> Size
         pools[p.name] = PoolState(p.name, str(p.role), round(desired or 0), round(ready or 0), p.replicas.min,
                                   p.replicas.max, p.slo.ttft_p95, p.slo.tpot_p95,
                                   gang=round(windows.latest(subject, GANG) or 1),
-                                  stale_inputs={**unfit.get(p.name, {}), **vanished.get(p.name, {}),
-                                                **frozen.get(p.name, {})})
+                                  stale_inputs={**unfit.get(p.name, {}), **stale.get(p.name, {})})
     findings = {FindingKey(f.kind, f.subject): OpenFinding(FindingKey(f.kind, f.subject), f.opened_at, f.evidence)
                 for f in open_findings}
     return plan_each(sizer, PolicyInput(now=now, windows=windows, pools=pools, open_findings=findings))

@@ -54,7 +54,7 @@ from policies.autoscale import (
     whole_minute,
 )
 from policies.inputs import KIND as STALE_KIND
-from policies.inputs import VANISH_WATCH, frozen_inputs, stale_among, vanished_inputs
+from policies.inputs import VANISH_WATCH, stale_among, stopped_or_frozen
 from policies.settling import stalled_since
 from policies.types import (
     ActionKind,
@@ -520,7 +520,6 @@ class ControlLoop:
         # failing canary's finding would resolve as a rollout that ended, and its rollback expire.
         self.changed_at = {**self.changed_at, **view.changed_at}
         self._router_template = view.router_template
-        frozen = frozen_inputs(self.windows, now, self.config.rails.frozen_after)
         # A pool that may scale to zero and is there has no series to stop; one that may not is down, not idle.
         serving = [p.name for p in self.config.pools
                    if p.replicas.min > 0 or (r := self._last_replicas.get(p.name)) is None or r.desired > 0]
@@ -528,8 +527,8 @@ class ControlLoop:
             for name in VANISH_WATCH:
                 if (ts := self.windows.latest_ts(f"pool/{pool.name}", name)) is not None:
                     self._last_seen[(pool.name, name)] = ts
-        # Two and a half intervals: one late scrape is noise, two in a row are not.
-        vanished = vanished_inputs(self.windows, serving, now, 2.5 * self.config.scrape.interval, self._last_seen)
+        stale = stopped_or_frozen(self.windows, serving, now, self.config.scrape.interval,
+                                  self.config.rails.frozen_after, self._last_seen)
         out = {}
         record: list[Signal] = []
         for pool in self.config.pools:
@@ -542,7 +541,7 @@ class ControlLoop:
                 min_replicas=pool.replicas.min, max_replicas=pool.replicas.max,
                 ttft_p95_slo=pool.slo.ttft_p95, tpot_p95_slo=pool.slo.tpot_p95,
                 max_unavailable=rep.max_unavailable if rep else None, gang=rep.gang if rep else 1,
-                stale_inputs={**self._unfit.get(pool.name, {}), **vanished.get(pool.name, {}), **frozen.get(pool.name, {})},
+                stale_inputs={**self._unfit.get(pool.name, {}), **stale.get(pool.name, {})},
                 unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
                 stalled_for=stalled, scaled_by=rep.scaled_by if rep else None,
                 expert_parallel=pool.engine.expert_parallel,

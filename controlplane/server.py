@@ -27,6 +27,7 @@ import tornado.httpserver
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from catalog.redaction import env_secret
 from controlplane.errors import ActionConflict, ActionNotFound, FleetError, GateError, GateInputError
 from controlplane.gate import GateBook, GateKey, StoreGateSource
 from controlplane.loop import ControlLoop
@@ -307,9 +308,8 @@ def start_server(loop: ControlLoop, host: str, port: int, *, token: str | None =
     with neither every write is refused. `gates` runs the canary gates (by default `store_gates`); with
     `gate_token` (or FLEETCTL_GATE_TOKEN) they answer only requests that carry it.
     """
-    # A Secret made from a file ends in a newline no client can send: every request would get 401.
-    token = (token or os.environ.get(TOKEN_ENV, "")).strip() or None
-    gate_token = (gate_token or os.environ.get(GATE_TOKEN_ENV, "")).strip() or None
+    token = env_secret(token or os.environ.get(TOKEN_ENV))
+    gate_token = env_secret(gate_token or os.environ.get(GATE_TOKEN_ENV))
     gates = gates if gates is not None else store_gates(loop)
     api = {"loop": loop, "token": token}
     gate = {**api, "gates": gates, "gate_token": gate_token}

@@ -23,6 +23,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from catalog.redaction import env_secret
 from catalog.signals import lookup
 from controlplane.config import FleetConfig, load_config
 from controlplane.errors import FleetError, StoreUnavailable
@@ -232,7 +233,7 @@ def api_url() -> str:
 def api_token() -> str | None:
     """The bearer token for the API's write endpoints (FLEETCTL_API_TOKEN), if set; as the server reads it, without the
     newline a Secret made from a file ends in."""
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+    return env_secret(os.environ.get(TOKEN_ENV))
 
 
 @st.cache_data(ttl=10, show_spinner=False)

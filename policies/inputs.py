@@ -82,6 +82,19 @@ def vanished_inputs(windows: SignalWindows, pools: list[str], now: float, after:
     return out
 
 
+STOPPED_AFTER = 2.5  # scrape intervals without a value before a series counts as stopped: one late scrape is noise
+
+
+def stopped_or_frozen(windows: SignalWindows, pools: list[str], now: float, interval: float, frozen_after: float,
+                      seen: Mapping[tuple[str, str], float] | None = None) -> dict[str, dict[str, str]]:
+    """Per pool, with why: the watched series of `pools` that stopped (`vanished_inputs`) and every pool's frozen
+    gauges (`frozen_inputs`); what the loop and `fleetctl autoscale plan` alike hold back as stale."""
+    out = vanished_inputs(windows, pools, now, STOPPED_AFTER * interval, seen)
+    for pool, frozen in frozen_inputs(windows, now, frozen_after).items():
+        out.setdefault(pool, {}).update(frozen)
+    return out
+
+
 class StaleInputsSettings(SwitchSettings):
     """`policies.stale_inputs` in the fleet file; when it counts as frozen is `rails.frozen_after`."""
 

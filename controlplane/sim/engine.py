@@ -165,8 +165,8 @@ class SimEngine:
         self.t = self.started_at = now
         self.waiting.clear()
         self.running.clear()
-        self.used_blocks = self.cached_blocks = 0
-        self.cache.clear()
+        self.used_blocks = 0
+        self.drop_cache()
         self.ranks = [self._fresh_stats() for _ in self.ranks]
 
     def drop_cache(self) -> None:
