@@ -184,8 +184,7 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
             reading = readings[entity] = Reading(attrs=attrs.get(entity, {}))
         reading.families.add(s.name)
         kind, key, _, _ = _INDEX[s.name]
-        if kind != "gauge":
-            reading.unread.add(key)
+        reading.not_read(kind, key)
     return readings
 
 

@@ -85,6 +85,11 @@ class Reading:
     # whole history would be counted at once. One never exposed (created since, at its first event) still is.
     unread: set[str] = field(default_factory=set)
 
+    def not_read(self, kind: str, key: str) -> None:
+        """Record a key exposed but not read (`unread`); a gauge's value has no history to miscount, so it is not."""
+        if kind != "gauge":
+            self.unread.add(key)
+
 
 @dataclass(slots=True)
 class Delta:
@@ -194,8 +199,7 @@ def read(
         r.families.add(family)
         if not math.isfinite(s.value):
             r.not_numbers.add(family)
-            if kind != "gauge":
-                r.unread.add(key)
+            r.not_read(kind, key)
             continue
         if kind == "counter":
             counters[(entity, key, rank)] = counters.get((entity, key, rank), 0.0) + s.value
@@ -234,7 +238,7 @@ def read(
         built = {labels: h for labels, b in builders.items() if b.buckets and (h := b.build()) is not None}
         if unbounded := {b.family for b in builders.values() if b.buckets and math.inf not in b.buckets}:
             entities[entity].unbounded |= unbounded
-            entities[entity].unread.add(key)
+            entities[entity].not_read("histogram", key)
         if built:
             whole = next(iter(built.values())) if len(built) == 1 else sum(built.values(), EMPTY_HISTOGRAM)
             entities[entity].histograms[key] = whole

@@ -67,14 +67,15 @@ class SignalDeriver:
             # The counters and histograms of lines dropped as malformed: exposed, but not read.
             if (index := self._indexes.get(source.name)) is None:  # built once a source: setdefault built it every round
                 index = self._indexes[source.name] = source.families.index()
-            dropped = {hit[1] for e in errors if (hit := index.get(e.metric)) is not None and hit[0] != "gauge"}
+            dropped = {hit[:2] for e in errors if (hit := index.get(e.metric)) is not None}
             missing = families.missing_families(readings, source.families) + families.unnumbered_families(
                 readings, source.families)
             if missing:
                 out.missing_families[t.key] = missing
             pod_deltas: list[families.Delta] = []
             for entity, reading in readings.items():
-                reading.unread |= dropped
+                for kind, key in dropped:
+                    reading.not_read(kind, key)
                 slot = (t.key, entity)
                 seen.add(slot)
                 prev = self._prev.get(slot)

@@ -99,7 +99,7 @@ class MinuteMeter:
         self.replicas: list[tuple[float, dict[str, int]]] = []
         self.arrivals: dict[int, int] = {}  # requests that arrived, per minute
         self._arrived = fleet.arrived
-        self._departed = len(fleet.departed)
+        fleet.take_departed()  # from now on
 
     def sample(self, fleet: SimFleet) -> None:
         """Count what finished since the last sample and the GPUs held meanwhile: each engine from when it was asked
@@ -107,9 +107,7 @@ class MinuteMeter:
         now = fleet.now
         minute = max(0, math.ceil((now - self.start) / 60.0) - 1)
         held = {pool: len(ms) for pool, ms in fleet.members.items()}
-        gone = fleet.departed[self._departed:]
-        self._departed = len(fleet.departed)
-        counted = [(pool, m) for pool, ms in fleet.members.items() for m in ms] + gone
+        counted = [(pool, m) for pool, ms in fleet.members.items() for m in ms] + fleet.take_departed()
         self.gpu_s += sum(self.gpus.get(pool, 1) * max(0.0, (m.gone_at if m.gone_at is not None else now)
                                                          - max(self._t, m.asked_at)) for pool, m in counted)
         self._t = now

@@ -9,6 +9,8 @@ from policies.types import FindingKey, PolicyInput, PoolState
 from policies.windows import SignalWindows
 
 __all__ = [
+    "current_since",
+    "current_subjects",
     "engines_of",
     "gone_findings",
     "pool_of",
@@ -69,6 +71,14 @@ def current_since(windows: SignalWindows, subjects: Iterable[str], names: Sequen
     newest = max((ts for s in subjects for n in names if (ts := windows.latest_ts(s, n)) is not None),
                  default=now - stale_s)
     return max(min(newest, now), now - stale_s)
+
+
+def current_subjects(windows: SignalWindows, subjects: Iterable[str], names: Sequence[str], now: float,
+                     stale_s: float) -> list[str]:
+    """The subjects, sorted, that reported any of `names` in the latest round of their scrapes (`current_since`)."""
+    subjects = sorted(set(subjects))
+    since = current_since(windows, subjects, names, now, stale_s)
+    return [s for s in subjects if reported_since(windows, s, names, since)]
 
 
 def gone_findings(inp: PolicyInput, kind: str, names: Iterable[str], stale_s: float,

@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from catalog.settings import Problem, Seconds, Settings
-from policies.common import current_since, gone_findings, reported_since
+from policies.common import current_since, current_subjects, gone_findings
 from policies.types import (
     ActionKind,
     Cordon,
@@ -137,11 +137,8 @@ class GpuHealth:
         for name in WATCHED:
             subjects.update(inp.windows.subjects(name, prefix="gpu/"))
         names = (*ALIVE, *WATCHED)
-        current = current_since(inp.windows, subjects, names, inp.now, s.stale_s)
-        hosts = self._engine_hosts(inp.windows, current)
-        for subject in sorted(subjects):
-            if not reported_since(inp.windows, subject, names, current):
-                continue
+        hosts = self._engine_hosts(inp.windows, current_since(inp.windows, subjects, names, inp.now, s.stale_s))
+        for subject in current_subjects(inp.windows, subjects, names, inp.now, s.stale_s):
             key = FindingKey(KIND, subject)
             health = self._judge(inp, subject)
             if health.faults:

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from catalog.settings import Problem, Seconds, Settings, least_window
-from policies.common import current_since, gone_findings, reported_since
+from policies.common import current_subjects, gone_findings
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -98,13 +98,12 @@ class KvTransferLag:
         """One evaluation over every KV-path subject."""
         result = PolicyResult()
         for path in PATHS:
-            subjects = sorted(set(inp.windows.subjects(path.p99, prefix=path.prefix))
-                              | set(inp.windows.subjects(path.failures, prefix=path.prefix)))
-            names = (path.p99, path.failures)
-            current = current_since(inp.windows, subjects, names, inp.now, self.settings.stale_s)
+            subjects = {*inp.windows.subjects(path.p99, prefix=path.prefix),
+                        *inp.windows.subjects(path.failures, prefix=path.prefix)}
             # Not in the latest scrape (a drained worker, a missed scrape): its old points say nothing about now, as a
             # path nor as a peer, and a drain proposed from them would chase a pod that is gone.
-            live = [subject for subject in subjects if reported_since(inp.windows, subject, names, current)]
+            names = (path.p99, path.failures)
+            live = current_subjects(inp.windows, subjects, names, inp.now, self.settings.stale_s)
             for subject in live:
                 key = FindingKey(KIND, subject)
                 report = self._judge(inp, path, subject, live, key in inp.open_findings)

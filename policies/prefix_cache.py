@@ -13,7 +13,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from catalog.settings import Problem, Seconds, Settings, least_window
-from policies.common import current_since, gone_findings, reported_since
+from policies.common import current_subjects, gone_findings, reported_since
 from policies.stats import median_mad
 from policies.types import (
     ActionKind,
@@ -160,13 +160,10 @@ class PrefixCacheHitDrop:
         kv_max = inp.windows.latest(subject, "kv_cache_usage_max") or 0.0
         preemptions = inp.windows.latest(subject, "preemption_rate") or 0.0
         # The engines of the latest scrape: one drained or gone since keeps its last rate in the history.
-        engine_subjects = list(inp.windows.subjects(SIGNAL, prefix=f"engine/{pool}/"))
-        since = current_since(inp.windows, engine_subjects, (SIGNAL,), inp.now, self.settings.stale_s)
-        engine_rates = {
-            e.removeprefix(f"engine/{pool}/"): v
-            for e in engine_subjects
-            if reported_since(inp.windows, e, (SIGNAL,), since) and (v := inp.windows.latest(e, SIGNAL)) is not None
-        }
+        reporting = current_subjects(inp.windows, inp.windows.subjects(SIGNAL, prefix=f"engine/{pool}/"), (SIGNAL,),
+                                     inp.now, self.settings.stale_s)
+        engine_rates = {e.removeprefix(f"engine/{pool}/"): v for e in reporting
+                        if (v := inp.windows.latest(e, SIGNAL)) is not None}
         spread = max(engine_rates.values()) - min(engine_rates.values()) if engine_rates else 0.0
         drop = baseline - current
         evidence = {

@@ -1033,18 +1033,17 @@ class KubernetesActuator:
                           "metadata": {"annotations": {ACTION_ANNOTATION: order.stamp}}}, **self._writes())
         await self._node_event(order, node)
         on = await self._engines_on(node, order.pool)
-        owners, unmoved, leaders = on.owners, on.unmoved, on.leaders
         kept = {} if self.dry_run else _kept(on, order)
-        moving = sorted(p for p in owners if not any(p in members for members in kept.values()))
+        moving = sorted(p for p in on.owners if not any(p in members for members in kept.values()))
         wait: dict[str, Any] = {"phase": "evicting", "pods": moving, "namespace": w.namespace, "then": "evict",
-                                "node": node, "pools": owners, "deadline": self.clock() + self.settings.drain_grace,
+                                "node": node, "pools": on.owners, "deadline": self.clock() + self.settings.drain_grace,
                                 # Each engine's namespace as it is now: a fleet file changed before a take-over
                                 # resumes the wait must not move an engine to another namespace's pod of its name.
-                                "namespaces": {p: self.workloads[owner].namespace for p, owner in owners.items()}}
-        if unmoved:
-            wait["unmoved"] = unmoved
-        if leaders:
-            wait["groups"] = leaders
+                                "namespaces": {p: self.workloads[owner].namespace for p, owner in on.owners.items()}}
+        if on.unmoved:
+            wait["unmoved"] = on.unmoved
+        if on.leaders:
+            wait["groups"] = on.leaders
         if kept:
             wait |= {"kept": kept, "kept_until": self.clock() + self.settings.cordon_hold}
         done: list[str] = []

@@ -177,8 +177,8 @@ class SimFleet:
         self._serial: dict[str, int] = {}
         self._models: dict[str, PerfModel] = {}
         self.members: dict[str, list[Member]] = {p.name: [] for p in spec.pools}
-        # Engines drained and gone, in order: what they served and held since a meter's last look is still counted.
-        self.departed: list[tuple[str, Member]] = []
+        # Engines drained and gone, in order, until a meter takes them (`take_departed`); None: no meter reads them.
+        self._departed: list[tuple[str, Member]] | None = None
         self.pool_specs = {p.name: p for p in spec.pools}
         self.desired = {p.name: p.replicas for p in spec.pools}
         self.routers: dict[str, Router] = {}
@@ -405,6 +405,13 @@ class SimFleet:
                 if g.throttled:  # clocks held down for most of the window
                     g.thermal_violation_s += 0.6 * dt
 
+    def take_departed(self) -> list[tuple[str, Member]]:
+        """The engines drained and gone since the last call, with their pools, in order: what they served and held
+        since a meter's last look is still counted. Kept from the first call on, and only until taken (a day's churn
+        of engines, each with its histograms, is memory)."""
+        out, self._departed = self._departed or [], []
+        return out
+
     def _reap(self) -> None:
         for pool, ms in self.members.items():
             gone = [m for m in ms if m.draining and m.engine.idle() and m.transfer.link_free_at <= self.now]
@@ -413,7 +420,8 @@ class SimFleet:
                 for m in gone:
                     m.gone_at = self.now
                     m.engine.drop_cache()  # a day's churn of engines, each with its prefix cache, is memory
-                    self.departed.append((pool, m))
+                    if self._departed is not None:
+                        self._departed.append((pool, m))
 
     def _arrivals_until(self, stop: float) -> None:
         while self._next is not None and self.t0 + self._next.arrival_s <= stop:

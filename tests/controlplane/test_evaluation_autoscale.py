@@ -272,7 +272,8 @@ def test_the_meter_charges_an_engine_from_its_ask_and_counts_what_a_drained_engi
     fleet = SimFleet(FleetSpec(pools=(PoolSpec("u", Role.UNIFIED, 2, startup_s=60.0),)),
                      [Request(1.0 + 0.01 * i, 1000, 600) for i in range(40)])
     meter = MinuteMeter(fleet, 0.0, {"u": 1})
-    engines = [m.engine for m in fleet.members["u"]]
+    members = list(fleet.members["u"])
+    engines = [m.engine for m in members]
     fleet.advance_to(2.0)
     meter.sample(fleet)
     fleet.scale("u", 1)
@@ -281,12 +282,12 @@ def test_the_meter_charges_an_engine_from_its_ask_and_counts_what_a_drained_engi
         if t == 30:
             fleet.scale("u", 2)  # asked for at 30 s, sampled at once
         meter.sample(fleet)
-    [gone] = fleet.departed
-    assert gone[1].gone_at is not None and gone[1].gone_at < 120
+    [gone] = [m for m in members if m not in fleet.members["u"]]
+    assert gone.gone_at is not None and gone.gone_at < 120
     served = sum(int(np.sum(e.ranks[0].hists["vllm:request_time_per_output_token_seconds"].counts)) for e in engines)
     assert served == 40
     assert sum(int(np.sum(c)) for (_, metric, _), c in meter.counts.items() if metric == "tpot") == served
-    assert meter.gpu_s == pytest.approx(120.0 + gone[1].gone_at + 90.0)
+    assert meter.gpu_s == pytest.approx(120.0 + gone.gone_at + 90.0)
 
 
 def test_autoscale_plan_sizes_no_pool_from_series_that_stopped(tmp_path: Path) -> None:
