@@ -13,7 +13,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,12 +34,14 @@ from dashboard.pages import PAGES
 __all__ = [
     "PAGE_FILES",
     "RANGES",
+    "Approver",
     "Window",
     "ago",
     "api_decide",
     "api_status",
     "api_token",
     "api_url",
+    "approver",
     "band_chart",
     "bar_chart",
     "chosen",
@@ -55,6 +57,7 @@ __all__ = [
     "secs",
     "select",
     "show",
+    "signed_in_user",
     "slo",
     "spread_frame",
     "store_url",
@@ -66,6 +69,9 @@ STORE_ENV = "FLEETCTL_STORE_URL"
 CONFIG_ENV = "FLEETCTL_CONFIG"
 API_ENV = "FLEETCTL_API_URL"
 TOKEN_ENV = "FLEETCTL_API_TOKEN"
+# The request header an authenticating proxy in front of the dashboard (oauth2-proxy, an ingress's external auth)
+# sets to the user it signed in: approvals are then recorded as that user, not as a name anyone may type.
+USER_HEADER_ENV = "FLEETCTL_DASHBOARD_USER_HEADER"
 DEFAULT_API = "http://127.0.0.1:9464"
 API_TIMEOUT_S = 2.0
 RANGES: dict[str, float] = {"15 min": 900.0, "1 h": 3600.0, "3 h": 10800.0, "6 h": 21600.0, "24 h": 86400.0,
@@ -234,6 +240,31 @@ def api_token() -> str | None:
     """The bearer token for the API's write endpoints (FLEETCTL_API_TOKEN), if set; as the server reads it, without the
     newline a Secret made from a file ends in."""
     return env_secret(os.environ.get(TOKEN_ENV))
+
+
+def signed_in_user(headers: Mapping[str, str], header: str) -> str | None:
+    """The user an authenticating proxy signed in, from its `header` (any case); None where it is absent, blank or
+    holds a control character (no proxy's value: the request did not come through it)."""
+    wanted = header.strip().lower()
+    value = next((v for k, v in headers.items() if k.lower() == wanted), "").strip()
+    return value if value and value.isprintable() else None
+
+
+@dataclass(frozen=True, slots=True)
+class Approver:
+    """Who decides on this page: the proxy's signed-in user (`header` set), or a name typed (no proxy configured);
+    `user` None where a proxy is configured and this request did not come through it."""
+
+    header: str | None
+    user: str | None
+
+
+def approver() -> Approver:
+    """Who this request may approve as: with FLEETCTL_DASHBOARD_USER_HEADER set, only the user in that header."""
+    header = (os.environ.get(USER_HEADER_ENV) or "").strip() or None
+    if header is None:
+        return Approver(None, None)
+    return Approver(header, signed_in_user(st.context.headers, header))
 
 
 @st.cache_data(ttl=10, show_spinner=False)

@@ -24,9 +24,15 @@ if not proposed:
     st.caption("No proposal is waiting. In `propose` mode the control plane writes proposals here for a person to "
                "approve; in `act` mode it acts within the rails; in `observe` mode it never acts.")
 token = c.api_token()
+who = c.approver()
 if proposed and token is None:
     st.info("Set FLEETCTL_API_TOKEN for the dashboard (the same token the control plane has) to approve here; "
             "until then, use the command line:")
+elif proposed and who.header is not None and who.user is None:
+    # Configured behind a proxy, a request without its header came around it: no one to record the decision as.
+    st.warning(f"Approving here takes the signed-in user in the `{who.header}` header, which the proxy in front of "
+               "the dashboard sets; this request has none, so it did not come through the proxy. Use the command "
+               "line:")
 for a in proposed:
     with st.container(border=True):
         st.markdown(f"**#{a['id']} {a['kind']} {a['pool']}** {a['params'].get('from_replicas', '')} → "
@@ -34,13 +40,17 @@ for a in proposed:
         st.write(a["reason"])
         if a["finding_id"] is not None:
             c.link("incidents", f"Incident #{a['finding_id']}", finding=a["finding_id"])
-        if token is None:
+        if token is None or (who.header is not None and who.user is None):
             db = redact(c.store_url())  # never the store's password on a page anyone with the link reads
             st.code(f"fleetctl actions approve {a['id']} --db '{db}'\n"
                     f"fleetctl actions reject {a['id']} --db '{db}'", language="bash")
             continue
         cols = st.columns([3, 1, 1])
-        by = cols[0].text_input("Decided by", value=os.environ.get("USER") or "operator", key=f"by_{a['id']}")
+        if who.user is not None:
+            by = who.user
+            cols[0].markdown(f"Deciding as **{by}** (signed in)")
+        else:
+            by = cols[0].text_input("Decided by", value=os.environ.get("USER") or "operator", key=f"by_{a['id']}")
         for col, approve in ((cols[1], True), (cols[2], False)):
             if col.button("Approve" if approve else "Reject", key=f"{'ok' if approve else 'no'}_{a['id']}",
                           type="primary" if approve else "secondary"):

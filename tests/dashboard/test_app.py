@@ -310,6 +310,31 @@ def test_approving_calls_the_control_plane_with_the_token(monkeypatch: pytest.Mo
         store.close()
 
 
+def test_behind_a_proxy_a_request_without_its_user_cannot_approve(monkeypatch: pytest.MonkeyPatch,
+                                                                 proposal_db: tuple[str, int], fake_api: FakeApi) -> None:
+    # A dashboard configured behind an authenticating proxy, reached around it: no one to record the decision as, and
+    # no name typed in its place.
+    url, aid = proposal_db
+    at = render(monkeypatch, url, "actions", env={"FLEETCTL_API_URL": fake_api.url, "FLEETCTL_API_TOKEN": "t0ken",
+                                                  "FLEETCTL_DASHBOARD_USER_HEADER": "X-Forwarded-Email"})
+    assert not at.button and not at.text_input
+    assert any("X-Forwarded-Email" in w.value for w in at.warning)
+    assert any(f"fleetctl actions approve {aid}" in code.value for code in at.code)
+
+
+def test_behind_a_proxy_the_signed_in_user_decides(monkeypatch: pytest.MonkeyPatch, proposal_db: tuple[str, int],
+                                                  fake_api: FakeApi) -> None:
+    from dashboard import common
+
+    url, aid = proposal_db
+    fake_api.answer = (200, {"id": aid, "state": "approved", "by": "alice@example.com"})
+    monkeypatch.setattr(common, "approver", lambda: common.Approver("X-Forwarded-Email", "alice@example.com"))
+    at = render(monkeypatch, url, "actions", env={"FLEETCTL_API_URL": fake_api.url, "FLEETCTL_API_TOKEN": "t0ken"})
+    assert not at.text_input  # the name is the proxy's, not one typed
+    at.button(key=f"ok_{aid}").click().run()
+    assert fake_api.requests[0]["body"] == {"by": "alice@example.com"}
+
+
 def test_a_refused_decision_is_shown(monkeypatch: pytest.MonkeyPatch, proposal_db: tuple[str, int],
                                      fake_api: FakeApi) -> None:
     url, aid = proposal_db

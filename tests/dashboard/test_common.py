@@ -51,3 +51,15 @@ def test_approving_with_a_token_from_a_file_never_shows_the_token(monkeypatch: p
     assert c.api_token() == "s3cret-approval-token"
     ok, message = c.api_decide(1, True, "alice")
     assert not ok and "did not answer" in message and "s3cret" not in message
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({"X-Forwarded-Email": "alice@example.com"}, "alice@example.com"),
+    ({"x-forwarded-email": " bob@example.com "}, "bob@example.com"),  # header names have no case
+    ({"X-Forwarded-User": "alice"}, None),  # another header: not the proxy's
+    ({"X-Forwarded-Email": "  "}, None),
+    ({"X-Forwarded-Email": "eve\r\nX-Admin: 1"}, None),
+    ({}, None),
+])
+def test_the_signed_in_user_is_the_proxys_header(headers: dict[str, str], expected: str | None) -> None:
+    assert c.signed_in_user(headers, "X-Forwarded-Email") == expected
