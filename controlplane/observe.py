@@ -117,8 +117,7 @@ class ScrapeSource:
         errors.update(_counted(out.parse_errors, "malformed line(s)"))
         # Pod discovery serves its last good list while the API fails (`KubernetesPodTargets.stale`): an engine that
         # came or went since is not in the pools' sums, so nothing is acted on from them until the list is fresh.
-        stale = "the pod list is the last one read: the Kubernetes API fails" if getattr(
-            self.targets, "stale", False) else None
+        stale = "the pod list is the last one read: the Kubernetes API fails" if self.targets.stale else None
         return Observation(out.signals, results, dict(self.scraper.health), errors, out.parse_errors,
                            out.missing_families,
                            unfit_everywhere=dict.fromkeys({t.source for t in listed}, stale) if stale else {})
@@ -173,6 +172,8 @@ def _counted(problems: Mapping[str, list[str]], what: str) -> dict[str, str]:
 
 class PrometheusTargets:
     """Targets as Prometheus sees them (for the dry-run actuator's replica counts)."""
+
+    stale = False  # a failing Prometheus raises: no list is served in its place
 
     def __init__(self, source: PrometheusSource, clock_now: ClockNow, roles: dict[str, Role]) -> None:
         self.source = source

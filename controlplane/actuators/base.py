@@ -135,6 +135,11 @@ class Releases(Protocol):
 class TargetSource(Protocol):
     """Where the loop learns which endpoints to scrape this tick."""
 
+    @property
+    def stale(self) -> bool:
+        """Whether the last list served is an older one, kept because the source of truth fails to answer."""
+        ...
+
     async def targets(self) -> Sequence[Target]:
         """The current scrape targets."""
         ...
@@ -142,6 +147,8 @@ class TargetSource(Protocol):
 
 class StaticTargets:
     """A fixed target list, from the fleet file."""
+
+    stale = False  # the fleet file's list is always the one configured
 
     def __init__(self, targets: Sequence[Target]) -> None:
         self._targets = list(targets)

@@ -110,6 +110,8 @@ class SimServer:
 class SimTargets:
     """The simulated fleet as a target source."""
 
+    stale = False
+
     def __init__(self, server: SimServer) -> None:
         self._server = server
 

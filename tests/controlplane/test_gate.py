@@ -952,6 +952,8 @@ async def test_a_malformed_exposition_line_is_skipped_and_the_rest_counts(caplog
             listed = [base, can, flaky]
 
             class Discovered:
+                stale = False
+
                 async def targets(self) -> list[Target]:
                     return listed
 
