@@ -169,6 +169,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     # NIXL agents ----------------------------------------------------------------------------------
     _s("nixl_{direction}_bytes_rate", "B/s", Subject.NIXL, Producer.NIXL, "bytes sent (tx) or received (rx) per second"),
     _s("nixl_{direction}_request_rate", "1/s", Subject.NIXL, Producer.NIXL, "transfer requests sent or received per second"),
+    _s("nixl_request_rate", "1/s", Subject.NIXL, Producer.NIXL,
+       "transfer requests the agent posted per second, WRITEs (tx) and READs (rx) together"),
     _s("nixl_telemetry_dropped_rate", "1/s", Subject.NIXL, Producer.NIXL, "telemetry events the agent dropped per second"),
     _s("nixl_error_rate", "1/s", Subject.NIXL, Producer.NIXL, "transfer errors per second"),
     _s("nixl_errors_{status}_rate", "1/s", Subject.NIXL, Producer.NIXL, "transfer errors per second by status"),
@@ -183,6 +185,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("kv_transfer_{q}", "s", Subject.KVPATH, Producer.KVPROBE, "probe transfer time (p50, p99, mean)"),
     _s("kv_transfer_{q}_seconds_{size}", "s", Subject.KVPATH, Producer.KVPROBE, "probe transfer time by block size"),
     _s("kv_post_p99", "s", Subject.KVPATH, Producer.KVPROBE, "probe transfer post time, p99"),
+    _s("kv_transfer_wall_p99", "s", Subject.KVPATH, Producer.KVPROBE,
+       "wall time from posting a probe WRITE to seeing it done, p99"),
     # llm-d's endpoint picker ----------------------------------------------------------------------
     _s("epp_request_rate", "1/s", Subject.ROUTER, Producer.LLMD, "requests the picker routed per second"),
     _s("epp_request_error_rate", "1/s", Subject.ROUTER, Producer.LLMD, "request errors per second"),

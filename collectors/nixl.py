@@ -114,6 +114,10 @@ def signals(d: Delta, ts: float, subject: str) -> list[Signal]:
     out.rates(_RATES, d)
 
     requests = [inc[k] for k in ("tx_requests", "rx_requests") if k in inc]
+    if requests:
+        # NIXL counts a WRITE the agent posts as tx and a READ as rx: a decode worker that pulls its KV (vLLM's
+        # connector) posts only READs, and its errors are a share of both.
+        emit("nixl_request_rate", sum(requests) * per_s)
     for hist_key, total_key, prefix in _TIMES:
         hist = d.histograms.get(hist_key)
         if hist is not None:

@@ -52,7 +52,7 @@ PATHS: tuple[PathSignals, ...] = (
     PathSignals("kvpath/", "kv_transfer_p99", "kv_failure_rate", "kv_transfer_rate"),
     PathSignals("engine/", "nixl_xfer_time_p99", "nixl_failed_transfer_rate", "nixl_transfer_rate",
                 "nixl_xfer_bandwidth"),
-    PathSignals("nixl/", "nixl_xfer_time_p99", "nixl_error_rate", "nixl_tx_request_rate", "nixl_xfer_bandwidth"),
+    PathSignals("nixl/", "nixl_xfer_time_p99", "nixl_error_rate", "nixl_request_rate", "nixl_xfer_bandwidth"),
 )
 
 

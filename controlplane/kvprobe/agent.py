@@ -45,6 +45,8 @@ DEFAULT_BLOCK_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 # that notification (a stopped decode process stalls the WRITE; at 50 ms between polls a 1 MiB WRITE took
 # 50 ms). The cadence stands in for an engine's step loop and bounds what the probe can measure below it.
 PROGRESS_INTERVAL_S = 0.002
+# Slots the initiator's exit summary covers, the newest (a run until stopped probes for days; the metrics count all).
+SUMMARY_SLOTS = 100_000
 
 
 class TargetAgent:
@@ -311,15 +313,26 @@ def _run_initiator(args: argparse.Namespace, stop: threading.Event) -> int:
         print("kvprobe: the initiator needs at least one --peer NAME=URL", file=sys.stderr)
         return 3
     src = args.name or "prefill-0"
-    records: deque[TransferRecord] = deque(maxlen=100_000)
+    records: deque[TransferRecord] = deque(maxlen=SUMMARY_SLOTS)
+    slots = 0
+
+    def record(rec: TransferRecord) -> None:
+        nonlocal slots
+        slots += 1
+        records.append(rec)
+
     metrics = ProbeMetrics(src)
     prober = Prober(src, [Peer(n, u) for n, u in args.peer], args.block_sizes, deadline_s=args.deadline,
-                    metrics=metrics, on_record=records.append)
+                    metrics=metrics, on_record=record)
     try:
         port = metrics.serve(args.host, args.metrics_port)
         _ready(role="initiator", agent=src, pid=os.getpid(), metrics_url=f"http://{args.host}:{port}/metrics")
         start, end = prober.run(args.duration, args.interval, stop)
-        summary = summarize(list(records), args.block_sizes, start, end)
+        kept = list(records)
+        if slots > len(kept):  # a long run kept its newest slots: the summary covers them, from when the first began
+            start = kept[0].started_at
+        summary = summarize(kept, args.block_sizes, start, end)
+        summary["slots"] = {"summarized": len(kept), "run": slots}
         summary["metadata_exchange"] = {name: s.as_dict() for name, s in prober.exchanges.items()}
         print(json.dumps({"event": "summary", **summary}), flush=True)
     finally:

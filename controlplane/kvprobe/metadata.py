@@ -108,6 +108,11 @@ class MetadataDoc:
             raise MetadataExchangeError("metadata blob is empty")
         if any(b.block_bytes <= 0 or b.slots <= 0 for b in buffers):
             raise MetadataExchangeError("metadata lists a buffer with no blocks")
+        # NIXL takes unsigned 64-bit addresses and device ids: a pointer written as a signed integer is no address.
+        for b in buffers:
+            if b.addr < 0 or b.addr + b.slots * b.block_bytes > 2**64 or b.dev < 0:
+                raise MetadataExchangeError(f"metadata lists a buffer NIXL cannot address: {b.slots} blocks of "
+                                            f"{b.block_bytes} bytes at {b.addr:#x} on device {b.dev}")
         return doc
 
 
@@ -194,6 +199,8 @@ def fetch_metadata(url: str, timeout_s: float = 1.0) -> MetadataDoc:
         raise MetadataExchangeError(f"metadata service at {url} sent no valid HTTP response: {exc!r}") from None
     except OSError as exc:
         raise MetadataExchangeError(f"metadata fetch from {url} failed: {exc}", unreachable=True) from None
+    except ValueError as exc:  # a URL that cannot be parsed (a peer listed with a typo)
+        raise MetadataExchangeError(f"metadata URL {url!r} is not valid: {exc}") from None
     if len(raw) > MAX_DOC_BYTES:
         raise MetadataExchangeError(f"metadata document from {url} exceeds {MAX_DOC_BYTES} bytes")
     return MetadataDoc.from_json(raw)

@@ -224,6 +224,12 @@ class Prober:
             if missing:
                 raise MetadataExchangeError(f"peer {doc.agent} registered no buffer for block sizes {missing}")
             self._forget(st)
+            # NIXL keys loaded agents by name: a second peer publishing a name already loaded is refused with a bare
+            # NOT_ALLOWED, and which of the two fails depends on who connected first.
+            if clash := next((other.peer.name for other in self._peers
+                              if other is not st and other.remote == doc.agent), None):
+                raise MetadataExchangeError(f"peer {st.peer.name} publishes the NIXL agent name {doc.agent!r}, which "
+                                            f"peer {clash} already has: each agent needs a name of its own")
             try:
                 remote = self._agent.add_remote_agent(doc.nixl_metadata)
             except Exception as exc:
@@ -232,11 +238,16 @@ class Prober:
                                             f"{type(exc).__name__}: {exc}") from None
             st.remote = remote.decode() if isinstance(remote, bytes) else str(remote)
             st.descs = {}
-            for size in self.block_sizes:
-                region = doc.buffer(size)
-                if region is not None:
-                    st.descs[size] = [self._agent.get_xfer_descs([(region.slot_addr(i), size, region.dev)], "DRAM")
-                                      for i in range(region.slots)]
+            try:
+                for size in self.block_sizes:
+                    region = doc.buffer(size)
+                    if region is not None:
+                        st.descs[size] = [self._agent.get_xfer_descs([(region.slot_addr(i), size, region.dev)], "DRAM")
+                                          for i in range(region.slots)]
+            except Exception as exc:  # whatever NIXL refuses of one peer's buffers is that peer's failure alone
+                self._forget(st)
+                raise MetadataExchangeError(f"NIXL refused the buffers of {doc.agent}: {type(exc).__name__}: {exc}"
+                                            ) from None
             st.doc = doc
         except MetadataExchangeError as exc:
             elapsed = time.monotonic() - started
@@ -261,6 +272,7 @@ class Prober:
         stats.last_seconds = seconds
         if ok:
             stats.succeeded += 1
+            stats.last_error = None  # the failures stay counted; an error beside a fresh success reads as now
         else:
             stats.failed += 1
             stats.last_error = error
@@ -378,6 +390,10 @@ class Prober:
                         log.warning("kvprobe: %s disconnected: %s", st.peer.name, rec.detail)
                         self._forget(st)
                         failed = ("peer_unreachable", rec.detail)
+                    elif rec.reason == "timeout":
+                        # A stalled peer would hold the round a deadline per block size, and every other path's
+                        # slots with it: its other sizes this round count as timed out, unposted.
+                        failed = ("timeout", f"not posted: {size} bytes to {st.peer.name} timed out this round")
                 round_ok = round_ok and rec.ok
                 records.append(self._emit(rec))
             if self.metrics is not None:

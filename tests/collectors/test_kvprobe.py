@@ -54,6 +54,7 @@ def exposition(p: Path, pair: str = PAIR) -> str:
     for size in sizes:
         out += _histogram("fleet_kvprobe_transfer_seconds", f'{pair},block_bytes="{size}"', p.xfer.get(size, ()))
         out += _histogram("fleet_kvprobe_post_seconds", f'{pair},block_bytes="{size}"', p.post.get(size, ()))
+        out += _histogram("fleet_kvprobe_transfer_wall_seconds", f'{pair},block_bytes="{size}"', p.xfer.get(size, ()))
     out.append(f"fleet_kvprobe_up{{{pair}}} {p.up}")
     return "\n".join(out) + "\n"
 
@@ -93,7 +94,7 @@ def test_entities_are_paths_and_split_by_block_size() -> None:
     readings = read(two)
     assert set(readings) == {"prefill-0->decode-0", "prefill-0->decode-1"}
     r = readings["prefill-0->decode-0"]
-    assert set(r.histograms) == {f"transfer:{256 * KIB}", f"transfer:{MIB}", "post"}
+    assert set(r.histograms) == {f"transfer:{256 * KIB}", f"transfer:{MIB}", "post", "wall"}
     assert r.histograms["post"].count == 30  # post is not split: both sizes summed
     assert r.counters["transfers"] == 32 and r.counters["bytes"] == 15 * 256 * KIB + 15 * MIB
     assert r.counters["failures:timeout"] == 2 and r.counters["failures:error"] == 0

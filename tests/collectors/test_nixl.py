@@ -193,6 +193,7 @@ def test_every_exporter_release_gives_the_same_rates(version: str, quantiles: bo
     assert sig["nixl_rx_bytes_rate"] == pytest.approx(MIB / 10)
     assert sig["nixl_tx_request_rate"] == pytest.approx(0.5)
     assert sig["nixl_rx_request_rate"] == pytest.approx(0.1)
+    assert sig["nixl_request_rate"] == pytest.approx(0.6)  # READs and WRITEs: what its errors are a share of
     assert ("nixl_xfer_time_p95" in sig) is quantiles
     assert ("nixl_error_rate" in sig) is errors
     assert ("nixl_memory_registered_bytes" in sig) is totals
@@ -356,3 +357,36 @@ def test_pipeline_derives_agent_signals(monkeypatch: pytest.MonkeyPatch) -> None
     assert sig[("nixl/vm/probeA", "nixl_tx_bytes_rate")] == pytest.approx(5 * MIB / 10)
     assert sig[("nixl/vm/probeB", "nixl_tx_bytes_rate")] == 0
     assert not any(subject.startswith("pool/") and name.startswith("nixl_") for subject, name in sig)
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["writes", "reads"])
+def test_an_agents_errors_are_a_share_of_its_reads_and_writes(reads: bool) -> None:
+    """A decode worker that pulls its KV posts READs, which NIXL counts as rx: weighed by tx alone, a background of
+    one error a scrape among 200 READs a second read as every transfer failing, a critical finding."""
+    from policies.kv_transfer import KvTransferLag
+    from policies.types import PolicyInput
+    from policies.windows import SignalWindows
+
+    labels, step = 'agent_name="decode-0",hostname="node-a"', 15.0
+
+    def text(requests: int, errors: int) -> str:
+        tx, rx = (0, requests) if reads else (requests, 0)
+        done = [f'agent_xfer_time_us_bucket{{{labels},le="{le}"}} {requests if le >= 5000 else 0}'
+                for le in (1000, 5000)]
+        return "\n".join([
+            f"agent_tx_bytes_total{{{labels}}} {tx * MIB}", f"agent_rx_bytes_total{{{labels}}} {rx * MIB}",
+            f"agent_tx_requests_num_total{{{labels}}} {tx}", f"agent_rx_requests_num_total{{{labels}}} {rx}",
+            f'agent_errors_total{{{labels},status="backend"}} {errors}', *done,
+            f'agent_xfer_time_us_bucket{{{labels},le="+Inf"}} {requests}',
+            f"agent_xfer_time_us_sum{{{labels}}} {4000 * requests}", f"agent_xfer_time_us_count{{{labels}}} {requests}",
+        ]) + "\n"
+
+    w = SignalWindows(horizon_s=7200)
+    prev = None
+    for i in range(13):
+        cur = nixl.read_agents(parse(text(int(200 * step) * (i + 1), max(0, i - 10))))["node-a/decode-0"]
+        if prev is not None:
+            for s in nixl.signals(families.delta(prev, cur, step), i * step, "nixl/node-a/decode-0"):
+                w.add(s.ts, s.subject, s.name, s.value)
+        prev = cur
+    assert not KvTransferLag().evaluate(PolicyInput(12 * step, w, {}, {})).findings

@@ -25,7 +25,7 @@ import pytest
 from collectors import families, kvprobe
 from collectors.exposition import parse
 from collectors.types import Sample
-from controlplane.kvprobe.agent import AgentProcess
+from controlplane.kvprobe.agent import AgentProcess, TargetAgent
 from controlplane.kvprobe.cli import render, run_probe
 from controlplane.kvprobe.metadata import MetadataServer
 from controlplane.kvprobe.nixlapi import NixlUnavailable, load_nixl
@@ -209,6 +209,26 @@ def test_sigstop_times_out_and_sigcont_recovers(tmp_path: Path, stack: ExitStack
     assert value(samples, "fleet_kvprobe_metadata_exchanges_total", result="ok") == 1  # the connection survived
 
 
+def test_a_stopped_peer_holds_a_round_one_deadline_not_one_per_block_size(tmp_path: Path, stack: ExitStack) -> None:
+    """Slots run one after another: a stalled peer waited out the deadline at every block size, so one stopped decode
+    worker cut every healthy path's slots eightfold, and five held a round past a scrape."""
+    sizes = [256 * KIB, MIB, 4 * MIB]
+    stopped, healthy = (start_target(stack, tmp_path, sizes, name=n) for n in ("decode-stopped", "decode-healthy"))
+    prober = Prober("prefill-0", [Peer("stopped", stopped.metadata_url), Peer("healthy", healthy.metadata_url)], sizes,
+                    deadline_s=1.0)
+    stack.callback(prober.close)
+    assert all(r.ok for r in prober.probe_round())
+    os.kill(stopped.pid, signal.SIGSTOP)
+    stack.callback(os.kill, stopped.pid, signal.SIGCONT)
+    began = time.monotonic()
+    records = prober.probe_round()
+    took = time.monotonic() - began
+    assert [r.reason for r in records if r.dst == "stopped"] == ["timeout"] * 3
+    assert sum(r.posted_at is not None for r in records if r.dst == "stopped") == 1
+    assert all(r.ok for r in records if r.dst == "healthy")
+    assert took < 2.0, took  # one deadline, not three
+
+
 def test_sigkill_is_peer_unreachable_and_a_restart_reconnects(tmp_path: Path, stack: ExitStack) -> None:
     port = free_port()
     target = AgentProcess.target([256 * KIB], tmp_path / "first.log", port=port)
@@ -365,6 +385,39 @@ def test_metadata_exchange_failures_are_their_own_kind(tmp_path: Path, stack: Ex
     assert "NIXL could not load" in errors["garbage"]
     assert "not JSON" in errors["unreadable"]
     assert "NIXL could not load" in errors["stale"]
+
+
+def test_one_peers_bad_metadata_is_its_own_failure_and_named(tmp_path: Path, stack: ExitStack) -> None:
+    """Buffers NIXL cannot address, or a NIXL name another peer has, fail that peer alone, saying which (the first
+    crashed the initiator for every peer); an error is cleared once the peer's exchange succeeds."""
+    size = 256 * KIB
+    first = start_target(stack, tmp_path, [size])
+    twin = start_target(stack, tmp_path, [size])  # the same NIXL name, decode-0, as every pod left at the default
+    with urllib.request.urlopen(first.metadata_url, timeout=5) as resp:
+        doc = json.load(resp)
+    doc["agent"], doc["buffers"][0]["addr"] = "decode-odd", -4096  # a pointer written as a signed integer
+    odd = MetadataServer(lambda: json.dumps(doc).encode(), dict)
+    stack.callback(odd.close)
+    late = TargetAgent("decode-late", [size], metadata_mode="absent")  # in this process, to publish when told
+    stack.callback(late.close)
+    stop = threading.Event()
+    progress = threading.Thread(target=late.run, args=(stop,), daemon=True)
+    progress.start()
+    stack.callback(progress.join, 5)
+    stack.callback(stop.set)
+    prober = Prober("prefill-0", [Peer("pod-a", first.metadata_url), Peer("pod-b", twin.metadata_url),
+                                  Peer("odd", odd.url), Peer("late", late.metadata_url)], [size], deadline_s=0.5)
+    stack.callback(prober.close)
+    records = {r.dst: r for r in prober.probe_round()}  # raised for every peer before
+    assert records["pod-a"].ok
+    for name in ("pod-b", "odd", "late"):
+        assert records[name].reason == "metadata_exchange_failed", name
+    assert "pod-a" in (prober.exchanges["pod-b"].last_error or "")
+    assert "cannot address" in (prober.exchanges["odd"].last_error or "")
+    late.metadata_mode = "serve"
+    assert {r.dst: r.ok for r in prober.probe_round()}["late"]
+    stats = prober.exchanges["late"].as_dict()
+    assert stats["failed"] == 1 and stats["succeeded"] == 1 and stats["last_error"] is None
 
 
 # --- the fleetctl entry -----------------------------------------------------------------------------------------

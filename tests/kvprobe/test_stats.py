@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 
@@ -115,11 +116,20 @@ def _mangled(**changes: object) -> bytes:
     (_mangled(nixl_metadata="***"), "malformed"),
     (_mangled(buffers=[{"block_bytes": MIB}]), "malformed"),
     (_mangled(buffers=[{"block_bytes": MIB, "addr": 1, "slots": 0}]), "no blocks"),
+    # A pointer written as a signed integer, one past the address space, a negative device: NIXL takes none of them.
+    (_mangled(buffers=[{"block_bytes": MIB, "addr": -4096, "slots": 4}]), "cannot address"),
+    (_mangled(buffers=[{"block_bytes": MIB, "addr": 2**64 - MIB, "slots": 4}]), "cannot address"),
+    (_mangled(buffers=[{"block_bytes": MIB, "addr": 4096, "slots": 4, "dev": -1}]), "cannot address"),
 ])
 def test_unusable_documents_are_exchange_failures(raw: bytes, message: str) -> None:
     with pytest.raises(MetadataExchangeError, match=message) as info:
         MetadataDoc.from_json(raw)
     assert not info.value.unreachable
+
+
+def test_a_peer_url_that_cannot_be_parsed_is_an_exchange_failure() -> None:
+    with pytest.raises(MetadataExchangeError, match="not valid"):
+        fetch_metadata("http://[::1/metadata", 1.0)
 
 
 def test_metadata_service_serves_and_fails_distinctly() -> None:
@@ -206,3 +216,32 @@ def test_probe_metrics_read_back_by_the_collector() -> None:
     assert 0.00075 <= sig["kv_transfer_p50"] <= 0.003
     assert sig["kv_up"] == 0
     assert "kv_post_p99" in sig and "kv_transfer_wall_p99" in sig
+
+
+def test_a_long_runs_summary_covers_the_slots_it_kept_over_their_own_span(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Past the slots it keeps, the summary counted the newest of them over the whole run's time: its throughput fell
+    the longer the probe ran."""
+    from controlplane.kvprobe import agent, probe
+
+    class Slots:  # a slot a second, of 1 KiB each, 25 in all
+        def __init__(self, *args: object, on_record: Callable[[TransferRecord], None], **kwargs: object) -> None:
+            self.on_record, self.exchanges = on_record, {}
+
+        def run(self, *args: object) -> tuple[float, float]:
+            for i in range(25):
+                self.on_record(TransferRecord("decode-0", KIB, float(i), True, posted_at=float(i), post_s=1e-5,
+                                              xfer_s=1e-4, wall_s=1e-4, bytes=KIB))
+            return 0.0, 25.0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(probe, "Prober", Slots)
+    monkeypatch.setattr(agent, "SUMMARY_SLOTS", 10)
+    assert agent.main(["--role", "initiator", "--peer", "decode-0=http://127.0.0.1:9/metadata",
+                       "--block-sizes", str(KIB), "--duration", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["slots"] == {"summarized": 10, "run": 25}
+    assert summary["transfers"] == 10 and summary["duration_s"] == 10.0
+    assert summary["throughput_bytes_per_s"] == pytest.approx(KIB)
