@@ -401,7 +401,8 @@ def _rolling(kind: str, obj: Mapping[str, Any]) -> bool:
     Pods that were never created (a quota, an admission webhook) are no rollout: the pool is short, not rolling. Nor
     is what a controller leaves on the old template on purpose, which would otherwise hold every pool's disruptive
     changes until a person steps in: an aborted Argo Rollout (its stable pods serve, the new ones are gone), a
-    StatefulSet's ordinals below its partition, or a StatefulSet that updates a pod only when it is deleted."""
+    StatefulSet's ordinals (a LeaderWorkerSet's groups) below its partition, or a StatefulSet that updates a pod only
+    when it is deleted."""
     if kind == "Rollout" and dig(obj, ("status", "abort")) is True:
         return False
     if kind == "StatefulSet" and dig(obj, ("spec", "updateStrategy", "type")) == "OnDelete":
@@ -414,6 +415,8 @@ def _rolling(kind: str, obj: Mapping[str, Any]) -> bool:
     existing = int(reported if reported is not None else dig(obj, ("spec", "replicas"), 1))
     if kind == "StatefulSet":
         existing -= int(dig(obj, ("spec", "updateStrategy", "rollingUpdate", "partition"), 0) or 0)
+    elif kind == "LeaderWorkerSet":  # groups, counted as its status counts them
+        existing -= int(dig(obj, ("spec", "rolloutStrategy", "rollingUpdateConfiguration", "partition"), 0) or 0)
     return updated is not None and int(updated) < existing
 
 
@@ -699,6 +702,15 @@ class KubernetesActuator:
         obj = await self._read(w)
         if _stamped(obj, order):
             return _applied(obj, order, f"{w.kind} {w.namespace}/{w.name}")
+        if isinstance(order.change, ScaleTo) and order.from_replicas is not None:
+            # The count is written, then stamped: a leader stopped between the two left the count this scale asked
+            # for, away from the one it was approved at, and no stamp. Read as not made, it was recorded as never
+            # applied while the pool ran at it, with no cooldown after it (as `_count_as_approved`, the same count
+            # is this scale's own write, or the same wish).
+            _, desired = _engines(w, obj)
+            if desired == order.change.replicas != order.from_replicas:
+                return {"scaled": f"{w.kind} {w.namespace}/{w.name}", "replicas": desired,
+                        "unstamped": "found by its count: the stamp after it was not written"}
         if isinstance(order.change, Speculation | Eplb):  # a Rollout's change lands on the Deployment it follows first
             holder, held = await self._template_holder(w, obj)
             if holder is not w and _stamped(held, order):
@@ -1000,15 +1012,26 @@ class KubernetesActuator:
         if cost is not None:
             annotations[DELETION_COST] = str(cost)
         body = {"metadata": {"labels": {self.settings.routing_label: None}, "annotations": annotations}}
-        await self._call(f"taking pod {namespace}/{pod} out of routing", self._core.patch_namespaced_pod, pod,
-                         namespace, body, **self._writes())
+        await self._patch_pod(f"taking pod {namespace}/{pod} out of routing", namespace, pod, body)
 
     async def _reroute(self, order: Order, namespace: str, pod: str, value: str) -> None:
         """Put a pod this action took out of routing back in, at the normal deletion cost."""
         body = {"metadata": {"labels": {self.settings.routing_label: value},
                              "annotations": {DELETION_COST: None, ACTION_ANNOTATION: order.stamp}}}
-        await self._call(f"putting pod {namespace}/{pod} back into routing", self._core.patch_namespaced_pod, pod,
-                         namespace, body, **self._writes())
+        await self._patch_pod(f"putting pod {namespace}/{pod} back into routing", namespace, pod, body)
+
+    async def _patch_pod(self, what: str, namespace: str, pod: str, body: Mapping[str, Any]) -> None:
+        """A pod's routing label and annotations patched, again once on a conflict (the patch holds no version to lose
+        to; a webhook or the server's own retries may answer 409 all the same), then an ActuationError: the callers
+        route back what they took out on one, and a conflict that escaped them left engines out of routing for good."""
+        for attempt in (1, 2):
+            try:
+                await self._call(what, self._core.patch_namespaced_pod, pod, namespace, body, **self._writes())
+                return
+            except _Conflict as exc:
+                if attempt == 2:
+                    raise ActuationError(f"{what}: 409 conflict twice: {exc}") from None
+                log.info("%s: conflict (%s); once more", what, exc)
 
     async def _begin_drain(self, order: Order) -> dict[str, Any]:
         change = order.change

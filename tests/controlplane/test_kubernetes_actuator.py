@@ -24,7 +24,7 @@ from kubernetes import client
 
 from controlplane.actuators import kubernetes as kubernetes_actuator
 from controlplane.actuators.base import Order
-from controlplane.actuators.kubernetes import ACTION_ANNOTATION, VERBS, ConfigMapSwitch, KubernetesActuator
+from controlplane.actuators.kubernetes import ACTION_ANNOTATION, DELETION_COST, VERBS, ConfigMapSwitch, KubernetesActuator
 from controlplane.config import ConfigMapFlag, Kubernetes, Workload
 from controlplane.errors import ActuationError
 from controlplane.rails import revert_of
@@ -187,6 +187,11 @@ async def test_a_rollout_in_progress_reads_as_rolling(server: ApiServer, api: cl
     # OnDelete: a pod takes the new template when someone deletes it; nothing rolls meanwhile.
     ("StatefulSet", {"updateStrategy": {"type": "OnDelete"}}, {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 0},
      False),
+    # A LeaderWorkerSet's partition counts groups: those below it keep the old template.
+    ("LeaderWorkerSet", {"rolloutStrategy": {"rollingUpdateConfiguration": {"partition": 2, "maxUnavailable": 1}}},
+     {"replicas": 4, "readyReplicas": 4, "updatedReplicas": 2}, False),
+    ("LeaderWorkerSet", {"rolloutStrategy": {"rollingUpdateConfiguration": {"partition": 1, "maxUnavailable": 1}}},
+     {"replicas": 4, "readyReplicas": 4, "updatedReplicas": 2}, True),
 ])
 async def test_what_a_controller_leaves_on_the_old_template_on_purpose_is_no_rollout(
         server: ApiServer, api: client.ApiClient, kind: str, spec: dict[str, Any], status: dict[str, Any],
@@ -199,6 +204,12 @@ async def test_what_a_controller_leaves_on_the_old_template_on_purpose_is_no_rol
                               "metadata": {"name": "vllm-canary", "namespace": NS},
                               "spec": {"replicas": 4, **spec}, "status": status})
         pool = "canary"
+    elif kind == "LeaderWorkerSet":
+        group = lws(replicas=4, size=2)
+        group["spec"].update(spec)
+        group["status"] = status
+        server.put(LWS, group)
+        pool = "prefill"
     else:
         statefulset(server)
         sts = server.get(STATEFULSETS, NS, "vllm-kv")
@@ -937,6 +948,58 @@ async def test_the_action_annotation_stops_a_repeat(server: ApiServer, api: clie
     afresh = Order(42, ActionKind.SCALE_POOL, "decode", ScaleTo(5), "a test", created_at=1_800_000_000.0)
     assert await act.applied(afresh) is False
     assert (await act.carry_out(afresh))["replicas"] == 5
+
+
+async def test_a_scale_whose_count_was_written_and_not_stamped_is_found_by_its_count(server: ApiServer,
+                                                                                    api: client.ApiClient) -> None:
+    """The count is written, then stamped: a leader stopped between the two left the pool at the count this scale
+    asked for, and its successor recorded the action as never applied (no cooldown after it, a false audit log)."""
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    o = replace(order(ActionKind.SCALE_POOL, ScaleTo(4)), from_replicas=3)
+    act = actuator(api)
+    assert await act.applied(o) is False  # still at the count it was approved at: not made
+    dep = server.get(DEPLOYMENTS, NS, "vllm-decode")
+    assert dep is not None
+    dep["spec"]["replicas"] = 4  # the scale subresource's write, and no stamp after it
+    server.put(DEPLOYMENTS, dep)
+    found = await act.applied(o)
+    assert isinstance(found, dict) and found["replicas"] == 4 and "found by its count" in found["unstamped"]
+    assert await act.applied(replace(o, from_replicas=4)) is False  # nothing moved since it was approved
+
+
+async def test_a_successor_records_a_scale_found_by_its_count_as_made(server: ApiServer, api: client.ApiClient) -> None:
+    from controlplane.actions import ActionState
+    from controlplane.clock import VirtualClock
+    from controlplane.config import parse_config
+    from controlplane.loop import ControlLoop
+    from controlplane.observe import Observation
+    from controlplane.store.memory import MemoryStore
+    from controlplane.store.records import NewAction
+    from controlplane.telemetry import Telemetry
+    from policies.types import change_as_dict
+
+    class Quiet:
+        async def observe(self, now: float) -> Observation:
+            return Observation(signals=[])
+
+    server.put(DEPLOYMENTS, deployment(replicas=4))  # the stopped leader's count, and no stamp
+    clock, store = VirtualClock(), MemoryStore()
+    a = await store.create_action(NewAction(None, "scale_pool", "decode", {"change": change_as_dict(ScaleTo(4)),
+                                                                          "from_replicas": 3, "replicas": 4},
+                                            "act", "more decode engines"), clock.now())
+    await store.transition(a.id, ActionState.PROPOSED, ActionState.APPROVED, clock.now(), {"by": "rails"},
+                           approved_by="rails")
+    await store.transition(a.id, ActionState.APPROVED, ActionState.STARTED, clock.now(), {"actuator": "kubernetes"})
+    clock.advance(5)
+    config = parse_config("mode: act\npools:\n  - {name: decode, role: decode, model: m, replicas: {min: 1, max: 8}}\n"
+                          "rails: {cooldown: 60s, verify_after: 5m, max_actions_per_hour: 20}\n")
+    act = KubernetesActuator(api, Kubernetes(drain_grace=60.0, timeout=2.0),
+                             {"decode": Workload(kind="Deployment", namespace=NS, name="vllm-decode")}, clock=clock.now)
+    loop = ControlLoop(config=config, source=Quiet(), store=store, policies=[], actuator=act, clock=clock,
+                       telemetry=Telemetry())
+    await loop.start()  # the successor takes over
+    [done] = await store.actions()
+    assert done.state is ActionState.SUCCEEDED, [(e.event, e.detail) for e in await store.audit_log(a.id)]
 
 
 async def test_server_side_dry_run_changes_nothing(server: ApiServer, api: client.ApiClient) -> None:
@@ -1958,3 +2021,41 @@ async def test_a_scale_up_whose_reread_after_a_conflict_goes_unanswered_is_found
     with pytest.raises(ActuationError, match="ReadTimeoutError"):
         await act.carry_out(replace(order(ActionKind.SCALE_POOL, ScaleTo(5), action_id=2), from_replicas=4))
     assert server.get(DEPLOYMENTS, NS, "vllm-decode")["spec"]["replicas"] == 4  # type: ignore[index]
+
+
+@pytest.mark.parametrize("times", [1, 2])
+async def test_a_conflict_on_a_pod_patch_is_retried_once_then_routes_back_what_was_taken_out(
+        server: ApiServer, api: client.ApiClient, times: int) -> None:
+    """A 409 on one pod's patch (a webhook, the server's own retries) escaped every route-back: the engines already
+    taken out of a scale-down, or off a cordoned node, stayed out of routing, at the lowest deletion cost, for good."""
+    server.put(DEPLOYMENTS, deployment(replicas=3))
+    for name in ("vllm-decode-a", "vllm-decode-b", "vllm-decode-c"):
+        server.put(PODS, pod(name))
+    act = actuator(api, Clock())
+    o = order(ActionKind.SCALE_POOL, ScaleTo(1), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 1.0, "vllm-decode-c": 9.0})
+    server.fail("PATCH", "/pods/vllm-decode-b", 409, "the object has been modified", times=times)
+    if times == 1:
+        note = await act.carry_out(o)
+        assert sorted(note["wait"]["pods"]) == ["vllm-decode-a", "vllm-decode-b"]
+        assert not routed(server, "vllm-decode-b")
+        return
+    with pytest.raises(ActuationError, match="409 conflict twice"):
+        await act.carry_out(o)
+    a = server.get(PODS, NS, "vllm-decode-a")
+    assert a is not None and routed(server, "vllm-decode-a")
+    assert DELETION_COST not in (a["metadata"].get("annotations") or {})
+
+
+async def test_a_conflict_during_a_cordons_unroutes_routes_the_others_back(server: ApiServer,
+                                                                           api: client.ApiClient) -> None:
+    server.put(DEPLOYMENTS, deployment())
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    server.put(PODS, pod("vllm-decode-c", node="gpu-node-2"))
+    act = actuator(api, Clock())
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0})
+    server.fail("PATCH", "/pods/vllm-decode-b", 409, "the object has been modified", times=2)
+    with pytest.raises(ActuationError, match="409 conflict twice"):
+        await act.carry_out(o)
+    assert routed(server, "vllm-decode-a")
