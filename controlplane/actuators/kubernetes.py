@@ -243,8 +243,11 @@ def _kept(on: _OnNode, order: Order) -> dict[str, list[str]]:
     for pool, groups in sorted(units.items()):
         if pool in on.serving or len(groups) < 2:
             continue
-        answering = [members for members in groups.values() if all(m in on.routed for m in members)
-                     and (order.answering is None or all(m in order.answering for m in members))]
+        # Judged by what answers a scrape: the leader, and the members that report requests (a Ray worker of a gang
+        # runs no vLLM server, and required to answer, no group of such a pool was ever kept).
+        answering = [members for leader, members in groups.items() if all(m in on.routed for m in members)
+                     and (order.answering is None
+                          or all(m in order.answering for m in members if m == leader or m in order.counted))]
         if answering:
             kept[pool] = min(answering, key=lambda members: (sum(order.busy.get(m, 0.0) for m in members), members))
     return kept
@@ -1216,12 +1219,17 @@ class KubernetesActuator:
         try:
             for pool, members in sorted(kept.items()):
                 pods = await self._pods_now(order, pool)
-                if not due and (pods is None or not any(
-                        self._serves(meta) for meta in pods.values() if meta["node"] != wait["node"])):
+                # Another engine serving off the node: not one of the kept group's own (a group spans nodes), which
+                # released it the tick after it was kept.
+                if not due and (pods is None or not any(self._serves(meta) for p, meta in pods.items()
+                                                        if meta["node"] != wait["node"] and p not in members)):
                     continue
                 # Only what is still there as kept: a pod gone, or made again elsewhere under its name (a StatefulSet's,
-                # a group recreated), is no longer the cordon's to move.
-                here = [p for p in members if pods is None or (p in pods and pods[p]["node"] == wait["node"])]
+                # a group recreated), is no longer the cordon's to move. A group goes whole while any of it is on the
+                # node: its leader is evicted for it, and routed alone it would serve as its worker went.
+                alive = [p for p in members if pods is None or p in pods]
+                on_node = [p for p in alive if pods is None or pods[p]["node"] == wait["node"]]
+                here = alive if on_node and len(members) > 1 else on_node
                 for pod in here:
                     moved.append(pod)
                     try:

@@ -1682,6 +1682,57 @@ async def test_a_pool_that_serves_only_from_the_cordoned_node_keeps_one_engine_r
     assert not server.invalid
 
 
+async def test_a_kept_group_spanning_the_node_stays_until_another_serves_and_then_goes_whole(
+        server: ApiServer, api: client.ApiClient) -> None:
+    """Group 0's leader and group 1's worker on the cordoned node, the others elsewhere: group 1 is kept. Its own
+    leader off the node read as another engine serving, so it was released the next tick, and only its worker there
+    was evicted, its leader routed and reported gone: the pool served nothing."""
+    server.put(DEPLOYMENTS, deployment())
+    server.put(LWS, lws(replicas=2, size=2))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    leader0, worker0, leader1, worker1 = group_pod(0, 0), group_pod(0, 1), group_pod(1, 0), group_pod(1, 1)
+    worker0["spec"]["nodeName"] = leader1["spec"]["nodeName"] = "gpu-node-2"
+    for p in (leader0, worker0, leader1, worker1):
+        server.put(PODS, p)
+    clock = Clock()
+    act = actuator(api, clock)
+    every = ("vllm-prefill-0", "vllm-prefill-0-1", "vllm-prefill-1", "vllm-prefill-1-1")
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), pool="prefill", answering=set(every),
+              busy={"vllm-prefill-0": 3.0, "vllm-prefill-0-1": 3.0, "vllm-prefill-1": 1.0, "vllm-prefill-1-1": 1.0})
+    first = await act.carry_out(o)
+    assert first["wait"]["kept"] == {"prefill": ["vllm-prefill-1", "vllm-prefill-1-1"]}
+    idle = replace(o, busy=dict.fromkeys(every, 0.0))
+    held = await act.resume(idle, first["wait"], clock.t + 15)  # group 0 goes; nothing else serves yet
+    assert held["wait"]["kept"] and routed(server, "vllm-prefill-1") and routed(server, "vllm-prefill-1-1")
+    assert server.get(PODS, NS, "vllm-prefill-1-1") is not None
+    # Group 0 made again on another node, serving: group 1 goes, all of it, through its leader.
+    for p in (group_pod(0, 0), group_pod(0, 1)):
+        p["spec"]["nodeName"] = "gpu-node-3"
+        server.put(PODS, p)
+    out = await act.resume(idle, held["wait"], clock.t + 30)
+    assert server.get(PODS, NS, "vllm-prefill-1") is None  # its leader evicted for the group
+    assert not routed(server, "vllm-prefill-1-1")  # out of routing until its group is made again
+    assert out["kept_back"] == {"vllm-prefill-1": "replaced", "vllm-prefill-1-1": "replaced"}, out
+
+
+async def test_a_pool_of_ray_gangs_keeps_a_group_whose_leader_answers(server: ApiServer, api: client.ApiClient) -> None:
+    """A Ray gang's workers run no vLLM server and answer no scrape: required to, no group was ever kept, and a cordon
+    of the node their leaders share took the whole pool out of routing."""
+    server.put(DEPLOYMENTS, deployment())
+    server.put(LWS, lws(replicas=2, size=2))
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for g in range(2):  # both leaders on gpu-node-1, both workers elsewhere
+        worker = group_pod(g, 1)
+        worker["spec"]["nodeName"] = "gpu-node-2"
+        server.put(PODS, group_pod(g, 0))
+        server.put(PODS, worker)
+    o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), pool="prefill",
+              busy={"vllm-prefill-0": 2.0, "vllm-prefill-1": 1.0}, answering={"vllm-prefill-0", "vllm-prefill-1"})
+    first = await actuator(api, Clock()).carry_out(o)
+    assert first["wait"]["kept"] == {"prefill": ["vllm-prefill-1", "vllm-prefill-1-1"]}
+    assert routed(server, "vllm-prefill-1") and not routed(server, "vllm-prefill-0")
+
+
 async def test_kept_engine_that_vanished_does_not_fail_the_cordon(server: ApiServer, api: client.ApiClient) -> None:
     """The node goes NotReady; the node controller evicts its pods after 5 min (< cordon_hold 15 min); the kept
     Deployment pod is gone. At the hold's end the cordon should finish, not fail."""
