@@ -57,7 +57,6 @@ FAMILIES = FamilyMap(
     },
     expected=("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE"),
 )
-_INDEX = FAMILIES.index()
 
 SIGNALS: tuple[str, ...] = (
     "gpu_utilization",
@@ -162,7 +161,7 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
     seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     attrs: dict[str, dict[str, str]] = {}
     for s in samples:
-        if s.name not in _INDEX or (entity := _entity(s.labels)) is None:
+        if s.name not in FAMILIES.index() or (entity := _entity(s.labels)) is None:
             continue
         attrs.setdefault(entity, _attrs(s.labels))
         # The GPU's series, whichever pod's copy comes first: keyed by its pod, a copy listed in another order, or a
@@ -173,17 +172,17 @@ def read_gpus(samples: Iterable[Sample]) -> dict[str, Reading]:
             continue
         seen.add(series)
         (blank if is_blank(s.value) else kept).append(Sample(s.name, labels, s.value, s.timestamp))
-    readings = read(kept, FAMILIES, _entity, lambda labels: attrs.get(_entity(labels) or "", {}), index=_INDEX)
+    readings = read(kept, FAMILIES, _entity, lambda labels: attrs.get(_entity(labels) or "", {}))
     # A blank family is still exposed: record it, so only a real absence reads as missing.
     for s in blank:
         entity = _entity(s.labels)
-        if s.name not in _INDEX or entity is None:
+        if s.name not in FAMILIES.index() or entity is None:
             continue
         reading = readings.get(entity)
         if reading is None:
             reading = readings[entity] = Reading(attrs=attrs.get(entity, {}))
         reading.families.add(s.name)
-        kind, key, _, _ = _INDEX[s.name]
+        kind, key, _, _ = FAMILIES.index()[s.name]
         reading.not_read(kind, key)
     return readings
 

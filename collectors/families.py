@@ -41,9 +41,16 @@ class FamilyMap:
     histograms: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     split_by: Mapping[str, str] = field(default_factory=dict)  # reading key -> label
     expected: tuple[str, ...] = ()  # families whose absence would blind a policy
+    _index: Mapping[str, tuple[str, str, int, str]] = field(init=False, repr=False, compare=False)
 
-    def index(self) -> dict[str, tuple[str, str, int, str]]:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", self._build_index())  # read for every sample of every scrape
+
+    def index(self) -> Mapping[str, tuple[str, str, int, str]]:
         """exposed sample name -> (kind, key, spelling rank, histogram suffix or '')."""
+        return self._index
+
+    def _build_index(self) -> dict[str, tuple[str, str, int, str]]:
         idx: dict[str, tuple[str, str, int, str]] = {}
         for kind, table in (("counter", self.counters), ("gauge", self.gauges)):
             for key, fams in table.items():
@@ -166,7 +173,6 @@ def read(
     fmap: FamilyMap,
     entity_of: EntityOf,
     attrs_of: Callable[[Mapping[str, str]], dict[str, str]] | None = None,
-    index: dict[str, tuple[str, str, int, str]] | None = None,
 ) -> dict[str, Reading]:
     """Group samples into per-entity readings; a current family spelling wins over an old one.
 
@@ -174,7 +180,7 @@ def read(
     reading (its family still counts as exposed; the reading lists it in `not_numbers`): summed with the others it
     would hide every engine's.
     """
-    idx = index if index is not None else fmap.index()
+    idx = fmap.index()
     entities: dict[str, Reading] = {}
     # (entity, key, rank) -> partial values, so spellings never mix.
     counters: dict[tuple[str, str, int], float] = {}

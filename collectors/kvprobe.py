@@ -36,7 +36,6 @@ FAMILIES = FamilyMap(
     expected=("fleet_kvprobe_transfers_total", "fleet_kvprobe_failures_total", "fleet_kvprobe_transfer_seconds",
               "fleet_kvprobe_up"),
 )
-_INDEX = FAMILIES.index()
 _KIB = 1024
 _MIB = 1024 * 1024
 
@@ -60,7 +59,7 @@ def path_entity(labels: Mapping[str, str]) -> str | None:
 
 def read_paths(samples: Iterable[Sample]) -> dict[str, Reading]:
     """A probe's samples as readings per path."""
-    return read(samples, FAMILIES, path_entity, index=_INDEX)
+    return read(samples, FAMILIES, path_entity)
 
 
 def _quantiles(hist: Histogram) -> tuple[float, float]:

@@ -137,7 +137,6 @@ FAMILIES = FamilyMap(
         "llm_d_epp_ready_endpoints",
     ),
 )
-_INDEX = FAMILIES.index()
 # Reading keys whose series describe one model (objective) rather than the whole pool.
 _PER_MODEL = frozenset({
     "requests", "request_errors", "slo_violations", "running", "request_latency", "ttft", "tpot", "itl", "ntpot",
@@ -216,7 +215,7 @@ def read_entities(samples: Iterable[Sample]) -> dict[str, Reading]:
     mine: list[tuple[Sample, bool]] = []
     pools: set[str] = set()
     for s in samples:
-        hit = _INDEX.get(s.name)
+        hit = FAMILIES.index().get(s.name)
         if hit is None:
             continue
         sample = s
@@ -242,8 +241,8 @@ def read_entities(samples: Iterable[Sample]) -> dict[str, Reading]:
     def pool_attrs(labels: Mapping[str, str]) -> dict[str, str]:
         return {"pool": pool_entity(labels)}
 
-    out = read((s for s, per_model in mine if not per_model), FAMILIES, pool_entity, pool_attrs, index=_INDEX)
-    out.update(read((s for s, per_model in mine if per_model), FAMILIES, model_entity, model_attrs, index=_INDEX))
+    out = read((s for s, per_model in mine if not per_model), FAMILIES, pool_entity, pool_attrs)
+    out.update(read((s for s, per_model in mine if per_model), FAMILIES, model_entity, model_attrs))
     return out
 
 

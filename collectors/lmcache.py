@@ -62,7 +62,6 @@ FAMILIES = FamilyMap(
         "lmcache:local_cache_usage",
     ),
 )
-_INDEX = FAMILIES.index()
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 # Histogram key, signal prefix, seconds per exposed unit.
 _TIMES = (
@@ -111,7 +110,7 @@ def _attrs(labels: Mapping[str, str]) -> dict[str, str]:
 
 def read_workers(samples: Iterable[Sample]) -> dict[str, Reading]:
     """A target's samples as readings per LMCache worker."""
-    return read(samples, FAMILIES, worker_entity, _attrs, index=_INDEX)
+    return read(samples, FAMILIES, worker_entity, _attrs)
 
 
 def _scaled(hist: Histogram, factor: float) -> Histogram:

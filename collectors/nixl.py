@@ -48,7 +48,6 @@ FAMILIES = FamilyMap(
         "agent_errors_total",
     ),
 )
-_INDEX = FAMILIES.index()
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 # Histogram key, the cumulative-µs counter that stands in for it on exporters without
 # histograms (v1.1..v1.4), and the signal prefix.
@@ -91,7 +90,7 @@ def _attrs(labels: Mapping[str, str]) -> dict[str, str]:
 
 def read_agents(samples: Iterable[Sample]) -> dict[str, Reading]:
     """A target's samples as readings per NIXL agent; `exposer_*` series are ignored."""
-    readings = read(samples, FAMILIES, agent_entity, _attrs, index=_INDEX)
+    readings = read(samples, FAMILIES, agent_entity, _attrs)
     for r in readings.values():
         registered = r.counters.get("memory_registered")
         if registered is not None:

@@ -36,7 +36,6 @@ class SignalDeriver:
         # One series cache for all targets: engines of a fleet expose the same series texts
         # (the pod is not a label of its own exposition), so the cache stays small and hot.
         self._parser = Parser(max_series=500_000)
-        self._indexes: dict[str, dict[str, tuple[str, str, int, str]]] = {}  # per source, sample name -> its key
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
@@ -65,8 +64,7 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
             # The counters and histograms of lines dropped as malformed: exposed, but not read.
-            if (index := self._indexes.get(source.name)) is None:  # built once a source: setdefault built it every round
-                index = self._indexes[source.name] = source.families.index()
+            index = source.families.index()
             dropped = {hit[:2] for e in errors if (hit := index.get(e.metric)) is not None}
             missing = families.missing_families(readings, source.families) + families.unnumbered_families(
                 readings, source.families)

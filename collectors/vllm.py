@@ -63,7 +63,6 @@ FAMILIES = FamilyMap(
         "vllm:inter_token_latency_seconds",
     ),
 )
-_INDEX = FAMILIES.index()
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 # Histograms whose quantiles are signals (the byte-size one only needs its throughput).
 _QUANTILED = ("ttft", "itl", "tpot", "e2e", "queue_time", "nixl_xfer_time", "nixl_post_time", "prompt_len",
@@ -76,7 +75,7 @@ def _engine(labels: Mapping[str, str]) -> str:
 
 def read_engines(samples: Iterable[Sample]) -> dict[str, Reading]:
     """A target's samples as readings per engine (data-parallel rank)."""
-    return read(samples, FAMILIES, _engine, index=_INDEX)
+    return read(samples, FAMILIES, _engine)
 
 
 def _with_tpot(d: Delta) -> dict[str, Histogram]:
