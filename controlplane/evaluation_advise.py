@@ -36,6 +36,7 @@ from controlplane.advice import advisor_input
 from controlplane.evaluation import run_all
 from controlplane.evaluation_autoscale import StaticReplay, oracle_needs, within_slo
 from controlplane.goals import Goal, at_least, at_most, equal, goals_json
+from controlplane.sim.engine import BLOCK_TOKENS, KV_BYTES_PER_TOKEN
 from controlplane.sim.run import run_scenario
 from controlplane.sim.scenario import PoolModel, Scenario, SpecModel, load_scenario
 from controlplane.store.threaded import ThreadedStore
@@ -115,12 +116,20 @@ def _with_pools(scenario: Scenario, pools: list[PoolModel]) -> Scenario:
 
 
 def on_gpu(p: PoolModel, gpu_type: str | None, settings: AdviceSettings) -> dict[str, Any]:
-    """A pool's fields moved to another GPU type: its speeds scaled by the types' relative speeds."""
+    """A pool's fields moved to another GPU type: its speeds scaled by the types' relative speeds, its KV blocks by
+    their memory where both give it (as the advisor moves them: `GpuType.kv_tokens_from`)."""
     if gpu_type is None or gpu_type == p.gpu_type:
         return {}
-    kp, kd = settings.gpu_types[gpu_type].relative_to(settings.gpu_types[p.gpu_type])
+    there, here = settings.gpu_types[gpu_type], settings.gpu_types[p.gpu_type]
+    kp, kd = there.relative_to(here)
     decode = p.speed if p.decode_speed is None else p.decode_speed
-    return {"gpu_type": gpu_type, "speed": p.speed * kp, "decode_speed": decode * kd}
+    out = {"gpu_type": gpu_type, "speed": p.speed * kp, "decode_speed": decode * kd}
+    # The blocks are counted at the model's dtype (`engine_kv_blocks` doubles them in FP8): so are their bytes.
+    kv = there.kv_tokens_from(here, p.kv_blocks * BLOCK_TOKENS, KV_BYTES_PER_TOKEN, p.gpus,
+                              settings.gpu_memory_utilization)
+    if kv is not None:
+        out["kv_blocks"] = max(64, int(kv // BLOCK_TOKENS))
+    return out
 
 
 def split(scenario: Scenario, pool: str, replicas: tuple[int, int] | None = None,

@@ -71,11 +71,19 @@ def _split(inp: AdvisorInput, facts: PoolFacts, obs: PoolObserved, s: AdviceSett
     one = sized("unified", facts, load, s, cost=cost, calibration=cal)
     p_gpu, d_gpu = s.prefill_gpu or facts.gpu_type, s.decode_gpu or facts.gpu_type
     xfer = transfer_seconds(load.prompt_tokens, facts.cache_bytes_per_token, s.link_gbps)
-    pre = sized("prefill", facts, load, s, on_gpu(facts, p_gpu, s), transfer_s=xfer, calibration=cal)
+    p_curves, d_curves = on_gpu(facts, p_gpu, s), on_gpu(facts, d_gpu, s)
+    if full := sorted({gpu for gpu, c in ((p_gpu, p_curves), (d_gpu, d_curves)) if c.kv_tokens < load.context}):
+        now_cost = facts.replicas * facts.gpus * s.price(facts.gpu_type)
+        return Recommendation(
+            AdviceKind.DISAGGREGATION, facts.name,
+            f"no advice on splitting {facts.name} onto {' and '.join(full)}: what the model leaves of its memory holds "
+            f"less KV than one mean request's {load.context:.0f} tokens", {"layout": "unified"},
+            Effect("gpu_dollars_per_hour", now_cost, now_cost), _confidence(obs),
+            {"kv_tokens_per_engine": {"prefill": p_curves.kv_tokens, "decode": d_curves.kv_tokens}}, act=False)
+    pre = sized("prefill", facts, load, s, p_curves, transfer_s=xfer, calibration=cal)
     # What a unified pool's TPOT shows beyond the model's steps is its prefill's (a chunk in a step slows every decode
     # in it); a decode pool runs none, so its steps are the profile's.
-    dec = sized("decode", facts, load, s, on_gpu(facts, d_gpu, s), cost=cost,
-                calibration=replace(cal, tpot_stall=1.0, tpot_scale=1.0))
+    dec = sized("decode", facts, load, s, d_curves, cost=cost, calibration=replace(cal, tpot_stall=1.0, tpot_scale=1.0))
     g = facts.gpus
     one_cost = one.engines * g * s.price(facts.gpu_type)
     two_cost = pre.engines * g * s.price(p_gpu) + dec.engines * g * s.price(d_gpu)

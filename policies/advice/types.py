@@ -39,6 +39,7 @@ class GpuType(Settings):
     price_per_hour: float = Field(gt=0)
     speed: float = Field(1.0, gt=0)  # prefill, relative to the hardware the pool's profile was measured on
     decode_speed: float | None = Field(None, gt=0)  # decode steps; default `speed`
+    memory_gib: float | None = Field(None, gt=0)  # HBM per GPU: with both types', a move takes the KV cache with it
 
     @property
     def decode(self) -> float:
@@ -48,11 +49,22 @@ class GpuType(Settings):
         """(prefill, decode) speed of this type over `other`'s."""
         return self.speed / other.speed, self.decode / other.decode
 
+    def kv_tokens_from(self, other: GpuType, tokens: float, bytes_per_token: float, gpus: int,
+                       utilization: float) -> float | None:
+        """The KV tokens an engine of `gpus` of these GPUs holds where it holds `tokens` on `other`'s: the weights and
+        activations take the same on each GPU, so the memory vLLM is given of the difference is all KV's (0: the model
+        leaves none); None where either type's memory is not given."""
+        if self.memory_gib is None or other.memory_gib is None:
+            return None
+        moved = utilization * (self.memory_gib - other.memory_gib) * 2**30 * max(1, gpus)
+        return max(0.0, tokens + moved / bytes_per_token)
+
 
 class AdviceSettings(Settings):
     """`advisor` in the fleet file: prices, the layouts it may propose, and when a gain is worth a change."""
 
     gpu_types: dict[str, GpuType] = Field(default_factory=lambda: {"h200": GpuType(price_per_hour=3.5)})
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vLLM's share of a GPU's memory (its default)
     prefill_gpu: str | None = None  # the GPU a split-off prefill pool runs on (default: the pool's own)
     decode_gpu: str | None = None  # ... and a decode pool
     # Size for p95s at this share of the SLOs: 1.0 is the fewest engines that meet them (the autoscaler adds headroom).

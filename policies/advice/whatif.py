@@ -42,15 +42,18 @@ MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
 
 
 def on_gpu(facts: PoolFacts, gpu_type: str, s: AdviceSettings) -> EngineCurves:
-    """The pool's engine curves on another GPU type, times scaled by the types' relative speed."""
+    """The pool's engine curves on another GPU type: times scaled by the types' relative speed, and the KV cache by
+    their memory where both give it (kept as it is otherwise; 0 where the model leaves it none)."""
     here = s.gpu_types.get(facts.gpu_type)
     there = s.gpu_types.get(gpu_type)
     if here is None or there is None:
         return facts.curves
     kp, kd = here.relative_to(there)  # times scale by the inverse of speed
     c = facts.curves
+    kv = there.kv_tokens_from(here, c.kv_tokens, facts.cache_bytes_per_token, facts.gpus, s.gpu_memory_utilization)
     return replace(c, prefill=(c.prefill[0] * kp, c.prefill[1] * kp, c.prefill[2] * kp),
-                   decode=(c.decode[0] * kd, c.decode[1] * kd, c.decode[2] * kd))
+                   decode=(c.decode[0] * kd, c.decode[1] * kd, c.decode[2] * kd),
+                   kv_tokens=c.kv_tokens if kv is None else int(kv))
 
 
 def peak_load(obs: PoolObserved) -> Load:

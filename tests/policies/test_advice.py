@@ -322,6 +322,26 @@ def test_cheap_decode_gpus_make_a_decode_heavy_split_pay() -> None:
     assert curves.prefill[1] == pytest.approx(CURVES.prefill[1] / 0.3)
 
 
+def test_a_smaller_gpu_holds_less_kv_and_one_too_small_for_the_model_gets_no_split() -> None:
+    """The KV cache went with the pool to a GPU of a third the memory: its decode batch, and the split's saving, were
+    sized for the H200's cache."""
+    h200 = GpuType(price_per_hour=3.5, memory_gib=141)
+    s = AdviceSettings(gpu_types={"h200": h200, "l40s": GpuType(price_per_hour=1.0, speed=0.3, decode_speed=0.8,
+                                                                memory_gib=48)}, decode_gpu="l40s")
+    # The weights and activations stay; 0.9 of the 93 GiB less is KV's: at 128 KiB a token, 685,670 tokens fewer.
+    here = on_gpu(facts(curves=replace(CURVES, kv_tokens=800_000)), "l40s", s)
+    assert here.kv_tokens == int(800_000 - 0.9 * 93 * 2**30 / 131_072)
+    # Another type without its memory given: the cache is kept as it is, as before.
+    unknown = s.model_copy(update={"gpu_types": {"h200": h200, "l40s": GpuType(price_per_hour=1.0)}})
+    assert on_gpu(facts(curves=replace(CURVES, kv_tokens=800_000)), "l40s", unknown).kv_tokens == 800_000
+    # A cache of fewer tokens than the memory lost: the model leaves the smaller GPU no KV room.
+    small = facts(curves=replace(CURVES, kv_tokens=400_000))
+    assert on_gpu(small, "l40s", s).kv_tokens == 0
+    [rec] = [r for r in advise(inp([small], {"chat": seen(arrivals=40.0, arrivals_peak=45.0)}), s)
+             if r.kind is AdviceKind.DISAGGREGATION]
+    assert not rec.act and "l40s" in rec.advice and rec.change == {"layout": "unified"}
+
+
 def test_an_fp8_cache_moves_half_the_bytes_a_split_would_send() -> None:
     obs = {"chat": seen(arrivals=20.0, arrivals_peak=22.0, prompt_tokens=16_000)}
 
