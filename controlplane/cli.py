@@ -266,7 +266,7 @@ def actions(ctx: click.Context, db: str, as_json: bool) -> None:
     out.print(t)
 
 
-def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
+def _decide(db: str, action_id: int, approve: bool, by: str, config: str | None) -> None:
     import time
 
     from controlplane.errors import ActionConflict
@@ -276,10 +276,18 @@ def _decide(db: str, action_id: int, approve: bool, by: str) -> None:
     if not by.strip() or len(by) > MAX_NAME or not by.isprintable():
         raise click.BadParameter(f"who decides goes into the audit log as one line: 1 to {MAX_NAME} printable "
                                  "characters", param_hint="--by")
+    # With the fleet file, a proposal past its time to live is refused here as the API refuses it; without, the loop
+    # expires it at its next tick.
+    if config:
+        from controlplane.config import load_config
+
+        ttl: float | None = load_config(Path(config)).rails.proposal_ttl
+    else:
+        ttl = None
 
     store = SqlStore.open(db)
     try:
-        action = store.decide(action_id, approve=approve, by=by, now=time.time(), via="cli")
+        action = store.decide(action_id, approve=approve, by=by, now=time.time(), via="cli", ttl=ttl)
     except ActionConflict as exc:
         raise click.UsageError(f"action {action_id} is not awaiting approval (it is {exc.current})") from None
     finally:
@@ -326,26 +334,30 @@ ACTION_ID = click.IntRange(1, MAX_ID)  # as the store holds them
 
 # Also after the subcommand, as the dashboard and the runbooks write it (`fleetctl actions approve 7 --db URL`).
 _DECISION_DB = click.option("--db", "own_db", default=None, help="Store URL (default: the actions group's --db).")
+_DECISION_CONFIG = click.option("--config", envvar="FLEETCTL_CONFIG", default=None, type=click.Path(dir_okay=False),
+                                help="The fleet file: a proposal past its rails.proposal_ttl is refused as expired.")
 
 
 @actions.command("approve")
 @click.argument("action_id", type=ACTION_ID)
 @click.option("--by", default=lambda: os.environ.get("USER", "operator"), help="Who approves (audit log).")
 @_DECISION_DB
+@_DECISION_CONFIG
 @click.pass_obj
-def actions_approve(db: str, action_id: int, by: str, own_db: str | None) -> None:
+def actions_approve(db: str, action_id: int, by: str, own_db: str | None, config: str | None) -> None:
     """Approve a proposed action; the loop runs it on its next tick."""
-    _decide(own_db or db, action_id, True, by)
+    _decide(own_db or db, action_id, True, by, config)
 
 
 @actions.command("reject")
 @click.argument("action_id", type=ACTION_ID)
 @click.option("--by", default=lambda: os.environ.get("USER", "operator"))
 @_DECISION_DB
+@_DECISION_CONFIG
 @click.pass_obj
-def actions_reject(db: str, action_id: int, by: str, own_db: str | None) -> None:
+def actions_reject(db: str, action_id: int, by: str, own_db: str | None, config: str | None) -> None:
     """Reject a proposed action."""
-    _decide(own_db or db, action_id, False, by)
+    _decide(own_db or db, action_id, False, by, config)
 
 
 @cli.command()

@@ -290,6 +290,10 @@ class Store(Settings):
     def _retention_grows(self) -> Store:
         if not self.raw_retention <= self.minute_retention <= self.hour_retention:
             raise ValueError("retention must grow with coarseness: raw <= minute <= hour")
+        if self.raw_retention < HISTORY_S:
+            # A leader taking over rebuilds its windows (baselines, burn windows, the sizer's history) from raw signals.
+            raise ValueError(f"raw_retention {self.raw_retention:g}s is shorter than the {HISTORY_S:g}s of history the "
+                             "loop keeps: a new leader would rebuild its policies' windows from part of it")
         if self.record_retention < self.raw_retention:
             # The loop judges and reverts actions, and reads their history, from what the raw signals still hold.
             raise ValueError("record_retention must be at least raw_retention: an action would go before the "

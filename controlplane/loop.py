@@ -677,9 +677,13 @@ class ControlLoop:
         await self._keep_unkept()
 
     async def _keep_unkept(self) -> None:
-        """Write the gate verdicts kept since the store refused them, oldest first."""
+        """Write the gate verdicts kept since the store refused them, oldest first; one the store refuses as a row (not
+        as a store that is down) is logged and dropped, or every tick after it would stop on it."""
         while self._unkept:
-            await self.store.record_verdict(self._unkept[0])
+            try:
+                await self.store.record_verdict(self._unkept[0])
+            except StoreConflict as exc:
+                log.error("the canary verdict on %s is not kept: the store refuses it: %s", self._unkept[0].pool, exc)
             self._unkept.pop(0)
 
     # act --------------------------------------------------------------------------------------

@@ -181,8 +181,10 @@ class _Decide(_Json):
             return
         aid = int(action_id)
         try:
+            # A proposal past its time to live is expired, whether or not a tick has marked it yet: approved, a revert
+            # would run under revert_ttl after all.
             action = await self.loop.store.decide(aid, approve=verb == "approve", by=by, now=self.loop.clock.now(),
-                                                  via="api")
+                                                  via="api", ttl=self.loop.config.rails.proposal_ttl)
         except ActionNotFound:
             self.fail(404, f"no action {aid}")
             return

@@ -184,6 +184,14 @@ def test_approve_and_reject(tmp_path: Path) -> None:
     rows = {a["id"]: a for a in json.loads(fleetctl("actions", "--db", db, "--json").stdout)["actions"]}
     assert (rows[ids[0]]["state"], rows[ids[0]]["approved_by"]) == ("approved", "alice")
     assert rows[ids[1]]["state"] == "rejected"
+    # With the fleet file, one past its rails.proposal_ttl is expired, as the API says (this one was proposed in 1970).
+    store = SqlStore.open(db)
+    late = store.create_action(NewAction(None, "scale_pool", "r", {}, "propose", "r"), 1.0).id
+    store.close()
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("pools:\n  - {name: r, role: unified, model: m, replicas: {min: 1, max: 4}}\n")
+    expired = fleetctl("actions", "approve", str(late), "--db", db, "--config", str(fleet))
+    assert expired.returncode == 3 and "(it is expired)" in expired.stderr
 
 
 

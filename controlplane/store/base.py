@@ -91,8 +91,10 @@ class Store(Protocol):
         """Move an action from one of `expected` to `to`, with its audit event; ActionConflict if it moved first."""
         ...
 
-    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
-        """Approve or reject a proposed action on behalf of `by` (through `via`: cli, api, dashboard)."""
+    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str,
+                     ttl: float | None = None) -> ActionRecord:
+        """Approve or reject a proposed action on behalf of `by` (through `via`: cli, api, dashboard); not one that has
+        waited `ttl` since it was proposed (ActionConflict, as expired)."""
         ...
 
     async def actions(self, *, states: Collection[ActionState] | None = None, since: float | None = None,

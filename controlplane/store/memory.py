@@ -224,7 +224,13 @@ class MemoryStore:
         self.events.append(ActionEvent(action_id, now, str(to), jsonable(detail or {})))
         return row
 
-    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
+    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str,
+                     ttl: float | None = None) -> ActionRecord:
+        row = self.action_rows.get(action_id)
+        if row is None:
+            raise ActionNotFound(action_id)
+        if ttl is not None and now - row.created_at >= ttl:
+            raise ActionConflict(action_id, str(ActionState.PROPOSED), "expired")
         to = ActionState.APPROVED if approve else ActionState.REJECTED
         return await self.transition(action_id, ActionState.PROPOSED, to, now, {"by": by, "via": via}, approved_by=by)
 

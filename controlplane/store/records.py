@@ -7,8 +7,8 @@ from typing import Any
 
 from controlplane.actions import ActionState
 
-__all__ = ["MAX_ID", "MAX_NAME", "ActionEvent", "ActionRecord", "AdviceRecord", "FindingRecord", "NewAction",
-           "NewAdvice", "NewFinding", "NewVerdict", "Pause"]
+__all__ = ["ARM_CHARS", "MAX_ID", "MAX_NAME", "ActionEvent", "ActionRecord", "AdviceRecord", "FindingRecord", "NewAction",
+           "NewAdvice", "NewFinding", "NewVerdict", "Pause", "shortened"]
 
 MAX_ID = 2**31 - 1  # the largest id an INTEGER column holds: a larger one no store holds, and PostgreSQL refuses
 MAX_NAME = 255  # the longest name a person gives (who approved, who paused)
@@ -88,6 +88,21 @@ class Pause:
     at: float
 
 
+ARM_CHARS = 255  # a verdict's baseline and canary as the store keeps them
+
+
+def shortened(names: str, limit: int) -> str:
+    """A comma-separated list cut to `limit` characters at a name's end, saying how many it left out."""
+    if len(names) <= limit:
+        return names
+    parts = names.split(",")
+    for keep in range(len(parts) - 1, 0, -1):
+        text = f"{','.join(parts[:keep])} (+{len(parts) - keep} more)"
+        if len(text) <= limit:
+            return text
+    return f"{names[:limit - 12]}… (cut)"
+
+
 @dataclass(frozen=True, slots=True)
 class NewVerdict:
     """A canary gate's verdict to keep: what was compared, over which window, and why it came out so."""
@@ -101,6 +116,12 @@ class NewVerdict:
     result: str  # pass | marginal | fail | inconclusive
     score: float | None
     details: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        # The arms are kept as names of up to 255 characters: a rollout's pods in a pool of ten ran past that, and the
+        # row refused stopped every tick after it. Their full lists stay in `details`.
+        for arm in ("baseline", "canary"):
+            object.__setattr__(self, arm, shortened(getattr(self, arm), ARM_CHARS))
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,8 +86,9 @@ class ThreadedStore:
                          now: float, detail: dict[str, Any] | None = None, **fields: Any) -> ActionRecord:
         return await self._run(self.sql.transition, action_id, expected, to, now, detail, **fields)
 
-    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
-        return await self._run(self.sql.decide, action_id, approve=approve, by=by, now=now, via=via)
+    async def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str,
+                     ttl: float | None = None) -> ActionRecord:
+        return await self._run(self.sql.decide, action_id, approve=approve, by=by, now=now, via=via, ttl=ttl)
 
     async def actions(self, *, states: Collection[ActionState] | None = None, since: float | None = None,
                       pool: str | None = None) -> list[ActionRecord]:

@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import JSON, Engine, and_, delete, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import ColumnElement
 
@@ -97,7 +97,7 @@ def _translated(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except IntegrityError as exc:
+        except (IntegrityError, DataError) as exc:  # the row, not the store: written again, it is refused again
             raise StoreConflict(f"{fn.__name__}: {str(exc.orig or exc).strip()[:300]}") from exc
         except SQLAlchemyError as exc:
             raise StoreUnavailable(f"{fn.__name__}: {str(getattr(exc, 'orig', None) or exc).strip()[:300]}") from exc
@@ -301,9 +301,18 @@ class SqlStore(metaclass=_Translating):
             s.add(ActionEventRow(action_id=action_id, ts=now, event=str(to), detail=jsonable(detail or {})))
             return _action(s.get_one(ActionRow, action_id))
 
-    def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str) -> ActionRecord:
-        """Approve or reject a proposed action on behalf of `by`; ActionConflict if it is not awaiting a decision."""
+    def decide(self, action_id: int, *, approve: bool, by: str, now: float, via: str,
+               ttl: float | None = None) -> ActionRecord:
+        """Approve or reject a proposed action on behalf of `by`; ActionConflict if it is not awaiting a decision, or
+        has waited `ttl` or longer since it was proposed (the loop expires it at its next tick)."""
         to = ActionState.APPROVED if approve else ActionState.REJECTED
+        if ttl is not None:
+            with self._session() as s:
+                created = s.scalar(select(ActionRow.created_at).where(ActionRow.id == action_id))
+            if created is None:
+                raise ActionNotFound(action_id)
+            if now - created >= ttl:  # its creation never changes: no race with the update below
+                raise ActionConflict(action_id, str(ActionState.PROPOSED), "expired")
         return self.transition(action_id, ActionState.PROPOSED, to, now, {"by": by, "via": via}, approved_by=by)
 
     def note(self, action_id: int, event: str, now: float, detail: dict[str, Any]) -> None:

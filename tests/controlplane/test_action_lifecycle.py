@@ -26,12 +26,12 @@ from controlplane.actions import ActionState as S
 from controlplane.actuators.base import FleetView, Order, PoolReplicas
 from controlplane.clock import VirtualClock
 from controlplane.config import Mode, parse_config
-from controlplane.errors import ActuationError, StoreUnavailable
+from controlplane.errors import ActuationError, StoreConflict, StoreUnavailable
 from controlplane.killswitch import StoreSwitch
 from controlplane.loop import ControlLoop, _touched
 from controlplane.observe import Observation
 from controlplane.store.memory import MemoryStore
-from controlplane.store.records import ActionRecord, NewAction, Pause
+from controlplane.store.records import ActionRecord, NewAction, NewVerdict, Pause
 from controlplane.telemetry import Telemetry
 from policies.autoscale import PoolPlan
 from policies.inputs import StaleInputs
@@ -1017,3 +1017,32 @@ async def test_a_revision_not_dated_for_a_tick_keeps_its_last_date(clock: Virtua
     pools.changed_at = {"prefill": 2_000.0}
     await tick(loop, clock)
     assert loop.changed_at == {"prefill": 2_000.0}
+
+
+class Judges(Asks):
+    """A policy whose finding carries a canary gate's verdict."""
+
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        verdict = {"gate": "rollout", "baseline": "a,b", "canary": "c", "started_at": 0.0, "ended_at": 60.0,
+                   "result": "fail", "score": 0.0}
+        return PolicyResult([FindingReport(FindingKey("test", "pool/prefill"), Severity.WARNING, "canary fails", "slow",
+                                           {}, "test", verdict=verdict)])
+
+
+class RefusesVerdicts(MemoryStore):
+    async def record_verdict(self, verdict: NewVerdict) -> int:
+        raise StoreConflict("record_verdict: value too long for type character varying(255)")
+
+
+async def test_a_verdict_the_store_refuses_as_a_row_is_dropped_not_written_before_every_tick(clock: VirtualClock) -> None:
+    """Kept to write again first thing every tick, a verdict refused as a row (not a store that is down) failed every
+    tick after it: detection, acting and outcomes stopped until a restart."""
+    store = RefusesVerdicts()
+    loop = ControlLoop(config=parse_config(FLEET.format(mode=Mode.ACT)), source=NoMetrics(), store=store,
+                       policies=[Judges()], actuator=Pools(), clock=clock, telemetry=Telemetry())
+    await loop.start()
+    for _ in range(3):
+        report = await loop.tick()
+        assert not report.errors, report.errors
+        clock.advance(15)
+    assert [f.summary for f in await store.open_findings()] == ["canary fails"]

@@ -126,6 +126,17 @@ async def test_approve_through_the_api_and_the_loop_acts(api: Api, caplog: pytes
     assert TOKEN not in caplog.text
 
 
+async def test_a_proposal_past_its_time_to_live_is_refused_as_expired_before_a_tick_marks_it(api: Api) -> None:
+    """Approved between its time to live and the next tick, the API answered 200 and the tick expired it; a revert so
+    approved would have run under revert_ttl after all."""
+    aid = await api.proposal()
+    api.clock.advance(api.loop.config.rails.proposal_ttl)  # no tick since
+    async with httpx.AsyncClient(base_url=api.base) as c:
+        r = await c.post(f"/api/actions/{aid}/approve", json={"by": "alice"}, headers=auth())
+    assert r.status_code == 409 and "(it is expired)" in r.json()["error"]
+    assert api.store.actions()[0].state == "proposed"
+
+
 async def test_reject_through_the_api(api: Api) -> None:
     aid = await api.proposal()
     async with httpx.AsyncClient(base_url=api.base) as c:

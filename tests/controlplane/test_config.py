@@ -70,9 +70,12 @@ def test_an_error_about_a_url_does_not_print_its_credentials() -> None:
         pytest.param(("raw_retention: 48h", "raw_retention: soon"), "expected a duration", id="bad-duration"),
         pytest.param(("raw_retention: 48h", "raw_retention: 48h, record_retention: 1d"),
                      "record_retention must be at least raw_retention", id="records-before-their-signals"),
-        pytest.param(("raw_retention: 48h", "raw_retention: 1h, minute_retention: 1h, hour_retention: 1h, "
-                                            "record_retention: 1h"),
-                     "record_retention (3600s) must be at least the", id="records-before-the-rails-read-them"),
+        pytest.param(("raw_retention: 48h", "raw_retention: 3h, minute_retention: 3h, hour_retention: 3h, "
+                                            "record_retention: 3h"),
+                     "record_retention (10800s) must be at least the", id="records-before-the-rails-read-them"),
+        # A new leader rebuilds the loop's windows from the raw signals: 10 minutes of them for 3 hours of windows.
+        pytest.param(("raw_retention: 48h", "raw_retention: 10m"), "raw_retention 600s is shorter than the 10800s",
+                     id="raw-signals-shorter-than-the-loops-history"),
         pytest.param(("mode: propose", "mode: yolo"), "mode (line 2): Input should be 'observe', 'propose' or 'act'",
                      id="bad-mode"),
         pytest.param(("mode: propose", "mode: propose\nextra_key: 1"), "extra_key", id="unknown-key"),

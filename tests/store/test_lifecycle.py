@@ -125,6 +125,27 @@ async def test_verdicts_are_kept_with_their_explanations(any_store: Store) -> No
         assert any_store.verdicts[0].details["metrics"][0]["interval"] == [1.04, 1.17]
 
 
+async def test_a_verdict_over_many_pods_is_kept_with_its_arms_shortened(any_store: Store) -> None:
+    """A rollout in a pool of ten named its pods in the arms: PostgreSQL refused the row (255 characters at most), and
+    the loop, writing it again first thing every tick, stopped."""
+    pods = [f"vllm-decode-7d9f8b6c4-{i:05d}" for i in range(12)]
+    verdict = NewVerdict("rollout", "decode", ",".join(pods), pods[0], 10.0, 70.0, "fail", 0.0, {"baseline": pods})
+    assert len(verdict.baseline) <= 255 and verdict.baseline.endswith("more)") and verdict.canary == pods[0]
+    assert verdict.baseline.startswith(",".join(pods[:3]))
+    assert await any_store.record_verdict(verdict) >= 1
+
+
+async def test_a_decision_past_the_time_to_live_is_refused_as_expired(any_store: Store) -> None:
+    a = await any_store.create_action(scale(), 100.0)
+    with pytest.raises(ActionConflict) as info:
+        await any_store.decide(a.id, approve=True, by="alice", now=100.0 + 900.0, via="api", ttl=900.0)
+    assert info.value.current == "expired"
+    with pytest.raises(ActionNotFound):
+        await any_store.decide(a.id + 1, approve=True, by="alice", now=200.0, via="api", ttl=900.0)
+    decided = await any_store.decide(a.id, approve=True, by="alice", now=100.0 + 899.0, via="api", ttl=900.0)
+    assert decided.state is S.APPROVED
+
+
 def advice(change: dict, predicted: float = 7.0) -> NewAdvice:
     return NewAdvice("kv_precision", "chat", True, "serve chat with fp8", change, "engines_needed", 10.0, predicted,
                      84.0, 0.8, {"fp8": {"engines": predicted}})
