@@ -104,6 +104,10 @@ class TickReport:
     duration_s: float = 0.0
 
 
+# What holds a revert only for now: it is recorded to wait, as an approval waits (the approved are not counted against
+# the hour's budget again), or nothing would undo the change: the policy's own proposal is held as tried.
+REVERT_WAITS = WAIT_REASONS | {RailsReason.RATE_LIMITED}
+
 class ControlLoop:
     """Connects a metric source, the store, the policies and an actuator."""
 
@@ -199,7 +203,10 @@ class ControlLoop:
                     del self._unrecorded[action_id]
             await self._record_unrecorded()
         except FleetError as exc:
+            # Taken over without them, their actions would be redone or marked unknown, and the ends (what a revert
+            # is derived from) lost: the whole take-over is tried again once the store answers.
             log.warning("ends of %d action(s) not recorded before taking over: %s", len(self._unrecorded), exc)
+            raise
         self._waiting.clear()
         self._unnoted.clear()
         # Another leader may have written the targets meanwhile: all of them are written again at the first tick.
@@ -260,6 +267,15 @@ class ControlLoop:
             return
         order = self._with_engines(_order(action, change))
         waits = [e.detail["wait"] for e in await self.store.audit_log(action.id) if e.event == "waiting"]
+        if waits and self.config.mode is Mode.OBSERVE and waits[-1].get("then") != "verify":
+            # Its next step (a scale, an eviction) changes the fleet, which observe mode never does: ended as a
+            # change not redone is, what it began undone. One that only checks its pods went is watched to its end.
+            await self.store.transition(action.id, ActionState.STARTED, ActionState.CANCELLED, now,
+                                        {"why": "taken over in observe mode, which carries no change further",
+                                         "rails": str(RailsReason.OBSERVE_MODE)})
+            self.telemetry.actions.labels(action.kind, "cancelled").inc()
+            await self._release(order, now)
+            return
         if waits:  # it was waiting (an engine draining): wait on, from where the audit log says it was
             self._waiting[action.id] = (order, waits[-1])
             await self.store.note(action.id, "taken_over", now, {"resumes": waits[-1]})
@@ -295,12 +311,16 @@ class ControlLoop:
                                             {"why": why, "rails": str(decision.reason)})
                 self.telemetry.actions.labels(action.kind, "cancelled").inc()
                 await self._release(order, now)
-                if "reverts" in action.params and decision.reason in WAIT_REASONS:
+                if "reverts" in action.params and decision.reason in REVERT_WAITS:
                     await self._revert_again(action, change, decision, now, pools)
                 return
             if not self._leads():
                 return
-            await self.store.note(action.id, "taken_over", now, {"redo": "not applied before the stop"})
+            # Judged against the state it is redone from, read now as its rails were: the stopped leader's may be from
+            # long before, and the signal moved meanwhile on its own.
+            await self.store.note(action.id, "taken_over", now, {
+                "redo": "not applied before the stop",
+                "verify_before": self._recent_mean(action.pool, action.params.get("verify_signal"), points=2)})
             if not self._leads():  # lost while the note was written: the next leader takes it over
                 return
             order = replace(order, change=decision.change)
@@ -1132,7 +1152,8 @@ class ControlLoop:
         can come long after the proposal) against the state after it, from points after `start` only (a signal that
         stopped is no recovery)."""
         p = action.params
-        started = next((e.detail for e in log_ if e.event == "started"), {})
+        started = next((e.detail for e in reversed(log_) if e.event == "taken_over" and "redo" in e.detail), None)
+        started = started or next((e.detail for e in log_ if e.event == "started"), {})
         before = started.get("verify_before", p.get("verify_before"))
         after = self._recent_mean(action.pool, p.get("verify_signal"),
                                   since=None if start is None else math.nextafter(start, math.inf), until=until)
@@ -1209,9 +1230,9 @@ class ControlLoop:
         if proposal is not None:
             decision = self._check(proposal, None, pools, history, now, await self.switch.paused())
             why = f"revert held: {decision.note}"
-            if decision.reason in WAIT_REASONS and self.config.mode is not Mode.OBSERVE:
-                # Held only for now (paused, a pool settling, another pool's rollout): recorded to wait, as an
-                # approved action waits, so the undoing is not lost with this one judging.
+            if decision.reason in REVERT_WAITS and self.config.mode is not Mode.OBSERVE:
+                # Held only for now (paused, a pool settling, another pool's rollout, the hour's budget spent): recorded
+                # to wait, as an approved action waits, so the undoing is not lost with this one judging.
                 decision = RailsDecision(RailsReason.ALLOWED if self.config.mode is Mode.ACT
                                          else RailsReason.NEEDS_APPROVAL, proposal.change, f"waits: {decision.note}")
             if decision.may_record and decision.change is not None:

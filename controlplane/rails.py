@@ -289,6 +289,11 @@ def check(
     advisory, as observe mode asks what `act` would allow."""
     if mode is Mode.OBSERVE:
         return _held(RailsReason.OBSERVE_MODE, "observe mode never acts")
+    if not observing:
+        # Advice is what observe mode did: once acting, it changed nothing on the fleet, so it was no change that did
+        # not help, starts no cooldown and spends none of the hour's budget (a switch from observe to act found the
+        # remedies it had advised held as tried for hours, and the budget spent).
+        history = [a for a in history if a.state != ActionState.ADVISORY]
     same = [a for a in history if finding_id is not None and a.finding_id == finding_id and a.kind == proposal.kind]
     # A pool's engine settings that did not help: a finding that went with the change and came back with its revert
     # is a new finding, and the change is no more likely to help it. Only for changes that ran, to the pool's
@@ -355,7 +360,7 @@ def recheck(
     kind = ActionKind(action.kind)
     if pool is None:
         return _held(RailsReason.UNKNOWN_POOL, f"pool {action.pool!r} is not in the fleet file any more")
-    others = [a for a in history if _bears_on(a, action)]
+    others = [a for a in history if _bears_on(a, action) and a.state != ActionState.ADVISORY]  # advice changed nothing
     change = change_from_dict(action.params["change"])
     gate = _gates(kind, pool, mode=mode, paused=paused, supported=supported, rails=rails, history=others, now=now,
                   unsettled=unsettled, inputs=action.params.get("inputs", ()),

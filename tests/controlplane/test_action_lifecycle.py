@@ -579,6 +579,25 @@ async def test_a_take_over_that_carries_a_change_no_further_undoes_what_was_begu
     assert released.detail == {"released": "the drained engines are routed again (prefill-2)"}
 
 
+@pytest.mark.parametrize(("then", "state"), [("scale", S.CANCELLED), ("verify", S.SUCCEEDED)])
+async def test_observe_mode_carries_no_taken_over_wait_further(clock: VirtualClock, then: str, state: S) -> None:
+    """Restarted in observe mode to stop acting, a replica that took over a drain another leader left waiting scaled
+    the pool when the engine was idle: the wait went on with no rails asked. One that only checks its pods are gone is
+    watched to its end."""
+    store, pools = MemoryStore(), Releasing()
+    action_id = await started_elsewhere(store, clock.now())
+    wait = {"phase": "draining", "pods": ["prefill-2"], "then": then, "deadline": clock.now() + 120}
+    await store.note(action_id, "waiting", clock.now(), {"wait": wait})
+    loop = make_loop(Mode.OBSERVE, store, pools, clock, Asks())
+    await loop.start()
+    await tick(loop, clock)
+    [action] = await store.actions()
+    assert action.state is state
+    if then == "scale":
+        assert (pools.waits, pools.released) == ([], [action_id])
+        assert "observe mode" in cancelled_why(store, action_id)
+
+
 class RefusesACreation(MemoryStore):
     """Fails the first action it is asked to create (an outage at that moment)."""
 

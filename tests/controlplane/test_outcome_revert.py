@@ -34,8 +34,10 @@ from policies.types import (
     PolicyInput,
     PolicyResult,
     Proposal,
+    ScaleTo,
     Severity,
     Speculation,
+    change_as_dict,
 )
 
 FLEET = """
@@ -141,6 +143,86 @@ async def test_observe_mode_advises_the_revert_too() -> None:
     assert [f.kind for f in store.findings.values()] == ["test_spec"], "an advisory that would not help is scored, not reverted"
 
 
+async def test_once_acting_the_remedy_observe_mode_advised_runs() -> None:
+    """Advice changed nothing on the fleet: scored not_recovered while observing (the signal stayed bad without it), it
+    held the remedy as tried for hours once the control plane was switched to act."""
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    await ticks(make_loop(store, engines, clock, mode="observe"), clock, 4 * 12)
+    [advice] = await store.actions()
+    assert (advice.state, advice.outcome, engines.history) == (S.ADVISORY, "not_recovered", [])
+    acting = make_loop(store, engines, clock)  # restarted with mode: act, the finding still open
+    await acting.start()
+    await ticks(acting, clock, 1)
+    assert engines.history == [1]
+
+
+class RefusesEnds(MemoryStore):
+    """A store that refuses the next `refuse` ends of actions."""
+
+    refuse = 0
+
+    async def transition(self, action_id: int, expected: Any, to: S, now: float, detail: dict[str, Any] | None = None,
+                         **fields: Any) -> Any:
+        if self.refuse and to in (S.SUCCEEDED, S.FAILED):
+            self.refuse -= 1
+            raise StoreUnavailable("transition: connection reset")
+        return await super().transition(action_id, expected, to, now, detail, **fields)
+
+
+async def test_an_end_known_here_survives_a_store_blip_as_leadership_comes_back() -> None:
+    """The take-over went on without the ends the store refused, then dropped them: the action was taken over from an
+    actuator that cannot tell, and recorded unknown, with the detail its revert needs lost."""
+    clock, store, engines = VirtualClock(), RefusesEnds(), Engines()
+    loop = make_loop(store, engines, clock)
+    await loop.start()
+    store.refuse = 1
+    clock.advance(15)
+    with pytest.raises(StoreUnavailable):
+        await loop.tick()  # the change is made on the fleet; its end is refused
+    store.refuse = 1  # and again as leadership comes back
+    clock.advance(30)
+    with pytest.raises(StoreUnavailable):
+        await loop.start()  # tried again by the runtime, as a tick is
+    await loop.start()
+    [action] = await store.actions()
+    assert (action.state, engines.history) == (S.SUCCEEDED, [1])
+    assert next(e.detail for e in store.action_events(action.id) if e.event == "succeeded")["from"] == 3
+
+
+class TpotBy:
+    """TPOT 100 ms with 3 speculative tokens, 150 ms with fewer: the change makes it worse."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+
+    async def observe(self, now: float) -> Observation:
+        return Observation(signals=[Signal(now, "pool/chat", "tpot_p95", 0.10 if self.engines.tokens == 3 else 0.15)])
+
+
+class Quiet(Collapse):
+    def evaluate(self, inp: PolicyInput) -> PolicyResult:
+        return PolicyResult()
+
+
+async def test_a_redone_change_is_judged_from_the_state_it_was_redone_from() -> None:
+    """The stopped leader read TPOT 200 ms when it started the change; 40 minutes later TPOT was 100 ms on its own, and
+    the redo made it 150: judged against the stopped leader's number it read as a 25 % gain, and was never reverted."""
+    clock, store, engines = VirtualClock(), MemoryStore(), NotApplied()
+    params = {"change": change_as_dict(Speculation(step=-2)), "verify_signal": "tpot_p95",
+              "verify_lower_is_better": True, "verify_before": 0.2, "inputs": ["tpot_p95"]}
+    a = await store.create_action(NewAction(None, "tune_speculation", "chat", params, "act", "fewer drafts"),
+                                  clock.now())
+    await store.transition(a.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"}, approved_by="rails")
+    await store.transition(a.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake", "verify_before": 0.2})
+    clock.advance(40 * 60)  # no leader meanwhile, within proposal_ttl
+    loop = make_loop(store, engines, clock, policy=Quiet(), source=TpotBy(engines))  # type: ignore[arg-type]
+    await loop.start()
+    assert engines.history == [1], "redone"
+    await ticks(loop, clock, 4 * 7)
+    action = next(x for x in await store.actions() if x.id == a.id)
+    assert action.outcome == "not_recovered"
+
+
 async def test_a_revert_held_for_now_waits_instead_of_being_lost() -> None:
     # Paused at the very tick the change is judged: the revert is recorded to wait, and runs once unpaused.
     clock, store, engines = VirtualClock(), MemoryStore(), Engines()
@@ -150,6 +232,28 @@ async def test_a_revert_held_for_now_waits_instead_of_being_lost() -> None:
     store.pause = None
     await ticks(loop, clock, 8)
     assert engines.history == [1, 3], "reverted once the pause ended"
+
+
+async def test_a_revert_the_hours_budget_holds_waits_and_runs() -> None:
+    """Judged with the hour's budget spent (a sizer's scales elsewhere), the revert was held for good: nothing proposes
+    it again, and the change that made things worse stayed."""
+    clock, store, engines = VirtualClock(), MemoryStore(), Engines()
+    fleet = FLEET.replace("max_actions_per_hour: 20", "max_actions_per_hour: 2").format(mode="act", rails="")
+    loop = ControlLoop(config=parse_config(fleet), source=SlowTpot(), store=store, policies=[Collapse()],
+                       actuator=engines, clock=clock, telemetry=Telemetry(), switch=StoreSwitch(store))
+    await ticks(loop, clock, 4)
+    assert engines.history == [1]
+    for _ in range(2):  # two more actions within the hour, finished
+        a = await store.create_action(NewAction(None, "scale_pool", "other", {"change": change_as_dict(ScaleTo(2)),
+                                                                               "from_replicas": 1}, "act", "load"),
+                                      clock.now())
+        await store.transition(a.id, S.PROPOSED, S.APPROVED, clock.now(), {}, approved_by="rails")
+        await store.transition(a.id, S.APPROVED, S.STARTED, clock.now(), {})
+        await store.transition(a.id, S.STARTED, S.SUCCEEDED, clock.now(), {})
+    await ticks(loop, clock, 4 * 12)
+    [first] = [a for a in await store.actions() if a.kind == "tune_speculation" and "reverts" not in a.params]
+    assert first.outcome == "not_recovered"
+    assert engines.history == [1, 3], "recorded to wait, as an approval waits, and run"
 
 
 async def judged_then_paused(loop: ControlLoop, clock: VirtualClock, store: MemoryStore) -> None:

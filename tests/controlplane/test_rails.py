@@ -438,10 +438,12 @@ def test_a_due_action_waits_while_paused_and_runs_once_resumed() -> None:
 
 @pytest.mark.parametrize(("state", "cools", "counts"), [
     ("unknown", True, True), ("dry_run", True, True), ("failed", True, True), ("succeeded", True, True),
-    ("rejected", True, False), ("expired", False, False), ("cancelled", False, False)])
+    ("rejected", True, False), ("expired", False, False), ("cancelled", False, False),
+    ("advisory", False, False)])
 def test_unknown_and_finished_actions_in_the_history(state: str, cools: bool, counts: bool) -> None:
     """An action that may have touched the fleet (unknown included) starts the cooldown and counts
-    against the rate limit; a rejection only starts the cooldown; expired and cancelled do neither."""
+    against the rate limit; a rejection only starts the cooldown; expired and cancelled do neither, nor, once acting,
+    does observe mode's advice (the hour before a switch to act spent its budget)."""
     history = [Past("prefill", state, NOW - 120, NOW - 60)]
     decision = check(up(), pool(), mode=Mode.ACT, rails=RAILS, history=history, now=NOW)
     assert decision.reason is (RailsReason.COOLDOWN if cools else RailsReason.ALLOWED)
