@@ -330,11 +330,16 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
         # A series carried over a gap rose over the gap and this interval: this interval's part of it.
         return seconds / (seconds + prev.carried.get((table, key, labels), 0.0))
 
+    def unread(key: str) -> bool:
+        # A malformed line names its family, not the label a key is split by (`finished:length`): the family's base
+        # key marks every split key of it.
+        return key in prev.unread or key.partition(":")[0] in prev.unread
+
     def new(key: str, table: Mapping[str, object]) -> bool:
         # Neither in the last reading (carried series included) nor in any before it. One that was, and has been
         # missing past the carry's horizon, is not new: counted from zero it would add its whole history at once. Nor
         # is one the last reading may have lacked only for being unreadable: its first diff is the next one.
-        return key not in table and key not in prev.known and key not in prev.unread
+        return key not in table and key not in prev.known and not unread(key)
 
     for key, value in cur.counters.items():
         before, now = prev.counter_series.get(key), cur.counter_series.get(key)
@@ -345,7 +350,7 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
             # Series by series, as PromQL's sum(increase()): one that vanished (an agent instance reaped, a label
             # gone) adds nothing, one that appeared counts from zero (unless a line of the key went unread: then it
             # may have been there), one that fell restarted.
-            out.increases[key] = sum((0.0 if key in prev.unread else v) if (b := before.get(s)) is None else
+            out.increases[key] = sum((0.0 if unread(key) else v) if (b := before.get(s)) is None else
                                      (v if v < b else v - b) * share("counter_series", key, s) for s, v in now.items())
             continue
         inc = counter_increase(prev.counters.get(key), value)
@@ -358,7 +363,7 @@ def delta(prev: Reading | None, cur: Reading, seconds: float) -> Delta | None:
             continue
         if series_before is not None and series_now is not None:
             # Series by series, as for counters: one engine's restart (or a rank reaped) is not the whole sum's.
-            out.histograms[key] = sum(((EMPTY_HISTOGRAM if key in prev.unread else h)
+            out.histograms[key] = sum(((EMPTY_HISTOGRAM if unread(key) else h)
                                        if (was := series_before.get(s)) is None else
                                        (histogram_increase(was, h) or h).scaled(share("histogram_series", key, s))
                                        for s, h in series_now.items()), EMPTY_HISTOGRAM)

@@ -22,7 +22,8 @@ class DeriveOutput:
     """Signals of one round, plus what went wrong per target (key -> messages)."""
 
     signals: list[Signal] = field(default_factory=list)
-    parse_errors: dict[str, list[str]] = field(default_factory=dict)
+    parse_errors: dict[str, list[str]] = field(default_factory=dict)  # the first 20 of each target's
+    parse_error_counts: dict[str, int] = field(default_factory=dict)  # all of them
     missing_families: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -59,13 +60,16 @@ class SignalDeriver:
             samples = list(self._parser.parse(res.body, errors=errors))
             if errors:
                 out.parse_errors[t.key] = [str(e) for e in errors[:20]]
+                out.parse_error_counts[t.key] = len(errors)
             out.signals.append(Signal(res.ts, health, "scrape_duration_seconds", res.duration_s))
             out.signals.append(Signal(res.ts, health, "scrape_samples", float(len(samples))))
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             readings = source.read(samples)
             # The counters and histograms of lines dropped as malformed: exposed, but not read.
             index = source.families.index()
-            dropped = {hit[:2] for e in errors if (hit := index.get(e.metric)) is not None}
+            hits = [hit for e in errors if (hit := index.get(e.metric)) is not None]
+            dropped = {hit[:2] for hit in hits}
+            unbucketed = {key for _, key, _, suffix in hits if suffix == "_bucket"}
             missing = families.missing_families(readings, source.families) + families.unnumbered_families(
                 readings, source.families)
             if missing:
@@ -74,6 +78,12 @@ class SignalDeriver:
             for entity, reading in readings.items():
                 for kind, key in dropped:
                     reading.not_read(kind, key)
+                # Without a bucket, no reading (as without +Inf): kept, it would be the next diff's baseline, which
+                # spans only the bounds both share, and the next, clean tick read its quantiles off a bucket as wide as
+                # the one dropped. Left out, the reading before is carried to that diff.
+                for k in [k for k in reading.histograms if k.partition(":")[0] in unbucketed]:
+                    del reading.histograms[k]
+                    reading.histogram_series.pop(k, None)
                 slot = (t.key, entity)
                 seen.add(slot)
                 prev = self._prev.get(slot)

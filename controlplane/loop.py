@@ -481,7 +481,7 @@ class ControlLoop:
             if not (r.ok or r.skipped or r.late):  # the target's own failures; a late one is in the tick's errors
                 self.telemetry.scrape_errors.labels(r.target.key).inc()
         for key, errs in obs.parse_errors.items():
-            self.telemetry.parse_errors.labels(key).inc(len(errs))
+            self.telemetry.parse_errors.labels(key).inc(obs.parse_error_counts.get(key, len(errs)))
         late = sum(1 for r in obs.results if r.late)  # neither up nor down: the round had no time for them
         self.telemetry.targets.labels("up").set(report.targets_up)
         self.telemetry.targets.labels("late").set(late)

@@ -42,10 +42,11 @@ class Observation:
     results: list[ScrapeResult] = field(default_factory=list)
     health: dict[str, TargetHealth] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
-    parse_errors: dict[str, list[str]] = field(default_factory=dict)
+    parse_errors: dict[str, list[str]] = field(default_factory=dict)  # a sample of each target's
     missing: dict[str, list[str]] = field(default_factory=dict)
     unfit: dict[str, dict[str, str]] = field(default_factory=dict)  # per pool, inputs the source says are unfit
     unfit_everywhere: dict[str, str] = field(default_factory=dict)  # inputs unfit in every pool (a fleet-wide query)
+    parse_error_counts: dict[str, int] = field(default_factory=dict)  # how many each target had, past the sample
 
     def answering_engines(self) -> dict[str, set[str]]:
         """Per pool scraped here, the engine pods whose vLLM target answers (down twice in a row is down,
@@ -79,7 +80,8 @@ class Observation:
         for key, errs in self.parse_errors.items():
             if not key.startswith("prometheus/"):  # a malformed line's value is missing from its pool's sums
                 pool, pod, source = key.split("/", 2)
-                out.setdefault(pool, {}).setdefault(source, f"{pod}: {len(errs)} malformed line(s), first: {errs[0]}")
+                count = self.parse_error_counts.get(key, len(errs))
+                out.setdefault(pool, {}).setdefault(source, f"{pod}: {count} malformed line(s), first: {errs[0]}")
         for key, names in self.missing.items():
             head, _, rest = key.partition("/")
             if head == "prometheus":
@@ -114,13 +116,14 @@ class ScrapeSource:
         results = await self.scraper.scrape(listed, now)
         out = self.deriver.derive(results, now)
         errors = {r.target.key: r.error or "scrape failed" for r in results if not r.ok and not r.skipped}
-        errors.update(_counted(out.parse_errors, "malformed line(s)"))
+        errors.update(_counted(out.parse_errors, "malformed line(s)", out.parse_error_counts))
         # Pod discovery serves its last good list while the API fails (`KubernetesPodTargets.stale`): an engine that
         # came or went since is not in the pools' sums, so nothing is acted on from them until the list is fresh.
         stale = "the pod list is the last one read: the Kubernetes API fails" if self.targets.stale else None
         return Observation(out.signals, results, dict(self.scraper.health), errors, out.parse_errors,
                            out.missing_families,
-                           unfit_everywhere=dict.fromkeys({t.source for t in listed}, stale) if stale else {})
+                           unfit_everywhere=dict.fromkeys({t.source for t in listed}, stale) if stale else {},
+                           parse_error_counts=out.parse_error_counts)
 
 
 class PrometheusApiSource:
@@ -165,9 +168,10 @@ class PrometheusApiSource:
                            unfit_everywhere=everywhere)
 
 
-def _counted(problems: Mapping[str, list[str]], what: str) -> dict[str, str]:
-    """Per key, its problems as one tick error: how many, and the first."""
-    return {key: f"{len(errs)} {what}, first: {errs[0]}" for key, errs in problems.items() if errs}
+def _counted(problems: Mapping[str, list[str]], what: str, counts: Mapping[str, int] | None = None) -> dict[str, str]:
+    """Per key, its problems as one tick error: how many (`counts`, where the list is a sample), and the first."""
+    return {key: f"{(counts or {}).get(key, len(errs))} {what}, first: {errs[0]}"
+            for key, errs in problems.items() if errs}
 
 
 class PrometheusTargets:

@@ -135,6 +135,22 @@ def test_a_counter_unreadable_in_an_engines_first_scrape_is_not_counted_from_zer
     assert {(s.subject, s.name): s.value for s in out.signals}[("pool/prefill", "prompt_tokens_rate")] == 1000.0
 
 
+@pytest.mark.parametrize("unreadable", ["1.0e6x", "NaN"])
+def test_a_split_counter_unreadable_in_an_engines_first_scrape_is_not_counted_from_zero_in_its_next(
+        unreadable: str) -> None:
+    """A malformed line names its family, not the split key (`finished:length`) of its series: read as new next time,
+    the engine's million requests finished by length were one interval's, 66,666 a second."""
+    d = SignalDeriver()
+
+    def body(length: str) -> str:
+        return (finished(100) + f'vllm:request_success_total{{engine="0",finished_reason="length",{MODEL}}} {length}\n')
+
+    d.derive([_result(body(unreadable), 0.0)], 0.0)
+    out = d.derive([_result(body("1000000"), 15.0)], 15.0)
+    rate = {(s.subject, s.name): s.value for s in out.signals}.get(("pool/prefill", "request_rate"))
+    assert rate in (None, 0.0)
+
+
 @pytest.mark.parametrize("junk", ["", 'my_sidecar_info{version="1.2} 1\n'])
 def test_an_engines_first_errors_count_whatever_else_its_scrape_could_not_read(junk: str) -> None:
     """A series created at its first event counts from zero, a malformed line of another family beside it or not;
@@ -279,6 +295,27 @@ def test_a_series_missing_from_one_scrape_is_diffed_against_its_last_value_when_
     rate = {s.name: s.value for s in back.signals if s.subject == "engine/prefill/p0/0"}["request_rate"]
     # stop: 150 in 15 s; length: 600 over the 30 s since it was last read, of which this interval's half.
     assert rate == pytest.approx((150 + 300) / 15)
+
+
+def test_a_histogram_whose_bucket_line_was_dropped_is_no_baseline_for_the_next_scrape() -> None:
+    """The clean scrape after one with a bucket line dropped diffed over the bounds both had: every request took 0.3 s,
+    and its p95 read 0.725 s, half of them over a 0.5 s objective."""
+    bounds = ("0.1", "0.25", "0.5", "0.75", "1.0", "+Inf")
+
+    def body(n: int, bad: str | None = None) -> str:
+        lab = f'engine="0",{MODEL}'
+        lines = [f'vllm:time_to_first_token_seconds_bucket{{{lab},le="{le}"}} '
+                 f'{n if le == "+Inf" or float(le) >= 0.3 else 0}{"x" if le == bad else ""}' for le in bounds]
+        return finished(n) + "\n".join([*lines, f"vllm:time_to_first_token_seconds_sum{{{lab}}} {0.3 * n}",
+                                         f"vllm:time_to_first_token_seconds_count{{{lab}}} {n}"]) + "\n"
+
+    d = SignalDeriver({"prefill": Objectives(ttft=0.5)})
+    d.derive([_result(body(1000), 0.0)], 0.0)
+    assert d.derive([_result(body(1150, bad="0.5"), 15.0)], 15.0).parse_errors
+    out = d.derive([_result(body(1300), 30.0)], 30.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals}
+    assert sig[("pool/prefill", "ttft_over_slo")] == pytest.approx(0.0)
+    assert 0.25 < sig[("pool/prefill", "ttft_p95")] <= 0.5
 
 
 def test_a_histogram_without_its_count_line_counts_its_inf_bucket() -> None:

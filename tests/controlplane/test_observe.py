@@ -44,6 +44,31 @@ def test_a_target_with_malformed_lines_leaves_its_pool_unfit() -> None:
     assert obs.unfit_inputs(["decode"])["decode"]["vllm"].startswith("decode-0: 1 malformed line(s)")
 
 
+async def test_every_malformed_line_is_counted_not_only_the_sample_kept() -> None:
+    from collectors.scraper import Scraper
+    from controlplane.observe import ScrapeSource
+
+    target = _target("decode-0")
+
+    class Listed:
+        stale = False
+
+        async def targets(self) -> list[Target]:
+            return [target]
+
+    class Broken(Scraper):
+        def __init__(self) -> None:
+            self.health = {}
+
+        async def scrape(self, targets: list[Target], now: float) -> list[ScrapeResult]:
+            body = "".join(f'vllm:num_requests_running{{engine="{i}"}} 1x\n' for i in range(500))
+            return [ScrapeResult(target, now, ok=True, body=body)]
+
+    obs = await ScrapeSource(Listed(), Broken()).observe(0.0)
+    assert obs.errors[target.key].startswith("500 malformed line(s)")
+    assert obs.parse_error_counts == {target.key: 500} and len(obs.parse_errors[target.key]) == 20
+
+
 async def test_a_query_prometheus_did_not_answer_leaves_its_signal_unfit_in_the_pools_it_covers() -> None:
     class OneRefused:
         url = "http://prometheus:9090"
