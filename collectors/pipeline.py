@@ -100,6 +100,16 @@ class SignalDeriver:
                     pod_deltas.append(d)
                     pool_deltas[(t.pool, t.source)].append(d)
                     pool_pods[(t.pool, t.source)].add(t.key)
+            # An entity the target reported within a series' life and lacks now (a data-parallel rank missing from its
+            # pod's exposition, a GPU gone from DCGM's) is kept as the baseline it comes back to, and the sums it is
+            # missing from said to be partial: dropped, the pool's rate read half, nothing said so, and its return
+            # had no rate either.
+            absent = sorted(k for k in self._prev if k[0] == t.key and k not in seen
+                            and res.ts - self._prev[k][0] <= families.STALE_S)
+            if absent:
+                seen.update(absent)
+                out.missing_families.setdefault(t.key, []).append(
+                    f"the series of {', '.join(e for _, e in absent)}, which it reported before")
             if len(pod_deltas) > 1:
                 pod = pod_subject(t.pool, t.pod)
                 out.signals.extend(source.signals(families.merge_all(pod_deltas), res.ts, pod))

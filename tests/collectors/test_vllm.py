@@ -297,6 +297,33 @@ def test_a_series_missing_from_one_scrape_is_diffed_against_its_last_value_when_
     assert rate == pytest.approx((150 + 300) / 15)
 
 
+def test_a_rank_missing_from_a_pods_exposition_is_named_and_diffed_on_its_return() -> None:
+    """A data-parallel rank absent from a scrape its pod answered: the pool's rate read half with nothing saying so, and
+    the rank's baseline was dropped, so its return had no rate either."""
+    from controlplane.observe import Observation
+
+    def body(n: float, ranks: tuple[str, ...] = ("0", "1")) -> str:
+        return "".join(f'vllm:request_success_total{{engine="{r}",finished_reason="stop",{MODEL}}} {n}\n'
+                       for r in ranks)
+
+    d = SignalDeriver()
+
+    def step(ts: float, text: str) -> tuple[dict[tuple[str, str], float], dict[str, dict[str, str]]]:
+        res = _result(text, ts)
+        out = d.derive([res], ts)
+        obs = Observation(out.signals, [res], {}, {}, out.parse_errors, out.missing_families)
+        return {(s.subject, s.name): s.value for s in out.signals}, obs.unfit_inputs(["prefill"])
+
+    step(0.0, body(0))
+    sig, _ = step(15.0, body(150))
+    assert sig[("pool/prefill", "request_rate")] == pytest.approx(20.0)
+    sig, unfit = step(30.0, body(300, ranks=("0",)))
+    assert "the series of 1, which it reported before" in unfit["prefill"]["vllm"]
+    sig, _ = step(45.0, body(450))
+    assert sig[("engine/prefill/p0/1", "request_rate")] == pytest.approx(10.0)  # 300 over the 30 s since it was read
+    assert sig[("pool/prefill", "request_rate")] == pytest.approx(20.0)
+
+
 def test_a_histogram_whose_bucket_line_was_dropped_is_no_baseline_for_the_next_scrape() -> None:
     """The clean scrape after one with a bucket line dropped diffed over the bounds both had: every request took 0.3 s,
     and its p95 read 0.725 s, half of them over a 0.5 s objective."""
