@@ -125,8 +125,19 @@ class SignalDeriver:
             # Engines (one per data-parallel rank) and the pods they run in: the workload counts pods.
             out.signals.append(Signal(ts, subject, "engines_reporting", float(len(deltas))))
             out.signals.append(Signal(ts, subject, "pods_reporting", float(len(pool_pods[(pool, source_name)]))))
-            source, merged = sources.get(source_name), families.merge_rates(deltas)
+            source, merged = sources.get(source_name), families.merge_rates(_common_histograms(deltas))
             out.signals.extend(source.signals(merged, ts, subject))
             if (objectives := self._objectives.get(pool)) is not None and source.objective_signals is not None:
                 out.signals.extend(source.objective_signals(merged, ts, subject, objectives))
         return out
+
+
+def _common_histograms(deltas: list[families.Delta]) -> list[families.Delta]:
+    """The deltas with only the histograms all of them have: one that some engines lack (an older vLLM's mid-upgrade:
+    no per-request TPOT) merged from the others would be the pool's from part of it, its p95 read off the upgraded
+    engines alone; left out, the pool reads what every engine has (TPOT from the inter-token latency)."""
+    common = set.intersection(*(set(d.histograms) for d in deltas))
+    if all(len(d.histograms) == len(common) for d in deltas):
+        return deltas
+    return [families.Delta(d.seconds, d.increases, {k: h for k, h in d.histograms.items() if k in common}, d.gauges)
+            for d in deltas]

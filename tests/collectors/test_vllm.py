@@ -324,6 +324,32 @@ def test_a_rank_missing_from_a_pods_exposition_is_named_and_diffed_on_its_return
     assert sig[("pool/prefill", "request_rate")] == pytest.approx(20.0)
 
 
+def test_a_pool_mid_upgrade_reads_tpot_from_what_every_engine_has() -> None:
+    """An older engine has no per-request TPOT, only the inter-token latency: the pool's TPOT was the upgraded
+    engines' alone, every request within the objective, where half of them, the older engine's, were not."""
+    a, b = Target("http://a", "prefill", "a"), Target("http://b", "prefill", "b")
+
+    def hist(name: str, n: int, value: float) -> str:
+        lines = [f'{name}_bucket{{engine="0",{MODEL},le="{le}"}} {n if value <= le else 0}' for le in (0.05, 0.1, 0.5)]
+        return "\n".join([*lines, f'{name}_bucket{{engine="0",{MODEL},le="+Inf"}} {n}',
+                          f'{name}_sum{{engine="0",{MODEL}}} {n * value}', f'{name}_count{{engine="0",{MODEL}}} {n}'])
+
+    def older(n: int) -> str:
+        return finished(n) + hist("vllm:time_per_output_token_seconds", n, 0.2) + "\n"
+
+    def newer(n: int) -> str:
+        return (finished(n) + hist("vllm:inter_token_latency_seconds", n, 0.02) + "\n"
+                + hist("vllm:request_time_per_output_token_seconds", n, 0.02) + "\n")
+
+    d = SignalDeriver({"prefill": Objectives(tpot=0.1)})
+    d.derive([ScrapeResult(a, 0.0, ok=True, body=older(0)), ScrapeResult(b, 0.0, ok=True, body=newer(0))], 0.0)
+    out = d.derive([ScrapeResult(a, 15.0, ok=True, body=older(150)), ScrapeResult(b, 15.0, ok=True, body=newer(150))],
+                   15.0)
+    sig = {(s.subject, s.name): s.value for s in out.signals if s.subject == "pool/prefill"}
+    assert sig[("pool/prefill", "tpot_per_request")] == 0.0  # the inter-token latency, which both have
+    assert sig[("pool/prefill", "tpot_over_slo")] == pytest.approx(0.5)
+
+
 def test_a_histogram_whose_bucket_line_was_dropped_is_no_baseline_for_the_next_scrape() -> None:
     """The clean scrape after one with a bucket line dropped diffed over the bounds both had: every request took 0.3 s,
     and its p95 read 0.725 s, half of them over a 0.5 s objective."""
