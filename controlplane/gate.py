@@ -623,8 +623,10 @@ class GateBook:
     restarted) catches up on the steps since from the store. Without it, each process starts its own.
     A failed gate asked again after a silence (`rerun_after`) is a new run of the same revision: `kubectl
     argo rollouts retry` after the abort keeps the pod-template hash, so the same gate, and Argo's
-    analysis stops asking at a fail. Any other verdict stays the answer (a marginal one is asked on
-    until the analysis' count, a pass promotes), as it does for Flagger's hooks (`reruns`).
+    analysis stops asking at a fail. So is a run that neither failed nor passed (an analysis that ended
+    Inconclusive pauses the rollout, and is retried), where the replica asked holds it, and, with no
+    other replica, one not yet decided. A pass stays the answer (it promoted), as every verdict does for
+    Flagger's hooks (`reruns`).
     Sessions idle for twice the window are forgotten.
     """
 
@@ -715,7 +717,8 @@ class GateBook:
         that never held it (a new one, one restarted) joins this run, however old its start, instead of taking it
         for an earlier rollout's."""
         claim = self._claim
-        if claim is None or now - session.marked_at < session.settings.max_window / 2:
+        # Often enough for a silence of `rerun_after` to tell a retry: every replica marks it at least twice that long.
+        if claim is None or now - session.marked_at < min(session.settings.max_window, rerun_after(session.settings)) / 2:
             return
         session.marked_at = now
 
@@ -766,17 +769,22 @@ class GateBook:
                      reruns: bool) -> float:
         """Where this consultation's run of the gate starts: the held session's while it is asked and not failed, else
         the one every replica claimed; now for a new run (none yet, an earlier rollout's under the same key, a retry:
-        a failed gate asked after a silence)."""
+        a fail asked again after a silence, or a held run that did not pass)."""
         rerun = rerun_after(s)
         answered = 0.0  # when this replica last answered the held run's fail
+        seen = 0.0  # when this replica was last asked about the held run
         if entry is not None:
             session, seen = entry
             failed = session.verdict is not None and session.verdict.outcome is Outcome.FAIL
-            if not reruns or not (failed or now - seen > rerun):  # asked all along, and not failed: the run goes on
+            passed = session.verdict is not None and session.verdict.outcome is Outcome.PASS
+            # Asked all along, and not failed: the run goes on; a pass stays the answer (it promoted).
+            if not reruns or passed or not (failed or now - seen > rerun):
                 return session.start
             answered = session.answered_at if failed and session.answered_at is not None else 0.0
             if self._claim is None:
-                return now if failed and now - answered > rerun else session.start
+                # A retry after an Inconclusive analysis (too little traffic), or of a pass a person aborted, was
+                # answered the old run's verdict, on the old pods' data, for good.
+                return now if (now - answered > rerun if failed else now - seen > rerun) else session.start
         elif self._claim is None:
             return now
         try:
@@ -792,6 +800,13 @@ class GateBook:
             failed_at = max((await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0], answered)
             if failed_at > start and now - failed_at > rerun and reruns:
                 start = (await self._claim(f"gate-start:{key.id}", now, failed_at + 1e-3))[0]
+            elif reruns and entry is not None and entry[0].verdict is not None and failed_at <= start < now - rerun:
+                # The held run, decided neither failed nor passed (an Inconclusive end), asked after a silence by every
+                # replica (each marks it asked at least every half `rerun_after`): a retry, a new run as after a fail.
+                # (A run this replica holds undecided may have been decided by another since: it is joined.)
+                asked = max((await self._claim(f"gate-asked:{key.id}", 0.0, -1.0))[0], seen)
+                if now - asked > rerun:
+                    start = (await self._claim(f"gate-start:{key.id}", now, start + 1e-3))[0]
         except FleetError as exc:
             if entry is None:
                 raise

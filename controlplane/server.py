@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import tornado.httpserver
@@ -29,10 +30,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from catalog.redaction import env_secret
 from controlplane.errors import ActionConflict, ActionNotFound, FleetError, GateError, GateInputError
-from controlplane.gate import GateBook, GateKey, StoreGateSource
+from controlplane.gate import ArmSelector, GateBook, GateKey, StoreGateSource
 from controlplane.loop import ControlLoop
 from controlplane.store.records import MAX_ID, MAX_NAME
-from policies.canary import GateSettings, Outcome, Verdict
+from policies.canary import GateSettings, MetricRule, Outcome, Verdict
 
 __all__ = ["GATE_TOKEN_ENV", "TOKEN_ENV", "start_server", "store_gates"]
 
@@ -295,10 +296,16 @@ def store_gates(loop: ControlLoop) -> GateBook:
     """The gates the API runs by default: read from the loop's store, judged by the fleet file's gate rules (those
     the loop's own canary judge applies), each verdict recorded once however many replicas serve the API."""
     roles = {p.name: str(p.role) for p in loop.config.pools}
-    return GateBook(lambda pool, base, can, rules: StoreGateSource(loop.store, pool, base, can, rules,
-                                                                   role=roles.get(pool),
-                                                                   scrape_interval=loop.config.scrape.interval),
-                    loop.config.policies.canary_regression.gate, record=loop.store.record_verdict,
+
+    def source(pool: str, base: ArmSelector, can: ArmSelector, rules: Sequence[MetricRule]) -> StoreGateSource:
+        # A pool the fleet file lacks (a Rollout's name given for it) has no data: refused at once, as `fleetctl gate
+        # --fleet` refuses it, not read as "no data" until the window ends inconclusive and the rollout pauses.
+        if pool not in roles:
+            raise GateInputError(f"pool {pool!r} is not in the fleet file (it has {', '.join(sorted(roles))})")
+        return StoreGateSource(loop.store, pool, base, can, rules, role=roles[pool],
+                               scrape_interval=loop.config.scrape.interval)
+
+    return GateBook(source, loop.config.policies.canary_regression.gate, record=loop.store.record_verdict,
                     claim=loop.store.claim, scrape_interval=loop.config.scrape.interval)
 
 

@@ -617,6 +617,41 @@ async def test_a_retried_rollout_of_the_same_revision_is_judged_afresh(replicas:
     assert (await ask()).outcome is Outcome.PASS and len(recorded) == 2
 
 
+class ServesFrom:
+    """The canary gets no traffic until `served_from`, then serves as fast as the baseline."""
+
+    settle = 0.0
+
+    def __init__(self, served_from: float) -> None:
+        self.served_from = served_from
+
+    async def interval(self, start: float, end: float) -> Interval:
+        k = round(start / 30)
+        canary = {"tpot": Dist(100.0, 1.0 + 0.01 * ((k * 7) % 5 - 2))} if start >= self.served_from else {}
+        return Interval(start, end, {"tpot": Dist(100.0, 1.0)}, canary)
+
+
+@pytest.mark.parametrize("claim", [False, True])
+async def test_a_retry_after_an_inconclusive_analysis_is_judged_afresh(claim: bool) -> None:
+    """An analysis that ended Inconclusive (no traffic reached the canary) pauses the rollout; retried, same revision,
+    the gate answered the old run's decided inconclusive at every measurement, whatever the canary then did."""
+    store = MemoryStore()
+    settings = GateSettings(metrics=(MetricRule(name="tpot", critical=True),), max_window=1800)
+    book = GateBook(lambda *_: ServesFrom(3000.0), settings, claim=store.claim if claim else None)
+    key = GateKey("decode", "pod=~decode-aaa-.*", "pod=~decode-bbb-.*", "bbb")
+    t = 0.0
+    while not (v := await book.consult(key, t)).decided:
+        t += 30
+    assert v.outcome is Outcome.INCONCLUSIVE
+    t += 600  # paused; a person retries ten minutes later, and traffic now reaches the canary
+    retried = t
+    answers = []
+    for _ in range(61):
+        answers.append(await book.consult(key, t))
+        t += 30
+    assert answers[0].started_at == retried and any(a.outcome is Outcome.PASS for a in answers)
+
+
 async def test_a_retry_is_told_from_the_same_run_though_the_store_refused_to_mark_the_fail() -> None:
     store = MemoryStore()
     refused: list[str] = []
@@ -790,6 +825,20 @@ def test_the_api_judges_with_the_fleet_files_gate_rules() -> None:
     assert book.settings == cfg.policies.canary_regression.gate
     assert (book.settings.step, book.settings.max_window, book.settings.metrics[0].allowed) == (45.0, 1200.0, 0.02)
     assert book._interval == cfg.scrape.interval == 15.0  # a step override is checked against it
+
+
+async def test_the_api_refuses_a_pool_the_fleet_file_lacks_at_the_first_consultation() -> None:
+    """Read as no data, the Rollout's name given for the pool was answered inconclusive for the whole window, and the
+    rollout paused; `fleetctl gate --fleet` refuses it at once."""
+    from types import SimpleNamespace
+
+    from controlplane.config import parse_config
+    from controlplane.server import store_gates
+
+    cfg = parse_config("pools: [{name: decode, role: decode, model: m, replicas: {min: 1, max: 2}}]\n")
+    book = store_gates(cast(ControlLoop, SimpleNamespace(config=cfg, store=MemoryStore())))
+    with pytest.raises(GateInputError, match="pool 'decode-rollout' is not in the fleet file"):
+        await book.consult(GateKey("decode-rollout", "pod=~decode-rollout-aaa-.*", "pod=~decode-rollout-bbb-.*"), 0.0)
 
 
 async def test_a_gate_whose_step_is_shorter_than_the_scrape_interval_is_refused_from_any_settings() -> None:
