@@ -46,6 +46,7 @@ class MemoryStore:
         self.events: list[ActionEvent] = []
         self.verdicts: list[NewVerdict] = []
         self._verdicts_recorded = 0  # ids are never given twice, as the database's are not, whatever expired
+        self._verdict_ids: dict[tuple[str, str, str, str, float, float], int] = {}  # per gate run
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
         self.claims: dict[str, float] = {}
@@ -95,6 +96,7 @@ class MemoryStore:
             del self.findings[finding_id]
         verdicts = len(self.verdicts)
         self.verdicts = [v for v in self.verdicts if v.finished_at >= until]
+        self._verdict_ids = {run: i for run, i in self._verdict_ids.items() if run[5] >= until}
         advice = [r.id for r in self.advice_rows.values() if r.state not in KEPT_ADVICE and r.updated_at < until]
         for advice_id in advice:
             del self.advice_rows[advice_id]
@@ -105,8 +107,11 @@ class MemoryStore:
                 + len(advice) + len(claims))
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
+        if (kept := self._verdict_ids.get(_run(verdict))) is not None:  # once per run, as the database keeps them
+            return kept
         self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))
         self._verdicts_recorded += 1
+        self._verdict_ids[_run(verdict)] = self._verdicts_recorded
         return self._verdicts_recorded
 
     async def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
@@ -263,3 +268,8 @@ class MemoryStore:
 
     async def audit_log(self, action_id: int) -> list[ActionEvent]:
         return self.action_events(action_id)
+
+
+def _run(v: NewVerdict) -> tuple[str, str, str, str, float, float]:
+    """What a verdict is the verdict of: the store keeps one per gate run."""
+    return v.gate, v.pool, v.baseline, v.canary, v.started_at, v.finished_at

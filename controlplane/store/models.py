@@ -202,7 +202,10 @@ class VerdictRow(Base):
     score: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
-    __table_args__ = (Index(None, "pool", "finished_at"),)
+    # One row per gate run: a verdict written again after a commit whose answer was lost is the same row.
+    __table_args__ = (Index(None, "pool", "finished_at"),
+                      Index("uq_verdicts_run", "gate", "pool", "baseline", "canary", "started_at", "finished_at",
+                            unique=True))
 
 
 class AdviceRow(Base):

@@ -374,14 +374,23 @@ class SqlStore(metaclass=_Translating):
     # the kill switch ---------------------------------------------------------------------------
 
     def record_verdict(self, verdict: NewVerdict) -> int:
-        """Keep a canary gate's verdict; returns its id."""
+        """Keep a canary gate's verdict, once per run (a write again after a commit whose answer was lost is the row
+        kept); returns its id."""
+        run = {"gate": verdict.gate, "pool": verdict.pool, "baseline": verdict.baseline, "canary": verdict.canary,
+               "started_at": verdict.started_at, "finished_at": verdict.finished_at}
         with self._write() as s:
-            row = VerdictRow(gate=verdict.gate, pool=verdict.pool, baseline=verdict.baseline, canary=verdict.canary,
-                             started_at=verdict.started_at, finished_at=verdict.finished_at, result=verdict.result,
-                             score=verdict.score, details=jsonable(verdict.details))
-            s.add(row)
-            s.flush()
-            return row.id
+            if self._insert is None:  # no dialect of our own: a plain insert, which the index refuses twice
+                row = VerdictRow(**run, result=verdict.result, score=verdict.score, details=jsonable(verdict.details))
+                s.add(row)
+                s.flush()
+                return row.id
+            made = s.scalar(self._insert(VerdictRow).values(**run, result=verdict.result, score=verdict.score,
+                                                            details=jsonable(verdict.details))
+                            .on_conflict_do_nothing().returning(VerdictRow.id))  # type: ignore[attr-defined]
+            if made is not None:
+                return int(made)
+            return int(s.scalar(select(VerdictRow.id).where(*(getattr(VerdictRow, k) == v for k, v in run.items())))
+                       or 0)
 
     # advice ------------------------------------------------------------------------------------
 

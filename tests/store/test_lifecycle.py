@@ -115,6 +115,9 @@ async def test_verdicts_are_kept_with_their_explanations(any_store: Store) -> No
     first = await any_store.record_verdict(NewVerdict("ci", "decode", "pod=a", "pod=b", 10.0, 70.0, "fail", 0.0, details))
     second = await any_store.record_verdict(NewVerdict("ci", "decode", "pod=a", "pod=c", 80.0, 90.0, "pass", 100.0, {}))
     assert second > first >= 1
+    # Written again (its commit's answer lost): one row per gate run, the memory double as the database.
+    again = await any_store.record_verdict(NewVerdict("ci", "decode", "pod=a", "pod=c", 80.0, 90.0, "pass", 100.0, {}))
+    assert again == second
     if isinstance(any_store, ThreadedStore):
         from controlplane.store.queries import ReadStore
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import event, insert, inspect, select, update
+from sqlalchemy import event, insert, inspect, select, text, update
 
 from collectors.types import Signal
 from controlplane.actions import ActionState as S
@@ -79,6 +79,33 @@ def test_a_store_url_is_printed_without_its_passwords() -> None:
     assert redact("postgresql://fleet:pw@db/fleet?password=s3&sslpassword=k3y&sslmode=require") == (
         "postgresql://fleet:***@db/fleet?password=***&sslmode=require&sslpassword=***")
     assert redact("sqlite:///fleet.db") == "sqlite:///fleet.db"
+
+
+def test_a_verdict_written_again_after_a_lost_commit_is_kept_once(db_url: str) -> None:
+    """The commit landed and its answer was lost (the store said unavailable): the loop and the gate keep the verdict
+    and write it again, and the Canary page showed it twice. Rows doubled so before the index are left one."""
+    from dataclasses import replace
+
+    migrate.upgrade(db_url, "0006")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            for _ in range(2):  # doubled before the index
+                conn.execute(text("INSERT INTO verdicts (gate, pool, baseline, canary, started_at, finished_at, result, "
+                                  "details) VALUES ('api', 'decode', 'a', 'b', 10.0, 70.0, 'fail', '{}')"))
+    finally:
+        engine.dispose()
+    migrate.upgrade(db_url)
+    store = SqlStore.open(db_url)
+    try:
+        verdict = NewVerdict("api", "decode", "a", "c", 80.0, 140.0, "pass", 1.0, {})
+        first = store.record_verdict(verdict)
+        assert store.record_verdict(verdict) == first  # written again: the row kept
+        assert store.record_verdict(replace(verdict, finished_at=150.0)) != first  # another run's
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SELECT COUNT(*) FROM verdicts")).scalar() == 3
+    finally:
+        store.close()
 
 
 def test_models_match_the_migrations(store: SqlStore) -> None:
