@@ -18,17 +18,23 @@ depends_on = None
 
 # The states a store of revision 0002 treats as active (controlplane.actions.ACTIVE_STATES then).
 ACTIVE = "state IN ('approved', 'proposed', 'started')"
+# How far along an active action is: of a pool's and kind's duplicates, the furthest stays.
+_RANK = "CASE {t}.state WHEN 'started' THEN 3 WHEN 'approved' THEN 2 ELSE 1 END"
 
 
 def upgrade() -> None:
     with op.batch_alter_table('actions') as batch:
         batch.add_column(sa.Column('actuator', sa.String(length=32), nullable=True))
         batch.add_column(sa.Column('dry_run', sa.Boolean(), server_default=sa.false(), nullable=False))
-    # Before the database enforces one active action per pool and kind, older duplicates expire:
-    # the newest of each pool and kind stays as it was.
+    # Before the database enforces one active action per pool and kind, the others expire: of each pool's and kind's
+    # the furthest along stays as it was, the newest of those. A change in progress (started) must stay started: its
+    # take-over and its outcome look for it there, and a started action does not expire.
+    a, b = _RANK.format(t="a"), _RANK.format(t="b")
     op.execute(sa.text(
-        "UPDATE actions SET state = 'expired' WHERE " + ACTIVE + " AND id NOT IN "
-        "(SELECT max(id) FROM actions WHERE " + ACTIVE + " GROUP BY pool, kind)"
+        "UPDATE actions SET state = 'expired' WHERE " + ACTIVE + " AND id NOT IN (SELECT keep FROM (SELECT a.id AS keep "
+        "FROM actions a WHERE a." + ACTIVE + " AND NOT EXISTS (SELECT 1 FROM actions b WHERE b." + ACTIVE +
+        " AND b.pool = a.pool AND b.kind = a.kind AND (" + b + " > " + a + " OR (" + b + " = " + a +
+        " AND b.id > a.id)))) AS kept)"
     ))
     op.create_index('uq_actions_active_pool_kind', 'actions', ['pool', 'kind'], unique=True,
                     sqlite_where=sa.text(ACTIVE), postgresql_where=sa.text(ACTIVE))

@@ -81,6 +81,25 @@ def test_a_store_url_is_printed_without_its_passwords() -> None:
     assert redact("sqlite:///fleet.db") == "sqlite:///fleet.db"
 
 
+def test_the_lifecycle_migration_keeps_a_change_in_progress_started(db_url: str) -> None:
+    """Of a pool's and kind's active actions, the newest stayed and the others expired: a started scale, with a newer
+    proposal beside it, was expired, a move the lifecycle forbids, and never taken over or judged."""
+    migrate.upgrade(db_url, "0001")
+    engine = make_engine(db_url)
+    rows = [("decode", "started"), ("decode", "proposed"), ("prefill", "proposed"), ("prefill", "proposed")]
+    try:
+        with engine.begin() as conn:
+            for pool, state in rows:
+                conn.execute(text("INSERT INTO actions (kind, pool, params, mode, state, reason, created_at) VALUES "
+                                  f"('scale_pool', '{pool}', '{{}}', 'act', '{state}', 'r', 1.0)"))
+        migrate.upgrade(db_url)
+        with engine.connect() as conn:
+            states = [r[0] for r in conn.execute(text("SELECT state FROM actions ORDER BY id"))]
+    finally:
+        engine.dispose()
+    assert states == ["started", "expired", "expired", "proposed"]
+
+
 def test_a_verdict_written_again_after_a_lost_commit_is_kept_once(db_url: str) -> None:
     """The commit landed and its answer was lost (the store said unavailable): the loop and the gate keep the verdict
     and write it again, and the Canary page showed it twice. Rows doubled so before the index are left one."""
