@@ -179,15 +179,29 @@ class LeaseLeadership:
         body = {"metadata": {"resourceVersion": self._version},
                 "spec": {"holderIdentity": None, "renewTime": _micro_time(self.wall())}}
         self._renewed = None
-        try:
-            await self._call(self._api.patch_namespaced_lease, s.name, s.namespace, body)
-        except ApiException as exc:
-            if exc.status == 409:
+        for attempt in (1, 2):
+            try:
+                await self._call(self._api.patch_namespaced_lease, s.name, s.namespace, body)
+                return
+            except ApiException as exc:
+                if exc.status != 409:
+                    log.warning("could not release the lease %s/%s: %s", s.namespace, s.name, api_message(exc))
+                    return
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                log.warning("could not release the lease %s/%s: %s", s.namespace, s.name, exc)
+                return
+            # Changed since our last write: by a renewal of ours whose answer was lost (a timeout), the Lease still
+            # ours, or by another replica. Read again: still ours, it is released on the version read (which the
+            # write is conditional on); another's, it is left alone.
+            try:
+                current = await self._call(self._api.read_namespaced_lease, s.name, s.namespace)
+            except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+                log.warning("could not read the lease %s/%s again to release it: %s", s.namespace, s.name, exc)
+                return
+            if attempt == 2 or (current.get("spec") or {}).get("holderIdentity") != self.identity:
                 log.info("the lease %s/%s changed since our last renewal: not released", s.namespace, s.name)
-            else:
-                log.warning("could not release the lease %s/%s: %s", s.namespace, s.name, api_message(exc))
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            log.warning("could not release the lease %s/%s: %s", s.namespace, s.name, exc)
+                return
+            body["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
         raw = await asyncio.to_thread(fn, *args, _request_timeout=self._timeout, _preload_content=False)

@@ -268,7 +268,17 @@ async def _contend(leader: Leadership, stop: asyncio.Event) -> None:
     """Keep taking or renewing leadership every retry period, beside the loop."""
     while not stop.is_set():
         await _sleep_or_stop(stop, leader.retry_period)
-        await leader.contend()
+        if stop.is_set():  # no renewal or take-over begun after the stop: the release follows
+            break
+        # The Lease write runs on in its thread when this task is cancelled at the stop: waited for, so that the
+        # release after it is made on the version it left, or releases the take-over it made.
+        call = asyncio.ensure_future(leader.contend())
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await call
+            raise
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

@@ -222,3 +222,72 @@ async def test_a_release_held_up_in_flight_does_not_free_the_lease_of_the_next_h
     await releasing
     assert lease(server)["spec"]["holderIdentity"] == "b"
     assert await c.contend() is False, "one leader at a time"
+
+
+async def test_a_release_after_a_renewal_whose_answer_was_lost_hands_the_lease_over(server: ApiServer,
+                                                                                   api: client.ApiClient) -> None:
+    """The renewal was stored and its answer lost to the timeout: the release, on the version before it, was refused
+    (409) and the Lease stayed with the stopped leader until its duration ran out."""
+    ca, cb = Clock(), Clock(5000.0)
+    a = LeaseLeadership(api, SETTINGS, clock=ca, wall=lambda: 1_796_117_400.0, name="a", timeout=1.0)
+    b = candidate(api, "b", cb)
+    assert await a.contend() is True and await b.contend() is False
+    server.slow("PATCH", "/leases/fleet-controlplane", 2.0, stored=True)
+    ca.t += 2
+    assert await a.contend() is True  # one renewal failed: it still leads
+    await a.release()
+    await asyncio.sleep(1.2)  # the held-up answer goes out
+    assert not lease(server)["spec"].get("holderIdentity")
+    assert await b.contend() is True
+
+
+def _serving_config() -> Any:
+    from controlplane.config import parse_config
+    from controlplane.lab.engine import free_port
+
+    return parse_config(f"mode: act\nscrape: {{interval: 1s, timeout: 500ms, spread: 100ms}}\n"
+                        f"server: {{port: {free_port()}}}\n"
+                        "pools: [{name: prefill, role: prefill, model: m, replicas: {min: 1, max: 8}}]\n")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # sockets of calls left mid-flight
+async def test_a_stop_during_a_take_over_leaves_the_lease_to_no_stopped_replica(server: ApiServer,
+                                                                                api: client.ApiClient,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while a take-over was in flight cancelled the task, not the write in its thread: the write landed after
+    the release, and the next replica waited out the lease of one that had stopped (a rolling update's)."""
+    import httpx
+
+    from controlplane.runtime import Acting, _serve
+    from controlplane.store.memory import MemoryStore
+
+    fast = LeaderElection(namespace=NS, lease_duration=15, renew_deadline=10, retry_period=0.3)
+    x, b, c = (LeaseLeadership(api, fast, name=n, timeout=2.0) for n in "xbc")
+    assert await x.contend() is True and await c.contend() is False
+    sent, deliver = threading.Event(), threading.Event()
+    patch = b._api.patch_namespaced_lease
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # b's take-over waits in flight until delivered
+        if args[2]["spec"].get("holderIdentity") == "b":
+            sent.set()
+            deliver.wait(10)
+        return patch(*args, **kwargs)
+
+    monkeypatch.setattr(b._api, "patch_namespaced_lease", held)
+    stop = asyncio.Event()
+    async with httpx.AsyncClient() as http:
+        serving = asyncio.create_task(_serve(_serving_config(), MemoryStore(), http, None, Acting(leadership=b), stop,
+                                             False, None))
+        for _ in range(100):
+            if b._observed is not None:
+                break
+            await asyncio.sleep(0.05)
+        await x.release()
+        await asyncio.to_thread(sent.wait, 5)
+        stop.set()
+        await asyncio.wait({serving}, timeout=1.0)
+        deliver.set()
+        await asyncio.wait_for(serving, 10)
+        await asyncio.sleep(0.5)
+    assert lease(server)["spec"].get("holderIdentity") != "b"
+    assert await c.contend() is True
