@@ -108,6 +108,7 @@ class TickReport:
 # the hour's budget again), or nothing would undo the change: the policy's own proposal is held as tried.
 REVERT_WAITS = WAIT_REASONS | {RailsReason.RATE_LIMITED}
 
+
 class ControlLoop:
     """Connects a metric source, the store, the policies and an actuator."""
 
@@ -1152,9 +1153,10 @@ class ControlLoop:
         can come long after the proposal) against the state after it, from points after `start` only (a signal that
         stopped is no recovery)."""
         p = action.params
-        started = next((e.detail for e in reversed(log_) if e.event == "taken_over" and "redo" in e.detail), None)
-        started = started or next((e.detail for e in log_ if e.event == "started"), {})
-        before = started.get("verify_before", p.get("verify_before"))
+        # Where it began: its redo at a take-over, else its start.
+        began = next((e.detail for e in reversed(log_) if e.event == "taken_over" and "redo" in e.detail), None)
+        began = began or next((e.detail for e in log_ if e.event == "started"), {})
+        before = began.get("verify_before", p.get("verify_before"))
         after = self._recent_mean(action.pool, p.get("verify_signal"),
                                   since=None if start is None else math.nextafter(start, math.inf), until=until)
         finding = await self.store.finding(action.finding_id) if action.finding_id else None
