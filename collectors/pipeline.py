@@ -45,6 +45,9 @@ class SignalDeriver:
         pool_pods: dict[tuple[str, str], set[str]] = defaultdict(set)  # targets (pods) behind each pool's deltas
         pool_up: dict[str, list[float]] = defaultdict(list)
         seen: set[tuple[str, str]] = set()
+        held: dict[str, list[tuple[str, str]]] = defaultdict(list)  # per target, the entities read before
+        for slot in self._prev:
+            held[slot[0]].append(slot)
         for res in results:
             t = res.target
             if not res.late:  # a target the round had no time for is neither up nor down
@@ -53,7 +56,7 @@ class SignalDeriver:
             health = target_subject(t)
             if not res.ok:
                 # Keep the previous readings: the next good scrape spans the gap correctly.
-                seen.update(k for k in self._prev if k[0] == t.key)
+                seen.update(held[t.key])
                 continue
             source = sources.get(t.source)
             errors: list[ExpositionError] = []
@@ -104,8 +107,7 @@ class SignalDeriver:
             # pod's exposition, a GPU gone from DCGM's) is kept as the baseline it comes back to, and the sums it is
             # missing from said to be partial: dropped, the pool's rate read half, nothing said so, and its return
             # had no rate either.
-            absent = sorted(k for k in self._prev if k[0] == t.key and k not in seen
-                            and res.ts - self._prev[k][0] <= families.STALE_S)
+            absent = sorted(k for k in held[t.key] if k not in seen and res.ts - self._prev[k][0] <= families.STALE_S)
             if absent:
                 seen.update(absent)
                 out.missing_families.setdefault(t.key, []).append(
