@@ -46,6 +46,7 @@ class MemoryStore:
         self.events: list[ActionEvent] = []
         self.verdicts: list[NewVerdict] = []
         self._verdicts_recorded = 0  # ids are never given twice, as the database's are not, whatever expired
+        self._last_ids = {"advice": 0, "findings": 0, "actions": 0}  # nor are these, retention or not
         self._verdict_ids: dict[tuple[str, str, str, str, float, float], int] = {}  # per gate run
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
@@ -106,6 +107,12 @@ class MemoryStore:
         return (events - len(self.events) + len(gone) + len(findings) + verdicts - len(self.verdicts)
                 + len(advice) + len(claims))
 
+    def _next_id(self, table: str) -> int:
+        """The next id of `table`: one past the last given, whatever retention removed since (an old notice or link
+        to an id must not name another row)."""
+        self._last_ids[table] += 1
+        return self._last_ids[table]
+
     async def record_verdict(self, verdict: NewVerdict) -> int:
         if (kept := self._verdict_ids.get(_run(verdict))) is not None:  # once per run, as the database keeps them
             return kept
@@ -123,7 +130,7 @@ class MemoryStore:
             if row is not None and row.change != change:
                 self.advice_rows[row.id] = replace(row, state="superseded", updated_at=now)
                 row = None
-            rid = row.id if row is not None else max(self.advice_rows, default=0) + 1
+            rid = row.id if row is not None else self._next_id("advice")
             created = row.created_at if row is not None else now
             fresh = AdviceRecord(rid, item.kind, item.pool, item.act, item.advice, change, item.metric, item.before,
                                  item.predicted, item.saving_per_day, item.confidence, jsonable(item.evidence), "open",
@@ -175,7 +182,7 @@ class MemoryStore:
     async def open_finding(self, finding: NewFinding, now: float) -> FindingRecord:
         if any(f.kind == finding.kind and f.subject == finding.subject for f in await self.open_findings()):
             raise StoreConflict(f"open_finding: a {finding.kind} finding on {finding.subject} is open already")
-        row = FindingRecord(max(self.findings, default=0) + 1, finding.kind, finding.subject, "open", finding.severity,
+        row = FindingRecord(self._next_id("findings"), finding.kind, finding.subject, "open", finding.severity,
                             finding.summary, finding.cause, jsonable(finding.evidence), finding.runbook, now, now, None)
         self.findings[row.id] = row
         return row
@@ -202,7 +209,7 @@ class MemoryStore:
         if any(a.pool == action.pool and a.kind == action.kind and a.state in ACTIVE_STATES
                for a in self.action_rows.values()):
             raise StoreConflict(f"create_action: an active {action.kind} action on {action.pool} exists already")
-        row = ActionRecord(max(self.action_rows, default=0) + 1, action.finding_id, action.kind, action.pool,
+        row = ActionRecord(self._next_id("actions"), action.finding_id, action.kind, action.pool,
                            jsonable(action.params), action.mode, ActionState.PROPOSED, action.reason, now, None, None,
                            None)
         self.action_rows[row.id] = row

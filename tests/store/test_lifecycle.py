@@ -302,3 +302,16 @@ async def test_threaded_store_keeps_the_event_loop_free(sqlite_store: SqlStore) 
     release.set()
     assert await pending == []
     threaded._thread.shutdown(wait=True)
+
+
+async def test_the_memory_double_never_gives_an_id_twice_whatever_retention_removed() -> None:
+    """As the database's: an old notice or link naming action 1 must not come to name another."""
+    from controlplane.store.compaction import Retention
+
+    store = MemoryStore()
+    first = await store.create_action(scale(), 0.0)
+    await store.transition(first.id, S.PROPOSED, S.REJECTED, 1.0, {"by": "oncall"})
+    day = 86400.0
+    await store.compact(900 * day, Retention(raw_s=day, minute_s=day, hour_s=day, records_s=day))
+    assert await store.actions() == []
+    assert (await store.create_action(scale(), 900 * day)).id == first.id + 1
