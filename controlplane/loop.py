@@ -27,6 +27,7 @@ from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, 
 from controlplane.killswitch import KillSwitch, NeverPaused
 from controlplane.observe import MetricSource, Observation
 from controlplane.rails import (
+    REVERT_WAITS,
     WAIT_REASONS,
     RailsDecision,
     RailsReason,
@@ -102,11 +103,6 @@ class TickReport:
     plans: list[PoolPlan] = field(default_factory=list)  # what the sizer would set each pool to
     errors: dict[str, str] = field(default_factory=dict)
     duration_s: float = 0.0
-
-
-# What holds a revert only for now: it is recorded to wait, as an approval waits (the approved are not counted against
-# the hour's budget again), or nothing would undo the change: the policy's own proposal is held as tried.
-REVERT_WAITS = WAIT_REASONS | {RailsReason.RATE_LIMITED}
 
 
 class ControlLoop:

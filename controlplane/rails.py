@@ -39,8 +39,8 @@ from policies.types import (
     describe,
 )
 
-__all__ = ["DISRUPTIVE", "WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason", "check", "recheck",
-           "rests_on", "revert_of"]
+__all__ = ["DISRUPTIVE", "REVERT_WAITS", "WAIT_REASONS", "DueAction", "PastAction", "RailsDecision", "RailsReason",
+           "check", "recheck", "rests_on", "revert_of"]
 
 
 class RailsReason(StrEnum):
@@ -72,6 +72,9 @@ class RailsReason(StrEnum):
 WAIT_REASONS = frozenset({RailsReason.IN_FLIGHT, RailsReason.COOLDOWN, RailsReason.POOL_NOT_SETTLED,
                           RailsReason.PAUSED, RailsReason.ROLLOUT_IN_FLIGHT, RailsReason.STALE_INPUTS,
                           RailsReason.POOL_UNREADABLE})
+# What holds a revert only for now: it is recorded to wait, as an approval waits (the approved are not counted against
+# the hour's budget again), or nothing would undo the change: the policy's own proposal is held as tried.
+REVERT_WAITS = WAIT_REASONS | {RailsReason.RATE_LIMITED}
 
 # Kinds that change a pool's engine settings, which a revert puts back.
 _SETTINGS = frozenset({ActionKind.TUNE_SPECULATION, ActionKind.DISABLE_SPECULATION, ActionKind.ENABLE_EPLB,

@@ -1628,6 +1628,15 @@ async def test_a_cordon_evicts_no_new_pod_under_a_cordoned_ones_name(server: Api
     assert server.get(PODS, NS, "vllm-kv-1") is None and server.get(PODS, NS, "vllm-kv-2") is None
 
 
+def spread(server: ApiServer) -> None:
+    """The decode pool's engines a and b on gpu-node-1, c on gpu-node-2."""
+    server.put(DEPLOYMENTS, deployment())
+    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+    for name in ("vllm-decode-a", "vllm-decode-b"):
+        server.put(PODS, pod(name, node="gpu-node-1"))
+    server.put(PODS, pod("vllm-decode-c", node="gpu-node-2"))
+
+
 def packed(server: ApiServer, api: client.ApiClient) -> tuple[KubernetesActuator, Clock]:
     """The decode pool's three engines all on gpu-node-1, and an actuator on a clock of its own."""
     server.put(DEPLOYMENTS, deployment(replicas=3))
@@ -1818,11 +1827,7 @@ async def test_a_cordon_redone_after_a_take_over_keeps_a_routed_engine(server: A
 
 async def test_a_cordon_whose_eviction_fails_routes_its_engines_again(server: ApiServer,
                                                                      api: client.ApiClient) -> None:
-    server.put(DEPLOYMENTS, deployment())
-    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
-    for name in ("vllm-decode-a", "vllm-decode-b"):
-        server.put(PODS, pod(name, node="gpu-node-1"))
-    server.put(PODS, pod("vllm-decode-c", node="gpu-node-2"))  # the pool serves elsewhere too: both move at once
+    spread(server)  # the pool serves elsewhere too: both move at once
     clock = Clock()
     act = actuator(api, clock)
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0},
@@ -2099,11 +2104,7 @@ async def test_a_conflict_on_a_pod_patch_is_retried_once_then_routes_back_what_w
 
 async def test_a_conflict_during_a_cordons_unroutes_routes_the_others_back(server: ApiServer,
                                                                            api: client.ApiClient) -> None:
-    server.put(DEPLOYMENTS, deployment())
-    server.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
-    for name in ("vllm-decode-a", "vllm-decode-b"):
-        server.put(PODS, pod(name, node="gpu-node-1"))
-    server.put(PODS, pod("vllm-decode-c", node="gpu-node-2"))
+    spread(server)
     act = actuator(api, Clock())
     o = order(ActionKind.CORDON_NODE, Cordon("gpu-node-1"), busy={"vllm-decode-a": 0.0, "vllm-decode-b": 3.0})
     server.fail("PATCH", "/pods/vllm-decode-b", 409, "the object has been modified", times=2)

@@ -189,16 +189,6 @@ async def test_an_end_known_here_survives_a_store_blip_as_leadership_comes_back(
     assert next(e.detail for e in store.action_events(action.id) if e.event == "succeeded")["from"] == 3
 
 
-class TpotBy:
-    """TPOT 100 ms with 3 speculative tokens, 150 ms with fewer: the change makes it worse."""
-
-    def __init__(self, engines: Engines) -> None:
-        self.engines = engines
-
-    async def observe(self, now: float) -> Observation:
-        return Observation(signals=[Signal(now, "pool/chat", "tpot_p95", 0.10 if self.engines.tokens == 3 else 0.15)])
-
-
 class Quiet(Collapse):
     def evaluate(self, inp: PolicyInput) -> PolicyResult:
         return PolicyResult()
@@ -215,7 +205,7 @@ async def test_a_redone_change_is_judged_from_the_state_it_was_redone_from() -> 
     await store.transition(a.id, S.PROPOSED, S.APPROVED, clock.now(), {"by": "rails"}, approved_by="rails")
     await store.transition(a.id, S.APPROVED, S.STARTED, clock.now(), {"actuator": "fake", "verify_before": 0.2})
     clock.advance(40 * 60)  # no leader meanwhile, within proposal_ttl
-    loop = make_loop(store, engines, clock, policy=Quiet(), source=TpotBy(engines))  # type: ignore[arg-type]
+    loop = make_loop(store, engines, clock, policy=Quiet(), source=WorseOnceChanged(engines))
     await loop.start()
     assert engines.history == [1], "redone"
     await ticks(loop, clock, 4 * 7)
