@@ -782,8 +782,8 @@ class GateBook:
                 return session.start
             answered = session.answered_at if failed and session.answered_at is not None else 0.0
             if self._claim is None:
-                # A retry after an Inconclusive analysis (too little traffic), or of a pass a person aborted, was
-                # answered the old run's verdict, on the old pods' data, for good.
+                # A retry after an Inconclusive analysis (too little traffic) was answered the old run's verdict for
+                # good; a run not yet decided, asked after a silence, is a retry too (no other replica asks it).
                 return now if (now - answered > rerun if failed else now - seen > rerun) else session.start
         elif self._claim is None:
             return now
