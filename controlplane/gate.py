@@ -27,7 +27,7 @@ from collectors import families
 from collectors.exposition import ExpositionError, Parser
 from collectors.prometheus_api import PrometheusError, PrometheusSource, escape_regex, selector
 from collectors.scraper import Scraper
-from collectors.types import Signal, Target
+from collectors.types import Sample, Signal, Target
 from collectors.vllm import FAMILIES, read_engines
 from controlplane.actuators.base import TargetSource
 from controlplane.clock import Clock
@@ -191,6 +191,21 @@ class _TpotReading:
         return {"tpot": _UNREAD} if self._as is None else self._as
 
 
+# Every prometheus_client process exports it, vLLM's API server included: a new value is a new process in the pod.
+PROCESS_START = "process_start_time_seconds"
+
+
+def process_start(samples: Iterable[Sample]) -> float | None:
+    """When the scraped process started (seconds since the epoch), or None where it does not say."""
+    return next((s.value for s in samples if s.name == PROCESS_START and math.isfinite(s.value)), None)
+
+
+def restarted_since(before: float | None, now: float) -> bool:
+    """Whether a process start read as `now` is a later process than the one read as `before`."""
+    # The exposition rounds the start to about ten milliseconds; a whole second apart is another process.
+    return before is not None and now > before + 1.0
+
+
 class GateSource(Protocol):
     """Where a gate's numbers come from: both arms' observations over one step."""
 
@@ -227,6 +242,10 @@ class TargetsGateSource:
         self._parser = Parser()
         self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}  # (target, engine) -> its last reading
         self._answered: set[str] = set()  # canary targets that answered a scrape of this gate
+        # A canary target's process start as last read, kept while it is not listed: a crash-looping pod leaves its
+        # Service's routing (not Ready) between its restarts.
+        self._started: dict[str, float] = {}
+        self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
         self._stepped = False
         self._tpot = _TpotReading(self._names)
 
@@ -270,6 +289,10 @@ class TargetsGateSource:
                 samples = list(self._parser.parse(res.body, errors=errors))
                 if errors:
                     log.warning("%s: %d malformed exposition line(s), first: %s", res.target.url, len(errors), errors[0])
+                if arm == "canary" and (started := process_start(samples)) is not None:
+                    if restarted_since(self._started.get(res.target.key), started):
+                        self._restarted.append(res.target.pod)
+                    self._started[res.target.key] = started
                 for entity, reading in read_engines(samples).items():
                     prev = self._prev.get((res.target.key, entity))
                     self._prev[(res.target.key, entity)] = (res.ts, reading)
@@ -296,7 +319,8 @@ class TargetsGateSource:
         # one whose scrape failed in the deciding step would be left out for good.
         read_as = self._tpot.read_as(lambda: tpot_spelling(r for _, r in self._prev.values()) if all(seen.values()) else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
-        return Interval(start, end, dists["baseline"], dists["canary"])
+        restarted, self._restarted = tuple(self._restarted), []
+        return Interval(start, end, dists["baseline"], dists["canary"], restarted)
 
 
 class PromGateSource:
@@ -323,6 +347,8 @@ class PromGateSource:
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
         self._tpot = _TpotReading(self._names)
         self._served: set[tuple[str, str]] = set()  # the canary's vLLM targets (pod, instance) that served in this gate
+        self._started: dict[tuple[str, str], float] = {}  # each of them -> its process start as last read
+        self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
         self._sampled = False  # whether a step was seen to hold two samples of a baseline series
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
@@ -379,8 +405,8 @@ class PromGateSource:
 
     def _check_arms(self, start: float, end: float) -> None:
         """Refuse pods that both arms select (a baseline regex that also matches the canary's pods): the canary
-        would be diluted into its own baseline, and a regression read smaller than it is. And skip a step in which a
-        canary pod is down."""
+        would be diluted into its own baseline, and a regression read smaller than it is. Note the canary's pods
+        whose process restarted, and skip a step in which one is down."""
         window, pod, instance = _window(start, end), self._prom.labels.pod, self._prom.labels.instance
         by = ", ".join(dict.fromkeys((pod, instance)))  # one label where the fleet's pods are named by instance
         seen = [self._query(f"group by ({by}) (last_over_time(vllm:num_requests_running{sel}[{window}]))", end)
@@ -407,8 +433,14 @@ class PromGateSource:
         self._served.update((labels.get(pod, ""), i) for labels, _ in seen[1] if (i := labels.get(instance)))
         if not self._served:
             return
-        served = "|".join(escape_regex(i) for i in sorted({i for _, i in self._served}))
-        rows = self._query(f"up{selector([*self._prom.matchers, (instance, '=~', served)])} == 0", end)
+        instances = "|".join(escape_regex(i) for i in sorted({i for _, i in self._served}))
+        served = selector([*self._prom.matchers, (instance, "=~", instances)])
+        for labels, started in self._query(f"max by ({by}) ({PROCESS_START}{served})", end):
+            if (slot := (labels.get(pod, ""), labels.get(instance, ""))) in self._served and math.isfinite(started):
+                if restarted_since(self._started.get(slot), started):
+                    self._restarted.append(slot[0] or slot[1])
+                self._started[slot] = started
+        rows = self._query(f"up{served} == 0", end)
         if down := sorted({labels.get(pod) or labels.get(instance, "?") for labels, _ in rows
                            if (labels.get(pod, ""), labels.get(instance)) in self._served}):
             raise GateError(f"canary pod(s) {', '.join(down)} not answering Prometheus's scrapes")
@@ -422,7 +454,8 @@ class PromGateSource:
             can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end, read_as)
         except PrometheusError as exc:
             raise GateError(str(exc)) from None
-        return Interval(start, end, base, can)
+        restarted, self._restarted = tuple(self._restarted), []
+        return Interval(start, end, base, can, restarted)
 
 
 class SignalReader(Protocol):

@@ -28,6 +28,10 @@ Written here rather than taken from a library: `confseq` (quantile confidence se
 from C++ with Boost and ships no wheels for current Pythons, and `savvi` tests multinomial counts
 against known proportions (sample-ratio mismatch), not a shift between two arms, and pulls in cvxpy.
 
+A canary pod whose process restarted within the gate (a crash, an OOM kill: its requests in flight
+failed before vLLM counted them, and its counters began again) fails the gate at once, past
+`restarts_allowed`: no latency statistic sees a crash loop.
+
 The gate's verdict combines the metrics: a failed critical metric fails it at once; once every
 metric is decided, the share that passed is the score (a marginal metric counts half), judged
 against `pass_score` and `marginal_score` as Kayenta judges its score; a marginal metric keeps the
@@ -37,6 +41,7 @@ gate from passing, and a gate no metric failed is never worse than marginal.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -259,6 +264,7 @@ class GateSettings(Settings):
     max_window: Seconds = 1800.0  # the gate answers by then
     pass_score: float = Field(95.0, ge=0, le=100)
     marginal_score: float = Field(75.0, ge=0, le=100)
+    restarts_allowed: int = Field(0, ge=0)  # canary process restarts within the window before the gate fails
 
     @model_validator(mode="after")
     def _consistent(self) -> GateSettings:
@@ -295,6 +301,7 @@ class Interval:
     end: float
     baseline: Mapping[str, Dist]
     canary: Mapping[str, Dist]
+    restarted: tuple[str, ...] = ()  # the canary's pods whose process restarted in the step, once per restart
 
 
 @dataclass(frozen=True, slots=True)
@@ -495,10 +502,25 @@ def judge(intervals: Sequence[Interval], settings: GateSettings, *, final: bool 
     """The gate's verdict from every interval since the canary started; `final` when the window is over."""
     alpha = settings.alpha / len(settings.metrics)  # each metric's share: the gate's bound holds over all of them
     verdicts = tuple(_judge_metric(intervals, rule, settings, alpha, final) for rule in settings.metrics)
+    if (restarts := _restarts(intervals, settings)) is not None:
+        verdicts += (restarts,)
     started = intervals[0].start if intervals else 0.0
     ended = intervals[-1].end if intervals else 0.0
     outcome, decided, score, reason = _combine(verdicts, settings, final)
     return Verdict(outcome, decided, score, reason, verdicts, started, ended)
+
+
+def _restarts(intervals: Sequence[Interval], s: GateSettings) -> MetricVerdict | None:
+    """A failed critical verdict once the canary's pods restarted more than `restarts_allowed` times, else None."""
+    pods = Counter(pod for iv in intervals for pod in iv.restarted)
+    n = sum(pods.values())
+    if n <= s.restarts_allowed:
+        return None
+    each = ", ".join(f"{pod} {k} time{'s' if k > 1 else ''}" for pod, k in sorted(pods.items()))
+    return MetricVerdict("restarts", Outcome.FAIL, True,
+                         f"restarts: the canary's pods restarted {n} time{'s' if n > 1 else ''} within the gate ({each}), "
+                         f"{s.restarts_allowed} allowed", True, Scale.DIFFERENCE, estimate=float(n),
+                         threshold=float(s.restarts_allowed), canary=float(n))
 
 
 def _combine(verdicts: Sequence[MetricVerdict], s: GateSettings,

@@ -81,6 +81,9 @@ class _Vllm(Collector):
             for rank, s in ranks:
                 g.add_metric([rank, self.model], float(value(s)))
             yield g
+        # The API server's process collector, as every prometheus_client process exports it.
+        yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+                                value=e.started_at)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=["engine", "finished_reason", "model_name"])
         for rank, s in ranks:

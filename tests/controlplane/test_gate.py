@@ -243,6 +243,7 @@ class FakePrometheus:
                  served: tuple[str, ...] = ("decode-canary-0",), samples: int = 2) -> None:
         self.queries: list[str] = []
         self.baseline_pods, self.down, self.served, self.samples = baseline_pods, down, served, samples
+        self.started = dict.fromkeys(served, 1.7e9)  # each canary pod's process start
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.queries.append(query)
@@ -251,6 +252,9 @@ class FakePrometheus:
             assert query.startswith('up{instance=~"') and query.endswith('"} == 0'), query
             return [{"metric": {"pod": p, "instance": f"{p}:8000"}, "value": [0, "0"]} for p in self.down
                     if f"{p}:8000" in query.replace("\\\\", "")]
+        if query.startswith('max by (pod, instance) (process_start_time_seconds{instance=~"'):
+            return [{"metric": {"pod": p, "instance": f"{p}:8000"}, "value": [0, str(t)]}
+                    for p, t in self.started.items() if p not in self.down and f"{p}:8000" in query.replace("\\", "")]
         if query.startswith("group by (pod, instance) (last_over_time(vllm:num_requests_running{"):
             return [{"metric": {"pod": p, "instance": f"{p}:8000"}, "value": [0, "1"]}
                     for p in (self.served if canary else self.baseline_pods)]
@@ -295,7 +299,7 @@ async def test_the_prometheus_source_reads_bucket_sum_and_count_increases_per_ar
     assert iv.canary["tpot"].buckets[-1] == (math.inf, 50.0)
     assert iv.canary["error_rate"].statistic("mean") == pytest.approx(0.02)
     assert any('team=~"a\\"b"' in q for q in fake.queries)  # label values escaped
-    assert all("[30s]" in q for q in fake.queries if not q.startswith("up{"))
+    assert all("[30s]" in q for q in fake.queries if not q.startswith(("up{", "max by (pod, instance) (process_")))
     # the spelling each arm has is looked up once and kept
     assert sum(q.startswith("count(last_over_time(") for q in fake.queries) == 2
     await src.interval(30.0, 60.0)
@@ -379,6 +383,24 @@ async def test_a_step_with_a_canary_pod_down_does_not_count() -> None:
     session = GateSession(src, GateSettings(metrics=rules), 0.0)
     with pytest.raises(GateError, match="5 steps in a row without data"):
         await session.consult(300.0)
+
+
+async def test_the_prometheus_source_counts_a_canary_pods_restarts_a_failed_step_included() -> None:
+    # A canary that crash-loops serves its requests between crashes as fast as the baseline: its restarts fail the
+    # gate. One read in a step that failed (another canary pod down) counts in the next step read.
+    fake = FakePrometheus(served=("decode-canary-0", "decode-canary-1"))
+    src = arms(PrometheusSource("http://prometheus.invalid", client=fake), (MetricRule(name="tpot"),))
+    assert (await src.interval(0.0, 30.0)).restarted == ()
+    fake.started["decode-canary-0"] += 95.0
+    fake.down = ("decode-canary-1",)
+    with pytest.raises(GateError, match="decode-canary-1 not answering"):
+        await src.interval(30.0, 60.0)
+    fake.down = ()
+    fake.started["decode-canary-1"] += 0.004  # the same process, read at another rounding
+    assert (await src.interval(60.0, 90.0)).restarted == ("decode-canary-0",)
+    assert (await src.interval(90.0, 120.0)).restarted == ()
+    assert 'max by (pod, instance) (process_start_time_seconds{instance=~"decode-canary-0:8000|decode-canary-1:8000"})' \
+        in fake.queries
 
 
 async def test_tpot_is_read_from_the_inter_token_latency_for_both_arms_where_one_lacks_it() -> None:
@@ -1083,6 +1105,46 @@ async def test_the_pods_source_follows_the_rollout_as_it_moves_pods_between_the_
     assert (before.baseline["tpot"].count, before.canary["tpot"].count) == (10, 10)
     assert (after.baseline["tpot"].count, after.canary["tpot"].count) == (10, 20)
     assert scraped.count("decode-1") == 2 and scraped.count("decode-canary-1") == 2
+
+
+async def test_the_pods_source_fails_a_canary_that_restarts_while_out_of_routing_and_not_the_baseline() -> None:
+    # A crash-looping pod leaves its Service's routing between crashes (not Ready), so discovery stops listing it;
+    # it comes back a new process, its counters begun again. Its start is remembered across the gap, and the gate
+    # fails on it while its latency reads as the baseline's. A baseline pod's restart is no canary's fault.
+    from collectors.types import ScrapeResult, Target
+    from tests.collectors.expositions import histogram
+
+    pods = ("decode-0", "decode-canary-0")
+    started = dict.fromkeys(pods, 1.7e9)
+    listed = [Target(f"http://{p}:8000/metrics", "decode", p) for p in pods]
+
+    class Pods:  # each engine serves 10 tokens a step, counted from its own start
+        async def scrape(self, targets: Sequence[Target], now: float) -> list[ScrapeResult]:
+            return [ScrapeResult(t, now, True,
+                                 histogram("vllm:request_time_per_output_token_seconds", {}, ("0.05",),
+                                           (0.02,) * int((now - started[t.pod] + 1.7e9) // 3))
+                                 + f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {started[t.pod]}\n")
+                    for t in targets]
+
+    class Discovered:
+        stale = False
+
+        async def targets(self) -> list[Target]:
+            return list(listed)
+
+    source = TargetsGateSource(cast(Scraper, Pods()), Discovered(), ArmSelector.parse("pod!~.*canary.*"),
+                               ArmSelector.parse("pod=~.*canary.*"), TPOT_ONLY.metrics)
+    session = GateSession(source, TPOT_ONLY, 0.0)
+    assert not (await session.consult(60.0)).decided
+    canary = listed.pop()
+    await session.consult(90.0)  # restarting: not Ready, not listed
+    started["decode-canary-0"] = 1.7e9 + 80.0
+    started["decode-0"] = 1.7e9 + 85.0
+    listed.append(canary)
+    verdict = await session.consult(150.0)
+    assert verdict.outcome is Outcome.FAIL and verdict.decided
+    assert "the canary's pods restarted 1 time within the gate (decode-canary-0 1 time)" in verdict.reason
+    assert [iv.restarted for iv in session.intervals] == [(), (), ("decode-canary-0",)]  # the step it was out failed
 
 
 async def test_after_the_first_step_a_failed_pod_listing_or_an_empty_arm_is_a_failed_step() -> None:

@@ -155,6 +155,26 @@ def test_a_ten_percent_slower_canary_fails_early_with_its_numbers_in_the_reason(
     assert v.reason.startswith("critical metric failed")
 
 
+def test_a_canary_whose_pods_restart_fails_at_once_however_its_latency_reads() -> None:
+    # A crash loop fails the requests in flight before vLLM counts them, and the pod's counters begin again: the
+    # latency it serves between crashes is the baseline's, so only the restarts tell.
+    ivs = intervals(0.0, 3)
+    ivs[1] = Interval(ivs[1].start, ivs[1].end, ivs[1].baseline, ivs[1].canary, ("decode-canary-0",))
+    ivs[2] = Interval(ivs[2].start, ivs[2].end, ivs[2].baseline, ivs[2].canary, ("decode-canary-0", "decode-canary-1"))
+    assert not judge(ivs[:1], ONLY_TPOT).decided
+    v = judge(ivs, ONLY_TPOT)
+    assert v.outcome is Outcome.FAIL and v.decided and v.score == 0.0
+    restarts = v.metrics[-1]
+    assert restarts.name == "restarts" and restarts.critical and restarts.estimate == 3.0
+    assert "decode-canary-0 2 times, decode-canary-1 1 time" in v.reason and "0 allowed" in v.reason
+    # Within the allowance a restart is no verdict of its own; past it, the gate fails.
+    assert [m.name for m in judge(ivs[:2], ONLY_TPOT.model_copy(update={"restarts_allowed": 1})).metrics] == ["tpot"]
+    assert judge(ivs, ONLY_TPOT.model_copy(update={"restarts_allowed": 2})).outcome is Outcome.FAIL
+    assert GateSettings.model_validate({"restarts_allowed": 2}).restarts_allowed == 2
+    with pytest.raises(ValidationError):
+        GateSettings.model_validate({"restarts_allowed": -1})
+
+
 def test_identical_versions_pass_and_no_look_fails_them() -> None:
     fails = 0
     for seed in range(60):

@@ -115,6 +115,17 @@ async def test_the_gate_fails_a_heavier_canary_and_not_an_identical_one(tmp_path
         _keep("identical", verdict, answered)
         assert min(answered) > 50, answered
         assert verdict.outcome is Outcome.PASS, verdict.reason
+        # The same canary restarted (a crash, an OOM kill) is a new process to the gate, told by vLLM's own
+        # exposition; its latency alone would read as before.
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            found = StaticTargets([Target(baseline.metrics_url, "lab", "vllm-base", Role.UNIFIED),
+                                   Target(same.metrics_url, "lab", "vllm-canary", Role.UNIFIED)])
+            source = TargetsGateSource(Scraper(http, timeout_s=5.0), found, ArmSelector.parse("pod=vllm-base"),
+                                       ArmSelector.parse("pod=vllm-canary"), SETTINGS.metrics)
+            assert (await source.interval(0.0, 5.0)).restarted == ()
+            same.stop()
+            await asyncio.to_thread(same.start, 300)
+            assert (await source.interval(5.0, 10.0)).restarted == ("vllm-canary",)
         same.stop()
 
         heavy = _engine(venv, model, "heavier", ("--max-num-seqs", "1"), cpus[-1])
