@@ -657,7 +657,7 @@ class GateBook:
     A failed gate asked again after a silence (`rerun_after`) is a new run of the same revision: `kubectl
     argo rollouts retry` after the abort keeps the pod-template hash, so the same gate, and Argo's
     analysis stops asking at a fail. So is a run that neither failed nor passed (an analysis that ended
-    Inconclusive pauses the rollout, and is retried), where the replica asked holds it, and, with no
+    Inconclusive pauses the rollout, and is retried), whichever replica the retry reaches, and, with no
     other replica, one not yet decided. A pass stays the answer (it promoted), as every verdict does for
     Flagger's hooks (`reruns`).
     Sessions idle for twice the window are forgotten.
@@ -766,15 +766,17 @@ class GateBook:
 
     async def _answered(self, key: GateKey, session: GateSession, verdict: Verdict, now: float) -> bool:
         """After a decided answer: its run's first elects the replica that records the verdict (asked again while the
-        store refuses: `_record_owed`); a failed one is marked as answered now, for every replica to tell a retry
-        (asked after a silence) from the same run asked again (at most one write a step). Whether this answer made
-        the verdict this replica's to record."""
+        store refuses: `_record_owed`); one that did not pass is marked as answered now, for every replica, the ones
+        holding the run undecided included, to tell a retry (asked after a silence) from the same run asked again (at
+        most one write a step). Whether this answer made the verdict this replica's to record."""
         session.answered_at = now
-        if self._claim is not None and verdict.outcome is Outcome.FAIL:
+        if self._claim is not None and verdict.outcome is not Outcome.PASS:
             try:
+                # The key's name is older than its meaning (a fail only), and rows of it still mean what they did.
                 await self._claim(f"gate-failed:{key.id}", now, max(session.start, now - session.settings.step))
             except FleetError as exc:
-                log.warning("%s's gate: its fail cannot be marked with the other replicas now: %s", key.pool, exc)
+                log.warning("%s's gate: its %s verdict cannot be marked with the other replicas now: %s", key.pool,
+                            verdict.outcome.value, exc)
         return await self._elect(key, session)
 
     async def _elect(self, key: GateKey, session: GateSession) -> bool:
@@ -800,24 +802,22 @@ class GateBook:
 
     async def _start(self, key: GateKey, entry: tuple[GateSession, float] | None, s: GateSettings, now: float,
                      reruns: bool) -> float:
-        """Where this consultation's run of the gate starts: the held session's while it is asked and not failed, else
-        the one every replica claimed; now for a new run (none yet, an earlier rollout's under the same key, a retry:
-        a fail asked again after a silence, or a held run that did not pass)."""
+        """Where this consultation's run of the gate starts: the held session's while it is asked, else the one every
+        replica claimed; now for a new run (none yet, an earlier rollout's under the same key, or a retry: a run
+        whose verdict did not pass, asked again after a silence since that verdict was last answered)."""
         rerun = rerun_after(s)
-        answered = 0.0  # when this replica last answered the held run's fail
-        seen = 0.0  # when this replica was last asked about the held run
+        answered = 0.0  # when this replica last answered the held run's verdict, one that did not pass
         if entry is not None:
             session, seen = entry
-            failed = session.verdict is not None and session.verdict.outcome is Outcome.FAIL
-            passed = session.verdict is not None and session.verdict.outcome is Outcome.PASS
-            # Asked all along, and not failed: the run goes on; a pass stays the answer (it promoted).
-            if not reruns or passed or not (failed or now - seen > rerun):
+            # Asked all along: the run goes on; a pass stays the answer (it promoted).
+            if not reruns or now - seen <= rerun or (session.verdict is not None and session.verdict.outcome is
+                                                     Outcome.PASS):
                 return session.start
-            answered = session.answered_at if failed and session.answered_at is not None else 0.0
             if self._claim is None:
-                # A retry after an Inconclusive analysis (too little traffic) was answered the old run's verdict for
-                # good; a run not yet decided, asked after a silence, is a retry too (no other replica asks it).
-                return now if (now - answered > rerun if failed else now - seen > rerun) else session.start
+                # A retry (after an Inconclusive end, too little traffic, as after a fail); one not yet decided, asked
+                # after a silence, is a retry too, as no other replica asks it.
+                return now
+            answered = session.answered_at if session.verdict is not None and session.answered_at else 0.0
         elif self._claim is None:
             return now
         try:
@@ -828,18 +828,12 @@ class GateBook:
                 asked = (await self._claim(f"gate-asked:{key.id}", 0.0, -1.0))[0]
                 if asked < now - 2 * s.max_window:
                     start = (await self._claim(f"gate-start:{key.id}", now, start + 1e-3))[0]
-            # When a fail of this key was last answered: 0 if never (or long ago: a row expired), before `start` if
-            # in an earlier run; this replica's own answer counts where the store refused its mark.
-            failed_at = max((await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0], answered)
-            if failed_at > start and now - failed_at > rerun and reruns:
-                start = (await self._claim(f"gate-start:{key.id}", now, failed_at + 1e-3))[0]
-            elif reruns and entry is not None and entry[0].verdict is not None and failed_at <= start < now - rerun:
-                # The held run, decided neither failed nor passed (an Inconclusive end), asked after a silence by every
-                # replica (each marks it asked at least every half `rerun_after`): a retry, a new run as after a fail.
-                # (A run this replica holds undecided may have been decided by another since: it is joined.)
-                asked = max((await self._claim(f"gate-asked:{key.id}", 0.0, -1.0))[0], seen)
-                if now - asked > rerun:
-                    start = (await self._claim(f"gate-start:{key.id}", now, start + 1e-3))[0]
+            # When a verdict other than a pass was last answered by any replica: 0 if never (or long ago: a row
+            # expired), before `start` if in an earlier run; this replica's own answer counts where the store refused
+            # its mark. A run this replica holds undecided that another decided is retried as that one's.
+            ended_at = max((await self._claim(f"gate-failed:{key.id}", 0.0, -1.0))[0], answered)
+            if reruns and ended_at > start and now - ended_at > rerun:
+                start = (await self._claim(f"gate-start:{key.id}", now, ended_at + 1e-3))[0]
         except FleetError as exc:
             if entry is None:
                 raise

@@ -674,6 +674,27 @@ async def test_a_retry_after_an_inconclusive_analysis_is_judged_afresh(claim: bo
     assert answers[0].started_at == retried and any(a.outcome is Outcome.PASS for a in answers)
 
 
+@pytest.mark.parametrize("first", [1, 2])
+async def test_a_retry_after_an_inconclusive_analysis_is_a_new_run_on_every_replica(first: int) -> None:
+    """Two replicas: the one Argo asked to the end decided Inconclusive; the other, asked at the start only, holds
+    the run undecided, and a third has never held it. Retried, the retry reaching either joined the old run, whose
+    window was over: it answered Inconclusive at once, whatever the canary did."""
+    store = MemoryStore()
+    settings = GateSettings(metrics=(MetricRule(name="tpot", critical=True),), max_window=1800)
+    books = [GateBook(lambda *_: ServesFrom(3000.0), settings, claim=store.claim) for _ in range(3)]
+    key = GateKey("decode", "pod=~decode-aaa-.*", "pod=~decode-bbb-.*", "bbb")
+    assert not (await books[1].consult(key, 0.0)).decided
+    t = 30.0
+    while not (v := await books[0].consult(key, t)).decided:
+        t += 30
+    await books[0].settled()
+    assert v.outcome is Outcome.INCONCLUSIVE
+    t += 600  # paused; a person retries ten minutes later, and traffic now reaches the canary
+    for book in (books[first], books[3 - first]):
+        retried = await book.consult(key, t)
+        assert not retried.decided and retried.started_at == t
+
+
 async def test_a_retry_is_told_from_the_same_run_though_the_store_refused_to_mark_the_fail() -> None:
     store = MemoryStore()
     refused: list[str] = []
