@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 
 from collectors import families, sources
 from collectors.exposition import ExpositionError, Parser
+from collectors.restarts import process_start, restarted_since
 from collectors.types import Objectives, ScrapeResult, Signal, pod_subject, pool_subject, target_subject
 
 __all__ = ["DeriveOutput", "SignalDeriver"]
+
+# How long a target's process start is remembered while it does not answer: a crash-looping pod is out of
+# discovery (not Ready) between its restarts, for its back-off (up to five minutes) and its model's load.
+STARTED_KEPT_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class SignalDeriver:
         # One series cache for all targets: engines of a fleet expose the same series texts
         # (the pod is not a label of its own exposition), so the cache stays small and hot.
         self._parser = Parser(max_series=500_000)
+        self._started: dict[str, tuple[float, float]] = {}  # target -> its process start, and when last read
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
@@ -67,6 +73,10 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_duration_seconds", res.duration_s))
             out.signals.append(Signal(res.ts, health, "scrape_samples", float(len(samples))))
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
+            if (started := process_start(samples)) is not None:
+                if restarted_since(self._started.get(t.key, (None,))[0], started):
+                    out.signals.append(Signal(res.ts, health, "restarts", 1.0))
+                self._started[t.key] = (started, res.ts)
             readings = source.read(samples)
             # The counters and histograms of lines dropped as malformed: exposed, but not read.
             index = source.families.index()
@@ -118,6 +128,7 @@ class SignalDeriver:
         for slot in list(self._prev):
             if slot not in seen:
                 del self._prev[slot]  # target gone from the fleet
+        self._started = {k: v for k, v in self._started.items() if ts - v[1] <= STARTED_KEPT_S}
         for pool, ups in pool_up.items():
             subject = pool_subject(pool)
             out.signals.append(Signal(ts, subject, "targets_up", sum(ups)))

@@ -26,8 +26,9 @@ import re2
 from collectors import families
 from collectors.exposition import ExpositionError, Parser
 from collectors.prometheus_api import PrometheusError, PrometheusSource, escape_regex, selector
+from collectors.restarts import PROCESS_START, process_start, restarted_since
 from collectors.scraper import Scraper
-from collectors.types import Sample, Signal, Target
+from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
 from controlplane.actuators.base import TargetSource
 from controlplane.clock import Clock
@@ -189,21 +190,6 @@ class _TpotReading:
         if self._as is None:
             self._as = decide()
         return {"tpot": _UNREAD} if self._as is None else self._as
-
-
-# Every prometheus_client process exports it, vLLM's API server included: a new value is a new process in the pod.
-PROCESS_START = "process_start_time_seconds"
-
-
-def process_start(samples: Iterable[Sample]) -> float | None:
-    """When the scraped process started (seconds since the epoch), or None where it does not say."""
-    return next((s.value for s in samples if s.name == PROCESS_START and math.isfinite(s.value)), None)
-
-
-def restarted_since(before: float | None, now: float) -> bool:
-    """Whether a process start read as `now` is a later process than the one read as `before`."""
-    # The exposition rounds the start to about ten milliseconds; a whole second apart is another process.
-    return before is not None and now > before + 1.0
 
 
 class GateSource(Protocol):
@@ -492,12 +478,13 @@ class StoreGateSource:
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
         self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
+        self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
         self._arm: dict[str, str | None] = {}  # a pod of the pool -> its arm
         self._tpot = _TpotReading(self._names)
 
     async def interval(self, start: float, end: float) -> Interval:
         tpot = {"tpot_per_request", *ENGINE_MEANS["itl"]} if "tpot" in self._names else set()
-        wanted = {"up", "request_rate", "request_error_rate", "generation_tokens_rate", *tpot,
+        wanted = {"up", "restarts", "request_rate", "request_error_rate", "generation_tokens_rate", *tpot,
                   *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was; nothing after the step,
         # so a replica catching up on a long gate reads each step's rows, not every row since, once per step.
@@ -510,12 +497,14 @@ class StoreGateSource:
         for s in sorted(signals, key=lambda s: s.ts):
             if s.subject.startswith(f"engine/{self._pool}/") and s.ts <= end:
                 engines[s.subject][s.name].append((s.ts, s.value))
-            elif s.name == "up" and s.subject.startswith(f"target/{self._pool}/") and s.subject.endswith("/vllm") \
-                    and 2 * start - end < s.ts <= end:
+            elif s.subject.startswith(f"target/{self._pool}/") and s.subject.endswith("/vllm"):
                 pod = s.subject.split("/")[2]
-                latest[pod] = s.value
-                if s.value >= 1 and self._arm_of(pod) == "canary":
-                    self._answered.add(pod)
+                if s.name == "restarts" and start < s.ts <= end and self._arm_of(pod) == "canary":
+                    self._restarted.append(pod)
+                elif s.name == "up" and 2 * start - end < s.ts <= end:
+                    latest[pod] = s.value
+                    if s.value >= 1 and self._arm_of(pod) == "canary":
+                        self._answered.add(pod)
         arms: dict[str, dict[str, Dist]] = {"baseline": {}, "canary": {}}
         armed = {subject: arm for subject in engines
                  if (arm := self._arm_of(subject.split("/", 3)[2])) is not None}  # engine/<pool>/<pod>/<rank>
@@ -534,7 +523,8 @@ class StoreGateSource:
         # records no `up`, and is not checked here.
         if down := sorted(pod for pod, up in latest.items() if up < 1 and pod in self._answered):
             raise GateError(f"canary pod(s) {', '.join(down)} failing the control plane's scrapes")
-        return Interval(start, end, arms["baseline"], arms["canary"])
+        restarted, self._restarted = tuple(self._restarted), []
+        return Interval(start, end, arms["baseline"], arms["canary"], restarted)
 
     def _arm_of(self, pod: str) -> str | None:
         if pod not in self._arm:  # asked for every series of every step: matched once per pod

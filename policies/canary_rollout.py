@@ -67,6 +67,8 @@ __all__ = ["KIND", "CanaryRegression", "CanaryRolloutSettings"]
 
 KIND = "canary_regression"
 _LOAD = "request_rate"
+# Recorded only at a restart, so no input whose age says anything: a canary that never restarts has none.
+_RESTARTS = "restarts"
 _TPOT_AS_ITL = (*ENGINE_MEANS["itl"],)  # what a TPOT read as the inter-token latency needs
 
 
@@ -267,7 +269,9 @@ class CanaryRegression:
         read_as = self._tpot_as(inp, base, canary, start - 2 * gate.step)
         steps = zip(self._steps(inp, base, start, gate.step, n, self._names, read_as),
                     self._steps(inp, canary, start, gate.step, n, self._names, read_as), strict=True)
-        intervals = [Interval(start + k * gate.step, start + (k + 1) * gate.step, b, c) for k, (b, c) in enumerate(steps)]
+        restarted = _restarts(inp, pool, canary, start, gate.step, n)
+        intervals = [Interval(start + k * gate.step, start + (k + 1) * gate.step, b, c, restarted[k])
+                     for k, (b, c) in enumerate(steps)]
         final = inp.now - start >= gate.max_window
         verdict = judge(intervals, gate, final=final)
         pods = {"baseline": _pods(base), "canary": _pods(canary)}
@@ -333,6 +337,18 @@ def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list
     if not base or not canary or not (rolling or any(e.live for e in canary)):
         return None
     return base, canary, min(e.first for e in canary)
+
+
+def _restarts(inp: PolicyInput, pool: str, engines: list[_Engine], start: float, width: float,
+              n: int) -> list[tuple[str, ...]]:
+    """The engines' pods whose process restarted (the scrapes' `restarts`) in each of `n` steps of `width` seconds
+    from `start`."""
+    out: list[list[str]] = [[] for _ in range(n)]
+    for pod in _pods(engines):
+        for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start):
+            if ts > start and (k := math.ceil((ts - start) / width) - 1) < n:
+                out[k].append(pod)
+    return [tuple(pods) for pods in out]
 
 
 def _pods(engines: list[_Engine]) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from collectors import families, vllm
@@ -83,6 +85,28 @@ def test_deriver_rates_quantiles_and_pool_rollup() -> None:
     assert sig[("engine/prefill/p0/0", "ttft_p50")] == pytest.approx(0.1)
     assert sig[("engine/prefill/p1/0", "ttft_p50")] == pytest.approx(0.55)
     assert sig[("pool/prefill", "targets_up")] == 2
+
+
+def test_a_new_process_in_a_pod_is_one_restart_though_the_pod_was_gone_from_discovery_between() -> None:
+    # A crash-looping pod leaves discovery (not Ready) while it restarts; its new process is told from the old by the
+    # start it exports, which vLLM's API server does as every prometheus_client process does.
+    def at(ts: float, started: float, pod: str = "p0") -> ScrapeResult:
+        body = exposition(10, 5) + f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {started}\n"
+        return _result(body, ts, pod)
+
+    def restarts(out: Any) -> list[tuple[str, float]]:
+        return [(s.subject, s.ts) for s in out.signals if s.name == "restarts"]
+
+    d = SignalDeriver()
+    assert restarts(d.derive([at(0.0, 1.7e9), at(0.0, 1.7e9, "p1")], 0.0)) == []
+    assert restarts(d.derive([at(15.0, 1.7e9 + 0.004), at(15.0, 1.7e9, "p1")], 15.0)) == []  # rounded otherwise
+    assert restarts(d.derive([at(30.0, 1.7e9, "p1")], 30.0)) == []  # p0 out of discovery
+    assert restarts(d.derive([at(400.0, 1.7e9 + 350.0), at(400.0, 1.7e9, "p1")], 400.0)) == [
+        ("target/prefill/p0/vllm", 400.0)]
+    assert restarts(d.derive([at(415.0, 1.7e9 + 350.0)], 415.0)) == []
+    # A pod gone for longer than an hour is forgotten: a pod of its name after that is no restart of it.
+    d.derive([at(4100.0, 1.7e9 + 350.0, "p1")], 4100.0)
+    assert restarts(d.derive([at(4115.0, 1.7e9 + 4000.0)], 4115.0)) == []
 
 
 def test_a_pool_reports_its_share_of_requests_over_its_objectives() -> None:

@@ -232,6 +232,30 @@ async def test_the_store_source_skips_a_step_in_which_a_canary_pod_fails_its_scr
     assert outcomes == ["ok"] * 4 + ["down"] * 4 + ["ok"] * 3
 
 
+async def test_the_store_source_counts_the_canarys_restarts_a_failed_step_included() -> None:
+    # The loop's scrapes record a restart when a pod's process start moves on (`restarts`); the baseline's are no
+    # canary's fault, and one recorded in a step that failed (another canary pod down) goes in the next step.
+    store = MemoryStore()
+    signals = []
+    for ts in range(100, 200, 10):
+        for pod in ("decode-0", "decode-canary-0", "decode-canary-1"):
+            up = not (pod == "decode-canary-1" and 130 < ts <= 150)
+            signals.append(Signal(ts, f"target/decode/{pod}/vllm", "up", float(up)))
+            signals += [Signal(ts, f"engine/decode/{pod}/0", "request_rate", 2.0),
+                        Signal(ts, f"engine/decode/{pod}/0", "tpot_mean", 0.01)]
+    signals += [Signal(140.0, "target/decode/decode-canary-0/vllm", "restarts", 1.0),
+                Signal(140.0, "target/decode/decode-0/vllm", "restarts", 1.0),
+                Signal(170.0, "target/decode/decode-canary-1/vllm", "restarts", 1.0)]
+    await store.write_signals(signals)
+    src = StoreGateSource(store, "decode", ArmSelector.parse("pod!~.*canary.*"), ArmSelector.parse("pod=~.*canary.*"),
+                          (MetricRule(name="tpot"),))
+    assert (await src.interval(110.0, 130.0)).restarted == ()
+    with pytest.raises(GateError, match="decode-canary-1 failing"):
+        await src.interval(130.0, 150.0)
+    assert (await src.interval(150.0, 170.0)).restarted == ("decode-canary-0", "decode-canary-1")
+    assert (await src.interval(170.0, 190.0)).restarted == ()
+
+
 # Prometheus ------------------------------------------------------------------------------------------
 
 

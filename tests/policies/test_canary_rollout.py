@@ -64,6 +64,21 @@ def test_the_same_revision_is_not_a_finding_and_nothing_is_judged_without_a_chan
     assert run(w, now, {}).findings == []  # no rollout known: every engine is as old as the others
 
 
+def test_a_canary_that_restarts_is_rolled_back_though_its_latency_reads_as_the_baseline() -> None:
+    # Between crashes a crash-looping canary serves as fast as the others; the loop's scrapes record each new process
+    # in its pod. A baseline pod's restart is no canary's fault, nor is one of the canary's before its rollout.
+    w, now = fleet(1.0, minutes=4)
+    w.add(CHANGE - 60, "target/decode/decode-7f9c-0/vllm", "restarts", 1.0)
+    w.add(CHANGE + 100, "target/decode/decode-1/vllm", "restarts", 1.0)
+    assert run(w, now, {"decode": CHANGE}).findings == []
+    w.add(CHANGE + 130, "target/decode/decode-7f9c-0/vllm", "restarts", 1.0)
+    [f] = run(w, now, {"decode": CHANGE}).findings
+    assert f.severity is Severity.CRITICAL and "restarts" in f.summary
+    assert "decode-7f9c-0 1 time" in f.cause
+    [p] = f.proposals
+    assert p.kind is ActionKind.ROLLBACK and "restarts" not in p.inputs
+
+
 def test_a_canary_pattern_names_the_canary_of_a_deployment_beside_the_stable_one() -> None:
     w, now = fleet(1.3)
     s = CanaryRolloutSettings(canary_pods={"decode": r"decode-7f9c-\d+"})
