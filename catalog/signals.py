@@ -133,7 +133,7 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("scrape_samples", "count", Subject.TARGET, Producer.SCRAPER, "samples in the exposition"),
     _s("scrape_body_bytes", "B", Subject.TARGET, Producer.SCRAPER, "size of the exposition"),
     _s("restarts", "count", Subject.TARGET, Producer.SCRAPER,
-       "1 at the first scrape of a new process in the target's pod (its process_start_time_seconds moved on)"),
+       "1 at the first scrape of a new vLLM process in the target's pod (its process_start_time_seconds moved on)"),
     _s("replicas_desired", "count", Subject.POOL, Producer.ACTUATOR, "replicas the pool's workload asks for"),
     _s("replicas_ready", "count", Subject.POOL, Producer.ACTUATOR, "replicas ready to take requests"),
     _s("autoscale_target_replicas", "count", Subject.POOL, Producer.SIZER,

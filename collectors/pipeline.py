@@ -73,7 +73,9 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_duration_seconds", res.duration_s))
             out.signals.append(Signal(res.ts, health, "scrape_samples", float(len(samples))))
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
-            if (started := process_start(samples)) is not None:
+            # vLLM's alone: a restart is read of the engines (the canary gate), and the scan costs a pass over the
+            # samples of an exposition that lacks the line.
+            if t.source == "vllm" and (started := process_start(samples)) is not None:
                 if restarted_since(self._started.get(t.key, (None,))[0], started):
                     out.signals.append(Signal(res.ts, health, "restarts", 1.0))
                 self._started[t.key] = (started, res.ts)
