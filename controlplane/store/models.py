@@ -44,6 +44,11 @@ def _key(length: int) -> String:
     return String(length).with_variant(String(length, collation="C"), "postgresql")
 
 
+# An id retention removed is never given again: alerts, notices and links name findings, actions and verdicts by it.
+# PostgreSQL's sequences never go back; SQLite reuses the largest rowid once its row is gone, unless AUTOINCREMENT.
+NEVER_REUSED = {"sqlite_autoincrement": True}
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map = {dict[str, Any]: JSON}  # noqa: RUF012 (read by SQLAlchemy at class creation)
@@ -128,6 +133,7 @@ class FindingRow(Base):
             postgresql_where=text("state = 'open'"),
         ),
         Index(None, "opened_at"),
+        NEVER_REUSED,
     )
 
 
@@ -169,6 +175,7 @@ class ActionRow(Base):
             sqlite_where=text(ACTIVE_WHERE),
             postgresql_where=text(ACTIVE_WHERE),
         ),
+        NEVER_REUSED,
     )
 
 
@@ -183,7 +190,7 @@ class ActionEventRow(Base):
     event: Mapped[str] = mapped_column(String(32))
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
-    __table_args__ = (Index(None, "action_id", "ts"),)
+    __table_args__ = (Index(None, "action_id", "ts"), NEVER_REUSED)
 
 
 class VerdictRow(Base):
@@ -205,7 +212,8 @@ class VerdictRow(Base):
     # One row per gate run: a verdict written again after a commit whose answer was lost is the same row.
     __table_args__ = (Index(None, "pool", "finished_at"),
                       Index("uq_verdicts_run", "gate", "pool", "baseline", "canary", "started_at", "finished_at",
-                            unique=True))
+                            unique=True),
+                      NEVER_REUSED)
 
 
 class AdviceRow(Base):
@@ -237,6 +245,7 @@ class AdviceRow(Base):
         # At most one open piece of advice per kind and pool, enforced by the database (two advisor runs at once).
         Index("uq_advice_open_kind_pool", "kind", "pool", unique=True, sqlite_where=text("state = 'open'"),
               postgresql_where=text("state = 'open'")),
+        NEVER_REUSED,
     )
 
 

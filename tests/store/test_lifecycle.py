@@ -304,14 +304,20 @@ async def test_threaded_store_keeps_the_event_loop_free(sqlite_store: SqlStore) 
     threaded._thread.shutdown(wait=True)
 
 
-async def test_the_memory_double_never_gives_an_id_twice_whatever_retention_removed() -> None:
-    """As the database's: an old notice or link naming action 1 must not come to name another."""
+async def test_no_store_gives_an_id_twice_whatever_retention_removed(any_store: Store) -> None:
+    """An old notice, alert or link naming action 1 (or finding 1, or advice 1) must not come to name another; SQLite
+    gave the newest id again once the newest row had expired."""
     from controlplane.store.compaction import Retention
 
-    store = MemoryStore()
-    first = await store.create_action(scale(), 0.0)
-    await store.transition(first.id, S.PROPOSED, S.REJECTED, 1.0, {"by": "oncall"})
+    finding = await any_store.open_finding(NewFinding("slo_burn", "pool/prefill", "critical", "s", "c", {}, "r"), 0.0)
+    first = await any_store.create_action(NewAction(finding.id, "scale_pool", "prefill",
+                                                    {"from_replicas": 3, "replicas": 4}, "propose", "test"), 0.0)
+    await any_store.transition(first.id, S.PROPOSED, S.REJECTED, 1.0, {"by": "oncall"})
+    await any_store.resolve_finding(finding.id, "recovered", 1.0)
     day = 86400.0
-    await store.compact(900 * day, Retention(raw_s=day, minute_s=day, hour_s=day, records_s=day))
-    assert await store.actions() == []
-    assert (await store.create_action(scale(), 900 * day)).id == first.id + 1
+    await any_store.compact(900 * day, Retention(raw_s=day, minute_s=day, hour_s=day, records_s=day))
+    assert await any_store.actions() == []
+    again = await any_store.open_finding(NewFinding("slo_burn", "pool/prefill", "critical", "s", "c", {}, "r"),
+                                         900 * day)
+    assert again.id == finding.id + 1
+    assert (await any_store.create_action(scale(), 900 * day)).id == first.id + 1

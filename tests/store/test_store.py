@@ -127,6 +127,40 @@ def test_a_verdict_written_again_after_a_lost_commit_is_kept_once(db_url: str) -
         store.close()
 
 
+def test_the_tables_made_again_for_ids_never_reused_keep_their_rows_and_the_ids_given(db_url: str) -> None:
+    """Upgraded from before (where SQLite reused the largest id once its row was gone): every row, its id and what
+    refers to it are kept, and the next id follows the largest ever given, not the largest left."""
+    migrate.upgrade(db_url, "0007")
+    engine = make_engine(db_url)
+    action = ("INSERT INTO actions (finding_id, kind, pool, params, mode, state, reason, created_at) VALUES "
+              "(1, 'scale_pool', :pool, '{}', 'propose', 'rejected', 'r', 1.0)")
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO findings (kind, subject, state, severity, summary, cause, evidence, "
+                              "runbook, opened_at, updated_at) VALUES ('slo_burn', 'pool/a', 'open', 'critical', "
+                              "'s', 'c', '{}', 'r', 1.0, 1.0)"))
+            for pool in ("a", "b"):
+                conn.execute(text(action), {"pool": pool})
+            conn.execute(text("INSERT INTO action_events (action_id, ts, event, detail) VALUES (2, 1.0, 'x', '{}')"))
+        migrate.upgrade(db_url)
+        with engine.begin() as conn:
+            assert [tuple(r) for r in conn.execute(text("SELECT id, pool, finding_id FROM actions ORDER BY id"))] == [
+                (1, "a", 1), (2, "b", 1)]
+            conn.execute(text("DELETE FROM action_events"))
+            conn.execute(text("DELETE FROM actions WHERE id = 2"))
+            conn.execute(text(action), {"pool": "c"})
+            assert conn.execute(text("SELECT id FROM actions WHERE pool = 'c'")).scalar() == 3
+    finally:
+        engine.dispose()
+    migrate.downgrade(db_url, "0007")  # and back: the rows are kept as well
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            assert [r[0] for r in conn.execute(text("SELECT id FROM actions ORDER BY id"))] == [1, 3]
+    finally:
+        engine.dispose()
+
+
 def test_models_match_the_migrations(store: SqlStore) -> None:
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
