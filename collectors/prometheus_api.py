@@ -271,9 +271,27 @@ def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window
     """The PromQL of one signal (`pod`: the labels that tell pods apart). A family's alternative spellings are joined
     with `or` series by series, inside the aggregation: in a rolling upgrade each engine is read in the spelling it
     has (one with both, in the current one), where a choice per pool would drop every engine still on the other. A
-    fallback, another metric, stands in per group where the signal's own has no series."""
+    fallback, another metric, stands in per group where an engine has only it: read from the engines that have the
+    signal's own, a pool midway through an upgrade would be read from part of it (as the scraper merges)."""
     main = _aggregated(spec, spec.families, sel, by, window, pod)
-    return main if not spec.fallback else f"({main}) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
+    if not spec.fallback:
+        return main
+    everywhere = _everywhere(spec.families, spec.fallback, sel, by, pod)
+    return f"(({main}) and on ({', '.join(by)}) ({everywhere})) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
+
+
+def _everywhere(main: tuple[tuple[str, ...], ...], other: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
+                pod: tuple[str, ...]) -> str:
+    """The groups (`by`) in which every engine with a histogram of `other` has one of `main` too, or none has one of
+    `other`: engines counted by their pod and data-parallel rank."""
+    engine = ", ".join(dict.fromkeys((*by, *pod, "engine")))
+
+    def engines(spellings: tuple[tuple[str, ...], ...]) -> str:
+        series = " or ".join(f"({fams[0]}_count{sel})" for fams in spellings)
+        return f"count by ({', '.join(by)}) (group by ({engine}) ({series}))"
+
+    have, others = engines(main), engines(other)
+    return f"({have} >= {others}) or ({have} unless on ({', '.join(by)}) {others})"
 
 
 def _aggregated(spec: SignalSpec, spellings: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
@@ -597,16 +615,19 @@ class PrometheusSource:
                       by: tuple[str, ...], fixed_pool: str | None, wanted: set[str], window: _Window, ts: float,
                       out: ApiOutput) -> dict[str, list[tuple[float, float]]]:
         """Per pool of `wanted`, a histogram's cumulative bucket increases over the window, each pool from the first
-        group of metrics it has series of (the histogram, else the one standing in for it), each engine in the spelling
+        group of metrics every engine of it has (the histogram, else the one standing in for it), each engine in the spelling
         it has (a rolling upgrade mixes them). A pool with a bucket bound that is no number gets none, with the
         series in `out.malformed`: its share cannot be read, and the other pools' still can."""
         grouping = ", ".join((*by, "le"))
         buckets: dict[str, list[tuple[float, float]]] = {}
         broken: set[str] = set()
-        for spellings in groups:
+        for i, spellings in enumerate(groups):
             families = spellings[0]
             inner = " or ".join(f"({window.increase(f'{fams[0]}_bucket{sel}')})" for fams in spellings)
             query = f"sum by ({grouping}) ({inner})"
+            if later := tuple(fams for group in groups[i + 1:] for fams in group):  # as `build_query`'s fallback
+                everywhere = _everywhere(spellings, later, sel, by, (self.labels.pod, self.labels.instance))
+                query = f"({query}) and on ({', '.join(by)}) ({everywhere})"
             rows = self._answer(signal, pool_subject(fixed_pool) if fixed_pool is not None else "pool", query, ts, out)
             if rows is None:
                 break

@@ -198,9 +198,15 @@ def test_rate_mode_queries() -> None:
     # TPOT's stand-in, the inter-token latency, is another metric, not a spelling: per pool, outside the aggregation
     # (mixed in, old engines' per-token observations would outnumber the new ones' per-request ones); its own two
     # spellings inside.
+    # Per pool where every engine has the signal's own histogram: midway through an upgrade the pool reads what all
+    # of its engines have, as the scraper merges them.
     tpot = build_query(SPECS["tpot_p95"], "", ("pool",), w)
-    assert tpot == ("(histogram_quantile(0.95, sum by (pool, le) (increase("
-                    "vllm:request_time_per_output_token_seconds_bucket[15000ms])))) or "
+    engines = "count by (pool) (group by (pool, pod, instance, engine) ({}))"
+    per_request = engines.format("(vllm:request_time_per_output_token_seconds_count)")
+    per_token = engines.format("(vllm:inter_token_latency_seconds_count) or (vllm:time_per_output_token_seconds_count)")
+    assert tpot == ("((histogram_quantile(0.95, sum by (pool, le) (increase("
+                    "vllm:request_time_per_output_token_seconds_bucket[15000ms])))) and on (pool) "
+                    f"(({per_request} >= {per_token}) or ({per_request} unless on (pool) {per_token}))) or "
                     "(histogram_quantile(0.95, sum by (pool, le) ((increase(vllm:inter_token_latency_seconds_bucket"
                     "[15000ms])) or (increase(vllm:time_per_output_token_seconds_bucket[15000ms])))))")
     # Each side of a ratio, likewise.
@@ -266,13 +272,19 @@ def _row(value: float | str, **labels: str) -> dict[str, Any]:
     return {"metric": labels, "value": [100.0, str(value)]}
 
 
+def _engines(query: str, by: str = "pool, pod, instance, engine") -> bool:
+    """Whether a query is of the engine scope: its outermost aggregation, the first, is by engine (a pool's may count
+    its engines inside)."""
+    return f"by ({by}" in query and query.index(f"by ({by}") == query.index("by (")
+
+
 def _answer(query: str) -> list[dict[str, Any]]:
     """A fleet of two labelled engines and one without a pool label; no speculative decoding."""
     if query.startswith("count("):
         return [] if "spec_decode" in query else [_row(1)]
     if "spec_decode" in query:
         return []
-    if "by (pool, pod, instance, engine" in query:
+    if _engines(query):
         nan_for_b = "histogram_quantile" in query
         return [
             _row(2.0, pool="prefill", pod="p-0", instance="10.0.0.1:8000", engine="0"),
@@ -320,7 +332,7 @@ def test_a_family_present_without_data_is_not_missing() -> None:
 
 def test_an_engine_seen_on_two_instances_is_kept_once() -> None:
     def answer(q: str) -> list[dict[str, Any]]:
-        if "by (pool, pod, instance, engine" not in q:
+        if not _engines(q):
             return [_row(1)] if q.startswith("count(") else []
         same = {"pool": "a", "pod": "p", "engine": "0"}
         return [_row(1.0, instance="h1:1", **same), _row(2.0, instance="h2:1", **same)]
@@ -334,7 +346,7 @@ def test_an_engine_seen_on_two_instances_is_kept_once() -> None:
 def test_an_engine_two_jobs_scrape_is_kept_once_and_its_pools_sums_are_doubtful() -> None:
     """A ServiceMonitor and a PodMonitor on the same engine: the pool's sums count its requests twice."""
     def answer(q: str) -> list[dict[str, Any]]:
-        if "by (pool, pod, instance, engine, job" not in q:
+        if not _engines(q, "pool, pod, instance, engine, job"):
             return [_row(1)] if q.startswith("count(") else []
         same = {"pool": "a", "pod": "p", "engine": "0", "instance": "10.0.0.1:8000"}
         return [_row(10.0, job="vllm-service", **same), _row(10.0, job="vllm-pods", **same)]

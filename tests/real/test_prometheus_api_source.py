@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,7 @@ from collectors.prometheus_api import (
     escape_regex,
     selector,
 )
-from collectors.types import Signal
+from collectors.types import Objectives, Signal
 from controlplane.lab.engine import free_port
 from tests.real.prometheus import prometheus_binary
 from tests.real.scenario import OBJECTIVES, TOLERANCE, Run, rel_diff
@@ -162,14 +164,10 @@ def test_escaped_values_parse_in_real_promql_and_errors_translate(prometheus_run
         source.close()
 
 
-def test_delta_mode_divides_by_the_time_between_the_samples_it_read(tmp_path: Path) -> None:
-    """Prometheus down for two minutes (its own restart writes no staleness markers): a minute after, `x offset 60s`
-    falls back to the sample before the gap, and the increase since spans the gap, not the window."""
-    base = (int(time.time()) // 7200 - 2) * 7200  # two hours back, on a block boundary
-    labels = 'engine="0",instance="10.0.0.1:8000",job="vllm",model_name="m",pod="pod-a",pool="p"'
-    times = [base + 15 * i for i in range(41) if not 300 < 15 * i < 420]
-    lines = [f'vllm:request_success_total{{{labels},finished_reason="stop"}} {10.0 * (t - base)} {t}' for t in times]
-    lines += [f"vllm:num_requests_running{{{labels}}} 5 {t}" for t in times]
+@contextmanager
+def _serving(tmp_path: Path, lines: list[str]) -> Iterator[PrometheusSource]:
+    """A real Prometheus serving `lines` (OpenMetrics samples with timestamps, written as TSDB blocks), read in delta
+    mode under `job="vllm"`."""
     (tmp_path / "data.om").write_text("\n".join(lines) + "\n# EOF\n")
     subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(tmp_path / "data.om"),
                     str(tmp_path / "tsdb")], check=True, capture_output=True, timeout=60)
@@ -187,10 +185,56 @@ def test_delta_mode_divides_by_the_time_between_the_samples_it_read(tmp_path: Pa
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        out = source.signals(base + 435.0, 60.0)  # two scrapes after the gap
-        rates = {(s.subject, s.name): s.value for s in out.signals}
-        assert rates[("pool/p", "request_rate")] == pytest.approx(10.0), "a steady 10 requests a second"
+        yield source
     finally:
         source.close()
         proc.terminate()
         proc.wait(10)
+
+
+def _base() -> int:
+    return (int(time.time()) // 7200 - 2) * 7200  # two hours back, on a block boundary
+
+
+def test_delta_mode_divides_by_the_time_between_the_samples_it_read(tmp_path: Path) -> None:
+    """Prometheus down for two minutes (its own restart writes no staleness markers): a minute after, `x offset 60s`
+    falls back to the sample before the gap, and the increase since spans the gap, not the window."""
+    base = _base()
+    labels = 'engine="0",instance="10.0.0.1:8000",job="vllm",model_name="m",pod="pod-a",pool="p"'
+    times = [base + 15 * i for i in range(41) if not 300 < 15 * i < 420]
+    lines = [f'vllm:request_success_total{{{labels},finished_reason="stop"}} {10.0 * (t - base)} {t}' for t in times]
+    lines += [f"vllm:num_requests_running{{{labels}}} 5 {t}" for t in times]
+    with _serving(tmp_path, lines) as source:
+        out = source.signals(base + 435.0, 60.0)  # two scrapes after the gap
+    rates = {(s.subject, s.name): s.value for s in out.signals}
+    assert rates[("pool/p", "request_rate")] == pytest.approx(10.0), "a steady 10 requests a second"
+
+
+def test_a_pool_midway_through_an_upgrade_reads_tpot_as_every_engine_has_it(tmp_path: Path) -> None:
+    """Pool `p`: one engine on a vLLM with the per-request TPOT histogram beside its inter-token latency, one still
+    before it. Read from the first alone, the pool's TPOT p95 was half the pool's (0.049 s); it is the latency both
+    have, as the scraper reads it (0.024 s). Pool `q`, upgraded whole, reads the per-request one."""
+    base = _base()
+    per_request, per_token = "vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds"
+
+    def histogram(family: str, labels: str, t: int, per_step: int, inside: str) -> list[str]:
+        n = per_step * (t - base) // 15  # every observation in the bucket ending at `inside`
+        return [f'{family}_bucket{{{labels},le="{le}"}} {n if float(le) >= float(inside) else 0} {t}'
+                for le in ("0.01", "0.025", "0.05", "+Inf")] + [f"{family}_count{{{labels}}} {n} {t}",
+                                                                 f"{family}_sum{{{labels}}} {n * float(inside)} {t}"]
+
+    lines = []
+    for t in range(base, base + 601, 15):
+        for pool, pod, new in (("p", "pod-a", True), ("p", "pod-b", False), ("q", "pod-c", True)):
+            labels = f'engine="0",instance="{pod}:8000",job="vllm",model_name="m",pod="{pod}",pool="{pool}"'
+            lines.append(f"vllm:num_requests_running{{{labels}}} 5 {t}")
+            lines += histogram(per_token, labels, t, 100, "0.025")
+            if new:
+                lines += histogram(per_request, labels, t, 10, "0.05")
+    with _serving(tmp_path, lines) as source:
+        out = source.signals(base + 300.0, 60.0, objectives={"p": Objectives(tpot=0.03), "q": Objectives(tpot=0.03)})
+    read = {(s.subject, s.name): s.value for s in out.signals}
+    assert read[("pool/p", "tpot_p95")] == pytest.approx(0.02425)
+    assert read[("pool/q", "tpot_p95")] == pytest.approx(0.04875)
+    assert read[("engine/p/pod-a/0", "tpot_p95")] == pytest.approx(0.04875)  # an engine reads what it has
+    assert read[("pool/p", "tpot_over_slo")] == 0.0 and read[("pool/q", "tpot_over_slo")] == pytest.approx(0.8)
