@@ -224,17 +224,21 @@ class KvTransferLag:
             cause = (f"{where}: KV transfer p99 {(p99 or 0) * 1000:.1f} ms against {ref}: the decode side is "
                      "slow to take the KV (CPU or NIC contention, a lagging worker) or the link is congested.")
         severity = Severity.CRITICAL if failing and share >= s.failure_share_critical else Severity.WARNING
-        proposals = self._proposals(subject, where)
+        proposals = self._proposals(inp, subject, where)
         return FindingReport(FindingKey(KIND, subject), severity, f"KV transfer lag on {where}", cause,
                              {**evidence, "suggested_actions": [p.reason for p in proposals]},
                              KIND, proposals)
 
-    def _proposals(self, subject: str, where: str) -> tuple[Proposal, ...]:
+    def _proposals(self, inp: PolicyInput, subject: str, where: str) -> tuple[Proposal, ...]:
+        """Drain a lagging decode worker; limit admissions to a probed path's decode side where it names a pool. A
+        NIXL agent, or a probe peer named otherwise, names none (the worker's own connector signals name its pod)."""
         if subject.startswith("engine/"):
             _, pool, pod, _rank = subject.split("/")
             return (Proposal(ActionKind.DRAIN_ENGINE, pool, Drain(pod), f"drain the lagging decode worker {where}",
                              verify_signal="nixl_xfer_time_p99"),)
         target = where.split("->")[-1]
+        if not subject.startswith("kvpath/") or target not in inp.pools:
+            return ()
         return (Proposal(ActionKind.ADMISSION_CONTROL, target, Admit(target, 0.25),
                          f"limit admissions that hand KV to {target} until its path recovers"),)
 

@@ -27,9 +27,9 @@ def windows(series: dict[str, list[float]], failures: dict[str, list[float]] | N
     return w
 
 
-def run(w: SignalWindows, open_findings: dict | None = None):
+def run(w: SignalWindows, open_findings: dict | None = None, pools: dict | None = None):
     now = max(ts for s in w.subjects("kv_transfer_p99") for ts, _ in w.series(s, "kv_transfer_p99"))
-    return KvTransferLag().evaluate(PolicyInput(now, w, {}, open_findings or {}))
+    return KvTransferLag().evaluate(PolicyInput(now, w, pools or {}, open_findings or {}))
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,21 @@ def test_tail_against_own_baseline(values: list[float], opens: bool) -> None:
         [f] = result.findings
         assert f.key == FindingKey(KIND, PATH) and "prefill-0->decode-1" in f.summary
         assert f.evidence["baseline_p99"] == pytest.approx(0.004, abs=2e-4)
-        assert [p.kind for p in f.proposals] == [ActionKind.ADMISSION_CONTROL]
+        assert f.proposals == ()  # its decode side is no pool of the fleet
+
+
+def test_only_a_path_whose_decode_side_is_a_pool_proposes_admission_control_and_a_nixl_agent_nothing() -> None:
+    """A NIXL agent's name (`nixl/<host>/<agent>`) or a probe peer's is no pool: an admission limit proposed for it
+    named a pool the fleet lacks."""
+    from policies.types import PoolState
+
+    pools = {"decode-1": PoolState("decode-1", "decode", 2, 2, 1, 4)}
+    [f] = run(windows({PATH: BASE + [0.02, 0.025]}), pools=pools).findings
+    assert [(p.kind, p.pool) for p in f.proposals] == [(ActionKind.ADMISSION_CONTROL, "decode-1")]
+    agent = "nixl/node-decode-1/decode-1"
+    w = windows({agent: BASE + [0.02, 0.025]}, name="nixl_xfer_time_p99", fail_name="nixl_error_rate")
+    [f] = KvTransferLag().evaluate(PolicyInput(11 * STEP, w, pools, {})).findings
+    assert f.key.subject == agent and f.proposals == () and f.evidence["suggested_actions"] == []
 
 
 def test_one_lagging_path_among_peers_without_history() -> None:
