@@ -178,10 +178,9 @@ class CanaryRegression:
         for subject in inp.windows.subjects(_LOAD, prefix=f"engine/{pool}/"):
             points = inp.windows.series(subject, _LOAD)
             pod = subject.split("/")[2]
-            began = _began(inp, pool, pod, points[0][0], changed)
-            new = bool(pattern.fullmatch(pod)) if pattern is not None else began > (changed or math.inf)
+            new = bool(pattern.fullmatch(pod)) if pattern is not None else points[0][0] > (changed or math.inf)
             # Without a pattern the canary is judged from the change on, however early its engines started.
-            first = began if pattern is not None else max(began, changed or -math.inf)
+            first = points[0][0] if pattern is not None else max(points[0][0], changed or -math.inf)
             out.append(_Engine(subject, pod, new, first, points[-1][0], points[-1][0] >= live_since))
         return _this_canary(out) if pattern is not None else out
 
@@ -340,24 +339,14 @@ def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list
     return base, canary, min(e.first for e in canary)
 
 
-def _began(inp: PolicyInput, pool: str, pod: str, reported: float, changed: float | None) -> float:
-    """When a pod's engines began as what they run now: their first report (`reported`), or, for a pod recreated
-    under its name since the change (a StatefulSet's, a LeaderWorkerSet's group), its first new process since."""
-    if changed is None or reported > changed:
-        return reported
-    since = [ts for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=changed) if ts > changed]
-    return min(since, default=reported)
-
-
 def _restarts(inp: PolicyInput, pool: str, engines: list[_Engine], start: float, width: float,
               n: int) -> list[tuple[str, ...]]:
     """The engines' pods whose process restarted (the scrapes' `restarts`) in each of `n` steps of `width` seconds
-    from `start`, after each pod began as the canary (a pod recreated under its name began with a new process)."""
+    from `start`."""
     out: list[list[str]] = [[] for _ in range(n)]
     for pod in _pods(engines):
-        began = min(e.first for e in engines if e.pod == pod)
         for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start):
-            if ts > max(start, began) and (k := math.ceil((ts - start) / width) - 1) < n:
+            if ts > start and (k := math.ceil((ts - start) / width) - 1) < n:
                 out[k].append(pod)
     return [tuple(pods) for pods in out]
 

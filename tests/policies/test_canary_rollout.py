@@ -79,25 +79,6 @@ def test_a_canary_that_restarts_is_rolled_back_though_its_latency_reads_as_the_b
     assert p.kind is ActionKind.ROLLBACK and "restarts" not in p.inputs
 
 
-def test_a_pod_recreated_under_its_name_is_the_canary_from_its_new_process_and_no_restart() -> None:
-    # A StatefulSet rolls out by recreating its pods under their names, highest ordinal first: their series go on,
-    # and only the new process each pod starts (the scrapes' `restarts`) tells they run the new revision.
-    w, now = fleet(1.15, minutes=12)
-    for t in range(0, int(now) + 1, int(STEP)):
-        w.add(t, "engine/decode/decode-3/0", "request_rate", 4.0)
-        w.add(t, "engine/decode/decode-3/0", "tpot_mean", 0.02 * (1.15 if t > CHANGE + 30 else 1.0))
-        w.add(t, "engine/decode/decode-3/0", "request_error_rate", 0.0)
-    w.add(CHANGE + 30, "target/decode/decode-3/vllm", "restarts", 1.0)
-    w.add(CHANGE + 400, "target/decode/decode-2/vllm", "restarts", 1.0)  # the next ordinal, recreated in its turn
-    [f] = run(w, now, {"decode": CHANGE}).findings
-    assert "decode-3" in f.evidence["canary"] and "decode-2" in f.evidence["canary"]
-    assert "decode-3" not in f.evidence["baseline"] and "tpot" in f.summary and "restarts" not in f.summary
-    # A crash of a recreated pod after it began is a restart.
-    w.add(now - 60, "target/decode/decode-2/vllm", "restarts", 1.0)
-    [f] = run(w, now, {"decode": CHANGE}).findings
-    assert "decode-2 1 time" in f.cause
-
-
 def test_a_canary_pattern_names_the_canary_of_a_deployment_beside_the_stable_one() -> None:
     w, now = fleet(1.3)
     s = CanaryRolloutSettings(canary_pods={"decode": r"decode-7f9c-\d+"})
