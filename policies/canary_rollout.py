@@ -342,11 +342,13 @@ def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list
 def _restarts(inp: PolicyInput, pool: str, engines: list[_Engine], start: float, width: float,
               n: int) -> list[tuple[str, ...]]:
     """The engines' pods whose process restarted (the scrapes' `restarts`) in each of `n` steps of `width` seconds
-    from `start`."""
+    from `start`, each pod's first new process left out: a StatefulSet's pod named by a `canary_pods` pattern is
+    recreated under its name as its rollout reaches it, which reads the same as a crash in place."""
     out: list[list[str]] = [[] for _ in range(n)]
     for pod in _pods(engines):
-        for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start):
-            if ts > start and (k := math.ceil((ts - start) / width) - 1) < n:
+        restarts = [ts for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start) if ts > start]
+        for ts in restarts[1:]:
+            if (k := math.ceil((ts - start) / width) - 1) < n:
                 out[k].append(pod)
     return [tuple(pods) for pods in out]
 
