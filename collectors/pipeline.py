@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from collectors import families, sources
 from collectors.exposition import ExpositionError, Parser
-from collectors.restarts import process_start, restarted_since
+from collectors.restarts import ProcessStarts, process_start
 from collectors.types import Objectives, ScrapeResult, Signal, pod_subject, pool_subject, target_subject
 
 __all__ = ["DeriveOutput", "SignalDeriver"]
@@ -42,7 +42,12 @@ class SignalDeriver:
         # One series cache for all targets: engines of a fleet expose the same series texts
         # (the pod is not a label of its own exposition), so the cache stays small and hot.
         self._parser = Parser(max_series=500_000)
-        self._started: dict[str, tuple[float, float]] = {}  # target -> its process start, and when last read
+        self._started = ProcessStarts(STARTED_KEPT_S)
+
+    def new_term(self) -> None:
+        """Forget the process starts read before this replica last led: another leader may have recorded the restarts
+        since, and read again here they would be recorded twice."""
+        self._started.forget()
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:
         """Derive signals for one round; `ts` stamps the pool-level signals."""
@@ -75,10 +80,9 @@ class SignalDeriver:
             out.signals.append(Signal(res.ts, health, "scrape_body_bytes", float(res.size_bytes)))
             # vLLM's alone: a restart is read of the engines (the canary gate), and the scan costs a pass over the
             # samples of an exposition that lacks the line.
-            if t.source == "vllm" and (started := process_start(samples)) is not None:
-                if restarted_since(self._started.get(t.key, (None,))[0], started):
-                    out.signals.append(Signal(res.ts, health, "restarts", 1.0))
-                self._started[t.key] = (started, res.ts)
+            if t.source == "vllm" and (started := process_start(samples)) is not None \
+                    and self._started.restarted(t.key, started, res.ts):
+                out.signals.append(Signal(res.ts, health, "restarts", 1.0))
             readings = source.read(samples)
             # The counters and histograms of lines dropped as malformed: exposed, but not read.
             index = source.families.index()
@@ -130,7 +134,7 @@ class SignalDeriver:
         for slot in list(self._prev):
             if slot not in seen:
                 del self._prev[slot]  # target gone from the fleet
-        self._started = {k: v for k, v in self._started.items() if ts - v[1] <= STARTED_KEPT_S}
+        self._started.forget(ts)
         for pool, ups in pool_up.items():
             subject = pool_subject(pool)
             out.signals.append(Signal(ts, subject, "targets_up", sum(ups)))

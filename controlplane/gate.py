@@ -26,7 +26,7 @@ import re2
 from collectors import families
 from collectors.exposition import ExpositionError, Parser
 from collectors.prometheus_api import PrometheusError, PrometheusSource, escape_regex, selector
-from collectors.restarts import PROCESS_START, process_start, restarted_since
+from collectors.restarts import PROCESS_START, ProcessStarts, process_start
 from collectors.scraper import Scraper
 from collectors.types import Signal, Target
 from collectors.vllm import FAMILIES, read_engines
@@ -228,9 +228,7 @@ class TargetsGateSource:
         self._parser = Parser()
         self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}  # (target, engine) -> its last reading
         self._answered: set[str] = set()  # canary targets that answered a scrape of this gate
-        # A canary target's process start as last read, kept while it is not listed: a crash-looping pod leaves its
-        # Service's routing (not Ready) between its restarts.
-        self._started: dict[str, float] = {}
+        self._started = ProcessStarts()  # the canary's targets', kept while one is not listed
         self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
         self._stepped = False
         self._tpot = _TpotReading(self._names)
@@ -275,10 +273,9 @@ class TargetsGateSource:
                 samples = list(self._parser.parse(res.body, errors=errors))
                 if errors:
                     log.warning("%s: %d malformed exposition line(s), first: %s", res.target.url, len(errors), errors[0])
-                if arm == "canary" and (started := process_start(samples)) is not None:
-                    if restarted_since(self._started.get(res.target.key), started):
-                        self._restarted.append(res.target.pod)
-                    self._started[res.target.key] = started
+                if arm == "canary" and (started := process_start(samples)) is not None \
+                        and self._started.restarted(res.target.key, started, res.ts):
+                    self._restarted.append(res.target.pod)
                 for entity, reading in read_engines(samples).items():
                     prev = self._prev.get((res.target.key, entity))
                     self._prev[(res.target.key, entity)] = (res.ts, reading)
@@ -333,7 +330,7 @@ class PromGateSource:
         self._families: dict[tuple[str, str], str] = {}  # (metric, arm's selector) -> the spelling that arm has
         self._tpot = _TpotReading(self._names)
         self._served: set[tuple[str, str]] = set()  # the canary's vLLM targets (pod, instance) that served in this gate
-        self._started: dict[tuple[str, str], float] = {}  # each of them -> its process start as last read
+        self._started = ProcessStarts()  # each of them: (pod, instance)
         self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
         self._sampled = False  # whether a step was seen to hold two samples of a baseline series
 
@@ -422,10 +419,9 @@ class PromGateSource:
         instances = "|".join(escape_regex(i) for i in sorted({i for _, i in self._served}))
         served = selector([*self._prom.matchers, (instance, "=~", instances)])
         for labels, started in self._query(f"max by ({by}) ({PROCESS_START}{served})", end):
-            if (slot := (labels.get(pod, ""), labels.get(instance, ""))) in self._served and math.isfinite(started):
-                if restarted_since(self._started.get(slot), started):
-                    self._restarted.append(slot[0] or slot[1])
-                self._started[slot] = started
+            if ((slot := (labels.get(pod, ""), labels.get(instance, ""))) in self._served and math.isfinite(started)
+                    and self._started.restarted(slot, started, end)):
+                self._restarted.append(slot[0] or slot[1])
         rows = self._query(f"up{served} == 0", end)
         if down := sorted({labels.get(pod) or labels.get(instance, "?") for labels, _ in rows
                            if (labels.get(pod, ""), labels.get(instance)) in self._served}):
@@ -479,6 +475,7 @@ class StoreGateSource:
         self._names = [r.name for r in rules]
         self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
         self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
+        self._read_to: float | None = None  # the end of the last step read from the store
         self._arm: dict[str, str | None] = {}  # a pod of the pool -> its arm
         self._tpot = _TpotReading(self._names)
 
@@ -488,10 +485,13 @@ class StoreGateSource:
                   *(ENGINE_MEANS[n][0] for n in self._names if n in ENGINE_MEANS)}
         # Two steps back, so the first point in the window knows how long its interval was; nothing after the step,
         # so a replica catching up on a long gate reads each step's rows, not every row since, once per step.
+        # Restarts since the last step read: one in a step the store failed to give is counted in the next.
+        since = start if self._read_to is None else min(start, self._read_to)
         try:
-            signals = await self._store.load_signals(start - 2 * (end - start), names=wanted, until=end)
+            signals = await self._store.load_signals(min(since, start - 2 * (end - start)), names=wanted, until=end)
         except StoreUnavailable as exc:  # a database blip is a failed step, which the gate's patience covers
             raise GateError(str(exc)) from None
+        self._read_to = end
         engines: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
         latest: dict[str, float] = {}  # the pool's vLLM targets: each pod's last `up` by `end`, a step back at most
         for s in sorted(signals, key=lambda s: s.ts):
@@ -499,7 +499,7 @@ class StoreGateSource:
                 engines[s.subject][s.name].append((s.ts, s.value))
             elif s.subject.startswith(f"target/{self._pool}/") and s.subject.endswith("/vllm"):
                 pod = s.subject.split("/")[2]
-                if s.name == "restarts" and start < s.ts <= end and self._arm_of(pod) == "canary":
+                if s.name == "restarts" and since < s.ts <= end and self._arm_of(pod) == "canary":
                     self._restarted.append(pod)
                 elif s.name == "up" and 2 * start - end < s.ts <= end:
                     latest[pod] = s.value

@@ -25,7 +25,7 @@ from controlplane.clock import Clock
 from controlplane.config import FleetConfig, Mode, Rails
 from controlplane.errors import ActionConflict, ActionNotFound, ActuationError, FleetError, StoreConflict
 from controlplane.killswitch import KillSwitch, NeverPaused
-from controlplane.observe import MetricSource, Observation
+from controlplane.observe import MetricSource, Observation, ScrapeSource
 from controlplane.rails import (
     REVERT_WAITS,
     WAIT_REASONS,
@@ -208,6 +208,8 @@ class ControlLoop:
         self._unnoted.clear()
         # Another leader may have written the targets meanwhile: all of them are written again at the first tick.
         self._target_state.clear()
+        if isinstance(self.source, ScrapeSource):  # and recorded the restarts it scraped
+            self.source.deriver.new_term()
         self._live_targets = None
         self._unrecorded.clear()
         self._finished_now = []  # of the last tick this replica led, maybe long ago

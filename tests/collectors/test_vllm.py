@@ -107,6 +107,11 @@ def test_a_new_process_in_a_pod_is_one_restart_though_the_pod_was_gone_from_disc
     # A pod gone for longer than an hour is forgotten: a pod of its name after that is no restart of it.
     d.derive([at(4100.0, 1.7e9 + 350.0, "p1")], 4100.0)
     assert restarts(d.derive([at(4115.0, 1.7e9 + 4000.0)], 4115.0)) == []
+    # So is one read over an hour before, however few rounds came between (a replica that led again).
+    assert restarts(d.derive([at(8000.0, 1.7e9 + 7000.0, "p1")], 8000.0)) == []
+    # A new term forgets every start: another leader recorded the restarts meanwhile.
+    d.new_term()
+    assert restarts(d.derive([at(8015.0, 1.7e9 + 8000.0, "p1")], 8015.0)) == []
 
 
 def test_a_pool_reports_its_share_of_requests_over_its_objectives() -> None:

@@ -254,6 +254,18 @@ async def test_the_store_source_counts_the_canarys_restarts_a_failed_step_includ
         await src.interval(130.0, 150.0)
     assert (await src.interval(150.0, 170.0)).restarted == ("decode-canary-0", "decode-canary-1")
     assert (await src.interval(170.0, 190.0)).restarted == ()
+    # A step the store failed to give: its restart is counted in the next step read.
+    await store.write_signals([Signal(195.0, "target/decode/decode-canary-0/vllm", "restarts", 1.0)])
+    down = StoreUnavailable("the database restarts")
+
+    async def failing(*args: Any, **kwargs: Any) -> list[Signal]:
+        raise down
+
+    read, store.load_signals = store.load_signals, failing  # type: ignore[method-assign]
+    with pytest.raises(GateError, match="the database restarts"):
+        await src.interval(190.0, 210.0)
+    store.load_signals = read  # type: ignore[method-assign]
+    assert (await src.interval(210.0, 230.0)).restarted == ("decode-canary-0",)
 
 
 # Prometheus ------------------------------------------------------------------------------------------

@@ -171,6 +171,32 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     assert "fleet_controlplane_ticks_total 1.0" in metrics
 
 
+async def test_a_take_over_forgets_the_process_starts_read_while_it_last_led(sqlite_store: SqlStore) -> None:
+    """Another leader scraped the pod's new process meanwhile and recorded its restart: read against the start this
+    replica read before, it was recorded a second time, stamped at the take-over (a canary's second restart)."""
+    started = {"t": 1.7e9}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text='vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+                                        f"process_start_time_seconds {started['t']}\n")
+
+    cfg = demo_config(str(sqlite_store.engine.url))
+    store = MemoryStore()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
+        loop = build_loop(cfg, store, mock, targets=StaticTargets([Target("http://p0/metrics", "prefill", "p0")]),
+                          clock=VirtualClock())
+        await loop.start()
+        await loop.tick()
+        started["t"] += 300.0  # restarted while another replica led, which recorded it
+        await loop.start()
+        await loop.tick()
+        assert not [s for s in await store.load_signals(0.0) if s.name == "restarts"]
+        started["t"] += 300.0  # and again while this one leads
+        loop.clock.advance(15.0)  # type: ignore[attr-defined]
+        await loop.tick()
+    assert [s.subject for s in await store.load_signals(0.0) if s.name == "restarts"] == ["target/prefill/p0/vllm"]
+
+
 async def test_a_round_with_no_time_left_for_a_target_leaves_its_pool_unfit_not_its_target_down(
         sqlite_store: SqlStore) -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -483,11 +509,11 @@ async def test_an_engine_prometheus_scrapes_twice_makes_its_pools_sums_unfit(sql
     and a pool read at twice its load would be scaled for it. Series no pool is given to are a tick error."""
     from collectors.prometheus_api import PrometheusSource
     from controlplane.observe import PrometheusApiSource
-    from tests.collectors.test_prometheus_api import FakeClient, _answer, _row
+    from tests.collectors.test_prometheus_api import FakeClient, _answer, _engines, _row
 
     def answer(query: str) -> list[dict[str, Any]]:
         rows = _answer(query)
-        if "by (pool, pod, instance, engine" in query:
+        if _engines(query):
             rows = [*rows, _row(2.0, pool="prefill", pod="p-0", instance="10.0.0.1:9400", engine="0")]
         return rows
 
