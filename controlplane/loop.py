@@ -140,7 +140,6 @@ class ControlLoop:
         self._term = 0
         self.windows = SignalWindows(HISTORY_S)
         self.changed_at: dict[str, float] = {}
-        self.revised: dict[str, Mapping[str, float]] = {}  # `FleetView.revised`, kept as `changed_at` is
         self._router_template: str | None = None  # the router's pod template digest, as last read
         self._last_replicas: dict[str, PoolReplicas] = {}  # as last read: an unreadable pool keeps them
         # Changes this process started that wait (an engine draining), by action id.
@@ -539,7 +538,6 @@ class ControlLoop:
         # A revision not dated this time (its ReplicaSets could not be listed) keeps its last date: gone for a tick, a
         # failing canary's finding would resolve as a rollout that ended, and its rollback expire.
         self.changed_at = {**self.changed_at, **view.changed_at}
-        self.revised = {**self.revised, **view.revised}  # as its date
         self._router_template = view.router_template
         # A pool that may scale to zero and is there has no series to stop; one that may not is down, not idle.
         serving = [p.name for p in self.config.pools
@@ -639,8 +637,7 @@ class ControlLoop:
         await self._keep_unkept()
         open_rows = {FindingKey(f.kind, f.subject): f for f in await self.store.open_findings()}
         open_view = {k: OpenFinding(k, f.opened_at, f.evidence) for k, f in open_rows.items()}
-        inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view, changed_at=self.changed_at,
-                          revised=self.revised)
+        inp = PolicyInput(now=now, windows=self.windows, pools=pools, open_findings=open_view, changed_at=self.changed_at)
         proposals: list[tuple[int | None, Proposal]] = []
         for policy in self.policies:
             with self.telemetry.span(f"policy.{policy.kind}"):

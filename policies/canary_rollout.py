@@ -170,7 +170,7 @@ class CanaryRegression:
     def _engines(self, inp: PolicyInput, pool: str) -> list[_Engine]:
         """The pool's engines in the windows, each told new (on the pool's last revision) or old; none
         when nothing says which revision an engine runs."""
-        pattern, changed, revised = self._patterns.get(pool), inp.changed_at.get(pool), inp.revised.get(pool)
+        pattern, changed = self._patterns.get(pool), inp.changed_at.get(pool)
         if pattern is None and changed is None:
             return []
         live_since = inp.now - 4 * self.settings.gate.step  # engines gone (rolled back, drained) are no arm
@@ -178,16 +178,10 @@ class CanaryRegression:
         for subject in inp.windows.subjects(_LOAD, prefix=f"engine/{pool}/"):
             points = inp.windows.series(subject, _LOAD)
             pod = subject.split("/")[2]
-            # A pod recreated under its name is on the new revision from when it was made, whatever its series says.
-            began = revised[pod] if revised is not None and pod in revised else points[0][0]
-            if pattern is not None:
-                new = bool(pattern.fullmatch(pod))
-            else:
-                new = pod in revised if revised is not None else began > (changed or math.inf)
+            new = bool(pattern.fullmatch(pod)) if pattern is not None else points[0][0] > (changed or math.inf)
             # Without a pattern the canary is judged from the change on, however early its engines started.
-            first = began if pattern is not None else max(began, changed or -math.inf)
-            out.append(_Engine(subject, pod, new, first, points[-1][0], points[-1][0] >= live_since,
-                               began if began > points[0][0] else -math.inf))
+            first = points[0][0] if pattern is not None else max(points[0][0], changed or -math.inf)
+            out.append(_Engine(subject, pod, new, first, points[-1][0], points[-1][0] >= live_since))
         return _this_canary(out) if pattern is not None else out
 
     def _promoted(self, inp: PolicyInput, engines: list[_Engine]) -> tuple[list[_Engine], list[_Engine], float] | None:
@@ -208,8 +202,7 @@ class CanaryRegression:
         out: list[dict[str, Dist]] = [{} for _ in range(n)]
         wanted = (*self.reads, *(_TPOT_AS_ITL if read_as.get("tpot") == "itl" else ()))
         for e in engines:
-            series = {name: inp.windows.series(e.subject, name, since=max(start - 2 * self.settings.gate.step,
-                                                                          e.own_since))
+            series = {name: inp.windows.series(e.subject, name, since=start - 2 * self.settings.gate.step)
                       for name in wanted}
             for k in range(n):
                 for name, d in engine_dists(series, names, start + k * width, start + (k + 1) * width,
@@ -291,8 +284,6 @@ class CanaryRegression:
                 f"{verdict.reason}. The canary runs the pool's new revision beside engines on the old one, under "
                 f"the same load, so the difference is the revision's.",
                 {**verdict.as_dict(), **pods}, KIND,
-                # A StatefulSet or a LeaderWorkerSet is rolled back by a person: its actuator cannot.
-                () if pool in inp.revised else
                 (Proposal(ActionKind.ROLLBACK, pool, RollBack(pool),
                           f"roll {pool} back to its previous revision: its canary failed the gate ({_worst(verdict)})",
                           inputs=self.reads),),
@@ -318,7 +309,6 @@ class _Engine:
     first: float  # when it counts from: its first report (or the change, if later)
     last: float  # its latest report
     live: bool  # reported within the last few steps
-    own_since: float = -math.inf  # a pod recreated under its name: its series before then is the old pod's
 
 
 def _this_canary(engines: list[_Engine]) -> list[_Engine]:
@@ -352,12 +342,11 @@ def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list
 def _restarts(inp: PolicyInput, pool: str, engines: list[_Engine], start: float, width: float,
               n: int) -> list[tuple[str, ...]]:
     """The engines' pods whose process restarted (the scrapes' `restarts`) in each of `n` steps of `width` seconds
-    from `start`, since each pod began as the canary, its first new process left out: a StatefulSet's pod is
+    from `start`, each pod's first new process left out: a StatefulSet's pod named by a `canary_pods` pattern is
     recreated under its name as its rollout reaches it, which reads the same as a crash in place."""
     out: list[list[str]] = [[] for _ in range(n)]
     for pod in _pods(engines):
-        began = max(start, min(e.first for e in engines if e.pod == pod))
-        restarts = [ts for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=began) if ts > began]
+        restarts = [ts for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start) if ts > start]
         for ts in restarts[1:]:
             if (k := math.ceil((ts - start) / width) - 1) < n:
                 out[k].append(pod)

@@ -298,9 +298,6 @@ class PolicyInput:
     pools: Mapping[str, PoolState]
     open_findings: Mapping[FindingKey, OpenFinding]
     changed_at: Mapping[str, float] = field(default_factory=dict)  # "router" or a pool -> its last new revision
-    # A pool that recreates its pods under their names (a StatefulSet, a LeaderWorkerSet) -> the pods on its last new
-    # revision, with when each was made: its engines' series go on under the names, and tell nothing of it.
-    revised: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

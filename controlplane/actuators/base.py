@@ -42,9 +42,6 @@ class FleetView:
     # Pools whose workload could not be read now, with why: nothing acts on them until it can be.
     unreadable: Mapping[str, str] = field(default_factory=dict)
     router_template: str | None = None  # the digest of the router's pod template, where there is one to read
-    # Pools whose workload recreates its pods under their names (a StatefulSet, a LeaderWorkerSet) and has changed
-    # revision: the pods on the newest one, with when each was made (unix time).
-    revised: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,8 +102,6 @@ ARGO_REVISION = "rollout.argoproj.io/revision"  # what Argo Rollouts numbers its
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_WORKER = "leaderworkerset.sigs.k8s.io/worker-index"  # 0: the group's leader
-LWS_REVISION = "leaderworkerset.sigs.k8s.io/template-revision-hash"
-STS_REVISION = "controller-revision-hash"
 POD_INDEX = "apps.kubernetes.io/pod-index"
 CONTROLLER = "fleet-controlplane"
 T = TypeVar("T")
@@ -268,14 +266,6 @@ def _removed(pods: Mapping[str, Mapping[str, Any]], leaving: int, order: Order) 
                 p not in mine, _load(order, p) if ready else 0.0, p)
 
     return sorted(pods, key=rank)[:max(0, leaving)]
-
-
-def _time(stamp: object) -> float:
-    """A Kubernetes timestamp (`2026-12-01T09:30:00Z`) in seconds since the epoch; ActuationError where it is none."""
-    try:
-        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise ActuationError(f"{stamp!r} is no timestamp") from None
 
 
 def _controller(meta: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -570,7 +560,7 @@ class KubernetesActuator:
         seen, (router_changed, router_template), scalers = await asyncio.gather(
             asyncio.gather(*(self._observe_pool(w) for w in self.workloads.values()), return_exceptions=True),
             self._router(), self._autoscalers())
-        pools, changed, unreadable, revised = {}, {}, {}, {}
+        pools, changed, unreadable = {}, {}, {}
         for (pool, w), got in zip(self.workloads.items(), seen, strict=True):
             if isinstance(got, ActuationError):
                 unreadable[pool] = str(got)
@@ -580,11 +570,9 @@ class KubernetesActuator:
                 pools[pool] = dataclasses.replace(got[0], scaled_by=scalers.get((w.namespace, w.kind, w.name)))
                 if got[1] is not None:
                     changed[pool] = got[1]
-                if got[2] is not None:
-                    revised[pool] = got[2]
         if router_changed is not None:
             changed["router"] = router_changed
-        return FleetView(pools, changed, unreadable, router_template, revised)
+        return FleetView(pools, changed, unreadable, router_template)
 
     async def _autoscalers(self) -> dict[tuple[str, str, str], str]:
         """The HorizontalPodAutoscalers (KEDA's ScaledObjects make one each) that scale the pools' workloads, by the
@@ -629,9 +617,8 @@ class KubernetesActuator:
             log.warning("the router's revision cannot be read: %s", exc)
             return None, digest
 
-    async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None, dict[str, float] | None]:
-        """One pool's replicas as its workload reports them, when its current revision replaced another, and the pods
-        on it where their names do not tell (`_revision`)."""
+    async def _observe_pool(self, w: Workload) -> tuple[PoolReplicas, float | None]:
+        """One pool's replicas as its workload reports them, and when its current revision replaced another."""
         obj = await self._read(w)
         kind = KINDS[w.kind]
         desired = int(dig(obj, ("spec", "replicas"), 1))
@@ -645,7 +632,7 @@ class KubernetesActuator:
             desired * size, int(dig(obj, ("status", "readyReplicas"), 0) or 0) * size,
             max_unavailable=budget * size if budget is not None else None,
             gang=size, rolling=_rolling(w.kind, obj), template=template)
-        return replicas, *await self._revision(w, obj)
+        return replicas, await self._revision_time(w, obj)
 
     async def _template_digest(self, w: Workload, obj: Mapping[str, Any]) -> str | None:
         """The digest of the pod template `w`'s engines run (None where the Deployment a Rollout follows cannot be read:
@@ -705,34 +692,20 @@ class KubernetesActuator:
         """When the workload's current revision replaced another (the newest of a Deployment's or an Argo Rollout's
         ReplicaSets, or of a StatefulSet's or a LeaderWorkerSet's ControllerRevisions, when there is an older one; a
         first revision is no change)."""
-        return (await self._revision(w, obj))[0]
-
-    async def _revision(self, w: Workload, obj: Mapping[str, Any]) -> tuple[float | None, dict[str, float] | None]:
-        """`_revision_time`, and for a workload that recreates its pods under their names (a StatefulSet, a
-        LeaderWorkerSet) the pods on its newest revision with when each was made: their names, and the series read
-        under them, tell nothing of it."""
         try:
             if w.kind in _SPLITS:
                 sets = await self._replica_sets(w, obj)
             elif w.kind in _BY_ORDINAL:
                 sets = await self._controller_revisions(w, obj)
             else:
-                return None, None
-            if len(sets) < 2 or not (stamp := dig(sets[0], ("metadata", "creationTimestamp"))):
-                return None, None
-            revised = None
-            if w.kind in _BY_ORDINAL:
-                # A StatefulSet's pods name their revision; a LeaderWorkerSet's, its template's hash, as the revision
-                # records it.
-                label, current = ((STS_REVISION, dig(sets[0], ("metadata", "name"))) if w.kind == "StatefulSet" else
-                                  (LWS_REVISION, dig(sets[0], ("metadata", "labels", LWS_REVISION))))
-                pods = await self._pods_of(w, obj)
-                revised = {name: _time(meta.get("creationTimestamp") or stamp) for name, meta in pods.items()
-                           if current and dig(meta, ("labels", label)) == current}
+                return None
         except ActuationError as exc:  # its count stays known; only when it changed is not
             log.warning("when %s %s/%s last changed cannot be read: %s", w.kind, w.namespace, w.name, exc)
-            return None, None
-        return _time(stamp), revised
+            return None
+        stamp = dig(sets[0], ("metadata", "creationTimestamp")) if len(sets) >= 2 else None
+        if not stamp:
+            return None
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
 
     # carrying out -------------------------------------------------------------------------------
 

@@ -171,39 +171,6 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     assert "fleet_controlplane_ticks_total 1.0" in metrics
 
 
-async def test_the_policies_get_the_pods_a_workload_recreated_on_its_new_revision(sqlite_store: SqlStore,
-                                                                                    client: httpx.AsyncClient) -> None:
-    """A StatefulSet's pods keep their names across a rollout: which of them the new revision made comes from the
-    actuator, kept while its workload cannot be read, as the revision's date is."""
-    from controlplane.actuators.base import FleetView
-    from controlplane.actuators.dryrun import DryRunActuator
-    from policies.types import PolicyResult
-
-    seen: list[PolicyInput] = []
-
-    class Reads:
-        kind, reads = "reads", ()
-
-        def evaluate(self, inp: PolicyInput) -> PolicyResult:
-            seen.append(inp)
-            return PolicyResult()
-
-    views = [FleetView({}, {"prefill": 100.0}, revised={"prefill": {"prefill-2": 130.0}}),
-             FleetView({}, {}, {"prefill": "forbidden"})]
-
-    class Revising(DryRunActuator):
-        async def observe(self) -> FleetView:
-            return views.pop(0)
-
-    cfg = demo_config(str(sqlite_store.engine.url))
-    targets = StaticTargets([Target("http://p/metrics", "prefill", "p")])
-    loop = build_loop(cfg, MemoryStore(), client, targets=targets, clock=VirtualClock(), policies=[Reads()],
-                      actuator=Revising(targets, ["prefill"]))
-    await loop.tick()
-    await loop.tick()
-    assert [dict(inp.revised) for inp in seen] == [{"prefill": {"prefill-2": 130.0}}] * 2
-
-
 async def test_a_take_over_forgets_the_process_starts_read_while_it_last_led(sqlite_store: SqlStore) -> None:
     """Another leader scraped the pod's new process meanwhile and recorded its restart: read against the start this
     replica read before, it was recorded a second time, stamped at the take-over (a canary's second restart)."""

@@ -83,49 +83,6 @@ def test_a_canary_that_restarts_is_rolled_back_though_its_latency_reads_as_the_b
     assert p.kind is ActionKind.ROLLBACK and "restarts" not in p.inputs
 
 
-def recreated(before: float, after: float, minutes: float = 20.0) -> tuple[SignalWindows, float]:
-    """A StatefulSet's four pods reporting all along; `sts-3` recreated under its name by the rollout at CHANGE + 30,
-    its TPOT `before` times the others' until then and `after` times from then."""
-    w = SignalWindows(horizon_s=3 * 3600)
-    end = CHANGE + minutes * 60
-    for pod in ("sts-0", "sts-1", "sts-2", "sts-3"):
-        t, i = 0.0, 0
-        while t <= end:
-            factor = (before if t <= CHANGE + 30 else after) if pod == "sts-3" else 1.0
-            wobble = 1 + 0.03 * ((i * 7 + len(pod)) % 5 - 2)
-            for name, value in (("request_rate", 4.0), ("tpot_mean", 0.02 * factor * wobble),
-                                ("ttft_mean", 0.3 * wobble), ("e2e_mean", 4.0 * wobble), ("request_error_rate", 0.0)):
-                w.add(t, f"engine/decode/{pod}/0", name, value)
-            t, i = t + STEP, i + 1
-    w.add(CHANGE + 60, "target/decode/sts-3/vllm", "restarts", 1.0)  # its new process's first scrape
-    return w, end
-
-
-def test_a_pod_recreated_under_its_name_is_the_canary_from_when_it_was_made() -> None:
-    """Its series goes on from the old pod's: the actuator says which pods the new revision made, and when. An old
-    pod's crash in place is no part of the canary, and the recreation's new process no restart."""
-    revised = {"decode": {"sts-3": CHANGE + 30}}
-
-    def judged(w: SignalWindows, now: float) -> list:
-        pools = {"decode": PoolState("decode", "decode", 4, 4, 1, 8)}
-        return CanaryRegression().evaluate(PolicyInput(now, w, pools, {}, {"decode": CHANGE}, revised=revised)).findings
-
-    w, now = recreated(before=1.3, after=1.0)  # slow on its old node; the new revision is not
-    w.add(CHANGE + 100, "target/decode/sts-1/vllm", "restarts", 1.0)
-    w.add(CHANGE + 400, "target/decode/sts-1/vllm", "restarts", 1.0)
-    assert judged(w, now) == []
-    assert run(w, now, {"decode": CHANGE}).findings == [], "by its series alone it is no canary"
-    w, now = recreated(before=1.0, after=1.15)
-    [f] = judged(w, now)
-    assert f.evidence["canary"] == ["sts-3"] and f.evidence["baseline"] == ["sts-0", "sts-1", "sts-2"]
-    assert "tpot" in f.summary and "restarts" not in f.summary
-    assert f.proposals == (), "a StatefulSet is rolled back by a person"
-    w, now = recreated(before=1.0, after=1.0)
-    w.add(CHANGE + 300, "target/decode/sts-3/vllm", "restarts", 1.0)  # a crash of the new revision
-    [f] = judged(w, now)
-    assert "restarts" in f.summary and "sts-3 1 time" in f.cause
-
-
 def test_a_canary_pattern_names_the_canary_of_a_deployment_beside_the_stable_one() -> None:
     w, now = fleet(1.3)
     s = CanaryRolloutSettings(canary_pods={"decode": r"decode-7f9c-\d+"})
