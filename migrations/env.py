@@ -31,6 +31,11 @@ def run() -> None:
                 render_as_batch=sqlite,  # SQLite cannot ALTER most things
                 compare_type=True,
             )
+            if sqlite:
+                # Python's sqlite3 opens a transaction only at the first row written: a table rebuilt by a batch
+                # migration was created on its own, and left behind by a migration killed or locked out after it,
+                # every later upgrade failing on it. One transaction from here, DDL included, the write lock first.
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
             with context.begin_transaction():
                 if conn.dialect.name == "postgresql":
                     # Replicas that start together each run `fleetctl db upgrade`: one migrates, the others wait for it

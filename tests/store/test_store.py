@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,6 +160,47 @@ def test_the_tables_made_again_for_ids_never_reused_keep_their_rows_and_the_ids_
             assert [r[0] for r in conn.execute(text("SELECT id FROM actions ORDER BY id"))] == [1, 3]
     finally:
         engine.dispose()
+
+
+def test_a_sqlite_migration_killed_halfway_leaves_nothing_behind_and_runs_again(tmp_path: Path) -> None:
+    """A pod killed while 0008 copied a table: the table it had made for the copy stayed, committed on its own, and
+    every later upgrade failed on it until someone dropped it by hand."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    migrate.upgrade(url, "0007")
+    killed = (
+        "import os, signal\n"
+        "from sqlalchemy import event\n"
+        "from sqlalchemy.engine import Engine\n"
+        "from controlplane.store import migrate\n"
+        "@event.listens_for(Engine, 'after_cursor_execute')\n"
+        "def die(conn, cursor, statement, *args):\n"
+        "    if statement.lstrip().upper().startswith('INSERT INTO _ALEMBIC_TMP_'):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"migrate.upgrade({url!r})\n")
+    assert subprocess.run([sys.executable, "-c", killed], timeout=120).returncode == -signal.SIGKILL
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT name FROM sqlite_master WHERE name LIKE '_alembic_tmp%'")).all() == []
+    finally:
+        engine.dispose()
+    migrate.upgrade(url)
+    assert migrate.current(url) == "0008"
+
+
+def test_the_migrated_sqlite_tables_never_reuse_ids_where_the_models_say_so(tmp_path: Path) -> None:
+    """What the models-to-migrations comparison cannot see: SQLite's AUTOINCREMENT, made only with a table."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            made = dict(conn.execute(text("SELECT name, sql FROM sqlite_master WHERE type = 'table'")).all())
+    finally:
+        engine.dispose()
+    never_reused = {t.name for t in Base.metadata.sorted_tables if t.dialect_kwargs.get("sqlite_autoincrement")}
+    assert never_reused == {"findings", "actions", "action_events", "verdicts", "advice"}
+    assert {name for name, sql in made.items() if "AUTOINCREMENT" in sql} == never_reused
 
 
 def test_models_match_the_migrations(store: SqlStore) -> None:
