@@ -276,22 +276,20 @@ def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window
     main = _aggregated(spec, spec.families, sel, by, window, pod)
     if not spec.fallback:
         return main
-    everywhere = _everywhere(spec.families, spec.fallback, sel, by, pod)
-    return f"(({main}) and on ({', '.join(by)}) ({everywhere})) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
+    lacking = _lacking(spec.families, spec.fallback, sel, by, pod)
+    return f"(({main}) unless on ({', '.join(by)}) {lacking}) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
 
 
-def _everywhere(main: tuple[tuple[str, ...], ...], other: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
-                pod: tuple[str, ...]) -> str:
-    """The groups (`by`) in which every engine with a histogram of `other` has one of `main` too, or none has one of
-    `other`: engines counted by their pod and data-parallel rank."""
+def _lacking(main: tuple[tuple[str, ...], ...], other: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
+             pod: tuple[str, ...]) -> str:
+    """The groups (`by`) with an engine (a pod's data-parallel rank) that has a histogram of `other` and none of
+    `main`."""
     engine = ", ".join(dict.fromkeys((*by, *pod, "engine")))
 
     def engines(spellings: tuple[tuple[str, ...], ...]) -> str:
-        series = " or ".join(f"({fams[0]}_count{sel})" for fams in spellings)
-        return f"count by ({', '.join(by)}) (group by ({engine}) ({series}))"
+        return f"group by ({engine}) ({' or '.join(f'({fams[0]}_count{sel})' for fams in spellings)})"
 
-    have, others = engines(main), engines(other)
-    return f"({have} >= {others}) or ({have} unless on ({', '.join(by)}) {others})"
+    return f"count by ({', '.join(by)}) ({engines(other)} unless on ({engine}) {engines(main)})"
 
 
 def _aggregated(spec: SignalSpec, spellings: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
@@ -626,8 +624,8 @@ class PrometheusSource:
             inner = " or ".join(f"({window.increase(f'{fams[0]}_bucket{sel}')})" for fams in spellings)
             query = f"sum by ({grouping}) ({inner})"
             if later := tuple(fams for group in groups[i + 1:] for fams in group):  # as `build_query`'s fallback
-                everywhere = _everywhere(spellings, later, sel, by, (self.labels.pod, self.labels.instance))
-                query = f"({query}) and on ({', '.join(by)}) ({everywhere})"
+                lacking = _lacking(spellings, later, sel, by, (self.labels.pod, self.labels.instance))
+                query = f"({query}) unless on ({', '.join(by)}) {lacking}"
             rows = self._answer(signal, pool_subject(fixed_pool) if fixed_pool is not None else "pool", query, ts, out)
             if rows is None:
                 break

@@ -201,12 +201,13 @@ def test_rate_mode_queries() -> None:
     # Per pool where every engine has the signal's own histogram: midway through an upgrade the pool reads what all
     # of its engines have, as the scraper merges them.
     tpot = build_query(SPECS["tpot_p95"], "", ("pool",), w)
-    engines = "count by (pool) (group by (pool, pod, instance, engine) ({}))"
-    per_request = engines.format("(vllm:request_time_per_output_token_seconds_count)")
-    per_token = engines.format("(vllm:inter_token_latency_seconds_count) or (vllm:time_per_output_token_seconds_count)")
+    engine = "pool, pod, instance, engine"
+    per_request = f"group by ({engine}) ((vllm:request_time_per_output_token_seconds_count))"
+    per_token = (f"group by ({engine}) ((vllm:inter_token_latency_seconds_count) or "
+                 "(vllm:time_per_output_token_seconds_count))")
     assert tpot == ("((histogram_quantile(0.95, sum by (pool, le) (increase("
-                    "vllm:request_time_per_output_token_seconds_bucket[15000ms])))) and on (pool) "
-                    f"(({per_request} >= {per_token}) or ({per_request} unless on (pool) {per_token}))) or "
+                    "vllm:request_time_per_output_token_seconds_bucket[15000ms])))) unless on (pool) "
+                    f"count by (pool) ({per_token} unless on ({engine}) {per_request})) or "
                     "(histogram_quantile(0.95, sum by (pool, le) ((increase(vllm:inter_token_latency_seconds_bucket"
                     "[15000ms])) or (increase(vllm:time_per_output_token_seconds_bucket[15000ms])))))")
     # Each side of a ratio, likewise.
