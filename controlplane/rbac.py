@@ -27,9 +27,7 @@ __all__ = ["rbac_manifests"]
 # Per resource, in every namespace an engine pool lives in: pods (discovery; out of routing before a drain), their
 # evictions, and the HorizontalPodAutoscalers (a pool one scales is not scaled here too).
 _UNNAMED = (("", "pods"), ("", "pods/eviction"), ("autoscaling", "horizontalpodautoscalers"))
-# The kinds whose revisions are ReplicaSets, and those whose revisions are ControllerRevisions.
-_REVISIONED = {"Deployment": ("apps", "replicasets"), "Rollout": ("apps", "replicasets"),
-               "StatefulSet": ("apps", "controllerrevisions"), "LeaderWorkerSet": ("apps", "controllerrevisions")}
+_REVISIONED = ("Deployment", "Rollout")  # the kinds whose revisions are ReplicaSets
 _LIST_PODS = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}  # what discovery alone needs
 
 
@@ -60,7 +58,7 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
         return [doc for ns in sorted(listing) for doc in _bound("Role", service_account, [dict(_LIST_PODS)], subject, ns)]
     named: dict[str, dict[tuple[str, str], set[str]]] = {}  # namespace -> (group, resource) -> names
     events: set[str] = {"default"}  # a cordoned node's Events go to `default`
-    revisions: set[tuple[str, tuple[str, str]]] = set()  # (namespace, the revisions' group and resource)
+    revisions: set[str] = set()
 
     def grant(ns: str, group: str, resource: str, name: str) -> None:
         named.setdefault(ns, {}).setdefault((group, resource), set()).add(name)
@@ -76,7 +74,7 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
             grant(w.namespace, kind.group, "rollouts/status", w.name)
         events.add(w.namespace)
         if w.kind in _REVISIONED:
-            revisions.add((w.namespace, _REVISIONED[w.kind]))
+            revisions.add(w.namespace)
 
     for w in pools:
         workload(w, scaled=True)
@@ -87,7 +85,7 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
         if not ns or not name:
             raise ValueError(f"follows {ref!r}: give the Deployment a Rollout follows as NAMESPACE/NAME")
         grant(ns, "apps", "deployments", name)
-        revisions.add((ns, _REVISIONED["Deployment"]))
+        revisions.add(ns)
     if k.switch is not None:
         grant(k.switch.namespace, "", "configmaps", k.switch.name)
     if (lease := k.leader_election) is not None:
@@ -100,9 +98,8 @@ def rbac_manifests(config: FleetConfig, *, namespace: str = "fleet-system", serv
         rules += [_rule(group, resource) for group, resource in _UNNAMED if ns in engines]
         if ns in listing - engines:
             rules.append(dict(_LIST_PODS))
-        rules += [_rule(group, resource) for group, resource in sorted(r for n, r in revisions if n == ns)]
-        if ns in events:
-            rules.append(_rule("events.k8s.io", "events"))
+        rules += [_rule(group, resource) for (group, resource), wanted in (
+            (("apps", "replicasets"), ns in revisions), (("events.k8s.io", "events"), ns in events)) if wanted]
         if lease is not None and ns == lease.namespace:
             rules.append({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]})
         docs += _bound("Role", service_account, rules, subject, ns)

@@ -151,7 +151,7 @@ _QUARTER = ("Deployment", "Rollout")
 VERBS: frozenset[tuple[str, str, str]] = frozenset({
     *((k.group, k.plural, verb) for k in KINDS.values() for verb in ("get", "patch")),
     *((k.group, f"{k.plural}/scale", "patch") for k in KINDS.values()),
-    ("apps", "replicasets", "list"), ("apps", "controllerrevisions", "list"), ("argoproj.io", "rollouts/status", "patch"),
+    ("apps", "replicasets", "list"), ("argoproj.io", "rollouts/status", "patch"),
     ("", "pods", "list"), ("", "pods", "patch"), ("", "pods/eviction", "create"),
     ("", "nodes", "patch"), ("events.k8s.io", "events", "create"), ("", "configmaps", "get"),
     ("autoscaling", "horizontalpodautoscalers", "list"),
@@ -677,28 +677,13 @@ class KubernetesActuator:
                 if uid is None or any(o.get("uid") == uid for o in dig(rs, ("metadata", "ownerReferences"), []) or [])]
         return sorted(mine, key=_revision_number, reverse=True)
 
-    async def _controller_revisions(self, w: Workload, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The ControllerRevisions the workload (a StatefulSet or a LeaderWorkerSet) owns, newest revision first."""
-        items = (await self._json(f"listing the ControllerRevisions of {w.namespace}/{w.name}",
-                                  self._apps.list_namespaced_controller_revision, w.namespace,
-                                  label_selector=str(_selector(w, obj))))["items"]
-        # A LeaderWorkerSet's leader StatefulSet keeps revisions of its own under the same label: the set's are its.
-        uid = dig(obj, ("metadata", "uid"))
-        mine = [r for r in items
-                if uid is None or any(o.get("uid") == uid for o in dig(r, ("metadata", "ownerReferences"), []) or [])]
-        return sorted(mine, key=lambda r: int(r.get("revision") or 0), reverse=True)
-
     async def _revision_time(self, w: Workload, obj: Mapping[str, Any]) -> float | None:
-        """When the workload's current revision replaced another (the newest of a Deployment's or an Argo Rollout's
-        ReplicaSets, or of a StatefulSet's or a LeaderWorkerSet's ControllerRevisions, when there is an older one; a
-        first revision is no change)."""
+        """When the workload's current revision replaced another (a Deployment's or an Argo Rollout's newest
+        ReplicaSet, when there is an older one; a first revision is no change)."""
+        if w.kind not in _SPLITS:
+            return None
         try:
-            if w.kind in _SPLITS:
-                sets = await self._replica_sets(w, obj)
-            elif w.kind in _BY_ORDINAL:
-                sets = await self._controller_revisions(w, obj)
-            else:
-                return None
+            sets = await self._replica_sets(w, obj)
         except ActuationError as exc:  # its count stays known; only when it changed is not
             log.warning("when %s %s/%s last changed cannot be read: %s", w.kind, w.namespace, w.name, exc)
             return None

@@ -44,7 +44,6 @@ NS = "llm"
 LWS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 ROLLOUTS = kmock.resource("argoproj.io", "v1alpha1", "rollouts")
 STATEFULSETS = kmock.resource("apps", "v1", "statefulsets")
-CONTROLLER_REVISIONS = kmock.resource("apps", "v1", "controllerrevisions")
 ARGS = ["--model", "/models/llama", "--port", "8000", "--enable-expert-parallel",
         "--speculative-config", '{"method":"eagle","model":"/models/eagle","num_speculative_tokens":3}']
 
@@ -1481,42 +1480,6 @@ async def test_an_argo_rollouts_revision_is_dated_by_its_newest_replicaset(serve
         server.put(REPLICASETS, rs)
     view = await actuator(api).observe()
     assert view.changed_at["canary"] == 1_796_117_400.0  # 09:30, the canary's ReplicaSet
-
-
-def controller_revision(owner: dict[str, Any], revision: int, created: str, labels: dict[str, str],
-                        name: str | None = None) -> dict[str, Any]:
-    """A ControllerRevision `owner`'s controller keeps of its template (its patch left empty)."""
-    meta = owner["metadata"]
-    return {"apiVersion": "apps/v1", "kind": "ControllerRevision", "revision": revision, "data": {},
-            "metadata": {"name": name or f"{meta['name']}-r{revision}", "namespace": NS, "creationTimestamp": created,
-                         "labels": labels,
-                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                              "name": meta["name"], "uid": meta["uid"], "controller": True}]}}
-
-
-async def test_statefulset_and_leaderworkerset_revisions_are_dated_by_their_newest_controller_revision(
-        server: ApiServer, api: client.ApiClient) -> None:
-    """What the canary policy judges a rollout from: a StatefulSet's or a LeaderWorkerSet's pool was never judged."""
-    statefulset(server)
-    sts = server.get(STATEFULSETS, NS, "vllm-kv")
-    group = server.put(LWS, lws(replicas=2))
-    assert sts is not None
-    name = {"leaderworkerset.sigs.k8s.io/name": "vllm-prefill"}
-    server.put(CONTROLLER_REVISIONS, controller_revision(sts, 3, "2026-12-01T09:30:00Z", {"app": "vllm-kv"}))
-    server.put(CONTROLLER_REVISIONS, controller_revision(group, 1, "2026-11-20T10:00:00Z", name))
-    # The LeaderWorkerSet's leader StatefulSet keeps revisions of its own, under the set's name label.
-    leaders = {"apiVersion": "apps/v1", "kind": "StatefulSet",
-               "metadata": {"name": "vllm-prefill", "uid": "leader-sts-uid"}}
-    server.put(CONTROLLER_REVISIONS, controller_revision(leaders, 9, "2026-12-01T11:00:00Z", name))
-    workloads = {"kv": Workload(kind="StatefulSet", namespace=NS, name="vllm-kv"),
-                 "prefill": Workload(kind="LeaderWorkerSet", namespace=NS, name="vllm-prefill")}
-    act = KubernetesActuator(api, Kubernetes(timeout=2.0), workloads, clock=Clock(), instance="fleet-controlplane-0")
-    assert (await act.observe()).changed_at == {}, "a first revision is no change"
-    # Listed oldest first, and a rollback's revision renumbered newest.
-    server.put(CONTROLLER_REVISIONS, controller_revision(sts, 5, "2026-11-30T09:00:00Z", {"app": "vllm-kv"}))
-    server.put(CONTROLLER_REVISIONS, controller_revision(group, 2, "2026-12-01T09:55:00Z", name))
-    changed = (await act.observe()).changed_at
-    assert changed == {"kv": 1_796_029_200.0, "prefill": 1_796_118_900.0}  # 2026-11-30T09:00Z, 2026-12-01T09:55Z
 
 
 @pytest.mark.parametrize(("replicas", "stable", "drained"), [

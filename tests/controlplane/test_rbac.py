@@ -93,8 +93,8 @@ def test_it_grants_the_calls_the_control_plane_makes_and_names_every_object_it_c
             assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"], rule
             # Unnamed: what has no stable name (pods, Events), what is listed, and creating the Lease.
             if "resourceNames" not in rule:
-                assert rule["resources"][0] in ("pods", "pods/eviction", "replicasets", "controllerrevisions",
-                                                "horizontalpodautoscalers", "events", "nodes", "leases"), rule
+                assert rule["resources"][0] in ("pods", "pods/eviction", "replicasets", "horizontalpodautoscalers",
+                                                "events", "nodes", "leases"), rule
                 assert rule["resources"] != ["leases"] or rule["verbs"] == ["create"]
     assert allows(docs, "apps", "deployments", "patch", "llm", "vllm-canary-template"), "a Rollout's Deployment"
     assert allows(docs, "apps", "statefulsets/scale", "patch", "batch", "vllm-batch")
@@ -103,8 +103,6 @@ def test_it_grants_the_calls_the_control_plane_makes_and_names_every_object_it_c
     assert not allows(docs, "", "pods", "patch", "fleet-system", "x"), "no pods outside the engines' namespaces"
     assert not allows(docs, "apps", "statefulsets/scale", "patch", "llm", "vllm-batch"), "names are per namespace"
     assert not allows(docs, "apps", "replicasets", "list", "batch", None), "a StatefulSet has no ReplicaSets"
-    assert allows(docs, "apps", "controllerrevisions", "list", "batch", None), "a StatefulSet's revisions"
-    assert not allows(docs, "apps", "controllerrevisions", "list", "gateway", None), "a Deployment has none"
     assert not allows(docs, "", "pods", "list", "gateway", None), "the router's pods are not the control plane's"
 
 
