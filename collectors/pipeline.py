@@ -45,8 +45,8 @@ class SignalDeriver:
         self._started = ProcessStarts(STARTED_KEPT_S)
 
     def new_term(self) -> None:
-        """Forget the process starts read before this replica last led: another leader may have recorded the restarts
-        since, and read again here they would be recorded twice."""
+        """Forget the process starts read so far: after a gap in which another reader recorded the restarts, read
+        against them here those restarts would be recorded twice."""
         self._started.forget()
 
     def derive(self, results: Sequence[ScrapeResult], ts: float) -> DeriveOutput:

@@ -267,29 +267,32 @@ class _Window:
 
 
 def build_query(spec: SignalSpec, sel: str, by: tuple[str, ...], window: _Window,
-                pod: tuple[str, ...] = ("pod", "instance")) -> str:
-    """The PromQL of one signal (`pod`: the labels that tell pods apart). A family's alternative spellings are joined
-    with `or` series by series, inside the aggregation: in a rolling upgrade each engine is read in the spelling it
-    has (one with both, in the current one), where a choice per pool would drop every engine still on the other. A
-    fallback, another metric, stands in per group where an engine has only it: read from the engines that have the
-    signal's own, a pool midway through an upgrade would be read from part of it (as the scraper merges)."""
+                pod: tuple[str, ...] = ("pod", "instance"),
+                engine: tuple[str, ...] = Labels().engine_grouping()) -> str:
+    """The PromQL of one signal (`pod`: the labels that tell pods apart; `engine`, engines). A family's alternative
+    spellings are joined with `or` series by series, inside the aggregation: in a rolling upgrade each engine is read
+    in the spelling it has (one with both, in the current one), where a choice per pool would drop every engine still
+    on the other. A fallback, another metric, stands in per group where an engine has only it: read from the engines
+    that have the signal's own, a pool midway through an upgrade would be read from part of it (as the scraper
+    merges)."""
     main = _aggregated(spec, spec.families, sel, by, window, pod)
     if not spec.fallback:
         return main
-    lacking = _lacking(spec.families, spec.fallback, sel, by, pod)
-    return f"(({main}) unless on ({', '.join(by)}) {lacking}) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
+    if not set(engine) <= set(by):  # a group of engines: one of them may lack the signal's own
+        main = f"({main}) unless on ({', '.join(by)}) {_lacking(spec.families, spec.fallback, sel, by, engine)}"
+    return f"({main}) or ({_aggregated(spec, spec.fallback, sel, by, window, pod)})"
 
 
 def _lacking(main: tuple[tuple[str, ...], ...], other: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
-             pod: tuple[str, ...]) -> str:
-    """The groups (`by`) with an engine (a pod's data-parallel rank) that has a histogram of `other` and none of
-    `main`."""
-    engine = ", ".join(dict.fromkeys((*by, *pod, "engine")))
+             engine: tuple[str, ...]) -> str:
+    """The groups (`by`) with an engine (told apart by the `engine` labels) that has a histogram of `other` and none
+    of `main`."""
+    each = ", ".join(dict.fromkeys((*by, *engine)))
 
     def engines(spellings: tuple[tuple[str, ...], ...]) -> str:
-        return f"group by ({engine}) ({' or '.join(f'({fams[0]}_count{sel})' for fams in spellings)})"
+        return f"group by ({each}) ({' or '.join(f'({fams[0]}_count{sel})' for fams in spellings)})"
 
-    return f"count by ({', '.join(by)}) ({engines(other)} unless on ({engine}) {engines(main)})"
+    return f"count by ({', '.join(by)}) ({engines(other)} unless on ({each}) {engines(main)})"
 
 
 def _aggregated(spec: SignalSpec, spellings: tuple[tuple[str, ...], ...], sel: str, by: tuple[str, ...],
@@ -524,7 +527,7 @@ class PrometheusSource:
             for scope, sel, by, fixed_pool in scopes:
                 if spec.pools_only and scope == "engine":
                     continue
-                expr = build_query(spec, sel, by, window, (lb.pod, lb.instance))
+                expr = build_query(spec, sel, by, window, (lb.pod, lb.instance), by_engine)
                 rows = self._answer(spec.name, scope, expr, ts, out)
                 if rows is None:
                     continue
@@ -624,7 +627,7 @@ class PrometheusSource:
             inner = " or ".join(f"({window.increase(f'{fams[0]}_bucket{sel}')})" for fams in spellings)
             query = f"sum by ({grouping}) ({inner})"
             if later := tuple(fams for group in groups[i + 1:] for fams in group):  # as `build_query`'s fallback
-                lacking = _lacking(spellings, later, sel, by, (self.labels.pod, self.labels.instance))
+                lacking = _lacking(spellings, later, sel, by, self.labels.engine_grouping())
                 query = f"({query}) unless on ({', '.join(by)}) {lacking}"
             rows = self._answer(signal, pool_subject(fixed_pool) if fixed_pool is not None else "pool", query, ts, out)
             if rows is None:

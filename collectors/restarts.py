@@ -36,6 +36,9 @@ class ProcessStarts:
         # The exposition rounds the start to about ten milliseconds: a whole second apart is another process.
         return before is not None and ts - before[1] <= self.kept_s and started > before[0] + 1.0
 
+    def __len__(self) -> int:
+        return len(self._read)
+
     def forget(self, now: float | None = None) -> None:
         """Forget the starts read more than `kept_s` before `now`, or all of them."""
         self._read = {} if now is None else {k: v for k, v in self._read.items() if now - v[1] <= self.kept_s}

@@ -629,7 +629,7 @@ class GateKey:
 
 
 def rerun_after(settings: GateSettings) -> float:
-    """The silence after a fail past which the gate asked again is a new run of it."""
+    """The silence after a verdict that did not pass past which the gate asked again is a new run of it."""
     return max(RERUN_STEPS * settings.step, RERUN_MIN_S)
 
 
@@ -670,7 +670,7 @@ class GateBook:
 
     async def consult(self, key: GateKey, now: float, settings: GateSettings | None = None, *,
                       reruns: bool = True) -> Verdict:
-        """The verdict of this rollout's gate now; `settings` for a gate not yet started; without `reruns` a failed
+        """The verdict of this rollout's gate now; `settings` for a gate not yet started; without `reruns` every
         verdict stays the answer however long the silence. GateInputError for a bad selector or a step shorter than
         the scrape interval, GateError for a failing source."""
         self._forget(now)
@@ -807,7 +807,7 @@ class GateBook:
                 # A retry (after an Inconclusive end, too little traffic, as after a fail); one not yet decided, asked
                 # after a silence, is a retry too, as no other replica asks it.
                 return now
-            answered = session.answered_at if session.verdict is not None and session.answered_at else 0.0
+            answered = session.answered_at or 0.0  # set only once decided
         elif self._claim is None:
             return now
         try:

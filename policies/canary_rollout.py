@@ -269,7 +269,11 @@ class CanaryRegression:
         read_as = self._tpot_as(inp, base, canary, start - 2 * gate.step)
         steps = zip(self._steps(inp, base, start, gate.step, n, self._names, read_as),
                     self._steps(inp, canary, start, gate.step, n, self._names, read_as), strict=True)
-        restarted = _restarts(inp, pool, canary, start, gate.step, n, named=pool in self._patterns)
+        # A pod recreated under its name by the rollout starts a new process as a crash does: such a pool's restarts
+        # are the gate's to read (started once its canary runs), not told here.
+        state = inp.pools.get(pool)
+        restarted = [()] * n if state is not None and state.keeps_names else _restarts(inp, pool, canary, start,
+                                                                                       gate.step, n)
         intervals = [Interval(start + k * gate.step, start + (k + 1) * gate.step, b, c, restarted[k])
                      for k, (b, c) in enumerate(steps)]
         final = inp.now - start >= gate.max_window
@@ -339,17 +343,14 @@ def _rollout(engines: list[_Engine], rolling: bool) -> tuple[list[_Engine], list
     return base, canary, min(e.first for e in canary)
 
 
-def _restarts(inp: PolicyInput, pool: str, engines: list[_Engine], start: float, width: float, n: int, *,
-              named: bool) -> list[tuple[str, ...]]:
+def _restarts(inp: PolicyInput, pool: str, engines: list[_Engine], start: float, width: float,
+              n: int) -> list[tuple[str, ...]]:
     """The engines' pods whose process restarted (the scrapes' `restarts`) in each of `n` steps of `width` seconds
-    from `start`. With the canary `named` by a `canary_pods` pattern each pod's first new process is left out: a
-    StatefulSet's pod is recreated under its name as its rollout reaches it, which reads the same as a crash in place
-    (a pod the change made has a name of its own, and its first process is never one)."""
+    from `start`."""
     out: list[list[str]] = [[] for _ in range(n)]
     for pod in _pods(engines):
-        restarts = [ts for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start) if ts > start]
-        for ts in restarts[1:] if named else restarts:
-            if (k := math.ceil((ts - start) / width) - 1) < n:
+        for ts, _ in inp.windows.series(f"target/{pool}/{pod}/vllm", _RESTARTS, since=start):
+            if ts > start and (k := math.ceil((ts - start) / width) - 1) < n:
                 out[k].append(pod)
     return [tuple(pods) for pods in out]
 

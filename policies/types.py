@@ -274,6 +274,9 @@ class PoolState:
     # Its engines spread a MoE model's experts over their ranks (--enable-expert-parallel): the only pools with experts
     # for EPLB to balance.
     expert_parallel: bool = False
+    # Its workload recreates its pods under their names (a StatefulSet, a LeaderWorkerSet): a pod's new process may be
+    # its rollout's, not a crash.
+    keeps_names: bool = False
 
     @property
     def most_replicas(self) -> int:

@@ -201,7 +201,7 @@ def test_rate_mode_queries() -> None:
     # Per pool where every engine has the signal's own histogram: midway through an upgrade the pool reads what all
     # of its engines have, as the scraper merges them.
     tpot = build_query(SPECS["tpot_p95"], "", ("pool",), w)
-    engine = "pool, pod, instance, engine"
+    engine = "pool, pod, instance, engine, job"
     per_request = f"group by ({engine}) ((vllm:request_time_per_output_token_seconds_count))"
     per_token = (f"group by ({engine}) ((vllm:inter_token_latency_seconds_count) or "
                  "(vllm:time_per_output_token_seconds_count))")
@@ -210,6 +210,7 @@ def test_rate_mode_queries() -> None:
                     f"count by (pool) ({per_token} unless on ({engine}) {per_request})) or "
                     "(histogram_quantile(0.95, sum by (pool, le) ((increase(vllm:inter_token_latency_seconds_bucket"
                     "[15000ms])) or (increase(vllm:time_per_output_token_seconds_bucket[15000ms])))))")
+    assert "unless" not in build_query(SPECS["tpot_p95"], "", Labels().engine_grouping(), w), "an engine has it or not"
     # Each side of a ratio, likewise.
     hit = build_query(SPECS["prefix_cache_hit_rate"], "", ("pool",), w)
     assert hit == ("sum by (pool) ((increase(vllm:prefix_cache_hits_total[15000ms])) or "

@@ -171,7 +171,33 @@ async def test_dead_target_and_malformed_exposition_are_recorded(sqlite_store: S
     assert "fleet_controlplane_ticks_total 1.0" in metrics
 
 
-async def test_a_take_over_forgets_the_process_starts_read_while_it_last_led(sqlite_store: SqlStore) -> None:
+async def test_a_pool_whose_workload_recreates_its_pods_under_their_names_is_said_so(client: httpx.AsyncClient) -> None:
+    """A StatefulSet's or a LeaderWorkerSet's pods come back under their names as it rolls out: a new process there
+    may be the rollout's, not a crash, and the rollout policy must know which pools those are."""
+    from controlplane.config import Workload
+    from policies.types import PolicyResult
+
+    seen: list[PolicyInput] = []
+
+    class Reads:
+        kind, reads = "reads", ()
+
+        def evaluate(self, inp: PolicyInput) -> PolicyResult:
+            seen.append(inp)
+            return PolicyResult()
+
+    cfg = demo_config("sqlite://")
+    kinds = {"prefill": "StatefulSet", "decode": "Deployment"}
+    cfg = cfg.model_copy(update={"pools": [p.model_copy(update={"workload": Workload(kind=kinds[p.name], name=p.name)})
+                                           if p.name in kinds else p for p in cfg.pools]})
+    loop = build_loop(cfg, MemoryStore(), client, targets=StaticTargets([]), clock=VirtualClock(), policies=[Reads()])
+    await loop.tick()
+    [inp] = seen
+    assert {name: pool.keeps_names for name, pool in inp.pools.items()} == {
+        p.name: p.name == "prefill" for p in cfg.pools}
+
+
+async def test_a_take_over_forgets_the_process_starts_read_while_it_last_led() -> None:
     """Another leader scraped the pod's new process meanwhile and recorded its restart: read against the start this
     replica read before, it was recorded a second time, stamped at the take-over (a canary's second restart)."""
     started = {"t": 1.7e9}
@@ -180,7 +206,7 @@ async def test_a_take_over_forgets_the_process_starts_read_while_it_last_led(sql
         return httpx.Response(200, text='vllm:num_requests_running{engine="0",model_name="m"} 1\n'
                                         f"process_start_time_seconds {started['t']}\n")
 
-    cfg = demo_config(str(sqlite_store.engine.url))
+    cfg = demo_config("sqlite://")
     store = MemoryStore()
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as mock:
         loop = build_loop(cfg, store, mock, targets=StaticTargets([Target("http://p0/metrics", "prefill", "p0")]),
