@@ -690,9 +690,13 @@ def autoscale_plan(config_file: Path, db: str, pools: tuple[str, ...], as_json: 
               help="The Dynamo environment's python (default $FLEET_DYNAMO_PYTHON, else the one the make target builds).")
 @click.option("--dynamo-config", "dynamo_configs", multiple=True,
               help="Only these of Dynamo's configurations (repeatable; default all).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Judge this fleet file's `autoscaling` settings (its scale-down hold, headroom, margins) as ours, "
+                   "not the defaults.")
 @click.option("--json", "as_json", is_flag=True)
 def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, plot: Path | None, peers: tuple[str, ...],
-                   dynamo_python: Path | None, dynamo_configs: tuple[str, ...], as_json: bool) -> None:
+                   dynamo_python: Path | None, dynamo_configs: tuple[str, ...], config_path: Path | None,
+                   as_json: bool) -> None:
     """Static peak, HPA-style, this autoscaler, the best causal rule in hindsight and the oracle (and any peers) on the
     same replays: GPU-hours and SLO attainment."""
     from controlplane.evaluation_autoscale import TRACES, Peer, evaluate_autoscaling, peer_goal
@@ -719,10 +723,23 @@ def autoscale_eval(traces: tuple[str, ...], minutes: float | None, jobs: int, pl
         if result is not None:
             err.print(f"  {name}: done")
 
+    settings = None
+    if config_path is not None:
+        from controlplane.config import load_config
+        from controlplane.errors import ConfigError
+
+        try:
+            settings = load_config(config_path).autoscaling.model_copy(update={"enabled": True})
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from None
     reports = []
     for trace in traces or tuple(TRACES):
         err.print(f"[bold]{trace}[/] ...")
-        reports.append(evaluate_autoscaling(trace, minutes=minutes, jobs=jobs, peers=peer_list, progress=progress))
+        try:
+            reports.append(evaluate_autoscaling(trace, minutes=minutes, jobs=jobs, settings=settings, peers=peer_list,
+                                                progress=progress))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from None
     data = {"goals": [g for r in reports for g in r.as_json()["goals"]], "traces": [r.as_json() for r in reports]}
     data["goals"] += [peer_goal(reports, p.name).as_dict() for p in peer_list]
     if plot is not None:

@@ -510,12 +510,16 @@ def peer_goal(reports: Sequence[AutoscaleReport], peer: str, at_least_traces: in
 def evaluate_autoscaling(trace: str, *, minutes: float | None = None, jobs: int = 1,
                          settings: AutoscaleSettings | None = None, peers: Sequence[Peer] = (),
                          progress: Callable[[str, Any], None] | None = None) -> AutoscaleReport:
-    """Run every strategy (and every peer configuration) on one trace, a name of `TRACES` or a scenario, and judge them."""
+    """Run every strategy (and every peer configuration) on one trace, a name of `TRACES` or a scenario, and judge them
+    (ours with `settings`). ValueError for settings the replay's scrapes cannot serve, before anything runs."""
     scenario = load_scenario(TRACES.get(trace, trace))
     if minutes is not None:
         scenario = scenario.model_copy(update={"duration": minutes * 60.0})
-    needs = oracle_needs(scenario, jobs, progress)
     settings = settings or AutoscaleSettings(enabled=True)
+    if problems := settings.problems(scenario.scrape_interval):
+        raise ValueError(f"{trace} is scraped every {scenario.scrape_interval:g}s: "
+                         + "; ".join(f"autoscaling.{name}: {why}" for name, why in problems))
+    needs = oracle_needs(scenario, jobs, progress)
     tasks: list[tuple[str, Callable[[], StrategyRun]]] = [
         (f"{trace}: {s}", _Strategy(trace, scenario, s, needs, settings)) for s in STRATEGIES]
     for peer in peers:

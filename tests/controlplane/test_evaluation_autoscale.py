@@ -40,6 +40,7 @@ from controlplane.sim.traces import Request
 from controlplane.store import migrate
 from controlplane.store.threaded import ThreadedStore
 from controlplane.store.writer import SqlStore
+from policies.autoscale import AutoscaleSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,6 +216,43 @@ def test_autoscale_eval_runs_every_strategy_on_a_short_replay(tmp_path: Path) ->
         "static holds the oracle's peak for all 6 minutes")
     assert len(data["goals"]) == 4 and all("azure-conv: " in g["name"] for g in data["goals"])
     assert chart.stat().st_size > 0
+
+
+def test_autoscale_eval_judges_a_fleet_files_own_settings_and_refuses_ones_its_replay_cannot_serve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ours with the fleet file's `autoscaling` (a shorter scale-down hold, say), not the defaults; a hold the replay's
+    scrapes cannot cover is refused naming it, before an hour of replays."""
+    from click.testing import CliRunner
+
+    from controlplane import evaluation_autoscale
+    from controlplane.cli import cli
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("pools:\n  - {name: chat, role: unified, model: m, replicas: {max: 8}}\n"
+                     "autoscaling: {scale_down_after: 300s, headroom_quantile: 0.8}\n")
+    judged: list[AutoscaleSettings] = []
+
+    class Report:
+        def as_json(self) -> dict:
+            return {"goals": []}
+
+    def evaluate(trace: str, **kwargs: object) -> Report:
+        judged.append(kwargs["settings"])  # type: ignore[arg-type]
+        return Report()
+
+    monkeypatch.setattr(evaluation_autoscale, "evaluate_autoscaling", evaluate)
+    out = CliRunner().invoke(cli, ["autoscale", "eval", "--trace", "azure-conv", "--config", str(fleet), "--json"])
+    assert out.exit_code == 0, out.output
+    [settings] = judged
+    assert settings.enabled and settings.scale_down_after == 300.0 and settings.headroom_quantile == 0.8
+    monkeypatch.undo()
+    # Six of its own scrapes, two of the replay's.
+    fleet.write_text("pools:\n  - {name: chat, role: unified, model: m, replicas: {max: 8}}\n"
+                     "scrape: {interval: 5s, timeout: 1s, spread: 0s}\nautoscaling: {scale_down_after: 30s}\n")
+    started = time.monotonic()
+    out = CliRunner().invoke(cli, ["autoscale", "eval", "--trace", "azure-conv", "--config", str(fleet)])
+    assert out.exit_code == 2 and "azure-conv is scraped every 15s" in out.output
+    assert "autoscaling.scale_down_after" in out.output and time.monotonic() - started < 30
 
 
 def test_autoscale_plan_explains_the_target_from_the_store(tmp_path: Path) -> None:
