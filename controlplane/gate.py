@@ -192,6 +192,23 @@ class _TpotReading:
         return {"tpot": _UNREAD} if self._as is None else self._as
 
 
+class _Owed:
+    """The canary's restarts a source has read and no step has carried yet: one read in a step that failed (a
+    canary pod down, a query refused) goes in the next step read."""
+
+    def __init__(self) -> None:
+        self._pods: list[str] = []
+
+    def add(self, pod: str) -> None:
+        """One restart of `pod`."""
+        self._pods.append(pod)
+
+    def take(self) -> tuple[str, ...]:
+        """Every restart owed, once."""
+        pods, self._pods = tuple(self._pods), []
+        return pods
+
+
 class GateSource(Protocol):
     """Where a gate's numbers come from: both arms' observations over one step."""
 
@@ -229,7 +246,7 @@ class TargetsGateSource:
         self._prev: dict[tuple[str, str], tuple[float, families.Reading]] = {}  # (target, engine) -> its last reading
         self._answered: set[str] = set()  # canary targets that answered a scrape of this gate
         self._started = ProcessStarts()  # the canary's targets', kept while one is not listed
-        self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
+        self._restarted = _Owed()
         self._stepped = False
         self._tpot = _TpotReading(self._names)
 
@@ -275,7 +292,7 @@ class TargetsGateSource:
                     log.warning("%s: %d malformed exposition line(s), first: %s", res.target.url, len(errors), errors[0])
                 if arm == "canary" and (started := process_start(samples)) is not None \
                         and self._started.restarted(res.target.key, started, res.ts):
-                    self._restarted.append(res.target.pod)
+                    self._restarted.add(res.target.pod)
                 for entity, reading in read_engines(samples).items():
                     prev = self._prev.get((res.target.key, entity))
                     self._prev[(res.target.key, entity)] = (res.ts, reading)
@@ -302,8 +319,7 @@ class TargetsGateSource:
         # one whose scrape failed in the deciding step would be left out for good.
         read_as = self._tpot.read_as(lambda: tpot_spelling(r for _, r in self._prev.values()) if all(seen.values()) else None)
         dists = {arm: dists_of(deltas, self._names, read_as) for arm, deltas in seen.items()}
-        restarted, self._restarted = tuple(self._restarted), []
-        return Interval(start, end, dists["baseline"], dists["canary"], restarted)
+        return Interval(start, end, dists["baseline"], dists["canary"], self._restarted.take())
 
 
 class PromGateSource:
@@ -331,7 +347,7 @@ class PromGateSource:
         self._tpot = _TpotReading(self._names)
         self._served: set[tuple[str, str]] = set()  # the canary's vLLM targets (pod, instance) that served in this gate
         self._started = ProcessStarts()  # each of them: (pod, instance)
-        self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
+        self._restarted = _Owed()
         self._sampled = False  # whether a step was seen to hold two samples of a baseline series
 
     def _query(self, expr: str, ts: float) -> list[tuple[dict[str, str], float]]:
@@ -421,7 +437,7 @@ class PromGateSource:
         for labels, started in self._query(f"max by ({by}) ({PROCESS_START}{served})", end):
             if ((slot := (labels.get(pod, ""), labels.get(instance, ""))) in self._served and math.isfinite(started)
                     and self._started.restarted(slot, started, end)):
-                self._restarted.append(slot[0] or slot[1])
+                self._restarted.add(slot[0] or slot[1])
         rows = self._query(f"up{served} == 0", end)
         if down := sorted({labels.get(pod) or labels.get(instance, "?") for labels, _ in rows
                            if (labels.get(pod, ""), labels.get(instance)) in self._served}):
@@ -436,8 +452,7 @@ class PromGateSource:
             can = await asyncio.to_thread(self._arm, self._arms["canary"], start, end, read_as)
         except PrometheusError as exc:
             raise GateError(str(exc)) from None
-        restarted, self._restarted = tuple(self._restarted), []
-        return Interval(start, end, base, can, restarted)
+        return Interval(start, end, base, can, self._restarted.take())
 
 
 class SignalReader(Protocol):
@@ -474,7 +489,7 @@ class StoreGateSource:
         self._store, self._pool, self._arms = store, pool, {"baseline": baseline, "canary": canary}
         self._names = [r.name for r in rules]
         self._answered: set[str] = set()  # the canary's pods whose scrapes succeeded in this gate
-        self._restarted: list[str] = []  # restarts read and not yet in a step: one a failed step read goes in the next
+        self._restarted = _Owed()
         self._read_to: float | None = None  # the end of the last step read from the store
         self._arm: dict[str, str | None] = {}  # a pod of the pool -> its arm
         self._tpot = _TpotReading(self._names)
@@ -500,7 +515,7 @@ class StoreGateSource:
             elif s.subject.startswith(f"target/{self._pool}/") and s.subject.endswith("/vllm"):
                 pod = s.subject.split("/")[2]
                 if s.name == "restarts" and since < s.ts <= end and self._arm_of(pod) == "canary":
-                    self._restarted.append(pod)
+                    self._restarted.add(pod)
                 elif s.name == "up" and 2 * start - end < s.ts <= end:
                     latest[pod] = s.value
                     if s.value >= 1 and self._arm_of(pod) == "canary":
@@ -523,8 +538,7 @@ class StoreGateSource:
         # records no `up`, and is not checked here.
         if down := sorted(pod for pod, up in latest.items() if up < 1 and pod in self._answered):
             raise GateError(f"canary pod(s) {', '.join(down)} failing the control plane's scrapes")
-        restarted, self._restarted = tuple(self._restarted), []
-        return Interval(start, end, arms["baseline"], arms["canary"], restarted)
+        return Interval(start, end, arms["baseline"], arms["canary"], self._restarted.take())
 
     def _arm_of(self, pod: str) -> str | None:
         if pod not in self._arm:  # asked for every series of every step: matched once per pod
