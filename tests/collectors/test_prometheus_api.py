@@ -261,9 +261,11 @@ class FakeClient:
     def __init__(self, answer: Callable[[str], Any]) -> None:
         self.answer = answer
         self.params: list[dict[str, Any]] = []
+        self.queries: list[str] = []
 
     def custom_query(self, query: str, params: dict[str, Any] | None = None) -> Any:
         self.params.append(params or {})
+        self.queries.append(query)
         return self.answer(query)
 
     def close(self) -> None:
@@ -562,10 +564,20 @@ def test_each_pool_reads_its_share_from_the_histogram_spelling_it_has() -> None:
             return []
         return _answer(query)
 
-    out = PrometheusSource(URL, client=FakeClient(answer)).signals(
+    client = FakeClient(answer)
+    out = PrometheusSource(URL, client=client).signals(
         1.0, 30.0, objectives={"new": Objectives(tpot=0.01), "old": Objectives(tpot=0.01)})
     over = {s.subject: s.value for s in out.signals if s.name == "tpot_over_slo"}
     assert over == {"pool/new": pytest.approx(0.10), "pool/old": pytest.approx(0.50)}
+    # A pool midway through an upgrade reads the inter-token latency: the per-request buckets are asked only of the
+    # pools none of whose engines lacks them (checked against a real Prometheus in tests/real).
+    [per_request] = [q for q in client.queries if "request_time_per_output_token_seconds_bucket" in q
+                     and "histogram_quantile" not in q]
+    assert per_request.endswith(" unless on (pool) count by (pool) (group by (pool, pod, instance, engine, job) "
+                                "((vllm:inter_token_latency_seconds_count{pool!=\"\"}) or "
+                                "(vllm:time_per_output_token_seconds_count{pool!=\"\"})) unless on (pool, pod, "
+                                "instance, engine, job) group by (pool, pod, instance, engine, job) "
+                                "((vllm:request_time_per_output_token_seconds_count{pool!=\"\"})))")
 
 
 def ttft_buckets_of(second: str) -> Callable[[str], list[dict[str, Any]]]:
