@@ -70,6 +70,12 @@ class Workload(Settings):
     name: str = Field(min_length=1)
     container: str = "vllm"  # the container whose arguments carry --speculative-config and the EPLB flags
 
+    @property
+    def by_ordinal(self) -> bool:
+        """Whether its pods are ordinals kept under their names (a StatefulSet, a LeaderWorkerSet's groups): it
+        removes its highest, not the pods a drain chose, and its rollout recreates pods under their names."""
+        return self.kind in ("StatefulSet", "LeaderWorkerSet")
+
 
 class ConfigMapFlag(Settings):
     """A ConfigMap key that is a flag: `true` (any case) sets it."""

@@ -564,7 +564,7 @@ class ControlLoop:
                 unreadable=unreadable, rolling=rep.rolling if rep else False, template=rep.template if rep else None,
                 stalled_for=stalled, scaled_by=rep.scaled_by if rep else None,
                 expert_parallel=pool.engine.expert_parallel,
-                keeps_names=pool.workload is not None and pool.workload.kind in ("StatefulSet", "LeaderWorkerSet"),
+                keeps_names=pool.workload is not None and pool.workload.by_ordinal,
             )
             if rep is not None and unreadable is None:
                 record += [Signal(now, f"pool/{pool.name}", DESIRED, float(state.desired)),

@@ -170,9 +170,6 @@ def _load(order: Order, pod: str) -> float:
     return -1.0 if order.idle(pod) else math.inf
 
 
-# The kinds that remove their highest ordinals (a LeaderWorkerSet its highest groups), not the pods a drain chose.
-_BY_ORDINAL = ("StatefulSet", "LeaderWorkerSet")
-
 
 def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leaving: int, order: Order,
              first: int = 0, sizes: Mapping[str, int] | None = None) -> tuple[list[str], set[str]]:
@@ -183,7 +180,7 @@ def _leaving(w: Workload, pods: Mapping[str, Mapping[str, Any]], keep: int, leav
     busy of the ready ones. A Deployment or Argo Rollout in the middle of an update spreads the change over its
     ReplicaSets (`sizes`, the size after the scale of each it touches): each gives up its own share, and the pods of
     the others go with the update."""
-    if w.kind in _BY_ORDINAL:
+    if w.by_ordinal:
         going = _above(w, pods, first, keep)[::-1]
         return going, set(pods) - set(going)
     groups = [(pods, leaving)] if sizes is None else [
@@ -211,7 +208,7 @@ def _above(w: Workload, pods: Mapping[str, Mapping[str, Any]], first: int, keep:
 
 def _due_to_go(w: Workload, obj: Mapping[str, Any], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Those of `pods` that a StatefulSet or LeaderWorkerSet (as read) still has to remove: at or above its count."""
-    if w.kind not in _BY_ORDINAL:
+    if not w.by_ordinal:
         return []
     return _above(w, pods, int(dig(obj, ("spec", "ordinals", "start"), 0) or 0), int(dig(obj, ("spec", "replicas"), 1)))
 

@@ -45,9 +45,9 @@ class MemoryStore:
         self.action_rows: dict[int, ActionRecord] = {}
         self.events: list[ActionEvent] = []
         self.verdicts: list[NewVerdict] = []
-        self._verdicts_recorded = 0  # ids are never given twice, as the database's are not, whatever expired
-        self._last_ids = {"advice": 0, "findings": 0, "actions": 0}  # nor are these, retention or not
-        self._verdict_ids: dict[tuple[str, str, str, str, float, float], int] = {}  # per gate run
+        # Ids are never given twice, as the database's are not, whatever retention removed.
+        self._last_ids = {"advice": 0, "findings": 0, "actions": 0, "verdicts": 0}
+        self._verdict_ids: dict[tuple[Any, ...], int] = {}  # per gate run (`NewVerdict.run`)
         self.outcome_at: dict[int, float] = {}
         self.pause: Pause | None = None
         self.claims: dict[str, float] = {}
@@ -114,12 +114,12 @@ class MemoryStore:
         return self._last_ids[table]
 
     async def record_verdict(self, verdict: NewVerdict) -> int:
-        if (kept := self._verdict_ids.get(_run(verdict))) is not None:  # once per run, as the database keeps them
+        run = tuple(verdict.run.values())
+        if (kept := self._verdict_ids.get(run)) is not None:  # once per run, as the database keeps them
             return kept
         self.verdicts.append(replace(verdict, details=jsonable(verdict.details)))
-        self._verdicts_recorded += 1
-        self._verdict_ids[_run(verdict)] = self._verdicts_recorded
-        return self._verdicts_recorded
+        self._verdict_ids[run] = self._next_id("verdicts")
+        return self._verdict_ids[run]
 
     async def record_advice(self, items: Sequence[NewAdvice], now: float) -> list[AdviceRecord]:
         out = []
@@ -275,8 +275,3 @@ class MemoryStore:
 
     async def audit_log(self, action_id: int) -> list[ActionEvent]:
         return self.action_events(action_id)
-
-
-def _run(v: NewVerdict) -> tuple[str, str, str, str, float, float]:
-    """What a verdict is the verdict of: the store keeps one per gate run."""
-    return v.gate, v.pool, v.baseline, v.canary, v.started_at, v.finished_at

@@ -123,6 +123,12 @@ class NewVerdict:
         for arm in ("baseline", "canary"):
             object.__setattr__(self, arm, shortened(getattr(self, arm), ARM_CHARS))
 
+    @property
+    def run(self) -> dict[str, Any]:
+        """What it is the verdict of, by column: a store keeps one per gate run."""
+        return {"gate": self.gate, "pool": self.pool, "baseline": self.baseline, "canary": self.canary,
+                "started_at": self.started_at, "finished_at": self.finished_at}
+
 
 @dataclass(frozen=True, slots=True)
 class ActionEvent:

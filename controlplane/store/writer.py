@@ -376,8 +376,7 @@ class SqlStore(metaclass=_Translating):
     def record_verdict(self, verdict: NewVerdict) -> int:
         """Keep a canary gate's verdict, once per run (a write again after a commit whose answer was lost is the row
         kept); returns its id."""
-        run = {"gate": verdict.gate, "pool": verdict.pool, "baseline": verdict.baseline, "canary": verdict.canary,
-               "started_at": verdict.started_at, "finished_at": verdict.finished_at}
+        run = verdict.run
         with self._write() as s:
             if self._insert is None:  # no dialect of our own: a plain insert, which the index refuses twice
                 row = VerdictRow(**run, result=verdict.result, score=verdict.score, details=jsonable(verdict.details))
